@@ -1,0 +1,207 @@
+"""Typed config schemas shared by every longboat stack.
+
+These dataclasses are the source of truth for configuration. Hydra composes YAML
+config groups on top of them (see ``longboat.core.config.compose``); every key
+is type-checked against these schemas and cross-field rules run in
+``validate()`` before any heavy initialisation happens.
+
+Stacks extend ``ModelConfig`` / ``DataConfig`` and the root ``ExperimentConfig``
+with their own fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    """Base of every model config; stacks subclass it with real fields."""
+
+    name: str = MISSING
+    """Registered model family name, e.g. ``qwen3`` or ``groot_n1_6``."""
+    flavor: str = "tiny"
+    """Size flavor inside the family (``tiny`` always exists)."""
+
+
+@dataclass
+class DataConfig:
+    """Base of every data config; stacks subclass it."""
+
+    name: str = "synthetic"
+    """Dataset kind (stack specific)."""
+    path: str | None = None
+    """Dataset location on disk, if the kind reads one."""
+    num_workers: int = 0
+    """DataLoader worker processes."""
+    seed: int = 1234
+    """Seed of the data order (independent of the model seed)."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the world is split. world_size must equal tp * pp * cp * dp."""
+
+    tensor_parallel: int = 1
+    """Tensor-parallel size (must divide the number of attention heads)."""
+    pipeline_parallel: int = 1
+    """Pipeline-parallel size (must divide the number of layers)."""
+    virtual_pipeline_parallel: int | None = None
+    """Interleaved virtual stages per pipeline rank (None: no interleaving)."""
+    context_parallel: int = 1
+    """Context-parallel size (splits the sequence)."""
+    expert_parallel: int = 1
+    """Expert-parallel size for MoE layers (must divide the number of experts)."""
+    data_parallel: int = -1
+    """Data-parallel size; -1 infers world_size / (tp * pp * cp)."""
+    data_parallel_replicate: int = 1
+    """HSDP: replicas across which shards are replicated (1 = pure sharding)."""
+    strategy: str = "ddp"
+    """Data-parallel strategy for torch-native stacks: ddp, zero1, fsdp, hsdp."""
+
+    def model_parallel_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+
+
+@dataclass
+class LRScheduleConfig:
+    """Learning-rate schedule (all kinds warm up linearly first)."""
+
+    name: str = "cosine"
+    """constant, linear, cosine or wsd."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 to the peak LR."""
+    min_lr_ratio: float = 0.1
+    """Final LR as a fraction of the peak (linear / cosine / wsd)."""
+    decay_steps: int | None = None
+    """Steps over which to decay after warmup; None uses train.steps - warmup."""
+    wsd_decay_fraction: float = 0.1
+    """WSD only: fraction of the schedule spent in the final decay phase."""
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer settings."""
+
+    name: str = "adamw"
+    """adamw or sgd."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """Adam betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Max global grad norm (0 disables clipping)."""
+    fused: bool = True
+    """Use the fused optimizer implementation where the device has one."""
+    schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    """The LR schedule."""
+
+
+@dataclass
+class NaNGuardConfig:
+    """What to do when the loss or grad norm is NaN/inf."""
+
+    enabled: bool = True
+    """Skip steps whose loss or grad norm is not finite."""
+    max_consecutive: int = 5
+    """Abort the run after this many non-finite steps in a row."""
+
+
+@dataclass
+class ProfilerConfig:
+    """A torch.profiler window by step range."""
+
+    enabled: bool = False
+    """Turn the profiler on."""
+    start_step: int = 5
+    """First profiled step (inclusive)."""
+    end_step: int = 8
+    """Last profiled step (inclusive)."""
+    record_shapes: bool = False
+    """Record operator input shapes."""
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    steps: int = 100
+    """Optimizer steps to run."""
+    micro_batch_size: int = 1
+    """Samples per data-parallel rank per forward/backward."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step over all ranks; None = micro_batch_size * dp."""
+    seed: int = 1234
+    """Seed for model init and every RNG."""
+    precision: str = "bf16"
+    """fp32, bf16 or fp16."""
+    log_every: int = 1
+    """Write metrics every N steps."""
+    eval_every: int = 0
+    """Run evaluation every N steps (0 disables)."""
+    activation_checkpointing: str = "none"
+    """none, full or selective."""
+    compile: bool = False
+    """torch.compile the model where the stack supports it."""
+    nan_guard: NaNGuardConfig = field(default_factory=NaNGuardConfig)
+    """Non-finite loss handling."""
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    """Optional profiler window."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Native (DCP) checkpoints."""
+
+    dir: str = "outputs/checkpoints"
+    """Directory that holds step_XXXXXXXX checkpoint folders."""
+    every_steps: int = 0
+    """Save every N steps (0: only at the end and on signals)."""
+    keep_last: int = 3
+    """Keep the newest N checkpoints (0 keeps all)."""
+    async_save: bool = False
+    """Write checkpoints in the background."""
+    resume: str = "auto"
+    """auto (latest valid in dir), none, or a path to a checkpoint folder."""
+    save_on_exit: bool = True
+    """Save when training ends or on SIGTERM/SIGUSR1."""
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics and progress output."""
+
+    dir: str = "outputs/logs"
+    """Where metrics.jsonl (and TensorBoard events) go."""
+    tensorboard: bool = True
+    """Also write TensorBoard events when tensorboard is installed."""
+    progress: bool = True
+    """Show a rich progress bar on rank 0."""
+    run_name: str = "run"
+    """Name of this run (used in file names)."""
+
+
+@dataclass
+class ExperimentConfig:
+    """Root config composed from the groups below."""
+
+    experiment: str = "default"
+    """Name of the recipe that produced this config."""
+    stack: str = "core"
+    """The stack that owns this experiment."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form stack extensions that have no schema yet (avoid)."""

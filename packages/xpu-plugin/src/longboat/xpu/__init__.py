@@ -1,0 +1,1 @@
+"""longboat.xpu: Kunlun XPU accelerator plugin."""
