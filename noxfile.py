@@ -1,0 +1,152 @@
+"""Developer and CI sessions for the longboat workspace.
+
+``uv run nox`` runs the default sessions (lint, imports, tests). Every session
+installs from the committed ``uv.lock`` with uv, so local runs and CI see the
+same versions.
+
+    uv run nox -s tests            # every package's default test run
+    uv run nox -s "tests(core)"    # one package
+    uv run nox -s build isolation  # wheels + sdists, then each wheel alone
+    uv run nox -s gpu              # GPU tests and benchmarks (needs CUDA)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.sessions = ["lint", "imports", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+ROOT = pathlib.Path(__file__).parent
+PACKAGES = {
+    "core": "longboat-core",
+    "kernels": "longboat-kernels",
+    "llm": "longboat-llm",
+    "embodied": "longboat-embodied",
+    "xpu-plugin": "longboat-xpu-plugin",
+}
+DIST = ROOT / "dist"
+
+
+def _sync(session: nox.Session, *args: str) -> None:
+    """Install the locked workspace environment into the session's venv."""
+    session.run_install(
+        "uv",
+        "sync",
+        "--frozen",
+        "--inexact",
+        *args,
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+    )
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree."""
+    _sync(session, "--only-group", "lint")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def imports(session: nox.Session) -> None:
+    """import-linter: the package boundaries of ARCHITECTURE.md."""
+    _sync(session)
+    session.run("lint-imports")
+
+
+@nox.session
+@nox.parametrize("package", list(PACKAGES))
+def tests(session: nox.Session, package: str) -> None:
+    """One package's default test run (no slow or GPU tests)."""
+    _sync(session)
+    tests_dir = ROOT / "packages" / package / "tests"
+    args = session.posargs or ["-m", "not slow and not gpu"]
+    session.run(
+        "pytest",
+        str(tests_dir),
+        *args,
+        env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")},
+        success_codes=[0, 5],  # 5: a package with no tests yet collected nothing
+    )
+
+
+@nox.session
+def slow(session: nox.Session) -> None:
+    """The slow tests of every package (multi-process at world size 4, long runs)."""
+    _sync(session)
+    session.run("pytest", "packages", "-m", "slow and not gpu", *session.posargs)
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """GPU tests; skipped with a message on machines without CUDA."""
+    _sync(session)
+    probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    if session.run("python", "-c", probe, success_codes=[0, 1], silent=True) is False:
+        session.skip("no CUDA device on this machine")
+    session.run("pytest", "packages", "-m", "gpu", *session.posargs)
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Wheel + sdist for every package into dist/."""
+    shutil.rmtree(DIST, ignore_errors=True)
+    for dist_name in PACKAGES.values():
+        session.run("uv", "build", "--package", dist_name, "--out-dir", str(DIST), external=True)
+
+
+def _isolation_check(session: nox.Session, dist_name: str, wheel: pathlib.Path) -> None:
+    """Install one wheel (plus its declared deps) alone in a fresh venv and import it."""
+    module = {
+        "longboat-core": "longboat.core",
+        "longboat-kernels": "longboat.kernels",
+        "longboat-llm": "longboat.llm",
+        "longboat-embodied": "longboat.embodied",
+        "longboat-xpu-plugin": "longboat.xpu",
+    }[dist_name]
+    with tempfile.TemporaryDirectory(prefix=f"iso-{dist_name}-") as tmp:
+        venv = pathlib.Path(tmp) / "venv"
+        session.run("uv", "venv", "--quiet", "-p", sys.executable, str(venv), external=True)
+        py = str(venv / "bin" / "python")
+        # Siblings come from dist/ (find-links), everything else from the index.
+        session.run(
+            "uv", "pip", "install", "--quiet", "-p", py, "--find-links", str(DIST), str(wheel),
+            external=True,
+        )  # fmt: skip
+        session.run(
+            py, "-c", f"import {module}; print('imported', {module}.__name__)", external=True
+        )
+        listing = session.run(
+            "uv", "pip", "list", "-p", py, "--format", "json", external=True, silent=True
+        )
+        installed = {row["name"].lower() for row in json.loads(listing)}
+        session.log(f"{dist_name}: {len(installed)} distributions installed")
+        if dist_name == "longboat-embodied":
+            for forbidden in ("megatron-core", "transformer-engine"):
+                if forbidden in installed:
+                    session.error(f"installing longboat-embodied pulled {forbidden}")
+        if dist_name != "longboat-llm" and "megatron-core" in installed:
+            session.error(f"installing {dist_name} pulled megatron-core")
+
+
+@nox.session
+def isolation(session: nox.Session) -> None:
+    """Each built wheel alone, with only its declared dependencies, in a fresh venv."""
+    if not DIST.exists():
+        session.notify("build")
+        session.error("dist/ is empty: run `nox -s build isolation`")
+    for dist_name in PACKAGES.values():
+        stem = dist_name.replace("-", "_")
+        wheels = sorted(DIST.glob(f"{stem}-*.whl"))
+        if not wheels:
+            session.error(f"no wheel for {dist_name} in {DIST}")
+        _isolation_check(session, dist_name, wheels[-1])
