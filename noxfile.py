@@ -126,7 +126,7 @@ def _isolation_check(session: nox.Session, dist_name: str, wheel: pathlib.Path) 
             py, "-c", f"import {module}; print('imported', {module}.__name__)", external=True
         )
         listing = session.run(
-            "uv", "pip", "list", "-p", py, "--format", "json", external=True, silent=True
+            "uv", "pip", "list", "--quiet", "-p", py, "--format", "json", external=True, silent=True
         )
         installed = {row["name"].lower() for row in json.loads(listing)}
         session.log(f"{dist_name}: {len(installed)} distributions installed")
