@@ -35,6 +35,20 @@ PACKAGES = {
 }
 DIST = ROOT / "dist"
 
+# Modules that need an optional extra; the isolation check does not import them.
+OPTIONAL_MODULES = {"longboat-core": ("longboat.core.megatron",)}
+# Imports every module of a package (argv[1]) except the prefixes that follow it.
+IMPORT_ALL = """
+import importlib, pkgutil, sys
+root, skip = sys.argv[1], tuple(sys.argv[2:])
+pkg = importlib.import_module(root)
+names = [m.name for m in pkgutil.walk_packages(pkg.__path__, root + ".")]
+names = [n for n in names if not n.startswith(skip)] if skip else names
+for name in names:
+    importlib.import_module(name)
+print(f"imported {root} and {len(names)} submodules")
+"""
+
 
 def _sync(session: nox.Session, *args: str) -> None:
     """Install the locked workspace environment into the session's venv."""
@@ -123,7 +137,7 @@ def _isolation_check(session: nox.Session, dist_name: str, wheel: pathlib.Path) 
             external=True,
         )  # fmt: skip
         session.run(
-            py, "-c", f"import {module}; print('imported', {module}.__name__)", external=True
+            py, "-c", IMPORT_ALL, module, *OPTIONAL_MODULES.get(dist_name, ()), external=True
         )
         listing = session.run(
             "uv", "pip", "list", "--quiet", "-p", py, "--format", "json", external=True, silent=True
