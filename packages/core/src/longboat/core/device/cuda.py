@@ -1,0 +1,94 @@
+"""NVIDIA GPUs through ``torch.cuda`` (the only module in longboat that calls it)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+import torch
+
+from longboat.core.device.base import Accelerator
+
+_GB = float(1 << 30)
+
+
+class CUDAAccelerator(Accelerator):
+    """CUDA (and ROCm, which torch exposes as ``cuda``) devices with NCCL collectives."""
+
+    name: ClassVar[str] = "cuda"
+    device_type: ClassVar[str] = "cuda"
+    dist_backend: ClassVar[str] = "nccl"
+    megatron_adapter_ref: ClassVar[str | None] = None  # megatron-core targets CUDA natively
+    runtime_hint: ClassVar[str] = (
+        "a CUDA build of torch and a visible NVIDIA GPU (check nvidia-smi and CUDA_VISIBLE_DEVICES)"
+    )
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return torch.cuda.is_available()
+
+    def device(self, index: int | None = None) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device() if index is None else index)
+
+    def set_device(self, local_rank: int) -> None:
+        torch.cuda.set_device(local_rank)
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def current_device(self) -> int:
+        return torch.cuda.current_device()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def manual_seed(self, seed: int) -> None:
+        torch.cuda.manual_seed_all(seed)
+
+    def get_rng_state(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        torch.cuda.set_rng_state(state)
+
+    @contextmanager
+    def fork_rng(self) -> Iterator[None]:
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()], device_type="cuda"):
+            yield
+
+    def memory_stats(self) -> dict[str, float]:
+        return {
+            "allocated_gb": torch.cuda.memory_allocated() / _GB,
+            "reserved_gb": torch.cuda.memory_reserved() / _GB,
+            "peak_allocated_gb": torch.cuda.max_memory_allocated() / _GB,
+        }
+
+    def reset_peak_memory_stats(self) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def stream(self) -> Any:
+        return torch.cuda.Stream()
+
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream()
+
+    @contextmanager
+    def use_stream(self, stream: Any) -> Iterator[None]:
+        with torch.cuda.stream(stream):
+            yield
+
+    def event(self, enable_timing: bool = False) -> Any:
+        return torch.cuda.Event(enable_timing=enable_timing)
+
+    @property
+    def supports_bf16(self) -> bool:
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+    @property
+    def supports_fp8(self) -> bool:
+        # FP8 tensor cores arrived with Ada (8.9) and Hopper (9.0).
+        return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
