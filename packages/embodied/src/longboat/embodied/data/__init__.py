@@ -1,0 +1,1 @@
+"""LeRobot datasets: synthetic writer, reader, normalisation, sampling."""
