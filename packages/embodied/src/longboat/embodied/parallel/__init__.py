@@ -1,0 +1,31 @@
+"""Data-parallel strategies (ddp, zero1, fsdp, hsdp), activation checkpointing, optimizer."""
+
+from longboat.embodied.parallel.blocks import find_blocks
+from longboat.embodied.parallel.checkpointing import AC_MODES, apply_activation_checkpointing
+from longboat.embodied.parallel.optim import build_optimizer, clip_grad_norm_, param_groups
+from longboat.embodied.parallel.state import ModelState, OptimizerState
+from longboat.embodied.parallel.strategy import (
+    STRATEGIES,
+    ParallelSetup,
+    build_mesh,
+    parallelize,
+    unwrap,
+    validate_setup,
+)
+
+__all__ = [
+    "AC_MODES",
+    "STRATEGIES",
+    "ModelState",
+    "OptimizerState",
+    "ParallelSetup",
+    "apply_activation_checkpointing",
+    "build_mesh",
+    "build_optimizer",
+    "clip_grad_norm_",
+    "find_blocks",
+    "parallelize",
+    "param_groups",
+    "unwrap",
+    "validate_setup",
+]

@@ -1,0 +1,94 @@
+"""Optimizer construction (AdamW, fused where the device has it; ZeRO-1) and grad clipping."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+
+from longboat.core.config.errors import ConfigError
+from longboat.core.config.schema import OptimConfig
+from longboat.embodied.parallel.strategy import ParallelSetup
+
+# Device types whose torch build ships a fused AdamW kernel.
+_FUSED_ADAMW_DEVICES = ("cuda", "cpu", "xpu", "mps", "hpu")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Trainable params split into decayed (matrices) and not decayed (biases, norms, scalars)."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, setup: ParallelSetup
+) -> torch.optim.Optimizer:
+    """AdamW (or SGD) over the trainable params; ZeroRedundancyOptimizer for ``zero1``."""
+    groups = param_groups(model, cfg.weight_decay)
+    if not groups:
+        raise ConfigError(
+            "the model has no trainable parameters",
+            key="model",
+            fix="unfreeze something (e.g. model.tune_llm=true or the action head)",
+        )
+    if cfg.name == "adamw":
+        cls: type[torch.optim.Optimizer] = torch.optim.AdamW
+        kwargs: dict = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps}
+        if cfg.fused and setup.device_type in _FUSED_ADAMW_DEVICES:
+            kwargs["fused"] = True
+        else:
+            kwargs["foreach"] = True
+    elif cfg.name == "sgd":
+        cls, kwargs = torch.optim.SGD, {"lr": cfg.lr, "momentum": 0.9}
+    else:
+        raise ConfigError(
+            "unknown optimizer", key="optim.name", value=cfg.name, fix="use adamw or sgd"
+        )
+    if setup.strategy == "zero1" and setup.distributed:
+        first, *rest = groups
+        zero = ZeroRedundancyOptimizer(
+            first["params"], optimizer_class=cls, weight_decay=first["weight_decay"], **kwargs
+        )
+        for group in rest:
+            zero.add_param_group(group)
+        return zero
+    return cls(groups, **kwargs)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: list[nn.Parameter], max_norm: float, *, foreach: bool = True
+) -> torch.Tensor:
+    """Global grad-norm clipping that is correct for sharded (DTensor) grads.
+
+    FSDP2 grads are DTensor shards: the per-shard norms are reduced over the mesh
+    (``full_tensor``) before the clip coefficient is computed, so every rank
+    clips with the norm of the whole model. ``max_norm <= 0`` only measures.
+    Returns the total norm (before clipping) as a plain tensor.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=foreach)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=foreach)
+    return total
+
+
+def consolidated_zero_state(optimizer: ZeroRedundancyOptimizer) -> dict:
+    """Full optimizer state on every rank (ZeRO keeps 1/N per rank)."""
+    optimizer.consolidate_state_dict(to=0)
+    payload = [optimizer.state_dict() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(payload, src=0)
+    return payload[0]

@@ -1,0 +1,139 @@
+"""Data-parallel strategies for torch-native policies: ddp, zero1, fsdp (FSDP2), hsdp.
+
+``parallelize`` turns a plain ``nn.Module`` (already on its device) into the
+module the training loop calls. The matching optimizer comes from
+``longboat.embodied.parallel.optim.build_optimizer``, which needs the same
+``ParallelSetup`` (ZeRO-1 shards the optimizer state, not the module).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from longboat.core.config.errors import ConfigError
+from longboat.embodied.parallel.blocks import find_blocks
+from longboat.embodied.parallel.checkpointing import apply_activation_checkpointing
+
+STRATEGIES = ("ddp", "zero1", "fsdp", "hsdp")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ParallelSetup:
+    """Resolved data-parallel layout of this process."""
+
+    strategy: str
+    """ddp, zero1, fsdp or hsdp."""
+    world_size: int
+    """Processes in the job (all data parallel: embodied uses no TP/PP)."""
+    rank: int
+    """This process's global rank."""
+    replicate: int = 1
+    """HSDP only: replica groups (mesh dim 0); world_size / replicate shards each."""
+    device_type: str = "cpu"
+    """torch device type of the accelerator (``cpu``, ``cuda``...)."""
+
+    @property
+    def distributed(self) -> bool:
+        """True when a process group with more than one rank is in use."""
+        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+    @property
+    def shard(self) -> int:
+        """Shard-group size (FSDP: world_size; HSDP: world_size / replicate)."""
+        return self.world_size // self.replicate if self.strategy == "hsdp" else self.world_size
+
+
+def validate_setup(setup: ParallelSetup) -> None:
+    """Reject impossible layouts with a ConfigError naming the key and the fix."""
+    if setup.strategy not in STRATEGIES:
+        raise ConfigError(
+            "unknown data-parallel strategy",
+            key="parallel.strategy",
+            value=setup.strategy,
+            fix=f"use one of {', '.join(STRATEGIES)}",
+        )
+    if setup.replicate < 1 or setup.world_size % setup.replicate:
+        raise ConfigError(
+            f"must be >= 1 and divide the world size ({setup.world_size})",
+            key="parallel.data_parallel_replicate",
+            value=setup.replicate,
+            fix=f"pick a divisor of {setup.world_size}",
+        )
+    if setup.strategy != "hsdp" and setup.replicate != 1:
+        raise ConfigError(
+            "replica groups only exist for hsdp",
+            key="parallel.data_parallel_replicate",
+            value=setup.replicate,
+            fix="set parallel.strategy=hsdp or parallel.data_parallel_replicate=1",
+        )
+
+
+def build_mesh(setup: ParallelSetup) -> DeviceMesh | None:
+    """The device mesh for FSDP/HSDP (None when not distributed or not sharding)."""
+    if not setup.distributed or setup.strategy not in ("fsdp", "hsdp"):
+        return None
+    if setup.strategy == "hsdp":
+        return init_device_mesh(
+            setup.device_type,
+            (setup.replicate, setup.shard),
+            mesh_dim_names=("replicate", "shard"),
+        )
+    return init_device_mesh(setup.device_type, (setup.world_size,), mesh_dim_names=("shard",))
+
+
+def parallelize(
+    model: nn.Module,
+    setup: ParallelSetup,
+    *,
+    precision: str = "fp32",
+    activation_checkpointing: str = "none",
+    device_ids: list[int] | None = None,
+    bucket_cap_mb: int = 25,
+) -> nn.Module:
+    """Apply activation checkpointing, then the data-parallel strategy, to ``model``.
+
+    - ``ddp`` / ``zero1``: DistributedDataParallel with bucketed all-reduce that
+      overlaps backward (ZeRO-1 then shards the optimizer state, see optim.py).
+    - ``fsdp``: FSDP2 ``fully_shard`` on every block, then on the root; with bf16
+      the params are gathered in bf16 and gradients reduced in fp32.
+    - ``hsdp``: the same on a 2-D (replicate, shard) mesh.
+
+    With a single process the model is returned unwrapped (same math).
+    """
+    validate_setup(setup)
+    blocks = find_blocks(model)
+    apply_activation_checkpointing(model, blocks, activation_checkpointing)
+    if not setup.distributed:
+        return model
+    if setup.strategy in ("ddp", "zero1"):
+        return DistributedDataParallel(
+            model,
+            device_ids=device_ids,
+            bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=True,
+            # Frozen sub-modules (e.g. a frozen ViT) never produce grads; DDP only
+            # registers hooks on requires_grad params, so no unused-param search.
+            find_unused_parameters=False,
+        )
+    mesh = build_mesh(setup)
+    mp_policy = MixedPrecisionPolicy()
+    if precision in ("bf16", "fp16"):
+        mp_policy = MixedPrecisionPolicy(param_dtype=_DTYPES[precision], reduce_dtype=torch.float32)
+    # Blocks are re-found because checkpoint wrappers replaced them in their parents.
+    for block in find_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module under a DDP wrapper (FSDP2 modifies in place: returned as is)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
