@@ -1,0 +1,1 @@
+"""Building blocks shared by the embodied model families."""

@@ -1,0 +1,110 @@
+"""Image preprocessing on tensors (any device, batched, no PIL):
+resize shortest side -> random (train) / centre (eval) crop of a fraction, resized back ->
+resize to multiples of the patch grid -> normalise."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(kw_only=True)
+class ImagePreprocessConfig:
+    """How camera frames become ViT input."""
+
+    resize_shortest: int | None = 256
+    """Resize so the shorter side has this many pixels (None: keep)."""
+    crop_fraction: float = 0.95
+    """Crop this fraction of each side (random in training, centred in eval), then resize
+    back; 1.0 disables."""
+    multiple_of: int = 28
+    """Final height and width are floored to multiples of this (patch * unshuffle factor)."""
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    """Per-channel mean for normalisation (SigLIP: 0.5)."""
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    """Per-channel std for normalisation (SigLIP: 0.5)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.crop_fraction <= 1.0:
+            raise ValueError(f"crop_fraction={self.crop_fraction} must be in (0, 1]")
+
+    def output_size(self, height: int, width: int) -> tuple[int, int]:
+        """Final (H, W) for an input of (height, width)."""
+        h, w = _shortest_side_size(height, width, self.resize_shortest)
+        m = self.multiple_of
+        if h < m or w < m:
+            raise ValueError(
+                f"image of {height}x{width} becomes {h}x{w}, smaller than multiple_of={m}; "
+                "raise resize_shortest or use larger images"
+            )
+        return h // m * m, w // m * m
+
+
+def _shortest_side_size(h: int, w: int, target: int | None) -> tuple[int, int]:
+    if target is None:
+        return h, w
+    if h <= w:
+        return target, max(1, round(w * target / h))
+    return max(1, round(h * target / w)), target
+
+
+def _to_unit_float(images: Tensor) -> Tensor:
+    if images.dtype == torch.uint8:
+        return images.float() / 255.0
+    if not images.is_floating_point():
+        raise ValueError(f"images must be uint8 or float in [0, 1], got dtype {images.dtype}")
+    return images.float()
+
+
+def crop_and_resize_back(
+    images: Tensor, fraction: float, *, random: bool, generator: torch.Generator | None = None
+) -> Tensor:
+    """Crop ``fraction`` of each side at a per-image offset and resize back, as one batched
+    affine resampling (bilinear)."""
+    n = images.shape[0]
+    if random:
+        gen_device = generator.device if generator is not None else images.device
+        u = torch.rand(n, 2, generator=generator, device=gen_device).to(images.device)
+    else:
+        u = torch.full((n, 2), 0.5, device=images.device)
+    # In normalised coords the crop covers [-1 + 2u(1-f), -1 + 2u(1-f) + 2f] per axis.
+    centre = -1.0 + 2.0 * u * (1.0 - fraction) + fraction
+    theta = torch.zeros(n, 2, 3, device=images.device)
+    theta[:, 0, 0] = fraction
+    theta[:, 1, 1] = fraction
+    theta[:, 0, 2] = centre[:, 1]  # x (width)
+    theta[:, 1, 2] = centre[:, 0]  # y (height)
+    grid = F.affine_grid(theta, list(images.shape), align_corners=False)
+    return F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)
+
+
+def preprocess_images(
+    images: Tensor,
+    cfg: ImagePreprocessConfig,
+    *,
+    train: bool,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """images [..., 3, H, W] uint8 or float in [0, 1] -> normalised float32 [..., 3, H', W'].
+
+    Deterministic given ``generator`` (only the training crop is random)."""
+    if images.dim() < 4 or images.shape[-3] != 3:
+        raise ValueError(f"images must be [..., 3, H, W], got shape {tuple(images.shape)}")
+    lead = images.shape[:-3]
+    x = _to_unit_float(images.reshape(-1, *images.shape[-3:]))
+    h, w = x.shape[-2:]
+    rh, rw = _shortest_side_size(h, w, cfg.resize_shortest)
+    if (rh, rw) != (h, w):
+        x = F.interpolate(x, size=(rh, rw), mode="bilinear", antialias=True, align_corners=False)
+    if cfg.crop_fraction < 1.0:
+        x = crop_and_resize_back(x, cfg.crop_fraction, random=train, generator=generator)
+    oh, ow = cfg.output_size(h, w)
+    if (oh, ow) != (rh, rw):
+        x = F.interpolate(x, size=(oh, ow), mode="bilinear", antialias=True, align_corners=False)
+    mean = torch.tensor(cfg.mean, device=x.device).view(1, 3, 1, 1)
+    std = torch.tensor(cfg.std, device=x.device).view(1, 3, 1, 1)
+    x = (x - mean) / std
+    return x.reshape(*lead, 3, oh, ow)

@@ -1,0 +1,158 @@
+"""GR00T N1.6 policy: ``forward(batch) -> {"loss", ...}`` and ``predict_action(batch)``.
+
+Batch dict (all tensors on the model's device):
+
+=================  ===========================  =========================================
+key                shape / dtype                meaning
+=================  ===========================  =========================================
+images             [B, n_cams, 3, H, W]         camera frames, uint8 or float in [0, 1]
+input_ids          [B, L] int64                 text tokens; either exactly
+                                                n_cams*tokens_per_image ``image_token_id``
+                                                placeholders per row or none (prepended)
+attention_mask     [B, L] bool/int              1 = real token
+state              [B, max_state_dim] float     padded proprioception
+state_mask         [B, max_state_dim] bool      optional; 1 = real state dim
+action             [B, H, max_action_dim]       padded action chunk (training only)
+action_mask        broadcastable to action      1 = real (step, dim); loss is masked by it
+embodiment_id      [B] int64                    selects per-embodiment weights
+noise, time        [B, H, A], [B] (optional)    fix the flow-matching draw (tests, parity)
+=================  ===========================  =========================================
+
+Padded state / action entries are zeroed before use, so their values never matter.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from longboat.embodied.models.common.flow_matching import (
+    euler_integrate,
+    groot_time,
+    masked_mse,
+    randn_like_gen,
+)
+from longboat.embodied.models.common.freezing import FreezingGroups
+from longboat.embodied.models.groot_n1_6.action_head import GrootActionHead
+from longboat.embodied.models.groot_n1_6.backbone import EagleBackbone
+from longboat.embodied.models.groot_n1_6.config import GrootN16Config
+from longboat.embodied.models.registry import register_model
+
+
+def _masked(x: Tensor, mask: Tensor | None, key: str) -> Tensor:
+    if mask is None:
+        return x
+    try:
+        return x * mask.to(x.dtype).expand_as(x)
+    except RuntimeError as e:
+        raise ValueError(
+            f"batch[{key!r}] of shape {tuple(mask.shape)} does not broadcast to {tuple(x.shape)}"
+        ) from e
+
+
+@register_model("groot_n1_6")
+class GrootN16(nn.Module):
+    """GR00T N1.6-style VLA (our implementation, random init)."""
+
+    config_class = GrootN16Config
+
+    def __init__(self, cfg: GrootN16Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.backbone = EagleBackbone(cfg)
+        self.action_head = GrootActionHead(cfg)
+
+    def freezing_groups(self) -> FreezingGroups:
+        """Parts for ``apply_freezing``."""
+        bb = self.backbone
+        return FreezingGroups(
+            visual=[bb.vision, bb.projector],
+            llm_layers=list(bb.llm.layers),
+            llm_rest=[bb.llm.embed_tokens] if bb.llm.embed_tokens is not None else [],
+            action_head=[self.action_head],
+        )
+
+    def _check(self, batch: dict[str, Tensor], need_action: bool) -> None:
+        keys = ["images", "input_ids", "attention_mask", "state", "embodiment_id"]
+        keys += ["action"] if need_action else []
+        missing = [k for k in keys if k not in batch]
+        if missing:
+            raise KeyError(f"groot_n1_6 batch is missing {missing}; see GrootN16's docstring")
+        s = batch["state"].shape[-1]
+        if s != self.cfg.max_state_dim:
+            raise ValueError(
+                f"batch['state'] has {s} dims, model expects max_state_dim={self.cfg.max_state_dim}"
+                " (pad the state)"
+            )
+        if need_action and batch["action"].shape[-1] != self.cfg.max_action_dim:
+            raise ValueError(
+                f"batch['action'] has {batch['action'].shape[-1]} dims, model expects "
+                f"max_action_dim={self.cfg.max_action_dim} (pad the action)"
+            )
+        ids = batch["embodiment_id"]
+        if bool(((ids < 0) | (ids >= self.cfg.num_embodiments)).any()):
+            raise ValueError(
+                f"batch['embodiment_id'] values {ids.tolist()} must be in "
+                f"[0, num_embodiments={self.cfg.num_embodiments})"
+            )
+
+    def _condition(self, batch: dict[str, Tensor], generator: torch.Generator | None):
+        feats, valid, is_image = self.backbone(batch, generator)
+        cond = self.action_head.condition(feats, valid, is_image)
+        state = _masked(batch["state"].float(), batch.get("state_mask"), "state_mask")
+        state_tok = self.action_head.encode_state(state, batch["embodiment_id"], generator)
+        return cond, state_tok
+
+    def forward(
+        self, batch: dict[str, Tensor], generator: torch.Generator | None = None
+    ) -> dict[str, Tensor]:
+        """Flow-matching training loss. Returns {"loss", "pred_velocity", "target_velocity"}."""
+        self._check(batch, need_action=True)
+        cond, state_tok = self._condition(batch, generator)
+        mask = batch.get("action_mask")
+        action = _masked(batch["action"].float(), mask, "action_mask")
+        b = action.shape[0]
+        noise = batch["noise"].float() if "noise" in batch else randn_like_gen(action, generator)
+        if "time" in batch:
+            t = batch["time"].float()
+        else:
+            t = groot_time(
+                b,
+                device=action.device,
+                generator=generator,
+                alpha=self.cfg.noise_beta_alpha,
+                noise_s=self.cfg.noise_s,
+            )
+        tt = t[:, None, None]
+        x_t = (1 - tt) * noise + tt * action
+        target = action - noise
+        pred = self.action_head.velocity(state_tok, x_t, t, batch["embodiment_id"], cond)
+        mask_full = None if mask is None else mask.expand_as(action)
+        loss = masked_mse(pred, target, mask_full)
+        return {"loss": loss, "pred_velocity": pred, "target_velocity": target}
+
+    @torch.no_grad()
+    def predict_action(
+        self,
+        batch: dict[str, Tensor],
+        *,
+        num_steps: int | None = None,
+        generator: torch.Generator | None = None,
+        noise: Tensor | None = None,
+    ) -> Tensor:
+        """Sample an action chunk [B, action_horizon, max_action_dim] with Euler steps
+        (t: 0 -> 1). The backbone runs once."""
+        self._check(batch, need_action=False)
+        cond, state_tok = self._condition(batch, generator)
+        ids = batch["embodiment_id"]
+        b = ids.shape[0]
+        shape = (b, self.cfg.action_horizon, self.cfg.max_action_dim)
+        if noise is None:
+            noise = randn_like_gen(torch.empty(shape, device=ids.device), generator)
+
+        def velocity(x: Tensor, t: float) -> Tensor:
+            tt = torch.full((b,), t, device=x.device)
+            return self.action_head.velocity(state_tok, x, tt, ids, cond).float()
+
+        steps = num_steps or self.cfg.num_inference_steps
+        return euler_integrate(velocity, noise.float(), 0.0, 1.0, steps)
