@@ -1,0 +1,4 @@
+"""Data primitives shared by every stack (stateful samplers, sequence packing, DP balancing).
+
+Import from the submodules, e.g. ``longboat.core.data.sampler``.
+"""
