@@ -142,41 +142,57 @@ def _entry_points() -> list[importlib.metadata.EntryPoint]:
     return list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
 
 
+_LOADED: dict[tuple[str, str], Stack | None] = {}
+"""Entry points already loaded, by (name, value): each stack is imported and warned about once."""
+
+
+def _load(ep: importlib.metadata.EntryPoint) -> Stack | None:
+    try:
+        obj = ep.load()
+    except Exception as exc:  # any import error of a third-party stack
+        warnings.warn(
+            f"longboat stack {ep.name!r} ({ep.value}) failed to load and is skipped: {exc}",
+            stacklevel=3,
+        )
+        return None
+    if not isinstance(obj, Stack):
+        warnings.warn(
+            f"longboat stack entry point {ep.name!r} ({ep.value}) is a "
+            f"{type(obj).__name__}, not a longboat.core.stack.Stack; skipped",
+            stacklevel=3,
+        )
+        return None
+    if obj.name != ep.name:
+        warnings.warn(
+            f"longboat stack entry point {ep.name!r} points at Stack(name={obj.name!r}); "
+            "using the Stack's name",
+            stacklevel=3,
+        )
+    return obj
+
+
 def discover_stacks() -> dict[str, Stack]:
     """Every installed stack by name: ``core`` first, then entry points sorted by name.
 
-    A stack whose entry point fails to load is skipped with a warning, so one broken
-    install does not take the whole CLI down.
+    A stack whose entry point fails to load is skipped with a warning (once per
+    process), so one broken install does not take the whole CLI down.
     """
     stacks: dict[str, Stack] = {CORE_STACK.name: CORE_STACK}
     for ep in sorted(_entry_points(), key=lambda e: e.name):
-        try:
-            obj = ep.load()
-        except Exception as exc:  # any import error of a third-party stack
-            warnings.warn(
-                f"longboat stack {ep.name!r} ({ep.value}) failed to load and is skipped: {exc}",
-                stacklevel=2,
-            )
+        cache_key = (ep.name, ep.value)
+        if cache_key not in _LOADED:
+            _LOADED[cache_key] = _load(ep)
+        stack = _LOADED[cache_key]
+        if stack is None:
             continue
-        if not isinstance(obj, Stack):
-            warnings.warn(
-                f"longboat stack entry point {ep.name!r} ({ep.value}) is a "
-                f"{type(obj).__name__}, not a longboat.core.stack.Stack; skipped",
-                stacklevel=2,
-            )
+        if stack.name in stacks:
+            if stacks[stack.name] is not stack:
+                warnings.warn(
+                    f"longboat stack {stack.name!r} registered twice; keeping the first",
+                    stacklevel=2,
+                )
             continue
-        if obj.name != ep.name:
-            warnings.warn(
-                f"longboat stack entry point {ep.name!r} points at Stack(name={obj.name!r}); "
-                "using the Stack's name",
-                stacklevel=2,
-            )
-        if obj.name in stacks:
-            warnings.warn(
-                f"longboat stack {obj.name!r} registered twice; keeping the first", stacklevel=2
-            )
-            continue
-        stacks[obj.name] = obj
+        stacks[stack.name] = stack
     return stacks
 
 

@@ -73,7 +73,11 @@ def list_experiments(stacks: Mapping[str, Stack] | None = None) -> dict[str, lis
     return {name: stack.experiments() for name, stack in stacks.items()}
 
 
-def _find_owner(experiment: str, stack: str | None, stacks: Mapping[str, Stack]) -> Stack:
+def find_experiment_stack(
+    experiment: str, stack: str | None = None, stacks: Mapping[str, Stack] | None = None
+) -> Stack:
+    """The stack that owns ``experiment`` (``stack`` when given); ConfigError with a did-you-mean."""
+    stacks = discover_stacks() if stacks is None else stacks
     if stack is not None:
         owner = get_stack(stack, stacks)
         if experiment not in owner.experiments():
@@ -299,7 +303,7 @@ def compose_experiment(
     listing every problem.
     """
     stacks = discover_stacks() if stacks is None else stacks
-    owner = _find_owner(experiment, stack, stacks)
+    owner = find_experiment_stack(experiment, stack, stacks)
     dirs = _conf_dirs(owner, stacks)
     problems = ProblemCollector()
     group_overrides, key_overrides = _split_overrides(overrides, dirs, problems)
@@ -357,6 +361,7 @@ __all__ = [
     "GROUPS",
     "PRIMARY_CONFIG",
     "compose_experiment",
+    "find_experiment_stack",
     "group_options",
     "known_groups",
     "list_experiments",
