@@ -1,1 +1,43 @@
-"""LeRobot datasets: synthetic writer, reader, normalisation, sampling."""
+"""LeRobot datasets for embodied training: synthetic writer, reader, normalisation, sampling.
+
+Public API (documented in packages/embodied/README.md, "Data"):
+
+- :func:`write_synthetic_dataset`, :class:`EmbodimentSpec` and the known-value functions
+  :func:`synthetic_state`, :func:`synthetic_action`, :func:`synthetic_frame`
+- :class:`LeRobotDataset` (v2.1 and v3.0), :class:`LeRobotMetadata`
+- :class:`Normalizer`, :class:`EpisodeAwareSampler`
+- video backends :class:`PyAVDecoder`, :class:`TorchCodecDecoder`
+- errors :class:`LeRobotFormatError`, :class:`VideoDecodeError`
+"""
+
+from longboat.embodied.data.dataset import LeRobotDataset, delta_indices
+from longboat.embodied.data.layout import LeRobotFormatError, VideoDecodeError
+from longboat.embodied.data.metadata import EpisodeMeta, LeRobotMetadata
+from longboat.embodied.data.normalize import Normalizer
+from longboat.embodied.data.sampler import EpisodeAwareSampler
+from longboat.embodied.data.synthetic import (
+    EmbodimentSpec,
+    synthetic_action,
+    synthetic_frame,
+    synthetic_state,
+    write_synthetic_dataset,
+)
+from longboat.embodied.data.video_decode import PyAVDecoder, TorchCodecDecoder
+
+__all__ = [
+    "EmbodimentSpec",
+    "EpisodeAwareSampler",
+    "EpisodeMeta",
+    "LeRobotDataset",
+    "LeRobotFormatError",
+    "LeRobotMetadata",
+    "Normalizer",
+    "PyAVDecoder",
+    "TorchCodecDecoder",
+    "VideoDecodeError",
+    "delta_indices",
+    "synthetic_action",
+    "synthetic_frame",
+    "synthetic_state",
+    "write_synthetic_dataset",
+]
