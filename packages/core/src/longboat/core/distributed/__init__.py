@@ -1,0 +1,27 @@
+"""Distributed setup: torchrun init, parallel-config resolution, DeviceMesh, CPU test launcher."""
+
+from longboat.core.distributed.init import DistInfo, destroy_distributed, init_distributed
+from longboat.core.distributed.multiprocess import (
+    MultiprocessError,
+    find_free_port,
+    run_multiprocess,
+)
+from longboat.core.distributed.parallel import (
+    STRATEGIES,
+    build_device_mesh,
+    mesh_shape,
+    resolve_parallel,
+)
+
+__all__ = [
+    "STRATEGIES",
+    "DistInfo",
+    "MultiprocessError",
+    "build_device_mesh",
+    "destroy_distributed",
+    "find_free_port",
+    "init_distributed",
+    "mesh_shape",
+    "resolve_parallel",
+    "run_multiprocess",
+]

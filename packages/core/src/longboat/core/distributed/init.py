@@ -1,0 +1,85 @@
+"""Process-group setup from torchrun's environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from longboat.core.device import Accelerator, get_accelerator
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    """Global rank."""
+    local_rank: int
+    """Rank on this node (selects the device)."""
+    world_size: int
+    """Total number of processes."""
+    backend: str
+    """torch.distributed backend in use ("" when running as a single process)."""
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0 (the rank that logs and prints)."""
+        return self.rank == 0
+
+
+def _env_int(name: str) -> int:
+    raw = os.environ[name]
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(
+            f"Environment variable {name}={raw!r} is not an int (set by torchrun)"
+        ) from None
+
+
+def init_distributed(
+    accelerator: Accelerator | None = None,
+    *,
+    timeout: timedelta = timedelta(minutes=10),
+) -> DistInfo:
+    """Initialise torch.distributed from torchrun's env (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*).
+
+    Binds this process to its local device first. Without those variables the
+    process runs alone and no process group is created. If a group already
+    exists (e.g. under ``run_multiprocess``) it is reused.
+    """
+    acc = accelerator or get_accelerator()
+    if dist.is_available() and dist.is_initialized():
+        local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+        acc.set_device(local_rank)
+        return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), dist.get_backend())
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        acc.set_device(0)
+        return DistInfo(rank=0, local_rank=0, world_size=1, backend="")
+    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    local_rank = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else rank
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"RANK/WORLD_SIZE are set but {', '.join(missing)} is not. "
+            "Fix: launch with torchrun (it sets all of them) or export the missing variables."
+        )
+    acc.set_device(local_rank)
+    backend = acc.dist_backend
+    kwargs = {}
+    if acc.device_type != "cpu":
+        # Binding the group to the device lets NCCL-like backends connect eagerly.
+        kwargs["device_id"] = acc.device(local_rank)
+    dist.init_process_group(
+        backend=backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs
+    )
+    return DistInfo(rank, local_rank, world_size, backend)
+
+
+def destroy_distributed() -> None:
+    """Tear down the default process group if one exists (safe to call twice)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
