@@ -55,6 +55,11 @@ class DecoderConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
 
 
+def _linear(layer: nn.Linear, x: Tensor) -> Tensor:
+    # Parameters of one layer may differ in dtype (e.g. pi0.5 keeps unused ones frozen bf16).
+    return layer(x.to(layer.weight.dtype))
+
+
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` without biases."""
 
@@ -99,8 +104,8 @@ class DecoderLayer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """Parameter dtype (frozen layers may be bf16 while trainable ones are fp32)."""
-        return self.q_proj.weight.dtype
+        """Residual-stream dtype (frozen layers may be bf16 while trainable ones are fp32)."""
+        return self.k_proj.weight.dtype
 
     def _norm(
         self, norm: nn.Module, x: Tensor, cond: Tensor | None
@@ -118,10 +123,9 @@ class DecoderLayer(nn.Module):
         b, n, _ = x.shape
         hd = self.cfg.head_dim
         hx, gate = self._norm(self.input_norm, x.to(self.dtype), cond)
-        hx = hx.to(self.dtype)
-        q = self.q_proj(hx).view(b, n, -1, hd).transpose(1, 2)
-        k = self.k_proj(hx).view(b, n, -1, hd).transpose(1, 2)
-        v = self.v_proj(hx).view(b, n, -1, hd).transpose(1, 2)
+        q = _linear(self.q_proj, hx).view(b, n, -1, hd).transpose(1, 2)
+        k = _linear(self.k_proj, hx).view(b, n, -1, hd).transpose(1, 2)
+        v = _linear(self.v_proj, hx).view(b, n, -1, hd).transpose(1, 2)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin), v, gate
@@ -132,10 +136,10 @@ class DecoderLayer(nn.Module):
         """Output projection, (gated) residual, MLP. attn: [B, H, L, hd]."""
         b, _, n, _ = attn.shape
         x = x.to(self.dtype)
-        out = self.o_proj(attn.transpose(1, 2).reshape(b, n, -1).to(self.dtype))
+        out = _linear(self.o_proj, attn.transpose(1, 2).reshape(b, n, -1))
         x = x + out if gate is None else x + out * gate
         hx, gate2 = self._norm(self.post_attention_norm, x, cond)
-        out = self.mlp(hx.to(self.dtype))
+        out = self.mlp(hx.to(self.mlp.down_proj.weight.dtype))
         return x + out if gate2 is None else x + out * gate2
 
     def forward(
