@@ -219,11 +219,13 @@ def stack_main(
     """
     from longboat.core.stack import get_stack
 
-    try:
-        stack = get_stack(stack_name)
-    except ConfigError as exc:
-        print(f"{prog or 'longboat-' + stack_name}: {exc}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+    found: list[Any] = []
+    code = _dispatch(
+        lambda: found.append(get_stack(stack_name)) or 0, prog or f"longboat-{stack_name}"
+    )
+    if not found:
+        return code
+    stack = found[0]
     prog = prog or stack.console_script or f"longboat-{stack_name}"
     parser = argparse.ArgumentParser(prog=prog, description=stack.description)
     sub = parser.add_subparsers(dest="command", required=True)

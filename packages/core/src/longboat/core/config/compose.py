@@ -136,8 +136,11 @@ def _split_overrides(
             )
             continue
         name = override.key_or_group
+        if not name:
+            problems.add(None, "override has no key", value=text, fix="write key=value")
+            continue
         if override.is_sweep_override():
-            problems.add(name, "sweeps are not supported here", value=text, fix="pass one value")
+            problems.add(name, f"sweeps are not supported here ({text})", fix="pass a single value")
             continue
         if name == "experiment" or name.startswith("hydra"):
             problems.add(
@@ -258,7 +261,8 @@ def _typed_root(
     typed = OmegaConf.structured(owner.resolve_root_schema())
     for kind in ("model", "data"):
         section = composed.get(kind)
-        name = section.get("name") if isinstance(section, Mapping) else None
+        section = section if isinstance(section, Mapping) else {}
+        name = section.get("name", OmegaConf.select(typed, f"{kind}.name", default=None))
         schema = _lookup_schema(kind, name, owner, stacks)
         if schema is not None:
             try:
@@ -271,7 +275,7 @@ def _typed_root(
                     value=name,
                     fix=f"make {schema.__name__} subclass the type of {kind} in the root schema",
                 )
-        elif isinstance(section, Mapping) and len(section) > int("name" in section):
+        elif set(section) - set(typed[kind].keys()):
             # No schema registered: keep the base fields typed, accept the rest unchecked.
             warnings.warn(
                 f"no stack registers a schema for {kind}.name={name!r}; {kind}.* keys other "

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from longboat.core.config.errors import ProblemCollector
 from longboat.core.config.suggest import close_matches
@@ -143,6 +143,8 @@ def merge_checked(
             merge_checked(root, value, problems, bad_keys, node=child, prefix=path)
             continue
         try:
+            if _loose_bool(child, value):
+                raise ValidationError("int/str for a bool field")
             node[key] = value
         except OmegaConfBaseException:
             expected = _expected(node, key)
@@ -154,6 +156,15 @@ def merge_checked(
                 fix=f"set {path} to a value of type {expected}",
             )
             bad_keys.add(path)
+
+
+def _loose_bool(child: Any, value: Any) -> bool:
+    """True for a non-bool assigned to a bool field (OmegaConf would turn 3 or "yes" into True)."""
+    if child is None or child._metadata.ref_type is not bool or isinstance(value, bool):
+        return False
+    if value is None:
+        return False  # None is checked by OmegaConf against the field's optionality
+    return not (isinstance(value, str) and value.startswith("${"))
 
 
 def missing_keys(cfg: DictConfig) -> list[str]:
