@@ -63,10 +63,13 @@ class PyAVDecoder:
 
     def _decode_run(self, wanted: list[float], tolerance_s: float) -> dict[float, np.ndarray]:
         """Seek before wanted[0], decode forward to wanted[-1]; return {frame_ts: rgb HWC}."""
-        target_pts = int((wanted[0] - tolerance_s) / self._time_base)
+        # Seek to the last keyframe at or before the first wanted frame (which may sit up to
+        # tolerance_s after its nominal timestamp).
+        target_pts = int((wanted[0] + tolerance_s) / self._time_base)
         self._container.seek(max(target_pts, 0), stream=self._stream, backward=True)
         found: dict[float, np.ndarray] = {}
-        last = wanted[-1] + tolerance_s
+        # Stop at the frame matching the last wanted timestamp (or the first one past it).
+        last = wanted[-1] - tolerance_s
         for frame in self._container.decode(self._stream):
             self.frames_decoded += 1
             if frame.pts is None:

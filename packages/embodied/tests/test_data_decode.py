@@ -1,0 +1,140 @@
+"""Only the frames a sample needs are decoded; decoders are cached in a bounded LRU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+
+from longboat.embodied.data import LeRobotDataset, PyAVDecoder, write_synthetic_dataset
+from longboat.embodied.data.video_decode import resolve_backend, torchcodec_available
+
+FPS, GOP, LENGTH = 10, 6, 20
+
+
+class _CountingContainer:
+    """Wraps a PyAV container and counts every frame its decode() hands out."""
+
+    def __init__(self, container, counter: list[int]) -> None:
+        self._c, self._counter = container, counter
+
+    def decode(self, *args, **kwargs):
+        for frame in self._c.decode(*args, **kwargs):
+            self._counter[0] += 1
+            yield frame
+
+    def __getattr__(self, name):
+        return getattr(self._c, name)
+
+
+def counting_backend(counter: list[int]):
+    def factory(path: Path) -> PyAVDecoder:
+        dec = PyAVDecoder(path)
+        dec._container = _CountingContainer(dec._container, counter)
+        return dec
+
+    return factory
+
+
+def keyframe_times(path: Path) -> list[float]:
+    """Keyframe timestamps from the packets (demux only, nothing decoded)."""
+    with av.open(str(path)) as c:
+        st = c.streams.video[0]
+        return [
+            float(p.pts * st.time_base) for p in c.demux(st) if p.pts is not None and p.is_keyframe
+        ]
+
+
+@pytest.fixture(scope="module", params=["v2.1", "v3.0"])
+def root(request, tmp_path_factory):
+    (path,) = write_synthetic_dataset(
+        tmp_path_factory.mktemp(request.param),
+        layout=request.param,
+        num_episodes=3,
+        episode_length=(LENGTH, LENGTH),
+        fps=FPS,
+        cameras=("front",),
+        gop=GOP,
+    )
+    return path
+
+
+def test_decodes_from_previous_keyframe_only(root):
+    counter = [0]
+    ds = LeRobotDataset(root, video_backend=counting_backend(counter), image_dtype="uint8")
+    key = "observation.images.front"
+    total = 0
+    for pos in range(len(ds)):
+        ep = ds.episodes[int(ds._row_episode[pos])]
+        f = pos - ds.episode_ranges[ep.index][0]
+        span = ep.videos[key]
+        target = span.from_timestamp + f / FPS
+        kf = max(t for t in keyframe_times(span.path) if t <= target + 1e-9)
+        before = counter[0]
+        ds[pos]
+        decoded = counter[0] - before
+        # Exactly the frames from the keyframe at or before the target up to the target.
+        assert decoded == round((target - kf) * FPS) + 1, (pos, target, kf)
+        assert decoded <= GOP
+        total += decoded
+    # Decoding whole episodes would cost LENGTH frames per sample.
+    assert total < len(ds) * LENGTH / 3
+    assert ds.frames_decoded == counter[0] == total
+
+
+def test_chunked_deltas_decode_one_run(root):
+    counter = [0]
+    deltas = [-0.3, -0.2, -0.1, 0.0]
+    ds = LeRobotDataset(
+        root,
+        video_backend=counting_backend(counter),
+        delta_timestamps={"observation.images.front": deltas},
+    )
+    start, _ = ds.episode_ranges[1]
+    ds[start + 10]
+    # Frames 7..10 of the episode; the run starts at the keyframe at or before frame 7.
+    ep = ds.episodes[1]
+    span = ep.videos["observation.images.front"]
+    first = span.from_timestamp + 0.7
+    kf = max(t for t in keyframe_times(span.path) if t <= first + 1e-9)
+    assert counter[0] == round((first - kf) * FPS) + 4
+
+
+def test_decoder_cache_is_bounded_lru(tmp_path):
+    (path,) = write_synthetic_dataset(
+        tmp_path, layout="v2.1", num_episodes=3, episode_length=(5, 5), cameras=("a", "b")
+    )
+    ds = LeRobotDataset(path, max_open_decoders=2)
+    for pos in range(len(ds)):
+        ds[pos]
+        assert len(ds.decoders) <= 2
+    assert ds.decoders.opened == 6  # each (episode, camera) file opened once, in order
+    ds[len(ds) - 1]
+    assert ds.decoders.opened == 6  # last file still cached: no reopen
+    with pytest.raises(ValueError, match="max_open_decoders=0"):
+        LeRobotDataset(path, max_open_decoders=0)
+
+
+def test_backend_selection():
+    assert resolve_backend("pyav") is PyAVDecoder
+    with pytest.raises(ValueError, match="video_backend='ffmpeg'"):
+        resolve_backend("ffmpeg")
+    if torchcodec_available():
+        from longboat.embodied.data import TorchCodecDecoder
+
+        assert resolve_backend("auto") is TorchCodecDecoder
+    else:
+        assert resolve_backend("auto") is PyAVDecoder
+        with pytest.raises(ValueError, match=r"longboat-embodied\[torchcodec\]"):
+            resolve_backend("torchcodec")
+
+
+def test_torchcodec_matches_pyav(root):
+    pytest.importorskip("torchcodec")
+    a = LeRobotDataset(root, video_backend="pyav", image_dtype="uint8")
+    b = LeRobotDataset(root, video_backend="torchcodec", image_dtype="uint8")
+    for pos in (0, 7, len(a) - 1):
+        diff = a[pos]["observation.images.front"].int() - b[pos]["observation.images.front"].int()
+        assert np.abs(diff.numpy()).max() <= 2
