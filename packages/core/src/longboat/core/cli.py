@@ -233,8 +233,12 @@ def stack_main(
     _add_experiment_args(train_parser, with_stack=False)
     _add_config_commands(sub, with_stack=False)
     for name, (help_text, _) in (commands or {}).items():
-        extra = sub.add_parser(name, help=help_text, add_help=False)
-        extra.add_argument("rest", nargs=argparse.REMAINDER)
+        sub.add_parser(name, help=help_text, add_help=False)  # listed in --help only
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and commands and argv[0] in commands:
+        # Extra commands own their whole argv (their own flags, their own --help).
+        handler = commands[argv[0]][1]
+        return _dispatch(lambda: handler(argv[1:]), prog)
     args = parser.parse_args(argv)
 
     def run() -> int:
@@ -244,7 +248,7 @@ def stack_main(
             if args.config_command == "list":
                 return _config_list(stack_name)
             return _config_show(args, stack_name)
-        return commands[args.command][1](list(args.rest))  # type: ignore[index]
+        raise AssertionError(f"unhandled command {args.command!r}")  # argparse restricts choices
 
     return _dispatch(run, prog)
 
