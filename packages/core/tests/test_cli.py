@@ -62,6 +62,10 @@ def test_config_show_checks_layout_for_world_size(site, capsys):
     assert code == EXIT_CONFIG_ERROR
     assert "world size 3 is not divisible by tp=2" in capsys.readouterr().err
     assert main(["config", "show", "tiny", "parallel.tensor_parallel=2", "--world-size", "4"]) == 0
+    # Overrides may also follow the options.
+    assert main(["config", "show", "tiny", "--world-size", "3", "parallel.tensor_parallel=2"]) == 2
+    with pytest.raises(SystemExit):
+        main(["config", "show", "tiny", "--bogus"])
 
 
 def test_console_script_exit_code_and_no_traceback(site):

@@ -151,6 +151,16 @@ def _train(args: argparse.Namespace, stack_name: str | None, train: Any = None) 
     )
 
 
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """parse_args that also takes overrides placed after options (``show x --world-size 2 a=b``)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and (not hasattr(args, "overrides") or any(a.startswith("-") for a in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def _dispatch(run: Callable[[], int], prog: str) -> int:
     # Warnings (a stack that failed to load, an unchecked model schema) become one
     # short stderr line each instead of Python's two-line source dump.
@@ -187,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``longboat`` console script."""
-    args = build_parser().parse_args(argv)
+    args = _parse(build_parser(), argv)
 
     def run() -> int:
         if args.command == "stacks":
@@ -239,7 +249,7 @@ def stack_main(
         # Extra commands own their whole argv (their own flags, their own --help).
         handler = commands[argv[0]][1]
         return _dispatch(lambda: handler(argv[1:]), prog)
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
 
     def run() -> int:
         if args.command == "train":
