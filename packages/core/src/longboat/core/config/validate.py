@@ -193,6 +193,14 @@ def _check_parallel(cfg: DictConfig, world_size: int | None, p: ProblemCollector
             value=ep,
             fix=f"use an expert_parallel size that divides {experts}",
         )
+    if resolved is not None and (resolved * cp) % ep != 0:
+        # Expert-parallel groups are carved out of the data x context parallel ranks.
+        p.add(
+            "parallel.expert_parallel",
+            f"does not divide data_parallel x context_parallel = {resolved} x {cp}",
+            value=ep,
+            fix=f"use an expert_parallel size that divides {resolved * cp}",
+        )
     strategy = _get(cfg, "parallel.strategy")
     replicate = _get(cfg, "parallel.data_parallel_replicate") or 1
     if strategy != "hsdp" and replicate != 1:
