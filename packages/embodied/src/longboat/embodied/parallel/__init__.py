@@ -3,7 +3,7 @@
 from longboat.embodied.parallel.blocks import find_blocks
 from longboat.embodied.parallel.checkpointing import AC_MODES, apply_activation_checkpointing
 from longboat.embodied.parallel.optim import build_optimizer, clip_grad_norm_, param_groups
-from longboat.embodied.parallel.state import ModelState, OptimizerState
+from longboat.embodied.parallel.state import ZeroShardState
 from longboat.embodied.parallel.strategy import (
     STRATEGIES,
     ParallelSetup,
@@ -16,9 +16,8 @@ from longboat.embodied.parallel.strategy import (
 __all__ = [
     "AC_MODES",
     "STRATEGIES",
-    "ModelState",
-    "OptimizerState",
     "ParallelSetup",
+    "ZeroShardState",
     "apply_activation_checkpointing",
     "build_mesh",
     "build_optimizer",

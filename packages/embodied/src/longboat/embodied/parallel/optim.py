@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
@@ -84,11 +83,3 @@ def clip_grad_norm_(
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=foreach)
     return total
-
-
-def consolidated_zero_state(optimizer: ZeroRedundancyOptimizer) -> dict:
-    """Full optimizer state on every rank (ZeRO keeps 1/N per rank)."""
-    optimizer.consolidate_state_dict(to=0)
-    payload = [optimizer.state_dict() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(payload, src=0)
-    return payload[0]

@@ -129,11 +129,13 @@ def train_step(
     loss_value = float(packed[0])
     stepped = True
     if should_step is not None:
-        stepped = should_step(torch.tensor(loss_value), grad_norm.detach().cpu())
+        # On the device: the guard may all-reduce its verdict (NCCL needs device tensors).
+        on = torch.device(device_type) if device_type != "cpu" else torch.device("cpu")
+        stepped = should_step(torch.tensor(loss_value, device=on), grad_norm.detach().to(on))
     if stepped:
         optimizer.step()
+        if scheduler is not None:  # a skipped step does not advance the schedule either
+            scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    if scheduler is not None:
-        scheduler.step()
     metrics = {k: float(v) for k, v in zip(names, packed[1:].tolist())}
     return StepResult(loss=loss_value, grad_norm=float(grad_norm), stepped=stepped, metrics=metrics)

@@ -1,0 +1,122 @@
+"""Typed config of embodied experiments (extends core's ``ExperimentConfig``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+from longboat.core.config.errors import ProblemCollector
+from longboat.core.config.schema import DataConfig, ExperimentConfig, ModelConfig
+
+MODEL_NAMES = ("groot_n1_6", "pi05")
+LAYOUTS = ("v2.1", "v3.0")
+VIDEO_BACKENDS = ("pyav", "torchcodec")
+
+
+@dataclass
+class PolicyModelConfig(ModelConfig):
+    """A registered policy family, one of its flavors, and field overrides."""
+
+    name: str = MISSING
+    """Model family: groot_n1_6 or pi05."""
+    flavor: str = "tiny"
+    """Flavor of the family (tiny, full)."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Dotted-key overrides of the family config, e.g. {"dit.dropout": 0.0}."""
+
+
+@dataclass
+class SyntheticDataConfig:
+    """The synthetic LeRobot dataset generated on first use when data.path is null."""
+
+    layout: str = "v3.0"
+    """LeRobot layout to write: v2.1 or v3.0."""
+    num_episodes: int = 8
+    """Episodes per embodiment."""
+    episode_length: int = 24
+    """Frames per episode."""
+    num_embodiments: int = 1
+    """Embodiments (each its own dataset under the root when > 1)."""
+    seed: int = 0
+    """Seed of the generated values."""
+
+
+@dataclass
+class LeRobotDataConfig(DataConfig):
+    """A LeRobot dataset (v2.1 or v3.0) read frame-accurately."""
+
+    name: str = "lerobot"
+    """Dataset kind (only lerobot)."""
+    path: str | None = None
+    """Dataset root; null generates the synthetic dataset into <output_dir>/dataset."""
+    video_backend: str = "pyav"
+    """Frame decoder: pyav or torchcodec."""
+    shuffle: bool = True
+    """Shuffle the sample order (deterministic in data.seed, resumable)."""
+    skip_bad_samples: bool = False
+    """Skip (and count) samples that fail to decode instead of failing the run."""
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+    """Settings of the generated dataset (used only when path is null)."""
+
+
+@dataclass
+class ExportConfig:
+    """Export of the trained policy at the end of training."""
+
+    enabled: bool = True
+    """Write <dir>/model.safetensors and <dir>/config.json after the last step."""
+    dir: str | None = None
+    """Export directory; null means <output_dir>/export."""
+
+
+@dataclass
+class EmbodiedExperimentConfig(ExperimentConfig):
+    """Root config of an embodied experiment."""
+
+    stack: str = "embodied"
+    model: PolicyModelConfig = field(default_factory=PolicyModelConfig)
+    data: LeRobotDataConfig = field(default_factory=LeRobotDataConfig)
+    output_dir: str = "outputs/embodied"
+    """Run directory (dataset, checkpoints, logs and export default under it)."""
+    export: ExportConfig = field(default_factory=ExportConfig)
+    """Policy export."""
+
+
+def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollector) -> None:
+    """Embodied-specific checks (core's validator runs the generic ones)."""
+    model_name = cfg.model.get("name") if "model" in cfg else None
+    if isinstance(model_name, str) and model_name not in MODEL_NAMES:
+        problems.add(
+            "model.name",
+            "is not an embodied policy",
+            value=model_name,
+            fix=f"use one of {', '.join(MODEL_NAMES)}",
+        )
+    data = cfg.get("data")
+    if data is not None:
+        backend = data.get("video_backend")
+        if backend is not None and backend not in VIDEO_BACKENDS:
+            problems.add(
+                "data.video_backend",
+                "unknown video decoder",
+                value=backend,
+                fix=f"use one of {', '.join(VIDEO_BACKENDS)}",
+            )
+        synthetic = data.get("synthetic")
+        if synthetic is not None and synthetic.get("layout") not in LAYOUTS:
+            problems.add(
+                "data.synthetic.layout",
+                "unknown LeRobot layout",
+                value=synthetic.get("layout"),
+                fix=f"use one of {', '.join(LAYOUTS)}",
+            )
+    train = cfg.get("train")
+    if train is not None and train.get("precision") == "fp16":
+        problems.add(
+            "train.precision",
+            "fp16 needs loss scaling, which embodied does not implement",
+            value="fp16",
+            fix="use bf16 or fp32",
+        )

@@ -1,0 +1,82 @@
+"""Which samples each rank trains on at each step: a pure function of the step.
+
+The global sample stream is the concatenation of per-epoch orders of core's
+``StatefulDistributedSampler`` (one replica: the global order). Step ``s`` takes
+``global_batch`` consecutive entries; its micro-batch ``m`` (0..dp*accum-1) is
+the ``m``-th slice of ``micro_batch`` of them, and data-parallel rank ``r`` owns
+micro-batches ``r*accum .. r*accum+accum-1``. Because nothing depends on how far
+an iterator ran, resume (at any world size, with any number of loader workers
+prefetching) only needs the step number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from longboat.core.data.sampler import StatefulDistributedSampler
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Batch sizes of one run."""
+
+    global_batch: int
+    """Samples per optimizer step over all ranks."""
+    micro_batch: int
+    """Samples per forward/backward on one rank."""
+    dp_size: int
+    """Data-parallel ranks."""
+
+    @property
+    def accum(self) -> int:
+        """Gradient-accumulation micro-batches per rank and step."""
+        return self.global_batch // (self.micro_batch * self.dp_size)
+
+
+class GlobalBatchPlan:
+    """Deterministic, world-size-independent sample order cut into steps and micro-batches."""
+
+    def __init__(self, num_samples: int, layout: BatchLayout, *, seed: int, shuffle: bool) -> None:
+        self.layout = layout
+        self.num_samples = num_samples
+        self.sampler = StatefulDistributedSampler(
+            num_samples, num_replicas=1, rank=0, shuffle=shuffle, seed=seed
+        )
+        self._epochs: dict[int, list[int]] = {}
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if epoch not in self._epochs:
+            self.sampler.set_epoch(epoch)
+            self._epochs = {epoch: list(iter(self.sampler))}  # keep one epoch cached
+        return self._epochs[epoch]
+
+    def global_indices(self, step: int) -> list[int]:
+        """The ``global_batch`` sample indices of ``step``."""
+        n, gb = self.num_samples, self.layout.global_batch
+        out = []
+        for pos in range(step * gb, (step + 1) * gb):
+            out.append(self._epoch_order(pos // n)[pos % n])
+        return out
+
+    def micro_batch_indices(self, step: int, micro_index: int) -> list[int]:
+        """Sample indices of global micro-batch ``micro_index`` of ``step``."""
+        mb = self.layout.micro_batch
+        return self.global_indices(step)[micro_index * mb : (micro_index + 1) * mb]
+
+    def rank_micro_batches(self, step: int, dp_rank: int) -> list[list[int]]:
+        """This rank's micro-batches of ``step`` (``accum`` lists of ``micro_batch`` indices)."""
+        first = dp_rank * self.layout.accum
+        return [self.micro_batch_indices(step, first + a) for a in range(self.layout.accum)]
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        """Position after ``step`` completed steps, in the sampler's (epoch, position) terms."""
+        consumed = step * self.layout.global_batch
+        return {
+            "epoch": consumed // self.num_samples,
+            "position": consumed % self.num_samples,
+            "seed": self.sampler.seed,
+            "shuffle": self.sampler.shuffle,
+            "num_samples": self.num_samples,
+            "global_batch": self.layout.global_batch,
+        }

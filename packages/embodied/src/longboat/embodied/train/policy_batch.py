@@ -1,0 +1,171 @@
+"""LeRobot samples -> the batch dict a policy's ``forward`` takes (GR00T N1.6, pi0.5).
+
+Both policies take ``images [B, n_cams, 3, H, W]``, ``input_ids``/``attention_mask``,
+padded ``state``/``state_mask`` and ``action``/``action_mask`` (``action_mask``
+combines the ``action_is_pad`` steps of ``delta_timestamps`` with the padded dims);
+GR00T also takes ``embodiment_id`` and pi0.5 an ``image_mask`` for missing cameras.
+
+Task strings are tokenised with ``ByteTokenizer``, a deterministic byte-level
+stand-in: no hub tokenizer can be downloaded here. A real Qwen3 / PaliGemma
+tokenizer plugs in through the same ``encode(text) -> list[int]`` call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+STATE_KEY = "observation.state"
+ACTION_KEY = "action"
+
+
+class ByteTokenizer:
+    """UTF-8 bytes mapped into ``[1, limit)`` (0 is padding); ids >= limit stay reserved."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 3:
+            raise ValueError(f"ByteTokenizer needs at least 3 ids below the limit, got {limit}")
+        self.limit = limit
+
+    def encode(self, text: str) -> list[int]:
+        return [1 + b % (self.limit - 1) for b in text.encode("utf-8")]
+
+
+@dataclass(frozen=True)
+class PolicyBatchSpec:
+    """Shapes a policy expects, read from its config."""
+
+    max_state_dim: int
+    """State is zero-padded to this many dims."""
+    action_dim: int
+    """Actions are zero-padded to this many dims."""
+    horizon: int
+    """Action-chunk length (``delta_timestamps`` of the action key)."""
+    max_text_tokens: int
+    """Prompt tokens kept per sample (the rest is cut)."""
+    vocab_limit: int
+    """Text ids are drawn below this (keeps special ids such as the image token free)."""
+    num_cameras: int | None
+    """Cameras the model expects (missing ones are zero images masked out); None: as read."""
+    with_embodiment: bool
+    """Emit ``embodiment_id`` (category-specific layers)."""
+    with_image_mask: bool
+    """Emit ``image_mask`` (pi0.5)."""
+
+
+def batch_spec(
+    model_name: str, cfg: Any, num_cameras: int, image_hw: tuple[int, int]
+) -> PolicyBatchSpec:
+    """The ``PolicyBatchSpec`` of a built policy config (groot_n1_6 or pi05)."""
+    if model_name == "groot_n1_6":
+        image_tokens = num_cameras * cfg.tokens_per_image(*image_hw)
+        text = max(4, min(32, cfg.max_seq_len - image_tokens))
+        return PolicyBatchSpec(
+            max_state_dim=cfg.max_state_dim,
+            action_dim=cfg.max_action_dim,
+            horizon=cfg.action_horizon,
+            max_text_tokens=text,
+            vocab_limit=min(cfg.llm.vocab_size, cfg.image_token_id),
+            num_cameras=None,
+            with_embodiment=True,
+            with_image_mask=False,
+        )
+    if model_name == "pi05":
+        text = max(4, min(32, cfg.max_token_len - cfg.max_state_dim))
+        return PolicyBatchSpec(
+            max_state_dim=cfg.max_state_dim,
+            action_dim=cfg.action_dim,
+            horizon=cfg.action_horizon,
+            max_text_tokens=text,
+            vocab_limit=cfg.llm.vocab_size,
+            num_cameras=getattr(cfg, "num_cameras", None),
+            with_embodiment=False,
+            with_image_mask=True,
+        )
+    raise ValueError(f"no batch spec for model.name={model_name!r}; use groot_n1_6 or pi05")
+
+
+def _pad_last(x: torch.Tensor, size: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    d = x.shape[-1]
+    if d > size:
+        raise ValueError(
+            f"{what} has {d} dims but the model takes at most {size}; raise the model's "
+            f"max dim (model.overrides) or drop dims from the dataset"
+        )
+    pad = x.new_zeros(*x.shape[:-1], size - d)
+    mask = torch.cat([torch.ones(d, dtype=torch.bool), torch.zeros(size - d, dtype=torch.bool)])
+    return torch.cat([x, pad], dim=-1), mask
+
+
+class PolicyCollator:
+    """Collate LeRobotDataset samples into one policy batch (CPU tensors)."""
+
+    def __init__(self, spec: PolicyBatchSpec, camera_keys: Sequence[str]) -> None:
+        self.spec = spec
+        self.camera_keys = list(camera_keys)
+        self.tokenizer = ByteTokenizer(spec.vocab_limit)
+
+    def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        spec = self.spec
+        states, state_masks, actions, action_masks, images, cam_masks, ids = (
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+        )
+        for s in samples:
+            state, smask = _pad_last(s[STATE_KEY].float(), spec.max_state_dim, STATE_KEY)
+            action, dmask = _pad_last(s[ACTION_KEY].float(), spec.action_dim, ACTION_KEY)
+            if action.shape[0] != spec.horizon:
+                raise ValueError(
+                    f"action chunk has {action.shape[0]} steps, the model's horizon is "
+                    f"{spec.horizon}; the trainer's delta_timestamps must request {spec.horizon}"
+                )
+            step_ok = ~s.get(f"{ACTION_KEY}_is_pad", torch.zeros(spec.horizon, dtype=torch.bool))
+            states.append(state)
+            state_masks.append(smask)
+            actions.append(action)
+            action_masks.append(step_ok[:, None] & dmask[None, :])
+            frames = [s[k].float() for k in self.camera_keys]
+            present = [True] * len(frames)
+            if spec.num_cameras is not None:
+                while len(frames) < spec.num_cameras:
+                    frames.append(torch.zeros_like(frames[0]))
+                    present.append(False)
+                frames, present = frames[: spec.num_cameras], present[: spec.num_cameras]
+            images.append(torch.stack(frames))
+            cam_masks.append(torch.tensor(present))
+            ids.append(self.tokenizer.encode(str(s.get("task", "")))[: spec.max_text_tokens])
+        length = max(1, max(len(t) for t in ids))
+        input_ids = torch.zeros(len(samples), length, dtype=torch.int64)
+        attention = torch.zeros(len(samples), length, dtype=torch.bool)
+        for row, tokens in enumerate(ids):
+            input_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+            attention[row, : len(tokens)] = True
+        batch = {
+            "images": torch.stack(images),
+            "input_ids": input_ids,
+            "attention_mask": attention,
+            "state": torch.stack(states),
+            "state_mask": torch.stack(state_masks),
+            "action": torch.stack(actions),
+            "action_mask": torch.stack(action_masks),
+        }
+        if spec.with_embodiment:
+            batch["embodiment_id"] = torch.stack(
+                [torch.as_tensor(s.get("embodiment_id", 0), dtype=torch.int64) for s in samples]
+            )
+        if spec.with_image_mask:
+            batch["image_mask"] = torch.stack(cam_masks)
+        return batch
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Move every tensor of a batch (non-blocking from pinned memory where possible)."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}

@@ -1,0 +1,287 @@
+"""``longboat-embodied train``: compose -> validate -> build -> train -> checkpoint -> export.
+
+The loop parts (metrics, progress bar, NaN guard, signals, profiler, LR schedule,
+checkpoints, RNG) all come from core; this module wires them to the embodied
+data, models and data-parallel strategies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from longboat.core.checkpoint import CheckpointManager
+from longboat.core.config.validate import validate
+from longboat.core.device import get_accelerator
+from longboat.core.distributed import init_distributed, resolve_parallel
+from longboat.core.loop.lr_schedule import build_lr_scheduler
+from longboat.core.loop.metrics import MetricsSink
+from longboat.core.loop.nan_guard import NaNGuard
+from longboat.core.loop.profiler import StepProfiler
+from longboat.core.loop.progress import TrainProgress
+from longboat.core.loop.signals import GracefulShutdown
+from longboat.core.rng import RNGState
+from longboat.embodied.config import EmbodiedExperimentConfig
+from longboat.embodied.models import apply_freezing, build_model, get_config
+from longboat.embodied.parallel import (
+    ParallelSetup,
+    ZeroShardState,
+    build_optimizer,
+    parallelize,
+)
+from longboat.embodied.train.datasets import ensure_synthetic, open_dataset
+from longboat.embodied.train.export import export_policy
+from longboat.embodied.train.loader import RankMicroBatches, build_loader
+from longboat.embodied.train.plan import BatchLayout, GlobalBatchPlan
+from longboat.embodied.train.policy_batch import PolicyCollator, batch_spec, to_device
+from longboat.embodied.train.step import train_step
+
+log = logging.getLogger(__name__)
+
+
+class DataPosition:
+    """Checkpointed data position: the plan is a function of the step, this validates it."""
+
+    def __init__(self, plan: GlobalBatchPlan) -> None:
+        self.plan = plan
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.plan.state_dict(self.step)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = self.plan.state_dict(0)
+        for key in ("seed", "shuffle", "num_samples", "global_batch"):
+            if state[key] != mine[key]:
+                raise ValueError(
+                    f"the checkpoint's data order has {key}={state[key]!r}, this run "
+                    f"{key}={mine[key]!r}; resume with the same dataset, data.seed, "
+                    "data.shuffle and train.global_batch_size (or checkpoint.resume=none)"
+                )
+
+
+@dataclass
+class TrainResult:
+    """What a finished (or interrupted) run reports."""
+
+    steps_done: int
+    """Optimizer steps completed (including those before a resume)."""
+    resumed_from: int | None
+    """Step of the checkpoint the run resumed from, if any."""
+    losses: list[float] = field(default_factory=list)
+    """Loss of every step this process ran."""
+    interrupted: bool = False
+    """True when a signal stopped the run early (after a checkpoint)."""
+    export_dir: str | None = None
+    """Where the policy was exported (None when export is off or interrupted)."""
+
+
+def _as_config(cfg: Any) -> EmbodiedExperimentConfig:
+    if isinstance(cfg, DictConfig):
+        obj = OmegaConf.to_object(cfg)
+    else:
+        obj = cfg
+    if not isinstance(obj, EmbodiedExperimentConfig):
+        raise TypeError(
+            f"train() needs an EmbodiedExperimentConfig (compose one with "
+            f"longboat.core.config.compose.compose_experiment), got {type(obj).__name__}"
+        )
+    return obj
+
+
+def _model_overrides(cfg: EmbodiedExperimentConfig) -> dict[str, Any]:
+    overrides = dict(cfg.model.overrides)
+    # fp32 runs keep frozen weights in fp32 too (the bf16 split is the reference's
+    # mixed-precision layout; without autocast it would only cost accuracy).
+    if cfg.train.precision == "fp32":
+        overrides.setdefault("frozen_dtype", "float32")
+    return overrides
+
+
+def train(cfg: Any) -> TrainResult:
+    """Run one embodied experiment from a composed config (see ``EmbodiedExperimentConfig``)."""
+    cfg = _as_config(cfg)
+    accelerator = get_accelerator()
+    info = init_distributed(accelerator)
+    validate(cfg, world_size=info.world_size)  # every key, before any heavy init
+    parallel = resolve_parallel(cfg.parallel, info.world_size)
+    dp = parallel.data_parallel
+    mbs = cfg.train.micro_batch_size
+    layout = BatchLayout(cfg.train.global_batch_size or mbs * dp, mbs, dp)
+    is_main = info.rank == 0
+    device = accelerator.device(info.local_rank)
+    output_dir = Path(cfg.output_dir)
+
+    overrides = _model_overrides(cfg)
+    model_cfg = get_config(cfg.model.name, cfg.model.flavor, overrides)
+    root = (
+        Path(cfg.data.path)
+        if cfg.data.path
+        else ensure_synthetic(cfg.data, cfg.model.name, model_cfg, output_dir, is_main)
+    )
+    dataset, cameras, image_hw = open_dataset(cfg.data, root, model_cfg.action_horizon)
+    collate = PolicyCollator(batch_spec(cfg.model.name, model_cfg, len(cameras), image_hw), cameras)
+    plan = GlobalBatchPlan(len(dataset), layout, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+
+    torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
+    model = build_model(cfg.model.name, model_cfg)
+    counts = apply_freezing(model, model_cfg)
+    model.to(device)
+    setup = ParallelSetup(
+        strategy=parallel.strategy,
+        world_size=info.world_size,
+        rank=info.rank,
+        replicate=parallel.data_parallel_replicate,
+        device_type=accelerator.device_type,
+    )
+    model = parallelize(
+        model,
+        setup,
+        precision=cfg.train.precision,
+        activation_checkpointing=cfg.train.activation_checkpointing,
+        device_ids=[info.local_rank] if accelerator.device_type == "cuda" else None,
+    )
+    optimizer = build_optimizer(model, cfg.optim, setup)
+    scheduler = build_lr_scheduler(optimizer, cfg.optim.schedule, cfg.train.steps)
+    nan_guard = NaNGuard(cfg.train.nan_guard)
+    position = DataPosition(plan)
+    state: dict[str, Any] = {
+        "model": model,
+        "optimizer": ZeroShardState(optimizer) if _is_zero(optimizer) else optimizer,
+        "lr_scheduler": scheduler,
+        "data": position,
+        "nan_guard": nan_guard,
+        "rng": RNGState.capture(accelerator),
+    }
+    ckpt = CheckpointManager(cfg.checkpoint, config_dict=dataclasses.asdict(cfg))
+    resumed = ckpt.resume(state)
+    start = resumed or 0
+    position.step = start
+    if resumed is not None:
+        # LambdaLR restores its counters but not the optimizer's current LR.
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+    if is_main:
+        log.info(
+            "embodied %s/%s: %d trainable + %d frozen params, %s on %d rank(s), "
+            "global batch %d = %d micro x %d dp x %d accum, start step %d",
+            cfg.model.name,
+            cfg.model.flavor,
+            counts["trainable"],
+            counts["frozen"],
+            setup.strategy,
+            info.world_size,
+            layout.global_batch,
+            mbs,
+            dp,
+            layout.accum,
+            start,
+        )
+
+    dp_rank = info.rank  # embodied is data parallel only: dp rank == global rank
+    micro = RankMicroBatches(dataset, plan, collate, dp_rank=dp_rank, seed=cfg.train.seed)
+    loader = iter(
+        build_loader(
+            micro,
+            start_step=start,
+            total_steps=cfg.train.steps,
+            num_workers=cfg.data.num_workers,
+        )
+    )
+    result = TrainResult(steps_done=start, resumed_from=resumed)
+    metrics = MetricsSink(
+        cfg.logging.dir, cfg.logging.run_name, tensorboard=cfg.logging.tensorboard, enabled=is_main
+    )
+    step = start
+    with (
+        metrics,
+        GracefulShutdown() as shutdown,
+        StepProfiler(cfg.train.profiler, output_dir / "profile") as profiler,
+        TrainProgress(
+            cfg.train.steps,
+            unit="samples",
+            enabled=is_main and cfg.logging.progress,
+            initial_step=start,
+        ) as progress,
+    ):
+        for step in range(start, cfg.train.steps):
+            t0 = time.perf_counter()
+            batches = [to_device(next(loader), device) for _ in range(layout.accum)]
+            out = train_step(
+                model,
+                optimizer,
+                batches,
+                step=step,
+                seed=cfg.train.seed,
+                rank_offset=dp_rank * layout.accum,
+                device_type=accelerator.device_type,
+                precision=cfg.train.precision,
+                grad_clip=cfg.optim.grad_clip,
+                should_step=nan_guard.check,
+                scheduler=scheduler,
+            )
+            done = step + 1
+            position.step = done
+            result.steps_done = done
+            result.losses.append(out.loss)
+            dt = time.perf_counter() - t0
+            progress.update(done, loss=out.loss, items=layout.global_batch)
+            profiler.step(done)
+            if done % cfg.train.log_every == 0 or done == cfg.train.steps:
+                metrics.log(
+                    done,
+                    {
+                        "loss": out.loss,
+                        "grad_norm": out.grad_norm,
+                        "lr": scheduler.get_last_lr()[0],
+                        "step_time_s": dt,
+                        "samples_per_s": layout.global_batch / dt,
+                        "skipped_step": not out.stepped,
+                        **out.metrics,
+                    },
+                )
+            if ckpt.should_save(done):
+                state["rng"] = RNGState.capture(accelerator)
+                ckpt.save(done, state)
+            if shutdown.should_stop():
+                result.interrupted = True
+                break
+    final = result.steps_done
+    if cfg.checkpoint.save_on_exit and ckpt.last_saved_step != final and final > start:
+        state["rng"] = RNGState.capture(accelerator)
+        ckpt.save(final, state)
+    ckpt.close()
+    if cfg.export.enabled and not result.interrupted:
+        export_dir = Path(cfg.export.dir) if cfg.export.dir else output_dir / "export"
+        export_policy(
+            model,
+            export_dir,
+            model_name=cfg.model.name,
+            flavor=cfg.model.flavor,
+            overrides=overrides,
+            model_cfg=model_cfg,
+            extra={
+                "trained_steps": final,
+                "experiment": cfg.experiment,
+                "cameras": cameras,
+                "image_hw": list(image_hw),
+            },
+        )
+        result.export_dir = str(export_dir)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return result
+
+
+def _is_zero(optimizer: torch.optim.Optimizer) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
