@@ -200,14 +200,17 @@ class LeRobotDataset(torch.utils.data.Dataset):
                     )
 
     def _check_video_files(self) -> None:
+        missing: dict[Path, list[str]] = {}
         for ep in self.episodes:
             for key in self.camera_keys:
                 path = ep.videos[key].path
                 if not path.is_file():
-                    msg = f"{path}: video file missing (episode {ep.index}, camera {key})"
-                    if not self.skip_bad_samples:
-                        raise LeRobotFormatError(msg)
-                    log.warning("%s; its samples will be skipped", msg)
+                    missing.setdefault(path, []).append(f"{ep.index} ({key})")
+        for path, eps in missing.items():
+            msg = f"{path}: video file missing (episode {', '.join(eps)})"
+            if not self.skip_bad_samples:
+                raise LeRobotFormatError(msg)
+            log.warning("%s; its samples will be skipped", msg)
 
     # ------------------------------------------------------------------ access
     def __len__(self) -> int:
