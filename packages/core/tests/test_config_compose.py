@@ -201,3 +201,10 @@ def test_unregistered_model_is_typed_on_base_fields_only(tmp_path, monkeypatch, 
         warnings.simplefilter("ignore")
         with pytest.raises(ConfigError, match=r"model\.flavor=\[1\]: expected str"):
             compose_experiment("tiny", ["model=mystery", "model.flavor=[1]"])
+
+
+def test_model_name_close_to_a_registered_one_is_an_error(fake):
+    with pytest.raises(
+        ConfigError, match=r"model\.name='gtp': no installed stack.*did you mean 'gpt'"
+    ):
+        compose_experiment("tiny", ["model.name=gtp"])

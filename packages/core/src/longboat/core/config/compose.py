@@ -24,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from longboat.core.config.errors import ConfigError, ProblemCollector
 from longboat.core.config.schema import ExperimentConfig
-from longboat.core.config.suggest import did_you_mean
+from longboat.core.config.suggest import close_matches, did_you_mean
 from longboat.core.config.typecheck import merge_checked, missing_keys, to_plain
 from longboat.core.stack import Stack, discover_stacks, get_stack
 
@@ -255,6 +255,13 @@ def _lookup_schema(kind: str, name: Any, owner: Stack, stacks: Mapping[str, Stac
     return None
 
 
+def _registered(kind: str, stacks: Mapping[str, Stack]) -> list[str]:
+    names: set[str] = set()
+    for stack in stacks.values():
+        names.update(stack.model_schemas if kind == "model" else stack.data_schemas)
+    return sorted(names)
+
+
 def _typed_root(
     composed: dict[str, Any], owner: Stack, stacks: Mapping[str, Stack], problems: ProblemCollector
 ) -> DictConfig:
@@ -275,6 +282,13 @@ def _typed_root(
                     value=name,
                     fix=f"make {schema.__name__} subclass the type of {kind} in the root schema",
                 )
+        elif isinstance(name, str) and (guesses := close_matches(name, _registered(kind, stacks))):
+            problems.add(
+                f"{kind}.name",
+                f"no installed stack registers a {kind} schema under this name",
+                value=name,
+                fix=did_you_mean(name, guesses, what=f"registered {kind} names"),
+            )
         elif set(section) - set(typed[kind].keys()):
             # No schema registered: keep the base fields typed, accept the rest unchecked.
             warnings.warn(
