@@ -86,7 +86,7 @@ def test_round_trip_and_modality_groups(root):
 
 def test_normalization_errors_name_the_key(root):
     stats = LeRobotDataset(root).meta.stats
-    with pytest.raises(ValueError, match="normalization key 'action.elbow'"):
+    with pytest.raises(ValueError, match=r"normalization key 'action\.elbow'"):
         Normalizer(stats, {"action.elbow": "mean_std"})
     with pytest.raises(ValueError, match=r"normalization\['action'\]='zscore'"):
         Normalizer(stats, {"action": "zscore"})
@@ -139,13 +139,13 @@ def test_sampler_consumed_override_and_guard():
 def test_sampler_shards_and_episode_trimming():
     shards = [list(EpisodeAwareSampler(RANGES, seed=2, rank=r, world_size=3)) for r in range(3)]
     assert [len(s) for s in shards] == [14, 14, 14]  # 40 padded to 42
-    flat = sum(shards, [])
+    flat = [i for s in shards for i in s]
     assert set(flat) == set(range(40)) and len(flat) - len(set(flat)) == 2
     dropped = [
         list(EpisodeAwareSampler(RANGES, seed=2, rank=r, world_size=3, drop_last=True))
         for r in range(3)
     ]
-    assert len(set(sum(dropped, []))) == 39
+    assert len({i for s in dropped for i in s}) == 39
     trimmed = set(
         EpisodeAwareSampler(RANGES, shuffle=False, drop_n_first_frames=1, drop_n_last_frames=2)
     )
