@@ -1,1 +1,83 @@
-"""longboat.kernels."""
+"""longboat.kernels: Triton training kernels with torch references, and attention dispatch.
+
+Every op takes ``impl=`` (``"torch"``, ``"triton"``, ``"auto"``; env
+``LONGBOAT_KERNELS_IMPL``): auto runs the Triton kernel on CUDA tensors and the pure-torch
+reference elsewhere. The Triton paths are torch custom ops (``torch.ops.longboat.*``) with
+fake implementations, so ``torch.compile`` traces through them.
+"""
+
+from longboat.kernels.adaln import ada_layer_norm, ada_layer_norm_torch, ada_layer_norm_triton
+from longboat.kernels.attention import (
+    BACKENDS,
+    AttentionBackendUnavailableError,
+    attention,
+    available_backends,
+    backend_available,
+    eager_attention,
+    select_backend,
+)
+from longboat.kernels.attention_masks import (
+    block_causal_mask,
+    block_mask_from_dense,
+    document_block_mask,
+    document_ids,
+    document_mask,
+    prefix_lm_block_mask,
+    prefix_lm_mask,
+)
+from longboat.kernels.fused_linear_ce import (
+    fused_linear_cross_entropy,
+    fused_linear_cross_entropy_torch,
+    fused_linear_cross_entropy_triton,
+)
+from longboat.kernels.layernorm import layer_norm, layer_norm_torch, layer_norm_triton
+from longboat.kernels.rmsnorm import rms_norm, rms_norm_torch, rms_norm_triton
+from longboat.kernels.rope import (
+    apply_rope,
+    apply_rope_,
+    apply_rope_torch,
+    apply_rope_triton,
+    rope_cos_sin,
+)
+from longboat.kernels.swiglu import geglu, glu, glu_torch, glu_triton, swiglu
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "AttentionBackendUnavailableError",
+    "ada_layer_norm",
+    "ada_layer_norm_torch",
+    "ada_layer_norm_triton",
+    "apply_rope",
+    "apply_rope_",
+    "apply_rope_torch",
+    "apply_rope_triton",
+    "attention",
+    "available_backends",
+    "backend_available",
+    "block_causal_mask",
+    "block_mask_from_dense",
+    "document_block_mask",
+    "document_ids",
+    "document_mask",
+    "eager_attention",
+    "fused_linear_cross_entropy",
+    "fused_linear_cross_entropy_torch",
+    "fused_linear_cross_entropy_triton",
+    "geglu",
+    "glu",
+    "glu_torch",
+    "glu_triton",
+    "layer_norm",
+    "layer_norm_torch",
+    "layer_norm_triton",
+    "prefix_lm_block_mask",
+    "prefix_lm_mask",
+    "rms_norm",
+    "rms_norm_torch",
+    "rms_norm_triton",
+    "rope_cos_sin",
+    "select_backend",
+    "swiglu",
+]

@@ -1,0 +1,67 @@
+"""Choosing between the pure-torch reference and the Triton kernel.
+
+``impl`` argument > ``LONGBOAT_KERNELS_IMPL`` env > auto (Triton on CUDA tensors, torch
+elsewhere). Forcing ``triton`` on CPU tensors works only under Triton's interpreter
+(``TRITON_INTERPRET=1`` set before ``triton`` is imported), which is how the CPU tests run.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch
+
+from longboat.kernels._triton import HAS_TRITON
+
+Impl = Literal["auto", "torch", "triton"]
+ENV_VAR = "LONGBOAT_KERNELS_IMPL"
+_CHOICES = ("auto", "torch", "triton")
+
+
+def triton_interpreter_on() -> bool:
+    """True when Triton runs kernels through its CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+
+
+def resolve_impl(impl: str | None, *tensors: torch.Tensor) -> str:
+    """Return ``"torch"`` or ``"triton"`` for an op on ``tensors``.
+
+    Raises ValueError for an unknown name, and when ``triton`` is forced where it cannot run.
+    """
+    choice = impl if impl is not None else os.environ.get(ENV_VAR, "auto") or "auto"
+    where = "impl argument" if impl is not None else f"{ENV_VAR} env"
+    if choice not in _CHOICES:
+        raise ValueError(
+            f"{where}={choice!r} is not a kernel implementation; use one of {_CHOICES}"
+        )
+    if choice == "torch":
+        return "torch"
+    on_gpu = all(t.is_cuda for t in tensors)
+    usable = HAS_TRITON and (on_gpu or triton_interpreter_on())
+    if choice == "triton":
+        if not usable:
+            devices = sorted({str(t.device) for t in tensors})
+            raise ValueError(
+                f"{where}='triton' but the Triton kernels cannot run on {devices}"
+                + ("" if HAS_TRITON else " (triton is not installed)")
+                + ": pass CUDA tensors, set TRITON_INTERPRET=1 before importing triton for the "
+                "CPU interpreter, or use impl='torch'"
+            )
+        return "triton"
+    return "triton" if usable and on_gpu else "torch"
+
+
+def num_programs_for_reduction(rows: int, device: torch.device) -> int:
+    """How many programs share a column reduction (weight gradients).
+
+    On GPU ~4 per SM of an H100/H200 (132 SMs) keeps every SM busy while the fp32 partial
+    sums stay ~1-2% of the traffic; the interpreter on CPU gets a handful.
+    """
+    return max(1, min(rows, 512 if device.type == "cuda" else 4))
+
+
+def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """View ``t`` as ``[rows, n]`` with a unit last stride (copies only when it must)."""
+    t2 = t.reshape(-1, n)
+    return t2 if n <= 1 or t2.stride(1) == 1 else t2.contiguous()

@@ -1,0 +1,198 @@
+"""Triton kernels vs their torch references, forward and backward.
+
+Not collected by the default run (no ``test_`` prefix): ``test_kernels_triton.py`` runs this
+file in a subprocess, on CPU with ``TRITON_INTERPRET=1`` (set before triton is imported)
+or on CUDA with ``LONGBOAT_KERNEL_TEST_DEVICE=cuda``. Shapes are small and awkward
+(non-power-of-two hidden, one-row inputs, vocab and token chunks that do not divide).
+
+Tolerances, as ``||triton - ref|| / ||ref||`` on the same inputs: fp32 1e-5 (outputs) and
+1e-4 (gradients); bf16 1e-2 (both sides compute in fp32 and round once; the gap is a few
+rounding flips), 2e-2 for the fused linear CE gradients (bf16 dlogits and bf16 accumulation
+of the weight gradient over chunks).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+DEVICE = os.environ.get("LONGBOAT_KERNEL_TEST_DEVICE", "cpu")
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 on CPU", allow_module_level=True)
+
+from longboat import kernels as K  # noqa: E402  (after the interpreter check)
+from longboat.kernels import fused_linear_ce  # noqa: E402
+
+TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 1e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
+
+
+def leaf(*shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=DEVICE) * scale).to(dtype).requires_grad_()
+
+
+def run_both(fn, inputs: list[torch.Tensor], seed: int = 0):  # type: ignore[no-untyped-def]
+    """Run ``fn(impl, *inputs)`` for torch and triton; return (outputs, grads) for each."""
+    results = []
+    for impl in ("torch", "triton"):
+        for t in inputs:
+            t.grad = None
+        outs = fn(impl, *inputs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        loss = sum(
+            (o.float() * torch.randn(o.shape, device=DEVICE, generator=gen)).sum() for o in outs
+        )
+        loss.backward()
+        results.append(([o.detach() for o in outs], [t.grad.clone() for t in inputs]))
+    return results
+
+
+def check(results, dtype, what: str) -> None:  # type: ignore[no-untyped-def]
+    (ref_out, ref_grad), (tri_out, tri_grad) = results
+    tol_out, tol_grad = TOL[dtype]
+    for i, (a, b) in enumerate(zip(tri_out, ref_out, strict=True)):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{what} out{i}: {a.shape} {b.shape}"
+        assert torch.isfinite(a).all(), f"{what} out{i} not finite"
+        assert rel_err(a, b) <= tol_out, f"{what} out{i}: rel err {rel_err(a, b):.2e}"
+    for i, (a, b) in enumerate(zip(tri_grad, ref_grad, strict=True)):
+        assert a.shape == b.shape, f"{what} grad{i}: {a.shape} {b.shape}"
+        assert rel_err(a, b) <= tol_grad, f"{what} grad{i}: rel err {rel_err(a, b):.2e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 200), (37, 96), (6, 1000)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm(dtype, rows, hidden, residual) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(rows * hidden)
+    x = leaf(rows, hidden, dtype=dtype)
+    w = leaf(hidden, dtype=dtype)
+    inputs = [x, w] + ([leaf(rows, hidden, dtype=dtype)] if residual else [])
+    res = run_both(lambda impl, *t: K.rms_norm(t[0], t[1], 1e-6, *t[2:], impl=impl), inputs)
+    check(res, dtype, f"rms_norm[{rows}x{hidden}, residual={residual}]")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("affine", ["none", "weight", "weight_bias"])
+def test_layer_norm(dtype, affine) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(1)
+    x = leaf(3, 13, 200, dtype=dtype, scale=3.0)
+    params = []
+    if affine != "none":
+        params.append(leaf(200, dtype=dtype))
+    if affine == "weight_bias":
+        params.append(leaf(200, dtype=dtype))
+    res = run_both(lambda impl, *t: K.layer_norm(*t, eps=1e-5, impl=impl), [x, *params])
+    check(res, dtype, f"layer_norm[{affine}]")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 11, 200), (2, 1, 96)])
+def test_ada_layer_norm(dtype, shape) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(2)
+    b, _, d = shape
+    x = leaf(*shape, dtype=dtype)
+    scale, shift = leaf(b, d, dtype=dtype, scale=0.5), leaf(b, d, dtype=dtype)
+    res = run_both(lambda impl, *t: K.ada_layer_norm(*t, impl=impl), [x, scale, shift])
+    check(res, dtype, f"ada_layer_norm{shape}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_glu(dtype, activation, packed) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(3)
+    if packed:
+        inputs = [leaf(2, 5, 2 * 2500, dtype=dtype, scale=2.0)]  # 2500 > one 2048 column block
+    else:
+        inputs = [leaf(7, 200, dtype=dtype, scale=2.0), leaf(7, 200, dtype=dtype)]
+    res = run_both(lambda impl, *t: K.glu(*t, activation=activation, impl=impl), inputs)
+    check(res, dtype, f"glu[{activation}, packed={packed}]")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["bshd", "bshd_partial", "packed"])
+def test_rope(dtype, layout) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(4)
+    head_dim = 48
+    rotary = 16 if layout == "bshd_partial" else head_dim
+    cos, sin = K.rope_cos_sin(64, rotary, device=DEVICE)
+    if layout == "packed":  # two documents of 4 and 5 tokens; positions restart per document
+        q, k = leaf(9, 6, head_dim, dtype=dtype), leaf(9, 2, head_dim, dtype=dtype)
+        pos = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 4], device=DEVICE)
+    else:
+        q, k = leaf(2, 5, 6, head_dim, dtype=dtype), leaf(2, 5, 2, head_dim, dtype=dtype)
+        pos = torch.randint(0, 64, (2, 5), device=DEVICE)
+    res = run_both(lambda impl, a, b: K.apply_rope(a, b, cos, sin, pos, impl=impl), [q, k])
+    check(res, dtype, f"rope[{layout}]")
+
+
+def test_rope_inplace_matches() -> None:
+    torch.manual_seed(5)
+    cos, sin = K.rope_cos_sin(16, 32, device=DEVICE)
+    q, k = torch.randn(2, 7, 3, 32, device=DEVICE), torch.randn(2, 7, 1, 32, device=DEVICE)
+    ref_q, ref_k = K.apply_rope_torch(q, k, cos, sin)
+    with torch.no_grad():
+        K.apply_rope_(q, k, cos, sin)
+    assert rel_err(q, ref_q) <= 1e-5 and rel_err(k, ref_k) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("z_loss,reduction", [(0.0, "mean"), (1e-3, "mean"), (0.0, "sum")])
+def test_fused_linear_cross_entropy(dtype, z_loss, reduction, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(6)
+    monkeypatch.setattr(fused_linear_ce, "MAX_BLOCK_V", 128)  # 300 = 128 + 128 + 44 columns
+    n, hidden, vocab = 37, 48, 300
+    h = leaf(n, hidden, dtype=dtype)
+    w = leaf(vocab, hidden, dtype=dtype, scale=0.3)
+    target = torch.randint(0, vocab, (n,), device=DEVICE)
+    target[::5] = -100
+    target[-1] = vocab - 1  # the last vocab column, in the partial block
+
+    def fn(impl, a, b):  # type: ignore[no-untyped-def]
+        return K.fused_linear_cross_entropy(
+            a, b, target, z_loss=z_loss, reduction=reduction, chunk_size=16, impl=impl
+        )
+
+    (ref_out, ref_grad), (tri_out, tri_grad) = run_both(fn, [h, w])
+    assert tri_out[0].dtype == torch.float32 and tri_out[0].shape == ()
+    tol_grad = 1e-4 if dtype == torch.float32 else 2e-2
+    assert rel_err(tri_out[0], ref_out[0]) <= (1e-5 if dtype == torch.float32 else 1e-2)
+    for name, a, b in zip(("dhidden", "dweight"), tri_grad, ref_grad, strict=True):
+        assert rel_err(a, b) <= tol_grad, f"{name}: {rel_err(a, b):.2e}"
+
+
+def test_fused_linear_cross_entropy_all_ignored() -> None:
+    h = torch.randn(5, 8, device=DEVICE, requires_grad=True)
+    w = torch.randn(40, 8, device=DEVICE, requires_grad=True)
+    target = torch.full((5,), -100, device=DEVICE)
+    loss = K.fused_linear_cross_entropy(h, w, target, impl="triton")
+    loss.backward()
+    assert loss.item() == 0.0 and h.grad.abs().max().item() == 0.0
+
+
+def test_torch_compile_traces_custom_ops() -> None:
+    """torch.compile(fullgraph) traces the custom ops via their fake impls, fwd and bwd."""
+    torch.manual_seed(7)
+    x = torch.randn(4, 96, device=DEVICE, requires_grad=True)
+    w = torch.randn(96, device=DEVICE, requires_grad=True)
+
+    def fn(x, w):  # type: ignore[no-untyped-def]
+        y, h = K.rms_norm(x, w, 1e-6, residual=x * 2, impl="triton")
+        return K.swiglu(y, h, impl="triton")
+
+    backend = "inductor" if DEVICE == "cuda" else "aot_eager"
+    out = torch.compile(fn, backend=backend, fullgraph=True)(x, w)
+    out.sum().backward()
+    gx = x.grad.clone()
+    x.grad = None
+    ref = fn(x, w)
+    ref.sum().backward()
+    assert rel_err(out, ref) <= 1e-5 and rel_err(gx, x.grad) <= 1e-4
