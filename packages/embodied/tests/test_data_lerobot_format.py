@@ -1,0 +1,284 @@
+"""Read datasets laid out the way LeRobot itself writes them, built here by hand.
+
+``lerobot`` cannot be installed in this environment (it pulls datasets, huggingface_hub,
+torchvision, draccus, ...), so these fixtures are written directly with pyarrow / PyAV from
+LeRobot's source (``lerobot/datasets/utils.py``, ``dataset_metadata.py``,
+``dataset_writer.py`` at v3.0, and the v2.1 jsonl layout), NOT with longboat's writer:
+
+- data parquet: HF ``datasets`` arrow types (vectors as fixed-size lists) plus its
+  ``huggingface`` schema metadata; v3.0 episodes table from ``pa.Table.from_pydict`` with
+  ``episode_index, tasks, length, data/*, dataset_from/to_index, videos/<key>/*, stats/*,
+  meta/episodes/*``; tasks.parquet from a pandas frame indexed by ``task``.
+- videos: libx264 with B-frames (GOP 6), crf 30, episodes simply
+  continuing in one stream for v3.0 (no forced keyframe at episode starts), fps 15 so
+  timestamps are not exact binary fractions.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import av
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from longboat.embodied.data import LeRobotDataset
+
+FPS = 15
+H, W = 24, 32
+LENGTHS = [9, 12]
+TASKS = ["Grasp a lego block and put it in the bin.", "Push the T to the target."]
+MOTORS = ["shoulder_pan", "shoulder_lift", "elbow_flex", "wrist_flex", "wrist_roll", "gripper"]
+CAM = "observation.images.laptop"
+
+
+def _frame(ep: int, f: int) -> np.ndarray:
+    level = 30 + 12 * f + 90 * ep
+    img = np.empty((H, W, 3), np.uint8)
+    img[..., 0] = level % 256
+    img[..., 1] = 200 - (7 * f) % 100
+    img[..., 2] = 60 + 40 * ep
+    return img
+
+
+def _encode(path: Path, frames: list[np.ndarray]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("libx264", rate=FPS)
+        s.width, s.height, s.pix_fmt = W, H, "yuv420p"
+        s.codec_context.gop_size = 6
+        s.codec_context.max_b_frames = 2  # B-frames: decode order != presentation order
+        s.options = {"crf": "30", "preset": "medium"}
+        for i, img in enumerate(frames):
+            fr = av.VideoFrame.from_ndarray(img, format="rgb24")
+            fr.pts = i
+            for p in s.encode(fr):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+
+
+def _values(seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    states = [rng.normal(size=(n, 6)).astype(np.float32) for n in LENGTHS]
+    actions = [rng.normal(size=(n, 6)).astype(np.float32) for n in LENGTHS]
+    return states, actions
+
+
+def _features(names) -> dict:
+    return {
+        "action": {"dtype": "float32", "shape": [6], "names": names},
+        "observation.state": {"dtype": "float32", "shape": [6], "names": names},
+        CAM: {
+            "dtype": "video",
+            "shape": [H, W, 3],
+            "names": ["height", "width", "channels"],
+            "info": {
+                "video.height": H,
+                "video.width": W,
+                "video.codec": "h264",
+                "video.pix_fmt": "yuv420p",
+                "video.is_depth_map": False,
+                "video.fps": FPS,
+                "video.channels": 3,
+                "has_audio": False,
+            },
+        },
+        "timestamp": {"dtype": "float32", "shape": [1], "names": None},
+        "frame_index": {"dtype": "int64", "shape": [1], "names": None},
+        "episode_index": {"dtype": "int64", "shape": [1], "names": None},
+        "index": {"dtype": "int64", "shape": [1], "names": None},
+        "task_index": {"dtype": "int64", "shape": [1], "names": None},
+    }
+
+
+def _hf_table(state, action, ep, start, task_index, list_type) -> pa.Table:
+    n = len(state)
+    hf = {
+        "action": {
+            "feature": {"dtype": "float32", "_type": "Value"},
+            "length": 6,
+            "_type": list_type,
+        },
+        "observation.state": {
+            "feature": {"dtype": "float32", "_type": "Value"},
+            "length": 6,
+            "_type": list_type,
+        },
+        "timestamp": {"dtype": "float32", "_type": "Value"},
+        "frame_index": {"dtype": "int64", "_type": "Value"},
+        "episode_index": {"dtype": "int64", "_type": "Value"},
+        "index": {"dtype": "int64", "_type": "Value"},
+        "task_index": {"dtype": "int64", "_type": "Value"},
+    }
+    fsl = pa.list_(pa.float32(), 6)
+    schema = pa.schema(
+        [
+            ("action", fsl),
+            ("observation.state", fsl),
+            ("timestamp", pa.float32()),
+            ("frame_index", pa.int64()),
+            ("episode_index", pa.int64()),
+            ("index", pa.int64()),
+            ("task_index", pa.int64()),
+        ],
+        metadata={"huggingface": json.dumps({"info": {"features": hf}})},
+    )
+    return pa.table(
+        {
+            "action": pa.array(action.tolist(), fsl),
+            "observation.state": pa.array(state.tolist(), fsl),
+            "timestamp": pa.array([f / FPS for f in range(n)], pa.float32()),
+            "frame_index": pa.array(range(n), pa.int64()),
+            "episode_index": pa.array([ep] * n, pa.int64()),
+            "index": pa.array(range(start, start + n), pa.int64()),
+            "task_index": pa.array([task_index] * n, pa.int64()),
+        },
+        schema=schema,
+    )
+
+
+def _stats(x: np.ndarray) -> dict:
+    return {
+        "min": x.min(0).tolist(),
+        "max": x.max(0).tolist(),
+        "mean": x.mean(0).tolist(),
+        "std": x.std(0).tolist(),
+        "count": [len(x)],
+    }
+
+
+@pytest.fixture(scope="module")
+def v30_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("lerobot_v30")
+    states, actions = _values(0)
+    info = {
+        "codebase_version": "v3.0",
+        "robot_type": "koch",
+        "total_episodes": 2,
+        "total_frames": sum(LENGTHS),
+        "total_tasks": 2,
+        "chunks_size": 1000,
+        "data_files_size_in_mb": 100,
+        "video_files_size_in_mb": 500,
+        "fps": FPS,
+        "splits": {"train": "0:2"},
+        "data_path": "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
+        "video_path": "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4",
+        "features": _features(MOTORS),
+    }
+    (root / "meta").mkdir(parents=True)
+    (root / "meta/info.json").write_text(json.dumps(info, indent=4))
+    tables = [_hf_table(states[e], actions[e], e, sum(LENGTHS[:e]), e, "List") for e in range(2)]
+    (root / "data/chunk-000").mkdir(parents=True)
+    pq.write_table(pa.concat_tables(tables), root / "data/chunk-000/file-000.parquet")
+    _encode(
+        root / f"videos/{CAM}/chunk-000/file-000.mp4",
+        [_frame(e, f) for e in range(2) for f in range(LENGTHS[e])],
+    )
+    rows = {
+        "episode_index": [0, 1],
+        "tasks": [[TASKS[0]], [TASKS[1]]],
+        "length": LENGTHS,
+        "data/chunk_index": [0, 0],
+        "data/file_index": [0, 0],
+        "dataset_from_index": [0, LENGTHS[0]],
+        "dataset_to_index": [LENGTHS[0], sum(LENGTHS)],
+        f"videos/{CAM}/chunk_index": [0, 0],
+        f"videos/{CAM}/file_index": [0, 0],
+        f"videos/{CAM}/from_timestamp": [0.0, LENGTHS[0] / FPS],
+        f"videos/{CAM}/to_timestamp": [LENGTHS[0] / FPS, sum(LENGTHS) / FPS],
+    }
+    for stat in ("min", "max", "mean", "std", "count"):
+        rows[f"stats/action/{stat}"] = [_stats(a)[stat] for a in actions]
+    rows["meta/episodes/chunk_index"] = [0, 0]
+    rows["meta/episodes/file_index"] = [0, 0]
+    (root / "meta/episodes/chunk-000").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pydict(rows), root / "meta/episodes/chunk-000/file-000.parquet")
+    pandas_meta = {"index_columns": ["task"], "columns": [], "column_indexes": []}
+    tasks = pa.table(
+        {"task_index": pa.array([0, 1], pa.int64()), "task": pa.array(TASKS)}
+    ).replace_schema_metadata({"pandas": json.dumps(pandas_meta)})
+    pq.write_table(tasks, root / "meta/tasks.parquet")
+    allx = np.concatenate(actions)
+    (root / "meta/stats.json").write_text(json.dumps({"action": _stats(allx)}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def v21_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("lerobot_v21")
+    states, actions = _values(1)
+    info = {
+        "codebase_version": "v2.1",
+        "robot_type": "so100",
+        "total_episodes": 2,
+        "total_frames": sum(LENGTHS),
+        "total_tasks": 2,
+        "total_videos": 2,
+        "total_chunks": 1,
+        "chunks_size": 1000,
+        "fps": FPS,
+        "splits": {"train": "0:2"},
+        "data_path": "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet",
+        "video_path": "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4",
+        # Datasets ported to v2.x often carry names as {"motors": [...]}.
+        "features": _features({"motors": MOTORS}),
+    }
+    (root / "meta").mkdir(parents=True)
+    (root / "meta/info.json").write_text(json.dumps(info, indent=4))
+    episodes, ep_stats = [], []
+    for e in range(2):
+        path = root / f"data/chunk-000/episode_{e:06d}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Episode 1 does task 0 so task_index and episode order differ.
+        pq.write_table(
+            _hf_table(states[e], actions[e], e, sum(LENGTHS[:e]), 1 - e, "Sequence"), path
+        )
+        _encode(
+            root / f"videos/chunk-000/{CAM}/episode_{e:06d}.mp4",
+            [_frame(e, f) for f in range(LENGTHS[e])],
+        )
+        episodes.append({"episode_index": e, "tasks": [TASKS[1 - e]], "length": LENGTHS[e]})
+        ep_stats.append({"episode_index": e, "stats": {"action": _stats(actions[e])}})
+    (root / "meta/episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in episodes))
+    (root / "meta/episodes_stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ep_stats))
+    (root / "meta/tasks.jsonl").write_text(
+        "".join(json.dumps({"task_index": i, "task": t}) + "\n" for i, t in enumerate(TASKS))
+    )
+    return root
+
+
+@pytest.mark.parametrize("which", ["v30", "v21"])
+def test_reads_lerobot_layout(which, v30_root, v21_root):
+    root = v30_root if which == "v30" else v21_root
+    states, actions = _values(0 if which == "v30" else 1)
+    ds = LeRobotDataset(
+        root, image_dtype="uint8", delta_timestamps={"action": [0.0, 1 / FPS, 2 / FPS]}
+    )
+    assert len(ds) == sum(LENGTHS) and ds.meta.version == ("v3.0" if which == "v30" else "v2.1")
+    for pos in range(len(ds)):
+        s = ds[pos]
+        e, f = int(s["episode_index"]), int(s["frame_index"])
+        assert torch.equal(s["observation.state"], torch.from_numpy(states[e][f]))
+        rows = np.minimum(np.arange(f, f + 3), LENGTHS[e] - 1)
+        assert torch.equal(s["action"], torch.from_numpy(actions[e][rows]))
+        assert s["action_is_pad"].tolist() == (np.arange(f, f + 3) >= LENGTHS[e]).tolist()
+        expected_task = TASKS[e] if which == "v30" else TASKS[1 - e]
+        assert s["task"] == expected_task
+        assert "embodiment_id" not in s
+        got = s[CAM].permute(1, 2, 0).numpy().astype(np.int64)
+        errs = [np.abs(_frame(e, g).astype(np.int64) - got).mean() for g in range(LENGTHS[e])]
+        assert int(np.argmin(errs)) == f and errs[f] <= 4.0, (which, pos, errs[f])
+
+
+def test_lerobot_stats_normalise(v30_root):
+    _, actions = _values(0)
+    ds = LeRobotDataset(v30_root, normalization={"action": "mean_std"})
+    allx = np.concatenate(actions).astype(np.float64)
+    got = torch.stack([ds[i]["action"] for i in range(len(ds))]).double().numpy()
+    np.testing.assert_allclose(got, (allx - allx.mean(0)) / allx.std(0), atol=1e-5)
