@@ -161,3 +161,31 @@ def test_sampler_drives_a_dataloader(root):
     batch = next(iter(loader))
     assert batch["action"].shape == (4, 3, 5) and not batch["action_is_pad"].any()
     assert len(batch["task"]) == 4
+
+
+def test_mixed_embodiments_pad_collate(tmp_path):
+    from longboat.embodied.data import MultiLeRobotDataset, pad_collate
+
+    roots = write_synthetic_dataset(
+        tmp_path,
+        num_episodes=2,
+        episode_length=(6, 6),
+        cameras=(),
+        embodiments=(
+            EmbodimentSpec(name="a", state_dim=6, action_dim=5),
+            EmbodimentSpec(name="b", state_dim=3, action_dim=2),
+        ),
+    )
+    assert [r.name for r in roots] == ["a", "b"]
+    ds = MultiLeRobotDataset(roots, embodiment_ids=[2, 3], delta_timestamps={"action": [0.0, 0.1]})
+    assert len(ds) == 24 and ds.episode_ranges[2] == (12, 18)
+    batch = pad_collate([ds[0], ds[13]], max_state_dim=8, max_action_dim=8)
+    assert batch["embodiment_id"].tolist() == [2, 3]
+    assert batch["observation.state"].shape == (2, 8) and batch["action"].shape == (2, 2, 8)
+    assert batch["state_dim_mask"].sum(1).tolist() == [6, 3]
+    assert batch["action_dim_mask"].sum(1).tolist() == [5, 2]
+    assert torch.equal(batch["action"][1, :, 2:], torch.zeros(2, 6))
+    assert torch.equal(batch["action"][1, :, :2], ds[13]["action"])
+    assert batch["action_is_pad"].shape == (2, 2) and len(batch["task"]) == 2
+    with pytest.raises(ValueError, match="raise max_state_dim"):
+        pad_collate([ds[0]], max_state_dim=4, max_action_dim=8)

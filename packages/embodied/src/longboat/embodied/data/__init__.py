@@ -5,6 +5,7 @@ Public API (documented in packages/embodied/README.md, "Data"):
 - :func:`write_synthetic_dataset`, :class:`EmbodimentSpec` and the known-value functions
   :func:`synthetic_state`, :func:`synthetic_action`, :func:`synthetic_frame`
 - :class:`LeRobotDataset` (v2.1 and v3.0), :class:`LeRobotMetadata`
+- :class:`MultiLeRobotDataset` (one dataset per embodiment) and :func:`pad_collate`
 - :class:`Normalizer`, :class:`EpisodeAwareSampler`
 - video backends :class:`PyAVDecoder`, :class:`TorchCodecDecoder`
 - errors :class:`LeRobotFormatError`, :class:`VideoDecodeError`
@@ -13,6 +14,7 @@ Public API (documented in packages/embodied/README.md, "Data"):
 from longboat.embodied.data.dataset import LeRobotDataset, delta_indices
 from longboat.embodied.data.layout import LeRobotFormatError, VideoDecodeError
 from longboat.embodied.data.metadata import EpisodeMeta, LeRobotMetadata
+from longboat.embodied.data.mixture import MultiLeRobotDataset, pad_collate
 from longboat.embodied.data.normalize import Normalizer
 from longboat.embodied.data.sampler import EpisodeAwareSampler
 from longboat.embodied.data.synthetic import (
@@ -31,11 +33,13 @@ __all__ = [
     "LeRobotDataset",
     "LeRobotFormatError",
     "LeRobotMetadata",
+    "MultiLeRobotDataset",
     "Normalizer",
     "PyAVDecoder",
     "TorchCodecDecoder",
     "VideoDecodeError",
     "delta_indices",
+    "pad_collate",
     "synthetic_action",
     "synthetic_frame",
     "synthetic_state",
