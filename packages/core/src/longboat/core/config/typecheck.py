@@ -9,6 +9,7 @@ all type errors are reported together, using OmegaConf's own conversion rules
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -23,14 +24,14 @@ from longboat.core.config.suggest import close_matches
 def type_name(tp: Any) -> str:
     """Readable name of a schema type: ``int``, ``list[float]``, ``OptimConfig``."""
     if tp is Any:
-        return "any value"
+        return "Any"
     if tp is type(None):
         return "None"
     origin = typing.get_origin(tp)
     if origin is None:
         return getattr(tp, "__name__", str(tp))
     args = typing.get_args(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         return " | ".join(type_name(a) for a in args)
     base = getattr(origin, "__name__", str(origin))
     return f"{base}[{', '.join(type_name(a) for a in args)}]"
@@ -39,10 +40,10 @@ def type_name(tp: Any) -> str:
 def _expected(node: DictConfig, key: str) -> str:
     child = node._get_node(key)
     if child is None:
-        return "any value"
+        return "Any"
     meta = child._metadata
     name = type_name(meta.ref_type)
-    if meta.optional and "None" not in name and name != "any value":
+    if meta.optional and "None" not in name and name != "Any":
         name += " | None"
     return name
 
