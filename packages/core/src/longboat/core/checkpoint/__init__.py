@@ -10,11 +10,17 @@ from longboat.core.checkpoint.errors import (
     CheckpointWarning,
     InvalidCheckpointError,
 )
-from longboat.core.checkpoint.manager import TEST_PAUSE_ENV, CheckpointManager, step_dir_name
+from longboat.core.checkpoint.manager import (
+    TEST_PAUSE_AT_ENV,
+    TEST_PAUSE_ENV,
+    CheckpointManager,
+    step_dir_name,
+)
 from longboat.core.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest
 
 __all__ = [
     "MANIFEST_NAME",
+    "TEST_PAUSE_AT_ENV",
     "TEST_PAUSE_ENV",
     "CheckpointCorruptError",
     "CheckpointError",

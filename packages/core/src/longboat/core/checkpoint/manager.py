@@ -15,6 +15,7 @@ after a save succeeded.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -25,6 +26,7 @@ import shutil
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from longboat.core.checkpoint.errors import (
     CheckpointCorruptError,
@@ -55,19 +58,26 @@ from longboat.core.checkpoint.state import (
     split_state,
 )
 
-__all__ = ["TEST_PAUSE_ENV", "CheckpointManager", "step_dir_name"]
+__all__ = ["TEST_PAUSE_AT_ENV", "TEST_PAUSE_ENV", "CheckpointManager", "step_dir_name"]
 
 logger = logging.getLogger(__name__)
 
 TEST_PAUSE_ENV = "LONGBOAT_CKPT_TEST_PAUSE_S"
-"""Test hook: seconds to sleep after each file group a save writes (kill-mid-save tests)."""
+"""Test hook: seconds a save sleeps after writing a file group (kill-mid-save tests)."""
+TEST_PAUSE_AT_ENV = "LONGBOAT_CKPT_TEST_PAUSE_AT"
+"""Test hook: pause only at this point: ``extras``, ``shards`` or ``manifest`` (default: all)."""
 
 # DCP warns on every single-process save/load; single process is a supported mode here.
-warnings.filterwarnings(
-    "ignore",
-    message=r"torch\.distributed is (disabled, )?(unavailable|uninitialized)",
-    category=UserWarning,
-)
+_SINGLE_PROCESS_WARNING = r"torch\.distributed is (disabled, )?(unavailable|uninitialized)"
+warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+        yield
+
 
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _TMP_PREFIX = ".tmp-"
@@ -81,7 +91,8 @@ def step_dir_name(step: int) -> str:
 
 def _test_pause(point: str) -> None:
     seconds = os.environ.get(TEST_PAUSE_ENV)
-    if seconds:
+    at = os.environ.get(TEST_PAUSE_AT_ENV)
+    if seconds and at in (None, "", point):
         logger.warning("checkpoint test hook: pausing %ss at %s", seconds, point)
         time.sleep(float(seconds))
 
@@ -102,6 +113,12 @@ def _jsonable(config: Any) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise TypeError(f"config_dict must be a dict, dataclass or DictConfig, got {type(config)}")
     return json.loads(json.dumps(config, default=str))
+
+
+def _dcp_failure(what: str, exc: CheckpointException) -> CheckpointError:
+    """DCP raises a BaseException subclass; turn it into a plain error naming the cause."""
+    causes = "; ".join(f"rank {rank}: {err}" for rank, (err, _) in exc.failures.items())
+    return CheckpointError(f"{what} failed: {causes}")
 
 
 def _dist_on() -> bool:
@@ -267,12 +284,16 @@ class CheckpointManager:
         except BaseException as exc:
             error = exc
         self._raise_if_any(error, "writing per-rank state")
-        _test_pause("extras written")
+        _test_pause("extras")
 
         writer = FileSystemWriter(tmp, sync_files=True)
         if not use_async:
-            dcp.save(split.sharded, storage_writer=writer)
-            _test_pause("shards written")
+            try:
+                with _quiet_single_process():
+                    dcp.save(split.sharded, storage_writer=writer)
+            except CheckpointException as exc:
+                raise _dcp_failure(f"writing shards of {final}", exc) from None
+            _test_pause("shards")
             if rank == 0:
                 try:
                     self._finalize(step, tmp, final, world)
@@ -294,9 +315,11 @@ class CheckpointManager:
         def finish() -> None:
             try:
                 future.result()
-                _test_pause("shards written")
+                _test_pause("shards")
                 if rank == 0:
                     self._finalize(step, tmp, final, world)
+            except CheckpointException as exc:
+                pending.error = _dcp_failure(f"writing shards of {final}", exc)
             except BaseException as exc:
                 pending.error = exc
 
@@ -309,7 +332,7 @@ class CheckpointManager:
         """Rank 0: checksums + manifest, atomic rename, then prune."""
         t0 = time.perf_counter()
         manifest = build_manifest(tmp, step=step, world_size=world, config=self.config_dict)
-        _test_pause("before manifest")
+        _test_pause("manifest")
         write_manifest(tmp, manifest)
         trash = None
         if final.exists():  # re-save of the same step: swap, never delete before the rename
@@ -417,11 +440,15 @@ class CheckpointManager:
 
         templates = sharded_templates(state)
         if templates:
-            dcp.load(
-                templates,
-                storage_reader=SafeFileSystemReader(path),
-                planner=SafeLoadPlanner(allow_partial_load=not strict),
-            )
+            try:
+                with _quiet_single_process():
+                    dcp.load(
+                        templates,
+                        storage_reader=SafeFileSystemReader(path),
+                        planner=SafeLoadPlanner(allow_partial_load=not strict),
+                    )
+            except CheckpointException as exc:
+                raise _dcp_failure(f"loading {path}", exc) from None
             load_sharded(state, templates)
 
         extra_rank = rank
