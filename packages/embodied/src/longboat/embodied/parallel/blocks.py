@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from torch import nn
 
+# Methods through which a model may run a block without calling the block itself:
+# pi0.5's joint attention drives each LM / expert layer as ``project_qkv`` then
+# ``finish``. FSDP hooks and activation checkpointing must see those calls.
+KNOWN_BLOCK_METHODS = ("project_qkv", "finish")
+
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
     """Return the model's repeated blocks, outermost first, without nesting.
@@ -26,3 +31,14 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
                 blocks.append(child)
                 taken.add(f"{name}.{idx}" if name else str(idx))
     return blocks
+
+
+def block_methods(block: nn.Module) -> list[str]:
+    """Non-``forward`` methods the model calls to run ``block`` (see KNOWN_BLOCK_METHODS).
+
+    A block class may declare them explicitly with a ``block_forward_methods`` tuple.
+    """
+    declared = getattr(block, "block_forward_methods", None)
+    if declared is not None:
+        return list(declared)
+    return [m for m in KNOWN_BLOCK_METHODS if callable(getattr(block, m, None))]

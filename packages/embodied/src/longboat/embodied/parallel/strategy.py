@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.nn.parallel import DistributedDataParallel
 
 from longboat.core.config.errors import ConfigError
-from longboat.embodied.parallel.blocks import find_blocks
+from longboat.embodied.parallel.blocks import block_methods, find_blocks
 from longboat.embodied.parallel.checkpointing import apply_activation_checkpointing
 
 STRATEGIES = ("ddp", "zero1", "fsdp", "hsdp")
@@ -97,6 +97,7 @@ def parallelize(
     activation_checkpointing: str = "none",
     device_ids: list[int] | None = None,
     bucket_cap_mb: int = 25,
+    find_unused_parameters: bool = True,
 ) -> nn.Module:
     """Apply activation checkpointing, then the data-parallel strategy, to ``model``.
 
@@ -107,6 +108,8 @@ def parallelize(
     - ``hsdp``: the same on a 2-D (replicate, shard) mesh.
 
     With a single process the model is returned unwrapped (same math).
+    ``find_unused_parameters`` (DDP/ZeRO-1) costs one autograd-graph walk per step;
+    turn it off only for policies whose every trainable parameter is used every step.
     """
     validate_setup(setup)
     blocks = find_blocks(model)
@@ -119,9 +122,10 @@ def parallelize(
             device_ids=device_ids,
             bucket_cap_mb=bucket_cap_mb,
             gradient_as_bucket_view=True,
-            # Frozen sub-modules (e.g. a frozen ViT) never produce grads; DDP only
-            # registers hooks on requires_grad params, so no unused-param search.
-            find_unused_parameters=False,
+            # Policies have trainable params that a step may not use (GR00T's state
+            # mask token only takes part when state dropout fires); DDP must not wait
+            # for their grads. Frozen params are never hooked, so they cost nothing.
+            find_unused_parameters=find_unused_parameters,
         )
     mesh = build_mesh(setup)
     mp_policy = MixedPrecisionPolicy()
@@ -130,6 +134,9 @@ def parallelize(
     # Blocks are re-found because checkpoint wrappers replaced them in their parents.
     for block in find_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+        for name in block_methods(block):
+            # Gather before / reshard after each of these calls, as for forward.
+            register_fsdp_forward_method(block, name)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     return model
 
