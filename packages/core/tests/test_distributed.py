@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import pickle
+import sys
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from longboat.core.config.schema import ParallelConfig
 from longboat.core.distributed import (
     MultiprocessError,
     build_device_mesh,
+    dp_mesh,
     init_distributed,
     mesh_shape,
     resolve_parallel,
@@ -43,13 +46,13 @@ def _mesh_worker(rank: int, world_size: int, parallel: ParallelConfig) -> dict:
         "shape": tuple(mesh.shape),
         "sizes": {n: mesh[n].size() for n in mesh.mesh_dim_names},
     }
-    if "dp_replicate" in mesh.mesh_dim_names:
-        out["dp_flat"] = mesh["dp"].size()
+    dp = dp_mesh(mesh)
+    out["dp_size"] = dp.size()
     # Reduce over dp only: the sum of global ranks in my dp group is checkable on the host.
     t = torch.tensor([float(rank)])
-    dist.all_reduce(t, group=mesh["dp"].get_group())
+    dist.all_reduce(t, group=dp.get_group())
     out["dp_sum"] = t.item()
-    out["dp_ranks"] = sorted(dist.get_process_group_ranks(mesh["dp"].get_group()))
+    out["dp_ranks"] = sorted(dist.get_process_group_ranks(dp.get_group()))
     return out
 
 
@@ -154,7 +157,7 @@ def test_mesh_tp_dp_world4():
     out = run_multiprocess(_mesh_worker, 4, ParallelConfig(tensor_parallel=2))
     for rank, o in enumerate(out):
         assert o["names"] == ("dp", "tp") and o["shape"] == (2, 2)
-        assert o["sizes"] == {"dp": 2, "tp": 2}
+        assert o["sizes"] == {"dp": 2, "tp": 2} and o["dp_size"] == 2
         # row-major mesh [[0, 1], [2, 3]]: dp groups are the columns {0, 2} and {1, 3}
         assert o["dp_ranks"] == [rank % 2, rank % 2 + 2]
         assert o["dp_sum"] == float(2 * (rank % 2) + 2)
@@ -167,7 +170,7 @@ def test_mesh_hsdp_world4():
     )
     for o in out:
         assert o["names"] == ("dp_replicate", "dp_shard") and o["shape"] == (2, 2)
-        assert o["dp_flat"] == 4 and o["dp_ranks"] == [0, 1, 2, 3]
+        assert o["dp_size"] == 4 and o["dp_ranks"] == [0, 1, 2, 3]
         assert o["dp_sum"] == 6.0
 
 
@@ -188,6 +191,23 @@ def test_timeout_names_pending_ranks():
         run_multiprocess(_sleepy_worker, 2, timeout=3)
 
 
+def test_function_ref_reimports_test_module_by_path():
+    # What a spawned child does: the test module is not importable by name under
+    # importlib mode, so the function is re-imported from its source file.
+    from longboat.core.distributed.multiprocess import _FunctionRef
+
+    ref = pickle.loads(pickle.dumps(_FunctionRef(_all_reduce_worker)))
+    ref.module = "longboat_test_reimported_module"  # a name no importer knows
+    try:
+        fn = ref.resolve()
+        assert fn is not _all_reduce_worker and fn.__code__.co_filename == __file__
+    finally:
+        sys.modules.pop("longboat_test_reimported_module", None)
+    with pytest.raises(ValueError, match="module-level"):
+        _FunctionRef(lambda rank, world: None)
+
+
+@pytest.mark.slow  # each spawned rank re-imports torch: ~10-25 s on 2 busy cores
 @pytest.mark.multiprocess
 def test_spawn_reimports_test_module_by_path():
     out = run_multiprocess(_all_reduce_worker, 2, 1.0, start_method="spawn", timeout=90)

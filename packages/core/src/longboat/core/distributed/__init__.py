@@ -9,6 +9,7 @@ from longboat.core.distributed.multiprocess import (
 from longboat.core.distributed.parallel import (
     STRATEGIES,
     build_device_mesh,
+    dp_mesh,
     mesh_shape,
     resolve_parallel,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "MultiprocessError",
     "build_device_mesh",
     "destroy_distributed",
+    "dp_mesh",
     "find_free_port",
     "init_distributed",
     "mesh_shape",

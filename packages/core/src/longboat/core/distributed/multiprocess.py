@@ -20,6 +20,7 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -160,8 +161,12 @@ def run_multiprocess(
         )
         for rank in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    with warnings.catch_warnings():
+        # Python warns when forking a process that has threads (pytest, TensorBoard, gloo
+        # helpers). The known hazard for torch, OpenMP's pool, is handled in the worker.
+        warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks")
+        for p in procs:
+            p.start()
     outputs: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     ok = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import TYPE_CHECKING
 
 from longboat.core.config.errors import ProblemCollector
@@ -141,14 +142,28 @@ def mesh_shape(
 def build_device_mesh(parallel: ParallelConfig, world_size: int, device_type: str) -> DeviceMesh:
     """A named DeviceMesh for ``parallel`` (see ``mesh_shape`` for the dims).
 
-    For HSDP the flattened ``dp`` dim (replicate x shard) is also available as
-    ``mesh["dp"]``. Needs torch.distributed initialised with ``world_size`` ranks.
+    For HSDP, ``dp_mesh(mesh)`` gives replicate x shard flattened into one ``dp``
+    dim. Needs torch.distributed initialised with ``world_size`` ranks.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     names, sizes = mesh_shape(parallel, world_size)
     mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
     if "dp_replicate" in names:
-        # DP loaders and loss averaging want one dp group regardless of sharding layout.
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        # DP loaders and loss averaging want one dp group regardless of sharding layout;
+        # torch wants the flattened mesh kept by the caller rather than sliced from the root.
+        _FLAT_DP[mesh] = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     return mesh
+
+
+_FLAT_DP: weakref.WeakKeyDictionary[DeviceMesh, DeviceMesh] = weakref.WeakKeyDictionary()
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D data-parallel submesh of a mesh from ``build_device_mesh``.
+
+    For HSDP this is replicate x shard flattened into one ``dp`` dim (e.g. for the
+    data sampler's rank and size); otherwise ``mesh["dp"]``.
+    """
+    flat = _FLAT_DP.get(mesh)
+    return flat if flat is not None else mesh["dp"]

@@ -1,0 +1,104 @@
+"""Metrics sink: JSON lines always, TensorBoard events when tensorboard is installed."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _to_jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().item() if value.numel() == 1 else value.detach().tolist()
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        # Strict JSON has no NaN/inf: keep them readable as strings.
+        return str(value)
+    return value
+
+
+def _scalar(value: Any) -> float | None:
+    """The value as a float for TensorBoard (NaN/inf kept), or None if not a scalar number."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            return None
+        value = value.detach().item()
+    elif hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+class MetricsSink:
+    """Writes ``<log_dir>/<run_name>/metrics.jsonl`` and TensorBoard events next to it.
+
+    Each JSONL line is ``{"step": int, "time": unix_seconds, <metric>: value, ...}``;
+    tensors become numbers, NaN/inf become the strings ``"nan"``/``"inf"``. The file is
+    appended to, so a resumed run continues it. With ``enabled=False`` (non-zero ranks)
+    every call is a no-op.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | Path,
+        run_name: str = "run",
+        tensorboard: bool = True,
+        enabled: bool = True,
+    ) -> None:
+        self.enabled = enabled
+        self.run_dir = Path(log_dir) / run_name
+        self.jsonl_path = self.run_dir / "metrics.jsonl"
+        self.tb_dir = self.run_dir / "tensorboard"
+        self._file = None
+        self._tb: Any = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = self.jsonl_path.open("a", encoding="utf-8")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # optional extra longboat-core[tensorboard]
+                SummaryWriter = None
+            if SummaryWriter is not None:
+                self._tb = SummaryWriter(log_dir=str(self.tb_dir))
+
+    @property
+    def tensorboard_enabled(self) -> bool:
+        """True when TensorBoard events are being written."""
+        return self._tb is not None
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Record ``metrics`` at ``step`` (numbers also go to TensorBoard as scalars)."""
+        if self._file is None:
+            return
+        row = {"step": int(step), "time": time.time()}
+        row.update({k: _to_jsonable(v) for k, v in metrics.items()})
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key in metrics:
+                scalar = _scalar(metrics[key])
+                if scalar is not None:
+                    self._tb.add_scalar(key, scalar, global_step=int(step))
+
+    def close(self) -> None:
+        """Flush and close the files (safe to call twice)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> MetricsSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
