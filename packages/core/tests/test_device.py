@@ -27,7 +27,8 @@ def clean_registry(monkeypatch):
 
 
 class _FakeAdapter:
-    pass
+    def __init__(self, accelerator: Accelerator) -> None:
+        self.accelerator = accelerator
 
 
 class _MissingRuntimeAccelerator(CPUAccelerator):
@@ -95,7 +96,7 @@ def test_megatron_adapter_resolved_lazily():
     register_accelerator("fakeavail", _AvailableAccelerator)
     acc = get_accelerator("fakeavail")
     adapter = acc.megatron_adapter()
-    assert isinstance(adapter, _FakeAdapter)
+    assert isinstance(adapter, _FakeAdapter) and adapter.accelerator is acc
     assert acc.megatron_adapter() is adapter  # resolved once
     assert CUDAAccelerator.megatron_adapter_ref is None
     assert CPUAccelerator.megatron_adapter_ref == (

@@ -145,18 +145,20 @@ class Accelerator(ABC):
         """The megatron-core adapter object, imported on first use; None if not needed.
 
         The adapter lives outside ``longboat.core.device`` (``megatron_adapter_ref``),
-        so importing the device layer never imports megatron.
+        so importing the device layer never imports megatron. The ref names either a
+        class or a factory function; it is called with this accelerator.
         """
         if not self._megatron_adapter_resolved:
-            self._megatron_adapter = _resolve_ref(self.megatron_adapter_ref, owner=self.name)
+            self._megatron_adapter = _resolve_ref(self.megatron_adapter_ref, accelerator=self)
             self._megatron_adapter_resolved = True
         return self._megatron_adapter
 
 
-def _resolve_ref(ref: str | None, *, owner: str) -> Any:
-    """Import ``"module:attr"``; an attribute that is a class is instantiated."""
+def _resolve_ref(ref: str | None, *, accelerator: Accelerator) -> Any:
+    """Import ``"module:attr"`` and call it (a class or factory) with ``accelerator``."""
     if ref is None:
         return None
+    owner = accelerator.name
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(
@@ -177,7 +179,7 @@ def _resolve_ref(ref: str | None, *, owner: str) -> Any:
             f"Accelerator {owner!r}: module {module_name!r} has no attribute {attr!r} "
             f"(megatron_adapter_ref={ref!r})."
         ) from exc
-    return obj() if isinstance(obj, type) else obj
+    return obj(accelerator) if callable(obj) else obj
 
 
 class NullStream:
