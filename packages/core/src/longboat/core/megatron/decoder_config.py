@@ -1,0 +1,207 @@
+"""Decoder-only transformer architecture -> megatron ``TransformerConfig``.
+
+``DecoderArch`` is the backend-neutral description of a Llama-style decoder
+(RMSNorm, rotary, GQA, SwiGLU, optional qk-norm and mixture-of-experts) that
+llm / vlm stacks fill from their model configs; ``to_transformer_config`` turns
+it plus a parallel layout into megatron-core's config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from longboat.core.config.errors import ConfigError
+except ImportError:  # pragma: no cover
+    ConfigError = ValueError  # type: ignore[misc,assignment]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(kw_only=True)
+class DecoderArch:
+    """Shape of a decoder-only LM; every field maps onto one HF config key."""
+
+    vocab_size: int
+    """Embedding rows (HF ``vocab_size``)."""
+    hidden_size: int
+    """Model width (HF ``hidden_size``)."""
+    num_layers: int
+    """Decoder layers (HF ``num_hidden_layers``)."""
+    num_attention_heads: int
+    """Query heads (HF ``num_attention_heads``)."""
+    num_query_groups: int
+    """Key/value heads for GQA (HF ``num_key_value_heads``)."""
+    head_dim: int
+    """Per-head width (HF ``head_dim``; Qwen3 decouples it from hidden/heads)."""
+    ffn_hidden_size: int
+    """Dense SwiGLU width (HF ``intermediate_size``)."""
+    max_position_embeddings: int = 4096
+    """Longest sequence rotary tables are built for."""
+    rope_theta: float = 10000.0
+    """Rotary base (HF ``rope_theta``)."""
+    rope_scaling_factor: float | None = None
+    """Llama-3 rotary scaling factor (HF ``rope_scaling.factor``); None: no scaling."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon (HF ``rms_norm_eps``)."""
+    qk_norm: bool = False
+    """RMSNorm on each query / key head before rotary (Qwen3)."""
+    attention_bias: bool = False
+    """Bias on the q/k/v projections (HF ``attention_bias``)."""
+    tie_embeddings: bool = False
+    """Share input embedding and output head (HF ``tie_word_embeddings``)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 means a dense MLP."""
+    moe_topk: int = 2
+    """Experts each token is routed to (HF ``num_experts_per_tok``)."""
+    moe_ffn_hidden_size: int | None = None
+    """Per-expert SwiGLU width (HF ``moe_intermediate_size``)."""
+    moe_norm_topk_prob: bool = True
+    """Renormalise the top-k routing probabilities to sum to one (HF ``norm_topk_prob``)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing loss weight (HF ``router_aux_loss_coef``)."""
+    init_std: float = 0.02
+    """Std of the normal weight init (HF ``initializer_range``)."""
+
+    def validate(self, *, prefix: str = "model") -> None:
+        """Raise ``ConfigError`` for inconsistent shapes, naming each key."""
+        problems: list[str] = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int",) and isinstance(value, int) and value < 0:
+                problems.append(f"{prefix}.{f.name}={value}: must be >= 0")
+        if self.num_attention_heads % max(self.num_query_groups, 1) != 0:
+            problems.append(
+                f"{prefix}.num_query_groups={self.num_query_groups}: must divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.num_experts and self.moe_ffn_hidden_size is None:
+            problems.append(f"{prefix}.moe_ffn_hidden_size: required when num_experts > 0")
+        if self.num_experts and not 0 < self.moe_topk <= self.num_experts:
+            problems.append(
+                f"{prefix}.moe_topk={self.moe_topk}: must be in 1..num_experts={self.num_experts}"
+            )
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def validate_parallel(self, *, tp: int, pp: int, ep: int, vpp: int | None = None) -> None:
+        """Check the parallel sizes fit this architecture (TP divides heads, ...)."""
+        problems: list[str] = []
+        if self.num_attention_heads % tp or self.num_query_groups % tp:
+            problems.append(
+                f"parallel.tensor_parallel={tp}: must divide num_attention_heads="
+                f"{self.num_attention_heads} and num_query_groups={self.num_query_groups}"
+            )
+        ffn = self.moe_ffn_hidden_size if self.num_experts else self.ffn_hidden_size
+        if self.ffn_hidden_size % tp:
+            problems.append(
+                f"parallel.tensor_parallel={tp}: must divide ffn_hidden_size={self.ffn_hidden_size}"
+            )
+        del ffn
+        stages = pp * (vpp or 1)
+        if self.num_layers % stages:
+            problems.append(
+                f"parallel.pipeline_parallel={pp} (x virtual {vpp or 1}): must divide "
+                f"num_layers={self.num_layers}"
+            )
+        if self.num_experts and self.num_experts % ep:
+            problems.append(
+                f"parallel.expert_parallel={ep}: must divide num_experts={self.num_experts}"
+            )
+        if not self.num_experts and ep > 1:
+            problems.append(
+                f"parallel.expert_parallel={ep}: the model has no experts. Fix: set it to 1."
+            )
+        if problems:
+            raise ConfigError("; ".join(problems) + ". Fix: choose sizes that divide these.")
+
+
+def to_transformer_config(
+    arch: DecoderArch,
+    *,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    virtual_pipeline_parallel: int | None = None,
+    context_parallel: int = 1,
+    expert_parallel: int = 1,
+    precision: str = "fp32",
+    sequence_parallel: bool = False,
+    kernel_activation: bool = False,
+    **overrides: Any,
+) -> Any:
+    """megatron-core ``TransformerConfig`` for ``arch`` under the given parallel sizes.
+
+    ``kernel_activation``: the layer spec supplies the SwiGLU module
+    (``LayerKernels.swiglu``), so megatron must call it instead of its own GLU.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    arch.validate()
+    arch.validate_parallel(
+        tp=tensor_parallel, pp=pipeline_parallel, ep=expert_parallel, vpp=virtual_pipeline_parallel
+    )
+    if precision not in _DTYPES:
+        raise ConfigError(
+            f"train.precision={precision!r}: expected one of {sorted(_DTYPES)}. Fix: pick one."
+        )
+    dtype = _DTYPES[precision]
+    kwargs: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_eps,
+        qk_layernorm=arch.qk_norm,
+        add_bias_linear=False,
+        add_qkv_bias=arch.attention_bias,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        use_te_activation_func=kernel_activation,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=arch.init_std,
+        params_dtype=dtype,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        pipeline_dtype=dtype,
+        autocast_dtype=dtype,
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_parallel,
+        context_parallel_size=context_parallel,
+        expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=1,
+        sequence_parallel=sequence_parallel,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        deallocate_pipeline_outputs=False,
+    )
+    if arch.num_experts:
+        kwargs.update(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_topk,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+            moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+            moe_router_score_function="softmax",
+            moe_router_load_balancing_type="aux_loss" if arch.moe_aux_loss_coeff else "none",
+            moe_aux_loss_coeff=arch.moe_aux_loss_coeff,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+            moe_permute_fusion=False,
+            moe_router_dtype="fp32",
+        )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)

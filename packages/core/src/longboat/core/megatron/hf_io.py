@@ -1,0 +1,257 @@
+"""Load a Hugging Face decoder checkpoint straight into megatron model chunks, and back.
+
+Loading: every rank opens the safetensors files lazily and reads only the rows /
+columns of its own TP shard, its own pipeline stage's layers and its own experts.
+Before any tensor is read, the checkpoint is checked against the architecture
+and every missing, unexpected or mis-shaped tensor is reported in one error.
+
+Saving: TP shards are all-gathered inside each TP group; one owner rank per
+tensor (TP rank 0 of data-parallel replica 0, or expert-data-parallel rank 0 for
+experts) writes its tensors to its own ``model-rankNNNNN.safetensors``; rank 0
+writes ``model.safetensors.index.json``, so no rank ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from longboat.core.megatron.decoder_config import DecoderArch
+from longboat.core.megatron.hf_mapping import (
+    RankCoords,
+    Slot,
+    expected_hf_shapes,
+    megatron_to_hf_slot,
+    shard_from_hf,
+    unshard_to_hf,
+)
+
+# HF buffers that some exports contain but that are recomputed, never loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class HFCheckpointMismatch(ValueError):
+    """The HF checkpoint does not fit the chosen architecture; lists every offending tensor."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.problems = problems
+        lines = "\n  ".join(problems)
+        super().__init__(
+            f"{source}: {len(problems)} tensor problem(s) against the chosen model flavor:\n  "
+            f"{lines}\nFix: pick the model flavor that matches this checkpoint's config.json."
+        )
+
+
+def hf_weight_index(hf_dir: str | Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file of an HF directory (sharded or single file)."""
+    hf_dir = Path(hf_dir)
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: hf_dir / fname for name, fname in weight_map.items()}
+    single = hf_dir / "model.safetensors"
+    if single.is_file():
+        with safe_open(str(single), "pt") as f:
+            return dict.fromkeys(f.keys(), single)
+    raise FileNotFoundError(
+        f"{hf_dir}: no model.safetensors or model.safetensors.index.json. Fix: point at a "
+        "Hugging Face model directory saved with safetensors."
+    )
+
+
+def _coords() -> RankCoords:
+    from megatron.core import parallel_state as mps
+
+    return RankCoords(
+        tp_rank=mps.get_tensor_model_parallel_rank(),
+        tp_size=mps.get_tensor_model_parallel_world_size(),
+        ep_rank=mps.get_expert_model_parallel_rank(),
+        ep_size=mps.get_expert_model_parallel_world_size(),
+    )
+
+
+def _named_slots(
+    chunks: list[torch.nn.Module], arch: DecoderArch, coords: RankCoords, prefix: str
+) -> Iterator[tuple[str, torch.nn.Parameter, Slot]]:
+    for chunk in chunks:
+        layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
+        for name, param in chunk.named_parameters():
+            global_layer = None
+            if name.startswith("decoder.layers."):
+                local = int(name.split(".")[2])
+                global_layer = layers[local].layer_number - 1
+            yield (
+                name,
+                param,
+                megatron_to_hf_slot(
+                    name, arch, global_layer=global_layer, ep=coords, prefix=prefix
+                ),
+            )
+
+
+def check_hf_checkpoint(
+    hf_dir: str | Path, arch: DecoderArch, *, prefix: str = "model."
+) -> dict[str, Path]:
+    """Raise ``HFCheckpointMismatch`` naming every missing / unexpected / mis-shaped tensor."""
+    index = hf_weight_index(hf_dir)
+    expected = expected_hf_shapes(arch, prefix=prefix)
+    problems: list[str] = []
+    for name in sorted(set(expected) - set(index)):
+        problems.append(f"missing: {name} (expected shape {list(expected[name])})")
+    for name in sorted(set(index) - set(expected)):
+        tied_head = arch.tie_embeddings and name == "lm_head.weight"
+        if not tied_head and not name.endswith(_IGNORED_SUFFIXES):
+            problems.append(f"unexpected: {name}")
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+        for name in sorted(set(expected) & set(index)):
+            path = index[name]
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(str(path), "pt"))
+            shape = tuple(handles[path].get_slice(name).get_shape())
+            if shape != expected[name]:
+                problems.append(
+                    f"shape: {name} is {list(shape)} in the checkpoint, the model expects "
+                    f"{list(expected[name])}"
+                )
+    if problems:
+        raise HFCheckpointMismatch(str(hf_dir), problems)
+    return index
+
+
+@torch.no_grad()
+def load_hf_weights(
+    chunks: list[torch.nn.Module],
+    arch: DecoderArch,
+    hf_dir: str | Path,
+    *,
+    prefix: str = "model.",
+    progress: Any = None,
+) -> int:
+    """Copy an HF checkpoint into this rank's megatron chunks; returns tensors loaded.
+
+    ``progress`` (optional) is called with ``(done, total)`` after each tensor.
+    """
+    index = check_hf_checkpoint(hf_dir, arch, prefix=prefix)
+    coords = _coords()
+    slots = list(_named_slots(chunks, arch, coords, prefix))
+    problems: list[str] = []
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+
+        def read(name: str, rows: Any, cols: Any) -> torch.Tensor:
+            path = index[name]
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(str(path), "pt"))
+            sl = handles[path].get_slice(name)
+            shape = sl.get_shape()
+            if len(shape) == 1:
+                return sl[rows]
+            if cols == "tp":
+                per = shape[1] // coords.tp_size
+                cols = slice(coords.tp_rank * per, (coords.tp_rank + 1) * per)
+            return sl[rows, cols]
+
+        for done, (name, param, slot) in enumerate(slots, 1):
+            tensor = shard_from_hf(slot, read, arch, coords)
+            if tuple(tensor.shape) != tuple(param.shape):
+                problems.append(
+                    f"shape: megatron {name} is {list(param.shape)} but {slot.hf_names} give "
+                    f"{list(tensor.shape)} on this rank"
+                )
+                continue
+            param.data.copy_(tensor.to(param.dtype))
+            if progress is not None:
+                progress(done, len(slots))
+    if problems:
+        raise HFCheckpointMismatch(str(hf_dir), problems)
+    return len(slots)
+
+
+def _is_owner(slot: Slot) -> bool:
+    from megatron.core import parallel_state as mps
+
+    if slot.kind.startswith("expert"):
+        return mps.get_expert_data_parallel_rank() == 0
+    return (
+        mps.get_tensor_model_parallel_rank() == 0
+        and mps.get_data_parallel_rank(with_context_parallel=True) == 0
+    )
+
+
+@torch.no_grad()
+def gather_hf_state_dict(
+    chunks: list[torch.nn.Module], arch: DecoderArch, *, prefix: str = "model."
+) -> dict[str, torch.Tensor]:
+    """This rank's share of the full HF state dict (empty on non-owner ranks).
+
+    Collective over the TP group: every rank of the world must call it.
+    """
+    from megatron.core import parallel_state as mps
+
+    coords = _coords()
+    tp_group = mps.get_tensor_model_parallel_group()
+    out: dict[str, torch.Tensor] = {}
+    for name, param, slot in _named_slots(chunks, arch, coords, prefix):
+        if name == "output_layer.weight" and arch.tie_embeddings:
+            continue  # the embedding owner writes the tied tensor
+        local = param.detach().contiguous()
+        if slot.kind in ("replicated",) or slot.kind.startswith("expert") or coords.tp_size == 1:
+            shards = [local]
+        else:
+            shards = [torch.empty_like(local) for _ in range(coords.tp_size)]
+            dist.all_gather(shards, local, group=tp_group)
+        if _is_owner(slot):
+            out.update({k: v.clone() for k, v in unshard_to_hf(slot, shards, arch).items()})
+    return out
+
+
+def save_hf_weights(
+    chunks: list[torch.nn.Module],
+    arch: DecoderArch,
+    out_dir: str | Path,
+    *,
+    prefix: str = "model.",
+) -> Path:
+    """Write the model as HF safetensors shards + index into ``out_dir`` (collective)."""
+    out_dir = Path(out_dir)
+    state = gather_hf_state_dict(chunks, arch, prefix=prefix)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fname = f"model-rank{rank:05d}.safetensors"
+    if state:
+        save_file(state, str(out_dir / fname), metadata={"format": "pt"})
+    local_map = {k: fname for k in state}
+    local_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    gathered: list[Any] = [None] * world
+    if dist.is_initialized():
+        dist.all_gather_object(gathered, (local_map, local_bytes))
+    else:
+        gathered = [(local_map, local_bytes)]
+    if rank == 0:
+        weight_map: dict[str, str] = {}
+        for m, _ in gathered:
+            weight_map.update(m)
+        missing = sorted(set(expected_hf_shapes(arch, prefix=prefix)) - set(weight_map))
+        if missing:
+            raise RuntimeError(f"export is missing tensors: {missing}")
+        index = {
+            "metadata": {"total_size": sum(b for _, b in gathered)},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        tmp = out_dir / "model.safetensors.index.json.tmp"
+        tmp.write_text(json.dumps(index, indent=2))
+        os.replace(tmp, out_dir / "model.safetensors.index.json")
+    if dist.is_initialized():
+        dist.barrier()
+    return out_dir

@@ -1,0 +1,232 @@
+"""Megatron <-> Hugging Face tensor mapping for Llama-style decoder blocks.
+
+Each megatron parameter name maps to one ``Slot``: the HF tensor names it is
+made of and how it is split across tensor-parallel ranks (``kind``):
+
+* ``replicated``: same tensor on every TP rank (norms, router);
+* ``column``: rows split (vocab embedding, output head);
+* ``row``: columns split (attention output, MLP down projection);
+* ``qkv``: q/k/v rows of this rank's query groups, interleaved per group as
+  megatron's fused ``linear_qkv`` stores them;
+* ``gate_up``: this rank's gate rows followed by its up rows (``linear_fc1``).
+
+Experts are not TP-split (expert tensor parallel is 1): ``local_experts.j`` of
+expert-parallel rank ``r`` is HF expert ``r * num_local_experts + j``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from longboat.core.megatron.decoder_config import DecoderArch
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight(\d+)$")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """How one megatron tensor is made of HF tensors."""
+
+    kind: str
+    hf_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """Where this rank sits in the parallel layout."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+
+
+def megatron_to_hf_slot(
+    name: str,
+    arch: DecoderArch,
+    *,
+    global_layer: int | None,
+    ep: RankCoords,
+    prefix: str = "model.",
+) -> Slot:
+    """The ``Slot`` of megatron parameter ``name`` (``global_layer`` for decoder layers)."""
+    if name == "embedding.word_embeddings.weight":
+        return Slot("column", (f"{prefix}embed_tokens.weight",))
+    if name == "decoder.final_layernorm.weight":
+        return Slot("replicated", (f"{prefix}norm.weight",))
+    if name == "output_layer.weight":
+        head = f"{prefix}embed_tokens.weight" if arch.tie_embeddings else "lm_head.weight"
+        return Slot("column", (head,))
+    m = _LAYER.match(name)
+    if m is None or global_layer is None:
+        raise KeyError(name)
+    rest = m.group(2)
+    hf = f"{prefix}layers.{global_layer}."
+    attn = hf + "self_attn."
+    simple = {
+        "input_layernorm.weight": Slot("replicated", (hf + "input_layernorm.weight",)),
+        "self_attention.linear_qkv.layer_norm_weight": Slot(
+            "replicated", (hf + "input_layernorm.weight",)
+        ),
+        "pre_mlp_layernorm.weight": Slot("replicated", (hf + "post_attention_layernorm.weight",)),
+        "mlp.linear_fc1.layer_norm_weight": Slot(
+            "replicated", (hf + "post_attention_layernorm.weight",)
+        ),
+        "self_attention.linear_qkv.weight": Slot(
+            "qkv", (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight")
+        ),
+        "self_attention.linear_qkv.bias": Slot(
+            "qkv", (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias")
+        ),
+        "self_attention.q_layernorm.weight": Slot("replicated", (attn + "q_norm.weight",)),
+        "self_attention.k_layernorm.weight": Slot("replicated", (attn + "k_norm.weight",)),
+        "self_attention.linear_proj.weight": Slot("row", (attn + "o_proj.weight",)),
+        "mlp.linear_fc1.weight": Slot(
+            "gate_up", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
+        ),
+        "mlp.linear_fc2.weight": Slot("row", (hf + "mlp.down_proj.weight",)),
+        "mlp.router.weight": Slot("replicated", (hf + "mlp.gate.weight",)),
+    }
+    if rest in simple:
+        return simple[rest]
+    em = _LOCAL_EXPERT.match(rest) or _GROUPED_EXPERT.match(rest)
+    if em is not None:
+        if em.re is _LOCAL_EXPERT:
+            local, which = int(em.group(1)), em.group(2)
+        else:
+            which, local = em.group(1), int(em.group(2))
+        expert = ep.ep_rank * (arch.num_experts // ep.ep_size) + local
+        ex = f"{hf}mlp.experts.{expert}."
+        if which == "linear_fc1":
+            return Slot("expert_gate_up", (ex + "gate_proj.weight", ex + "up_proj.weight"))
+        return Slot("expert_full", (ex + "down_proj.weight",))
+    raise KeyError(name)
+
+
+def expected_hf_shapes(arch: DecoderArch, *, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF checkpoint of ``arch`` holds, with its shape."""
+    h, d, v = arch.hidden_size, arch.head_dim, arch.vocab_size
+    nq, nkv = arch.num_attention_heads * d, arch.num_query_groups * d
+    shapes: dict[str, tuple[int, ...]] = {
+        f"{prefix}embed_tokens.weight": (v, h),
+        f"{prefix}norm.weight": (h,),
+    }
+    if not arch.tie_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    for i in range(arch.num_layers):
+        hf = f"{prefix}layers.{i}."
+        shapes[hf + "input_layernorm.weight"] = (h,)
+        shapes[hf + "post_attention_layernorm.weight"] = (h,)
+        shapes[hf + "self_attn.q_proj.weight"] = (nq, h)
+        shapes[hf + "self_attn.k_proj.weight"] = (nkv, h)
+        shapes[hf + "self_attn.v_proj.weight"] = (nkv, h)
+        shapes[hf + "self_attn.o_proj.weight"] = (h, nq)
+        if arch.attention_bias:
+            shapes[hf + "self_attn.q_proj.bias"] = (nq,)
+            shapes[hf + "self_attn.k_proj.bias"] = (nkv,)
+            shapes[hf + "self_attn.v_proj.bias"] = (nkv,)
+        if arch.qk_norm:
+            shapes[hf + "self_attn.q_norm.weight"] = (d,)
+            shapes[hf + "self_attn.k_norm.weight"] = (d,)
+        if arch.num_experts:
+            f = int(arch.moe_ffn_hidden_size or 0)
+            shapes[hf + "mlp.gate.weight"] = (arch.num_experts, h)
+            for e in range(arch.num_experts):
+                ex = hf + f"mlp.experts.{e}."
+                shapes[ex + "gate_proj.weight"] = (f, h)
+                shapes[ex + "up_proj.weight"] = (f, h)
+                shapes[ex + "down_proj.weight"] = (h, f)
+        else:
+            f = arch.ffn_hidden_size
+            shapes[hf + "mlp.gate_proj.weight"] = (f, h)
+            shapes[hf + "mlp.up_proj.weight"] = (f, h)
+            shapes[hf + "mlp.down_proj.weight"] = (h, f)
+    return shapes
+
+
+# -- TP sharding --------------------------------------------------------------------------
+
+
+def _rows(n: int, coords: RankCoords) -> slice:
+    per = n // coords.tp_size
+    return slice(coords.tp_rank * per, (coords.tp_rank + 1) * per)
+
+
+def shard_from_hf(
+    slot: Slot, read: Callable[..., torch.Tensor], arch: DecoderArch, coords: RankCoords
+) -> torch.Tensor:
+    """Build this rank's megatron tensor from HF data.
+
+    ``read(name, rows, cols)`` returns ``tensor[rows, cols]`` of one HF tensor (reading only
+    that part from disk); ``cols == "tp"`` means this TP rank's share of the columns.
+    """
+    full = slice(None)
+    kind = slot.kind
+    if kind == "replicated" or kind == "expert_full":
+        return read(slot.hf_names[0], full, full)
+    if kind == "column":
+        return read(slot.hf_names[0], _rows(arch.vocab_size, coords), full)
+    if kind == "row":
+        # dim 1 is split; the shard width is the per-rank share of the input features.
+        return read(slot.hf_names[0], full, "tp")
+    if kind == "gate_up":
+        rs = _rows(arch.ffn_hidden_size, coords)
+        return torch.cat([read(slot.hf_names[0], rs, full), read(slot.hf_names[1], rs, full)], 0)
+    if kind == "expert_gate_up":
+        return torch.cat(
+            [read(slot.hf_names[0], full, full), read(slot.hf_names[1], full, full)], 0
+        )
+    if kind == "qkv":
+        d = arch.head_dim
+        hpg = arch.num_attention_heads // arch.num_query_groups
+        ng = arch.num_query_groups // coords.tp_size
+        g0 = coords.tp_rank * ng
+        q = read(slot.hf_names[0], slice(g0 * hpg * d, (g0 + ng) * hpg * d), full)
+        k = read(slot.hf_names[1], slice(g0 * d, (g0 + ng) * d), full)
+        v = read(slot.hf_names[2], slice(g0 * d, (g0 + ng) * d), full)
+        tail = q.shape[1:]
+        parts = [q.reshape(ng, hpg * d, *tail), k.reshape(ng, d, *tail), v.reshape(ng, d, *tail)]
+        return torch.cat(parts, 1).reshape(-1, *tail)
+    raise ValueError(f"unknown slot kind {kind!r}")
+
+
+def unshard_to_hf(
+    slot: Slot, shards: list[torch.Tensor], arch: DecoderArch
+) -> dict[str, torch.Tensor]:
+    """HF tensors from every TP rank's megatron shard (in TP rank order)."""
+    kind = slot.kind
+    if kind in ("replicated", "expert_full"):
+        return {slot.hf_names[0]: shards[0]}
+    if kind == "column":
+        return {slot.hf_names[0]: torch.cat(shards, 0)}
+    if kind == "row":
+        return {slot.hf_names[0]: torch.cat(shards, 1)}
+    if kind in ("gate_up", "expert_gate_up"):
+        halves = [s.chunk(2, 0) for s in shards]
+        return {
+            slot.hf_names[0]: torch.cat([h[0] for h in halves], 0),
+            slot.hf_names[1]: torch.cat([h[1] for h in halves], 0),
+        }
+    if kind == "qkv":
+        d = arch.head_dim
+        hpg = arch.num_attention_heads // arch.num_query_groups
+        qs, ks, vs = [], [], []
+        for s in shards:
+            tail = s.shape[1:]
+            g = s.reshape(-1, (hpg + 2) * d, *tail)
+            q, k, v = torch.split(g, [hpg * d, d, d], dim=1)
+            qs.append(q.reshape(-1, *tail))
+            ks.append(k.reshape(-1, *tail))
+            vs.append(v.reshape(-1, *tail))
+        return {
+            slot.hf_names[0]: torch.cat(qs, 0),
+            slot.hf_names[1]: torch.cat(ks, 0),
+            slot.hf_names[2]: torch.cat(vs, 0),
+        }
+    raise ValueError(f"unknown slot kind {kind!r}")

@@ -1,0 +1,177 @@
+"""megatron-core parallel state from longboat's ``ParallelConfig``.
+
+``initialize`` validates the layout against the world size before touching any
+process group, installs the accelerator's megatron adapter (CPU: the call-site
+patches of ``adapters.CPUMegatronAdapter``), builds megatron's TP / PP (with
+virtual stages) / CP / EP / DP groups and seeds megatron's RNG tracker.
+``destroy`` undoes all of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from longboat.core.config.schema import ParallelConfig
+from longboat.core.megatron.adapters import MegatronAdapter, check_megatron_version
+
+try:
+    from longboat.core.config.errors import ConfigError
+except ImportError:  # pragma: no cover - errors module lands with the config engineer's work
+    ConfigError = ValueError  # type: ignore[misc,assignment]
+
+
+@dataclass(frozen=True)
+class MegatronParallel:
+    """The resolved layout ``initialize`` built (dp inferred)."""
+
+    tensor_parallel: int
+    pipeline_parallel: int
+    virtual_pipeline_parallel: int | None
+    context_parallel: int
+    expert_parallel: int
+    data_parallel: int
+    world_size: int
+
+
+_STATE: dict[str, Any] = {"adapter": None, "layout": None}
+
+
+def validate_layout(parallel: ParallelConfig, world_size: int) -> MegatronParallel:
+    """Check ``parallel`` against ``world_size``; return the layout with dp resolved.
+
+    Collects every problem and raises one ``ConfigError`` naming each key.
+    """
+    problems: list[str] = []
+    sizes = {
+        "parallel.tensor_parallel": parallel.tensor_parallel,
+        "parallel.pipeline_parallel": parallel.pipeline_parallel,
+        "parallel.context_parallel": parallel.context_parallel,
+        "parallel.expert_parallel": parallel.expert_parallel,
+    }
+    for key, value in sizes.items():
+        if not isinstance(value, int) or value < 1:
+            problems.append(f"{key}={value!r}: must be a positive integer. Fix: set {key}>=1.")
+    vpp = parallel.virtual_pipeline_parallel
+    if vpp is not None and (vpp < 1 or (vpp > 1 and parallel.pipeline_parallel < 2)):
+        problems.append(
+            f"parallel.virtual_pipeline_parallel={vpp!r}: interleaving needs "
+            "pipeline_parallel>=2 and a positive number of virtual stages. "
+            "Fix: set it to null or raise parallel.pipeline_parallel."
+        )
+    if problems:
+        raise ConfigError("; ".join(problems))
+    mp = parallel.tensor_parallel * parallel.pipeline_parallel * parallel.context_parallel
+    dp = parallel.data_parallel
+    if world_size % mp != 0:
+        raise ConfigError(
+            f"parallel: world size {world_size} is not divisible by tensor_parallel * "
+            f"pipeline_parallel * context_parallel = {mp}. Fix: launch a multiple of {mp} "
+            "processes or shrink the model-parallel sizes."
+        )
+    if dp == -1:
+        dp = world_size // mp
+    elif dp * mp != world_size:
+        raise ConfigError(
+            f"parallel.data_parallel={dp}: tp*pp*cp*dp = {dp * mp} but the world size is "
+            f"{world_size}. Fix: set parallel.data_parallel=-1 (infer) or {world_size // mp}."
+        )
+    # megatron lays experts over the dp*cp ranks of one pipeline stage (expert tp = 1 here).
+    ep = parallel.expert_parallel
+    if (dp * parallel.context_parallel * parallel.tensor_parallel) % ep != 0:
+        raise ConfigError(
+            f"parallel.expert_parallel={ep}: must divide tp*cp*dp = "
+            f"{dp * parallel.context_parallel * parallel.tensor_parallel} (ranks per pipeline "
+            "stage). Fix: choose an expert_parallel that divides it."
+        )
+    return MegatronParallel(
+        tensor_parallel=parallel.tensor_parallel,
+        pipeline_parallel=parallel.pipeline_parallel,
+        virtual_pipeline_parallel=vpp if vpp and vpp > 1 else None,
+        context_parallel=parallel.context_parallel,
+        expert_parallel=ep,
+        data_parallel=dp,
+        world_size=world_size,
+    )
+
+
+def initialize(
+    parallel: ParallelConfig,
+    accelerator: Any | None = None,
+    *,
+    seed: int = 1234,
+) -> MegatronParallel:
+    """Build megatron-core's process groups for ``parallel`` on ``accelerator``.
+
+    torch.distributed must already be initialised (``longboat.core.distributed``).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "longboat.core.megatron.parallel_state.initialize needs torch.distributed; "
+            "call longboat.core.distributed.init_distributed() first."
+        )
+    layout = validate_layout(parallel, dist.get_world_size())
+    check_megatron_version()
+    if _STATE["layout"] is not None:
+        raise RuntimeError("megatron parallel state is already initialised; call destroy() first.")
+
+    adapter = _resolve_adapter(accelerator)
+    if adapter is not None:
+        adapter.install()
+    _STATE["adapter"] = adapter
+
+    from megatron.core import parallel_state as mps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    try:
+        mps.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tensor_parallel,
+            pipeline_model_parallel_size=layout.pipeline_parallel,
+            virtual_pipeline_model_parallel_size=layout.virtual_pipeline_parallel,
+            context_parallel_size=layout.context_parallel,
+            expert_model_parallel_size=layout.expert_parallel,
+            expert_tensor_parallel_size=1,
+            create_gloo_process_groups=False,
+        )
+        model_parallel_cuda_manual_seed(seed)
+    except BaseException:
+        destroy()
+        raise
+    _STATE["layout"] = layout
+    return layout
+
+
+def destroy() -> None:
+    """Destroy megatron's process groups and uninstall the accelerator adapter."""
+    from megatron.core import parallel_state as mps
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mps.destroy_model_parallel()
+    mrandom.initialize_rng_tracker(force_reset=True)
+    adapter = _STATE["adapter"]
+    if adapter is not None:
+        adapter.uninstall()
+    _STATE["adapter"] = None
+    _STATE["layout"] = None
+
+
+def current_layout() -> MegatronParallel | None:
+    """The layout of the live megatron parallel state, or None."""
+    return _STATE["layout"]
+
+
+def _resolve_adapter(accelerator: Any | None) -> MegatronAdapter | None:
+    if accelerator is None:
+        from longboat.core.device import get_accelerator
+
+        accelerator = get_accelerator()
+    adapter = accelerator.megatron_adapter()
+    if adapter is not None and not isinstance(adapter, MegatronAdapter):
+        raise TypeError(
+            f"accelerator {getattr(accelerator, 'name', accelerator)!r} returned "
+            f"{type(adapter).__name__} from megatron_adapter(); it must implement "
+            "longboat.core.megatron.adapters.MegatronAdapter (install/uninstall)."
+        )
+    return adapter

@@ -1,0 +1,273 @@
+"""Decoder layer specs: megatron ``ModuleSpec`` s built on injectable kernels.
+
+longboat.core may not import longboat.kernels (kernels sits above core), so the
+kernels come in through ``LayerKernels``: the llm / vlm stacks pass
+``longboat.kernels``' attention dispatch and RMSNorm, and without them the
+pure-torch defaults (SDPA, ``F.rms_norm``) are used.  ``backend="auto"`` picks
+megatron's Transformer Engine spec when ``transformer_engine`` imports and the
+accelerator is CUDA, the longboat spec otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+AttentionFn = Callable[..., torch.Tensor]
+"""``fn(q, k, v, *, causal, scale, mask=None)`` on ``[batch, seq, heads, head_dim]`` (k/v may have
+fewer, grouped heads); ``mask`` is bool, True where attention is allowed. This is
+``longboat.kernels.attention.attention``'s contract."""
+GLUFn = Callable[[torch.Tensor], torch.Tensor]
+"""``fn(x)`` = ``silu(x[..., :n]) * x[..., n:]`` for the packed ``[gate, up]`` fc1 output."""
+RMSNormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+"""``fn(x, weight, eps)`` over the last dimension."""
+
+
+def sdpa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference attention: torch SDPA (flash / cuDNN / math chosen by torch)."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # -> [b, h, s, d]
+    if mask is not None and causal:
+        causal_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)
+        mask = mask & causal_mask.tril()
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=causal and mask is None,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
+    return out.transpose(1, 2)
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Reference RMSNorm, computed in fp32 like Hugging Face's Llama / Qwen."""
+    dtype = x.dtype
+    y = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    return weight * y.to(dtype)
+
+
+@dataclass(frozen=True)
+class LayerKernels:
+    """The compute kernels a longboat layer spec plugs into megatron's modules."""
+
+    attention: AttentionFn = sdpa_attention
+    """Core attention (``AttentionFn`` contract)."""
+    rms_norm: RMSNormFn = torch_rms_norm
+    """RMSNorm of the layer norms and the qk-norms."""
+    swiglu: GLUFn | None = None
+    """Fused SwiGLU on the packed fc1 output; None keeps megatron's own ``silu(g) * u``.
+    When set, the TransformerConfig must have ``use_te_activation_func=True`` (megatron's
+    switch for "the spec supplies the activation module"); ``to_transformer_config`` does
+    that given ``kernel_activation=True``."""
+    name: str = "torch"
+    """Label for logs."""
+
+
+class KernelGLU(torch.nn.Module):
+    """megatron activation module (``MLPSubmodules.activation_func``) running a GLU kernel."""
+
+    def __init__(self, config: Any = None, *, glu: GLUFn, **unused: Any) -> None:
+        super().__init__()
+        self._glu = glu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._glu(x)
+
+
+class KernelRMSNorm(torch.nn.Module):
+    """RMSNorm with megatron's norm constructor signature and an injected kernel."""
+
+    def __init__(
+        self,
+        config: Any,
+        hidden_size: int,
+        eps: float = 1e-6,
+        *,
+        rms_norm: RMSNormFn = torch_rms_norm,
+        **unused: Any,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        # megatron reads this to decide whether the grad is TP-reduced in sequence parallel.
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+        self._rms_norm = rms_norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._rms_norm(x, self.weight, self.eps)
+
+
+class KernelCoreAttention(MegatronModule):
+    """megatron ``core_attention`` on top of an injected attention kernel.
+
+    Takes megatron's ``[s, b, heads, d]`` q/k/v and returns ``[s, b, heads * d]``.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+        *,
+        attention_fn: AttentionFn = sdpa_attention,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError(
+                "longboat's kernel attention spec does not implement context parallelism; "
+                "use the Transformer Engine spec (model.layer_backend=te) for context_parallel>1."
+            )
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        self.attention_fn = attention_fn
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError(
+                "packed sequences / attention bias need the Transformer Engine spec"
+            )
+        mask_type = attn_mask_type or self.attn_mask_type
+        q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # -> [b, s, h, d]
+        # megatron masks are True where attention is *not* allowed.
+        mask = None if attention_mask is None else ~attention_mask
+        out = self.attention_fn(
+            q, k, v, causal=mask_type == AttnMaskType.causal, scale=self.softmax_scale, mask=mask
+        )
+        sq, b = query.shape[0], query.shape[1]
+        return out.transpose(0, 1).reshape(sq, b, -1)
+
+
+class LongboatSpecProvider(LocalSpecProvider):
+    """megatron's local provider with longboat's attention and RMSNorm kernels."""
+
+    def __init__(self, kernels: LayerKernels) -> None:
+        self.kernels = kernels
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
+        if not rms_norm:
+            return super().layer_norm(rms_norm=False, for_qk=for_qk, has_residual=has_residual)
+        return ModuleSpec(module=KernelRMSNorm, params={"rms_norm": self.kernels.rms_norm})
+
+    def core_attention(self):
+        return ModuleSpec(
+            module=KernelCoreAttention, params={"attention_fn": self.kernels.attention}
+        )
+
+    def activation_func(self):
+        if self.kernels.swiglu is None:
+            return None
+        return ModuleSpec(module=KernelGLU, params={"glu": self.kernels.swiglu})
+
+
+def transformer_engine_available() -> bool:
+    """True when ``transformer_engine`` is importable (checked without importing it)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_backend(backend: str, device_type: str) -> str:
+    """``auto`` -> ``te`` on CUDA with Transformer Engine installed, else ``longboat``."""
+    if backend not in ("auto", "longboat", "te", "local"):
+        raise ValueError(f"model.layer_backend={backend!r}: expected auto, longboat, te or local.")
+    if backend == "auto":
+        return "te" if device_type == "cuda" and transformer_engine_available() else "longboat"
+    if backend == "te" and not transformer_engine_available():
+        raise ValueError(
+            "model.layer_backend='te' but transformer_engine is not installed. "
+            "Fix: pip install longboat-kernels[te] or use layer_backend=auto."
+        )
+    return backend
+
+
+def decoder_layer_spec(
+    *,
+    num_experts: int = 0,
+    qk_norm: bool = False,
+    backend: str = "longboat",
+    kernels: LayerKernels | None = None,
+) -> ModuleSpec:
+    """The ``TransformerLayer`` spec of a Llama / Qwen style decoder layer."""
+    if backend == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts or None,
+            moe_grouped_gemm=bool(num_experts),
+            qk_layernorm=qk_norm,
+        )
+    if backend == "local":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        return get_gpt_layer_local_spec(
+            num_experts=num_experts or None, qk_layernorm=qk_norm, normalization="RMSNorm"
+        )
+    provider = LongboatSpecProvider(kernels or LayerKernels())
+    norm = provider.layer_norm(rms_norm=True)
+    mlp = get_mlp_module_spec_for_backend(
+        backend=provider,
+        num_experts=num_experts or None,
+        moe_grouped_gemm=False,
+        use_te_activation_func=provider.kernels.swiglu is not None,
+    )
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=provider.column_parallel_linear(),
+                    core_attention=provider.core_attention(),
+                    linear_proj=provider.row_parallel_linear(),
+                    q_layernorm=norm if qk_norm else IdentityOp,
+                    k_layernorm=norm if qk_norm else IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )

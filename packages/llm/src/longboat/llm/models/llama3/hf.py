@@ -1,0 +1,27 @@
+"""Llama 3 <-> Hugging Face ``LlamaForCausalLM`` config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from longboat.llm.config import LLMModelConfig
+from longboat.llm.models._hf_common import common_from_hf, common_to_hf
+
+try:
+    from longboat.core.config.errors import ConfigError
+except ImportError:  # pragma: no cover
+    ConfigError = ValueError  # type: ignore[misc,assignment]
+
+
+def from_hf_config(hf: dict[str, Any]) -> LLMModelConfig:
+    """Model config from a Llama ``config.json`` dict."""
+    if hf.get("mlp_bias"):
+        raise ConfigError("config.json: mlp_bias=true is not supported for llama3.")
+    return LLMModelConfig(**common_from_hf(hf, "llama3", "config.json"))
+
+
+def to_hf_config(cfg: LLMModelConfig) -> Any:
+    """``transformers.LlamaConfig`` for ``cfg``."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**common_to_hf(cfg), architectures=["LlamaForCausalLM"])

@@ -1,0 +1,18 @@
+"""Qwen3 dense (GQA, qk-norm, decoupled head_dim)."""
+
+from longboat.llm.models.qwen3 import hf
+from longboat.llm.models.qwen3.config import FLAVORS
+from longboat.llm.models.qwen3.spec import layer_spec
+from longboat.llm.models.registry import ModelFamily, register_family
+
+
+@register_family
+def qwen3() -> ModelFamily:
+    return ModelFamily(
+        name="qwen3",
+        flavors=FLAVORS,
+        hf_model_types=("qwen3",),
+        from_hf_config=hf.from_hf_config,
+        to_hf_config=hf.to_hf_config,
+        layer_spec=layer_spec,
+    )

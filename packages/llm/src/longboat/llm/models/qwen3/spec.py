@@ -1,0 +1,16 @@
+"""Qwen3 decoder layer: Llama-style with per-head RMSNorm on queries and keys."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from longboat.core.megatron.specs import LayerKernels
+from longboat.llm.config import LLMModelConfig
+from longboat.llm.models._hf_common import dense_layer_spec
+
+
+def layer_spec(
+    cfg: LLMModelConfig, backend: str = "longboat", kernels: LayerKernels | None = None
+) -> Any:
+    """megatron ``ModuleSpec`` of one Qwen3 decoder layer (qk-norm on)."""
+    return dense_layer_spec(cfg, backend, kernels)

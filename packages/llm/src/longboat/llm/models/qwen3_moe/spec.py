@@ -1,0 +1,16 @@
+"""Qwen3-MoE decoder layer: qk-norm attention + routed SwiGLU experts (softmax top-k router)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from longboat.core.megatron.specs import LayerKernels
+from longboat.llm.config import LLMModelConfig
+from longboat.llm.models._hf_common import dense_layer_spec
+
+
+def layer_spec(
+    cfg: LLMModelConfig, backend: str = "longboat", kernels: LayerKernels | None = None
+) -> Any:
+    """megatron ``ModuleSpec`` of one Qwen3-MoE decoder layer (megatron's MoE layer)."""
+    return dense_layer_spec(cfg, backend, kernels)

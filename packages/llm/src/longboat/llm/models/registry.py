@@ -1,0 +1,94 @@
+"""Model family registry: ``@register_family`` makes a family reachable by name."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from longboat.llm.config import LLMModelConfig
+
+try:
+    from longboat.core.config.errors import ConfigError
+except ImportError:  # pragma: no cover
+    ConfigError = ValueError  # type: ignore[misc,assignment]
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """Everything longboat knows about one model family."""
+
+    name: str
+    """Registry name (``model.name``)."""
+    flavors: dict[str, LLMModelConfig]
+    """Size flavors; ``tiny`` always exists."""
+    hf_model_types: tuple[str, ...]
+    """HF ``config.json`` ``model_type`` values this family reads."""
+    from_hf_config: Callable[[dict[str, Any]], LLMModelConfig]
+    """HF config.json dict -> model config."""
+    to_hf_config: Callable[[LLMModelConfig], Any]
+    """Model config -> a ``transformers`` config object (``save_pretrained`` writes it)."""
+    layer_spec: Callable[..., Any]
+    """``layer_spec(cfg, backend, kernels)`` -> megatron ``ModuleSpec`` of one decoder layer."""
+    hf_prefix: str = "model."
+    """Prefix of the decoder tensors in the HF state dict."""
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def flavor(self, name: str) -> LLMModelConfig:
+        """A copy of flavor ``name``; ConfigError listing the flavors otherwise."""
+        if name not in self.flavors:
+            raise ConfigError(
+                f"model.flavor={name!r}: family {self.name!r} has flavors "
+                f"{sorted(self.flavors)}. Fix: pick one of them."
+            )
+        return dataclasses.replace(self.flavors[name])
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_family(factory: Callable[[], ModelFamily]) -> Callable[[], ModelFamily]:
+    """Decorator: call ``factory`` and register the ``ModelFamily`` it returns."""
+    family = factory()
+    if family.name in _FAMILIES:
+        raise ValueError(f"model family {family.name!r} is registered twice")
+    if "tiny" not in family.flavors:
+        raise ValueError(f"model family {family.name!r} has no 'tiny' flavor")
+    _FAMILIES[family.name] = family
+    return factory
+
+
+def get_family(name: str) -> ModelFamily:
+    """The registered family ``name``."""
+    _load_builtin()
+    if name not in _FAMILIES:
+        raise ConfigError(
+            f"model.name={name!r}: unknown model family. Fix: use one of {sorted(_FAMILIES)}."
+        )
+    return _FAMILIES[name]
+
+
+def list_families() -> list[str]:
+    """Names of every registered family."""
+    _load_builtin()
+    return sorted(_FAMILIES)
+
+
+def family_for_hf_config(hf_config: dict[str, Any]) -> ModelFamily:
+    """The family whose ``hf_model_types`` contains ``hf_config['model_type']``."""
+    _load_builtin()
+    model_type = hf_config.get("model_type")
+    for fam in _FAMILIES.values():
+        if model_type in fam.hf_model_types:
+            return fam
+    known = sorted(t for f in _FAMILIES.values() for t in f.hf_model_types)
+    raise ConfigError(
+        f"config.json model_type={model_type!r} is not supported. Fix: use a checkpoint of "
+        f"one of {known}."
+    )
+
+
+def _load_builtin() -> None:
+    # Importing the family packages runs their @register_family decorators.
+    from longboat.llm.models import llama3, qwen3, qwen3_moe  # noqa: F401
