@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from longboat.kernels._dispatch import resolve_impl
+from longboat.kernels._dispatch import op, resolve_impl
 from longboat.kernels.layernorm import group_norm_bwd, group_norm_fwd
 
 Tensor = torch.Tensor
@@ -25,10 +25,14 @@ def ada_layer_norm_torch(x: Tensor, scale: Tensor, shift: Tensor, eps: float = 1
     return (F.layer_norm(x.float(), (d,), eps=eps) * (1 + s) + t).to(x.dtype)
 
 
-@torch.library.custom_op("longboat::ada_layer_norm_fwd", mutates_args=())
-def _ada_fwd(x: Tensor, scale: Tensor, shift: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+def _ada_fwd_impl(
+    x: Tensor, scale: Tensor, shift: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
     b, s, d = x.shape
     return group_norm_fwd(x, scale.reshape(b, d), shift.reshape(b, d), s, eps, True)
+
+
+_ada_fwd = torch.library.custom_op("longboat::ada_layer_norm_fwd", mutates_args=())(_ada_fwd_impl)
 
 
 @_ada_fwd.register_fake
@@ -37,13 +41,15 @@ def _(x: Tensor, scale: Tensor, shift: Tensor, eps: float):
     return torch.empty_like(x), stat, torch.empty_like(stat)
 
 
-@torch.library.custom_op("longboat::ada_layer_norm_bwd", mutates_args=())
-def _ada_bwd(
+def _ada_bwd_impl(
     dy: Tensor, x: Tensor, scale: Tensor, mean: Tensor, rstd: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     b, s, d = x.shape
     dx, dscale, dshift = group_norm_bwd(dy, x, scale.reshape(b, d), mean, rstd, s, True, True)
     return dx, dscale.to(scale.dtype).view(scale.shape), dshift.to(scale.dtype).view(scale.shape)
+
+
+_ada_bwd = torch.library.custom_op("longboat::ada_layer_norm_bwd", mutates_args=())(_ada_bwd_impl)
 
 
 @_ada_bwd.register_fake
@@ -54,7 +60,7 @@ def _(dy: Tensor, x: Tensor, scale: Tensor, mean: Tensor, rstd: Tensor):
 class _AdaLNFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scale, shift, eps):  # type: ignore[override]
-        y, mean, rstd = torch.ops.longboat.ada_layer_norm_fwd(x, scale, shift, eps)
+        y, mean, rstd = op("ada_layer_norm_fwd", _ada_fwd_impl)(x, scale, shift, eps)
         ctx.save_for_backward(x, scale, mean, rstd)
         ctx.shift_dtype = shift.dtype
         return y
@@ -62,7 +68,7 @@ class _AdaLNFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
         x, scale, mean, rstd = ctx.saved_tensors
-        dx, dscale, dshift = torch.ops.longboat.ada_layer_norm_bwd(
+        dx, dscale, dshift = op("ada_layer_norm_bwd", _ada_bwd_impl)(
             dy.contiguous(), x, scale, mean, rstd
         )
         return dx, dscale, dshift.to(ctx.shift_dtype), None

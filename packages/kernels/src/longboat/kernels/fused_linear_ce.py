@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from longboat.kernels._dispatch import resolve_impl
+from longboat.kernels._dispatch import op, resolve_impl
 from longboat.kernels._triton import next_pow2, tl, triton
 
 Tensor = torch.Tensor
-_CHUNK_BYTES = 512 * 2**20  # one logits chunk: big enough that the chunk GEMMs run near peak
-MAX_BLOCK_V = 4096  # vocab columns per kernel step (tests lower it to cross block edges)
+_CHUNK_BYTES = 1024 * 2**20  # one logits chunk: big enough that the chunk GEMMs run near peak
+MAX_BLOCK_V = 16384  # vocab columns per kernel step (tests lower it to cross block edges)
 
 
 def fused_linear_cross_entropy_torch(
@@ -95,8 +95,7 @@ def _default_chunk(n_tokens: int, vocab: int, elt: int) -> int:
     return max(1, min(n_tokens, max(chunk, 16)))
 
 
-@torch.library.custom_op("longboat::fused_linear_ce_fwd", mutates_args=())
-def _flce_fwd(
+def _flce_fwd_impl(
     hidden: Tensor,
     weight: Tensor,
     target: Tensor,
@@ -124,13 +123,18 @@ def _flce_fwd(
         _ce_grad_kernel[(hc.shape[0],)](
             logits, logits.stride(0), t[start : start + chunk_size], losses[start:],
             scale, v, ignore_index, z_loss,
-            HAS_Z=z_loss != 0.0, BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4,
+            HAS_Z=z_loss != 0.0, BLOCK_V=block_v, num_warps=16 if block_v >= 8192 else 4,
         )  # fmt: skip
         if need_grad:
             torch.mm(logits, weight, out=grad_h[start : start + chunk_size])
             grad_w.addmm_(logits.t(), hc)
     loss = losses.sum() * scale[0]
     return loss, grad_h.view(hidden.shape) if need_grad else grad_h, grad_w
+
+
+_flce_fwd = torch.library.custom_op("longboat::fused_linear_ce_fwd", mutates_args=())(
+    _flce_fwd_impl
+)
 
 
 @_flce_fwd.register_fake
@@ -146,7 +150,7 @@ class _FusedLinearCEFn(torch.autograd.Function):
     def forward(
         ctx, hidden, weight, target, ignore_index, z_loss, reduction, chunk_size, need_grad
     ):  # type: ignore[override]
-        loss, gh, gw = torch.ops.longboat.fused_linear_ce_fwd(
+        loss, gh, gw = op("fused_linear_ce_fwd", _flce_fwd_impl)(
             hidden, weight, target, ignore_index, z_loss, reduction, chunk_size, need_grad
         )
         ctx.save_for_backward(gh, gw)
@@ -155,8 +159,11 @@ class _FusedLinearCEFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss):  # type: ignore[override]
         gh, gw = ctx.saved_tensors
-        dh = (gh * dloss).to(gh.dtype) if ctx.needs_input_grad[0] else None
-        dw = (gw * dloss).to(gw.dtype) if ctx.needs_input_grad[1] else None
+        # Scale in place: a second copy of the [vocab, hidden] weight gradient would double
+        # the op's peak memory. (So backward runs once: no retain_graph double backward.)
+        dloss = dloss.to(torch.float32)
+        dh = gh.mul_(dloss) if ctx.needs_input_grad[0] else None
+        dw = gw.mul_(dloss) if ctx.needs_input_grad[1] else None
         return dh, dw, None, None, None, None, None, None
 
 
@@ -194,7 +201,7 @@ def fused_linear_cross_entropy(
     """Cross-entropy of ``hidden @ weight.T`` against ``target`` (fp32 scalar loss).
 
     ``hidden``: ``[..., hidden]``; ``weight``: ``[vocab, hidden]``; ``target``: ``[...]`` ints.
-    ``chunk_size``: tokens per logits chunk (default: ~512 MiB of logits).
+    ``chunk_size``: tokens per logits chunk (default: ~1 GiB of logits).
     """
     if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
         raise ValueError(

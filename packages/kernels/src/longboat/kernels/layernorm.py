@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from longboat.kernels._dispatch import as_rows, num_programs_for_reduction, resolve_impl
+from longboat.kernels._dispatch import as_rows, num_programs_for_reduction, op, resolve_impl
 from longboat.kernels._triton import next_pow2, tl, triton
 
 Tensor = torch.Tensor
@@ -177,11 +177,15 @@ def group_norm_bwd(
     return dx.view(x.shape), dw_part.sum(1), db_part.sum(1)
 
 
-@torch.library.custom_op("longboat::layer_norm_fwd", mutates_args=())
-def _layer_norm_fwd(
+def _layer_norm_fwd_impl(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     return group_norm_fwd(x, weight, bias, x.numel() // max(x.shape[-1], 1), eps, False)
+
+
+_layer_norm_fwd = torch.library.custom_op("longboat::layer_norm_fwd", mutates_args=())(
+    _layer_norm_fwd_impl
+)
 
 
 @_layer_norm_fwd.register_fake
@@ -191,8 +195,7 @@ def _(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float):
     return torch.empty_like(x), stat, torch.empty_like(stat)
 
 
-@torch.library.custom_op("longboat::layer_norm_bwd", mutates_args=())
-def _layer_norm_bwd(
+def _layer_norm_bwd_impl(
     dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor, need_wb: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     m = x.numel() // max(x.shape[-1], 1)
@@ -201,6 +204,11 @@ def _layer_norm_bwd(
         return dx, x.new_empty(0), x.new_empty(0)
     dtype = weight.dtype if weight is not None else x.dtype
     return dx, dw[0].to(dtype), db[0].to(dtype)
+
+
+_layer_norm_bwd = torch.library.custom_op("longboat::layer_norm_bwd", mutates_args=())(
+    _layer_norm_bwd_impl
+)
 
 
 @_layer_norm_bwd.register_fake
@@ -215,7 +223,7 @@ def _(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor, 
 class _LayerNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):  # type: ignore[override]
-        y, mean, rstd = torch.ops.longboat.layer_norm_fwd(x, weight, bias, eps)
+        y, mean, rstd = op("layer_norm_fwd", _layer_norm_fwd_impl)(x, weight, bias, eps)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.has_b = bias is not None
         return y
@@ -224,7 +232,7 @@ class _LayerNormFn(torch.autograd.Function):
     def backward(ctx, dy):  # type: ignore[override]
         x, weight, mean, rstd = ctx.saved_tensors
         need_wb = weight is not None and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
-        dx, dw, db = torch.ops.longboat.layer_norm_bwd(
+        dx, dw, db = op("layer_norm_bwd", _layer_norm_bwd_impl)(
             dy.contiguous(), x, weight, mean, rstd, need_wb
         )
         dw_out = dw if need_wb and ctx.needs_input_grad[1] else None

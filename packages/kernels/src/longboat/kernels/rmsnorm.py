@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from longboat.kernels._dispatch import as_rows, num_programs_for_reduction, resolve_impl
+from longboat.kernels._dispatch import as_rows, num_programs_for_reduction, op, resolve_impl
 from longboat.kernels._triton import next_pow2, tl, triton
 
 Tensor = torch.Tensor
@@ -90,8 +90,7 @@ def _warps(block: int) -> int:
     return 4 if block <= 1024 else (8 if block <= 4096 else 16)
 
 
-@torch.library.custom_op("longboat::rms_norm_fwd", mutates_args=())
-def _rms_norm_fwd(
+def _rms_norm_fwd_impl(
     x: Tensor, weight: Tensor, residual: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     n = x.shape[-1]
@@ -115,6 +114,11 @@ def _rms_norm_fwd(
     return y.view(x.shape), h_out, rstd
 
 
+_rms_norm_fwd = torch.library.custom_op("longboat::rms_norm_fwd", mutates_args=())(
+    _rms_norm_fwd_impl
+)
+
+
 @_rms_norm_fwd.register_fake
 def _(x: Tensor, weight: Tensor, residual: Tensor | None, eps: float):
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -122,8 +126,7 @@ def _(x: Tensor, weight: Tensor, residual: Tensor | None, eps: float):
     return torch.empty_like(x), h, x.new_empty(m, dtype=torch.float32)
 
 
-@torch.library.custom_op("longboat::rms_norm_bwd", mutates_args=())
-def _rms_norm_bwd(
+def _rms_norm_bwd_impl(
     dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, dh: Tensor | None
 ) -> tuple[Tensor, Tensor]:
     n = x.shape[-1]
@@ -147,6 +150,11 @@ def _rms_norm_bwd(
     return dx.view(x.shape), dw_part.sum(0).to(weight.dtype)
 
 
+_rms_norm_bwd = torch.library.custom_op("longboat::rms_norm_bwd", mutates_args=())(
+    _rms_norm_bwd_impl
+)
+
+
 @_rms_norm_bwd.register_fake
 def _(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, dh: Tensor | None):
     return torch.empty_like(x), torch.empty_like(weight)
@@ -155,7 +163,7 @@ def _(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, dh: Tensor | None):
 class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, residual, eps):  # type: ignore[override]
-        y, h, rstd = torch.ops.longboat.rms_norm_fwd(x, weight, residual, eps)
+        y, h, rstd = op("rms_norm_fwd", _rms_norm_fwd_impl)(x, weight, residual, eps)
         has_res = residual is not None
         ctx.save_for_backward(h if has_res else x, weight, rstd)
         ctx.has_res = has_res
@@ -167,7 +175,7 @@ class _RMSNormFn(torch.autograd.Function):
         h, weight, rstd = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros_like(h)
-        dx, dw = torch.ops.longboat.rms_norm_bwd(dy.contiguous(), h, weight, rstd, dh)
+        dx, dw = op("rms_norm_bwd", _rms_norm_bwd_impl)(dy.contiguous(), h, weight, rstd, dh)
         return dx, dw, (dx if ctx.has_res else None), None
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from longboat.kernels._dispatch import resolve_impl
+from longboat.kernels._dispatch import op, resolve_impl
 from longboat.kernels._triton import next_pow2, tl, triton
 
 Tensor = torch.Tensor
@@ -97,12 +97,15 @@ def _rope_kernel(
     HALF: tl.constexpr, PASS: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    BACKWARD: tl.constexpr, COPY_PASS: tl.constexpr,
+    BACKWARD: tl.constexpr, COPY_PASS: tl.constexpr, HAS_POS: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     b = t // seq
     s = t % seq
-    pos = tl.load(POS + t).to(tl.int64)
+    if HAS_POS:
+        pos = tl.load(POS + t).to(tl.int64)
+    else:  # positions 0..seq-1 in every sequence
+        pos = s
     d = tl.arange(0, BLOCK_HALF)
     dm = d < HALF
     c = tl.load(COS + pos * stride_cs + d, mask=dm, other=0.0).to(tl.float32)[None, :]
@@ -124,7 +127,7 @@ def _unit_last(x: Tensor) -> Tensor:
 
 
 def _launch(
-    q: Tensor, k: Tensor, qo: Tensor, ko: Tensor, cos: Tensor, sin: Tensor, pos: Tensor,
+    q: Tensor, k: Tensor, qo: Tensor, ko: Tensor, cos: Tensor, sin: Tensor, pos: Tensor | None,
     backward: bool,
 ) -> None:  # fmt: skip
     b, s, hq, d = q.shape
@@ -136,20 +139,20 @@ def _launch(
         return
     block = next_pow2(max(hq, hk)) * next_pow2(half)
     _rope_kernel[(b * s,)](
-        q, k, qo, ko, cos, sin, pos, s,
+        q, k, qo, ko, cos, sin, pos if pos is not None else cos, s,
         *q.stride()[:3], *k.stride()[:3], *qo.stride()[:3], *ko.stride()[:3], cos.stride(0),
         hq, hk,
         HALF=half, PASS=pas,
         BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk),
         BLOCK_HALF=next_pow2(half), BLOCK_PASS=next_pow2(max(pas, 1)),
         BACKWARD=backward, COPY_PASS=pas > 0 and qo.data_ptr() != q.data_ptr(),
+        HAS_POS=pos is not None,
         num_warps=4 if block <= 2048 else 8,
     )  # fmt: skip
 
 
-@torch.library.custom_op("longboat::rope_fwd", mutates_args=())
-def _rope_fwd(
-    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, backward: bool
+def _rope_fwd_impl(
+    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, pos: Tensor | None, backward: bool
 ) -> tuple[Tensor, Tensor]:
     q4, k4 = _unit_last(q), _unit_last(k)
     qo = torch.empty(q4.shape, device=q.device, dtype=q.dtype)
@@ -158,8 +161,11 @@ def _rope_fwd(
     return qo, ko
 
 
+_rope_fwd = torch.library.custom_op("longboat::rope_fwd", mutates_args=())(_rope_fwd_impl)
+
+
 @_rope_fwd.register_fake
-def _(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, backward: bool):
+def _(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, pos: Tensor | None, backward: bool):
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
@@ -167,12 +173,12 @@ class _RopeFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, pos):  # type: ignore[override]
         ctx.save_for_backward(cos, sin, pos)
-        return torch.ops.longboat.rope_fwd(q, k, cos, sin, pos, False)
+        return op("rope_fwd", _rope_fwd_impl)(q, k, cos, sin, pos, False)
 
     @staticmethod
     def backward(ctx, dqo, dko):  # type: ignore[override]
         cos, sin, pos = ctx.saved_tensors
-        dq, dk = torch.ops.longboat.rope_fwd(dqo, dko, cos, sin, pos, True)
+        dq, dk = op("rope_fwd", _rope_fwd_impl)(dqo, dko, cos, sin, pos, True)
         return dq, dk, None, None, None
 
 
@@ -182,7 +188,7 @@ def apply_rope_triton(
     """Triton RoPE (fwd + bwd), same signature as :func:`apply_rope_torch`."""
     packed = q.dim() == 3
     q4, k4 = (q.unsqueeze(0), k.unsqueeze(0)) if packed else (q, k)
-    pos = _positions(q4, position_ids)
+    pos = None if position_ids is None else _positions(q4, position_ids)
     qo, ko = _RopeFn.apply(q4, k4, cos, sin, pos)
     return (qo.squeeze(0), ko.squeeze(0)) if packed else (qo, ko)
 
@@ -197,7 +203,8 @@ def apply_rope_(
     q4, k4 = (q.unsqueeze(0), k.unsqueeze(0)) if packed else (q, k)
     if q4.stride(-1) != 1 or k4.stride(-1) != 1:
         raise ValueError("apply_rope_: q and k need a contiguous head_dim for in-place rotation")
-    _launch(q4, k4, q4, k4, cos, sin, _positions(q4, position_ids), False)
+    pos = None if position_ids is None else _positions(q4, position_ids)
+    _launch(q4, k4, q4, k4, cos, sin, pos, False)
     return q, k
 
 

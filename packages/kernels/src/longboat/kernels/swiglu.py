@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from longboat.kernels._dispatch import as_rows, resolve_impl
+from longboat.kernels._dispatch import as_rows, op, resolve_impl
 from longboat.kernels._triton import next_pow2, tl, triton
 
 Tensor = torch.Tensor
@@ -96,8 +96,7 @@ def _halves(x: Tensor) -> tuple[Tensor, Tensor]:
     return x2[:, : n2 // 2], x2[:, n2 // 2 :]
 
 
-@torch.library.custom_op("longboat::glu_fwd", mutates_args=())
-def _glu_fwd(gate: Tensor, up: Tensor | None, act: int) -> Tensor:
+def _glu_fwd_impl(gate: Tensor, up: Tensor | None, act: int) -> Tensor:
     if up is None:
         g2, u2 = _halves(gate)
         out_shape = (*gate.shape[:-1], gate.shape[-1] // 2)
@@ -116,6 +115,9 @@ def _glu_fwd(gate: Tensor, up: Tensor | None, act: int) -> Tensor:
     return y.view(out_shape)
 
 
+_glu_fwd = torch.library.custom_op("longboat::glu_fwd", mutates_args=())(_glu_fwd_impl)
+
+
 @_glu_fwd.register_fake
 def _(gate: Tensor, up: Tensor | None, act: int):
     if up is None:
@@ -123,8 +125,7 @@ def _(gate: Tensor, up: Tensor | None, act: int):
     return torch.empty_like(gate)
 
 
-@torch.library.custom_op("longboat::glu_bwd", mutates_args=())
-def _glu_bwd(dy: Tensor, gate: Tensor, up: Tensor | None, act: int) -> tuple[Tensor, Tensor]:
+def _glu_bwd_impl(dy: Tensor, gate: Tensor, up: Tensor | None, act: int) -> tuple[Tensor, Tensor]:
     n = dy.shape[-1]
     dy2 = as_rows(dy, n)
     m = dy2.shape[0]
@@ -147,6 +148,9 @@ def _glu_bwd(dy: Tensor, gate: Tensor, up: Tensor | None, act: int) -> tuple[Ten
     return dg.view(gate.shape), du.view(up.shape)
 
 
+_glu_bwd = torch.library.custom_op("longboat::glu_bwd", mutates_args=())(_glu_bwd_impl)
+
+
 @_glu_bwd.register_fake
 def _(dy: Tensor, gate: Tensor, up: Tensor | None, act: int):
     if up is None:
@@ -159,12 +163,12 @@ class _GLUFn(torch.autograd.Function):
     def forward(ctx, gate, up, act):  # type: ignore[override]
         ctx.save_for_backward(gate, up)
         ctx.act = act
-        return torch.ops.longboat.glu_fwd(gate, up, act)
+        return op("glu_fwd", _glu_fwd_impl)(gate, up, act)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
         gate, up = ctx.saved_tensors
-        dg, du = torch.ops.longboat.glu_bwd(dy, gate, up, ctx.act)
+        dg, du = op("glu_bwd", _glu_bwd_impl)(dy, gate, up, ctx.act)
         return dg, (du if up is not None else None), None
 
 
