@@ -46,7 +46,10 @@ class GrootActionHead(nn.Module):
         self.state_encoder = CategorySpecificMLP(
             cfg.num_embodiments, cfg.max_state_dim, cfg.state_hidden, d, cfg.category_impl
         )
-        self.mask_token = nn.Parameter(0.02 * torch.randn(1, 1, d))
+        # Only built when used: an unused parameter would trip DDP's unused-gradient check.
+        self.mask_token = (
+            nn.Parameter(0.02 * torch.randn(1, 1, d)) if cfg.state_dropout_prob > 0 else None
+        )
         self.action_encoder = MultiEmbodimentActionEncoder(cfg)
         self.position_embedding = nn.Embedding(cfg.max_seq_len, d)
         self.model = AlternatingDiT(cfg.dit)
@@ -71,7 +74,7 @@ class GrootActionHead(nn.Module):
         """state [B, S] -> one token [B, 1, D] (optionally dropped to the mask token)."""
         tok = self.state_encoder(state, ids)[:, None]
         p = self.cfg.state_dropout_prob
-        if self.training and p > 0:
+        if self.training and p > 0 and self.mask_token is not None:
             gen_device = generator.device if generator is not None else tok.device
             drop = torch.rand(tok.shape[0], generator=generator, device=gen_device) < p
             tok = torch.where(
