@@ -74,3 +74,17 @@ def _peer_worker(rank: int, world_size: int) -> tuple[bool, bool, str | None]:
 def test_should_stop_is_all_reduced():
     out = run_multiprocess(_peer_worker, 2)
     assert out == [(False, True, "peer"), (True, True, "SIGUSR1")]
+
+
+def test_second_signal_falls_through_to_previous_handler():
+    calls: list[int] = []
+    original = signal.signal(signal.SIGUSR1, lambda signum, frame: calls.append(signum))
+    try:
+        with GracefulShutdown() as stop:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert _wait_for(lambda: stop.requested)
+            assert calls == []  # the first one is ours
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert _wait_for(lambda: calls == [signal.SIGUSR1])
+    finally:
+        signal.signal(signal.SIGUSR1, original)
