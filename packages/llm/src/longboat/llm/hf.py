@@ -83,7 +83,7 @@ def save_hf(chunks: list[torch.nn.Module], cfg: LLMModelConfig, out_dir: str | P
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         hf_config = fam.to_hf_config(cfg)
-        hf_config.torch_dtype = "float32"
+        hf_config.dtype = "float32"
         hf_config.save_pretrained(out_dir)
     save_hf_weights(chunks, cfg.to_arch(), out_dir, prefix=fam.hf_prefix)
     return out_dir

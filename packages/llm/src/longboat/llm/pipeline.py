@@ -57,8 +57,14 @@ def _run_schedule(
 
 
 @torch.no_grad()
-def forward_logits(chunks: list[torch.nn.Module], tokens: torch.Tensor) -> torch.Tensor | None:
-    """Full-vocab logits ``[b, s, V]`` on the last pipeline stage, None on other stages."""
+def forward_logits(
+    chunks: list[torch.nn.Module], tokens: torch.Tensor, *, micro_batch_size: int = 1
+) -> torch.Tensor | None:
+    """Full-vocab logits ``[b, s, V]`` on the last pipeline stage, None on other stages.
+
+    The batch runs as ``b / micro_batch_size`` microbatches (interleaved pipelines need at
+    least as many microbatches as pipeline stages).
+    """
     from megatron.core import parallel_state as mps
 
     for c in chunks:
@@ -69,8 +75,9 @@ def forward_logits(chunks: list[torch.nn.Module], tokens: torch.Tensor) -> torch
         captured.append(gather_vocab(output))
         return output.sum() * 0.0, {}
 
-    _run_schedule(chunks, [{"tokens": tokens}], loss_fn, forward_only=True)
-    return captured[0] if mps.is_pipeline_last_stage() else None
+    micro = [{"tokens": t} for t in tokens.split(micro_batch_size)]
+    _run_schedule(chunks, micro, loss_fn, forward_only=True)
+    return torch.cat(captured, 0) if mps.is_pipeline_last_stage() else None
 
 
 def lm_loss_fn(

@@ -1,0 +1,126 @@
+"""Offline conversion between HF directories and longboat native (DCP) checkpoints.
+
+The native checkpoint is what ``CheckpointManager`` writes: the megatron model's
+state dict at tensor/pipeline/expert parallel 1 (DCP files + manifest), with the
+model config in the manifest so ``native-to-hf`` needs no flags.  Conversion runs
+in one process (a world-size-1 gloo group: megatron needs process groups).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from longboat.core.config.schema import CheckpointConfig, ParallelConfig
+from longboat.core.megatron import parallel_state as mparallel
+from longboat.llm.build import build_model
+from longboat.llm.config import LLMModelConfig
+from longboat.llm.hf import check_matches_flavor, load_hf, read_hf_config, save_hf
+from longboat.llm.models.registry import get_family
+
+Progress = Callable[[int, int], None]
+
+
+@contextmanager
+def single_process_megatron() -> Iterator[None]:
+    """A world-size-1 gloo group + megatron parallel state on CPU, torn down after."""
+    from longboat.core.device import get_accelerator
+    from longboat.core.distributed.multiprocess import find_free_port
+
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(find_free_port())
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    mparallel.initialize(ParallelConfig(), get_accelerator("cpu"))
+    try:
+        yield
+    finally:
+        mparallel.destroy()
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def _checkpoint_cfg(out: Path) -> CheckpointConfig:
+    return CheckpointConfig(dir=str(out), keep_last=0, async_save=False, resume="none")
+
+
+def hf_to_native(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    model: str | None = None,
+    flavor: str | None = None,
+    progress: Progress | None = None,
+) -> Path:
+    """Convert an HF directory into a native checkpoint under ``out_dir`` (step 0)."""
+    from longboat.core.checkpoint import CheckpointManager
+
+    cfg = read_hf_config(hf_dir)
+    if model is not None or flavor is not None:
+        wanted = get_family(model or cfg.name).flavor(flavor or "tiny")
+        check_matches_flavor(wanted, cfg, f"{hf_dir}/config.json")
+        cfg = dataclasses.replace(cfg, flavor=wanted.flavor)
+    with single_process_megatron():
+        chunks = build_model(cfg)
+        load_hf(chunks, cfg, hf_dir, progress=progress)
+        manager = CheckpointManager(
+            _checkpoint_cfg(Path(out_dir)), {"model": dataclasses.asdict(cfg)}
+        )
+        return manager.save(0, {"model": chunks[0]})
+
+
+def _resolve_native(path: Path) -> Path:
+    if (path / "manifest.json").is_file():
+        return path
+    from longboat.core.checkpoint import CheckpointManager
+
+    latest = CheckpointManager(_checkpoint_cfg(path)).latest()
+    if latest is None:
+        raise FileNotFoundError(
+            f"{path}: no finished native checkpoint (no manifest.json here or in a step_* "
+            "folder). Fix: point at a checkpoint folder written by longboat."
+        )
+    return latest
+
+
+def native_config(path: str | Path) -> LLMModelConfig:
+    """The model config stored in a native checkpoint's manifest."""
+    from longboat.core.checkpoint import read_manifest
+
+    manifest = read_manifest(_resolve_native(Path(path)))
+    model = dict(manifest.config.get("model") or {})
+    if not model:
+        raise ValueError(f"{path}: the manifest has no model config; was it written by longboat?")
+    names = {f.name for f in dataclasses.fields(LLMModelConfig)}
+    return LLMModelConfig(**{k: v for k, v in model.items() if k in names})
+
+
+def native_to_hf(native: str | Path, out_dir: str | Path) -> Path:
+    """Convert a native checkpoint (folder or checkpoint root) into an HF directory."""
+    from longboat.core.checkpoint import CheckpointManager
+
+    path = _resolve_native(Path(native))
+    cfg = native_config(path)
+    with single_process_megatron():
+        chunks = build_model(cfg)
+        manager = CheckpointManager(_checkpoint_cfg(path.parent))
+        manager.load({"model": chunks[0]}, path)
+        return save_hf(chunks, cfg, out_dir)
+
+
+def describe(cfg: LLMModelConfig) -> dict[str, Any]:
+    """A short summary for the CLI."""
+    return {
+        "model": cfg.name,
+        "flavor": cfg.flavor,
+        "layers": cfg.num_layers,
+        "hidden": cfg.hidden_size,
+        "experts": cfg.num_experts,
+    }

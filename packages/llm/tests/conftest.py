@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random HF checkpoints built with transformers' own classes."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+FAMILIES = ("llama3", "qwen3", "qwen3_moe")
+
+
+def _warm_megatron() -> None:
+    # Import megatron once in the parent so forked workers (run_multiprocess) share it:
+    # importing megatron-core costs seconds per process on 2 cores.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import megatron.core.models.gpt.gpt_model
+        import megatron.core.optimizer
+        import megatron.core.pipeline_parallel  # noqa: F401
+        import transformers  # noqa: F401
+
+        import longboat.llm.build  # noqa: F401
+
+
+def make_hf_dir(family: str, out: Path, *, seed: int = 0) -> Path:
+    """Save a randomly initialised tiny HF model of ``family`` to ``out``."""
+    from transformers import AutoModelForCausalLM
+
+    from longboat.llm.models import get_family
+
+    fam = get_family(family)
+    hf_config = fam.to_hf_config(fam.flavor("tiny"))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config)
+    # Random (not default-init) norm weights, so a swapped or skipped norm shows in the logits.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny HF checkpoint directory per family (built once per session)."""
+    _warm_megatron()
+    root = tmp_path_factory.mktemp("hf")
+    return {f: make_hf_dir(f, root / f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def tokens() -> torch.Tensor:
+    """A fixed [2, 12] batch of token ids below the tiny vocab size."""
+    return torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """Reference logits of ``transformers`` in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.fixture(scope="session")
+def reference_logits(hf_dirs: dict[str, Path], tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """transformers' logits of each tiny family on ``tokens``."""
+    return {f: hf_logits(d, tokens) for f, d in hf_dirs.items()}
