@@ -208,3 +208,15 @@ def test_model_name_close_to_a_registered_one_is_an_error(fake):
         ConfigError, match=r"model\.name='gtp': no installed stack.*did you mean 'gpt'"
     ):
         compose_experiment("tiny", ["model.name=gtp"])
+
+
+def test_core_demo_experiment_is_checked_against_the_demo_schemas():
+    demo = pytest.importorskip("longboat.core.demo")
+    cfg = compose_experiment("demo", ["model.hidden_size=32"], stack="core")
+    assert OmegaConf.get_type(cfg.model) is demo.MLPConfig
+    assert OmegaConf.get_type(cfg.data) is demo.SyntheticRegressionConfig
+    assert cfg.model.hidden_size == 32 and cfg.stack == "core"
+    with pytest.raises(
+        ConfigError, match=r"model\.hiden_size=3: unknown key.*'model\.hidden_size'"
+    ):
+        compose_experiment("demo", ["model.hiden_size=3"], stack="core")

@@ -132,6 +132,8 @@ CORE_STACK = Stack(
     name="core",
     description="Built-in: default config groups and the small end-to-end `demo` experiment.",
     config_dir=CORE_CONF_DIR,
+    model_schemas={"mlp": "longboat.core.demo:MLPConfig"},
+    data_schemas={"synthetic_regression": "longboat.core.demo:SyntheticRegressionConfig"},
     console_script="longboat",
     train="longboat.core.demo:run",
 )
