@@ -220,3 +220,12 @@ def test_core_demo_experiment_is_checked_against_the_demo_schemas():
         ConfigError, match=r"model\.hiden_size=3: unknown key.*'model\.hidden_size'"
     ):
         compose_experiment("demo", ["model.hiden_size=3"], stack="core")
+
+
+def test_bad_interpolations_are_all_reported(fake):
+    with pytest.raises(ConfigError) as info:
+        compose_experiment("tiny", ["train.steps=${logging.run_name}", "train.seed=${nope.x}"])
+    assert info.value.keys == ["train.steps", "train.seed"]
+    text = str(info.value)
+    assert "Value 'run' of type 'str' could not be converted to Integer" in text
+    assert "Interpolation key 'nope.x' not found" in text

@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from longboat.core.config.errors import ConfigError, ProblemCollector
 from longboat.core.config.schema import ExperimentConfig
 from longboat.core.config.suggest import close_matches, did_you_mean
-from longboat.core.config.typecheck import merge_checked, missing_keys, to_plain
+from longboat.core.config.typecheck import merge_checked, missing_keys, to_plain, unresolvable
 from longboat.core.stack import Stack, discover_stacks, get_stack
 
 GROUPS = ("model", "data", "parallel", "optim", "train", "checkpoint", "logging", "experiment")
@@ -351,15 +351,15 @@ def compose_experiment(
             fix = f"choose one with {group}=<option> ({group} options: {', '.join(options)})"
         problems.add(key, "required value is not set", fix=fix)
         bad_keys.add(key)
+    for key, reason in unresolvable(typed):
+        problems.add(
+            key,
+            f"cannot resolve interpolation: {reason}",
+            fix="point the ${...} at an existing key holding a value of the right type",
+        )
+        bad_keys.add(key)
     if not problems.problems:
-        try:
-            OmegaConf.resolve(typed)
-        except OmegaConfBaseException as exc:
-            problems.add(
-                exc.full_key or None,
-                f"cannot resolve interpolation: {exc.msg}",
-                fix="point the ${...} at an existing key with a value of the right type",
-            )
+        OmegaConf.resolve(typed)  # downstream code and saved configs see plain values
     if validate:
         from longboat.core.config.validate import collect_problems
 

@@ -168,9 +168,41 @@ def _loose_bool(child: Any, value: Any) -> bool:
     return not (isinstance(value, str) and value.startswith("${"))
 
 
-def missing_keys(cfg: DictConfig) -> list[str]:
-    """Full paths of mandatory values (``???``) still unset, sorted."""
-    return sorted(OmegaConf.missing_keys(cfg))
+def missing_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+    """Full paths of mandatory values (``???``) still unset, in schema order.
+
+    Walks nodes without resolving interpolations (``OmegaConf.missing_keys`` resolves
+    them and would raise on a bad one before it can be reported properly).
+    """
+    found: list[str] = []
+    for key in _keys(cfg):
+        child = cfg._get_node(key)
+        path = f"{prefix}.{key}" if prefix else key
+        if child is None or child._is_interpolation():
+            continue
+        if child._is_missing():
+            found.append(path)
+        elif isinstance(child, DictConfig) and not child._is_none():
+            found += missing_keys(child, path)
+    return found
+
+
+def unresolvable(cfg: DictConfig, prefix: str = "") -> list[tuple[str, str]]:
+    """(path, reason) of every ``${...}`` that does not resolve to a valid value."""
+    found: list[tuple[str, str]] = []
+    for key in _keys(cfg):
+        child = cfg._get_node(key)
+        path = f"{prefix}.{key}" if prefix else key
+        if child is None:
+            continue
+        if child._is_interpolation():
+            try:
+                cfg[key]
+            except OmegaConfBaseException as exc:
+                found.append((path, str(exc).splitlines()[0]))
+        elif isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            found += unresolvable(child, path)
+    return found
 
 
 def to_plain(cfg: DictConfig | ListConfig) -> Any:
@@ -178,4 +210,11 @@ def to_plain(cfg: DictConfig | ListConfig) -> Any:
     return OmegaConf.to_container(cfg, resolve=False)
 
 
-__all__ = ["leaf_paths", "merge_checked", "missing_keys", "to_plain", "type_name"]
+__all__ = [
+    "leaf_paths",
+    "merge_checked",
+    "missing_keys",
+    "to_plain",
+    "type_name",
+    "unresolvable",
+]

@@ -300,7 +300,11 @@ def collect_problems(
     stacks = discover_stacks() if stacks is None else stacks
     stack = stacks.get(stack_name) if isinstance(stack_name, str) else None
     for validator in getattr(stack, "validators", ()):
-        resolve_ref(validator)(node, world_size, p)
+        try:
+            resolve_ref(validator)(node, world_size, p)
+        except OmegaConfBaseException as exc:  # e.g. an interpolation that does not resolve
+            reason = str(exc).splitlines()[0]
+            p.add(exc.full_key or None, f"stack {stack_name!r} check failed: {reason}")
     return p.problems
 
 
