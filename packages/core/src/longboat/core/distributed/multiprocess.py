@@ -197,9 +197,11 @@ def run_multiprocess(
 def _warm_imports() -> None:
     """Import heavy torch.distributed modules once in the parent so forked workers share them.
 
-    DeviceMesh slicing and FSDP/DTensor pull in torch.distributed.tensor (seconds of import
-    work); without this every worker repeats it, which on 2 cores costs ~10 s per test.
+    DeviceMesh slicing, FSDP/DTensor and the optimizers pull in torch.distributed.tensor and
+    torch._dynamo (seconds of import work each); without this every worker repeats it,
+    which on 2 cores costs ~10 s per test.
     """
+    import torch._dynamo  # DeviceMesh slicing and optimizer.step() import it lazily
     import torch.distributed.device_mesh
     import torch.distributed.tensor  # noqa: F401
 
