@@ -282,7 +282,11 @@ def _typed_root(
                     value=name,
                     fix=f"make {schema.__name__} subclass the type of {kind} in the root schema",
                 )
-        elif isinstance(name, str) and (guesses := close_matches(name, _registered(kind, stacks))):
+        elif (
+            "name" in section  # chosen by YAML or override, not the schema default
+            and isinstance(name, str)
+            and (guesses := close_matches(name, _registered(kind, stacks)))
+        ):
             problems.add(
                 f"{kind}.name",
                 f"no installed stack registers a {kind} schema under this name",
