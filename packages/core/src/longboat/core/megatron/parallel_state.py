@@ -133,7 +133,7 @@ def initialize(
             context_parallel_size=layout.context_parallel,
             expert_model_parallel_size=layout.expert_parallel,
             expert_tensor_parallel_size=1,
-            create_gloo_process_groups=False,
+            create_gloo_process_groups=True,
         )
         model_parallel_cuda_manual_seed(seed)
     except BaseException:
