@@ -186,9 +186,9 @@ def test_worker_error_surfaces_traceback():
 @pytest.mark.multiprocess
 def test_timeout_names_pending_ranks():
     with pytest.raises(
-        MultiprocessError, match=r"timed out after 3s; ranks still running: \[0, 1\]"
+        MultiprocessError, match=r"timed out after 2s; ranks still running: \[0, 1\]"
     ):
-        run_multiprocess(_sleepy_worker, 2, timeout=3)
+        run_multiprocess(_sleepy_worker, 2, timeout=2)
 
 
 def test_function_ref_reimports_test_module_by_path():

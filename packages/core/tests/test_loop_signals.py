@@ -44,6 +44,8 @@ def _child_loop(ready, result) -> None:
         result.put((stop.signal_name, steps))  # "checkpoint" then a clean exit
 
 
+# The child only sleeps and polls a flag, so forking a threaded pytest process is safe here.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_sigterm_to_subprocess_exits_cleanly():
     ctx = mp.get_context("fork")
     ready, result = ctx.Event(), ctx.Queue()
