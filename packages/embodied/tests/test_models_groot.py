@@ -8,7 +8,14 @@ import torch
 from longboat.embodied.models import apply_freezing, build_model
 from longboat.embodied.models.synthetic import synthetic_batch
 
-torch.set_num_threads(2)
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny ops: intra-op threads only add sync overhead (10-20x slower on a busy 2-core box).
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
 
 
 def _model(seed: int = 0, **overrides):
@@ -141,18 +148,18 @@ def test_predict_action_is_euler_over_the_learned_velocity():
 
 
 def test_tiny_overfits_a_fixed_batch():
-    # 20 AdamW steps on one fixed batch (fixed noise/time): loss must fall below 0.3x.
+    # 100 AdamW steps on one fixed batch (fixed noise/time): loss must fall below 0.05x.
     m = _model()
     batch = _fixed_draw(synthetic_batch(m, 4))
-    opt = torch.optim.AdamW(m.parameters(), lr=5e-3)
+    opt = torch.optim.AdamW(m.parameters(), lr=2e-3)
     losses = []
-    for _ in range(20):
+    for _ in range(100):
         loss = m(batch)["loss"]
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    assert losses[-1] < 0.3 * losses[0], losses
+    assert losses[-1] < 0.05 * losses[0], losses
 
 
 def test_bad_batches_fail_with_the_key_named():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from longboat.embodied.models.common import ops
@@ -102,7 +101,7 @@ class DiTBlock(nn.Module):
         scale, shift = self.norm1_linear(ops.silu(temb)).chunk(2, dim=-1)
         h = ops.ada_layer_norm(x, scale, shift, self.eps)
         x = x + self.dropout(self.attn(h, context if self.cross else None, context_mask))
-        h = F.layer_norm(x, (x.shape[-1],), None, None, self.eps)
+        h = ops.layer_norm(x, None, None, self.eps)
         h = self.dropout(ops.gelu_tanh(self.ff_in(h)))
         return x + self.dropout(self.ff_out(h))
 

@@ -43,17 +43,6 @@ class AdaRMSNorm(nn.Module):
         return y * (1 + scale) + shift, gate
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """fp32 rotary tables for integer positions [B, L] -> cos, sin [B, L, head_dim]."""
-    inv_freq = 1.0 / (
-        theta
-        ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    )
-    freqs = positions.float()[..., None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
 def positions_from_mask(mask: Tensor) -> Tensor:
     """Positions that skip padding: cumsum of the valid mask minus one, clamped at 0."""
     return (mask.long().cumsum(-1) - 1).clamp_min(0)

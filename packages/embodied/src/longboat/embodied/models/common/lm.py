@@ -14,7 +14,10 @@ import torch
 from torch import Tensor, nn
 
 from longboat.embodied.models.common import ops
-from longboat.embodied.models.common.layers import AdaRMSNorm, RMSNorm, rope_cos_sin
+from longboat.embodied.models.common.layers import AdaRMSNorm, RMSNorm
+
+# (cos table, sin table, positions [B, L]) as built by ``DecoderStack.rope``.
+Rope = tuple[Tensor, Tensor, Tensor]
 
 
 @dataclass(kw_only=True)
@@ -68,10 +71,11 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(dim, inner, bias=False)
         self.up_proj = nn.Linear(dim, inner, bias=False)
         self.down_proj = nn.Linear(inner, dim, bias=False)
-        self.act = ops.gelu_tanh if activation == "gelu_tanh" else ops.silu
+        self.activation = activation
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        h = ops.gated_activation(self.gate_proj(x), self.up_proj(x), self.activation)
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
@@ -117,18 +121,19 @@ class DecoderLayer(nn.Module):
         return norm(x), None
 
     def project_qkv(
-        self, x: Tensor, cos: Tensor, sin: Tensor, cond: Tensor | None = None
+        self, x: Tensor, rope: Rope, cond: Tensor | None = None
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """x [B, L, D] -> q [B, H, L, hd], k, v [B, Hkv, L, hd] (rotated), attention gate."""
         b, n, _ = x.shape
         hd = self.cfg.head_dim
         hx, gate = self._norm(self.input_norm, x.to(self.dtype), cond)
-        q = _linear(self.q_proj, hx).view(b, n, -1, hd).transpose(1, 2)
-        k = _linear(self.k_proj, hx).view(b, n, -1, hd).transpose(1, 2)
-        v = _linear(self.v_proj, hx).view(b, n, -1, hd).transpose(1, 2)
+        q = _linear(self.q_proj, hx).view(b, n, -1, hd)
+        k = _linear(self.k_proj, hx).view(b, n, -1, hd)
+        v = _linear(self.v_proj, hx).view(b, n, -1, hd)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin), v, gate
+        q, k = ops.apply_rope(q, k, *rope)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gate
 
     def finish(
         self, x: Tensor, attn: Tensor, gate: Tensor | None, cond: Tensor | None = None
@@ -143,9 +148,9 @@ class DecoderLayer(nn.Module):
         return x + out if gate2 is None else x + out * gate2
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cond: Tensor | None = None
+        self, x: Tensor, rope: Rope, mask: Tensor | None, cond: Tensor | None = None
     ) -> Tensor:
-        q, k, v, gate = self.project_qkv(x, cos, sin, cond)
+        q, k, v, gate = self.project_qkv(x, rope, cond)
         return self.finish(x, ops.attention(q, k, v, mask), gate, cond)
 
 
@@ -181,13 +186,16 @@ class DecoderStack(nn.Module):
             x = x * torch.tensor(self.cfg.hidden_size**0.5, dtype=x.dtype)
         return x
 
-    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos/sin tables for positions [B, L]."""
-        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+    def rope(self, positions: Tensor, length: int | None = None) -> Rope:
+        """Rotary tables covering positions < ``length`` (default: positions' seq len, which
+        bounds padding-skipping positions) plus the positions themselves."""
+        length = length if length is not None else positions.shape[-1]
+        cos, sin = ops.rope_tables(length, self.cfg.head_dim, self.cfg.rope_theta, positions.device)
+        return cos, sin, positions
 
     def forward(self, x: Tensor, positions: Tensor, mask: Tensor | None) -> Tensor:
         """x: [B, L, D] embeddings; mask bool [B, 1, L, L] (True = attend)."""
-        cos, sin = self.rope(positions)
+        rope = self.rope(positions)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+            x = layer(x, rope, mask)
         return x

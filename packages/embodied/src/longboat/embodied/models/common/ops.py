@@ -1,8 +1,9 @@
 """Single call sites for the hot ops of the embodied models.
 
-Every attention / norm / activation in ``longboat.embodied.models`` goes through
-the functions here, so switching an op to a ``longboat.kernels`` implementation
-is a one-line change in this file.
+Every attention / norm / gated activation / rotary embedding in
+``longboat.embodied.models`` goes through the functions here. They forward to
+``longboat.kernels`` (Triton on CUDA tensors, the torch references elsewhere; attention
+dispatch picks the backend), so swapping an implementation is a one-line change here.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from longboat import kernels
 
 
 def attention(
@@ -25,41 +28,44 @@ def attention(
 
     q: [B, H, L, D]; k, v: [B, Hkv, S, D] with H % Hkv == 0; mask: bool, broadcastable to
     [B, H, L, S], True = may attend. Every query row must be allowed at least one key
-    (mask builders here guarantee it) so no row turns into NaN.
+    (mask builders here guarantee it) so no row turns into NaN. Returns [B, H, L, D].
     """
     dtype = torch.promote_types(q.dtype, k.dtype)
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    gqa = q.shape[1] != k.shape[1]
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
-    )
+    q, k, v = (t.to(dtype).transpose(1, 2) for t in (q, k, v))  # kernels take [B, S, H, D]
+    return kernels.attention(q, k, v, causal=is_causal, mask=mask, scale=scale).transpose(1, 2)
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float, *, offset: float = 0.0) -> Tensor:
-    """RMSNorm computed in fp32; ``offset=1`` gives Gemma's ``x * (1 + w)``."""
-    dtype = x.dtype
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * (weight.float() + offset)
-    return y.to(dtype)
+    """RMSNorm with fp32 statistics; ``offset=1`` gives Gemma's ``x * (1 + w)``;
+    ``weight=None`` normalises only (adaRMSNorm)."""
+    if weight is None:
+        weight = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    elif offset:
+        weight = weight + offset
+    return kernels.rms_norm(x, weight, eps)
 
 
 def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
-    """LayerNorm over the last dim (weight/bias None = no affine)."""
+    """LayerNorm over the last dim (weight/bias None = no affine); computes in the
+    parameters' dtype when there are parameters."""
     if weight is not None:
         x = x.to(weight.dtype)
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    return kernels.layer_norm(x, weight, bias, eps)
 
 
 def ada_layer_norm(x: Tensor, scale: Tensor, shift: Tensor, eps: float) -> Tensor:
-    """``LN(x) * (1 + scale) + shift`` (LN without affine); scale/shift: [B, D]."""
-    y = F.layer_norm(x, (x.shape[-1],), None, None, eps)
-    return y * (1 + scale[:, None]) + shift[:, None]
+    """``LN(x) * (1 + scale) + shift`` (LN without affine); x [B, L, D], scale/shift [B, D]."""
+    dtype = torch.promote_types(x.dtype, scale.dtype)
+    return kernels.ada_layer_norm(x.to(dtype), scale.to(dtype), shift.to(dtype), eps)
+
+
+def gated_activation(gate: Tensor, up: Tensor, activation: str) -> Tensor:
+    """``act(gate) * up``: SwiGLU (``silu``) or GeGLU (``gelu_tanh``)."""
+    return kernels.glu(gate, up, activation)
 
 
 def gelu_tanh(x: Tensor) -> Tensor:
-    """GELU with the tanh approximation (SigLIP, Gemma, GR00T's DiT)."""
+    """GELU with the tanh approximation (SigLIP, GR00T's DiT)."""
     return F.gelu(x, approximate="tanh")
 
 
@@ -68,10 +74,16 @@ def silu(x: Tensor) -> Tensor:
     return F.silu(x)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding (rotate-half convention). x: [B, H, L, D]; cos/sin: [B, L, D]."""
-    d = x.shape[-1] // 2
-    x1, x2 = x[..., :d], x[..., d:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
-    return x * cos + rotated * sin
+def rope_tables(
+    length: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """fp32 rotary tables [length, head_dim // 2] for positions < length."""
+    return kernels.rope_cos_sin(length, head_dim, theta, device=device)
+
+
+def apply_rope(
+    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Rotate q [B, L, H, D] and k [B, L, Hkv, D] by integer positions [B, L]
+    (half-split / NeoX layout)."""
+    return kernels.apply_rope(q, k, cos, sin, positions)

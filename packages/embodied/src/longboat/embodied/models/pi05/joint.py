@@ -72,13 +72,13 @@ class JointTransformer:
         p, s = prefix.shape[1], suffix.shape[1]
         mask = prefix_lm_mask(prefix_valid, s)
         pos_p, pos_s = joint_positions(prefix_valid, s)
-        cos_p, sin_p = self.llm.rope(pos_p)
-        cos_s, sin_s = self.expert.rope(pos_s)
+        rope_p = self.llm.rope(pos_p, p + s)
+        rope_s = self.expert.rope(pos_s, p + s)
         n = len(self.llm.layers)
         for i, (lm, ex) in enumerate(zip(self.llm.layers, self.expert.layers, strict=True)):
             last = i == n - 1 and not full_prefix
-            qp, kp, vp, _ = lm.project_qkv(prefix, cos_p, sin_p)
-            qs, ks, vs, gate = ex.project_qkv(suffix, cos_s, sin_s, cond)
+            qp, kp, vp, _ = lm.project_qkv(prefix, rope_p)
+            qs, ks, vs, gate = ex.project_qkv(suffix, rope_s, cond)
             k, v = _cat(kp, ks), _cat(vp, vs)
             if last:
                 out_s = ops.attention(qs, k, v, mask[:, :, p:])
@@ -94,11 +94,11 @@ class JointTransformer:
         """Per-layer rotated prefix K/V (the prefix never attends to the suffix)."""
         mask = prefix_lm_mask(prefix_valid, 0)
         pos_p, _ = joint_positions(prefix_valid, 0)
-        cos, sin = self.llm.rope(pos_p)
+        rope = self.llm.rope(pos_p)
         cache: KVCache = []
         n = len(self.llm.layers)
         for i, lm in enumerate(self.llm.layers):
-            q, k, v, _ = lm.project_qkv(prefix, cos, sin)
+            q, k, v, _ = lm.project_qkv(prefix, rope)
             cache.append((k, v))
             if i < n - 1:
                 prefix = lm.finish(prefix, ops.attention(q, k, v, mask), None)
@@ -111,9 +111,9 @@ class JointTransformer:
         s = suffix.shape[1]
         mask = prefix_lm_mask(prefix_valid, s)[:, :, prefix_valid.shape[1] :]
         _, pos_s = joint_positions(prefix_valid, s)
-        cos, sin = self.expert.rope(pos_s)
+        rope = self.expert.rope(pos_s, prefix_valid.shape[1] + s)
         for ex, (kp, vp) in zip(self.expert.layers, cache, strict=True):
-            qs, ks, vs, gate = ex.project_qkv(suffix, cos, sin, cond)
+            qs, ks, vs, gate = ex.project_qkv(suffix, rope, cond)
             out = ops.attention(qs, _cat(kp, ks), _cat(vp, vs), mask)
             suffix = ex.finish(suffix, out, gate, cond)
         return suffix
