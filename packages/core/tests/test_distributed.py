@@ -15,7 +15,9 @@ from longboat.core.config.schema import ParallelConfig
 from longboat.core.distributed import (
     MultiprocessError,
     build_device_mesh,
+    destroy_distributed,
     dp_mesh,
+    find_free_port,
     init_distributed,
     mesh_shape,
     resolve_parallel,
@@ -54,6 +56,25 @@ def _mesh_worker(rank: int, world_size: int, parallel: ParallelConfig) -> dict:
     out["dp_sum"] = t.item()
     out["dp_ranks"] = sorted(dist.get_process_group_ranks(dp.get_group()))
     return out
+
+
+def _env_init_worker(rank: int, world_size: int, port: int) -> tuple:
+    # Start from what torchrun gives a process: env vars and no process group.
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    info = init_distributed()
+    t = torch.tensor([10.0**rank])
+    dist.all_reduce(t)
+    destroy_distributed()
+    destroy_distributed()  # idempotent
+    return (
+        info.rank,
+        info.local_rank,
+        info.world_size,
+        info.backend,
+        t.item(),
+        dist.is_initialized(),
+    )
 
 
 def _failing_worker(rank: int, world_size: int) -> None:
@@ -150,6 +171,12 @@ def test_all_reduce_sums(world_size):
         assert o["world"] == world_size and o["backend"] == "gloo"
         assert o["sum"] == pytest.approx(expected, abs=0)
         assert o["accelerator"] == "cpu"
+
+
+@pytest.mark.multiprocess
+def test_init_distributed_from_torchrun_env():
+    out = run_multiprocess(_env_init_worker, 2, find_free_port())
+    assert out == [(0, 0, 2, "gloo", 11.0, False), (1, 1, 2, "gloo", 11.0, False)]
 
 
 @pytest.mark.multiprocess
