@@ -159,6 +159,8 @@ class CheckpointManager:
         self._pending: _PendingSave | None = None
         self._async_pg: Any = None
         self.last_saved_step: int | None = None
+        self.last_loaded: Path | None = None
+        """The checkpoint the latest ``load``/``resume`` read."""
 
     # --- distributed helpers ---------------------------------------------------------
 
@@ -463,5 +465,6 @@ class CheckpointManager:
         extras_path = path / f"extra_rank{extra_rank}.pt"
         extras = torch.load(extras_path, map_location="cpu", weights_only=True)
         apply_extras(state, extras, strict=strict)
+        self.last_loaded = path
         logger.info("loaded checkpoint %s (step %d)", path, manifest.step)
         return manifest.step
