@@ -31,7 +31,7 @@ def _tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for path in files:
         with safe_open(str(path), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
+            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
     return out
 
 

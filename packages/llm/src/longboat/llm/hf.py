@@ -10,14 +10,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from longboat.core.config.errors import ConfigError
 from longboat.core.megatron.hf_io import load_hf_weights, save_hf_weights
 from longboat.llm.config import LLMModelConfig
 from longboat.llm.models.registry import family_for_hf_config, get_family
-
-try:
-    from longboat.core.config.errors import ConfigError
-except ImportError:  # pragma: no cover
-    ConfigError = ValueError  # type: ignore[misc,assignment]
 
 # Fields that describe the architecture (what must agree between flavor and checkpoint).
 _ARCH_FIELDS = tuple(

@@ -15,10 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-try:
-    from longboat.core.config.errors import ConfigError
-except ImportError:  # pragma: no cover
-    ConfigError = ValueError  # type: ignore[misc,assignment]
+from longboat.core.config.errors import ConfigError, ConfigProblem
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -90,35 +87,51 @@ class DecoderArch:
             raise ConfigError("; ".join(problems))
 
     def validate_parallel(self, *, tp: int, pp: int, ep: int, vpp: int | None = None) -> None:
-        """Check the parallel sizes fit this architecture (TP divides heads, ...)."""
-        problems: list[str] = []
+        """Check the parallel sizes fit this architecture (TP divides heads, ...).
+
+        Raises one ``ConfigError`` carrying a problem per offending key.
+        """
+        problems: list[ConfigProblem] = []
+
+        def bad(key: str, value: int, message: str, fix: str) -> None:
+            problems.append(ConfigProblem(key=key, message=message, value=value, fix=fix))
+
         if self.num_attention_heads % tp or self.num_query_groups % tp:
-            problems.append(
-                f"parallel.tensor_parallel={tp}: must divide num_attention_heads="
-                f"{self.num_attention_heads} and num_query_groups={self.num_query_groups}"
+            bad(
+                "parallel.tensor_parallel",
+                tp,
+                f"must divide num_attention_heads={self.num_attention_heads} and "
+                f"num_query_groups={self.num_query_groups}.",
+                "use a tensor_parallel that divides both.",
             )
-        ffn = self.moe_ffn_hidden_size if self.num_experts else self.ffn_hidden_size
-        if self.ffn_hidden_size % tp:
-            problems.append(
-                f"parallel.tensor_parallel={tp}: must divide ffn_hidden_size={self.ffn_hidden_size}"
+        if self.ffn_hidden_size % tp or (self.vocab_size % tp):
+            bad(
+                "parallel.tensor_parallel",
+                tp,
+                f"must divide ffn_hidden_size={self.ffn_hidden_size} and "
+                f"vocab_size={self.vocab_size}.",
+                "use a tensor_parallel that divides both (or pad the vocabulary).",
             )
-        del ffn
         stages = pp * (vpp or 1)
         if self.num_layers % stages:
-            problems.append(
-                f"parallel.pipeline_parallel={pp} (x virtual {vpp or 1}): must divide "
-                f"num_layers={self.num_layers}"
+            bad(
+                "parallel.pipeline_parallel",
+                pp,
+                f"pipeline_parallel x virtual stages ({vpp or 1}) must divide "
+                f"num_layers={self.num_layers}.",
+                "choose sizes whose product divides the layer count.",
             )
         if self.num_experts and self.num_experts % ep:
-            problems.append(
-                f"parallel.expert_parallel={ep}: must divide num_experts={self.num_experts}"
+            bad(
+                "parallel.expert_parallel",
+                ep,
+                f"must divide num_experts={self.num_experts}.",
+                "use an expert_parallel that divides the expert count.",
             )
         if not self.num_experts and ep > 1:
-            problems.append(
-                f"parallel.expert_parallel={ep}: the model has no experts. Fix: set it to 1."
-            )
+            bad("parallel.expert_parallel", ep, "the model has no experts.", "set it to 1.")
         if problems:
-            raise ConfigError("; ".join(problems) + ". Fix: choose sizes that divide these.")
+            raise ConfigError(problems)
 
 
 def to_transformer_config(

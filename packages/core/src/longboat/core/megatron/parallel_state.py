@@ -14,13 +14,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from longboat.core.config.errors import ConfigError
 from longboat.core.config.schema import ParallelConfig
 from longboat.core.megatron.adapters import MegatronAdapter, check_megatron_version
-
-try:
-    from longboat.core.config.errors import ConfigError
-except ImportError:  # pragma: no cover - errors module lands with the config engineer's work
-    ConfigError = ValueError  # type: ignore[misc,assignment]
 
 
 @dataclass(frozen=True)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from longboat.core.megatron.specs import LayerKernels, decoder_layer_spec
 from longboat.llm.config import LLMModelConfig
 
-try:
-    from longboat.core.config.errors import ConfigError
-except ImportError:  # pragma: no cover
-    ConfigError = ValueError  # type: ignore[misc,assignment]
+if TYPE_CHECKING:
+    from longboat.core.megatron.specs import LayerKernels
+
+from longboat.core.config.errors import ConfigError
 
 # megatron-core's Llama-3 rope scaling hard-codes these (RotaryEmbedding._apply_scaling).
 _MEGATRON_LLAMA3_ROPE = {
@@ -112,6 +111,8 @@ def dense_layer_spec(
     cfg: LLMModelConfig, backend: str = "longboat", kernels: LayerKernels | None = None
 ) -> Any:
     """Decoder layer spec for any family in this package (qk-norm / MoE read from cfg)."""
+    from longboat.core.megatron.specs import decoder_layer_spec
+
     return decoder_layer_spec(
         num_experts=cfg.num_experts, qk_norm=cfg.qk_norm, backend=backend, kernels=kernels
     )

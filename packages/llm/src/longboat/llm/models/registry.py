@@ -7,12 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from longboat.core.config.errors import ConfigError
 from longboat.llm.config import LLMModelConfig
-
-try:
-    from longboat.core.config.errors import ConfigError
-except ImportError:  # pragma: no cover
-    ConfigError = ValueError  # type: ignore[misc,assignment]
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from longboat.core.config.errors import ConfigError
 from longboat.llm.config import LLMModelConfig
 from longboat.llm.models._hf_common import common_from_hf, common_to_hf
-
-try:
-    from longboat.core.config.errors import ConfigError
-except ImportError:  # pragma: no cover
-    ConfigError = ValueError  # type: ignore[misc,assignment]
 
 
 def from_hf_config(hf: dict[str, Any]) -> LLMModelConfig:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from longboat.core.megatron.specs import LayerKernels
 from longboat.llm.config import LLMModelConfig
 from longboat.llm.models._hf_common import dense_layer_spec
+
+if TYPE_CHECKING:
+    from longboat.core.megatron.specs import LayerKernels
 
 
 def layer_spec(

@@ -1,0 +1,23 @@
+"""The llm stack as core sees it (entry point ``longboat.stacks: llm``).
+
+Heavy parts are ``"module:attr"`` references, so listing stacks imports no megatron.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from longboat.core.stack import Stack
+
+STACK = Stack(
+    name="llm",
+    description="Text LLMs on megatron-core (Llama 3, Qwen3, Qwen3-MoE) with HF conversion.",
+    config_dir=Path(__file__).with_name("conf"),
+    model_schemas={
+        "llama3": "longboat.llm.config:LLMModelConfig",
+        "qwen3": "longboat.llm.config:LLMModelConfig",
+        "qwen3_moe": "longboat.llm.config:LLMModelConfig",
+    },
+    console_script="longboat-llm",
+    validators=("longboat.llm.validate:validate_llm",),
+)
