@@ -141,6 +141,7 @@ def test_failed_save_prunes_nothing(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="not_loadable"):
         mgr.save(2, bad)
     assert [s for s, _ in mgr.checkpoints(warn=False)] == [1]
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step_00000001"]  # no temp left
 
 
 def test_async_save_round_trip_snapshots_state_at_call_time(tmp_path: Path) -> None:
@@ -230,3 +231,30 @@ def test_crafted_metadata_is_not_unpickled(tmp_path: Path) -> None:
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=r"(posix|os)\.system.*refusing to unpickle"):
         mgr.load(_fresh())
+
+
+def test_step_0_checkpoint_leaves_a_fresh_optimizer_untouched(tmp_path: Path) -> None:
+    """Saving before the first step must not start AdamW's step count (bias correction)."""
+
+    def run(save: bool, load: bool) -> list[torch.Tensor]:
+        model = _model(0).eval()
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        mgr = _mgr(tmp_path / f"{save}{load}")
+        if save:
+            mgr.save(0, {"model": model, "optim": optim})
+            assert not optim.state
+        if load:
+            assert mgr.load({"model": model, "optim": optim}) == 0
+            assert not optim.state
+        losses = []
+        for _ in range(3):
+            loss = model(torch.ones(2, 6)).pow(2).mean()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.detach())
+        return losses
+
+    ref = run(save=False, load=False)
+    for got in (run(save=True, load=False), run(save=True, load=True)):
+        assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))

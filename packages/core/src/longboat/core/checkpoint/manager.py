@@ -276,57 +276,66 @@ class CheckpointManager:
                 error = CheckpointError(f"cannot create {tmp}: {exc}")
         self._raise_if_any(error, "creating the checkpoint folder")
 
-        split = split_state(state)
         try:
-            data = serialize_extras(split.extras)
-            with open(tmp / f"extra_rank{rank}.pt", "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException as exc:
-            error = exc
-        self._raise_if_any(error, "writing per-rank state")
-        _test_pause("extras")
-
-        writer = FileSystemWriter(tmp, sync_files=True)
-        if not use_async:
+            split = split_state(state)
             try:
-                with _quiet_single_process():
-                    dcp.save(split.sharded, storage_writer=writer)
-            except CheckpointException as exc:
-                raise _dcp_failure(f"writing shards of {final}", exc) from None
-            _test_pause("shards")
-            if rank == 0:
+                data = serialize_extras(split.extras)
+                with open(tmp / f"extra_rank{rank}.pt", "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except BaseException as exc:
+                error = exc
+            self._raise_if_any(error, "writing per-rank state")
+            _test_pause("extras")
+
+            writer = FileSystemWriter(tmp, sync_files=True)
+            if not use_async:
                 try:
-                    self._finalize(step, tmp, final, world)
-                except BaseException as exc:
-                    error = exc
-            self._raise_if_any(error, f"finalising checkpoint {final}")
-            self.last_saved_step = step
-            return final
-
-        if _dist_on() and self._async_pg is None:
-            # Background collectives must not interleave with training's on one group.
-            self._async_pg = dist.new_group(backend="gloo")
-        response = dcp.async_save(
-            split.sharded, storage_writer=writer, process_group=self._async_pg
-        )
-        future = getattr(response, "upload_completion", response)
-        pending = _PendingSave(step, final)
-
-        def finish() -> None:
-            try:
-                future.result()
+                    with _quiet_single_process():
+                        dcp.save(split.sharded, storage_writer=writer)
+                except CheckpointException as exc:
+                    raise _dcp_failure(f"writing shards of {final}", exc) from None
                 _test_pause("shards")
                 if rank == 0:
-                    self._finalize(step, tmp, final, world)
-            except CheckpointException as exc:
-                pending.error = _dcp_failure(f"writing shards of {final}", exc)
-            except BaseException as exc:
-                pending.error = exc
+                    try:
+                        self._finalize(step, tmp, final, world)
+                    except BaseException as exc:
+                        error = exc
+                self._raise_if_any(error, f"finalising checkpoint {final}")
+                self.last_saved_step = step
+                return final
 
-        pending.thread = threading.Thread(target=finish, name=f"ckpt-save-{step}", daemon=True)
-        pending.thread.start()
+            if _dist_on() and self._async_pg is None:
+                # Background collectives must not interleave with training's on one group.
+                self._async_pg = dist.new_group(backend="gloo")
+            response = dcp.async_save(
+                split.sharded, storage_writer=writer, process_group=self._async_pg
+            )
+            future = getattr(response, "upload_completion", response)
+            pending = _PendingSave(step, final)
+
+            def finish() -> None:
+                try:
+                    future.result()
+                    _test_pause("shards")
+                    if rank == 0:
+                        self._finalize(step, tmp, final, world)
+                except CheckpointException as exc:
+                    pending.error = _dcp_failure(f"writing shards of {final}", exc)
+                except BaseException as exc:
+                    pending.error = exc
+                if pending.error is not None and rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+
+            pending.thread = threading.Thread(target=finish, name=f"ckpt-save-{step}", daemon=True)
+            pending.thread.start()
+        except BaseException:
+            # A failed save leaves nothing behind (a killed one leaves a temp folder that
+            # is ignored and removed after the next successful save).
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         self._pending = pending
         return final
 

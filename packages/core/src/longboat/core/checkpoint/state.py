@@ -26,7 +26,11 @@ from torch.distributed.checkpoint.state_dict import (
 from longboat.core.checkpoint.errors import CheckpointError
 from longboat.core.rng import RNGState
 
+PRISTINE_OPTIMIZERS_KEY = "__longboat_pristine_optimizers__"
+"""Extras entry listing optimizers that had no state yet when saved."""
+
 __all__ = [
+    "PRISTINE_OPTIMIZERS_KEY",
     "SplitState",
     "apply_extras",
     "load_sharded",
@@ -78,7 +82,14 @@ def split_state(state: dict[str, Any]) -> SplitState:
         if isinstance(value, nn.Module):
             out.sharded[key] = get_model_state_dict(value)
         elif isinstance(value, torch.optim.Optimizer):
+            pristine = not value.state
             out.sharded[key] = get_optimizer_state_dict(_owner_module(key, value, state), value)
+            if pristine:
+                # get_optimizer_state_dict fills an empty optimizer by taking a zero-LR
+                # step (AdamW's step count becomes 1). Undo it, and remember to undo it
+                # after loading too, so a step-0 checkpoint changes nothing.
+                value.state.clear()
+                out.extras.setdefault(PRISTINE_OPTIMIZERS_KEY, []).append(key)
         elif _is_stateful(value):
             out.extras[key] = value.state_dict()
         else:
@@ -146,9 +157,12 @@ def apply_extras(state: dict[str, Any], extras: dict[str, Any], *, strict: bool)
             value.load_state_dict(extras[key])
         else:
             state[key] = extras[key]
+    for key in extras.get(PRISTINE_OPTIMIZERS_KEY, []):
+        if isinstance(state.get(key), torch.optim.Optimizer):
+            state[key].state.clear()
     if strict and missing:
         raise CheckpointError(
             f"the checkpoint holds no entry for state key(s) {missing}; it has "
-            f"{sorted(extras)}; remove those keys from the state or load with strict=False"
+            f"{sorted(k for k in extras if k != PRISTINE_OPTIMIZERS_KEY)}; remove those keys from the state or load with strict=False"
         )
     return missing
