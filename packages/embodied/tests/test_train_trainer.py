@@ -115,9 +115,18 @@ def test_sigusr1_saves_and_exits_cleanly(tmp_path: Path) -> None:
 def test_bf16_autocast_run_is_finite(tmp_path: Path) -> None:
     cfg = compose_experiment(
         "groot_n1_6_tiny",
-        _overrides(tmp_path, "train.precision=bf16", "export.enabled=false"),
+        _overrides(
+            tmp_path,
+            "train.precision=bf16",
+            "export.enabled=false",
+            "train.profiler.enabled=true",
+            "train.profiler.start_step=1",
+            "train.profiler.end_step=1",
+        ),
         world_size=1,
     )
     result = train(cfg)
     assert len(result.losses) == 2 and all(torch.isfinite(torch.tensor(result.losses)))
     assert [m["step"] for m in _metrics(tmp_path, "groot_n1_6_tiny")] == [1, 2]
+    trace = tmp_path / "profile" / "trace_steps1-1_rank0.json"
+    assert "ProfilerStep#1" in trace.read_text()

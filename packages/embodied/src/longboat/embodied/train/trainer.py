@@ -214,6 +214,7 @@ def train(cfg: Any) -> TrainResult:
     ):
         for step in range(start, cfg.train.steps):
             t0 = time.perf_counter()
+            profiler.step(step + 1)  # steps are numbered from 1, as in metrics.jsonl
             batches = [to_device(next(loader), device) for _ in range(layout.accum)]
             out = train_step(
                 model,
@@ -234,7 +235,6 @@ def train(cfg: Any) -> TrainResult:
             result.losses.append(out.loss)
             dt = time.perf_counter() - t0
             progress.update(done, loss=out.loss, items=layout.global_batch)
-            profiler.step(done)
             if done % cfg.train.log_every == 0 or done == cfg.train.steps:
                 metrics.log(
                     done,
