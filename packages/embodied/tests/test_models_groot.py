@@ -45,24 +45,24 @@ def test_image_tokens_placeholder_layout():
     # 56x84 frames -> 4x6 patches -> 2x3 tokens after unshuffle, 2 cameras = 12 per sample.
     m = _model()
     assert m.cfg.tokens_per_image(56, 84) == 6
-    batch = synthetic_batch(m, 2)
+    batch = _fixed_draw(synthetic_batch(m, 2))
     m.eval()
-    auto = m(_fixed_draw(batch))["loss"]
-    # Explicit placeholders at the front equal the automatically prepended ones.
+    auto = m(batch)["loss"]
+    # Placeholders already in the text (image_tokens_in_text) equal the prepended ones.
+    m2 = _model(image_tokens_in_text=True)
+    m2.eval()
     ph = torch.full((2, 12), m.cfg.image_token_id)
+    ones = torch.ones(2, 12, dtype=torch.long)
     explicit = dict(
         batch,
         input_ids=torch.cat([ph, batch["input_ids"]], 1),
-        attention_mask=torch.cat([torch.ones(2, 12, dtype=torch.long), batch["attention_mask"]], 1),
+        attention_mask=torch.cat([ones, batch["attention_mask"]], 1),
     )
-    torch.testing.assert_close(m(explicit)["loss"], auto, rtol=0, atol=0)
-    bad = dict(
-        batch,
-        input_ids=torch.cat([ph[:, :5], batch["input_ids"]], 1),
-        attention_mask=torch.ones(2, 12, dtype=torch.long),
-    )
+    torch.testing.assert_close(m2(explicit)["loss"], auto, rtol=0, atol=0)
     with pytest.raises(ValueError, match="image tokens"):
-        m(bad)
+        m2(batch)  # no placeholders although the config says they are in the text
+    with pytest.raises(ValueError, match="image tokens"):
+        m(explicit)  # placeholders in the text although the model prepends them
 
 
 def test_loss_ignores_padded_action_and_state_entries():

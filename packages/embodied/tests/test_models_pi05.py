@@ -24,7 +24,7 @@ def _model(seed: int = 0, **overrides):
     # Zero-initialised adaRMSNorm gates make the expert an identity at step 0; give them
     # random values so the suffix path is exercised by the equivalence tests.
     with torch.no_grad():
-        for layer in m.expert.layers:
+        for layer in (jl.expert for jl in m.joint.layers):
             for norm in (layer.input_norm, layer.post_attention_norm):
                 norm.modulation.weight.normal_(0, 0.2)
     return m
@@ -67,9 +67,10 @@ def test_loss_ignores_padding_masked_cameras_and_padded_tokens():
     ids[1, -2:] = 9  # padded text of row 1
     junk["input_ids"] = ids
     torch.testing.assert_close(m(junk)["loss"], base, rtol=0, atol=1e-6)
-    real = dict(batch, state=batch["state"].clone())
-    real["state"][0, 0] = -real["state"][0, 0] + 0.5  # moves it to another bin
-    assert (m(real)["loss"] - base).abs() > 1e-5
+    # ...while real state values do reach the prediction (the test can fail).
+    real = dict(batch, state=-batch["state"])
+    diff = m(real)["pred_velocity"] - m(batch)["pred_velocity"]
+    assert diff.abs().max() > 1e-4
 
 
 def test_prefix_never_sees_the_suffix():
@@ -126,9 +127,9 @@ def test_gradients_reach_exactly_the_trainable_parameters():
             assert p.grad is not None and p.grad.dtype == torch.float32, name
         else:
             assert p.grad is None and p.dtype == torch.bfloat16, name
-    assert not m.llm.layers[1].k_proj.weight.requires_grad
-    assert m.llm.layers[2].k_proj.weight.grad.abs().sum() > 0
-    last = m.llm.layers[-1]
+    assert not m.joint.layers[1].lm.k_proj.weight.requires_grad
+    assert m.joint.layers[2].lm.k_proj.weight.grad.abs().sum() > 0
+    last = m.joint.layers[-1].lm
     assert id(last.mlp.down_proj.weight) in unused and not last.mlp.down_proj.weight.requires_grad
     assert last.k_proj.weight.requires_grad  # its K/V still feed the suffix
 
@@ -170,6 +171,6 @@ def test_full_flavor_parameter_count_on_meta():
     m = build_model("pi05", "full", device="meta")
     n = sum(p.numel() for p in m.parameters())
     assert abs(n - 3.3e9) / 3.3e9 < 0.03, n
-    expert = sum(p.numel() for p in m.expert.parameters())
+    expert = sum(p.numel() for jl in m.joint.layers for p in jl.expert.parameters())
     assert 0.25e9 < expert < 0.5e9, expert  # "gemma 300M" with its adaRMSNorm denses
     assert all(p.is_meta for p in m.parameters())

@@ -31,6 +31,12 @@ def attention(
     (mask builders here guarantee it) so no row turns into NaN. Returns [B, H, L, D].
     """
     dtype = torch.promote_types(q.dtype, k.dtype)
+    if mask is not None and q.shape[1] != k.shape[1]:
+        # With a dense mask SDPA cannot use flash; its memory-efficient kernel takes masks
+        # but not grouped KV heads, so expand K/V (cheap at these sequence lengths) instead
+        # of falling back to the math kernel.
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     q, k, v = (t.to(dtype).transpose(1, 2) for t in (q, k, v))  # kernels take [B, S, H, D]
     return kernels.attention(q, k, v, causal=is_causal, mask=mask, scale=scale).transpose(1, 2)
 

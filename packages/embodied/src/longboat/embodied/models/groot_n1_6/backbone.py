@@ -41,7 +41,8 @@ class PixelUnshuffleProjector(nn.Module):
 def insert_image_tokens(
     input_ids: Tensor, attention_mask: Tensor, num_image_tokens: int, image_token_id: int
 ) -> tuple[Tensor, Tensor]:
-    """Prepend ``num_image_tokens`` image placeholders to every row of a text batch."""
+    """Prepend ``num_image_tokens`` image placeholders to every row of a text batch (what
+    the model does itself unless ``image_tokens_in_text``)."""
     b = input_ids.shape[0]
     img = torch.full(
         (b, num_image_tokens), image_token_id, dtype=input_ids.dtype, device=input_ids.device
@@ -78,23 +79,29 @@ class EagleBackbone(nn.Module):
         return proj.reshape(b, c * proj.shape[1], -1)
 
     def forward(
-        self, batch: dict[str, Tensor], generator: torch.Generator | None = None
+        self,
+        batch: dict[str, Tensor],
+        generator: torch.Generator | None = None,
+        check_tokens: bool = True,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Returns (features [B, L, D_llm] fp32, valid mask [B, L], image mask [B, L])."""
+        """Returns (features [B, L, D_llm] fp32, valid mask [B, L], image mask [B, L]).
+        ``check_tokens`` validates placeholder counts (a host sync)."""
         image_emb = self.encode_images(batch["images"], generator)
         input_ids, attn = batch["input_ids"], batch["attention_mask"].bool()
         n_img = image_emb.shape[1]
-        is_image = input_ids == self.cfg.image_token_id
-        if not bool(is_image.any()):
+        if not self.cfg.image_tokens_in_text:
             input_ids, attn = insert_image_tokens(input_ids, attn, n_img, self.cfg.image_token_id)
-            is_image = input_ids == self.cfg.image_token_id
-        counts = is_image.sum(1)
-        if bool((counts != n_img).any()):
-            raise ValueError(
-                f"batch['input_ids'] rows hold {counts.tolist()} image tokens (id "
-                f"{self.cfg.image_token_id}) but the images give {n_img} per sample; put exactly "
-                "that many placeholders per row, or none to have them prepended"
-            )
+        is_image = input_ids == self.cfg.image_token_id
+        if check_tokens:
+            counts = is_image.sum(1)
+            if bool((counts != n_img).any()):
+                where = "in total" if not self.cfg.image_tokens_in_text else ""
+                raise ValueError(
+                    f"batch['input_ids'] rows hold {counts.tolist()} image tokens (id "
+                    f"{self.cfg.image_token_id}) {where} but the images give {n_img} per sample; "
+                    "with image_tokens_in_text=True put exactly that many placeholders in each "
+                    "row, with False (default) put none"
+                )
         emb = self.llm.embed(input_ids)
         dtype = torch.promote_types(emb.dtype, image_emb.dtype)
         emb = emb.to(dtype).masked_scatter(is_image[..., None], image_emb.to(dtype))

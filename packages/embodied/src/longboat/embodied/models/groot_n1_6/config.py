@@ -57,6 +57,9 @@ class GrootN16Config:
     """t = noise_s * (1 - Beta)."""
     state_dropout_prob: float = 0.0
     """Training probability of replacing the state token by a learned mask token."""
+    image_tokens_in_text: bool = False
+    """False: ``input_ids`` hold text only and the image placeholders are prepended;
+    True: every row already holds n_cams * tokens_per_image ``image_token_id`` tokens."""
     category_impl: CategoryImpl = "bmm"
     """Per-embodiment layer implementation: 'bmm' (gather + bmm) or 'grouped'."""
     tune_visual: bool = False

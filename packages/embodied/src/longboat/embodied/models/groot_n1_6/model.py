@@ -6,9 +6,10 @@ Batch dict (all tensors on the model's device):
 key                shape / dtype                meaning
 =================  ===========================  =========================================
 images             [B, n_cams, 3, H, W]         camera frames, uint8 or float in [0, 1]
-input_ids          [B, L] int64                 text tokens; either exactly
-                                                n_cams*tokens_per_image ``image_token_id``
-                                                placeholders per row or none (prepended)
+input_ids          [B, L] int64                 text tokens; image placeholders are
+                                                prepended (or, with
+                                                ``image_tokens_in_text``, already present:
+                                                n_cams*tokens_per_image per row)
 attention_mask     [B, L] bool/int              1 = real token
 state              [B, max_state_dim] float     padded proprioception
 state_mask         [B, max_state_dim] bool      optional; 1 = real state dim
@@ -61,6 +62,7 @@ class GrootN16(nn.Module):
         self.cfg = cfg
         self.backbone = EagleBackbone(cfg)
         self.action_head = GrootActionHead(cfg)
+        self._value_checks_left = 2
 
     def freezing_groups(self) -> FreezingGroups:
         """Parts for ``apply_freezing``."""
@@ -89,6 +91,8 @@ class GrootN16(nn.Module):
                 f"batch['action'] has {batch['action'].shape[-1]} dims, model expects "
                 f"max_action_dim={self.cfg.max_action_dim} (pad the action)"
             )
+        if not self._check_values():
+            return
         ids = batch["embodiment_id"]
         if bool(((ids < 0) | (ids >= self.cfg.num_embodiments)).any()):
             raise ValueError(
@@ -96,8 +100,14 @@ class GrootN16(nn.Module):
                 f"[0, num_embodiments={self.cfg.num_embodiments})"
             )
 
+    def _check_values(self) -> bool:
+        # Value checks (embodiment ids, placeholder counts) cost a host sync: run them on
+        # the first batches and always on CPU, not on every accelerator step.
+        return self._value_checks_left > 0 or self.action_head.vlln.weight.device.type == "cpu"
+
     def _condition(self, batch: dict[str, Tensor], generator: torch.Generator | None):
-        feats, valid, is_image = self.backbone(batch, generator)
+        feats, valid, is_image = self.backbone(batch, generator, self._check_values())
+        self._value_checks_left = max(0, self._value_checks_left - 1)
         cond = self.action_head.condition(feats, valid, is_image)
         state = _masked(batch["state"].float(), batch.get("state_mask"), "state_mask")
         state_tok = self.action_head.encode_state(state, batch["embodiment_id"], generator)

@@ -34,8 +34,7 @@ from longboat.embodied.models.common.flow_matching import (
 )
 from longboat.embodied.models.common.freezing import FreezingGroups
 from longboat.embodied.models.common.image_preprocessing import preprocess_images
-from longboat.embodied.models.common.layers import sincos_period_embedding
-from longboat.embodied.models.common.lm import DecoderStack
+from longboat.embodied.models.common.layers import AdaRMSNorm, sincos_period_embedding
 from longboat.embodied.models.common.vit import VisionTransformer
 from longboat.embodied.models.pi05.config import Pi05Config
 from longboat.embodied.models.pi05.joint import JointTransformer
@@ -73,9 +72,9 @@ class Pi05(nn.Module):
         we = cfg.expert.hidden_size
         self.vision = VisionTransformer(cfg.vision)
         self.projector = nn.Linear(cfg.vision.hidden_size, cfg.llm.hidden_size)
-        self.llm = DecoderStack(cfg.llm)
-        self.expert = DecoderStack(cfg.expert, cond_dim=we, final_norm=True)
-        self.joint = JointTransformer(self.llm, self.expert)
+        self.embed_tokens = nn.Embedding(cfg.llm.vocab_size, cfg.llm.hidden_size)
+        self.joint = JointTransformer(cfg.llm, cfg.expert)
+        self.expert_norm = AdaRMSNorm(we, we, cfg.expert.rms_eps)
         self.action_in_proj = nn.Linear(cfg.action_dim, we)
         self.action_out_proj = nn.Linear(we, cfg.action_dim)
         self.time_mlp_in = nn.Linear(we, we)
@@ -85,10 +84,11 @@ class Pi05(nn.Module):
         """Parts for ``apply_freezing``."""
         return FreezingGroups(
             visual=[self.vision, self.projector],
-            llm_layers=list(self.llm.layers),
-            llm_rest=[self.llm.embed_tokens] if self.llm.embed_tokens is not None else [],
+            llm_layers=[layer.lm for layer in self.joint.layers],
+            llm_rest=[self.embed_tokens],
             action_head=[
-                self.expert,
+                *(layer.expert for layer in self.joint.layers),
+                self.expert_norm,
                 self.action_in_proj,
                 self.action_out_proj,
                 self.time_mlp_in,
@@ -98,6 +98,11 @@ class Pi05(nn.Module):
         )
 
     # ---- prefix / suffix embedding -------------------------------------------------------
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """Gemma token embeddings (scaled by sqrt(hidden))."""
+        x = self.embed_tokens(input_ids)
+        return x * torch.tensor(self.cfg.llm.hidden_size**0.5, dtype=x.dtype)
 
     def _check(self, batch: dict[str, Tensor], need_action: bool) -> None:
         keys = ["images", "input_ids", "attention_mask", "state"]
@@ -139,10 +144,10 @@ class Pi05(nn.Module):
         if cam_mask is None:
             cam_mask = torch.ones(b, c, dtype=torch.bool, device=img.device)
         img_valid = cam_mask.bool().repeat_interleave(t, dim=1)
-        text = self.llm.embed(batch["input_ids"])
+        text = self.embed(batch["input_ids"])
         text_valid = batch["attention_mask"].bool()
         state_ids = discretize_state(batch["state"], self.cfg.num_state_bins) + self.cfg.bin_offset
-        state_emb = self.llm.embed(state_ids)
+        state_emb = self.embed(state_ids)
         state_valid = batch.get("state_mask")
         if state_valid is None:
             state_valid = torch.ones_like(state_ids, dtype=torch.bool)
@@ -163,7 +168,7 @@ class Pi05(nn.Module):
         return self.action_in_proj(x_t.to(w.dtype)), self.time_condition(t)
 
     def _velocity_from_suffix(self, suffix_out: Tensor, cond: Tensor) -> Tensor:
-        normed, _ = self.expert.norm(suffix_out, cond)
+        normed, _ = self.expert_norm(suffix_out, cond)
         w = self.action_out_proj.weight
         return self.action_out_proj(normed.to(w.dtype)).float()
 
