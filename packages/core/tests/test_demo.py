@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from longboat.core.checkpoint import read_manifest
 from longboat.core.config.compose import compose_experiment
 from longboat.core.demo import run
-
-pytestmark = pytest.mark.filterwarnings("ignore:no stack registers a schema")
+from longboat.core.distributed import run_multiprocess
 
 
 def _cfg(tmp_path: Path, *extra: str):
@@ -68,3 +68,19 @@ def test_demo_sigterm_saves_and_resume_matches_uninterrupted_run(tmp_path: Path)
     assert resumed.start_step == 12 and resumed.end_step == 30
     assert stopped.losses + resumed.losses == full.losses  # exact float equality
     assert resumed.eval_after == full.eval_after
+
+
+def _demo_rank(rank: int, world: int, root: str) -> tuple[int, list[float]]:
+    result = run(_cfg(Path(root), "train.steps=12"))
+    return result.end_step, result.losses
+
+
+@pytest.mark.multiprocess
+def test_demo_under_ddp_at_world_2_resumes_at_world_1(tmp_path: Path) -> None:
+    (end0, losses0), (end1, losses1) = run_multiprocess(_demo_rank, 2, str(tmp_path), timeout=120)
+    assert end0 == end1 == 12
+    assert losses0 != losses1  # each rank trains on its own shard of every batch
+    assert read_manifest(tmp_path / "ckpt" / "step_00000012").world_size == 2
+    resumed = run(_cfg(tmp_path, "train.steps=20"))
+    assert resumed.resumed_from == tmp_path / "ckpt" / "step_00000012"
+    assert (resumed.start_step, resumed.end_step) == (12, 20)
