@@ -16,13 +16,18 @@ TOL = 1e-4  # max abs logit difference allowed vs transformers in fp32
 
 
 def _logits_worker(
-    rank: int, world: int, hf_dir: Path, tokens: torch.Tensor, layout: dict[str, int]
+    rank: int,
+    world: int,
+    hf_dir: Path,
+    tokens: torch.Tensor,
+    layout: dict[str, int],
+    export_dir: Path,
 ) -> torch.Tensor | None:
     from longboat.core.config.schema import ParallelConfig
     from longboat.core.device import get_accelerator
     from longboat.core.megatron import parallel_state
     from longboat.llm.build import build_model
-    from longboat.llm.hf import load_hf, read_hf_config
+    from longboat.llm.hf import load_hf, read_hf_config, save_hf
     from longboat.llm.pipeline import forward_logits
 
     cfg = read_hf_config(hf_dir)
@@ -30,7 +35,9 @@ def _logits_worker(
     try:
         chunks = build_model(cfg)
         load_hf(chunks, cfg, hf_dir)
-        return forward_logits(chunks, tokens)
+        logits = forward_logits(chunks, tokens)
+        save_hf(chunks, cfg, export_dir)  # gathers TP shards, PP stages and EP experts
+        return logits
     finally:
         parallel_state.destroy()
 
@@ -57,9 +64,13 @@ def test_logits_match_transformers(
     hf_dirs: dict[str, Path],
     tokens: torch.Tensor,
     reference_logits: dict[str, torch.Tensor],
+    tmp_path: Path,
 ) -> None:
+    from safetensors.torch import load_file
+
     world, parallel = LAYOUTS[layout]
-    outs = run_multiprocess(_logits_worker, world, hf_dirs[family], tokens, parallel)
+    export = tmp_path / "export"
+    outs = run_multiprocess(_logits_worker, world, hf_dirs[family], tokens, parallel, export)
     got = [o for o in outs if o is not None]
     assert got, "no rank returned logits (last pipeline stage missing?)"
     want = reference_logits[family]
@@ -69,3 +80,12 @@ def test_logits_match_transformers(
         assert diff <= TOL, f"{family} {layout}: max |logits - transformers| = {diff:.3e}"
     # The comparison has teeth: the logits are far from trivial.
     assert want.abs().max().item() > 0.1
+
+    # Saving back from this layout reproduces the source tensors bit for bit.
+    source = load_file(str(hf_dirs[family] / "model.safetensors"))
+    saved: dict[str, torch.Tensor] = {}
+    for f in sorted(export.glob("model-rank*.safetensors")):
+        saved.update(load_file(str(f)))
+    assert sorted(saved) == sorted(source)
+    changed = [n for n in source if not torch.equal(source[n], saved[n])]
+    assert not changed, f"{family} {layout}: export differs in {changed}"

@@ -1,0 +1,295 @@
+"""``data prepare``: tokenise an input into an indexed token dataset, atomically.
+
+The build goes into ``.<name>.tmp-<pid>`` next to the output and is renamed into place after
+``manifest.json`` is written, so the output directory either is a finished dataset or does
+not exist (an old-format or foreign directory without a manifest is rebuilt). A rerun whose
+input files, tokenizer and options fingerprint match the manifest is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from longboat.llm.data import sources
+from longboat.llm.data import tokenize as tk
+from longboat.llm.data.indexed import (
+    FORMAT_VERSION,
+    MANIFEST,
+    IncompleteDatasetError,
+    IndexedDatasetWriter,
+    read_manifest,
+    token_dtype,
+)
+
+__all__ = ["PrepareOptions", "PrepareResult", "prepare_dataset", "tokenizer_fingerprint"]
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepareOptions:
+    """Options of one ``data prepare`` run (all part of the rerun fingerprint but workers)."""
+
+    input: Path
+    """JSONL/Parquet file or folder, or a Hugging Face ``datasets`` directory."""
+    tokenizer: Path
+    """Local Hugging Face tokenizer directory."""
+    output: Path
+    """Dataset directory to write."""
+    format: Literal["pretrain", "sft"] = "pretrain"
+    """``pretrain`` (plain text) or ``sft`` (chat ``messages`` with an assistant-only mask)."""
+    text_key: str = "text"
+    """Record key of the text (pretrain)."""
+    messages_key: str = "messages"
+    """Record key of the chat turns (sft)."""
+    max_seq_len: int | None = None
+    """SFT: longest record kept (tokens); longer ones follow ``sft_overflow``."""
+    sft_overflow: Literal["truncate", "drop"] = "truncate"
+    """SFT: what to do with a record longer than ``max_seq_len``."""
+    append_eos: bool = True
+    """Pretrain: end every document with the tokenizer's EOS token."""
+    workers: int = 1
+    """Tokeniser processes."""
+    chunk_size: int = 256
+    """Records per work item."""
+    force: bool = False
+    """Rebuild even when a matching finished dataset exists."""
+
+    def fingerprint_options(self) -> dict[str, Any]:
+        """The options that change the output (compared on rerun)."""
+        out: dict[str, Any] = {"format": self.format}
+        if self.format == "pretrain":
+            out.update(text_key=self.text_key, append_eos=self.append_eos)
+        else:
+            out.update(
+                messages_key=self.messages_key,
+                max_seq_len=self.max_seq_len,
+                sft_overflow=self.sft_overflow,
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    """Where the dataset is, whether it was built now, and its manifest."""
+
+    path: Path
+    skipped: bool
+    manifest: dict[str, Any]
+
+
+def tokenizer_fingerprint(path: Path) -> dict[str, Any]:
+    """SHA-256 over the tokenizer's own files (not any model weights in the same folder)."""
+    h = hashlib.sha256()
+    names = [n for n in _TOKENIZER_FILES if (path / n).is_file()]
+    for name in names:
+        h.update(name.encode())
+        h.update((path / name).read_bytes())
+    return {"path": str(path.resolve()), "files": names, "sha256": h.hexdigest()}
+
+
+def _validate(opts: PrepareOptions) -> tuple[Any, sources.InputSpec]:
+    tdir = opts.tokenizer
+    if not tdir.is_dir():
+        raise FileNotFoundError(
+            f"--tokenizer {tdir} is not a directory; pass a local Hugging Face tokenizer dir "
+            "(with tokenizer.json or tokenizer_config.json)"
+        )
+    if not any((tdir / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+        raise FileNotFoundError(
+            f"--tokenizer {tdir} has no tokenizer.json or tokenizer_config.json; save one with "
+            "tokenizer.save_pretrained(dir)"
+        )
+    if opts.workers < 1:
+        raise ValueError(f"--workers={opts.workers} must be >= 1")
+    if opts.max_seq_len is not None and opts.max_seq_len < 2:
+        raise ValueError(f"--max-seq-len={opts.max_seq_len} must be >= 2")
+    spec = sources.resolve_input(opts.input)
+    key = opts.messages_key if opts.format == "sft" else opts.text_key
+    first = sources.first_record(spec, key)
+    try:
+        tok = tk.load_tokenizer(tdir)
+    except Exception as exc:  # transformers raises many kinds for a broken folder
+        raise ValueError(f"--tokenizer {tdir} could not be loaded: {exc}") from exc
+    if opts.format == "sft":
+        if not getattr(tok, "chat_template", None):
+            raise ValueError(
+                f"--tokenizer {tdir} has no chat_template; --format sft renders conversations "
+                "with it (set tokenizer.chat_template and save it)"
+            )
+        tk.render_sft(tok, first, 0)  # a template/record mismatch fails here, not in a worker
+    elif not isinstance(first, str):
+        raise ValueError(
+            f"--input {opts.input}: key {key!r} holds {type(first).__name__}, not text; pass "
+            "the right --text-key, or --format sft for chat records"
+        )
+    return tok, spec
+
+
+def _clean_leftovers(output: Path, log: Callable[[str], None]) -> None:
+    leftovers = [*output.parent.glob(f".{output.name}.tmp-*")]
+    leftovers += output.parent.glob(f".{output.name}.old-*")
+    for tmp in leftovers:
+        pid = tmp.name.rsplit("-", 1)[-1]
+        alive = False
+        if pid.isdigit() and int(pid) != os.getpid():
+            with contextlib.suppress(OSError):
+                os.kill(int(pid), 0)
+                alive = True
+        if not alive:
+            log(f"removing {tmp} left by an interrupted prepare")
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _jobs(spec: sources.InputSpec, key: str, opts: PrepareOptions) -> Iterator[tuple[Any, ...]]:
+    first = 0
+    shared = {
+        "max_seq_len": opts.max_seq_len,
+        "overflow": opts.sft_overflow,
+        "append_eos": opts.append_eos,
+    }
+    for chunk in sources.iter_record_chunks(spec, key, opts.chunk_size):
+        yield (opts.format, first, chunk, shared)
+        first += len(chunk)
+
+
+@contextlib.contextmanager
+def _progress(total: int | None, enabled: bool) -> Iterator[Callable[[int], None]]:
+    if not enabled:
+        yield lambda n: None
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    cols = (BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress("[progress.description]{task.description}", *cols) as bar:
+        task = bar.add_task("tokenising records", total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def prepare_dataset(
+    opts: PrepareOptions, *, log: Callable[[str], None] = print, progress: bool = True
+) -> PrepareResult:
+    """Build (or skip) the dataset described by ``opts``; see the module doc."""
+    tok, spec = _validate(opts)
+    fingerprint = {
+        "input": spec.fingerprint(),
+        "tokenizer": tokenizer_fingerprint(opts.tokenizer),
+        "options": opts.fingerprint_options(),
+    }
+    output = opts.output
+    _clean_leftovers(output, log)
+    if output.exists():
+        try:
+            old = read_manifest(output)
+        except IncompleteDatasetError as exc:
+            log(f"rebuilding: {exc}")
+        else:
+            if old.get("fingerprint") == fingerprint and not opts.force:
+                log(f"{output} is up to date (same input, tokenizer and options); --force rebuilds")
+                return PrepareResult(output, True, old)
+            if not opts.force:
+                raise FileExistsError(
+                    f"--output {output} holds a dataset built from other input, tokenizer or "
+                    "options; pass --force to replace it or choose another --output"
+                )
+            log(f"--force: rebuilding {output}")
+
+    vocab_size = len(tok)
+    dtype = token_dtype(vocab_size)
+    key = opts.messages_key if opts.format == "sft" else opts.text_key
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    start = time.perf_counter()
+    stats: dict[str, int] = {}
+    try:
+        writer = IndexedDatasetWriter(tmp, dtype, with_loss_mask=opts.format == "sft")
+        total = sources.count_records(spec) if progress else None
+        jobs = _jobs(spec, key, opts)
+        with _progress(total, progress) as advance:
+            if opts.workers == 1:
+                tk._TOKENIZER = tok
+                results: Iterator[tk.ChunkResult] = map(tk.encode_chunk, jobs)
+                pool = None
+            else:
+                ctx = mp.get_context("spawn")  # fork after torch/transformers imports is unsafe
+                pool = ctx.Pool(opts.workers, tk.init_worker, (str(opts.tokenizer),))
+                results = pool.imap(tk.encode_chunk, jobs, chunksize=1)
+            try:
+                for res in results:  # imap keeps input order: the output is deterministic
+                    writer.add(res.tokens, res.lengths, res.mask)
+                    for k, v in res.stats.items():
+                        stats[k] = stats.get(k, 0) + v
+                    advance(res.stats["records"])
+            finally:
+                if pool is not None:
+                    pool.terminate()
+                    pool.join()
+        num_docs, num_tokens = writer.close()
+        if num_docs == 0:
+            raise ValueError(
+                f"--input {opts.input}: no documents left after tokenising ({stats}); check "
+                "the input, --max-seq-len and --sft-overflow"
+            )
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "kind": opts.format,
+            "dtype": dtype.name,
+            "vocab_size": vocab_size,
+            "num_docs": num_docs,
+            "num_tokens": num_tokens,
+            "has_loss_mask": opts.format == "sft",
+            "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id,
+            "tokenizer_path": str(opts.tokenizer.resolve()),
+            "fingerprint": fingerprint,
+            "report": stats,
+            "build_seconds": round(time.perf_counter() - start, 3),
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        _swap_into_place(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return PrepareResult(output, False, manifest)
+
+
+def _swap_into_place(tmp: Path, output: Path) -> None:
+    # rename() is atomic for a free name; an existing output is moved aside first, so at
+    # every moment `output` is either absent or a complete dataset.
+    old = None
+    if output.exists():
+        old = output.parent / f".{output.name}.old-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        output.rename(old)
+    tmp.rename(output)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,189 @@
+"""Input sources for ``data prepare``: JSONL, Parquet, or a local Hugging Face ``datasets`` dir.
+
+:func:`resolve_input` finds the files and their kind; :func:`iter_record_chunks` streams
+records in chunks (only the needed column), and :func:`first_record` checks the input is
+non-empty and has the key before any tokenising starts.
+
+A ``datasets`` directory (``save_to_disk``) is ``data-*.arrow`` (Arrow IPC *stream* files)
+plus ``dataset_info.json`` / ``state.json``. It is read through ``datasets.load_from_disk``
+when ``datasets`` is installed, else straight from the Arrow files with pyarrow.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["InputSpec", "count_records", "first_record", "iter_record_chunks", "resolve_input"]
+
+Kind = Literal["jsonl", "parquet", "hf_dir"]
+_SUFFIX: dict[str, Kind] = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What ``--input`` points at: its kind, its files (sorted) and the path given."""
+
+    kind: Kind
+    files: tuple[Path, ...]
+    root: Path
+
+    def fingerprint(self) -> list[dict[str, Any]]:
+        """Path, size and mtime of every input file (what a rerun compares)."""
+        out = []
+        for f in self.files:
+            st = f.stat()
+            out.append({"path": str(f.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+        return out
+
+
+def _is_hf_dir(path: Path) -> bool:
+    return (path / "state.json").is_file() or (path / "dataset_info.json").is_file()
+
+
+def resolve_input(path: str | Path) -> InputSpec:
+    """Classify ``path`` (a file, a folder of JSONL/Parquet files, or a ``datasets`` dir)."""
+    root = Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"--input {root} does not exist; pass a JSONL/Parquet file or dir")
+    if root.is_file():
+        kind = _SUFFIX.get(root.suffix)
+        if kind is None:
+            raise ValueError(
+                f"--input {root}: unknown file type {root.suffix!r}; use .jsonl, .json (JSON "
+                "lines) or .parquet, or a Hugging Face datasets directory"
+            )
+        return InputSpec(kind, (root,), root)
+    if (root / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in root.iterdir() if p.is_dir())
+        raise ValueError(
+            f"--input {root} is a DatasetDict with splits {splits}; pass one split's folder, "
+            f"e.g. {root / (splits[0] if splits else 'train')}"
+        )
+    if _is_hf_dir(root):
+        arrows = tuple(sorted(root.glob("data-*.arrow")) or sorted(root.glob("*.arrow")))
+        if not arrows:
+            raise ValueError(f"--input {root} looks like a datasets dir but has no *.arrow files")
+        return InputSpec("hf_dir", arrows, root)
+    found: dict[Kind, list[Path]] = {}
+    for f in sorted(root.iterdir()):
+        if f.is_file() and f.suffix in _SUFFIX:
+            found.setdefault(_SUFFIX[f.suffix], []).append(f)
+    if len(found) != 1:
+        what = "no .jsonl/.parquet files" if not found else f"mixed kinds {sorted(found)}"
+        raise ValueError(f"--input {root} holds {what}; give a folder of one kind of file")
+    kind, files = next(iter(found.items()))
+    return InputSpec(kind, tuple(files), root)
+
+
+def _jsonl_chunks(spec: InputSpec, key: str, size: int) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
+    for f in spec.files:
+        with f.open("r", encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{f}:{lineno}: not valid JSON ({exc.msg})") from None
+                if not isinstance(record, dict) or key not in record:
+                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise ValueError(
+                        f"{f}:{lineno}: record has no key {key!r} (keys: {keys}); "
+                        "pass the right --text-key (pretrain) or use 'messages' records (sft)"
+                    )
+                chunk.append(record[key])
+                if len(chunk) == size:
+                    yield chunk
+                    chunk = []
+    if chunk:
+        yield chunk
+
+
+def _check_column(f: Path, names: list[str], key: str) -> None:
+    if key not in names:
+        raise ValueError(
+            f"{f}: no column {key!r} (columns: {names}); pass the right --text-key (pretrain) "
+            "or use a 'messages' column (sft)"
+        )
+
+
+def _parquet_chunks(spec: InputSpec, key: str, size: int) -> Iterator[list[Any]]:
+    import pyarrow.parquet as pq
+
+    for f in spec.files:
+        pf = pq.ParquetFile(f)
+        _check_column(f, pf.schema_arrow.names, key)
+        for batch in pf.iter_batches(batch_size=size, columns=[key]):
+            yield batch.column(0).to_pylist()
+
+
+def _arrow_batches(f: Path) -> Iterator[Any]:
+    import pyarrow as pa
+
+    with pa.memory_map(str(f), "r") as source:
+        try:
+            reader = pa.ipc.open_stream(source)
+        except pa.ArrowInvalid:  # some writers use the IPC file format
+            source.seek(0)
+            reader = pa.ipc.open_file(source)
+            yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
+            return
+        yield from reader
+
+
+def _hf_chunks(spec: InputSpec, key: str, size: int) -> Iterator[list[Any]]:
+    try:
+        import datasets  # type: ignore[import-not-found]
+    except ImportError:
+        datasets = None
+    if datasets is not None:
+        ds = datasets.load_from_disk(str(spec.root))
+        _check_column(spec.root, list(ds.column_names), key)
+        for batch in ds.select_columns([key]).iter(batch_size=size):
+            yield batch[key]
+        return
+    for f in spec.files:
+        chunk: list[Any] = []
+        for batch in _arrow_batches(f):
+            _check_column(f, batch.schema.names, key)
+            chunk.extend(batch.column(batch.schema.get_field_index(key)).to_pylist())
+            while len(chunk) >= size:
+                yield chunk[:size]
+                chunk = chunk[size:]
+        if chunk:
+            yield chunk
+
+
+def iter_record_chunks(spec: InputSpec, key: str, chunk_size: int = 512) -> Iterator[list[Any]]:
+    """Values of ``key`` for every record, in input order, ``chunk_size`` at a time."""
+    reader = {"jsonl": _jsonl_chunks, "parquet": _parquet_chunks, "hf_dir": _hf_chunks}[spec.kind]
+    return reader(spec, key, chunk_size)
+
+
+def count_records(spec: InputSpec) -> int | None:
+    """Number of records when cheap to know (Parquet metadata, Arrow batches, JSONL lines)."""
+    if spec.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        return sum(pq.ParquetFile(f).metadata.num_rows for f in spec.files)
+    if spec.kind == "hf_dir":
+        return sum(b.num_rows for f in spec.files for b in _arrow_batches(f))
+    total = 0
+    for f in spec.files:
+        with f.open("rb") as fh:
+            total += sum(1 for line in fh if line.strip())
+    return total
+
+
+def first_record(spec: InputSpec, key: str) -> Any:
+    """The first record's ``key`` value; raises naming the input when it is empty or lacks it."""
+    for chunk in iter_record_chunks(spec, key, chunk_size=1):
+        return chunk[0]
+    raise ValueError(
+        f"--input {spec.root} holds no records (empty dataset); point it at data with rows"
+    )

@@ -1,0 +1,94 @@
+"""Typed config of LLM training runs: the root schema, LoRA, export and the data kinds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from longboat.core.config.schema import DataConfig, ExperimentConfig
+
+
+@dataclass
+class QuickstartDataConfig(DataConfig):
+    """Text the package ships (longboat's own docs and source), tokenized by a BPE trained here."""
+
+    name: str = "quickstart"
+    out_dir: str = "outputs/quickstart/data"
+    """Where the corpus, tokenizer and token files are written (reused when present)."""
+    vocab_size: int = 1024
+    """BPE vocabulary size (must be <= model.vocab_size)."""
+    seq_len: int = 128
+    """Tokens per packed training row (must be <= model.max_position_embeddings)."""
+    eval_fraction: float = 0.05
+    """Fraction of documents held out for evaluation."""
+    max_chars: int = 2_000_000
+    """Upper bound on the characters read into the corpus."""
+    document_attention: bool = True
+    """Mask attention between documents packed into one row (block-diagonal causal)."""
+
+
+@dataclass
+class PreparedDataConfig(DataConfig):
+    """Token datasets written by ``longboat-llm data prepare`` (or the quickstart layout)."""
+
+    name: str = "prepared"
+    paths: list[str] = field(default_factory=list)
+    """Prepared dataset prefixes or folders, one per source."""
+    weights: list[float] | None = None
+    """Blend weight per path (None: proportional to size)."""
+    tokenizer: str | None = None
+    """Hugging Face tokenizer directory (saved with the HF export)."""
+    seq_len: int = 2048
+    """Tokens per packed training row (must be <= model.max_position_embeddings)."""
+    eval_fraction: float = 0.01
+    """Fraction of documents held out for evaluation."""
+    document_attention: bool = True
+    """Mask attention between documents packed into one row (block-diagonal causal)."""
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the attention and MLP linears."""
+
+    enabled: bool = False
+    """Train adapters only (the base weights are frozen)."""
+    rank: int = 8
+    """Adapter rank r."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter output is multiplied by alpha / rank."""
+    targets: list[str] = field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    )
+    """Names of the megatron linears that get adapters (attention: qkv/proj, MLP: fc1/fc2)."""
+
+
+@dataclass
+class LLMRunConfig:
+    """LLM-specific run settings."""
+
+    init_from_hf: str | None = None
+    """Hugging Face model directory to start from (None: random init from model.init_std)."""
+    cpu_precision: str = "fp32"
+    """Precision used instead of train.precision when running on CPU (bf16 is slow there)."""
+    eval_batches: int = 2
+    """Global batches of the held-out split per evaluation."""
+    export_hf: bool = True
+    """Write a Hugging Face directory (LoRA merged) when training finishes."""
+    export_dir: str = "outputs/hf"
+    """Where the HF export goes."""
+    generate_prompt: str | None = None
+    """After export, load it with transformers and greedily continue this prompt (None: skip)."""
+    generate_tokens: int = 40
+    """Tokens generated from ``generate_prompt``."""
+    num_threads: int = 0
+    """torch intra-op threads on CPU (0: leave torch's default)."""
+
+
+@dataclass
+class LLMExperimentConfig(ExperimentConfig):
+    """Root config of ``longboat-llm train``."""
+
+    stack: str = "llm"
+    llm: LLMRunConfig = field(default_factory=LLMRunConfig)
+    """LLM run settings (init, export, eval)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters."""
