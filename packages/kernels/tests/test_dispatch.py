@@ -70,3 +70,18 @@ def test_references_match_textbook_formulas() -> None:
     per = lse - logits.gather(1, t.clamp(min=0)[:, None])[:, 0] + 1e-2 * lse**2
     got = K.fused_linear_cross_entropy(hid, wt, t, z_loss=1e-2)
     torch.testing.assert_close(got, per[keep].mean().float())
+
+
+def test_auto_policy_under_compile() -> None:
+    from longboat.kernels._dispatch import auto_choice
+
+    kw = dict(on_gpu=True, triton_usable=True)
+    assert auto_choice(**kw, compiling=False, compiled_reference_wins=True) == "triton"
+    assert auto_choice(**kw, compiling=True, compiled_reference_wins=True) == "torch"
+    assert auto_choice(**kw, compiling=True, compiled_reference_wins=False) == "triton"
+    assert (
+        auto_choice(
+            on_gpu=False, triton_usable=True, compiling=False, compiled_reference_wins=False
+        )
+        == "torch"
+    )

@@ -25,10 +25,16 @@ def triton_interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
 
 
-def resolve_impl(impl: str | None, *tensors: torch.Tensor) -> str:
+def resolve_impl(
+    impl: str | None, *tensors: torch.Tensor, compiled_reference_wins: bool = False
+) -> str:
     """Return ``"torch"`` or ``"triton"`` for an op on ``tensors``.
 
-    Raises ValueError for an unknown name, and when ``triton`` is forced where it cannot run.
+    ``compiled_reference_wins``: the op's torch reference, compiled by Inductor, measured as
+    fast as our kernel or faster (benchmarks/results/kernels_*.md); then ``auto`` hands the
+    reference to torch.compile while it traces, so Inductor can also fuse it with its
+    neighbours. Raises ValueError for an unknown name, and when ``triton`` is forced where
+    it cannot run.
     """
     choice = impl if impl is not None else os.environ.get(ENV_VAR, "auto") or "auto"
     where = "impl argument" if impl is not None else f"{ENV_VAR} env"
@@ -50,7 +56,23 @@ def resolve_impl(impl: str | None, *tensors: torch.Tensor) -> str:
                 "CPU interpreter, or use impl='torch'"
             )
         return "triton"
-    return "triton" if usable and on_gpu else "torch"
+    return auto_choice(
+        on_gpu=on_gpu,
+        triton_usable=usable,
+        compiling=torch.compiler.is_compiling(),
+        compiled_reference_wins=compiled_reference_wins,
+    )
+
+
+def auto_choice(
+    *, on_gpu: bool, triton_usable: bool, compiling: bool, compiled_reference_wins: bool
+) -> str:
+    """The ``auto`` policy: Triton on GPU, except where compiled torch code measured faster."""
+    if not (on_gpu and triton_usable):
+        return "torch"
+    if compiling and compiled_reference_wins:
+        return "torch"
+    return "triton"
 
 
 def num_programs_for_reduction(rows: int, device: torch.device) -> int:

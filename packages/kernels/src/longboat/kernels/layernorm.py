@@ -59,47 +59,46 @@ def _ln_bwd_kernel(
     stride_dy, stride_x, stride_dx, stride_wg,
     N, rows_per_group, rows_per_prog, progs_per_group,
     HAS_W: tl.constexpr, W_PLUS_ONE: tl.constexpr, NEED_WB: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    # Program (group, chunk) walks rows_per_prog rows of one group, BLOCK_M rows per step.
     group = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
-    cmask = cols < N
+    mask = cols < N
     if HAS_W:
-        w = tl.load(W + group * stride_wg + cols, mask=cmask, other=0.0).to(tl.float32)
+        w = tl.load(W + group * stride_wg + cols, mask=mask, other=0.0).to(tl.float32)
         if W_PLUS_ONE:
             w += 1.0
-        w = w[None, :]
-    dw = tl.zeros([BLOCK_M, BLOCK], dtype=tl.float32)
-    db = tl.zeros([BLOCK_M, BLOCK], dtype=tl.float32)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    db = tl.zeros([BLOCK], dtype=tl.float32)
     row_start = group * rows_per_group + chunk * rows_per_prog
     row_end = tl.minimum(row_start + rows_per_prog, (group + 1) * rows_per_group)
-    for r0 in range(row_start, row_end, BLOCK_M):
-        rows = r0 + tl.arange(0, BLOCK_M)
-        rmask = rows < row_end
-        m2 = rmask[:, None] & cmask[None, :]
-        r64 = rows.to(tl.int64)[:, None]
-        dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-        x = tl.load(X + r64 * stride_x + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-        mean = tl.load(MEAN + rows, mask=rmask, other=0.0)[:, None]
-        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)[:, None]
-        xhat = tl.where(m2, (x - mean) * rstd, 0.0)
+    dy_ptr = DY + row_start.to(tl.int64) * stride_dy
+    x_ptr = X + row_start.to(tl.int64) * stride_x
+    dx_ptr = DX + row_start.to(tl.int64) * stride_dx
+    for row in range(row_start, row_end):
+        dy = tl.load(dy_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + row)
+        rstd = tl.load(RSTD + row)
+        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
         if HAS_W:
             wdy = w * dy
         else:
             wdy = dy
-        c1 = tl.sum(xhat * wdy, axis=1)[:, None] / N
-        c2 = tl.sum(wdy, axis=1)[:, None] / N
+        c1 = tl.sum(xhat * wdy, axis=0) / N
+        c2 = tl.sum(wdy, axis=0) / N
         dx = (wdy - (xhat * c1 + c2)) * rstd
-        tl.store(DX + r64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=m2)
+        tl.store(dx_ptr + cols, dx.to(DX.dtype.element_ty), mask=mask)
         if NEED_WB:
             dw += dy * xhat
             db += dy
+        dy_ptr += stride_dy
+        x_ptr += stride_x
+        dx_ptr += stride_dx
     if NEED_WB:
         part = (group * progs_per_group + chunk).to(tl.int64) * N
-        tl.store(DW_PART + part + cols, tl.sum(dw, axis=0), mask=cmask)
-        tl.store(DB_PART + part + cols, tl.sum(db, axis=0), mask=cmask)
+        tl.store(DW_PART + part + cols, dw, mask=mask)
+        tl.store(DB_PART + part + cols, db, mask=mask)
 
 
 def _warps(block: int) -> int:
@@ -153,25 +152,22 @@ def group_norm_bwd(
     rows_per_group = max(rows_per_group, 1)
     groups = max(m // rows_per_group, 1)
     dx = torch.empty_like(x2)
-    block = next_pow2(n)
-    block_m = max(1, min(8, 8192 // block))
     progs = max(1, num_programs_for_reduction(m, x.device) // groups)
     progs = min(progs, rows_per_group)
-    rows_per_prog = triton.cdiv(triton.cdiv(rows_per_group, progs), block_m) * block_m
+    rows_per_prog = triton.cdiv(rows_per_group, progs)
     progs = triton.cdiv(rows_per_group, rows_per_prog)
-    tile = block_m * block
-    warps = 4 if tile <= 2048 else (8 if tile <= 8192 else 16)
     shape = (groups, progs, n) if need_wb else (1, 1, 1)
     dw_part = torch.empty(shape, device=x.device, dtype=torch.float32)
     db_part = torch.empty_like(dw_part)
     w = as_rows(weight, n) if weight is not None else x2
+    block = next_pow2(n)
     if m > 0:
         _ln_bwd_kernel[(groups, progs)](
             dy2, x2, w, mean, rstd, dx, dw_part, db_part,
             dy2.stride(0), x2.stride(0), dx.stride(0), w.stride(0),
             n, rows_per_group, rows_per_prog, progs,
             HAS_W=weight is not None, W_PLUS_ONE=w_plus_one, NEED_WB=need_wb,
-            BLOCK=block, BLOCK_M=block_m, num_warps=warps,
+            BLOCK=block, num_warps=_warps(block),
         )  # fmt: skip
     elif need_wb:
         dw_part.zero_()

@@ -53,46 +53,37 @@ def _rms_bwd_kernel(
     DY, X, W, RSTD, DH, DX, DW_PART,
     stride_dy, stride_x, stride_dh, stride_dx,
     M, N, rows_per_prog,
-    HAS_DH: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_DH: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # Each program walks its rows BLOCK_M at a time: several rows' loads in flight per
-    # step (one row per step left the backward at ~70% of copy bandwidth on an H200).
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    cmask = cols < N
-    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    dw = tl.zeros([BLOCK_M, BLOCK], dtype=tl.float32)
+    mask = cols < N
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
     row_start = pid * rows_per_prog
     row_end = tl.minimum(row_start + rows_per_prog, M)
-    for r0 in range(row_start, row_end, BLOCK_M):
-        rows = r0 + tl.arange(0, BLOCK_M)
-        rmask = rows < row_end
-        m2 = rmask[:, None] & cmask[None, :]
-        r64 = rows.to(tl.int64)[:, None]
-        dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-        x = tl.load(X + r64 * stride_x + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)[:, None]
+    # Walk row pointers instead of multiplying row * stride (int32 overflow on big tensors).
+    dy_ptr = DY + row_start.to(tl.int64) * stride_dy
+    x_ptr = X + row_start.to(tl.int64) * stride_x
+    dh_ptr = DH + row_start.to(tl.int64) * stride_dh
+    dx_ptr = DX + row_start.to(tl.int64) * stride_dx
+    for row in range(row_start, row_end):
+        dy = tl.load(dy_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row)
         xhat = x * rstd
         wdy = w * dy
-        c = tl.sum(xhat * wdy, axis=1)[:, None] / N
+        c = tl.sum(xhat * wdy, axis=0) / N
         dx = (wdy - xhat * c) * rstd
         if HAS_DH:
-            dh = tl.load(DH + r64 * stride_dh + cols[None, :], mask=m2, other=0.0)
-            dx += dh.to(tl.float32)
-        tl.store(DX + r64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=m2)
+            dx += tl.load(dh_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + cols, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * xhat
-    tl.store(DW_PART + pid * N + cols, tl.sum(dw, axis=0), mask=cmask)
-
-
-def bwd_tiling(m: int, block: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(programs, rows per program, rows per step, warps) for a row-reduction backward."""
-    block_m = max(1, min(8, 8192 // block))
-    progs = num_programs_for_reduction(m, device)
-    rows_per_prog = triton.cdiv(triton.cdiv(max(m, 1), progs), block_m) * block_m
-    progs = triton.cdiv(max(m, 1), rows_per_prog)
-    tile = block_m * block
-    warps = 4 if tile <= 2048 else (8 if tile <= 8192 else 16)
-    return progs, rows_per_prog, block_m, warps
+        dy_ptr += stride_dy
+        x_ptr += stride_x
+        dh_ptr += stride_dh
+        dx_ptr += stride_dx
+    tl.store(DW_PART + pid * N + cols, dw, mask=mask)
 
 
 def _warps(block: int) -> int:
@@ -144,15 +135,15 @@ def _rms_norm_bwd_impl(
     m = x2.shape[0]
     dx = torch.empty_like(x2)
     dh2 = as_rows(dh, n) if dh is not None else dy2
-    block = next_pow2(n)
-    progs, rows_per_prog, block_m, warps = bwd_tiling(m, block, x.device)
+    progs = num_programs_for_reduction(m, x.device)
     dw_part = torch.empty(progs, n, device=x.device, dtype=torch.float32)
+    block = next_pow2(n)
     if m > 0:
         _rms_bwd_kernel[(progs,)](
             dy2, x2, weight, rstd, dh2, dx, dw_part,
             dy2.stride(0), x2.stride(0), dh2.stride(0), dx.stride(0),
-            m, n, rows_per_prog,
-            HAS_DH=dh is not None, BLOCK=block, BLOCK_M=block_m, num_warps=warps,
+            m, n, triton.cdiv(m, progs),
+            HAS_DH=dh is not None, BLOCK=block, num_warps=_warps(block),
         )  # fmt: skip
     else:
         dw_part.zero_()
@@ -218,6 +209,8 @@ def rms_norm(
             f"rms_norm: residual shape {tuple(residual.shape)} must equal x's shape "
             f"{tuple(x.shape)}"
         )
-    if resolve_impl(impl, x) == "torch":
+    # Fused residual: Inductor 0.30 ms vs ours 0.33 ms fwd+bwd on H200 (16k x 4096).
+    wins = residual is not None
+    if resolve_impl(impl, x, compiled_reference_wins=wins) == "torch":
         return rms_norm_torch(x, weight, eps, residual)
     return rms_norm_triton(x, weight, eps, residual)

@@ -199,7 +199,8 @@ def glu(
         raise ValueError(
             f"glu: up {tuple(up.shape)}/{up.dtype} must match gate {tuple(gate.shape)}/{gate.dtype}"
         )
-    if resolve_impl(impl, gate) == "torch":
+    # Inductor reaches the same ~98% of copy bandwidth (0.87 vs 0.90 ms on H200).
+    if resolve_impl(impl, gate, compiled_reference_wins=True) == "torch":
         return glu_torch(gate, up, activation)
     return glu_triton(gate, up, activation)
 
