@@ -64,6 +64,12 @@ class GrootN16(nn.Module):
         self.action_head = GrootActionHead(cfg)
         self._value_checks_left = 2
 
+    def parallel_blocks(self) -> list[nn.Module]:
+        """Repeated blocks (units of FSDP sharding / activation checkpointing); each is run
+        through its own ``forward``."""
+        bb = self.backbone
+        return [*bb.vision.blocks, *bb.llm.layers, *self.action_head.model.blocks]
+
     def freezing_groups(self) -> FreezingGroups:
         """Parts for ``apply_freezing``."""
         bb = self.backbone

@@ -80,6 +80,11 @@ class Pi05(nn.Module):
         self.time_mlp_in = nn.Linear(we, we)
         self.time_mlp_out = nn.Linear(we, we)
 
+    def parallel_blocks(self) -> list[nn.Module]:
+        """Repeated blocks (units of FSDP sharding / activation checkpointing): ViT blocks and
+        joint layers (LM + expert layer i), each run through its own ``forward``."""
+        return [*self.vision.blocks, *self.joint.layers]
+
     def freezing_groups(self) -> FreezingGroups:
         """Parts for ``apply_freezing``."""
         return FreezingGroups(
