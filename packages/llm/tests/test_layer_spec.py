@@ -17,7 +17,7 @@ def test_auto_backend_picks_te_only_on_cuda_with_te(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(specs, "transformer_engine_available", lambda: True)
     assert specs.resolve_backend("auto", "cuda") == "te"
     assert specs.resolve_backend("auto", "cpu") == "longboat"
-    with pytest.raises(ValueError, match="model.layer_backend='fast'"):
+    with pytest.raises(ValueError, match=r"model\.layer_backend='fast'"):
         specs.resolve_backend("fast", "cpu")
 
 
