@@ -54,7 +54,8 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     try:
         manifest = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise IncompleteDatasetError(f"{file} is not valid JSON ({exc}); rebuild the dataset")
+        msg = f"{file} is not valid JSON ({exc}); rebuild the dataset"
+        raise IncompleteDatasetError(msg) from None
     if manifest.get("format_version") != FORMAT_VERSION:
         raise IncompleteDatasetError(
             f"{file}: format_version={manifest.get('format_version')!r}, this longboat reads "

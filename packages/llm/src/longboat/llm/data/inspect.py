@@ -23,7 +23,7 @@ def length_histogram(lengths: np.ndarray, *, bins: int = 10, width: int = 40) ->
     pad = len(str(int(edges[-1])))
     lines = []
     for a, b, c in zip(edges[:-1], edges[1:], counts, strict=True):
-        bar = "#" * max(int(round(width * int(c) / peak)), 1 if c else 0)
+        bar = "#" * max(round(width * int(c) / peak), 1 if c else 0)
         lines.append(f"[{a:>{pad}}, {b:>{pad}}) {int(c):>8}  {bar}")
     return lines
 

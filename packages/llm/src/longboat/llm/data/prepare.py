@@ -240,8 +240,7 @@ def prepare_dataset(
                 results: Iterator[tk.ChunkResult] = map(tk.encode_chunk, jobs)
                 pool = None
             else:
-                ctx = mp.get_context("spawn")  # fork after torch/transformers imports is unsafe
-                pool = ctx.Pool(opts.workers, tk.init_worker, (str(opts.tokenizer),))
+                pool = _pool(opts.workers, tok, opts.tokenizer)
                 results = pool.imap(tk.encode_chunk, jobs, chunksize=1)
             try:
                 for res in results:  # imap keeps input order: the output is deterministic
@@ -280,6 +279,17 @@ def prepare_dataset(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return PrepareResult(output, False, manifest)
+
+
+def _pool(workers: int, tok: Any, tokenizer_dir: Path) -> Any:
+    # fork hands workers the loaded tokenizer (spawn re-imports transformers in every worker:
+    # seconds each). The parent has only run single, non-batched encodes, so the tokenizers
+    # thread pool is unused; the env var keeps the children from starting one of their own.
+    if "fork" in mp.get_all_start_methods():
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        tk._TOKENIZER = tok
+        return mp.get_context("fork").Pool(workers)
+    return mp.get_context("spawn").Pool(workers, tk.init_worker, (str(tokenizer_dir),))
 
 
 def _swap_into_place(tmp: Path, output: Path) -> None:
