@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,34 +21,27 @@ from longboat.core.checkpoint import (
 )
 from longboat.core.config.schema import CheckpointConfig
 
-# ~8 MB of weights plus AdamW moments: a save takes real writes, not one tiny file.
-_SCRIPT = textwrap.dedent(
-    """
-    import os, sys, torch
-    from torch import nn
-    from longboat.core.checkpoint import CheckpointManager, TEST_PAUSE_AT_ENV, TEST_PAUSE_ENV
-    from longboat.core.config.schema import CheckpointConfig
 
+def _model() -> nn.Module:
+    # ~1.6M parameters (6 MB) plus AdamW moments: a save makes real writes.
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(512, 1024), nn.Linear(1024, 1024))
+    return nn.Sequential(nn.Linear(512, 1024), nn.Linear(1024, 1024))
+
+
+def _save_then_get_killed(ckpt_dir: str, pause_at: str) -> None:
+    """Child process: save step 1, then start step 2 and park inside it until killed."""
+    torch.set_num_threads(1)  # a forked child must not reuse the parent's OpenMP pool
+    model = _model()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    mgr = CheckpointManager(CheckpointConfig(dir=sys.argv[1]), {"run": "kill-test"})
+    mgr = CheckpointManager(CheckpointConfig(dir=ckpt_dir), {"run": "kill-test"})
     mgr.save(1, {"model": model, "optim": optim, "step": 1})
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    os.environ[TEST_PAUSE_ENV] = "120"  # this save now parks at sys.argv[2] until killed
-    os.environ[TEST_PAUSE_AT_ENV] = sys.argv[2]
-    print("saving-2", flush=True)
+    os.environ[TEST_PAUSE_ENV] = "120"
+    os.environ[TEST_PAUSE_AT_ENV] = pause_at
     mgr.save(2, {"model": model, "optim": optim, "step": 2})
-    print("UNREACHABLE", flush=True)
-    """
-)
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(512, 1024), nn.Linear(1024, 1024))
+    os._exit(3)  # unreachable unless the hook failed to pause
 
 
 @pytest.mark.multiprocess
@@ -58,40 +50,37 @@ def _model() -> nn.Module:
     [
         # all shards on disk, no manifest yet: the partial folder looks most complete
         pytest.param("shards", ".metadata", id="after-shards-before-manifest"),
-        pytest.param("extras", "extra_rank0.pt", id="after-extras", marks=pytest.mark.slow),
+        pytest.param("extras", "extra_rank0.pt", id="after-extras"),
     ],
 )
 def test_sigkill_mid_save_keeps_previous_checkpoint(
     tmp_path: Path, pause_at: str, kill_when: str
 ) -> None:
     ckpt = tmp_path / "ckpt"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop(TEST_PAUSE_ENV, None)
-    env.pop(TEST_PAUSE_AT_ENV, None)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SCRIPT, str(ckpt), pause_at],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    # Kill once the temp folder of step 2 holds the marker file: the writer is then
-    # parked in the test hook between two file groups, before any manifest exists.
+    # fork: the child is a real separate process (killed for real) without re-importing torch
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks")
+        proc = mp.get_context("fork").Process(
+            target=_save_then_get_killed, args=(str(ckpt), pause_at), daemon=True
+        )
+        proc.start()
+    # Kill once the step-2 temp folder holds the marker file: the writer is then parked
+    # in the test hook between two file groups, before any manifest exists.
     deadline = time.monotonic() + 60
     partial: list[Path] = []
     try:
-        while time.monotonic() < deadline and proc.poll() is None:
+        while time.monotonic() < deadline and proc.is_alive():
             partial = [p for p in ckpt.glob(".tmp-step_00000002-*") if (p / kill_when).exists()]
             if partial:
                 break
-            time.sleep(0.05)
-        assert partial, f"the step-2 temp folder never got {kill_when} (exit {proc.poll()})"
-        proc.send_signal(signal.SIGKILL)
+            time.sleep(0.02)
+        assert partial, f"the step-2 temp folder never got {kill_when} (exit {proc.exitcode})"
+        os.kill(proc.pid, signal.SIGKILL)
     finally:
-        proc.kill()
-        out = proc.communicate(timeout=30)[0]
-    assert proc.returncode == -signal.SIGKILL
-    assert "UNREACHABLE" not in out
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == -signal.SIGKILL
     assert not (ckpt / "step_00000002").exists()
 
     mgr = CheckpointManager(CheckpointConfig(dir=str(ckpt)))
