@@ -88,3 +88,59 @@ def test_save_world_2_fsdp_load_world_1(tmp_path: Path) -> None:
         # the global data position carries over: 2 ranks x 4 samples x step
         assert sampler.state_dict()["position"] == 8 * step
         assert state["rank_note"] == "r0"
+
+
+def _load_at_world_2(rank: int, world: int, path: str) -> dict:
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from longboat.core.checkpoint import CheckpointWarning
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 6))  # other init
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sampler = StatefulDistributedSampler(64, seed=5)
+    state = {"model": model, "optim": optim, "sampler": sampler, "rank_note": ""}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = CheckpointManager(CheckpointConfig(dir=str(Path(path).parent))).load(state, path)
+    borrowed = any(issubclass(w.category, CheckpointWarning) for w in caught)
+    moments = {i: _full({"m": optim.state[p]["exp_avg"]}) for i, p in enumerate(model.parameters())}
+    first = next(iter(sampler))
+    return {
+        "step": step,
+        "model": _full(model.state_dict()),
+        "moments": moments,
+        "borrowed_rank0_extras": borrowed,
+        "first_index": first,
+    }
+
+
+@pytest.mark.multiprocess
+def test_save_world_1_load_world_2_fsdp(tmp_path: Path) -> None:
+    model = _model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 8)).pow(2).mean().backward()
+    optim.step()
+    sampler = StatefulDistributedSampler(64, num_replicas=1, rank=0, seed=5)
+    it = iter(sampler)
+    consumed = [next(it) for _ in range(10)]
+    mgr = CheckpointManager(CheckpointConfig(dir=str(tmp_path / "ckpt")))
+    path = mgr.save(1, {"model": model, "optim": optim, "sampler": sampler, "rank_note": "r0"})
+
+    out = run_multiprocess(_load_at_world_2, 2, str(path), timeout=90)
+    for rank, got in enumerate(out):
+        assert got["step"] == 1
+        for k, v in model.state_dict().items():
+            assert torch.equal(got["model"][k], v), (rank, k)
+        for i, p in enumerate(model.parameters()):
+            assert torch.equal(got["moments"][i]["m"], optim.state[p]["exp_avg"])
+        assert got["borrowed_rank0_extras"] == (rank == 1)
+    # both ranks continue the global order right after the 10 consumed samples
+    assert [got["first_index"] for got in out] == [next(it), next(it)]
+    assert not {got["first_index"] for got in out} & set(consumed)
