@@ -47,7 +47,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float, *, offset: float = 0.
     if weight is None:
         weight = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
     elif offset:
-        weight = weight + offset
+        weight = weight.float() + offset  # in fp32: 1 + w rounds badly in bf16
     return kernels.rms_norm(x, weight, eps)
 
 
