@@ -435,7 +435,7 @@ def _report(
         console.print(f"TensorBoard: tensorboard --logdir {r.metrics_path.parent / 'tensorboard'}")
     if r.plot_path is not None:
         console.print(f"Loss curve:  {r.plot_path}")
-    if not r.stopped_by_signal and r.end_step >= int(cfg.train.steps):
+    if took > 0 and not r.stopped_by_signal and r.end_step >= int(cfg.train.steps):
         console.print(
             "Run it again to see it resume from the last checkpoint; add "
             f"train.steps={2 * int(cfg.train.steps)} to keep training."
