@@ -65,6 +65,17 @@ def test_preprocess_is_deterministic_given_a_generator():
     )
 
 
+def test_resize_with_pad_keeps_aspect_and_pads_black():
+    # openpi's resize_with_pad: 112x224 -> 112x224 inside a 224x224 frame, 56 rows of black
+    # above and below (-1 after SigLIP normalisation); every camera gives 16x16 patches.
+    cfg = ImagePreprocessConfig(pad_to_square=224, crop_fraction=1.0, multiple_of=14)
+    img = torch.full((1, 3, 112, 224), 255, dtype=torch.uint8)
+    out = preprocess_images(img, cfg, train=False)
+    assert out.shape == (1, 3, 224, 224) and cfg.output_size(480, 640) == (224, 224)
+    assert torch.all(out[..., :56, :] == -1) and torch.all(out[..., 168:, :] == -1)
+    torch.testing.assert_close(out[..., 56:168, :], torch.ones(1, 3, 112, 224))
+
+
 def test_crop_geometry_on_a_linear_ramp():
     # Bilinear resampling reproduces a linear image exactly, so the output ramp reveals the
     # crop: centre crop of fraction f maps output coordinate x to f * x; random crops shift it

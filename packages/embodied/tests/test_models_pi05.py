@@ -150,6 +150,17 @@ def test_tiny_overfits_a_fixed_batch():
     assert losses[-1] < 0.05 * losses[0], losses
 
 
+def test_predict_action_is_deterministic_given_a_generator():
+    m = _model()
+    m.eval()
+    batch = synthetic_batch(m, 2)
+    a = m.predict_action(batch, generator=torch.Generator().manual_seed(4))
+    b = m.predict_action(batch, generator=torch.Generator().manual_seed(4))
+    c = m.predict_action(batch, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert (a - c).abs().max() > 1e-3
+
+
 def test_bad_batches_fail_with_the_key_named():
     m = _model()
     batch = synthetic_batch(m, 2)

@@ -17,6 +17,9 @@ class ImagePreprocessConfig:
 
     resize_shortest: int | None = 256
     """Resize so the shorter side has this many pixels (None: keep)."""
+    pad_to_square: int | None = None
+    """openpi's ``resize_with_pad``: fit the longer side to this many pixels keeping the
+    aspect ratio and pad (black) to a square; replaces ``resize_shortest`` when set."""
     crop_fraction: float = 0.95
     """Crop this fraction of each side (random in training, centred in eval), then resize
     back; 1.0 disables."""
@@ -33,7 +36,10 @@ class ImagePreprocessConfig:
 
     def output_size(self, height: int, width: int) -> tuple[int, int]:
         """Final (H, W) for an input of (height, width)."""
-        h, w = _shortest_side_size(height, width, self.resize_shortest)
+        if self.pad_to_square is not None:
+            h = w = self.pad_to_square
+        else:
+            h, w = _shortest_side_size(height, width, self.resize_shortest)
         m = self.multiple_of
         if h < m or w < m:
             raise ValueError(
@@ -49,6 +55,19 @@ def _shortest_side_size(h: int, w: int, target: int | None) -> tuple[int, int]:
     if h <= w:
         return target, max(1, round(w * target / h))
     return max(1, round(h * target / w)), target
+
+
+def resize_with_pad(images: Tensor, size: int) -> Tensor:
+    """[N, 3, H, W] in [0, 1] -> [N, 3, size, size]: longer side fit, centred, black padding."""
+    h, w = images.shape[-2:]
+    scale = size / max(h, w)
+    rh, rw = max(1, round(h * scale)), max(1, round(w * scale))
+    if (rh, rw) != (h, w):
+        images = F.interpolate(
+            images, size=(rh, rw), mode="bilinear", antialias=True, align_corners=False
+        )
+    top, left = (size - rh) // 2, (size - rw) // 2
+    return F.pad(images, (left, size - rw - left, top, size - rh - top), value=0.0)
 
 
 def _to_unit_float(images: Tensor) -> Tensor:
@@ -96,9 +115,15 @@ def preprocess_images(
     lead = images.shape[:-3]
     x = _to_unit_float(images.reshape(-1, *images.shape[-3:]))
     h, w = x.shape[-2:]
-    rh, rw = _shortest_side_size(h, w, cfg.resize_shortest)
-    if (rh, rw) != (h, w):
-        x = F.interpolate(x, size=(rh, rw), mode="bilinear", antialias=True, align_corners=False)
+    if cfg.pad_to_square is not None:
+        x = resize_with_pad(x, cfg.pad_to_square)
+        rh = rw = cfg.pad_to_square
+    else:
+        rh, rw = _shortest_side_size(h, w, cfg.resize_shortest)
+        if (rh, rw) != (h, w):
+            x = F.interpolate(
+                x, size=(rh, rw), mode="bilinear", antialias=True, align_corners=False
+            )
     if cfg.crop_fraction < 1.0:
         x = crop_and_resize_back(x, cfg.crop_fraction, random=train, generator=generator)
     oh, ow = cfg.output_size(h, w)

@@ -24,7 +24,7 @@ class Pi05Config:
     """Gemma action expert (suffix); heads, KV heads, head_dim and layers match ``llm``."""
     image: ImagePreprocessConfig = field(
         default_factory=lambda: ImagePreprocessConfig(
-            resize_shortest=224, crop_fraction=0.95, multiple_of=14
+            pad_to_square=224, crop_fraction=0.95, multiple_of=14
         )
     )
     """Camera-frame preprocessing."""
@@ -158,7 +158,7 @@ def tiny() -> Pi05Config:
             intermediate_size=64,
             style="gemma",
         ),
-        image=ImagePreprocessConfig(resize_shortest=56, crop_fraction=0.95, multiple_of=14),
+        image=ImagePreprocessConfig(pad_to_square=56, crop_fraction=0.95, multiple_of=14),
         action_dim=8,
         max_state_dim=8,
         action_horizon=10,
