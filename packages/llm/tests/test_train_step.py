@@ -1,4 +1,5 @@
-"""One optimizer step at TP=2 and PP=2 equals the TP=1 step (loss and updated weights)."""
+"""One optimizer step at TP=2 and PP=2 (SGD) and at DP=2 with megatron's distributed
+optimizer (Adam) equals the single-rank step: same loss and same updated weights."""
 
 from __future__ import annotations
 
@@ -11,11 +12,22 @@ from longboat.core.distributed import run_multiprocess
 
 LOSS_TOL = 1e-5  # fp32: TP / PP only reorder reductions
 WEIGHT_TOL = 1e-5
-LR = 1.0  # large on purpose: the update must be far above the tolerance
+# Large steps on purpose: the update must be far above the tolerance. Adam's eps is large so
+# the first step (~ lr * g / (|g| + eps)) is smooth in g rather than ~ lr * sign(g).
+OPTIMIZERS = {
+    "sgd": {"optimizer": "sgd", "lr": 1.0},
+    "adam": {"optimizer": "adam", "lr": 1e-2, "adam_eps": 1e-3},
+}
 
 
 def _step_worker(
-    rank: int, world: int, hf_dir: Path, tokens: torch.Tensor, layout: dict[str, int]
+    rank: int,
+    world: int,
+    hf_dir: Path,
+    tokens: torch.Tensor,
+    layout: dict[str, int],
+    optimizer: str,
+    distributed_optimizer: bool,
 ) -> tuple[float | None, dict[str, torch.Tensor]]:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -29,56 +41,108 @@ def _step_worker(
     from longboat.llm.pipeline import train_step
 
     cfg = read_hf_config(hf_dir)
-    parallel_state.initialize(ParallelConfig(**layout), get_accelerator("cpu"))
+    mp = parallel_state.initialize(ParallelConfig(**layout), get_accelerator("cpu"))
     try:
         chunks = build_model(cfg)
         load_hf(chunks, cfg, hf_dir)
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer
+        )
         model = [
             DistributedDataParallel(config=c.config, ddp_config=ddp_cfg, module=c) for c in chunks
         ]
         opt = get_megatron_optimizer(
-            OptimizerConfig(optimizer="sgd", lr=LR, weight_decay=0.0, clip_grad=0.0), model
+            OptimizerConfig(
+                **OPTIMIZERS[optimizer],
+                weight_decay=0.0,
+                clip_grad=0.0,
+                use_distributed_optimizer=distributed_optimizer,
+            ),
+            model,
         )
         micro = [
             {"tokens": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()}
             for t in tokens.split(1)
         ]
+        # Data parallel: each replica takes its share of the microbatches.
+        from megatron.core import parallel_state as mps
+
+        dp_rank = mps.get_data_parallel_rank()
+        micro = micro[dp_rank :: mp.data_parallel]
         loss = train_step(model, opt, micro)
         return loss, gather_hf_state_dict(chunks, cfg.to_arch())
     finally:
         parallel_state.destroy()
 
 
-def _run(hf_dir: Path, tokens: torch.Tensor, world: int, layout: dict[str, int]):
-    outs = run_multiprocess(_step_worker, world, hf_dir, tokens, layout)
+def _run(
+    hf_dir: Path,
+    tokens: torch.Tensor,
+    world: int,
+    layout: dict[str, int],
+    optimizer: str = "sgd",
+    distributed_optimizer: bool = False,
+):
+    outs = run_multiprocess(
+        _step_worker, world, hf_dir, tokens, layout, optimizer, distributed_optimizer
+    )
     losses = [loss for loss, _ in outs if loss is not None]
+    if layout == {}:
+        losses = [sum(losses) / len(losses)]  # data parallel: mean over replicas
     weights: dict[str, torch.Tensor] = {}
     for _, sd in outs:
         weights.update(sd)
     return losses, weights
 
 
+def _hf_loss(hf_dir: Path, tokens: torch.Tensor) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(tokens[:, :-1]).logits
+    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()))
+
+
 @pytest.fixture(scope="module")
 def tp1_step(hf_dirs: dict[str, Path], tokens: torch.Tensor):
-    return _run(hf_dirs["llama3"], tokens, 1, {})
+    cache: dict[str, tuple] = {}
+
+    def get(optimizer: str) -> tuple:
+        if optimizer not in cache:
+            cache[optimizer] = _run(hf_dirs["llama3"], tokens, 1, {}, optimizer)
+        return cache[optimizer]
+
+    return get
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "layout", [{"tensor_parallel": 2}, {"pipeline_parallel": 2}], ids=["tp2", "pp2"]
+    ("layout", "optimizer", "distributed_optimizer"),
+    [
+        ({"tensor_parallel": 2}, "sgd", False),
+        ({"pipeline_parallel": 2}, "sgd", False),
+        ({}, "adam", True),
+    ],
+    ids=["tp2", "pp2", "dp2_distributed_adam"],
 )
 def test_train_step_matches_tp1(
-    layout: dict[str, int], tp1_step, hf_dirs: dict[str, Path], tokens: torch.Tensor
+    layout: dict[str, int],
+    optimizer: str,
+    distributed_optimizer: bool,
+    tp1_step,
+    hf_dirs: dict[str, Path],
+    tokens: torch.Tensor,
 ) -> None:
     from safetensors.torch import load_file
 
-    ref_losses, ref_weights = tp1_step
-    losses, weights = _run(hf_dirs["llama3"], tokens, 2, layout)
+    ref_losses, ref_weights = tp1_step(optimizer)
+    losses, weights = _run(hf_dirs["llama3"], tokens, 2, layout, optimizer, distributed_optimizer)
     assert len(ref_losses) == 1 and losses, "the last stage must report the loss"
     for loss in losses:
         assert abs(loss - ref_losses[0]) <= LOSS_TOL, (loss, ref_losses[0])
-    assert ref_losses[0] > 1.0  # a real LM loss (~ln 256 for a random model)
+    # The single-rank loss is transformers' cross-entropy on the same batch.
+    assert abs(ref_losses[0] - _hf_loss(hf_dirs["llama3"], tokens)) <= LOSS_TOL
     assert set(weights) == set(ref_weights)
     initial = load_file(str(hf_dirs["llama3"] / "model.safetensors"))
     moved = 0.0

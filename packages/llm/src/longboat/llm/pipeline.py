@@ -85,7 +85,8 @@ def lm_loss_fn(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Mean token cross-entropy from megatron's per-token losses ``[b, s]``."""
     loss = output.float().mean()
-    return loss, {"lm loss": loss.detach()}
+    # clone: megatron divides the returned loss by num_microbatches in place.
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 def train_step(
