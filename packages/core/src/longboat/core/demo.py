@@ -391,8 +391,9 @@ def _train(
                 break
     elapsed = time.perf_counter() - t0
 
-    if (cfg.checkpoint.save_on_exit or result.stopped_by_signal) and last_saved != step:
+    if cfg.checkpoint.save_on_exit and last_saved != step:  # at the end and on SIGTERM/SIGUSR1
         ckpt.save(step, state)
+        last_saved = step
     ckpt.close()
     result.end_step = step
     result.eval_after = _eval_mse(net, eval_set)
@@ -405,18 +406,29 @@ def _train(
             result.metrics_path, result.metrics_path.with_name("loss_curve.png")
         )
     if main:
-        _report(console, result, cfg, ckpt.dir, elapsed, tensorboard)
+        _report(console, result, cfg, ckpt.dir, elapsed, tensorboard, saved=last_saved == step)
     return result
 
 
 def _report(
-    console: Any, r: DemoResult, cfg: Any, ckpt_dir: Path, elapsed: float, tensorboard: bool
+    console: Any,
+    r: DemoResult,
+    cfg: Any,
+    ckpt_dir: Path,
+    elapsed: float,
+    tensorboard: bool,
+    *,
+    saved: bool,
 ) -> None:
     took = r.end_step - r.start_step
     if r.stopped_by_signal:
+        then = (
+            "checkpoint saved: run the same command again to resume."
+            if saved
+            else "no checkpoint (checkpoint.save_on_exit=false)."
+        )
         console.print(
-            f"[bold yellow]Stopped by {r.stopped_by_signal}[/] at step {r.end_step}; "
-            "checkpoint saved. Run the same command again to resume."
+            f"[bold yellow]Stopped by {r.stopped_by_signal}[/] at step {r.end_step}; {then}"
         )
     if took > 0:
         head = sum(r.losses[:10]) / len(r.losses[:10])
