@@ -53,11 +53,19 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--model", help="expected model family (checked against config.json)")
     conv.add_argument("--flavor", help="expected flavor (checked against config.json)")
     conv.set_defaults(func=_convert)
+    # Listed for --help; main() hands these to core's stack_main (config composition).
+    sub.add_parser("train", help="train an experiment: train experiment=NAME [key=value ...]")
+    sub.add_parser("config", help="config show NAME [key=value ...] | config list")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``longboat-llm``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("train", "config"):
+        from longboat.core.cli import stack_main
+
+        return stack_main("llm", argv)
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

@@ -18,6 +18,12 @@ STACK = Stack(
         "qwen3": "longboat.llm.config:LLMModelConfig",
         "qwen3_moe": "longboat.llm.config:LLMModelConfig",
     },
+    root_schema="longboat.llm.train.schema:LLMExperimentConfig",
+    data_schemas={
+        "quickstart": "longboat.llm.train.schema:QuickstartDataConfig",
+        "prepared": "longboat.llm.train.schema:PreparedDataConfig",
+    },
     console_script="longboat-llm",
+    train="longboat.llm.train.loop:run",
     validators=("longboat.llm.validate:validate_llm",),
 )

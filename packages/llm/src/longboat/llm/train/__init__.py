@@ -1,0 +1,1 @@
+"""LLM training: ``longboat-llm train experiment=<name>`` (see ``loop.run``)."""

@@ -1,0 +1,128 @@
+"""LLM run checks that need the model and data sections together; run before heavy init."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from longboat.core.config.errors import ConfigError
+from longboat.llm.config import LLMModelConfig
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def section(cfg: Any) -> dict[str, Any]:
+    """A config section as a plain dict."""
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    if dataclasses.is_dataclass(cfg):
+        return dataclasses.asdict(cfg)  # type: ignore[arg-type]
+    return dict(cfg)
+
+
+def model_config(cfg: Any) -> LLMModelConfig:
+    """``cfg.model`` as an ``LLMModelConfig``."""
+    raw = section(cfg.model)
+    names = {f.name for f in dataclasses.fields(LLMModelConfig)}
+    return LLMModelConfig(**{k: v for k, v in raw.items() if k in names})
+
+
+def check_run(cfg: Any, model: LLMModelConfig) -> None:
+    """Cross-section checks: sequence length, vocabulary, tokenizer, init dir, LoRA."""
+    data = cfg.data
+    seq_len = int(data.seq_len)
+    if seq_len > model.max_position_embeddings:
+        raise ConfigError(
+            f"is above the model's maximum sequence length "
+            f"model.max_position_embeddings={model.max_position_embeddings}",
+            key="data.seq_len",
+            value=seq_len,
+            fix=f"use data.seq_len<={model.max_position_embeddings} or raise "
+            "model.max_position_embeddings",
+        )
+    if seq_len < 2:
+        raise ConfigError("must be >= 2", key="data.seq_len", value=seq_len)
+    if data.name == "quickstart" and int(data.vocab_size) > model.vocab_size:
+        raise ConfigError(
+            f"is larger than model.vocab_size={model.vocab_size}",
+            key="data.vocab_size",
+            value=int(data.vocab_size),
+            fix=f"set model.vocab_size>={int(data.vocab_size)}",
+        )
+    if data.name == "prepared":
+        check_tokenizer_dir(data.tokenizer)
+        if not data.paths:
+            raise ConfigError(
+                "no dataset given", key="data.paths", value=[], fix="list prepared dataset folders"
+            )
+        if data.weights is not None and len(data.weights) != len(data.paths):
+            raise ConfigError(
+                f"has {len(data.weights)} weights for {len(data.paths)} paths",
+                key="data.weights",
+                value=list(data.weights),
+                fix="give one weight per data.paths entry, or null",
+            )
+    init = cfg.llm.init_from_hf
+    if init is not None and not (Path(init) / "config.json").is_file():
+        raise ConfigError(
+            f"{Path(init) / 'config.json'} not found",
+            key="llm.init_from_hf",
+            value=init,
+            fix="point at a Hugging Face model directory, or null for random init",
+        )
+    if cfg.lora.enabled and int(cfg.lora.rank) < 1:
+        raise ConfigError("must be >= 1", key="lora.rank", value=int(cfg.lora.rank))
+
+
+def check_tokenizer_dir(path: str | None) -> Path:
+    """The tokenizer directory, or ``ConfigError`` naming ``data.tokenizer``."""
+    if path is None:
+        raise ConfigError(
+            "no tokenizer given",
+            key="data.tokenizer",
+            value=None,
+            fix="set data.tokenizer to a Hugging Face tokenizer directory",
+        )
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(
+            f"tokenizer directory {p} does not exist",
+            key="data.tokenizer",
+            value=str(path),
+            fix="point data.tokenizer at a Hugging Face tokenizer directory",
+        )
+    if not any((p / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(
+            f"{p} holds none of {', '.join(TOKENIZER_FILES)}",
+            key="data.tokenizer",
+            value=str(path),
+            fix="save the tokenizer there with tokenizer.save_pretrained(dir)",
+        )
+    return p
+
+
+def check_documents(docs: Any, key: str, where: str, vocab_size: int) -> None:
+    """A non-empty document set whose token ids fit the model's vocabulary."""
+    import numpy as np
+
+    lengths = np.asarray(docs.lengths())
+    if len(lengths) == 0 or int(lengths.sum()) == 0:
+        raise ConfigError(
+            f"{where}: the dataset is empty (no tokens)",
+            key=key,
+            value=where,
+            fix="prepare it from non-empty input",
+        )
+    tokens = getattr(docs, "tokens", None)
+    if tokens is not None and len(tokens):
+        top = int(np.max(tokens))
+        if top >= vocab_size:
+            raise ConfigError(
+                f"{where}: token id {top} is outside the model's vocabulary",
+                key="model.vocab_size",
+                value=vocab_size,
+                fix=f"use model.vocab_size>={top + 1} or the tokenizer the data was prepared with",
+            )

@@ -1,0 +1,150 @@
+"""Training data for ``longboat-llm train``: token documents -> packed rows -> microbatches.
+
+Documents come from datasets written by ``longboat-llm data prepare``
+(``IndexedTokenDataset``) and are split into train / held-out documents by a seeded
+permutation. Rows are packed with core's
+``PackedDataset`` (labels never cross documents). Which rows a step reads is a pure function
+of the step (:class:`GlobalBatchSchedule`), so resuming at step ``s`` needs no loader state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from longboat.core.config.errors import ConfigError
+
+
+class Subset(Sequence):
+    """Selected documents of another document sequence."""
+
+    def __init__(self, docs: Any, index: np.ndarray) -> None:
+        self.docs, self.index = docs, np.asarray(index, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> Any:  # type: ignore[override]
+        return self.docs[int(self.index[i])]
+
+    def lengths(self) -> np.ndarray:
+        return np.asarray(self.docs.lengths())[self.index]
+
+
+class Concat(Sequence):
+    """Several document sequences back to back."""
+
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
+        self.starts = np.cumsum([0] + [len(p) for p in parts])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, i: int) -> Any:  # type: ignore[override]
+        part = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self.parts[part][i - int(self.starts[part])]
+
+    def lengths(self) -> np.ndarray:
+        return np.concatenate([np.asarray(p.lengths()) for p in self.parts])
+
+
+def open_documents(path: str | Path) -> Any:
+    """A dataset written by ``longboat-llm data prepare`` as packing's document sequence.
+
+    SFT datasets give ``{"input_ids", "loss_mask"}`` documents (loss on assistant tokens).
+    A missing, unfinished or corrupt dataset raises ``ConfigError`` naming the file.
+    """
+    from longboat.llm.data import IndexedTokenDataset
+
+    try:
+        return IndexedTokenDataset(path).documents()
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(
+            str(exc),
+            key="data.paths",
+            value=str(path),
+            fix="run `longboat-llm data prepare` for it (add --force to rebuild)",
+        ) from None
+
+
+def split_documents(docs: Any, eval_fraction: float, seed: int) -> tuple[Any, Any]:
+    """(train, held-out) documents: a seeded permutation's first ``eval_fraction`` is held out."""
+    n = len(docs)
+    n_eval = 0 if eval_fraction <= 0 else max(1, math.ceil(n * eval_fraction))
+    if n_eval >= n:
+        raise ConfigError(
+            f"{n} document(s) cannot be split into train and held-out parts",
+            key="data.eval_fraction",
+            value=eval_fraction,
+            fix="use more data or a smaller eval_fraction",
+        )
+    order = np.random.default_rng(seed).permutation(n)
+    return Subset(docs, np.sort(order[n_eval:])), Subset(docs, np.sort(order[:n_eval]))
+
+
+@dataclass(frozen=True)
+class GlobalBatchSchedule:
+    """Rows of every step: epoch ``e`` walks the rows in a permutation seeded by (seed, e)."""
+
+    num_rows: int
+    global_batch: int
+    micro_batch: int
+    data_parallel: int
+    seed: int
+    shuffle: bool = True
+
+    @property
+    def num_microbatches(self) -> int:
+        """Gradient-accumulation steps per optimizer step."""
+        return self.global_batch // (self.micro_batch * self.data_parallel)
+
+    def _row(self, g: int) -> int:
+        epoch, at = divmod(g, self.num_rows)
+        if not self.shuffle:
+            return at
+        perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
+        return int(perm[at])
+
+    def rows(self, step: int, dp_rank: int) -> list[list[int]]:
+        """Row indices of ``step`` (0-based) for one DP rank, one list per microbatch."""
+        base = step * self.global_batch
+        out = []
+        for m in range(self.num_microbatches):
+            first = base + (m * self.data_parallel + dp_rank) * self.micro_batch
+            out.append([self._row(g) for g in range(first, first + self.micro_batch)])
+        return out
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """megatron attention mask ``[b, 1, s, s]`` (True = blocked) between packed documents.
+
+    A document starts where ``position_ids`` restarts at 0; the causal part is added by the
+    attention itself.
+    """
+    doc = torch.cumsum((position_ids == 0).to(torch.int32), dim=1)
+    return (doc.unsqueeze(2) != doc.unsqueeze(1)).unsqueeze(1)
+
+
+def microbatch(
+    rows: list[dict[str, np.ndarray]], device: torch.device, *, document_attention: bool
+) -> dict[str, torch.Tensor]:
+    """Model inputs of one microbatch from packed rows."""
+    tokens = torch.from_numpy(np.stack([r["input_ids"] for r in rows]))
+    labels = torch.from_numpy(np.stack([r["labels"] for r in rows]))
+    loss_mask = torch.from_numpy(np.stack([r["loss_mask"] for r in rows])).float()
+    position_ids = torch.from_numpy(np.stack([r["position_ids"] for r in rows]))
+    batch = {
+        "tokens": tokens,
+        "labels": labels.clamp(min=0),  # ignored positions carry loss_mask 0
+        "loss_mask": loss_mask,
+        "position_ids": position_ids,
+        "attention_mask": document_mask(position_ids) if document_attention else None,
+    }
+    return {k: (v.to(device) if v is not None else None) for k, v in batch.items()}

@@ -1,0 +1,134 @@
+"""megatron's DDP + distributed optimizer for longboat configs, and their checkpoint state.
+
+``wrap_and_build`` wraps each model chunk in megatron's ``DistributedDataParallel`` (grads in
+contiguous fp32 buffers, reduce-scattered over data-parallel ranks) and builds the
+``DistributedOptimizer`` through ``get_megatron_optimizer`` (optimizer state and fp32 main
+weights sharded over DP ranks). ``MegatronOptimizerState`` makes that optimizer checkpointable
+by ``CheckpointManager`` (per-rank: each rank saves its own shard of main weights and moments),
+and ``ChainedLR`` runs core's LR schedule on every inner torch optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from longboat.core.config.errors import ConfigError
+from longboat.core.loop import build_lr_scheduler
+
+_OPTIMIZERS = {"adamw": "adam", "sgd": "sgd"}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def wrap_and_build(
+    chunks: list[torch.nn.Module], optim: Any, *, precision: str
+) -> tuple[list[torch.nn.Module], Any]:
+    """(DDP-wrapped chunks, megatron distributed optimizer) for ``optim`` (an OptimConfig)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    if optim.name not in _OPTIMIZERS:
+        raise ConfigError(
+            "unknown optimizer", key="optim.name", value=optim.name, fix="use adamw or sgd"
+        )
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=False
+    )
+    model = [
+        DistributedDataParallel(
+            config=c.config, ddp_config=ddp_cfg, module=c, disable_bucketing=i > 0
+        )
+        for i, c in enumerate(chunks)
+    ]
+    betas = list(optim.betas)
+    opt_cfg = OptimizerConfig(
+        optimizer=_OPTIMIZERS[optim.name],
+        lr=float(optim.lr),
+        min_lr=0.0,
+        weight_decay=float(optim.weight_decay),
+        adam_beta1=float(betas[0]),
+        adam_beta2=float(betas[1]),
+        adam_eps=float(optim.eps),
+        sgd_momentum=0.0,
+        clip_grad=float(optim.grad_clip),
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        params_dtype=_DTYPES[precision],
+        use_distributed_optimizer=True,
+    )
+    return model, get_megatron_optimizer(opt_cfg, model)
+
+
+def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a (chained) megatron optimizer."""
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [p.optimizer for p in parts if getattr(p, "optimizer", None) is not None]
+
+
+class ChainedLR:
+    """core's LR schedule (``build_lr_scheduler``) on each inner optimizer, stepped together."""
+
+    def __init__(self, optimizer: Any, schedule: Any, total_steps: int) -> None:
+        self.schedulers = [
+            build_lr_scheduler(o, schedule, total_steps) for o in inner_optimizers(optimizer)
+        ]
+
+    def step(self) -> None:
+        for s in self.schedulers:
+            s.step()
+
+    def get_last_lr(self) -> float:
+        """The current LR of the first param group (all groups share the schedule)."""
+        return float(self.schedulers[0].get_last_lr()[0]) if self.schedulers else 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"schedulers": [s.state_dict() for s in self.schedulers]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for s, sd in zip(self.schedulers, state["schedulers"], strict=True):
+            s.load_state_dict(sd)
+
+
+class MegatronOptimizerState:
+    """This rank's shard of the distributed optimizer as a ``state_dict`` (saved per rank).
+
+    Holds the fp32 main weights (in bf16 training they differ from the model's bf16 weights)
+    and the inner optimizer's moments and step counts; LR and other hyper-parameters come
+    from the config and the LR scheduler.
+    """
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        out = []
+        for opt in inner_optimizers(self.optimizer):
+            params = [p for g in opt.param_groups for p in g["params"]]
+            sd = opt.state_dict()
+            out.append(
+                {
+                    "main": [p.detach().clone() for p in params],
+                    "state": sd["state"],
+                }
+            )
+        return {"optimizers": out}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state["optimizers"]
+        opts = inner_optimizers(self.optimizer)
+        if len(saved) != len(opts):
+            raise ValueError(
+                f"the checkpoint holds {len(saved)} optimizer shard(s), this run has "
+                f"{len(opts)}: resume with the same parallel layout and model"
+            )
+        with torch.no_grad():
+            for opt, part in zip(opts, saved, strict=True):
+                params = [p for g in opt.param_groups for p in g["params"]]
+                if len(params) != len(part["main"]):
+                    raise ValueError("optimizer shard layout differs from the checkpoint's")
+                for p, value in zip(params, part["main"], strict=True):
+                    p.copy_(value)
+                sd = opt.state_dict()
+                sd["state"] = part["state"]
+                opt.load_state_dict(sd)
