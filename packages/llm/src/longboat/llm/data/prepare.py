@@ -234,24 +234,24 @@ def prepare_dataset(
         writer = IndexedDatasetWriter(tmp, dtype, with_loss_mask=opts.format == "sft")
         total = sources.count_records(spec) if progress else None
         jobs = _jobs(spec, key, opts)
-        with _progress(total, progress) as advance:
-            if opts.workers == 1:
+        # The pool forks before the progress bar starts its refresh thread.
+        pool = _pool(opts.workers, tok, opts.tokenizer) if opts.workers > 1 else None
+        try:
+            if pool is None:
                 tk._TOKENIZER = tok
                 results: Iterator[tk.ChunkResult] = map(tk.encode_chunk, jobs)
-                pool = None
             else:
-                pool = _pool(opts.workers, tok, opts.tokenizer)
                 results = pool.imap(tk.encode_chunk, jobs, chunksize=1)
-            try:
+            with _progress(total, progress) as advance:
                 for res in results:  # imap keeps input order: the output is deterministic
                     writer.add(res.tokens, res.lengths, res.mask)
                     for k, v in res.stats.items():
                         stats[k] = stats.get(k, 0) + v
                     advance(res.stats["records"])
-            finally:
-                if pool is not None:
-                    pool.terminate()
-                    pool.join()
+        finally:
+            if pool is not None:
+                pool.terminate()
+                pool.join()
         num_docs, num_tokens = writer.close()
         if num_docs == 0:
             raise ValueError(
