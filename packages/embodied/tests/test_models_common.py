@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from longboat.embodied.models import apply_freezing, build_model, get_config, registered_models
+from longboat.embodied.models import (
+    apply_freezing,
+    build_model,
+    get_config,
+    init_weights,
+    registered_models,
+)
 from longboat.embodied.models.common.category_specific import category_linear
 from longboat.embodied.models.common.flow_matching import (
     euler_integrate,
@@ -202,6 +208,31 @@ def test_apply_freezing_sets_flags_and_dtypes():
     total = sum(p.numel() for p in m.parameters())
     assert counts["trainable"] + counts["frozen"] == total
     assert counts["trainable"] == sum(p.numel() for p in m.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("name", ["groot_n1_6", "pi05"])
+def test_meta_build_then_init_weights_gives_a_working_model(name):
+    # The FSDP path: build on meta, materialise with to_empty, initialise in place.
+    from longboat.embodied.models.synthetic import synthetic_batch
+
+    m = build_model(name, "tiny", device="meta").to_empty(device="cpu")
+    torch.manual_seed(0)
+    init_weights(m)
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+    # Norm scales and zero-init modulations come back exactly (no leftover garbage).
+    for mod in m.modules():
+        if type(mod).__name__ == "AdaRMSNorm":
+            assert mod.modulation.weight.abs().max() == 0
+        if type(mod).__name__ == "RMSNorm":
+            assert torch.all(mod.weight == (0.0 if mod.offset else 1.0))
+    # Same seed, same weights as another initialisation.
+    ref = build_model(name, "tiny", device="meta").to_empty(device="cpu")
+    torch.manual_seed(0)
+    init_weights(ref)
+    for (n, a), b in zip(m.state_dict().items(), ref.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
+    loss = m(synthetic_batch(m, 2))["loss"]
+    assert torch.isfinite(loss) and 0.5 < loss.item() < 10
 
 
 @pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft not installed ([lora])")

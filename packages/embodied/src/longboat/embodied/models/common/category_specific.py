@@ -51,8 +51,14 @@ class CategorySpecificLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.impl: CategoryImpl = impl
-        self.weight = nn.Parameter(0.02 * torch.randn(num_categories, in_dim, out_dim))
-        self.bias = nn.Parameter(torch.zeros(num_categories, out_dim))
+        self.weight = nn.Parameter(torch.empty(num_categories, in_dim, out_dim))
+        self.bias = nn.Parameter(torch.empty(num_categories, out_dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """N(0, 0.02) weights, zero biases (the reference's init)."""
+        nn.init.normal_(self.weight, std=0.02)
+        nn.init.zeros_(self.bias)
 
     def forward(self, x: Tensor, ids: Tensor) -> Tensor:
         return category_linear(x, self.weight, self.bias, ids, self.impl)

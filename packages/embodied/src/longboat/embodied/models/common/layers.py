@@ -17,7 +17,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.offset = offset
-        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Identity scale: zeros in the (1 + w) form, ones otherwise."""
+        nn.init.constant_(self.weight, 0.0 if self.offset else 1.0)
 
     def forward(self, x: Tensor) -> Tensor:
         return ops.rms_norm(x, self.weight, self.eps, offset=self.offset)
@@ -31,7 +36,10 @@ class AdaRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.modulation = nn.Linear(cond_dim, 3 * dim)
-        # Zero init as in openpi: scale = shift = gate = 0 at step 0.
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Zero init as in openpi: scale = shift = gate = 0 at step 0."""
         nn.init.zeros_(self.modulation.weight)
         nn.init.zeros_(self.modulation.bias)
 

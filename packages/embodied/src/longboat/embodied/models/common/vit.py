@@ -72,9 +72,14 @@ class VisionTransformer(nn.Module):
         d = cfg.hidden_size
         self.patch_embed = nn.Conv2d(3, d, cfg.patch_size, stride=cfg.patch_size)
         gh, gw = cfg.pos_grid
-        self.pos_embed = nn.Parameter(torch.randn(gh * gw, d) * 0.02)
+        self.pos_embed = nn.Parameter(torch.empty(gh * gw, d))
         self.blocks = nn.ModuleList(ViTBlock(cfg) for _ in range(cfg.num_layers))
         self.post_layernorm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """N(0, 0.02) position table (submodules reset themselves)."""
+        nn.init.normal_(self.pos_embed, std=0.02)
 
     def _positions(self, gh: int, gw: int) -> Tensor:
         table = self.pos_embed

@@ -47,9 +47,7 @@ class GrootActionHead(nn.Module):
             cfg.num_embodiments, cfg.max_state_dim, cfg.state_hidden, d, cfg.category_impl
         )
         # Only built when used: an unused parameter would trip DDP's unused-gradient check.
-        self.mask_token = (
-            nn.Parameter(0.02 * torch.randn(1, 1, d)) if cfg.state_dropout_prob > 0 else None
-        )
+        self.mask_token = nn.Parameter(torch.empty(1, 1, d)) if cfg.state_dropout_prob > 0 else None
         self.action_encoder = MultiEmbodimentActionEncoder(cfg)
         self.position_embedding = nn.Embedding(cfg.max_seq_len, d)
         self.model = AlternatingDiT(cfg.dit)
@@ -60,6 +58,12 @@ class GrootActionHead(nn.Module):
             cfg.max_action_dim,
             cfg.category_impl,
         )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """N(0, 0.02) state mask token (submodules reset themselves)."""
+        if self.mask_token is not None:
+            nn.init.normal_(self.mask_token, std=0.02)
 
     def condition(
         self, features: Tensor, valid: Tensor, is_image: Tensor
