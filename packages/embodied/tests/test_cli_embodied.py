@@ -1,0 +1,73 @@
+"""The ``longboat-embodied`` console script: config list/show, config errors, torchrun training."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from longboat.embodied.cli import main
+
+
+def test_config_list_names_both_quickstarts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "groot_n1_6_tiny" in out and "pi05_tiny" in out
+
+
+def test_config_show_applies_overrides(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["config", "show", "pi05_tiny", "parallel.strategy=fsdp", "train.steps=7"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "strategy: fsdp" in out and "steps: 7" in out and "name: pi05" in out
+
+
+def test_train_with_bad_override_exits_2_naming_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        ["train", "experiment=groot_n1_6_tiny", f"output_dir={tmp_path}", "parallel.strategy=zero3"]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "parallel.strategy" in err and "zero3" in err
+    assert not any(tmp_path.iterdir())  # failed before generating or building anything
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_torchrun_two_processes_hsdp(tmp_path: Path) -> None:
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert torchrun is not None
+    env = dict(os.environ, OMP_NUM_THREADS="1", LONGBOAT_ACCELERATOR="cpu")
+    subprocess.run(
+        [
+            torchrun,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "longboat.embodied.cli",
+            "train",
+            "experiment=pi05_tiny",
+            f"output_dir={tmp_path}",
+            "train.steps=3",
+            "train.micro_batch_size=2",
+            "parallel.strategy=hsdp",
+            "parallel.data_parallel_replicate=2",
+            "logging.progress=false",
+            "data.synthetic.num_episodes=2",
+            "data.synthetic.episode_length=12",
+        ],
+        env=env,
+        check=True,
+        timeout=300,
+    )
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["trained_steps"] == 3
+    assert (tmp_path / "checkpoints" / "step_00000003").is_dir()
