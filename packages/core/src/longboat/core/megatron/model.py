@@ -30,7 +30,7 @@ def build_decoder_model(
         stage = vp_stage if vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec,
+            transformer_layer_spec=_block_spec(config, layer_spec, stage),
             vocab_size=arch.vocab_size,
             max_sequence_length=arch.max_position_embeddings,
             pre_process=mps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -46,3 +46,24 @@ def build_decoder_model(
         model.model_type = getattr(model, "model_type", None)
         chunks.append(model)
     return chunks
+
+
+def _block_spec(config: Any, layer_spec: Any, vp_stage: int | None) -> Any:
+    """The block spec; the final norm is the layers' own kernel RMSNorm when they use one.
+
+    Given a bare layer spec, megatron builds the block's final norm with its default
+    (torch) norm class, in fp32 whatever ``params_dtype`` is.
+    """
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    from longboat.core.megatron.specs import KernelRMSNorm
+
+    norm = getattr(getattr(layer_spec, "submodules", None), "input_layernorm", None)
+    if not (isinstance(norm, ModuleSpec) and norm.module is KernelRMSNorm):
+        return layer_spec
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=norm)
