@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from longboat.core.config.errors import ConfigError
 from longboat.core.config.schema import CheckpointConfig, ParallelConfig
 from longboat.core.megatron import parallel_state as mparallel
 from longboat.llm.build import build_model
@@ -63,8 +64,14 @@ def hf_to_native(
     from longboat.core.checkpoint import CheckpointManager
 
     cfg = read_hf_config(hf_dir)
-    if model is not None or flavor is not None:
-        wanted = get_family(model or cfg.name).flavor(flavor or "tiny")
+    if model is not None and model != cfg.name:
+        get_family(model)  # an unknown name fails listing the families
+        raise ConfigError(
+            f"--model {model} but {hf_dir}/config.json is a {cfg.name!r} checkpoint. "
+            f"Fix: pass --model {cfg.name} or omit it."
+        )
+    if flavor is not None:
+        wanted = get_family(cfg.name).flavor(flavor)
         check_matches_flavor(wanted, cfg, f"{hf_dir}/config.json")
         cfg = dataclasses.replace(cfg, flavor=wanted.flavor)
     with single_process_megatron():
