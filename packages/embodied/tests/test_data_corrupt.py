@@ -116,7 +116,7 @@ def test_feature_missing_from_info(tmp_path, layout):
     ):
         LeRobotDataset(root2, delta_timestamps={"actions": [0.0]})
     with pytest.raises(
-        LeRobotFormatError, match=r"camera 'observation.images.top' is not a video feature"
+        LeRobotFormatError, match=r"camera 'observation.images.top' is not a video or image feature"
     ):
         LeRobotDataset(root2, camera_keys=["observation.images.top"])
 

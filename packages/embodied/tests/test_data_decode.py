@@ -138,3 +138,19 @@ def test_torchcodec_matches_pyav(root):
     for pos in (0, 7, len(a) - 1):
         diff = a[pos]["observation.images.front"].int() - b[pos]["observation.images.front"].int()
         assert np.abs(diff.numpy()).max() <= 2
+
+
+@pytest.mark.multiprocess
+def test_dataloader_workers_decode_same_frames(tmp_path):
+    """Forked DataLoader workers open their own decoders and return the frames read in-process."""
+    import torch
+
+    (path,) = write_synthetic_dataset(
+        tmp_path, layout="v3.0", num_episodes=2, episode_length=(8, 8)
+    )
+    ds = LeRobotDataset(path, image_dtype="uint8")
+    ds[3]  # the parent opens a decoder before forking; workers must not reuse it
+    ref = torch.stack([ds[i]["observation.images.wrist"] for i in range(len(ds))])
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2, timeout=60)
+    got = torch.cat([b["observation.images.wrist"] for b in loader])
+    assert torch.equal(got, ref)

@@ -282,3 +282,74 @@ def test_lerobot_stats_normalise(v30_root):
     allx = np.concatenate(actions).astype(np.float64)
     got = torch.stack([ds[i]["action"] for i in range(len(ds))]).double().numpy()
     np.testing.assert_allclose(got, (allx - allx.mean(0)) / allx.std(0), atol=1e-5)
+
+
+def test_image_features_stored_in_parquet(tmp_path):
+    """LeRobot datasets recorded with use_videos=False keep PNGs in the parquet (HF Image)."""
+    import io
+
+    from PIL import Image
+
+    root = tmp_path / "images"
+    states, actions = _values(2)
+    feats = _features(MOTORS)
+    feats[CAM] = {"dtype": "image", "shape": [H, W, 3], "names": ["height", "width", "channel"]}
+    info = {
+        "codebase_version": "v3.0",
+        "robot_type": None,
+        "total_episodes": 2,
+        "total_frames": sum(LENGTHS),
+        "total_tasks": 1,
+        "chunks_size": 1000,
+        "data_files_size_in_mb": 100,
+        "video_files_size_in_mb": 500,
+        "fps": FPS,
+        "splits": {"train": "0:2"},
+        "data_path": "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
+        "video_path": None,
+        "features": feats,
+    }
+    (root / "meta/episodes/chunk-000").mkdir(parents=True)
+    (root / "data/chunk-000").mkdir(parents=True)
+    (root / "meta/info.json").write_text(json.dumps(info))
+    tables = []
+    for e in range(2):
+        t = _hf_table(states[e], actions[e], e, sum(LENGTHS[:e]), 0, "List")
+        pngs = []
+        for f in range(LENGTHS[e]):
+            buf = io.BytesIO()
+            Image.fromarray(_frame(e, f)).save(buf, format="PNG")
+            pngs.append({"bytes": buf.getvalue(), "path": f"frame-{f:06d}.png"})
+        img_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+        hf = json.loads(t.schema.metadata[b"huggingface"])
+        hf["info"]["features"][CAM] = {"_type": "Image"}
+        t = t.append_column(CAM, pa.array(pngs, img_type))
+        tables.append(t.replace_schema_metadata({"huggingface": json.dumps(hf)}))
+    pq.write_table(pa.concat_tables(tables), root / "data/chunk-000/file-000.parquet")
+    rows = {
+        "episode_index": [0, 1],
+        "tasks": [[TASKS[0]], [TASKS[0]]],
+        "length": LENGTHS,
+        "data/chunk_index": [0, 0],
+        "data/file_index": [0, 0],
+        "dataset_from_index": [0, LENGTHS[0]],
+        "dataset_to_index": [LENGTHS[0], sum(LENGTHS)],
+        "meta/episodes/chunk_index": [0, 0],
+        "meta/episodes/file_index": [0, 0],
+    }
+    pq.write_table(pa.Table.from_pydict(rows), root / "meta/episodes/chunk-000/file-000.parquet")
+    pq.write_table(
+        pa.table({"task_index": pa.array([0], pa.int64()), "task": pa.array(TASKS[:1])}),
+        root / "meta/tasks.parquet",
+    )
+    ds = LeRobotDataset(root, image_dtype="uint8", delta_timestamps={CAM: [-1 / FPS, 0.0]})
+    assert ds.camera_keys == [CAM] and ds.video_keys == []
+    for pos in (0, 5, len(ds) - 1):
+        s = ds[pos]
+        e, f = int(s["episode_index"]), int(s["frame_index"])
+        frames = s[CAM]
+        assert frames.shape == (2, 3, H, W)
+        assert s[f"{CAM}_is_pad"].tolist() == [f == 0, False]
+        expected = torch.from_numpy(_frame(e, f)).permute(2, 0, 1)
+        assert torch.equal(frames[1], expected)  # PNG is lossless: exact
+        assert torch.equal(frames[0], torch.from_numpy(_frame(e, max(f - 1, 0))).permute(2, 0, 1))

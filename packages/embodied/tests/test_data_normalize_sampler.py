@@ -55,6 +55,11 @@ def test_min_max_and_quantiles_map_to_unit_interval(root):
     assert mm.min(0).values.tolist() == pytest.approx([-1.0] * 5, abs=1e-6)
     assert mm.max(0).values.tolist() == pytest.approx([1.0] * 5, abs=1e-6)
     q = _all(LeRobotDataset(root, normalization={"action": "q01_q99"}), "action")
+    # LeRobot's QUANTILES and GR00T's q99 name the same map.
+    assert torch.equal(
+        q, _all(LeRobotDataset(root, normalization={"action": "QUANTILES"}), "action")
+    )
+    assert torch.equal(q, _all(LeRobotDataset(root, normalization={"action": "q99"}), "action"))
     assert q.abs().max() <= 1.0  # clipped like GR00T
     q01, q99 = np.quantile(a.numpy(), 0.01, axis=0), np.quantile(a.numpy(), 0.99, axis=0)
     inside = (a.numpy() > q01) & (a.numpy() < q99)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -82,14 +83,17 @@ class LeRobotDataset(torch.utils.data.Dataset):
         self.skip_bad_samples = skip_bad_samples
         self.skipped = 0
         features = self.meta.features
-        all_cams = self.meta.video_keys
+        all_cams = self.meta.video_keys + self.meta.image_keys
         self.camera_keys = list(all_cams if camera_keys is None else camera_keys)
         for key in self.camera_keys:
             if key not in all_cams:
                 raise LeRobotFormatError(
-                    f"{self.meta.info_path}: camera {key!r} is not a video feature "
-                    f"(video features: {all_cams})"
+                    f"{self.meta.info_path}: camera {key!r} is not a video or image feature "
+                    f"(camera features: {all_cams})"
                 )
+        self.video_keys = [k for k in self.camera_keys if k in self.meta.video_keys]
+        # Image features live in the parquet as {bytes, path} structs (HF datasets' Image).
+        self.image_keys = [k for k in self.camera_keys if k in self.meta.image_keys]
         self.delta_timestamps = dict(delta_timestamps or {})
         for key in self.delta_timestamps:
             if key not in features:
@@ -102,6 +106,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
         self.column_keys = [
             k for k, ft in features.items() if ft["dtype"] not in ("video", "image")
         ]
+        self._read_keys = self.column_keys + self.image_keys
         self._columns, self._ep_start = self._load_columns()
         self._row_episode = np.repeat(
             np.arange(len(self.episodes)), [ep.length for ep in self.episodes]
@@ -152,8 +157,9 @@ class LeRobotDataset(torch.utils.data.Dataset):
                     f"{path}: columns {extra} are missing from {self.meta.info_path} features "
                     f"(episode {ep_names}); add them to info.json or drop them"
                 )
-            table = pq.read_table(path, columns=self.column_keys)
+            table = pq.read_table(path, columns=self._read_keys)
             cols = {k: _column_to_numpy(table.column(k)) for k in self.column_keys}
+            cols.update({k: _image_bytes(table.column(k), path) for k in self.image_keys})
             ep_col = cols["episode_index"]
             for ep in eps:
                 rows = np.flatnonzero(ep_col == ep.index)
@@ -165,8 +171,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
                 order = rows[np.argsort(cols["frame_index"][rows], kind="stable")]
                 parts[ep.index] = {k: v[order] for k, v in cols.items()}
         columns = {
-            k: np.concatenate([parts[ep.index][k] for ep in self.episodes])
-            for k in self.column_keys
+            k: np.concatenate([parts[ep.index][k] for ep in self.episodes]) for k in self._read_keys
         }
         starts = np.cumsum([0] + [ep.length for ep in self.episodes])[:-1]
         return columns, starts
@@ -189,7 +194,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
                     f"expected {j / self.fps:.6f}s (beyond the episode's 1/fps grid, "
                     f"fps={self.fps}, tolerance {self.tolerance_s}s)"
                 )
-            for key in self.camera_keys:
+            for key in self.video_keys:
                 span = ep.videos[key]
                 end = span.from_timestamp + ep.length / self.fps
                 if span.to_timestamp is not None and end > span.to_timestamp + self.tolerance_s:
@@ -202,7 +207,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
     def _check_video_files(self) -> None:
         missing: dict[Path, list[str]] = {}
         for ep in self.episodes:
-            for key in self.camera_keys:
+            for key in self.video_keys:
                 path = ep.videos[key].path
                 if not path.is_file():
                     missing.setdefault(path, []).append(f"{ep.index} ({key})")
@@ -266,11 +271,10 @@ class LeRobotDataset(torch.utils.data.Dataset):
         for key in self.camera_keys:
             if key in self._deltas:
                 rows, pad = self._delta_rows(frame, ep.length, self._deltas[key])
-                item[key] = self._decode(ep, key, self._columns["timestamp"][start + rows])
+                item[key] = self._frames(ep, key, start + rows)
                 item[f"{key}_is_pad"] = torch.from_numpy(pad)
             else:
-                ts = self._columns["timestamp"][pos : pos + 1]
-                item[key] = self._decode(ep, key, ts)[0]
+                item[key] = self._frames(ep, key, np.array([pos]))[0]
         item["task"] = self.meta.tasks[int(self._columns["task_index"][pos])]
         if self.embodiment_id is not None:
             item[EMBODIMENT_KEY] = torch.tensor(self.embodiment_id, dtype=torch.int64)
@@ -282,6 +286,30 @@ class LeRobotDataset(torch.utils.data.Dataset):
     def _delta_rows(frame: int, length: int, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         target = frame + offsets
         return np.clip(target, 0, length - 1), (target < 0) | (target >= length)
+
+    def _frames(self, ep: EpisodeMeta, key: str, rows: np.ndarray) -> torch.Tensor:
+        """[T,C,H,W] frames of camera ``key`` at dataset rows ``rows`` (one episode)."""
+        if key in self.video_keys:
+            frames = self._decode(ep, key, self._columns["timestamp"][rows])
+        else:
+            frames = torch.stack([self._image(ep, key, int(r)) for r in rows])
+        if self.image_dtype == "float32":
+            return frames.to(torch.float32).div_(255.0)
+        return frames
+
+    def _image(self, ep: EpisodeMeta, key: str, row: int) -> torch.Tensor:
+        from PIL import Image
+
+        data = self._columns[key][row]
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                arr = np.asarray(img.convert("RGB"))
+        except Exception as exc:
+            raise VideoDecodeError(
+                f"{ep.data_path}: image {key!r} of episode {ep.index}, frame "
+                f"{row - self._ep_start[self.episodes.index(ep)]} cannot be decoded: {exc}"
+            ) from exc
+        return torch.from_numpy(arr.copy()).permute(2, 0, 1)
 
     def _decode(self, ep: EpisodeMeta, key: str, timestamps: np.ndarray) -> torch.Tensor:
         span = ep.videos[key]
@@ -299,9 +327,24 @@ class LeRobotDataset(torch.utils.data.Dataset):
                 f"{span.path}: decode failed (episode {ep.index}, camera {key}, "
                 f"timestamps {file_ts}): {exc}"
             ) from exc
-        if self.image_dtype == "float32":
-            return frames.to(torch.float32).div_(255.0)
         return frames
+
+
+def _image_bytes(column: Any, path: Path) -> np.ndarray:
+    """HF ``Image`` column (struct of bytes and path) -> object array of encoded bytes."""
+    import pyarrow as pa
+
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if pa.types.is_struct(arr.type) and arr.type.get_field_index("bytes") >= 0:
+        arr = arr.field("bytes")
+    if not (pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type)):
+        raise LeRobotFormatError(
+            f"{path}: image column has type {arr.type}; expected struct<bytes, path> or binary "
+            "(images stored as files outside the parquet are not supported)"
+        )
+    out = np.empty(len(arr), dtype=object)
+    out[:] = arr.to_pylist()
+    return out
 
 
 def _column_to_numpy(column: Any) -> np.ndarray:

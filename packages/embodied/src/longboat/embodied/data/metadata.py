@@ -76,6 +76,11 @@ class LeRobotMetadata:
         return [k for k, ft in self.features.items() if ft["dtype"] == "video"]
 
     @property
+    def image_keys(self) -> list[str]:
+        """Features stored as encoded images inside the parquet files."""
+        return [k for k, ft in self.features.items() if ft["dtype"] == "image"]
+
+    @property
     def info_path(self) -> Path:
         """Path of meta/info.json (named in errors)."""
         return self.root / INFO_PATH

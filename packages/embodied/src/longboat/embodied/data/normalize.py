@@ -15,6 +15,8 @@ import numpy as np
 import torch
 
 MODES = ("identity", "mean_std", "min_max", "q01_q99")
+# LeRobot's NormalizationMode names and GR00T's mode names for the same maps.
+ALIASES = {"quantiles": "q01_q99", "q99": "q01_q99"}
 _MODALITY_SECTIONS = {"state": "observation.state", "action": "action"}
 
 
@@ -49,9 +51,13 @@ class Normalizer:
         self.clip_mask: dict[str, torch.Tensor] = {}
         # Whole-key entries first, then group slices, so groups win where both apply.
         ordered = sorted(modes.items(), key=lambda kv: kv[0] in groups)
-        for name, mode in ordered:
+        for name, given in ordered:
+            mode = ALIASES.get(given.lower(), given.lower())
             if mode not in MODES:
-                raise ValueError(f"normalization[{name!r}]={mode!r}: use one of {MODES}")
+                raise ValueError(
+                    f"normalization[{name!r}]={given!r}: use one of {MODES} "
+                    f"(aliases: {sorted(ALIASES)}, case-insensitive)"
+                )
             if name in groups:
                 key, start, end = groups[name]
             elif name in stats:

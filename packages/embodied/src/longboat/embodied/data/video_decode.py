@@ -18,6 +18,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
+from av.video.reformatter import VideoReformatter
 
 from longboat.embodied.data.layout import VideoDecodeError
 
@@ -60,6 +61,10 @@ class PyAVDecoder:
         # Single-threaded by default: DataLoader workers already parallelise across samples.
         self._stream.thread_count = threads
         self._time_base = self._stream.time_base
+        # Our own single-threaded swscale context: PyAV's default (threads=0) starts a slice
+        # thread pool that a forked DataLoader worker inherits without its threads and then
+        # waits on forever. One thread per worker is also the right budget.
+        self._reformatter = VideoReformatter()
 
     def _decode_run(self, wanted: list[float], tolerance_s: float) -> dict[float, np.ndarray]:
         """Seek before wanted[0], decode forward to wanted[-1]; return {frame_ts: rgb HWC}."""
@@ -76,7 +81,8 @@ class PyAVDecoder:
                 continue
             ts = float(frame.pts * self._time_base)
             if any(abs(ts - w) <= tolerance_s for w in wanted):
-                found[ts] = frame.to_ndarray(format="rgb24")
+                rgb = self._reformatter.reformat(frame, format="rgb24", threads=1)
+                found[ts] = rgb.to_ndarray()
             if ts >= last:
                 break
         return found
