@@ -121,17 +121,23 @@ class DecoderLayer(nn.Module):
         return norm(x), None
 
     def project_qkv(
-        self, x: Tensor, rope: Rope, cond: Tensor | None = None
+        self, x: Tensor, rope: Rope, cond: Tensor | None = None, *, need_q: bool = True
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """x [B, L, D] -> q [B, H, L, hd], k, v [B, Hkv, L, hd] (rotated), attention gate."""
+        """x [B, L, D] -> q [B, H, L, hd], k, v [B, Hkv, L, hd] (rotated), attention gate.
+        ``need_q=False`` skips the queries (an empty tensor is returned in their place)."""
         b, n, _ = x.shape
         hd = self.cfg.head_dim
         hx, gate = self._norm(self.input_norm, x.to(self.dtype), cond)
-        q = _linear(self.q_proj, hx).view(b, n, -1, hd)
         k = _linear(self.k_proj, hx).view(b, n, -1, hd)
         v = _linear(self.v_proj, hx).view(b, n, -1, hd)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        if not need_q:  # the fused RoPE rotates a (q, k) pair: pass k twice (it is small)
+            _, k = ops.apply_rope(k, k, *rope)
+            return k.new_empty(0), k.transpose(1, 2), v.transpose(1, 2), gate
+        q = _linear(self.q_proj, hx).view(b, n, -1, hd)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
         q, k = ops.apply_rope(q, k, *rope)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gate
 

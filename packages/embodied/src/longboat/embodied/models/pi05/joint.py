@@ -78,7 +78,7 @@ class JointLayer(nn.Module):
         ``need_prefix=False`` skips the prefix queries, output projection and MLP."""
         out_p = out_s = kv = None
         if prefix is not None:
-            qp, kp, vp, _ = self.lm.project_qkv(prefix, rope_p)
+            qp, kp, vp, _ = self.lm.project_qkv(prefix, rope_p, need_q=need_prefix)
             kv = (kp, vp)
         if suffix is None:  # prefix only
             if need_prefix:
