@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,3 +116,51 @@ def test_sigkill_then_resume_continues_the_exact_loss_curve(tmp_path: Path) -> N
     assert sorted(resumed) == list(range(1, STEPS + 1))
     # Bit-identical: same floats, not merely close.
     assert resumed == reference, {s: (resumed[s], reference[s]) for s in reference}
+
+
+def _resume_at_world2(rank: int, world: int, out: str, data: str, strategy: str) -> list[float]:
+    cfg = compose_experiment(
+        "groot_n1_6_tiny",
+        [
+            *_overrides(Path(out), Path(data)),
+            "train.micro_batch_size=1",
+            "train.global_batch_size=2",
+            f"parallel.strategy={strategy}",
+        ],
+        world_size=world,
+    )
+    return train(cfg).losses
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_resume_at_another_world_size_and_strategy(tmp_path: Path, strategy: str) -> None:
+    """A world-size-1 checkpoint resumes on 2 ranks (DCP reshards; the batch plan and the
+    per-micro-batch RNG do not depend on the world size): same losses within 1e-5 relative."""
+    from longboat.core.distributed import run_multiprocess
+
+    straight = tmp_path / "straight"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = compose_experiment(
+            "groot_n1_6_tiny",
+            [*_overrides(straight, None), "train.micro_batch_size=1", "train.global_batch_size=2"],
+            world_size=1,
+        )
+        reference = train(cfg).losses
+    finally:
+        torch.set_num_threads(threads)
+    moved = tmp_path / "moved"
+    ckpt = f"step_{KILL_AFTER_CHECKPOINT:08d}"
+    shutil.copytree(straight / "checkpoints" / ckpt, moved / "checkpoints" / ckpt)
+    results = run_multiprocess(
+        _resume_at_world2, 2, str(moved), str(straight / "dataset"), strategy, timeout=240
+    )
+    torch.testing.assert_close(
+        torch.tensor(results[0], dtype=torch.float64),
+        torch.tensor(reference[KILL_AFTER_CHECKPOINT:], dtype=torch.float64),
+        rtol=1e-5,
+        atol=0.0,
+    )

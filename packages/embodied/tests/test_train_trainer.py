@@ -53,11 +53,12 @@ def test_bad_config_fails_before_heavy_init(tmp_path: Path) -> None:
     assert not (tmp_path / "dataset").exists()  # nothing was generated or built
 
 
-def _distributed_run(rank: int, world: int, out: str, strategy: str, model: str) -> dict:
+def _distributed_run(rank: int, world: int, out: str, strategy: str, model: str, data: str) -> dict:
     cfg = compose_experiment(
         f"{model}_tiny",
         _overrides(
             Path(out),
+            *data.split(),
             f"parallel.strategy={strategy}",
             "train.global_batch_size=4",
             "train.activation_checkpointing=full",
@@ -69,9 +70,20 @@ def _distributed_run(rank: int, world: int, out: str, strategy: str, model: str)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("strategy", "model"), [("fsdp", "groot_n1_6"), ("zero1", "pi05")])
-def test_trainer_world2_checkpoints_and_exports(tmp_path: Path, strategy: str, model: str) -> None:
-    results = run_multiprocess(_distributed_run, 2, str(tmp_path), strategy, model, timeout=180)
+@pytest.mark.parametrize(
+    ("strategy", "model", "data"),
+    [
+        # two embodiments (category-specific weights, different state/action dims), v3.0
+        ("fsdp", "groot_n1_6", "data.synthetic.num_embodiments=2"),
+        ("zero1", "pi05", "data.synthetic.layout=v2.1"),
+    ],
+)
+def test_trainer_world2_checkpoints_and_exports(
+    tmp_path: Path, strategy: str, model: str, data: str
+) -> None:
+    results = run_multiprocess(
+        _distributed_run, 2, str(tmp_path), strategy, model, data, timeout=180
+    )
     assert results[0]["losses"] == results[1]["losses"]  # the reported loss is the global mean
     assert results[0]["steps"] == 2
     assert (tmp_path / "checkpoints" / "step_00000002").is_dir()
