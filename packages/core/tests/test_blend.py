@@ -64,3 +64,15 @@ def test_iterator_resumes_exactly() -> None:
 def test_map_style_matches_iteration() -> None:
     ds = BlendedDataset(_sources(), [1, 2, 3], num_samples=50, seed=1)
     assert [ds[i] for i in range(len(ds))] == list(ds)
+
+
+def test_vectorised_locate_and_lengths_match_per_sample() -> None:
+    class Sized(list):
+        def lengths(self) -> np.ndarray:
+            return np.asarray([len(x) for x in self])
+
+    sources = [Sized(["x" * (i + 1) for i in range(5)]), Sized(["y" * (10 + i) for i in range(4)])]
+    ds = BlendedDataset(sources, [3, 1], num_samples=57, seed=2)
+    src, local = ds.locate_many(np.arange(57))
+    assert [ds.locate(i) for i in range(57)] == list(zip(src.tolist(), local.tolist(), strict=True))
+    np.testing.assert_array_equal(ds.lengths(), [len(ds[i]) for i in range(57)])

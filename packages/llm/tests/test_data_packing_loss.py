@@ -74,7 +74,7 @@ def _loss_sum(model: TinyCausalLM, batch: dict, *, varlen: bool = True) -> torch
 def setup() -> tuple[TinyCausalLM, list[np.ndarray]]:
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
-    docs = [rng.integers(1, VOCAB, size=int(n)) for n in rng.integers(2, 30, size=24)]
+    docs = [rng.integers(1, VOCAB, size=int(n)) for n in rng.integers(2, 30, size=16)]
     return TinyCausalLM().eval(), docs
 
 
@@ -100,7 +100,7 @@ def test_packed_equals_unpacked_equals_per_document(setup) -> None:  # type: ign
         # Control: the same packed rows with attention crossing documents must differ.
         leaky = sum(_loss_sum(model, collate_packed([r]), varlen=False) for r in packed_ds)
     n_targets = sum(len(d) - 1 for d in docs)
-    assert float(reference) > 0 and n_targets > 200
+    assert float(reference) > 0 and n_targets > 150
     torch.testing.assert_close(packed, reference, rtol=1e-5, atol=0)
     torch.testing.assert_close(unpacked, reference, rtol=1e-5, atol=0)
     assert abs(float(leaky) - float(reference)) / float(reference) > 1e-3
@@ -108,13 +108,13 @@ def test_packed_equals_unpacked_equals_per_document(setup) -> None:  # type: ign
 
 def test_packed_gradients_match(setup) -> None:  # type: ignore[no-untyped-def]
     model, docs = setup
-    ds = PackedDataset(docs[:10], 48)
+    ds = PackedDataset(docs[:6], 48)
     model.zero_grad()
     sum(_loss_sum(model, collate_packed([r])) for r in ds).backward()
     packed_grad = model.head.weight.grad.clone()
     model.zero_grad()
     ref = torch.zeros((), dtype=torch.float64)
-    for d in docs[:10]:
+    for d in docs[:6]:
         ids = torch.from_numpy(d)
         ref = ref + F.cross_entropy(
             model(ids, torch.arange(len(d)), None).double()[:-1], ids[1:], reduction="sum"

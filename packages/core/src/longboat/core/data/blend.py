@@ -96,21 +96,36 @@ class BlendedDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
+    def _perm(self, d: int, epoch: int) -> np.ndarray:
+        key = (d, epoch)
+        perm = self._perms.get(key)
+        if perm is None:
+            perm = np.random.default_rng([self.seed, d, epoch]).permutation(self.sizes[d])
+            # Keep a few: consecutive indices mostly hit the same (source, epoch) pairs.
+            self._perms = {key: perm, **dict(list(self._perms.items())[:7])}
+        return perm
+
+    def locate_many(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Vectorised :meth:`locate`: ``(datasets, sample indices)`` of global ``indices``."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if indices.size and (indices.min() < 0 or indices.max() >= self.num_samples):
+            raise IndexError(f"blend indices outside [0, {self.num_samples})")
+        src = self.source[indices].astype(np.int64)
+        sizes = np.asarray(self.sizes, dtype=np.int64)[src]
+        epoch, local = np.divmod(self.rank[indices], sizes)
+        if self.shuffle:
+            for d, e in set(zip(src.tolist(), epoch.tolist(), strict=True)):
+                sel = (src == d) & (epoch == e)
+                local[sel] = self._perm(d, e)[local[sel]]
+        return src, local
+
     def locate(self, index: int) -> tuple[int, int]:
         """``(dataset, sample index in it)`` of global sample ``index``."""
         if not 0 <= index < self.num_samples:
             raise IndexError(f"blend index {index} outside [0, {self.num_samples})")
         d = int(self.source[index])
         epoch, k = divmod(int(self.rank[index]), self.sizes[d])
-        if not self.shuffle:
-            return d, k
-        key = (d, epoch)
-        perm = self._perms.get(key)
-        if perm is None:
-            rng = np.random.default_rng([self.seed, d, epoch])
-            perm = rng.permutation(self.sizes[d])
-            self._perms = {key: perm, **dict(list(self._perms.items())[-7:])}
-        return d, int(perm[k])
+        return d, int(self._perm(d, epoch)[k]) if self.shuffle else k
 
     def __getitem__(self, index: int) -> Any:
         d, i = self.locate(index)
@@ -118,8 +133,12 @@ class BlendedDataset(torch.utils.data.Dataset):
 
     def lengths(self) -> np.ndarray:
         """Token count per sample when every source has ``lengths()`` (for packing plans)."""
-        per_source = [np.asarray(ds.lengths()) for ds in self.datasets]
-        return np.asarray([per_source[d][i] for d, i in map(self.locate, range(len(self)))])
+        src, local = self.locate_many(np.arange(self.num_samples))
+        out = np.zeros(self.num_samples, dtype=np.int64)
+        for d, ds in enumerate(self.datasets):
+            sel = src == d
+            out[sel] = np.asarray(ds.lengths())[local[sel]]
+        return out
 
     def __iter__(self) -> Iterator[Any]:
         """Samples from the saved position to the end; the next pass starts from 0."""
