@@ -192,6 +192,16 @@ def test_registry_builds_by_name_and_rejects_unknown_keys():
         get_config("groot_n1_6", "tiny", {"dit.bogus": 1})
     with pytest.raises(ValueError, match="tune_top_llm_layers"):
         get_config("groot_n1_6", "tiny", {"tune_top_llm_layers": 9})
+    # Interdependent keys change together and are validated once, in any order.
+    small = {
+        "image_token_id": 4000,
+        "llm.vocab_size": 4096,
+        "llm.num_layers": 2,
+        "select_layer": 2,
+        "tune_top_llm_layers": 1,
+    }
+    cfg = get_config("groot_n1_6", "full", small)
+    assert (cfg.llm.vocab_size, cfg.image_token_id, cfg.llm.hidden_size) == (4096, 4000, 2048)
 
 
 def test_apply_freezing_sets_flags_and_dtypes():

@@ -59,28 +59,44 @@ def model_class(name: str) -> Any:
 
 def get_config(name: str, flavor: str, overrides: Mapping[str, Any] | None = None) -> Any:
     """The config of ``name``/``flavor`` with dotted-key ``overrides`` (e.g.
-    ``{"dit.dropout": 0.0}``) applied."""
+    ``{"dit.dropout": 0.0}``) applied together, then validated once."""
     cls = model_class(name)
     flavors = cls.config_class.FLAVORS
     if flavor not in flavors:
         raise KeyError(
             f"model.flavor={flavor!r} is not a flavor of {name!r}; choose one of {sorted(flavors)}"
         )
-    cfg = flavors[flavor]()
-    for key, value in (overrides or {}).items():
-        cfg = _replace_dotted(cfg, key.split("."), value, key)
-    return cfg
+    return apply_overrides(flavors[flavor](), overrides or {})
 
 
-def _replace_dotted(obj: Any, parts: list[str], value: Any, full: str) -> Any:
-    if not dataclasses.is_dataclass(obj) or not hasattr(obj, parts[0]):
-        raise KeyError(
-            f"override key {full!r}: {parts[0]!r} is not a field of {type(obj).__name__}"
-        )
-    if len(parts) == 1:
-        return dataclasses.replace(obj, **{parts[0]: value})
-    child = _replace_dotted(getattr(obj, parts[0]), parts[1:], value, full)
-    return dataclasses.replace(obj, **{parts[0]: child})
+def apply_overrides(cfg: Any, overrides: Mapping[str, Any]) -> Any:
+    """Return ``cfg`` with dotted-key overrides; each dataclass is rebuilt once with all of
+    its changes, so interdependent keys (e.g. vocab size and a token id) can change together."""
+    tree: dict[str, Any] = {}
+    for key, value in overrides.items():
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise KeyError(f"override key {key!r} conflicts with another override of {part!r}")
+        node[parts[-1]] = value
+    return _apply_tree(cfg, tree, "")
+
+
+def _apply_tree(obj: Any, tree: dict[str, Any], prefix: str) -> Any:
+    changes = {}
+    for field, value in tree.items():
+        if not dataclasses.is_dataclass(obj) or field not in {
+            f.name for f in dataclasses.fields(obj)
+        }:
+            raise KeyError(
+                f"override key {prefix + field!r}: {field!r} is not a field of {type(obj).__name__}"
+            )
+        if isinstance(value, dict) and dataclasses.is_dataclass(getattr(obj, field)):
+            value = _apply_tree(getattr(obj, field), value, f"{prefix}{field}.")
+        changes[field] = value
+    return dataclasses.replace(obj, **changes) if changes else obj
 
 
 def build_model(
@@ -102,9 +118,7 @@ def build_model(
                 f"build_model({name!r}, ...) needs a flavor name or a {cls.config_class.__name__}, "
                 f"got {type(flavor_or_config).__name__}"
             )
-        cfg = flavor_or_config
-        for key, value in (overrides or {}).items():
-            cfg = _replace_dotted(cfg, key.split("."), value, key)
+        cfg = apply_overrides(flavor_or_config, overrides or {})
     if device is None:
         return cls(cfg)
     with torch.device(device):
