@@ -14,9 +14,10 @@ LOSS_TOL = 1e-5  # fp32: TP / PP only reorder reductions
 WEIGHT_TOL = 1e-5
 # Large steps on purpose: the update must be far above the tolerance. Adam's eps is large so
 # the first step (~ lr * g / (|g| + eps)) is smooth in g rather than ~ lr * sign(g).
+GRAD_CLIP = 0.5  # below the tiny model's grad norm: clipping (a model-parallel norm) is exercised
 OPTIMIZERS = {
-    "sgd": {"optimizer": "sgd", "lr": 1.0},
-    "adam": {"optimizer": "adam", "lr": 1e-2, "adam_eps": 1e-3},
+    "sgd": {"name": "sgd", "lr": 1.0},
+    "adam": {"name": "adamw", "lr": 1e-2, "eps": 1e-3},
 }
 
 
@@ -30,13 +31,11 @@ def _step_worker(
     distributed_optimizer: bool,
     precision: str = "fp32",
 ) -> tuple[float | None, dict[str, torch.Tensor]]:
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    from longboat.core.config.schema import ParallelConfig
+    from longboat.core.config.schema import OptimConfig, ParallelConfig
     from longboat.core.device import get_accelerator
     from longboat.core.megatron import parallel_state
     from longboat.core.megatron.hf_io import gather_hf_state_dict
+    from longboat.core.megatron.optimizer import build_optimizer, wrap_ddp
     from longboat.llm.build import build_model
     from longboat.llm.hf import load_hf, read_hf_config
     from longboat.llm.pipeline import train_step
@@ -46,22 +45,12 @@ def _step_worker(
     try:
         chunks = build_model(cfg, precision=precision)
         load_hf(chunks, cfg, hf_dir)
-        ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer
-        )
-        model = [
-            DistributedDataParallel(config=c.config, ddp_config=ddp_cfg, module=c) for c in chunks
-        ]
-        opt = get_megatron_optimizer(
-            OptimizerConfig(
-                **OPTIMIZERS[optimizer],
-                weight_decay=0.0,
-                clip_grad=0.0,
-                use_distributed_optimizer=distributed_optimizer,
-                bf16=precision == "bf16",
-                params_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
-            ),
+        model = wrap_ddp(chunks, distributed_optimizer=distributed_optimizer)
+        opt = build_optimizer(
             model,
+            OptimConfig(**OPTIMIZERS[optimizer], weight_decay=0.0, grad_clip=GRAD_CLIP),
+            precision=precision,
+            distributed_optimizer=distributed_optimizer,
         )
         micro = [
             {"tokens": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()}
@@ -72,7 +61,8 @@ def _step_worker(
 
         dp_rank = mps.get_data_parallel_rank()
         micro = micro[dp_rank :: mp.data_parallel]
-        loss = train_step(model, opt, micro)
+        loss, grad_norm = train_step(model, opt, micro)
+        assert grad_norm > GRAD_CLIP, grad_norm
         return loss, gather_hf_state_dict(chunks, cfg.to_arch())
     finally:
         parallel_state.destroy()

@@ -93,8 +93,11 @@ def train_step(
     chunks: list[torch.nn.Module],
     optimizer: Any,
     microbatches: list[dict[str, torch.Tensor]],
-) -> float | None:
-    """One optimizer step over ``microbatches``; the mean loss on the last stage (else None)."""
+) -> tuple[float | None, float]:
+    """One optimizer step over ``microbatches``.
+
+    Returns ``(mean loss on the last pipeline stage or None elsewhere, global grad norm)``.
+    """
     from megatron.core import parallel_state as mps
 
     for c in chunks:
@@ -106,9 +109,10 @@ def train_step(
     from megatron.core.distributed import finalize_model_grads
 
     finalize_model_grads(chunks if isinstance(chunks, list) else [chunks])
-    ok, _grad_norm, _ = optimizer.step()
+    ok, grad_norm, _ = optimizer.step()
     if not ok:
         raise RuntimeError("optimizer step was skipped (non-finite gradients)")
+    norm = float(grad_norm) if grad_norm is not None else float("nan")
     if not mps.is_pipeline_last_stage():
-        return None
-    return float(torch.stack([d["lm loss"] for d in losses]).mean())
+        return None, norm
+    return float(torch.stack([d["lm loss"] for d in losses]).mean()), norm
