@@ -154,3 +154,46 @@ def test_dataloader_workers_decode_same_frames(tmp_path):
     loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2, timeout=60)
     got = torch.cat([b["observation.images.wrist"] for b in loader])
     assert torch.equal(got, ref)
+
+
+def test_torchcodec_adapter_with_stand_in(root, monkeypatch):
+    """TorchCodecDecoder's contract (shape, tolerance check) against a PyAV-backed stand-in
+    of ``torchcodec.decoders.VideoDecoder``, since torchcodec is not installed here."""
+    import importlib.machinery
+    import sys
+    import types
+
+    import torch
+
+    from longboat.embodied.data import TorchCodecDecoder, VideoDecodeError
+
+    class FakeVideoDecoder:
+        def __init__(self, source, seek_mode="exact"):
+            assert seek_mode == "approximate"
+            self._dec = PyAVDecoder(source)
+            self.shift = 0.0
+
+        def get_frames_played_at(self, seconds):
+            data = self._dec.get_frames(seconds, 1e-4)
+            pts = torch.tensor([s + self.shift for s in seconds], dtype=torch.float64)
+            return types.SimpleNamespace(data=data, pts_seconds=pts)
+
+    pkg = types.ModuleType("torchcodec")
+    pkg.__spec__ = importlib.machinery.ModuleSpec("torchcodec", None)
+    sub = types.ModuleType("torchcodec.decoders")
+    sub.VideoDecoder = FakeVideoDecoder
+    monkeypatch.setitem(sys.modules, "torchcodec", pkg)
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", sub)
+    assert resolve_backend("auto") is TorchCodecDecoder
+
+    via_tc = LeRobotDataset(root, video_backend="torchcodec", image_dtype="uint8")
+    via_av = LeRobotDataset(root, video_backend="pyav", image_dtype="uint8")
+    key = "observation.images.front"
+    for pos in (0, 9, len(via_av) - 1):
+        assert torch.equal(via_tc[pos][key], via_av[pos][key])
+    assert via_tc.frames_decoded == 3  # torchcodec reports returned frames only
+
+    dec = TorchCodecDecoder(via_av.episodes[0].videos[key].path)
+    dec._decoder.shift = 0.01  # the backend answered with a frame 10 ms away
+    with pytest.raises(VideoDecodeError, match=r"has pts 0.010000s, beyond tolerance"):
+        dec.get_frames([0.0], 1e-4)
