@@ -10,6 +10,7 @@ import pytest
 
 from longboat.core.data.packing import IGNORE_INDEX, PackedDataset
 from longboat.llm.data import IndexedTokenDataset
+from longboat.llm.data.inspect import inspect_dataset
 from longboat.llm.data.prepare import PrepareOptions, prepare_dataset
 from longboat.llm.data.tiny_tokenizer import train_tiny_tokenizer
 from longboat.llm.data.tokenize import load_tokenizer, render_sft
@@ -104,6 +105,9 @@ def test_packed_sft_labels_only_on_assistant_tokens(tok_dir: Path, tmp_path: Pat
         input=_write(tmp_path / "c.jsonl", 9), tokenizer=tok_dir, output=out, format="sft"
     )
     ds = IndexedTokenDataset(prepare_dataset(opts, progress=False, log=lambda m: None).path)
+    n_loss = sum(int(ds.loss_mask(i).sum()) for i in range(len(ds)))
+    assert ds.num_loss_tokens == n_loss
+    assert f"loss tokens  {n_loss:,} " in inspect_dataset(out, samples=1)
     packed = PackedDataset(ds.documents(), 96, pad_id=tok.pad_token_id)
     assert len(packed) < len(ds)
     targets = np.concatenate([r["labels"][r["labels"] != IGNORE_INDEX] for r in packed])

@@ -177,6 +177,13 @@ class IndexedTokenDataset(Sequence[np.ndarray]):
         """Whether the dataset is SFT (carries a per-token loss mask)."""
         return self._mask is not None
 
+    @property
+    def num_loss_tokens(self) -> int:
+        """Tokens the loss trains on (SFT: masked-in tokens; pretraining: all)."""
+        if self._mask is None:
+            return self.num_tokens
+        return int(np.asarray(self._mask, dtype=np.int64).sum())
+
     def loss_mask(self, index: int) -> np.ndarray:
         """Per-token loss mask of document ``index`` (all ones for pretraining data)."""
         if self._mask is None:

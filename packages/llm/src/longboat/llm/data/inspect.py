@@ -44,7 +44,7 @@ def inspect_dataset(
         f"median {int(np.median(lengths))}  max {lengths.max()}",
     ]
     if ds.has_loss_mask:
-        trained = int(np.asarray(ds._mask, dtype=np.int64).sum())
+        trained = ds.num_loss_tokens
         out.append(f"loss tokens  {trained:,} ({100 * trained / max(ds.num_tokens, 1):.1f}%)")
     if m.get("report"):
         out.append("report       " + ", ".join(f"{k}={v}" for k, v in m["report"].items()))

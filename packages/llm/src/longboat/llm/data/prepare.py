@@ -8,6 +8,7 @@ input files, tokenizer and options fingerprint match the manifest is skipped.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -133,6 +134,11 @@ def _validate(opts: PrepareOptions) -> tuple[Any, sources.InputSpec]:
     except Exception as exc:  # transformers raises many kinds for a broken folder
         raise ValueError(f"--tokenizer {tdir} could not be loaded: {exc}") from exc
     if opts.format == "sft":
+        if not getattr(tok, "is_fast", False):
+            raise ValueError(
+                f"--tokenizer {tdir} loads as a slow tokenizer; --format sft needs a fast one "
+                "(tokenizer.json) for the offset mapping that locates assistant tokens"
+            )
         if not getattr(tok, "chat_template", None):
             raise ValueError(
                 f"--tokenizer {tdir} has no chat_template; --format sft renders conversations "
@@ -241,9 +247,9 @@ def prepare_dataset(
                 tk._TOKENIZER = tok
                 results: Iterator[tk.ChunkResult] = map(tk.encode_chunk, jobs)
             else:
-                results = pool.imap(tk.encode_chunk, jobs, chunksize=1)
+                results = _ordered_bounded(pool, jobs, 2 * opts.workers)
             with _progress(total, progress) as advance:
-                for res in results:  # imap keeps input order: the output is deterministic
+                for res in results:  # input order, so the output does not depend on workers
                     writer.add(res.tokens, res.lengths, res.mask)
                     for k, v in res.stats.items():
                         stats[k] = stats.get(k, 0) + v
@@ -279,6 +285,18 @@ def prepare_dataset(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return PrepareResult(output, False, manifest)
+
+
+def _ordered_bounded(pool: Any, jobs: Iterator[Any], depth: int) -> Iterator[tk.ChunkResult]:
+    # Pool.imap would drain the whole input into its task queue (all text in memory);
+    # keeping `depth` chunks in flight bounds memory and still keeps every worker busy.
+    pending: collections.deque[Any] = collections.deque()
+    for job in jobs:
+        pending.append(pool.apply_async(tk.encode_chunk, (job,)))
+        if len(pending) >= depth:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
 
 
 def _pool(workers: int, tok: Any, tokenizer_dir: Path) -> Any:
