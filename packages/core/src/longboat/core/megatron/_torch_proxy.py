@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,10 +43,6 @@ def _is_cuda_device(device: Any) -> bool:
     if isinstance(device, str):
         return device.split(":")[0] == "cuda"
     return isinstance(device, torch.device) and device.type == "cuda"
-
-
-class _NoopCtx(contextlib.nullcontext):
-    pass
 
 
 class _Nvtx:
@@ -175,6 +171,3 @@ class AcceleratorTorch:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
-
-    def __iter__(self) -> Iterator[Any]:  # pragma: no cover - torch is not iterable either
-        raise TypeError("'module' object is not iterable")

@@ -8,7 +8,6 @@ it plus a parallel layout into megatron-core's config.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,11 +67,21 @@ class DecoderArch:
     def validate(self, *, prefix: str = "model") -> None:
         """Raise ``ConfigError`` for inconsistent shapes, naming each key."""
         problems: list[str] = []
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.type in ("int",) and isinstance(value, int) and value < 0:
-                problems.append(f"{prefix}.{f.name}={value}: must be >= 0")
-        if self.num_attention_heads % max(self.num_query_groups, 1) != 0:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_attention_heads",
+            "num_query_groups",
+            "head_dim",
+            "ffn_hidden_size",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                problems.append(f"{prefix}.{name}={value!r}: must be a positive integer")
+        if problems:
+            raise ConfigError("; ".join(problems))
+        if self.num_attention_heads % self.num_query_groups != 0:
             problems.append(
                 f"{prefix}.num_query_groups={self.num_query_groups}: must divide "
                 f"num_attention_heads={self.num_attention_heads}"
