@@ -87,6 +87,12 @@ def test_round_trip_and_modality_groups(root):
     sample = {"action": a[:4], "task": "x"}
     assert torch.equal(norm(sample)["action"], y[:4]) and norm(sample)["task"] == "x"
     torch.testing.assert_close(norm.inverse(norm(sample))["action"], a[:4], atol=1e-5, rtol=0)
+    # Serialised parameters (shipped with an exported policy) give the same maps.
+    import json
+
+    again = Normalizer.from_dict(json.loads(json.dumps(norm.to_dict())))
+    assert torch.equal(again.normalize("action", a), y)
+    assert torch.equal(again.unnormalize("action", y), back)
 
 
 def test_normalization_errors_name_the_key(root):

@@ -104,6 +104,32 @@ class Normalizer:
         lo, hi = (get("min"), get("max")) if mode == "min_max" else (get("q01"), get("q99"))
         return (lo + hi) / 2, (hi - lo) / 2
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able parameters (ship them with an exported policy to unnormalise actions)."""
+        return {
+            "clip": self.clip,
+            "keys": {
+                k: {
+                    "offset": self.offset[k].tolist(),
+                    "scale": self.scale[k].tolist(),
+                    "clip_mask": self.clip_mask[k].tolist(),
+                }
+                for k in self.offset
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Normalizer:
+        """Rebuild a normaliser from :meth:`to_dict` output (no stats needed)."""
+        obj = cls.__new__(cls)
+        obj.clip = bool(data["clip"])
+        obj.offset, obj.scale, obj.clip_mask = {}, {}, {}
+        for k, v in data["keys"].items():
+            obj.offset[k] = torch.tensor(v["offset"], dtype=torch.float64)
+            obj.scale[k] = torch.tensor(v["scale"], dtype=torch.float64)
+            obj.clip_mask[k] = torch.tensor(v["clip_mask"], dtype=torch.bool)
+        return obj
+
     @property
     def keys(self) -> list[str]:
         """Feature keys this normaliser touches."""
