@@ -244,3 +244,14 @@ def test_cli_prepare_and_inspect(tok_dir: Path, tmp_path: Path, capsys) -> None:
     bad = ["prepare", "--input", str(inp), "--tokenizer", str(tmp_path / "x"), "--output", "o"]
     assert data_main(bad) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_null_and_empty_texts_are_skipped_and_counted(tok_dir: Path, tmp_path: Path) -> None:
+    pq.write_table(
+        pa.table({"text": ["a quick fox", None, "", "a lazy dog"]}), tmp_path / "n.parquet"
+    )
+    res, _ = _prepare(tmp_path / "n.parquet", tok_dir, tmp_path / "out")
+    assert res.manifest["report"] == {"records": 4, "docs": 2, "skipped_empty": 2}
+    assert len(IndexedTokenDataset(res.path)) == 2
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        IndexedTokenDataset(tmp_path / "nowhere")

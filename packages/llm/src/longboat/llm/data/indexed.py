@@ -46,6 +46,10 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def read_manifest(path: str | Path) -> dict[str, Any]:
     """The manifest of dataset dir ``path``; :class:`IncompleteDatasetError` when absent/corrupt."""
     file = Path(path) / MANIFEST
+    if not Path(path).is_dir():
+        raise FileNotFoundError(
+            f"dataset dir {path} does not exist; run `longboat-llm data prepare`"
+        )
     if not file.is_file():
         raise IncompleteDatasetError(
             f"{path} is not a finished dataset: no {MANIFEST} (an interrupted or foreign "
@@ -77,6 +81,11 @@ class IndexedDatasetWriter:
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None) -> None:
         """Append a chunk: concatenated ``tokens`` of documents with ``lengths``."""
+        if len(tokens) and int(np.max(tokens)) > np.iinfo(self.dtype).max:
+            raise ValueError(
+                f"token id {int(np.max(tokens))} does not fit {self.dtype.name}: the tokenizer "
+                "produced an id beyond its reported vocabulary size"
+            )
         self._tokens.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
         if self._mask is not None:
             if mask is None or len(mask) != len(tokens):

@@ -56,6 +56,9 @@ def encode_pretrain(
     docs: list[np.ndarray] = []
     empty = 0
     for i, text in enumerate(texts):
+        if text is None:  # a null cell (Parquet/Arrow): nothing to train on
+            empty += 1
+            continue
         if not isinstance(text, str):
             raise ValueError(
                 f"record {first_index + i}: text is {type(text).__name__}, not a string; "
