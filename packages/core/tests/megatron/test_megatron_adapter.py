@@ -132,3 +132,42 @@ def test_rng_tracker_and_grad_clipping_on_cpu() -> None:
     assert out["tracked_matches"] == 1.0
     assert out["norm"] == pytest.approx(6.0, rel=1e-6)  # ||[3, 3, 3, 3]||
     assert out["clipped_norm"] == pytest.approx(1.0, rel=1e-5)
+
+
+class _MetaAccelerator:
+    """A stand-in plugin accelerator: device type 'xpu', tensors on torch's meta device."""
+
+    name = "fake-xpu"
+    device_type = "xpu"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    def device(self, index: int | None = None) -> torch.device:
+        return torch.device("meta")
+
+    def get_rng_state(self) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        torch.set_rng_state(state)
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+
+def test_general_adapter_routes_to_any_accelerator() -> None:
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    from longboat.core.megatron.adapters import AcceleratorMegatronAdapter
+
+    init = moptimizer.Float16OptimizerWithFloat16Params.__init__
+    with AcceleratorMegatronAdapter(_MetaAccelerator()):
+        t = mutils.GlobalMemoryBuffer().get_tensor((4,), torch.float32, "y")
+        assert t.device.type == "meta"
+        assert mutils.torch.cuda.current_device() == torch.device("meta")
+        assert "torch.xpu.FloatTensor" in init.__code__.co_consts
+    assert "torch.cuda.FloatTensor" in init.__code__.co_consts
+    with pytest.raises(ValueError, match="CPUMegatronAdapter got a 'xpu' accelerator"):
+        CPUMegatronAdapter(_MetaAccelerator())
