@@ -63,10 +63,17 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _train(rank: int, world: int, strategy: str, replicate: int = 1, ac: str = "full") -> dict:
+def _train(
+    rank: int,
+    world: int,
+    strategy: str,
+    replicate: int = 1,
+    ac: str = "full",
+    precision: str = "fp32",
+) -> dict:
     torch.manual_seed(0)
     setup = ParallelSetup(strategy=strategy, world_size=world, rank=rank, replicate=replicate)
-    model = parallelize(StandInPolicy(), setup, activation_checkpointing=ac)
+    model = parallelize(StandInPolicy(), setup, activation_checkpointing=ac, precision=precision)
     optimizer = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1), setup)
     state, action = _data()
     accum = GLOBAL_BATCH // world
@@ -85,6 +92,7 @@ def _train(rank: int, world: int, strategy: str, replicate: int = 1, ac: str = "
             seed=7,
             rank_offset=rank * accum,
             device_type="cpu",
+            precision=precision,
             grad_clip=GRAD_CLIP,
         )
         losses.append(result.loss)
@@ -99,6 +107,7 @@ def _all_strategies(rank: int, world: int, hsdp_replicate: int) -> dict[str, dic
         "zero1": _train(rank, world, "zero1"),
         "fsdp": _train(rank, world, "fsdp"),
         "hsdp": _train(rank, world, "hsdp", replicate=hsdp_replicate),
+        "fsdp_bf16": _train(rank, world, "fsdp", precision="bf16"),
     }
 
 
@@ -143,3 +152,17 @@ def test_hsdp_2x2_world4_matches_world1(reference: dict) -> None:
     results = run_multiprocess(_train, 4, "hsdp", 2, timeout=120)
     for rank_result in results:
         _assert_close(rank_result, reference)
+
+
+@pytest.mark.multiprocess
+def test_fsdp_bf16_mixed_precision_tracks_bf16_autocast(world2: list[dict]) -> None:
+    # World 1: bf16 autocast; world 2: FSDP2 bf16 params + fp32 reduction (and autocast).
+    # Rounding differs (bf16 norm weights, reduction order), so only 2e-2 relative.
+    reference = _train(0, 1, "ddp", ac="none", precision="bf16")
+    for rank_result in world2:
+        torch.testing.assert_close(
+            torch.tensor(rank_result["fsdp_bf16"]["loss"]),
+            torch.tensor(reference["loss"]),
+            rtol=2e-2,
+            atol=0.0,
+        )

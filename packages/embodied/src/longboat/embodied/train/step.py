@@ -32,12 +32,17 @@ def micro_batch_seed(seed: int, step: int, micro_index: int) -> int:
 
 
 @contextlib.contextmanager
-def seeded_rng(seed: int, device_type: str) -> Iterator[None]:
-    """Fork the CPU and device RNGs, seed them, and restore them on exit."""
-    # devices=[] forks only the CPU generator; otherwise every device of the type.
-    kwargs: dict[str, Any] = (
-        {"devices": []} if device_type == "cpu" else {"device_type": device_type}
-    )
+def seeded_rng(seed: int, device_type: str, device_index: int | None = None) -> Iterator[None]:
+    """Fork the CPU and device RNGs, seed them, and restore them on exit.
+
+    Only this process's device is forked when ``device_index`` is given (forking every
+    visible GPU's generator on each micro-batch would cost a sync per device)."""
+    # devices=[] forks only the CPU generator.
+    kwargs: dict[str, Any] = {"devices": []}
+    if device_type != "cpu":
+        kwargs = {"device_type": device_type}
+        if device_index is not None:
+            kwargs["devices"] = [device_index]
     with torch.random.fork_rng(**kwargs):
         torch.manual_seed(seed)
         yield
@@ -81,6 +86,7 @@ def train_step(
     seed: int,
     rank_offset: int,
     device_type: str,
+    device_index: int | None = None,
     precision: str = "fp32",
     grad_clip: float = 0.0,
     should_step: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
@@ -89,7 +95,8 @@ def train_step(
     """Forward/backward ``micro_batches`` (this rank's share), then one optimizer step.
 
     ``rank_offset`` is the global index of this rank's first micro-batch
-    (``dp_rank * accum``). ``model(batch)`` must return a dict with a scalar
+    (``dp_rank * accum``); ``device_index`` is this process's device (None on CPU).
+    ``model(batch)`` must return a dict with a scalar
     ``loss``; other scalar entries are averaged and reported. ``should_step``
     (the NaN guard) sees the global loss and grad norm and may veto the update.
     """
@@ -108,7 +115,7 @@ def train_step(
         )
         with (
             _no_sync(model, last),
-            seeded_rng(micro_batch_seed(seed, step, rank_offset + i), device_type),
+            seeded_rng(micro_batch_seed(seed, step, rank_offset + i), device_type, device_index),
         ):
             with autocast:
                 out = model(batch)

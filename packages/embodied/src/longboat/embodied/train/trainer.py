@@ -224,6 +224,7 @@ def train(cfg: Any) -> TrainResult:
                 seed=cfg.train.seed,
                 rank_offset=dp_rank * layout.accum,
                 device_type=accelerator.device_type,
+                device_index=device.index,
                 precision=cfg.train.precision,
                 grad_clip=cfg.optim.grad_clip,
                 should_step=nan_guard.check,
