@@ -1,0 +1,553 @@
+"""VLA training throughput: the reference GR00T-N1.6 loop vs longboat-embodied, one run.
+
+    python tools/bench/vla_throughput.py --out results.json [--model groot_n1_6] [--batch 32]
+        [--steps 20] [--warmup 5] [--workers 8] [--tiny] [--results-dir benchmarks/results]
+
+Both loops train the same model shapes (``longboat.embodied`` config ``full`` or ``tiny``)
+on the same synthetic LeRobot v2.1 dataset (written with the data engineer's
+``write_synthetic_dataset``: several embodiments, many episodes, 2 cameras at 256x256 for
+``full``), from random init, bf16, same batch size and loader worker count:
+
+- ``reference``: ``tools/bench/baselines/groot_n1_6_reference.py`` (transformers modules,
+  whole-episode decode + PIL + processor in DataLoader workers, eager, HF-Trainer step).
+- ``longboat``: the embodied trainer's pieces (``open_dataset`` + ``PolicyCollator`` +
+  ``RankMicroBatches``, ``build_model`` + ``apply_freezing`` + ``parallelize`` +
+  ``build_optimizer`` + ``train_step``): frame-accurate decode of needed frames only,
+  image preprocessing on the device, truncated LM without head, frozen parts bf16, kernels
+  through ``longboat.kernels``; the loader additionally pins memory.
+- ``longboat_compiled`` (``--compile``, default on accelerators): the same with every
+  ``parallel_blocks()`` block ``torch.compile``d.
+
+Per run: samples/s over the timed window (data loading included), median step time split
+into data wait (blocked on the loader) and compute (host->device copy + fwd/bwd/step, up to
+a device synchronize), peak device memory (accelerator API), MFU from an analytic FLOP count
+of the useful work (the reference's discarded LM head not counted) against 989 TFLOP/s.
+Writes ``<results-dir>/vla_throughput_<date>.{json,md,png}`` and ``--out``; prints the table
+last. ``--tiny`` runs the tiny flavour (CPU smoke).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+for sub in ("packages/core/src", "packages/kernels/src", "packages/embodied/src"):
+    if str(REPO / sub) not in sys.path:
+        sys.path.insert(0, str(REPO / sub))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "baselines"))
+
+import groot_n1_6_reference as ref  # noqa: E402
+import groot_n1_6_reference_data as ref_data  # noqa: E402
+
+from longboat.core.device import get_accelerator  # noqa: E402
+
+PEAK_BF16_FLOPS = 989e12
+DATE = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
+
+
+# ----------------------------------------------------------------------------- dataset
+
+
+def _write_one_embodiment(job: tuple[str, int, int, int, int, int, int, tuple[int, int]]) -> str:
+    """Worker: write one embodiment's v2.1 dataset, then stamp its embodiment id."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import longboat.embodied.data.synthetic as syn
+    from longboat.embodied.data.stats import image_stats
+
+    root, emb, episodes, lo, hi, sdim, adim, hw = job
+    # Image stats (quantiles over every pixel) cost more than the encode and neither loop
+    # reads them: compute them on a subsample.
+    syn.image_stats = lambda frames: image_stats(frames[::10, ::8, ::8])
+    spec = syn.EmbodimentSpec(name=f"robot{emb}", state_dim=sdim, action_dim=adim)
+    syn.write_synthetic_dataset(
+        root,
+        layout="v2.1",
+        num_episodes=episodes,
+        episode_length=(lo, hi),
+        image_size=hw,
+        embodiments=(spec,),
+        seed=emb,
+    )
+    for path in sorted(Path(root, "data").rglob("*.parquet")):
+        table = pq.read_table(path)
+        col = table.schema.get_field_index("embodiment_id")
+        ids = pa.array([emb] * table.num_rows, type=pa.int64())
+        pq.write_table(table.set_column(col, "embodiment_id", ids), path)
+    return root
+
+
+def make_dataset(
+    root: Path,
+    *,
+    embodiments: int,
+    episodes: int,
+    length: tuple[int, int],
+    hw: tuple[int, int],
+    max_state: int,
+    max_action: int,
+) -> list[Path]:
+    """Write (once) ``embodiments`` LeRobot v2.1 datasets under ``root``, in parallel."""
+    roots = [root / f"robot{e}" for e in range(embodiments)]
+    done = root / ".complete"
+    if done.exists():
+        return roots
+    jobs = [
+        (
+            str(r),
+            e,
+            episodes,
+            length[0],
+            length[1],
+            min(max_state, 6 + 2 * e),
+            min(max_action, 5 + 2 * e),
+            hw,
+        )
+        for e, r in enumerate(roots)
+    ]
+    with ProcessPoolExecutor(max_workers=min(embodiments, os.cpu_count() or 1)) as pool:
+        list(pool.map(_write_one_embodiment, jobs))
+    done.write_text("ok\n")
+    return roots
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def flops_per_sample(cfg: Any, n_cams: int, image_hw: tuple[int, int], text_len: int) -> float:
+    """Useful training FLOPs of one GR00T N1.6 sample (matmuls + attention; fwd, and bwd
+    where gradients flow: the top LM layers and the action head)."""
+    v, lm, dit = cfg.vision, cfg.llm, cfg.dit
+    oh, ow = cfg.image.output_size(*image_hw)
+    t_img = (oh // v.patch_size) * (ow // v.patch_size)
+    d = v.hidden_size
+    vit_layer = 2 * t_img * (4 * d * d + 2 * d * v.intermediate_size) + 4 * t_img * t_img * d
+    vit = n_cams * v.num_layers * vit_layer
+    t_tok = t_img // cfg.pixel_unshuffle**2
+    proj = n_cams * 2 * t_tok * (4 * d * lm.hidden_size + lm.hidden_size**2)
+    seq = n_cams * t_tok + text_len
+    h = lm.hidden_size
+    attn_w = h * lm.num_heads * lm.head_dim * 2 + h * lm.num_kv_heads * lm.head_dim * 2
+    lm_layer = (
+        2 * seq * (attn_w + 3 * h * lm.intermediate_size)
+        + 4 * seq * seq * lm.num_heads * lm.head_dim
+    )
+    lm_fwd = cfg.select_layer * lm_layer
+    lm_bwd = 2 * cfg.tune_top_llm_layers * lm_layer
+    inner, t = dit.inner_dim, cfg.action_horizon + 1
+    dit_fwd = 0.0
+    for i in range(dit.num_layers):
+        ctx = seq if i % 2 == 0 else t
+        kv_in = dit.cross_attention_dim if i % 2 == 0 else inner
+        dit_fwd += 2 * t * 2 * inner * inner + 2 * ctx * 2 * kv_in * inner
+        dit_fwd += 4 * t * ctx * inner + 2 * t * 2 * inner * dit.ff_mult * inner
+    a = cfg.max_action_dim
+    enc = 2 * cfg.action_horizon * (a * inner + 2 * inner * inner + inner * inner)
+    dec = 2 * t * (dit.output_dim * cfg.action_decoder_hidden + cfg.action_decoder_hidden * a)
+    head = 3 * (dit_fwd + enc + dec)
+    return float(vit + proj + lm_fwd + lm_bwd + head)
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+class Timer:
+    """Collects per-step (data wait, compute) and the window's wall time."""
+
+    def __init__(self, acc: Any) -> None:
+        self.acc = acc
+        self.data: list[float] = []
+        self.compute: list[float] = []
+        self.losses: list[float] = []
+
+    def summary(self, batch: int, warmup: int, flops: float, wall: float) -> dict[str, Any]:
+        d, c = self.data[warmup:], self.compute[warmup:]
+        steps = [a + b for a, b in zip(d, c)]
+        sps = batch * len(steps) / wall
+        med = statistics.median(steps)
+        return {
+            "samples_per_s": sps,
+            "median_step_s": med,
+            "median_samples_per_s": batch / med,
+            "data_wait_s": statistics.median(d),
+            "compute_s": statistics.median(c),
+            "data_wait_fraction": sum(d) / max(sum(steps), 1e-12),
+            "mfu": sps * flops / PEAK_BF16_FLOPS,
+            "timed_steps": len(steps),
+            "warmup_steps": warmup,
+            "losses": self.losses,
+        }
+
+
+def _loop(
+    acc: Any, it: Any, step_fn: Any, to_dev: Any, steps: int, warmup: int, deadline: float
+) -> tuple[Timer, float]:
+    timer = Timer(acc)
+    wall_start = None
+    for i in range(warmup + steps):
+        if i == warmup:
+            acc.synchronize()
+            wall_start = time.perf_counter()
+        t0 = time.perf_counter()
+        batch = next(it)
+        t1 = time.perf_counter()
+        loss = step_fn(to_dev(batch), i)
+        acc.synchronize()
+        t2 = time.perf_counter()
+        timer.data.append(t1 - t0)
+        timer.compute.append(t2 - t1)
+        timer.losses.append(loss)
+        if not (loss == loss):  # NaN
+            raise FloatingPointError(f"non-finite loss {loss} at step {i}")
+        if time.perf_counter() > deadline and i >= warmup + 2:
+            print(f"  time budget reached after {i + 1 - warmup} timed steps", flush=True)
+            break
+    wall = time.perf_counter() - (wall_start or time.perf_counter())
+    return timer, wall
+
+
+def _free(acc: Any) -> None:
+    gc.collect()
+    acc.empty_cache()
+    acc.reset_peak_memory_stats()
+
+
+def run_reference(
+    acc: Any, cfg: Any, roots: list[Path], args: argparse.Namespace, deadline: float
+) -> tuple[Timer, float, dict[str, int]]:
+    """The reference loop; returns its timer, timed wall time and parameter counts."""
+    device = acc.device()
+    shapes = ref.RefShapes.from_groot_config(cfg)
+    torch.manual_seed(args.seed)
+    model = ref.build_reference(shapes, device)
+    counts = {"trainable": 0, "frozen": 0}
+    for p in model.parameters():
+        counts["trainable" if p.requires_grad else "frozen"] += p.numel()
+    opt = ref.build_optimizer(model, acc.device_type)
+    dataset = ref_data.ReferenceLeRobotDataset(roots, shapes)
+    loader = ref_data.build_loader(dataset, args.batch, args.workers, seed=args.seed)
+    it = iter(loader)
+    try:
+        timer, wall = _loop(
+            acc,
+            it,
+            lambda b, i: ref.train_step(model, opt, b, acc.device_type, bf16=True),
+            lambda b: ref.to_device(b, device),
+            args.steps,
+            args.warmup,
+            deadline,
+        )
+    finally:
+        del it, loader
+    del model, opt
+    return timer, wall, counts
+
+
+def run_longboat(
+    acc: Any, cfg: Any, root: Path, args: argparse.Namespace, deadline: float, compile_blocks: bool
+) -> tuple[Timer, float, dict[str, int]]:
+    """The longboat-embodied trainer's model and input pipeline."""
+    from torch.utils.data import DataLoader
+
+    from longboat.core.config.schema import OptimConfig
+    from longboat.embodied.config import LeRobotDataConfig
+    from longboat.embodied.models import apply_freezing, build_model
+    from longboat.embodied.parallel import ParallelSetup, build_optimizer, parallelize
+    from longboat.embodied.train.datasets import open_dataset
+    from longboat.embodied.train.loader import RankMicroBatches
+    from longboat.embodied.train.plan import BatchLayout, GlobalBatchPlan
+    from longboat.embodied.train.policy_batch import PolicyCollator, batch_spec, to_device
+    from longboat.embodied.train.step import train_step
+
+    device = acc.device()
+    data_cfg = LeRobotDataConfig(path=str(root), video_backend="pyav")
+    dataset, cams, hw = open_dataset(data_cfg, root, cfg.action_horizon)
+    collate = PolicyCollator(batch_spec("groot_n1_6", cfg, len(cams), hw), cams)
+    plan = GlobalBatchPlan(
+        len(dataset), BatchLayout(args.batch, args.batch, 1), seed=args.seed, shuffle=True
+    )
+    micro = RankMicroBatches(dataset, plan, collate, dp_rank=0, seed=args.seed)
+    total = args.warmup + args.steps
+    loader = DataLoader(
+        micro,
+        batch_size=None,
+        sampler=range(total),
+        num_workers=args.workers,
+        pin_memory=acc.device_type != "cpu",
+        prefetch_factor=2 if args.workers > 0 else None,
+    )
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = build_model("groot_n1_6", cfg)
+    counts = apply_freezing(model, cfg)
+    model.train()
+    setup = ParallelSetup(strategy="ddp", world_size=1, rank=0, device_type=acc.device_type)
+    model = parallelize(model, setup, precision="bf16")
+    optim = OptimConfig(lr=1e-4, weight_decay=1e-5, betas=[0.9, 0.999], grad_clip=1.0)
+    opt = build_optimizer(model, optim, setup)
+    if compile_blocks:
+        for block in model.parallel_blocks():
+            block.compile()
+
+    def step(batch: dict, i: int) -> float:
+        out = train_step(
+            model,
+            opt,
+            [batch],
+            step=i,
+            seed=args.seed,
+            rank_offset=0,
+            device_type=acc.device_type,
+            precision="bf16",
+            grad_clip=1.0,
+        )
+        return out.loss
+
+    it = iter(loader)
+    try:
+        timer, wall = _loop(
+            acc, it, step, lambda b: to_device(b, device), args.steps, args.warmup, deadline
+        )
+    finally:
+        del it, loader
+    del model, opt
+    return timer, wall, counts
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def gpu_name() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else "cpu"
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        return "cpu"
+
+
+def versions() -> dict[str, str]:
+    import platform
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "av", "triton"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:
+            pass
+    return out
+
+
+def commit() -> str:
+    try:
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+            ).stdout.strip()
+            or "unknown"
+        )
+    except OSError:
+        return "unknown"
+
+
+def table(result: dict[str, Any]) -> str:
+    runs = result["runs"]
+    base = next((r for r in runs if r["name"] == "reference" and "samples_per_s" in r), None)
+    lines = [
+        "| run | samples/s | vs reference | median step (s) | data wait (s) | compute (s) "
+        "| data-wait share | MFU | peak mem (GB) | final loss |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        if "samples_per_s" not in r:
+            lines.append(f"| {r['name']} | failed: {r.get('error', '?')[:80]} | | | | | | | | |")
+            continue
+        ratio = f"{r['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "-"
+        lines.append(
+            f"| {r['name']} | {r['samples_per_s']:.1f} | {ratio} | {r['median_step_s']:.3f} | "
+            f"{r['data_wait_s']:.3f} | {r['compute_s']:.3f} | {r['data_wait_fraction']:.0%} | "
+            f"{r['mfu']:.1%} | {r['peak_mem_gb']:.1f} | {r['losses'][-1]:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    runs = [r for r in result["runs"] if "samples_per_s" in r]
+    if not runs:
+        return
+    names = [r["name"] for r in runs]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    a1.bar(names, [r["samples_per_s"] for r in runs], color="tab:blue")
+    a1.set_ylabel("samples/s (end to end)")
+    a1.set_title(f"GR00T-N1.6 {result['config']['flavor']}, batch {result['config']['batch']}")
+    data = [r["data_wait_s"] for r in runs]
+    comp = [r["compute_s"] for r in runs]
+    a2.bar(names, comp, label="compute", color="tab:green")
+    a2.bar(names, data, bottom=comp, label="data wait", color="tab:orange")
+    a2.set_ylabel("median step time split (s)")
+    a2.legend()
+    fig.suptitle(f"vla_throughput {result['date']} {result['gpu']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", default="groot_n1_6", choices=["groot_n1_6"])
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--workers", type=int, default=8, help="DataLoader workers (both loops)")
+    p.add_argument("--tiny", action="store_true", help="tiny flavour (CPU smoke)")
+    p.add_argument(
+        "--runs", default=None, help="comma list of reference,longboat,longboat_compiled"
+    )
+    p.add_argument("--data-dir", type=Path, default=None)
+    p.add_argument("--embodiments", type=int, default=4)
+    p.add_argument("--episodes", type=int, default=12, help="episodes per embodiment")
+    p.add_argument("--episode-length", type=int, nargs=2, default=[80, 120])
+    p.add_argument("--results-dir", type=Path, default=REPO / "benchmarks/results")
+    p.add_argument("--time-budget", type=float, default=1e9, help="seconds for the whole run")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    t_start = time.perf_counter()
+
+    from longboat.embodied.models import get_config
+
+    acc = get_accelerator()
+    on_gpu = acc.device_type != "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    flavor = "tiny" if args.tiny else "full"
+    cfg = get_config(args.model, flavor)
+    hw = (56, 84) if args.tiny else (256, 256)
+    runs = (
+        args.runs or ("reference,longboat,longboat_compiled" if on_gpu else "reference,longboat")
+    ).split(",")
+
+    data_dir = args.data_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"vla_bench_{flavor}"
+    t0 = time.perf_counter()
+    roots = make_dataset(
+        data_dir,
+        embodiments=args.embodiments,
+        episodes=args.episodes,
+        length=tuple(args.episode_length),
+        hw=hw,
+        max_state=cfg.max_state_dim,
+        max_action=cfg.max_action_dim,
+    )
+    print(f"dataset: {data_dir} ({time.perf_counter() - t0:.1f}s)", flush=True)
+    n_cams = 2
+    flops = flops_per_sample(cfg, n_cams, hw, text_len=24)
+    result: dict[str, Any] = {
+        "benchmark": "vla_throughput",
+        "date": DATE,
+        "gpu": gpu_name() if on_gpu else "cpu",
+        "versions": versions(),
+        "commit": commit(),
+        "config": {
+            "model": args.model,
+            "flavor": flavor,
+            "batch": args.batch,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "workers": args.workers,
+            "precision": "bf16",
+            "image_hw": list(hw),
+            "cameras": n_cams,
+            "embodiments": args.embodiments,
+            "episodes_per_embodiment": args.episodes,
+            "episode_length": args.episode_length,
+            "layout": "v2.1",
+            "flops_per_sample": flops,
+            "peak_flops": PEAK_BF16_FLOPS,
+        },
+        "runs": [],
+    }
+    deadline_all = t_start + args.time_budget
+    for name in runs:
+        remaining = deadline_all - time.perf_counter()
+        if remaining < 30:
+            result["runs"].append(
+                {"name": name, "model": args.model, "error": "skipped: time budget"}
+            )
+            continue
+        print(f"run {name} ...", flush=True)
+        _free(acc)
+        entry: dict[str, Any] = {"name": name, "model": args.model}
+        try:
+            # Leave each later run a share of the budget.
+            deadline = time.perf_counter() + remaining * (0.45 if name == "reference" else 0.8)
+            if name == "reference":
+                timer, wall, counts = run_reference(acc, cfg, roots, args, deadline)
+            else:
+                timer, wall, counts = run_longboat(
+                    acc, cfg, data_dir, args, deadline, compile_blocks=name == "longboat_compiled"
+                )
+            entry.update(timer.summary(args.batch, args.warmup, flops, wall))
+            entry["peak_mem_gb"] = acc.memory_stats()["peak_allocated_gb"]
+            entry["params"] = counts
+            entry["warmup_s"] = sum(timer.data[: args.warmup]) + sum(timer.compute[: args.warmup])
+        except Exception as exc:
+            traceback.print_exc()
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        result["runs"].append(entry)
+        print(f"  {json.dumps({k: v for k, v in entry.items() if k != 'losses'})}", flush=True)
+        _write(result, args)
+    _write(result, args)
+    print(
+        f"\nvla_throughput {result['date']} {result['gpu']} torch {torch.__version__} "
+        f"commit {result['commit']} ({flavor}, batch {args.batch}, {args.workers} workers)"
+    )
+    print(table(result))
+    ok = all("samples_per_s" in r for r in result["runs"])
+    return 0 if ok else 1
+
+
+def _write(result: dict[str, Any], args: argparse.Namespace) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.results_dir / f"vla_throughput_{result['date']}"
+    if args.tiny:
+        stem = stem.with_name(stem.name + "_tiny")
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    header = (
+        f"# vla_throughput {result['date']}\n\n{result['gpu']}, "
+        f"{', '.join(f'{k} {v}' for k, v in result['versions'].items())}, commit "
+        f"{result['commit']}\n\nconfig: {json.dumps(result['config'])}\n\n"
+    )
+    stem.with_suffix(".md").write_text(header + table(result) + "\n")
+    plot(result, stem.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
