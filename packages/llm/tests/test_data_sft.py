@@ -118,3 +118,19 @@ def test_packed_sft_labels_only_on_assistant_tokens(tok_dir: Path, tmp_path: Pat
     assert sorted(tok.decode(targets.tolist()).split(EOT)) == sorted(
         "".join(_assistant_text(_conversation(i)) for i in range(9)).split(EOT)
     )
+
+
+def test_sft_from_parquet_matches_jsonl(tok_dir: Path, tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    convs = [_conversation(i) for i in range(5)]
+    pq.write_table(pa.table({"messages": convs}), tmp_path / "c.parquet")
+    built = []
+    for name, inp in (("pq", tmp_path / "c.parquet"), ("js", _write(tmp_path / "c.jsonl", 5))):
+        opts = PrepareOptions(input=inp, tokenizer=tok_dir, output=tmp_path / name, format="sft")
+        built.append(IndexedTokenDataset(prepare_dataset(opts, progress=False, log=print).path))
+    a, b = built
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.offsets, b.offsets)
+    np.testing.assert_array_equal(a.loss_mask(3), b.loss_mask(3))
