@@ -197,3 +197,28 @@ def test_torchcodec_adapter_with_stand_in(root, monkeypatch):
     dec._decoder.shift = 0.01  # the backend answered with a frame 10 ms away
     with pytest.raises(VideoDecodeError, match=r"has pts 0.010000s, beyond tolerance"):
         dec.get_frames([0.0], 1e-4)
+
+
+def test_seek_that_lands_past_the_target_falls_back(root):
+    """A demuxer that seeks past the wanted time must not yield a wrong frame."""
+    counter = [0]
+
+    class _OvershootingContainer(_CountingContainer):
+        def seek(self, offset, **kwargs):
+            if offset > 0:  # land one second late, on any frame
+                kwargs["any_frame"] = True
+                offset += int(1 / self._c.streams.video[0].time_base)
+            return self._c.seek(offset, **kwargs)
+
+    def factory(path):
+        dec = PyAVDecoder(path)
+        dec._container = _OvershootingContainer(dec._container, counter)
+        return dec
+
+    good = LeRobotDataset(root, image_dtype="uint8")
+    bad = LeRobotDataset(root, image_dtype="uint8", video_backend=factory)
+    key = "observation.images.front"
+    for pos in (3, 12, len(good) - 5):
+        import torch
+
+        assert torch.equal(bad[pos][key], good[pos][key])

@@ -70,9 +70,21 @@ class PyAVDecoder:
         """Seek before wanted[0], decode forward to wanted[-1]; return {frame_ts: rgb HWC}."""
         # Seek to the last keyframe at or before the first wanted frame (which may sit up to
         # tolerance_s after its nominal timestamp).
-        target_pts = int((wanted[0] + tolerance_s) / self._time_base)
-        self._container.seek(max(target_pts, 0), stream=self._stream, backward=True)
+        target_pts = max(int((wanted[0] + tolerance_s) / self._time_base), 0)
+        found = self._decode_from(target_pts, wanted, tolerance_s)
+        if found is None:
+            # The demuxer landed after the target (inexact index, odd container): decode from
+            # the start of the stream instead of returning a wrong or missing frame.
+            found = self._decode_from(0, wanted, tolerance_s) or {}
+        return found
+
+    def _decode_from(
+        self, seek_pts: int, wanted: list[float], tolerance_s: float
+    ) -> dict[float, np.ndarray] | None:
+        """Decode forward from a seek to ``seek_pts``; None if the seek overshot wanted[0]."""
+        self._container.seek(seek_pts, stream=self._stream, backward=True)
         found: dict[float, np.ndarray] = {}
+        first = True
         # Stop at the frame matching the last wanted timestamp (or the first one past it).
         last = wanted[-1] - tolerance_s
         for frame in self._container.decode(self._stream):
@@ -80,11 +92,16 @@ class PyAVDecoder:
             if frame.pts is None:
                 continue
             ts = float(frame.pts * self._time_base)
+            if first and ts > wanted[0] + tolerance_s and seek_pts > 0:
+                return None
+            first = False
             if any(abs(ts - w) <= tolerance_s for w in wanted):
                 rgb = self._reformatter.reformat(frame, format="rgb24", threads=1)
                 found[ts] = rgb.to_ndarray()
             if ts >= last:
                 break
+        if first and seek_pts > 0:
+            return None  # nothing after the seek point: it overshot the end of the stream
         return found
 
     def get_frames(self, timestamps: Sequence[float], tolerance_s: float) -> torch.Tensor:
