@@ -200,3 +200,34 @@ def test_mixed_embodiments_pad_collate(tmp_path):
     assert batch["action_is_pad"].shape == (2, 2) and len(batch["task"]) == 2
     with pytest.raises(ValueError, match="raise max_state_dim"):
         pad_collate([ds[0]], max_state_dim=4, max_action_dim=8)
+
+
+def test_sharded_sampler_resume_per_rank():
+    for rank in range(2):
+        ref = EpisodeAwareSampler(RANGES, seed=9, rank=rank, world_size=2, drop_n_last_frames=1)
+        full = list(ref) + list(ref)
+        a = EpisodeAwareSampler(RANGES, seed=9, rank=rank, world_size=2, drop_n_last_frames=1)
+        it = iter(a)
+        head = _take(it, 11)
+        b = EpisodeAwareSampler(RANGES, seed=9, rank=rank, world_size=2, drop_n_last_frames=1)
+        b.load_state_dict(a.state_dict())
+        assert head + list(b) + list(b) == full
+
+
+def test_make_lerobot_dataset_cli(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[3] / "tools" / "make_lerobot_dataset.py"
+    spec = importlib.util.spec_from_file_location("make_lerobot_dataset", tool)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    argv = [str(tmp_path), "--layout", "v2.1", "--episodes", "2", "--length", "4", "6"]
+    argv += ["--cameras", "top", "--embodiment", "a:3:2", "--embodiment", "b:4:4"]
+    assert mod.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and "LeRobot v2.1, 2 episodes" in out[0]
+    ds = LeRobotDataset(tmp_path / "b", image_dtype="uint8")
+    assert ds[0]["observation.state"].shape == (4,) and ds.camera_keys == ["observation.images.top"]
+    with pytest.raises(SystemExit):
+        mod.main([str(tmp_path / "x"), "--embodiment", "bad"])
