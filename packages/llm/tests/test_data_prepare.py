@@ -17,9 +17,9 @@ import pytest
 
 from longboat.llm.data import IncompleteDatasetError, IndexedTokenDataset
 from longboat.llm.data.cli import data_main
+from longboat.llm.data.encoding import load_tokenizer
 from longboat.llm.data.prepare import PrepareOptions, prepare_dataset
 from longboat.llm.data.tiny_tokenizer import train_tiny_tokenizer
-from longboat.llm.data.tokenize import load_tokenizer
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly bears"
 

@@ -10,10 +10,10 @@ import pytest
 
 from longboat.core.data.packing import IGNORE_INDEX, PackedDataset
 from longboat.llm.data import IndexedTokenDataset
-from longboat.llm.data.inspect import inspect_dataset
+from longboat.llm.data.encoding import load_tokenizer, render_sft
+from longboat.llm.data.inspection import inspect_dataset
 from longboat.llm.data.prepare import PrepareOptions, prepare_dataset
 from longboat.llm.data.tiny_tokenizer import train_tiny_tokenizer
-from longboat.llm.data.tokenize import load_tokenizer, render_sft
 
 EOT = "<|eot|>"
 

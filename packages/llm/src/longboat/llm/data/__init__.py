@@ -2,7 +2,7 @@
 
 - :mod:`~longboat.llm.data.prepare`: JSONL / Parquet / ``datasets`` dir -> indexed tokens.
 - :mod:`~longboat.llm.data.indexed`: the memory-mapped :class:`IndexedTokenDataset`.
-- :mod:`~longboat.llm.data.tokenize`: pretrain encoding and SFT chat rendering + masks.
+- :mod:`~longboat.llm.data.encoding`: pretrain encoding and SFT chat rendering + masks.
 - Packing and blending are generic and live in ``longboat.core.data.packing`` / ``.blend``.
 """
 

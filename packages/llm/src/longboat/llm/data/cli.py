@@ -66,7 +66,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from longboat.llm.data.inspect import inspect_dataset
+    from longboat.llm.data.inspection import inspect_dataset
 
     print(inspect_dataset(args.path, tokenizer=args.tokenizer, samples=args.samples))
     return 0

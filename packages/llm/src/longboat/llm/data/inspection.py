@@ -62,6 +62,6 @@ def _tokenizer(path: Any, out: list[str]) -> Any:
     if path is None or not Path(path).is_dir():
         out += ["", f"(no samples: tokenizer dir {path} not found; pass --tokenizer)"]
         return None
-    from longboat.llm.data.tokenize import load_tokenizer
+    from longboat.llm.data.encoding import load_tokenizer
 
     return load_tokenizer(path)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from longboat.llm.data import encoding as tk
 from longboat.llm.data import sources
-from longboat.llm.data import tokenize as tk
 from longboat.llm.data.indexed import (
     FORMAT_VERSION,
     MANIFEST,
