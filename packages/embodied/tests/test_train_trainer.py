@@ -142,3 +142,23 @@ def test_bf16_autocast_run_is_finite(tmp_path: Path) -> None:
     assert [m["step"] for m in _metrics(tmp_path, "groot_n1_6_tiny")] == [1, 2]
     trace = tmp_path / "profile" / "trace_steps1-1_rank0.json"
     assert "ProfilerStep#1" in trace.read_text()
+
+
+def test_loader_workers_do_not_change_the_run(tmp_path: Path) -> None:
+    # The batch plan is a function of the step and data-side RNG is seeded per micro-batch,
+    # so worker processes (which prefetch ahead) give the same losses as the main process.
+    runs = {}
+    for workers in (0, 2):
+        cfg = compose_experiment(
+            "pi05_tiny",
+            _overrides(
+                tmp_path / f"w{workers}",
+                "train.steps=3",
+                f"data.num_workers={workers}",
+                "export.enabled=false",
+                "checkpoint.save_on_exit=false",
+            ),
+            world_size=1,
+        )
+        runs[workers] = train(cfg).losses
+    assert runs[0] == runs[2]

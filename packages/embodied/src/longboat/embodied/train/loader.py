@@ -51,15 +51,23 @@ class RankMicroBatches(Dataset):
 
 
 def build_loader(
-    data: RankMicroBatches, *, start_step: int, total_steps: int, num_workers: int
+    data: RankMicroBatches,
+    *,
+    start_step: int,
+    total_steps: int,
+    num_workers: int,
+    pin_memory: bool = False,
 ) -> DataLoader:
-    """Loader over micro-batches of steps ``start_step .. total_steps-1`` (in order)."""
+    """Loader over micro-batches of steps ``start_step .. total_steps-1`` (in order).
+
+    ``pin_memory`` (for GPU training) lets the host-to-device copies run asynchronously."""
     accum = data.plan.layout.accum
     return DataLoader(
         data,
         batch_size=None,
         sampler=range(start_step * accum, total_steps * accum),
         num_workers=num_workers,
+        pin_memory=pin_memory,
         persistent_workers=False,
         prefetch_factor=2 if num_workers > 0 else None,
     )

@@ -194,6 +194,7 @@ def train(cfg: Any) -> TrainResult:
             start_step=start,
             total_steps=cfg.train.steps,
             num_workers=cfg.data.num_workers,
+            pin_memory=accelerator.device_type == "cuda",
         )
     )
     result = TrainResult(steps_done=start, resumed_from=resumed)
@@ -277,6 +278,16 @@ def train(cfg: Any) -> TrainResult:
             },
         )
         result.export_dir = str(export_dir)
+    if is_main and result.losses:
+        log.info(
+            "done: step %d/%d, loss %.4f -> %.4f over this run%s%s",
+            result.steps_done,
+            cfg.train.steps,
+            result.losses[0],
+            result.losses[-1],
+            " (interrupted; resume with the same command)" if result.interrupted else "",
+            f", policy exported to {result.export_dir}" if result.export_dir else "",
+        )
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return result
