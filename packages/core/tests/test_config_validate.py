@@ -113,9 +113,10 @@ def test_ep_must_divide_experts():
     assert (problem.key, problem.value) == ("parallel.expert_parallel", 3)
     assert problem.message == "does not divide model.num_experts=8"
     validate(make(ep=4, model=DecoderConfig(num_experts=8)), world_size=4)
-    # EP groups come out of dp x cp ranks: ep=4 needs dp*cp divisible by 4.
-    problem = only_problem(make(ep=4, tp=2, model=DecoderConfig(num_experts=8)), world_size=4)
-    assert problem.message == "does not divide data_parallel x context_parallel = 2 x 1"
+    # EP groups come out of tp x dp x cp ranks: ep=4 needs tp*dp*cp divisible by 4.
+    problem = only_problem(make(ep=4, model=DecoderConfig(num_experts=8)), world_size=2)
+    assert problem.message == "does not divide tensor x data x context parallel = 1 x 2 x 1"
+    validate(make(ep=4, tp=2, model=DecoderConfig(num_experts=8)), world_size=4)
     validate(make(ep=4, tp=2, cp=2, model=DecoderConfig(num_experts=8)), world_size=8)
 
 

@@ -193,13 +193,14 @@ def _check_parallel(cfg: DictConfig, world_size: int | None, p: ProblemCollector
             value=ep,
             fix=f"use an expert_parallel size that divides {experts}",
         )
-    if resolved is not None and (resolved * cp) % ep != 0:
-        # Expert-parallel groups are carved out of the data x context parallel ranks.
+    if resolved is not None and (tp * resolved * cp) % ep != 0:
+        # Expert-parallel groups are carved out of the tensor x data x context parallel ranks
+        # of a pipeline stage (megatron-core with expert tensor parallel 1).
         p.add(
             "parallel.expert_parallel",
-            f"does not divide data_parallel x context_parallel = {resolved} x {cp}",
+            f"does not divide tensor x data x context parallel = {tp} x {resolved} x {cp}",
             value=ep,
-            fix=f"use an expert_parallel size that divides {resolved * cp}",
+            fix=f"use an expert_parallel size that divides {tp * resolved * cp}",
         )
     strategy = _get(cfg, "parallel.strategy")
     replicate = _get(cfg, "parallel.data_parallel_replicate") or 1

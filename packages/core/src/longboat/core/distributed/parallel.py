@@ -69,13 +69,14 @@ def resolve_parallel(parallel: ParallelConfig, world_size: int) -> ParallelConfi
         )
         problems.raise_if_any()
 
-    ep = parallel.expert_parallel
-    if (dp * cp) % ep:
+    ep, tp = parallel.expert_parallel, parallel.tensor_parallel
+    # megatron-core (expert tensor parallel 1) carves EP groups out of the tp x dp x cp ranks.
+    if (tp * dp * cp) % ep:
         problems.add(
             "parallel.expert_parallel",
-            f"must divide data_parallel * context_parallel = {dp} * {cp} = {dp * cp}",
+            f"must divide tensor * data * context parallel = {tp} * {dp} * {cp} = {tp * dp * cp}",
             value=ep,
-            fix="pick an expert_parallel that divides dp * cp",
+            fix="pick an expert_parallel that divides tp * dp * cp",
         )
     replicate = parallel.data_parallel_replicate
     if dp % replicate:
