@@ -29,6 +29,7 @@ last. ``--tiny`` runs the tiny flavour (CPU smoke).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import gc
 import json
@@ -254,7 +255,6 @@ def run_reference(
         )
     finally:
         del it, loader
-    del model, opt
     return timer, wall, counts
 
 
@@ -325,7 +325,6 @@ def run_longboat(
         )
     finally:
         del it, loader
-    del model, opt
     return timer, wall, counts
 
 
@@ -350,10 +349,8 @@ def versions() -> dict[str, str]:
 
     out = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("transformers", "av", "triton"):
-        try:
+        with contextlib.suppress(Exception):
             out[name] = __import__(name).__version__
-        except Exception:
-            pass
     return out
 
 

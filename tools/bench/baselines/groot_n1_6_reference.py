@@ -199,7 +199,7 @@ class EagleBackboneRef(nn.Module):
             pixel_attention_mask=batch["pixel_attention_mask"],
             spatial_shapes=batch["spatial_shapes"],
         ).last_hidden_state  # [N, gh*gw, D]
-        n, t, d = vit.shape
+        n, _, d = vit.shape
         gh, gw = (
             int(v) for v in batch["spatial_shapes"][0].tolist()
         )  # host sync, as Eagle's reshape
@@ -266,7 +266,7 @@ class MultiEmbodimentActionEncoder(nn.Module):
         self.W3 = CategorySpecificLinear(num_embodiments, hidden, hidden)
 
     def forward(self, actions: Tensor, timesteps: Tensor, cat_ids: Tensor) -> Tensor:
-        b, t, _ = actions.shape
+        t = actions.shape[1]
         timesteps = timesteps.unsqueeze(1).expand(-1, t)
         a_emb = self.W1(actions, cat_ids)
         tau_emb = sinusoidal_encoding(timesteps, self.hidden).to(dtype=a_emb.dtype)
