@@ -53,6 +53,21 @@ def test_bad_config_fails_before_heavy_init(tmp_path: Path) -> None:
     assert not (tmp_path / "dataset").exists()  # nothing was generated or built
 
 
+def test_unsupported_switches_are_rejected_not_ignored(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        compose_experiment(
+            "pi05_tiny",
+            [
+                f"output_dir={tmp_path}",
+                "train.compile=true",
+                "train.eval_every=10",
+                "train.precision=fp16",
+            ],
+            world_size=1,
+        )
+    assert {"train.compile", "train.eval_every", "train.precision"} <= set(err.value.keys)
+
+
 def _distributed_run(rank: int, world: int, out: str, strategy: str, model: str, data: str) -> dict:
     cfg = compose_experiment(
         f"{model}_tiny",

@@ -113,6 +113,20 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
                 fix=f"use one of {', '.join(LAYOUTS)}",
             )
     train = cfg.get("train")
+    if train is not None and train.get("compile"):
+        problems.add(
+            "train.compile",
+            "torch.compile is not wired into the embodied trainer yet",
+            value=True,
+            fix="set train.compile=false",
+        )
+    if train is not None and (train.get("eval_every") or 0) > 0:
+        problems.add(
+            "train.eval_every",
+            "the embodied trainer has no evaluation loop yet",
+            value=train.get("eval_every"),
+            fix="set train.eval_every=0 and evaluate the exported policy (export/)",
+        )
     if train is not None and train.get("precision") == "fp16":
         problems.add(
             "train.precision",
