@@ -434,6 +434,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results-dir", type=Path, default=REPO / "benchmarks/results")
     p.add_argument("--time-budget", type=float, default=1e9, help="seconds for the whole run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        help="model config override KEY=JSON_VALUE (repeatable), e.g. dit.num_layers=2",
+    )
     args = p.parse_args(argv)
     t_start = time.perf_counter()
 
@@ -444,7 +450,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     flavor = "tiny" if args.tiny else "full"
-    cfg = get_config(args.model, flavor)
+    overrides = {}
+    for item in args.override:
+        key, _, value = item.partition("=")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    cfg = get_config(args.model, flavor, overrides)
     hw = (56, 84) if args.tiny else (256, 256)
     runs = (
         args.runs or ("reference,longboat,longboat_compiled" if on_gpu else "reference,longboat")
@@ -473,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {
             "model": args.model,
             "flavor": flavor,
+            "overrides": overrides,
             "batch": args.batch,
             "steps": args.steps,
             "warmup": args.warmup,
