@@ -34,6 +34,7 @@ import datetime as dt
 import gc
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -220,6 +221,25 @@ def _loop(
             break
     wall = time.perf_counter() - (wall_start or time.perf_counter())
     return timer, wall
+
+
+class _Alarm:
+    """Raise ``TimeoutError`` in the main thread after ``seconds`` (a run that overruns the
+    whole budget, e.g. a long torch.compile, fails alone and the table is still printed)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.armed = hasattr(signal, "SIGALRM") and seconds < 1e8
+        if self.armed:
+            signal.signal(signal.SIGALRM, self._fire)
+            signal.alarm(max(1, int(seconds)))
+
+    @staticmethod
+    def _fire(signum: int, frame: Any) -> None:
+        raise TimeoutError("run exceeded the benchmark's --time-budget")
+
+    def cancel(self) -> None:
+        if self.armed:
+            signal.alarm(0)
 
 
 def _free(acc: Any) -> None:
@@ -442,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     t_start = time.perf_counter()
+    if args.workers > 0:
+        # Untimed until the loader's first burst (every worker finishing its first batch at
+        # once) is consumed: timing from a full queue overstates a data-bound loop.
+        args.warmup = max(args.warmup, args.workers + 1)
 
     from longboat.embodied.models import get_config
 
@@ -514,9 +538,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run {name} ...", flush=True)
         _free(acc)
         entry: dict[str, Any] = {"name": name, "model": args.model}
+        alarm = _Alarm(remaining)
         try:
             # Leave each later run a share of the budget.
-            deadline = time.perf_counter() + remaining * (0.45 if name == "reference" else 0.8)
+            share = 1.0 if name == runs[-1] else 0.35
+            deadline = time.perf_counter() + remaining * share
             if name == "reference":
                 timer, wall, counts = run_reference(acc, cfg, roots, args, deadline)
             else:
@@ -530,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             traceback.print_exc()
             entry["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            alarm.cancel()
         result["runs"].append(entry)
         print(f"  {json.dumps({k: v for k, v in entry.items() if k != 'losses'})}", flush=True)
         _write(result, args)
