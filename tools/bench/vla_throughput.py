@@ -375,6 +375,8 @@ def versions() -> dict[str, str]:
 
 
 def commit() -> str:
+    if os.environ.get("BENCH_COMMIT"):  # the GPU machine gets a copy of the tree, no .git
+        return os.environ["BENCH_COMMIT"]
     try:
         return (
             subprocess.run(
