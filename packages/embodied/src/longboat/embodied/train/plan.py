@@ -44,19 +44,24 @@ class GlobalBatchPlan:
             num_samples, num_replicas=1, rank=0, shuffle=shuffle, seed=seed
         )
         self._epochs: dict[int, list[int]] = {}
+        self._step_cache: tuple[int, list[int]] | None = None
 
     def _epoch_order(self, epoch: int) -> list[int]:
         if epoch not in self._epochs:
             self.sampler.set_epoch(epoch)
-            self._epochs = {epoch: list(iter(self.sampler))}  # keep one epoch cached
+            order = list(iter(self.sampler))
+            # Two epochs cached: a step that straddles an epoch boundary needs both.
+            self._epochs = {e: o for e, o in self._epochs.items() if e == epoch - 1}
+            self._epochs[epoch] = order
         return self._epochs[epoch]
 
     def global_indices(self, step: int) -> list[int]:
         """The ``global_batch`` sample indices of ``step``."""
+        if self._step_cache is not None and self._step_cache[0] == step:
+            return self._step_cache[1]
         n, gb = self.num_samples, self.layout.global_batch
-        out = []
-        for pos in range(step * gb, (step + 1) * gb):
-            out.append(self._epoch_order(pos // n)[pos % n])
+        out = [self._epoch_order(pos // n)[pos % n] for pos in range(step * gb, (step + 1) * gb)]
+        self._step_cache = (step, out)
         return out
 
     def micro_batch_indices(self, step: int, micro_index: int) -> list[int]:
