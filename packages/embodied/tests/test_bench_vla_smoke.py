@@ -55,3 +55,57 @@ def test_both_loops_train_two_steps(tmp_path, monkeypatch):
     for run in runs.values():
         assert 0.2 < run["losses"][0] < 10.0
     assert (tmp_path / "res" / f"vla_throughput_{result['date']}_tiny.md").is_file()
+
+
+def _load_reference():
+    path = REPO / "tools" / "bench" / "baselines" / "groot_n1_6_reference.py"
+    spec = importlib.util.spec_from_file_location("groot_n1_6_reference_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(not BENCH.is_file(), reason="tools/ is not part of an installed wheel")
+def test_reference_pieces_match_the_spec():
+    """The reference's diffusers-equivalent pieces compute what the spec (and longboat) say."""
+    import torch
+    import torch.nn.functional as F
+
+    from longboat.embodied.models.common.layers import sinusoidal_embedding
+
+    ref = _load_reference()
+    t = torch.tensor([0.0, 1.0, 17.0, 999.0])
+    # Timestep encoder input: sinusoidal(256, flip sin/cos, shift 1).
+    torch.testing.assert_close(
+        ref.diffusers_timesteps(t, 256),
+        sinusoidal_embedding(t, 256, flip_sin_to_cos=True, downscale_freq_shift=1),
+        atol=1e-6,
+        rtol=0,
+    )
+    # Action encoder tau: [sin, cos] over 10000^(-i/half).
+    torch.testing.assert_close(
+        ref.sinusoidal_encoding(t[:, None].expand(-1, 3), 64)[:, 0],
+        sinusoidal_embedding(t, 64),
+        atol=1e-6,
+        rtol=0,
+    )
+    # Masked cross-attention == softmax over the kept keys only.
+    g = torch.Generator().manual_seed(0)
+    attn = ref.DiffusersAttention(16, 2, 8, cross_dim=12, dropout=0.0)
+    x, ctx = torch.randn(2, 5, 16, generator=g), torch.randn(2, 7, 12, generator=g)
+    mask = torch.tensor([[1, 1, 0, 1, 0, 0, 1], [0, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    out = attn(x, ctx, mask)
+    q = attn.to_q(x).view(2, 5, 2, 8).transpose(1, 2)
+    k = attn.to_k(ctx).view(2, 7, 2, 8).transpose(1, 2)
+    v = attn.to_v(ctx).view(2, 7, 2, 8).transpose(1, 2)
+    scores = (q @ k.transpose(-1, -2)) / 8**0.5
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    manual = (scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 5, 16)
+    torch.testing.assert_close(out, attn.to_out[0](manual), atol=1e-5, rtol=1e-5)
+    # Eagle's pixel shuffle: each output token holds exactly one 2x2 patch neighbourhood.
+    feats = torch.randn(3, 4, 6, 5, generator=g)  # [N, w, h, c]
+    shuffled = ref.eagle_pixel_shuffle(feats)
+    assert shuffled.shape == (3, 2, 3, 20)
+    unshuffled = F.pixel_unshuffle(feats.permute(0, 3, 1, 2), 2).permute(0, 2, 3, 1)
+    torch.testing.assert_close(shuffled.sort(-1).values, unshuffled.sort(-1).values)
