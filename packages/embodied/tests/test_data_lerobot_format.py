@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from longboat.embodied.data import LeRobotDataset
+from longboat.embodied.data import EmbodimentSpec, LeRobotDataset, write_synthetic_dataset
 
 FPS = 15
 H, W = 24, 32
@@ -378,3 +378,98 @@ def test_image_features_stored_in_parquet(tmp_path):
         expected = torch.from_numpy(_frame(e, f)).permute(2, 0, 1)
         assert torch.equal(frames[1], expected)  # PNG is lossless: exact
         assert torch.equal(frames[0], torch.from_numpy(_frame(e, max(f - 1, 0))).permute(2, 0, 1))
+
+
+# --------------------------------------------------------------------------------------------
+# A dataset written by LeRobot 0.6.1 itself (committed artifact, see its README.md).
+LEROBOT_ARTIFACT = Path(__file__).parent / "test_data_lerobot_artifacts" / "lerobot_0.6.1_v3.0"
+ART_LENGTHS, ART_TASKS, ART_FPS, ART_HW = [7, 11, 9], ["pick", "place", "pick"], 15, (48, 64)
+
+
+def _artifact_frame(e: int, f: int) -> np.ndarray:
+    h, w = ART_HW
+    img = np.zeros((h, w, 3), np.uint8)
+    img[..., 0] = 20 + 15 * f
+    img[..., 1] = 40 + 60 * e
+    img[..., 2] = np.linspace(0, 200, w, dtype=np.uint8)[None, :]
+    return img
+
+
+def test_reads_dataset_written_by_lerobot():
+    deltas = [0.0, 1 / ART_FPS, 2 / ART_FPS]
+    ds = LeRobotDataset(LEROBOT_ARTIFACT, image_dtype="uint8", delta_timestamps={"action": deltas})
+    assert ds.meta.version == "v3.0" and len(ds) == sum(ART_LENGTHS)
+    reference = _sequential_decode(
+        LEROBOT_ARTIFACT / "videos/observation.images.cam/chunk-000/file-000.mp4"
+    )
+    for pos in range(len(ds)):
+        s = ds[pos]
+        e, f = int(s["episode_index"]), int(s["frame_index"])
+        state = (np.arange(4) * 0.1 + e + f * 0.01).astype(np.float32)
+        assert torch.equal(s["observation.state"], torch.from_numpy(state))
+        rows = np.minimum(np.arange(f, f + 3), ART_LENGTHS[e] - 1)
+        action = np.stack([(np.arange(3) * -0.2 + e * 10 + r).astype(np.float32) for r in rows])
+        assert torch.equal(s["action"], torch.from_numpy(action))
+        assert s["action_is_pad"].tolist() == (np.arange(f, f + 3) >= ART_LENGTHS[e]).tolist()
+        assert s["task"] == ART_TASKS[e] and int(s["index"]) == pos
+        got = s["observation.images.cam"].permute(1, 2, 0).numpy()
+        span = ds.episodes[e].videos["observation.images.cam"]
+        np.testing.assert_array_equal(got, reference[round(span.from_timestamp * ART_FPS) + f])
+        err = np.abs(got.astype(np.int64) - _artifact_frame(e, f).astype(np.int64)).mean()
+        assert err <= 8.0, (pos, err)  # LeRobot's AV1 crf 30 on 64x48: measured <= 6.4
+    norm = LeRobotDataset(LEROBOT_ARTIFACT, camera_keys=[], normalization={"action": "q01_q99"})
+    assert norm.normalizer.keys == ["action"] and norm[0]["action"].abs().max() <= 1.0
+
+
+def test_synthetic_writer_matches_lerobot_files(tmp_path):
+    """Our v3.0 writer and LeRobot 0.6.1 produce the same columns, arrow types and metadata keys
+    for the same features (ours adds only the embodiment_id column and its stats)."""
+    (ours,) = write_synthetic_dataset(
+        tmp_path,
+        layout="v3.0",
+        fps=ART_FPS,
+        cameras=("cam",),
+        image_size=ART_HW,
+        embodiments=(EmbodimentSpec(name="toy", state_dim=4, action_dim=3),),
+    )
+
+    def schema(root: Path, rel: str) -> list[tuple[str, str]]:
+        fields = pq.read_schema(root / rel)
+        return [(f.name, str(f.type)) for f in fields if "embodiment_id" not in f.name]
+
+    for rel in (
+        "data/chunk-000/file-000.parquet",
+        "meta/episodes/chunk-000/file-000.parquet",
+        "meta/tasks.parquet",
+    ):
+        assert schema(ours, rel) == schema(LEROBOT_ARTIFACT, rel), rel
+    theirs_meta = pq.read_schema(LEROBOT_ARTIFACT / "data/chunk-000/file-000.parquet").metadata
+    our_meta = pq.read_schema(ours / "data/chunk-000/file-000.parquet").metadata
+    hf_theirs = json.loads(theirs_meta[b"huggingface"])["info"]["features"]
+    hf_ours = json.loads(our_meta[b"huggingface"])["info"]["features"]
+    hf_ours.pop("embodiment_id")
+    assert hf_ours == hf_theirs
+    info_t = json.loads((LEROBOT_ARTIFACT / "meta/info.json").read_text())
+    info_o = json.loads((ours / "meta/info.json").read_text())
+    assert set(info_o) == set(info_t)
+    for key in ("codebase_version", "fps", "chunks_size", "data_path", "video_path", "splits"):
+        assert info_o[key] == info_t[key], key
+    cam_t, cam_o = (
+        info_t["features"]["observation.images.cam"],
+        info_o["features"]["observation.images.cam"],
+    )
+    assert {k: cam_o[k] for k in ("dtype", "shape", "names")} == {
+        k: cam_t[k] for k in ("dtype", "shape", "names")
+    }
+    assert set(cam_o["info"]) <= set(cam_t["info"])  # no key LeRobot does not write
+    for key in ("observation.state", "action", "timestamp", "index"):
+        assert {k: info_o["features"][key][k] for k in ("dtype", "shape")} == {
+            k: info_t["features"][key][k] for k in ("dtype", "shape")
+        }
+    stats_t = json.loads((LEROBOT_ARTIFACT / "meta/stats.json").read_text())
+    stats_o = json.loads((ours / "meta/stats.json").read_text())
+    stats_o.pop("embodiment_id")
+    assert {k: sorted(v) for k, v in stats_o.items()} == {k: sorted(v) for k, v in stats_t.items()}
+    for key, st in stats_t.items():
+        for name, value in st.items():
+            assert np.shape(stats_o[key][name]) == np.shape(value), (key, name)

@@ -194,8 +194,8 @@ def test_writer_files_follow_lerobot_layout(dataset_root):
     data_files = sorted((dataset_root / "data").glob("*/*.parquet"))
     schema = pq.read_schema(data_files[0])
     assert schema.names == [
-        "action",
         "observation.state",
+        "action",
         "embodiment_id",
         "timestamp",
         "frame_index",

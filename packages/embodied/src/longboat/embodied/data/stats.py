@@ -18,9 +18,10 @@ def feature_stats(values: np.ndarray) -> dict[str, np.ndarray]:
     if arr.ndim == 1:
         arr = arr[:, None]
     as_float = arr.astype(np.float64)
+    # Every stat is float64, integer columns included, as LeRobot (>= 0.5) stores them.
     out: dict[str, np.ndarray] = {
-        "min": arr.min(axis=0),
-        "max": arr.max(axis=0),
+        "min": as_float.min(axis=0),
+        "max": as_float.max(axis=0),
         "mean": as_float.mean(axis=0),
         "std": as_float.std(axis=0),
         "count": np.array([arr.shape[0]], dtype=np.int64),

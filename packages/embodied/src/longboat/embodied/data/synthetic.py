@@ -208,36 +208,48 @@ class _Episode:
 
 
 def _features(
-    spec: EmbodimentSpec, video_keys: list[str], image_size: tuple[int, int], fps: int
+    spec: EmbodimentSpec,
+    video_keys: list[str],
+    image_size: tuple[int, int],
+    fps: int,
+    layout: str,
+    gop: int,
+    crf: int,
 ) -> dict[str, dict[str, Any]]:
     height, width = image_size
     feats: dict[str, dict[str, Any]] = {
-        ACTION_KEY: {
-            "dtype": "float32",
-            "shape": [spec.action_dim],
-            "names": [f"action_{i}" for i in range(spec.action_dim)],
-        },
         STATE_KEY: {
             "dtype": "float32",
             "shape": [spec.state_dim],
             "names": [f"joint_{i}" for i in range(spec.state_dim)],
         },
+        ACTION_KEY: {
+            "dtype": "float32",
+            "shape": [spec.action_dim],
+            "names": [f"action_{i}" for i in range(spec.action_dim)],
+        },
     }
     for key in video_keys:
+        info: dict[str, Any] = {
+            "video.height": height,
+            "video.width": width,
+            "video.codec": "h264",
+            "video.pix_fmt": "yuv420p",
+            "video.fps": fps,
+            "video.channels": 3,
+            "has_audio": False,
+        }
+        if layout == V21:
+            info["video.is_depth_map"] = False
+        else:
+            # LeRobot >= 0.5 records the encoder settings and the canonical depth flag.
+            info.update({"video.g": gop, "video.crf": crf, "video.video_backend": "pyav"})
+            info["is_depth_map"] = False
         feats[key] = {
             "dtype": "video",
             "shape": [height, width, 3],
             "names": ["height", "width", "channels"],
-            "info": {
-                "video.height": height,
-                "video.width": width,
-                "video.codec": "h264",
-                "video.pix_fmt": "yuv420p",
-                "video.is_depth_map": False,
-                "video.fps": fps,
-                "video.channels": 3,
-                "has_audio": False,
-            },
+            "info": info,
         }
     feats[EMBODIMENT_KEY] = {"dtype": "int64", "shape": [1], "names": None}
     feats.update({k: dict(v) for k, v in DEFAULT_FEATURES.items()})
@@ -341,7 +353,7 @@ def _write_one(
     robot_type: str,
 ) -> None:
     video_keys = [f"observation.images.{cam}" for cam in cameras]
-    features = _features(spec, video_keys, image_size, fps)
+    features = _features(spec, video_keys, image_size, fps, layout, gop, crf)
     # Task indices follow first appearance, as LeRobot assigns them while recording.
     used_tasks: list[str] = []
     episodes: list[_Episode] = []
