@@ -253,3 +253,10 @@ def test_writer_files_follow_lerobot_layout(dataset_root):
         tasks = pq.read_table(dataset_root / "meta/tasks.parquet")
         assert tasks.column_names == ["task_index", "task"]
         assert json.loads(tasks.schema.metadata[b"pandas"])["index_columns"] == ["task"]
+
+
+def test_samples_do_not_alias_the_dataset(dataset_root):
+    ds = LeRobotDataset(dataset_root, camera_keys=[])
+    s = ds[3]
+    s["observation.state"] += 100.0
+    assert torch.equal(ds[3]["observation.state"], torch.from_numpy(synthetic_state(0, 3, 6)))

@@ -267,7 +267,8 @@ class LeRobotDataset(torch.utils.data.Dataset):
                 item[key] = torch.from_numpy(self._columns[key][start + rows])
                 item[f"{key}_is_pad"] = torch.from_numpy(pad)
             else:
-                item[key] = torch.from_numpy(np.asarray(self._columns[key][pos]))
+                # A copy: a caller editing the sample in place must not edit the dataset.
+                item[key] = torch.from_numpy(np.array(self._columns[key][pos]))
         for key in self.camera_keys:
             if key in self._deltas:
                 rows, pad = self._delta_rows(frame, ep.length, self._deltas[key])
