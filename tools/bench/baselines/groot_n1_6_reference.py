@@ -437,8 +437,11 @@ class FlowmatchingActionHead(nn.Module):
         state_features = self.state_encoder(state[:, None], ids)
         actions = batch["action"]
         b = actions.shape[0]
-        noise = torch.randn(actions.shape, device=actions.device, dtype=actions.dtype)
-        t = 0.999 * (1 - self.beta.sample([b]).to(actions.device, actions.dtype))
+        if "noise" in batch:  # fixed draws (loss-alignment runs feed both loops the same)
+            noise, t = batch["noise"].float(), batch["time"].float()
+        else:
+            noise = torch.randn(actions.shape, device=actions.device, dtype=actions.dtype)
+            t = 0.999 * (1 - self.beta.sample([b]).to(actions.device, actions.dtype))
         tt = t[:, None, None]
         noisy = (1 - tt) * noise + tt * actions
         velocity = actions - noise
