@@ -20,6 +20,7 @@ adapters, which is exact on every shard layout above.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -62,20 +63,34 @@ def _lora_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> A
     return out + delta.to(out.dtype), bias
 
 
+def _init_generator(seed: int, name: str, shard: int) -> torch.Generator:
+    return torch.Generator().manual_seed(
+        (seed * 1_000_003 + zlib.crc32(name.encode()) * 31 + shard) % (2**63)
+    )
+
+
 def apply_lora(
-    chunks: Iterable[torch.nn.Module], *, rank: int, alpha: float, targets: Iterable[str]
+    chunks: Iterable[torch.nn.Module],
+    *,
+    rank: int,
+    alpha: float,
+    targets: Iterable[str],
+    seed: int = 0,
 ) -> int:
     """Freeze every parameter, then add adapters to the linears named in ``targets``.
 
-    ``A`` starts Kaiming-uniform from megatron's model-parallel RNG (replicated parts equal
-    on every rank), ``B`` starts at zero, so the model's output is unchanged. Returns the
+    ``A`` starts Kaiming-uniform from a generator seeded by ``seed``, the layer's name and
+    (for row-parallel shards) the tensor-parallel rank, so replicated adapters are equal on
+    every TP rank; ``B`` starts at zero, so the model's output is unchanged. Returns the
     number of adapted linears (0 raises: the targets matched nothing).
     """
+    from megatron.core import parallel_state as mps
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     wanted = set(targets)
     count = 0
-    for chunk in chunks:
+    pp_rank = mps.get_pipeline_model_parallel_rank()
+    for c, chunk in enumerate(chunks):
         for p in chunk.parameters():
             p.requires_grad_(False)
         for name, module in chunk.named_modules():
@@ -84,10 +99,11 @@ def apply_lora(
             weight = module.weight
             out_local, in_local = weight.shape
             row = _is_row_parallel(module)
-            a = torch.empty(rank, in_local, dtype=torch.float32, device=weight.device)
-            # Row-parallel A is a shard: seed per rank; column-parallel A is replicated:
-            # the default RNG is the same on every TP rank.
-            torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+            a = torch.empty(rank, in_local, dtype=torch.float32)
+            shard = module.tp_group.rank() if row else 0
+            gen = _init_generator(seed, f"pp{pp_rank}.c{c}.{name}", shard)
+            torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+            a = a.to(weight.device)
             b = torch.zeros(out_local, rank, dtype=torch.float32, device=weight.device)
             module.lora_A = torch.nn.Parameter(a.to(weight.dtype))
             module.lora_B = torch.nn.Parameter(b.to(weight.dtype))

@@ -88,6 +88,7 @@ def quiet_megatron() -> None:
         r"torch\.utils\.cpp_extension",
     ):
         warnings.filterwarnings("ignore", module=module)
+    warnings.filterwarnings("ignore", category=SyntaxWarning)  # escapes in megatron sources
     warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks.*")
     warnings.filterwarnings(
         "ignore", message=r".*\.grad attribute of a Tensor that is not a leaf.*"
@@ -258,6 +259,7 @@ def _train(
                 rank=int(cfg.lora.rank),
                 alpha=float(cfg.lora.alpha),
                 targets=list(cfg.lora.targets),
+                seed=int(cfg.train.seed),
             )
         model, optimizer = wrap_and_build(chunks, cfg.optim, precision=precision)
         total = int(cfg.train.steps)

@@ -94,8 +94,7 @@ class MegatronOptimizerState:
     """This rank's shard of the distributed optimizer as a ``state_dict`` (saved per rank).
 
     Holds the fp32 main weights (in bf16 training they differ from the model's bf16 weights)
-    and the inner optimizer's moments and step counts; LR and other hyper-parameters come
-    from the config and the LR scheduler.
+    and the inner optimizer's moments, step counts and param groups (the live LR).
     """
 
     def __init__(self, optimizer: Any) -> None:
@@ -110,6 +109,8 @@ class MegatronOptimizerState:
                 {
                     "main": [p.detach().clone() for p in params],
                     "state": sd["state"],
+                    # The live LR sits in the param groups (schedulers only set it on step()).
+                    "param_groups": sd["param_groups"],
                 }
             )
         return {"optimizers": out}
@@ -131,4 +132,5 @@ class MegatronOptimizerState:
                     p.copy_(value)
                 sd = opt.state_dict()
                 sd["state"] = part["state"]
+                sd["param_groups"] = part["param_groups"]
                 opt.load_state_dict(sd)
