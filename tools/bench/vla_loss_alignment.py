@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results-dir", type=Path, default=REPO / "benchmarks/results")
     p.add_argument("--time-budget", type=float, default=1e9)
+    p.add_argument("--override", action="append", default=[], help="KEY=JSON_VALUE")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
 
@@ -241,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         hw = (56, 56)
     else:
         hw = (252, 252)
+    for item in args.override:
+        key, _, value = item.partition("=")
+        overrides[key] = json.loads(value)
     cfg = get_config("groot_n1_6", "tiny" if args.tiny else "full", overrides)
     # Both sides get the same normalised pixels: longboat's on-device preprocessing is an
     # identity here (the reference's PIL path runs in its data workers, not in the model).
