@@ -73,6 +73,10 @@ def check_run(cfg: Any, model: LLMModelConfig) -> None:
             value=init,
             fix="point at a Hugging Face model directory, or null for random init",
         )
+    if init is not None:
+        from longboat.llm.hf import check_matches_flavor, read_hf_config
+
+        check_matches_flavor(model, read_hf_config(init), f"{init}/config.json")
     if cfg.lora.enabled and int(cfg.lora.rank) < 1:
         raise ConfigError("must be >= 1", key="lora.rank", value=int(cfg.lora.rank))
 
