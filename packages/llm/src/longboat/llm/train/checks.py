@@ -120,7 +120,10 @@ def check_documents(docs: Any, key: str, where: str, vocab_size: int) -> None:
             value=where,
             fix="prepare it from non-empty input",
         )
+    # SFT documents wrap the dataset (``.ds``); pretrain documents are the dataset.
     tokens = getattr(docs, "tokens", None)
+    if tokens is None:
+        tokens = getattr(getattr(docs, "ds", None), "tokens", None)
     if tokens is not None and len(tokens):
         top = int(np.max(tokens))
         if top >= vocab_size:

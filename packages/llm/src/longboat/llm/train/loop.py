@@ -117,16 +117,17 @@ def run(cfg: Any, *, on_step: Callable[[int], None] | None = None) -> TrainResul
     info = init_distributed(accelerator)
     owns_group = _own_process_group(accelerator)
     try:
-        docs, tokenizer_dir = _open_data(cfg, model_cfg, info.rank)
-        return _train(cfg, model_cfg, accelerator, info, docs, tokenizer_dir, on_step)
+        parts, tokenizer_dir = _open_data(cfg, model_cfg, info.rank)
+        return _train(cfg, model_cfg, accelerator, info, parts, tokenizer_dir, on_step)
     finally:
         torch.set_num_threads(threads)
         if owns_group:
             dist.destroy_process_group()
 
 
-def _open_data(cfg: Any, model_cfg: Any, rank: int) -> tuple[Any, Path | None]:
-    from longboat.llm.train.data import Concat, open_documents
+def _open_data(cfg: Any, model_cfg: Any, rank: int) -> tuple[list[Any], Path | None]:
+    """The prepared datasets (documents) of ``cfg.data`` and the tokenizer directory."""
+    from longboat.llm.train.data import open_documents
 
     data = cfg.data
     if data.name == "quickstart":
@@ -154,7 +155,22 @@ def _open_data(cfg: Any, model_cfg: Any, rank: int) -> tuple[Any, Path | None]:
         docs = open_documents(p)
         check_documents(docs, "data.paths", str(p), model_cfg.vocab_size)
         parts.append(docs)
-    return (parts[0] if len(parts) == 1 else Concat(parts)), tokenizer_dir
+    return parts, tokenizer_dir
+
+
+def _train_and_eval_documents(data: Any, parts: list[Any]) -> tuple[Any, Any]:
+    """Held-out documents of every source; training documents blended by ``data.weights``."""
+    from longboat.core.data.blend import BlendedDataset
+    from longboat.llm.train.data import Concat, split_documents
+
+    splits = [split_documents(p, float(data.eval_fraction), int(data.seed)) for p in parts]
+    train = [s[0] for s in splits]
+    held_out = Concat([s[1] for s in splits])
+    weights = getattr(data, "weights", None)
+    if len(train) == 1 and weights is None:
+        return train[0], held_out
+    w = list(weights) if weights is not None else [float(len(t)) for t in train]
+    return BlendedDataset(train, w, seed=int(data.seed)), held_out
 
 
 def _checkpoint_module(chunks: list[torch.nn.Module], lora: bool, layout: Any) -> torch.nn.Module:
@@ -189,7 +205,7 @@ def _train(
     model_cfg: Any,
     accelerator: Any,
     info: Any,
-    docs: Any,
+    parts: list[Any],
     tokenizer_dir: Path | None,
     on_step: Callable[[int], None] | None,
 ) -> TrainResult:
@@ -211,7 +227,7 @@ def _train(
     from longboat.llm.build import build_model
     from longboat.llm.hf import load_hf
     from longboat.llm.lora import apply_lora
-    from longboat.llm.train.data import GlobalBatchSchedule, microbatch, split_documents
+    from longboat.llm.train.data import GlobalBatchSchedule, microbatch
     from longboat.llm.train.optimizer import ChainedLR, MegatronOptimizerState, wrap_and_build
     from longboat.llm.train.step import evaluate, forward_backward
 
@@ -219,7 +235,7 @@ def _train(
     console = Console(quiet=not main)
     data = cfg.data
     seq_len = int(data.seq_len)
-    train_docs, eval_docs = split_documents(docs, float(data.eval_fraction), int(data.seed))
+    train_docs, eval_docs = _train_and_eval_documents(data, parts)
     train_rows = PackedDataset(train_docs, seq_len)
     eval_rows = PackedDataset(eval_docs, seq_len) if len(eval_docs) else None
 
