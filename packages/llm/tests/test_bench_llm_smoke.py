@@ -1,0 +1,62 @@
+"""CPU smoke test of tools/bench/llm_throughput.py: tiny shapes, 2 timed steps per run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[3] / "tools/bench/llm_throughput.py"
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("llm_throughput_bench", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_flop_accounting_reproduces_the_anchors() -> None:
+    bench = _load_bench()
+    # BENCHMARKS.md: 886M parameters; HF eager 70.6k tokens/s = 40.8% MFU, compiled 83.5k = 48.3%.
+    assert bench.param_count(bench.FULL) == pytest.approx(886e6, rel=1e-3)
+    for tokens_per_s, mfu in ((70.6e3, 0.408), (83.5e3, 0.483), (35.4e3, 0.205)):
+        got = tokens_per_s * bench.flops_per_token(bench.FULL) / bench.PEAK_BF16_FLOPS
+        assert got == pytest.approx(mfu, abs=0.001)
+
+
+def test_tiny_run_of_every_cpu_implementation(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("transformers")
+    bench = _load_bench()
+    out = tmp_path / "llm.json"
+    rc = bench.main(
+        ["--out", str(out), "--tiny", "--steps", "2", "--warmup", "0",
+         "--runs", "hf_eager,mcore_local_spec,longboat", "--results-dir", str(tmp_path)]
+    )  # fmt: skip
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "llm_throughput"
+    assert [r["name"] for r in result["runs"]] == ["hf_eager", "mcore_local_spec", "longboat"]
+    for r in result["runs"]:
+        assert "error" not in r, r.get("error")
+        assert r["tokens_per_s"] > 0 and len(r["step_times_s"]) == 2
+        # Random init on random tokens: cross-entropy near ln(vocab) (uniform prediction).
+        for loss in r["losses"]:
+            assert math.isfinite(loss)
+            assert abs(loss - math.log(bench.TINY["vocab"])) < 0.3, (r["name"], loss)
+    assert result["runs"][2]["notes"]["rope"] == "triton rope"  # the rope check passed
+    stem = tmp_path / f"llm_throughput_{result['date']}"
+    assert stem.with_suffix(".md").read_text().count("| longboat |") == 1
+    assert json.loads(stem.with_suffix(".json").read_text())["runs"] == result["runs"]
+
+
+def test_a_failing_run_is_recorded_not_raised(tmp_path: Path) -> None:
+    bench = _load_bench()
+    out = tmp_path / "llm.json"
+    assert bench.main(["--out", str(out), "--tiny", "--steps", "1", "--runs", "nope"]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["name"] == "nope" and "unknown run" in run["error"]

@@ -1,0 +1,617 @@
+"""LLM training throughput: HF transformers vs megatron-core vs longboat, one process.
+
+    python tools/bench/llm_throughput.py --out results.json [--tiny] [--steps N] [--warmup N]
+        [--runs hf_eager,hf_compiled,mcore_local_spec,longboat,longboat_compiled]
+        [--results-dir benchmarks/results] [--time-budget S]
+
+Model (BENCHMARKS.md): Llama-style, 886M parameters (hidden 2048, 16 layers, 16 heads / 8 KV
+heads, head_dim 128, SwiGLU 5632, vocab 32000, untied head), seq 2048, micro-batch 8, bf16,
+AdamW (fused, no grad clipping), random init and random tokens, one device. Runs, in turn,
+freeing device memory in between:
+
+- ``hf_eager``: ``transformers.LlamaForCausalLM`` (SDPA attention), fp32 weights + bf16
+  autocast (what the HF Trainer does with ``bf16=True``), ``torch.optim.AdamW(fused=True)``.
+- ``hf_compiled``: the same, the whole model ``torch.compile``d.
+- ``mcore_local_spec``: megatron-core ``GPTModel`` with megatron's local layer spec (no TE),
+  bf16 weights, megatron DDP (fp32 grad buffer) + megatron optimizer (fp32 main weights)
+  whose inner torch AdamW is switched to ``fused=True``; loss through ``GPTModel``'s labels.
+- ``longboat``: ``longboat.llm.build.build_model`` (megatron ``GPTModel`` with longboat's
+  kernel layer spec: SDPA flash/cuDNN attention, Triton RMSNorm and SwiGLU), the same DDP +
+  optimizer, plus the levers this script lands around the build path: Triton RoPE (patched
+  into megatron's attention, checked against megatron's rotation before timing), fused
+  linear cross-entropy through ``GPTModel``'s ``output_processor`` hook (no ``[tokens,
+  vocab]`` logits), weights initialised on the device, no host syncs inside the step.
+- ``longboat_compiled``: ``longboat`` with each decoder layer ``torch.compile``d.
+
+Per run: median step time over ``--steps`` timed steps after ``--warmup`` (each step ends
+with a device synchronize), tokens/s, MFU and peak device memory (accelerator API; reset
+before the model is built, so weights, grads and optimizer state count).
+
+MFU = tokens/s * FLOPs/token / 989e12, FLOPs/token = 6 * N + 6 * L * s * d_attn
+(N = all parameters incl. embedding and head; the attention term is QK^T and AV,
+2 * 2 * s * d_attn per token per layer forward, x3 for fwd + bwd, /2 for the causal mask;
+d_attn = heads * head_dim). This reproduces BENCHMARKS.md's anchors (70.6k tokens/s = 40.8%).
+
+A run that fails records its error in the JSON; the others still run. Writes
+``<results-dir>/llm_throughput_<date>.{json,md,png}`` and ``--out``; prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import gc
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+for sub in ("packages/core/src", "packages/kernels/src", "packages/llm/src"):
+    if str(REPO / sub) not in sys.path:
+        sys.path.insert(0, str(REPO / sub))
+
+from longboat.core.device import get_accelerator  # noqa: E402
+
+PEAK_BF16_FLOPS = 989e12
+DATE = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
+ALL_RUNS = ("hf_eager", "hf_compiled", "mcore_local_spec", "longboat", "longboat_compiled")
+
+FULL = dict(
+    vocab=32000, hidden=2048, layers=16, heads=16, kv_heads=8, head_dim=128, ffn=5632,
+    seq=2048, micro_batch=8,
+)  # fmt: skip
+TINY = dict(
+    vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128,
+    seq=64, micro_batch=2,
+)  # fmt: skip
+LR, BETAS, EPS, WD = 3e-4, (0.9, 0.95), 1e-8, 0.1
+
+
+class RunTimeout(Exception):
+    """A run outlived its time budget."""
+
+
+# ----------------------------------------------------------------------------- accounting
+
+
+def param_count(c: dict[str, int]) -> int:
+    """Parameters of the Llama model (untied head), identical for every implementation."""
+    h, hd = c["hidden"], c["head_dim"]
+    attn = h * c["heads"] * hd + 2 * h * c["kv_heads"] * hd + c["heads"] * hd * h
+    layer = attn + 3 * h * c["ffn"] + 2 * h
+    return 2 * c["vocab"] * h + c["layers"] * layer + h
+
+
+def flops_per_token(c: dict[str, int]) -> float:
+    """6 N + 6 L s d_attn (see the module docstring)."""
+    return 6.0 * param_count(c) + 6.0 * c["layers"] * c["seq"] * c["heads"] * c["head_dim"]
+
+
+# ----------------------------------------------------------------------------- HF runs
+
+
+def hf_model(c: dict[str, int], device: torch.device) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=c["vocab"],
+        hidden_size=c["hidden"],
+        intermediate_size=c["ffn"],
+        num_hidden_layers=c["layers"],
+        num_attention_heads=c["heads"],
+        num_key_value_heads=c["kv_heads"],
+        head_dim=c["head_dim"],
+        max_position_embeddings=c["seq"],
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    with device:
+        model = LlamaForCausalLM(cfg)
+    return model.train()
+
+
+def adamw(params: Any, device: torch.device) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=device.type == "cuda"
+    )
+
+
+def hf_setup(c: dict[str, int], device: torch.device, *, compiled: bool) -> Callable[..., Any]:
+    model = hf_model(c, device)
+    opt = adamw(model.parameters(), device)
+    fwd = torch.compile(model) if compiled else model
+
+    def step(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            # HF shifts labels itself: hand it the unshifted sequence.
+            loss = fwd(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    step.keep = (model, opt, fwd)  # type: ignore[attr-defined]
+    return step
+
+
+# ----------------------------------------------------------------------------- megatron runs
+
+
+def init_megatron(acc: Any) -> None:
+    """A one-rank process group and megatron's parallel state (TP = PP = DP = 1)."""
+    import torch.distributed as dist
+
+    from longboat.core.config.schema import ParallelConfig
+    from longboat.core.megatron import parallel_state
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(port))
+        if acc.device_type == "cuda":
+            acc.set_device(0)
+        dist.init_process_group(
+            backend=acc.dist_backend if acc.device_type == "cuda" else "gloo",
+            rank=0,
+            world_size=1,
+        )
+        _OWN_PG.append(True)
+    if parallel_state.current_layout() is None:
+        parallel_state.initialize(ParallelConfig(), acc, seed=1234)
+
+
+def teardown_megatron() -> None:
+    """Undo ``init_megatron`` (parallel state and the process group this script made)."""
+    if not _OWN_PG:
+        return
+    import torch.distributed as dist
+
+    from longboat.core.megatron import parallel_state
+
+    if parallel_state.current_layout() is not None:
+        parallel_state.destroy()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _OWN_PG.clear()
+
+
+def llm_config(c: dict[str, int], backend: str) -> Any:
+    from longboat.llm.config import LLMModelConfig
+
+    return LLMModelConfig(
+        name="llama3",
+        flavor="bench",
+        vocab_size=c["vocab"],
+        hidden_size=c["hidden"],
+        num_layers=c["layers"],
+        num_attention_heads=c["heads"],
+        num_query_groups=c["kv_heads"],
+        head_dim=c["head_dim"],
+        ffn_hidden_size=c["ffn"],
+        max_position_embeddings=c["seq"],
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        layer_backend=backend,
+    )
+
+
+def megatron_optimizer(chunks: list[torch.nn.Module], device: torch.device) -> tuple[Any, Any]:
+    """megatron DDP (fp32 grad buffer) + megatron optimizer with a fused inner AdamW."""
+    from longboat.core.config.schema import OptimConfig
+    from longboat.core.megatron.optimizer import build_optimizer, wrap_ddp
+
+    ddp = wrap_ddp(chunks)
+    optim = OptimConfig(
+        name="adamw", lr=LR, weight_decay=WD, betas=list(BETAS), eps=EPS, grad_clip=0.0
+    )
+    opt = build_optimizer(ddp, optim, precision="bf16")
+    if device.type == "cuda":
+        # Without TE / apex megatron falls back to torch's AdamW (foreach); ask for fused.
+        for inner in getattr(opt, "chained_optimizers", None) or [opt]:
+            for group in inner.optimizer.param_groups:
+                group["fused"], group["foreach"] = True, False
+    return ddp, opt
+
+
+_MEGATRON_ROPE: dict[str, Any] = {}
+_OWN_PG: list[bool] = []  # non-empty when init_megatron created the process group
+
+
+def install_triton_rope() -> str:
+    """Route megatron's ``apply_rotary_pos_emb`` (attention) to longboat's RoPE kernel.
+
+    megatron rotates q and k in two calls, each ``[s, b, heads, d]`` with ``freqs`` =
+    ``cat(theta, theta)`` ``[s, 1, 1, d]``; the kernel takes ``[b, s, heads, d]`` strided
+    views and cos/sin tables ``[s, d/2]``. Returns "triton rope" or why it stayed off.
+    """
+    from megatron.core.transformer import attention as mattn
+
+    from longboat.kernels.rope import apply_rope
+
+    original = _MEGATRON_ROPE.setdefault("fn", mattn.apply_rotary_pos_emb)
+    cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rope(t: torch.Tensor, freqs: torch.Tensor, config: Any, *args: Any, **kw: Any) -> Any:
+        # Under torch.compile Inductor fuses megatron's own rotation into its neighbours.
+        if torch.compiler.is_compiling() or args or kw.get("cu_seqlens") is not None:
+            return original(t, freqs, config, *args, **kw)
+        if config.rotary_interleaved:
+            return original(t, freqs, config, *args, **kw)
+        half = freqs.shape[-1] // 2
+        key = (freqs.data_ptr(), freqs.shape[0])
+        if key not in cache:
+            theta = freqs[: t.shape[0], 0, 0, :half].float()
+            cache.clear()
+            cache[key] = (theta.cos(), theta.sin())
+        cos, sin = cache[key]
+        q = t.transpose(0, 1)  # [b, s, h, d] view
+        out, _ = apply_rope(q, q[:, :, :1], cos, sin)  # k: one head, discarded
+        return out.transpose(0, 1)
+
+    # Check against megatron's own rotation before trusting it.
+    dev = get_accelerator().device()
+    cfg = type("C", (), {"rotary_interleaved": False, "apply_rope_fusion": False,
+                         "multi_latent_attention": False})()  # fmt: skip
+    t = torch.randn(48, 2, 4, 32, device=dev, dtype=torch.bfloat16)
+    theta = torch.outer(torch.arange(48.0, device=dev), torch.rand(16, device=dev))
+    freqs = torch.cat([theta, theta], -1)[:, None, None, :]
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    ref = _apply_rotary_pos_emb_bshd(t.float(), freqs.float())
+    got = rope(t, freqs, cfg).float()
+    err = float((got - ref).abs().max())
+    if not err < 0.05:
+        return f"off (triton rope differs from megatron's by {err:.3g})"
+    mattn.apply_rotary_pos_emb = rope
+    return "triton rope"
+
+
+def uninstall_triton_rope() -> None:
+    if "fn" in _MEGATRON_ROPE:
+        from megatron.core.transformer import attention as mattn
+
+        mattn.apply_rotary_pos_emb = _MEGATRON_ROPE["fn"]
+
+
+def flce_processor(*, hidden_states: torch.Tensor, output_layer: Any, output_weight: Any,
+                   labels: torch.Tensor, **unused: Any) -> torch.Tensor:  # fmt: skip
+    """``GPTModel`` output hook: fused linear cross-entropy on the final-norm hidden states."""
+    from longboat.kernels.fused_linear_ce import fused_linear_cross_entropy
+
+    weight = output_weight if output_weight is not None else output_layer.weight
+    # hidden [s, b, h]; labels [b, s]
+    return fused_linear_cross_entropy(hidden_states, weight, labels.t())
+
+
+def mcore_setup(
+    c: dict[str, int], acc: Any, *, backend: str, levers: bool, compile_layers: bool
+) -> tuple[Callable[..., Any], dict[str, Any]]:
+    from longboat.llm.build import build_model
+
+    init_megatron(acc)
+    device = acc.device()
+    notes: dict[str, Any] = {}
+    overrides: dict[str, Any] = {}
+    if device.type == "cuda":
+        overrides["use_cpu_initialization"] = False  # init on the GPU: seconds, not minutes
+    uninstall_triton_rope()
+    if levers:
+        notes["rope"] = install_triton_rope()
+    chunks = build_model(
+        llm_config(c, backend), precision="bf16", device_type=device.type, **overrides
+    )
+    model = chunks[0]
+    if compile_layers:
+        for layer in model.decoder.layers:
+            layer.compile()
+        notes["compile"] = f"{len(model.decoder.layers)} decoder layers torch.compile'd"
+    ddp, opt = megatron_optimizer(chunks, device)
+    net = ddp[0]
+    pos = torch.arange(c["seq"], device=device).unsqueeze(0).expand(c["micro_batch"], -1)
+
+    def step(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        net.zero_grad_buffer()
+        opt.zero_grad()
+        if levers:
+            loss = net(tokens, pos, None, labels=labels, output_processor=flce_processor)
+        else:
+            loss = net(tokens, pos, None, labels=labels).float().mean()
+        loss.backward()
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads(ddp)
+        if levers:
+            # opt.step() = prepare + grad norm (a host sync via .item()) + step; without
+            # clipping the norm is unused, so step without it (no host sync in the step).
+            opt.prepare_grads()
+            opt.step_with_ready_grads()
+        else:
+            opt.step()
+        return loss.detach()
+
+    step.keep = (chunks, ddp, opt)  # type: ignore[attr-defined]
+    return step, notes
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):  # type: ignore[no-untyped-def]
+    if seconds <= 0 or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise RunTimeout(f"run exceeded its {seconds:.0f}s budget")
+
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def run_one(name: str, c: dict[str, int], acc: Any, args: argparse.Namespace) -> dict[str, Any]:
+    device = acc.device()
+    gc.collect()
+    acc.empty_cache()
+    acc.reset_peak_memory_stats()
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    notes: dict[str, Any] = {}
+    if name in ("hf_eager", "hf_compiled"):
+        step = hf_setup(c, device, compiled=name == "hf_compiled")
+    elif name == "mcore_local_spec":
+        step, notes = mcore_setup(c, acc, backend="local", levers=False, compile_layers=False)
+    elif name in ("longboat", "longboat_compiled"):
+        step, notes = mcore_setup(
+            c, acc, backend="longboat", levers=True, compile_layers=name == "longboat_compiled"
+        )
+    else:
+        raise ValueError(f"unknown run {name!r}; use one of {ALL_RUNS}")
+    build_s = time.perf_counter() - t0
+    gen = torch.Generator(device="cpu").manual_seed(args.seed)
+    n_batches = 4  # rotate a few batches so no step reuses the previous one's input
+    seqs = torch.randint(0, c["vocab"], (n_batches, c["micro_batch"], c["seq"] + 1), generator=gen)
+    batches = [(s[:, :-1].to(device), s[:, 1:].to(device)) for s in seqs]
+    times: list[float] = []
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    for i in range(args.warmup + args.steps):
+        tokens, labels = batches[i % n_batches]
+        acc.synchronize()
+        ts = time.perf_counter()
+        loss = step(tokens, labels)
+        acc.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - ts)
+        losses.append(loss)  # a device tensor: read after the loop (no sync inside a step)
+    total_s = time.perf_counter() - t0
+    losses_f = [float(x) for x in losses]
+    med = statistics.median(times)
+    tokens_per_s = c["micro_batch"] * c["seq"] / med
+    mem = acc.memory_stats()
+    del step, batches
+    return {
+        "name": name,
+        "tokens_per_s": tokens_per_s,
+        "mfu": tokens_per_s * flops_per_token(c) / PEAK_BF16_FLOPS,
+        "peak_mem_gb": mem.get("peak_allocated_gb", 0.0),
+        "median_step_s": med,
+        "step_times_s": times,
+        "losses": losses_f,
+        "build_s": build_s,
+        "warmup_plus_timed_s": total_s,
+        "notes": notes,
+    }
+
+
+def gpu_name() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else "cpu"
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        return "cpu"
+
+
+def versions() -> dict[str, str]:
+    import platform
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name, mod in (("transformers", "transformers"), ("triton", "triton")):
+        with contextlib.suppress(Exception):
+            out[name] = __import__(mod).__version__
+    with contextlib.suppress(Exception):
+        from megatron.core import package_info
+
+        out["megatron_core"] = package_info.__version__
+    with contextlib.suppress(Exception):
+        out["cuda"] = str(torch.version.cuda)
+    return out
+
+
+def commit() -> str:
+    if os.environ.get("BENCH_COMMIT"):  # the GPU machine gets a copy of the tree, no .git
+        return os.environ["BENCH_COMMIT"]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        )
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def table(result: dict[str, Any]) -> str:
+    runs = result["runs"]
+    base = next((r for r in runs if r["name"] == "hf_compiled" and "tokens_per_s" in r), None)
+    lines = [
+        "| run | tokens/s | vs hf_compiled | MFU | peak mem (GB) | median step (s) | last loss |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        if "tokens_per_s" not in r:
+            err = str(r.get("error", "?")).splitlines()[0][:90].replace("|", "/")
+            lines.append(f"| {r['name']} | failed: {err} | | | | | |")
+            continue
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        lines.append(
+            f"| {r['name']} | {r['tokens_per_s'] / 1e3:.1f}k | {ratio} | {r['mfu']:.1%} | "
+            f"{r['peak_mem_gb']:.1f} | {r['median_step_s']:.3f} | {r['losses'][-1]:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    runs = [r for r in result["runs"] if "tokens_per_s" in r]
+    if not runs:
+        return
+    names = [r["name"] for r in runs]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
+    a1.bar(names, [r["tokens_per_s"] / 1e3 for r in runs], color="tab:blue")
+    a1.set_ylabel("tokens/s (thousands)")
+    a1.tick_params(axis="x", rotation=20)
+    a2.bar(names, [r["peak_mem_gb"] for r in runs], color="tab:orange")
+    a2.set_ylabel("peak memory (GB)")
+    a2.tick_params(axis="x", rotation=20)
+    cfg = result["config"]
+    fig.suptitle(
+        f"llm_throughput {result['date']} {result['gpu']}: {cfg['params'] / 1e6:.0f}M params, "
+        f"seq {cfg['seq']}, micro-batch {cfg['micro_batch']}, bf16"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(result: dict[str, Any], args: argparse.Namespace) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    if args.results_dir is None:
+        return
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.results_dir / f"llm_throughput_{result['date']}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    cfg = result["config"]
+    head = (
+        f"# llm_throughput {result['date']}\n\n{result['gpu']}, commit {result['commit']}, "
+        f"versions {json.dumps(result['versions'])}\n\n"
+        f"Llama-style {cfg['params'] / 1e6:.0f}M params (hidden {cfg['hidden']}, "
+        f"{cfg['layers']} layers, {cfg['heads']} heads / {cfg['kv_heads']} KV, SwiGLU "
+        f"{cfg['ffn']}, vocab {cfg['vocab']}), seq {cfg['seq']}, micro-batch "
+        f"{cfg['micro_batch']}, bf16, fused AdamW; median of {cfg['steps']} steps after "
+        f"{cfg['warmup']} warm-up. MFU = tokens/s x ({cfg['flops_formula']}) / 989 TFLOP/s.\n\n"
+    )
+    stem.with_suffix(".md").write_text(head + table(result) + "\n")
+    plot(result, stem.with_suffix(".png"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--runs", default=None, help=f"comma list out of {','.join(ALL_RUNS)}")
+    p.add_argument(
+        "--results-dir",
+        type=Path,
+        default=None,
+        help="also write llm_throughput_<date>.{json,md,png} here (e.g. benchmarks/results)",
+    )
+    p.add_argument("--time-budget", type=float, default=0, help="seconds for all runs (0: none)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    t_start = time.perf_counter()
+
+    acc = get_accelerator()
+    on_gpu = acc.device_type != "cpu"
+    c = dict(TINY if args.tiny else FULL)
+    default_runs = ALL_RUNS if on_gpu else ("hf_eager", "mcore_local_spec", "longboat")
+    runs = args.runs.split(",") if args.runs else list(default_runs)
+    result: dict[str, Any] = {
+        "benchmark": "llm_throughput",
+        "date": DATE,
+        "gpu": gpu_name() if on_gpu else "cpu",
+        "versions": versions(),
+        "commit": commit(),
+        "config": {
+            **c,
+            "flavor": "tiny" if args.tiny else "886m",
+            "params": param_count(c),
+            "precision": "bf16",
+            "optimizer": "AdamW fused (torch), no grad clipping",
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "flops_per_token": flops_per_token(c),
+            "flops_formula": "6*N + 6*L*seq*heads*head_dim",
+            "peak_flops": PEAK_BF16_FLOPS,
+        },
+        "runs": [],
+    }
+    for i, name in enumerate(runs):
+        left = args.time_budget - (time.perf_counter() - t_start) if args.time_budget else 0
+        if args.time_budget and left < 20:
+            result["runs"].append({"name": name, "error": "skipped: time budget spent"})
+            continue
+        # Split what is left evenly over the remaining runs, compiled runs weighted double.
+        weights = [2 if "compiled" in r else 1 for r in runs[i:]]
+        budget = left * weights[0] / sum(weights) if args.time_budget else 0
+        print(f"== {name} (budget {budget:.0f}s)", flush=True)
+        try:
+            with time_limit(budget):
+                r = run_one(name, c, acc, args)
+            print(
+                f"   {r['tokens_per_s']:.0f} tokens/s, peak {r['peak_mem_gb']:.1f} GB, "
+                f"build {r['build_s']:.1f}s, loop {r['warmup_plus_timed_s']:.1f}s {r['notes']}",
+                flush=True,
+            )
+        except Exception as exc:
+            traceback.print_exc()
+            r = {"name": name, "error": f"{type(exc).__name__}: {exc}"}
+        result["runs"].append(r)
+        gc.collect()
+        acc.empty_cache()
+        with contextlib.suppress(Exception):
+            torch._dynamo.reset()
+        write(result, args)  # partial results survive a kill
+    uninstall_triton_rope()
+    teardown_megatron()
+    result["wall_s"] = time.perf_counter() - t_start
+    write(result, args)
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
