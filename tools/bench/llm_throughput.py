@@ -281,11 +281,35 @@ def install_triton_rope() -> str:
     return "triton rope"
 
 
+def quiet_tp_group_lookup() -> None:
+    """megatron's linear layers look the TP group up per call through a helper that issues a
+    DeprecationWarning when it is None; ``warnings.warn`` is a torch.compile graph break
+    (4 per layer) and host time in eager. Answer with the group, silently."""
+    from megatron.core import parallel_state as mps
+    from megatron.core.tensor_parallel import layers
+
+    original = _MEGATRON_ROPE.setdefault(
+        "tp_lookup", layers.get_tensor_model_parallel_group_if_none
+    )
+    group = mps.get_tensor_model_parallel_group()
+
+    def lookup(tp_group: Any, is_expert: bool = False, check_initialized: bool = True) -> Any:
+        if tp_group is not None or is_expert:
+            return original(tp_group, is_expert, check_initialized)
+        return group
+
+    layers.get_tensor_model_parallel_group_if_none = lookup
+
+
 def uninstall_triton_rope() -> None:
     if "fn" in _MEGATRON_ROPE:
         from megatron.core.transformer import attention as mattn
 
         mattn.apply_rotary_pos_emb = _MEGATRON_ROPE["fn"]
+    if "tp_lookup" in _MEGATRON_ROPE:
+        from megatron.core.tensor_parallel import layers
+
+        layers.get_tensor_model_parallel_group_if_none = _MEGATRON_ROPE["tp_lookup"]
 
 
 def flce_processor(*, hidden_states: torch.Tensor, output_layer: Any, output_weight: Any,
@@ -312,6 +336,7 @@ def mcore_setup(
     uninstall_triton_rope()
     if levers:
         notes["rope"] = install_triton_rope()
+        quiet_tp_group_lookup()
     chunks = build_model(
         llm_config(c, backend), precision="bf16", device_type=device.type, **overrides
     )
