@@ -36,7 +36,9 @@ def export_hf(
     return out
 
 
-def greedy_generate(hf_dir: str | Path, prompt: str, max_new_tokens: int) -> str:
+def greedy_generate(
+    hf_dir: str | Path, prompt: str, max_new_tokens: int, *, repetition_penalty: float = 1.0
+) -> str:
     """Load ``hf_dir`` with transformers and greedily continue ``prompt``; the decoded text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -51,6 +53,7 @@ def greedy_generate(hf_dir: str | Path, prompt: str, max_new_tokens: int) -> str
             attention_mask=torch.ones_like(ids),
             max_new_tokens=max_new_tokens,
             do_sample=False,
+            repetition_penalty=repetition_penalty,
             pad_token_id=tok.pad_token_id,
         )
     return str(tok.decode(out[0], skip_special_tokens=True))

@@ -391,10 +391,12 @@ def _train(
         if main and result.hf_dir is not None and prompt:
             from longboat.llm.train.export import describe_generation, greedy_generate
 
+            penalty = float(cfg.llm.generate_repetition_penalty)
             result.generation = greedy_generate(
-                result.hf_dir, str(prompt), int(cfg.llm.generate_tokens)
+                result.hf_dir, str(prompt), int(cfg.llm.generate_tokens), repetition_penalty=penalty
             )
-            console.print("Greedy generation from the export (transformers):")
+            how = f", repetition penalty {penalty}" if penalty != 1.0 else ""
+            console.print(f"Greedy generation from the export (transformers{how}):")
             console.print(describe_generation(result.generation, str(prompt)))
         return result
     finally:
@@ -442,6 +444,8 @@ def _print_end(console: Any, r: TrainResult, elapsed: float, tokens_per_step: in
         first, last = r.eval_losses.get(r.start_step), r.eval_losses.get(r.end_step)
         if first is not None and last is not None and not math.isnan(first):
             console.print(f"Held-out loss: {first:.3f} -> {last:.3f}")
+    elif not math.isnan(r.eval_losses.get(r.end_step, math.nan)):
+        console.print(f"Held-out loss at step {r.end_step}: {r.eval_losses[r.end_step]:.3f}")
     console.print(
         f"Checkpoints: {r.checkpoint.parent if r.checkpoint else '-'} "
         f"(latest: {r.checkpoint.name if r.checkpoint else '-'})"

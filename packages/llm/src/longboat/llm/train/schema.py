@@ -79,6 +79,8 @@ class LLMRunConfig:
     """After export, load it with transformers and greedily continue this prompt (None: skip)."""
     generate_tokens: int = 40
     """Tokens generated from ``generate_prompt``."""
+    generate_repetition_penalty: float = 1.0
+    """transformers' repetition penalty for that generation (1.0: plain greedy)."""
     num_threads: int = 0
     """torch intra-op threads on CPU (0: leave torch's default)."""
 
