@@ -93,7 +93,11 @@ def _test_env(session: nox.Session) -> pathlib.Path:
         "--inexact",
         "--compile-bytecode",
         # The interpreter running nox (the workspace's Python) builds the shared env.
-        env={"UV_PROJECT_ENVIRONMENT": str(TEST_ENV), "UV_PYTHON": sys.executable},
+        env={
+            "UV_PROJECT_ENVIRONMENT": str(TEST_ENV),
+            "UV_PYTHON": sys.executable,
+            "VIRTUAL_ENV": str(TEST_ENV),
+        },
         external=True,
     )
     return TEST_ENV / "bin"
