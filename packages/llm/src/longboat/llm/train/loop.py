@@ -80,7 +80,7 @@ def quiet_megatron() -> None:
     """Silence megatron-core's import-time and deprecation chatter (not our users' concern)."""
     import logging
 
-    for name in ("megatron", "megatron.core"):
+    for name in ("megatron", "megatron.core", "torch.utils.cpp_extension"):
         logging.getLogger(name).setLevel(logging.ERROR)
     for module in (
         r"megatron(\..*)?",
