@@ -210,14 +210,16 @@ def llm_config(c: dict[str, int], backend: str) -> Any:
     )
 
 
-def megatron_optimizer(chunks: list[torch.nn.Module], device: torch.device) -> tuple[Any, Any]:
+def megatron_optimizer(
+    chunks: list[torch.nn.Module], device: torch.device, lr: float = LR
+) -> tuple[Any, Any]:
     """megatron DDP (fp32 grad buffer) + megatron optimizer with a fused inner AdamW."""
     from longboat.core.config.schema import OptimConfig
     from longboat.core.megatron.optimizer import build_optimizer, wrap_ddp
 
     ddp = wrap_ddp(chunks)
     optim = OptimConfig(
-        name="adamw", lr=LR, weight_decay=WD, betas=list(BETAS), eps=EPS, grad_clip=0.0
+        name="adamw", lr=lr, weight_decay=WD, betas=list(BETAS), eps=EPS, grad_clip=0.0
     )
     opt = build_optimizer(ddp, optim, precision="bf16")
     if device.type == "cuda":

@@ -1,0 +1,220 @@
+"""LLM loss alignment: HF transformers vs longboat from the same weights and batches.
+
+    python tools/bench/llm_loss_alignment.py --out results.json [--tiny] [--steps 200]
+        [--micro-batch 4] [--seq 2048] [--results-dir benchmarks/results]
+
+A ``transformers.LlamaForCausalLM`` (the llm_throughput model, fp32, seeded random init) is
+saved with ``save_pretrained`` and loaded into longboat's build path
+(``longboat.llm.hf.read_hf_config`` + ``build_model`` + ``load_hf``), so both start from the
+same weights. Both then train ``--steps`` steps on the same batches (sequences from a fixed
+random Markov chain, so the loss has something to learn) with AdamW (lr ``--lr``, default 3e-4, betas
+0.9/0.95, weight decay 0.1 on matrices only, no clipping), bf16: HF as fp32 weights + bf16
+autocast (``hf_eager``), longboat as in llm_throughput's ``longboat`` run (bf16 weights, fp32
+main weights in megatron's optimizer, Triton kernels, fused linear cross-entropy). Both
+losses cover the same targets (HF shifts labels itself; longboat ignores the last position).
+
+Writes ``max_abs_loss_diff`` and both curves to ``--out`` and
+``<results-dir>/llm_loss_alignment_<date>.{json,md,png}``; prints a summary last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import llm_throughput as lt
+
+from longboat.core.device import get_accelerator
+
+
+def markov_batches(
+    vocab: int, n: int, batch: int, seq: int, seed: int, fanout: int = 8
+) -> list[torch.Tensor]:
+    """``n`` batches ``[batch, seq + 1]`` from a fixed random chain (``fanout`` successors)."""
+    g = torch.Generator().manual_seed(seed)
+    succ = torch.randint(0, vocab, (vocab, fanout), generator=g)
+    tok = torch.randint(0, vocab, (n * batch,), generator=g)
+    choice = torch.randint(0, fanout, (seq, n * batch), generator=g)
+    rows = [tok]
+    for t in range(seq):  # all batches at once: seq gathers, not n * seq
+        tok = succ[tok, choice[t]]
+        rows.append(tok)
+    return list(torch.stack(rows, 1).view(n, batch, seq + 1))
+
+
+def hf_losses(
+    model: torch.nn.Module, batches: list[torch.Tensor], device: torch.device, lr: float
+) -> list[float]:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=lr, betas=lt.BETAS, eps=lt.EPS, weight_decay=lt.WD, fused=device.type == "cuda",
+    )  # fmt: skip
+    losses = []
+    for b in batches:
+        x = b[:, :-1].to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return [float(v) for v in losses]
+
+
+def longboat_losses(
+    hf_dir: Path, batches: list[torch.Tensor], acc: Any, lr: float
+) -> tuple[list[float], dict[str, Any]]:
+    from longboat.llm.build import build_model
+    from longboat.llm.hf import load_hf, read_hf_config
+
+    lt.init_megatron(acc)
+    device = acc.device()
+    notes = {"rope": lt.install_triton_rope()}
+    lt.quiet_tp_group_lookup()
+    cfg = read_hf_config(hf_dir)
+    cfg.layer_backend = "longboat"
+    overrides = {"use_cpu_initialization": False} if device.type == "cuda" else {}
+    chunks = build_model(cfg, precision="bf16", device_type=device.type, **overrides)
+    load_hf(chunks, cfg, hf_dir)
+    ddp, opt = lt.megatron_optimizer(chunks, device, lr)  # main weights copied from the loaded ones
+    net = ddp[0]
+    from megatron.core.distributed import finalize_model_grads
+
+    pos = None
+    losses = []
+    for b in batches:
+        tokens = b[:, :-1].to(device)
+        labels = b[:, 1:].clone()
+        labels[:, -1] = -100  # HF has no target for the last position
+        labels = labels.to(device)
+        if pos is None:
+            pos = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+        net.zero_grad_buffer()
+        opt.zero_grad()
+        loss = net(tokens, pos, None, labels=labels, output_processor=lt.flce_processor)
+        loss.backward()
+        finalize_model_grads(ddp)
+        opt.prepare_grads()
+        opt.step_with_ready_grads()
+        losses.append(loss.detach())
+    lt.uninstall_triton_rope()
+    return [float(v) for v in losses], notes
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    a1.plot(result["hf_losses"], label="hf_eager")
+    a1.plot(result["longboat_losses"], label="longboat", linestyle="--")
+    a1.set_xlabel("step")
+    a1.set_ylabel("loss")
+    a1.legend()
+    diff = [a - b for a, b in zip(result["longboat_losses"], result["hf_losses"], strict=True)]
+    a2.plot(diff)
+    a2.axhline(0.02, color="r", lw=0.5)
+    a2.axhline(-0.02, color="r", lw=0.5)
+    a2.set_xlabel("step")
+    a2.set_ylabel("longboat - hf loss")
+    fig.suptitle(
+        f"llm_loss_alignment {result['date']} {result['gpu']}: max |dloss| "
+        f"{result['max_abs_loss_diff']:.4f}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--micro-batch", type=int, default=None)
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--results-dir", type=Path, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=lt.LR)
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    acc = get_accelerator()
+    device = acc.device()
+    c = dict(lt.TINY if args.tiny else lt.FULL)
+    if args.micro_batch:
+        c["micro_batch"] = args.micro_batch
+    if args.seq:
+        c["seq"] = args.seq
+    if not args.tiny and args.micro_batch is None:
+        c["micro_batch"] = 4
+    batches = markov_batches(c["vocab"], args.steps, c["micro_batch"], c["seq"], args.seed)
+    torch.manual_seed(args.seed)
+    result: dict[str, Any] = {
+        "benchmark": "llm_loss_alignment",
+        "date": lt.DATE,
+        "gpu": lt.gpu_name() if acc.device_type != "cpu" else "cpu",
+        "versions": lt.versions(),
+        "commit": lt.commit(),
+        "config": {**c, "steps": args.steps, "seed": args.seed, "precision": "bf16",
+                   "lr": args.lr, "data": "fixed random Markov chain, 8 successors per token"},
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = lt.hf_model(c, device)
+        hf.config.rms_norm_eps = 1e-5
+        for m in hf.modules():
+            if hasattr(m, "variance_epsilon"):
+                m.variance_epsilon = 1e-5
+        hf.save_pretrained(tmp)
+        result["hf_losses"] = hf_losses(hf, batches, device, args.lr)
+        del hf
+        acc.empty_cache()
+        result["longboat_losses"], result["notes"] = longboat_losses(
+            Path(tmp), batches, acc, args.lr
+        )
+    lt.teardown_megatron()
+    diffs = [
+        abs(a - b) for a, b in zip(result["longboat_losses"], result["hf_losses"], strict=True)
+    ]
+    result["max_abs_loss_diff"] = max(diffs)
+    result["mean_abs_loss_diff"] = sum(diffs) / len(diffs)
+    result["wall_s"] = time.perf_counter() - t0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    summary = (
+        f"| steps | first loss (hf / longboat) | last loss (hf / longboat) | max abs diff | "
+        f"mean abs diff |\n|---|---|---|---|---|\n| {args.steps} | "
+        f"{result['hf_losses'][0]:.4f} / {result['longboat_losses'][0]:.4f} | "
+        f"{result['hf_losses'][-1]:.4f} / {result['longboat_losses'][-1]:.4f} | "
+        f"{result['max_abs_loss_diff']:.4f} | {result['mean_abs_loss_diff']:.4f} |"
+    )
+    if args.results_dir is not None:
+        args.results_dir.mkdir(parents=True, exist_ok=True)
+        stem = args.results_dir / f"llm_loss_alignment_{result['date']}"
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
+        stem.with_suffix(".md").write_text(
+            f"# llm_loss_alignment {result['date']}\n\n{result['gpu']}, commit "
+            f"{result['commit']}, versions {json.dumps(result['versions'])}\n\n"
+            f"config {json.dumps(result['config'])}\n\n{summary}\n"
+        )
+        plot(result, stem.with_suffix(".png"))
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
