@@ -37,7 +37,9 @@ def tp1_losses(tiny: tuple[Path, Path, Path, str]) -> list[float]:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "layout", ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"], ids=["tp2", "pp2"]
+    "layout",
+    ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2", "parallel.data_parallel=2"],
+    ids=["tp2", "pp2", "dp2"],  # dp2: the same microbatches, split over ranks instead of time
 )
 def test_losses_match_tp1(layout: str, tiny: tuple[Path, Path, Path, str], tp1_losses) -> None:
     data, tok, root, init = tiny
@@ -49,3 +51,27 @@ def test_losses_match_tp1(layout: str, tiny: tuple[Path, Path, Path, str], tp1_l
     for losses in results:  # every rank reports the step loss
         diffs = [abs(a - b) for a, b in zip(losses, tp1_losses, strict=True)]
         assert max(diffs) <= TOL, f"{layout}: max |loss - loss_tp1| = {max(diffs):.2e}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_activation_recompute_keeps_the_losses(
+    mode: str, tiny: tuple[Path, Path, Path, str], tp1_losses
+) -> None:
+    data, tok, root, init = tiny
+    overrides = [*tiny_overrides(data, tok, root / mode), init]
+    (losses,) = run_multiprocess(
+        _train_worker, 1, [*overrides, f"train.activation_checkpointing={mode}"]
+    )
+    diffs = [abs(a - b) for a, b in zip(losses, tp1_losses, strict=True)]
+    assert max(diffs) <= 1e-5, f"recompute={mode}: max |loss - loss_none| = {max(diffs):.2e}"
+
+
+@pytest.mark.multiprocess
+def test_bf16_training_tracks_fp32(tiny: tuple[Path, Path, Path, str], tp1_losses) -> None:
+    data, tok, root, init = tiny
+    overrides = [*tiny_overrides(data, tok, root / "bf16"), init, "llm.cpu_precision=bf16"]
+    (losses,) = run_multiprocess(_train_worker, 1, overrides)
+    diffs = [abs(a - b) for a, b in zip(losses, tp1_losses, strict=True)]
+    assert 0 < max(diffs) <= 0.1, f"bf16 vs fp32 losses: max diff {max(diffs):.3f}"
+    assert losses[-1] < losses[0] - 0.5

@@ -57,6 +57,7 @@ def _losses(metrics: Path) -> dict[int, float]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_sigkill_then_resume_continues_the_loss_curve(tmp_path: Path) -> None:
     import megatron.core.optimizer  # noqa: F401  (import once; forked processes share it)
 
