@@ -283,6 +283,49 @@ def install_triton_rope() -> str:
     return "triton rope"
 
 
+def pick_attention_backend(c: dict[str, int], acc: Any) -> str:
+    """Time ``longboat.kernels.attention`` fwd + bwd at the run's shapes per SDPA backend and
+    pin the fastest through ``LONGBOAT_ATTENTION_BACKEND`` (auto picks flash with GQA; cuDNN
+    needs K/V expanded but can be faster on Hopper). Outputs must agree with auto's."""
+    from longboat.kernels.attention import ENV_VAR, attention
+
+    os.environ.pop(ENV_VAR, None)
+    dev = acc.device()
+    if dev.type != "cuda":
+        return "sdpa (auto; not timed on CPU)"
+    b, s, hd = c["micro_batch"], c["seq"], c["head_dim"]
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(b, s, c["heads"], hd, device=dev, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(b, s, c["kv_heads"], hd, device=dev, dtype=torch.bfloat16, generator=g)
+    v = torch.randn_like(k)
+    dout = torch.randn_like(q)
+    timings: dict[str, float] = {}
+    ref = None
+    for name in ("sdpa", "sdpa_cudnn", "sdpa_flash"):
+        try:
+            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+            times = []
+            for i in range(6):
+                acc.synchronize()
+                t0 = time.perf_counter()
+                out = attention(qq, kk, vv, causal=True, scale=hd**-0.5, backend=name)
+                out.backward(dout)
+                acc.synchronize()
+                if i >= 2:
+                    times.append(time.perf_counter() - t0)
+            if ref is None:
+                ref = out.detach().float()
+            elif float((out.detach().float() - ref).abs().max()) > 0.05:
+                continue  # disagrees with auto: not used
+            timings[name] = statistics.median(times)
+        except Exception:
+            continue
+    best = min(timings, key=timings.__getitem__)
+    if best != "sdpa":
+        os.environ[ENV_VAR] = best
+    return f"{best} ({', '.join(f'{n} {t * 1e3:.2f} ms' for n, t in timings.items())})"
+
+
 def quiet_tp_group_lookup() -> None:
     """megatron's linear layers look the TP group up per call through a helper that issues a
     DeprecationWarning when it is None; ``warnings.warn`` is a torch.compile graph break
@@ -338,6 +381,7 @@ def mcore_setup(
     uninstall_triton_rope()
     if levers:
         notes["rope"] = install_triton_rope()
+        notes["attention"] = pick_attention_backend(c, acc)
         quiet_tp_group_lookup()
     chunks = build_model(
         llm_config(c, backend), precision="bf16", device_type=device.type, **overrides
@@ -633,6 +677,7 @@ def main(argv: list[str] | None = None) -> int:
             torch._dynamo.reset()
         write(result, args)  # partial results survive a kill
     uninstall_triton_rope()
+    os.environ.pop("LONGBOAT_ATTENTION_BACKEND", None)
     teardown_megatron()
     result["wall_s"] = time.perf_counter() - t_start
     write(result, args)
