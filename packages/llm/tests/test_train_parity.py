@@ -38,13 +38,19 @@ def tp1_losses(tiny: tuple[Path, Path, Path, str]) -> list[float]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "layout",
-    ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2", "parallel.data_parallel=2"],
-    ids=["tp2", "pp2", "dp2"],  # dp2: the same microbatches, split over ranks instead of time
+    [
+        "parallel.tensor_parallel=2",
+        "parallel.pipeline_parallel=2",
+        "parallel.pipeline_parallel=2,parallel.virtual_pipeline_parallel=2",
+        "parallel.data_parallel=2",
+    ],
+    ids=["tp2", "pp2", "pp2_vpp2", "dp2"],  # dp2: the same microbatches, split over ranks
 )
 def test_losses_match_tp1(layout: str, tiny: tuple[Path, Path, Path, str], tp1_losses) -> None:
     data, tok, root, init = tiny
-    out = root / layout.split("=")[0].split(".")[-1]
-    overrides = [*tiny_overrides(data, tok, out), init, layout]
+    settings = layout.split(",")
+    out = root / "_".join(x.replace("parallel.", "").replace("=", "") for x in settings)
+    overrides = [*tiny_overrides(data, tok, out), init, *settings]
     results = run_multiprocess(_train_worker, 2, overrides)
     assert len(tp1_losses) == 10
     assert tp1_losses[-1] < tp1_losses[0] - 0.5, f"the model did not learn: {tp1_losses}"

@@ -85,3 +85,23 @@ def test_sigkill_then_resume_continues_the_loss_curve(tmp_path: Path) -> None:
     assert sorted(curve) == list(range(1, STEPS + 1))
     assert curve == ref_curve
     assert ref[-1] < ref[0], "the loss must fall (a frozen model would resume trivially)"
+
+
+def _sigterm_worker(rank: int, world: int, overrides: list[str]) -> tuple[str | None, int, bool]:
+    from longboat.llm.train.loop import run
+
+    def on_step(step: int) -> None:
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    result = run(compose(overrides), on_step=on_step)
+    return result.stopped_by_signal, result.end_step, result.hf_dir is not None
+
+
+@pytest.mark.multiprocess
+def test_sigterm_saves_a_checkpoint_and_stops(tmp_path: Path) -> None:
+    data, tok = make_tiny_dataset(tmp_path / "data")
+    overrides = [*_overrides(data, tok, tmp_path / "run"), "llm.export_hf=true"]
+    stopped, step, exported = run_multiprocess(_sigterm_worker, 1, overrides)[0]
+    assert (stopped, step, exported) == ("SIGTERM", 4, False)
+    assert (tmp_path / "run" / "ckpt" / "step_00000004").is_dir()
