@@ -447,6 +447,8 @@ def run_one(name: str, c: dict[str, int], acc: Any, args: argparse.Namespace) ->
     acc.reset_peak_memory_stats()
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
+    # Left over from earlier runs (should be ~0): it would count in this run's peak.
+    leftover = acc.memory_stats().get("allocated_gb", 0.0)
     notes: dict[str, Any] = {}
     if name in ("hf_eager", "hf_compiled"):
         step = hf_setup(c, device, compiled=name == "hf_compiled")
@@ -458,6 +460,7 @@ def run_one(name: str, c: dict[str, int], acc: Any, args: argparse.Namespace) ->
         )
     else:
         raise ValueError(f"unknown run {name!r}; use one of {ALL_RUNS}")
+    notes["allocated_at_start_gb"] = round(leftover, 3)
     build_s = time.perf_counter() - t0
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     n_batches = 4  # rotate a few batches so no step reuses the previous one's input
