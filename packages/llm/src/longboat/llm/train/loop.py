@@ -305,7 +305,7 @@ def _train(
                 for s in range(max(1, int(cfg.llm.eval_batches)))
                 for rows in es.rows(s, dp_rank)
             ]
-            return evaluate(model, micro)
+            return evaluate(model, micro, device)
 
         result.eval_losses[step] = eval_loss()
         metrics = MetricsSink(
@@ -337,9 +337,9 @@ def _train(
                     for rows in schedule.rows(step, dp_rank)
                 ]
                 optimizer.zero_grad()
-                loss = forward_backward(model, micro)
+                loss = forward_backward(model, micro, device)
                 grad_norm = None
-                if guard.check(torch.tensor(loss)):
+                if guard.check(torch.tensor(loss, device=device)):
                     _, grad_norm, _ = optimizer.step()
                     lr.step()
                 step += 1

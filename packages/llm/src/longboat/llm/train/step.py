@@ -51,7 +51,9 @@ def _schedule(
     )
 
 
-def world_mean_of_last_stage(values: list[dict[str, torch.Tensor]]) -> float:
+def world_mean_of_last_stage(
+    values: list[dict[str, torch.Tensor]], device: torch.device | None = None
+) -> float:
     """The mean microbatch loss, averaged over data-parallel ranks, known on every rank.
 
     Losses exist on the last pipeline stage only (identical on its TP ranks); one all-reduce
@@ -59,16 +61,21 @@ def world_mean_of_last_stage(values: list[dict[str, torch.Tensor]]) -> float:
     """
     from megatron.core import parallel_state as mps
 
-    local = torch.zeros(2, dtype=torch.float64)
+    # On the accelerator: NCCL-like backends reduce device tensors only.
+    local = torch.zeros(2, dtype=torch.float64, device=device)
     if mps.is_pipeline_last_stage() and values:
-        local[0] = torch.stack([v["lm loss"].double().cpu() for v in values]).mean()
+        local[0] = torch.stack([v["lm loss"].double().to(local.device) for v in values]).mean()
         local[1] = 1.0
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(local)
     return float(local[0] / local[1]) if local[1] > 0 else float("nan")
 
 
-def forward_backward(model: list[torch.nn.Module], microbatches: list[dict[str, Any]]) -> float:
+def forward_backward(
+    model: list[torch.nn.Module],
+    microbatches: list[dict[str, Any]],
+    device: torch.device | None = None,
+) -> float:
     """Zero the grads, run forward + backward over ``microbatches``, reduce the grads.
 
     Returns the step's mean loss on every rank. The optimizer step is the caller's, so a
@@ -81,15 +88,19 @@ def forward_backward(model: list[torch.nn.Module], microbatches: list[dict[str, 
         chunk.zero_grad_buffer()
     losses = _schedule(model, microbatches, forward_only=False)
     finalize_model_grads(model)
-    return world_mean_of_last_stage(losses)
+    return world_mean_of_last_stage(losses, device)
 
 
 @torch.no_grad()
-def evaluate(model: list[torch.nn.Module], microbatches: list[dict[str, Any]]) -> float:
+def evaluate(
+    model: list[torch.nn.Module],
+    microbatches: list[dict[str, Any]],
+    device: torch.device | None = None,
+) -> float:
     """Mean held-out loss over ``microbatches`` (forward only), on every rank."""
     for chunk in model:
         chunk.eval()
     losses = _schedule(model, microbatches, forward_only=True)
     for chunk in model:
         chunk.train()
-    return world_mean_of_last_stage(losses)
+    return world_mean_of_last_stage(losses, device)
