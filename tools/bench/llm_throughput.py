@@ -67,6 +67,7 @@ from longboat.core.device import get_accelerator  # noqa: E402
 PEAK_BF16_FLOPS = 989e12
 DATE = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
 ALL_RUNS = ("hf_eager", "hf_compiled", "mcore_local_spec", "longboat", "longboat_compiled")
+RUN_WEIGHT = {"hf_eager": 1.5, "hf_compiled": 4.0, "longboat": 1.5, "longboat_compiled": 2.5}
 
 FULL = dict(
     vocab=32000, hidden=2048, layers=16, heads=16, kv_heads=8, head_dim=128, ffn=5632,
@@ -658,8 +659,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.time_budget and left < 20:
             result["runs"].append({"name": name, "error": "skipped: time budget spent"})
             continue
-        # Split what is left evenly over the remaining runs, compiled runs weighted double.
-        weights = [2 if "compiled" in r else 1 for r in runs[i:]]
+        # Split what is left over the remaining runs by how long each is expected to take
+        # (whole-model compile of HF is the longest, then the per-layer compile).
+        weights = [RUN_WEIGHT.get(r, 1.0) for r in runs[i:]]
         budget = left * weights[0] / sum(weights) if args.time_budget else 0
         print(f"== {name} (budget {budget:.0f}s)", flush=True)
         try:
