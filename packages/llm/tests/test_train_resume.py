@@ -105,3 +105,35 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path: Path) -> None:
     stopped, step, exported = run_multiprocess(_sigterm_worker, 1, overrides)[0]
     assert (stopped, step, exported) == ("SIGTERM", 4, False)
     assert (tmp_path / "run" / "ckpt" / "step_00000004").is_dir()
+
+
+def _stop_at_worker(
+    rank: int, world: int, overrides: list[str], stop_at: int
+) -> tuple[int, list[float]]:
+    from longboat.llm.train.loop import run
+
+    def on_step(step: int) -> None:
+        if step == stop_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    result = run(compose(overrides, world_size=world), on_step=on_step if stop_at else None)
+    return result.start_step, result.losses
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "layout", ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"], ids=["tp2", "pp2"]
+)
+def test_resume_is_exact_under_model_parallelism(layout: str, tmp_path: Path) -> None:
+    """Sharded model + distributed-optimizer state: stop at step 4, resume, same losses."""
+    data, tok = make_tiny_dataset(tmp_path / "data")
+    ref = run_multiprocess(
+        _stop_at_worker, 2, [*_overrides(data, tok, tmp_path / "ref"), layout], 0
+    )
+    overrides = [*_overrides(data, tok, tmp_path / "run"), layout]
+    first = run_multiprocess(_stop_at_worker, 2, overrides, 4)
+    assert all(start == 0 and len(losses) == 4 for start, losses in first)
+    resumed = run_multiprocess(_stop_at_worker, 2, overrides, 0)
+    for (start, losses), (_, ref_losses) in zip(resumed, ref, strict=True):
+        assert start == 4
+        assert losses == ref_losses[4:], "resumed losses differ from the uninterrupted run"
