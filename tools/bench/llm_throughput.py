@@ -22,6 +22,9 @@ freeing device memory in between:
   linear cross-entropy through ``GPTModel``'s ``output_processor`` hook (no ``[tokens,
   vocab]`` logits), weights initialised on the device, no host syncs inside the step.
 - ``longboat_compiled``: ``longboat`` with each decoder layer ``torch.compile``d.
+- ``hf_liger`` (when ``liger-kernel`` is installed): ``hf_eager`` with
+  ``apply_liger_kernel_to_llama`` (RoPE, RMSNorm, SwiGLU, fused linear CE), the strongest
+  peer in BENCHMARKS.md; run last since Liger patches transformers' classes process-wide.
 
 Per run: median step time over ``--steps`` timed steps after ``--warmup`` (each step ends
 with a device synchronize), tokens/s, MFU and peak device memory (accelerator API; reset
@@ -42,6 +45,7 @@ import argparse
 import contextlib
 import datetime as dt
 import gc
+import importlib.util
 import json
 import os
 import signal
@@ -66,8 +70,14 @@ from longboat.core.device import get_accelerator  # noqa: E402
 
 PEAK_BF16_FLOPS = 989e12
 DATE = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
-ALL_RUNS = ("hf_eager", "hf_compiled", "mcore_local_spec", "longboat", "longboat_compiled")
-RUN_WEIGHT = {"hf_eager": 1.5, "hf_compiled": 4.0, "longboat": 1.5, "longboat_compiled": 2.5}
+# hf_liger last: liger patches transformers' Llama classes process-wide.
+ALL_RUNS = (
+    "hf_eager", "hf_compiled", "mcore_local_spec", "longboat", "longboat_compiled", "hf_liger",
+)  # fmt: skip
+RUN_WEIGHT = {
+    "hf_eager": 1.5, "hf_compiled": 4.0, "longboat": 1.5, "longboat_compiled": 2.5,
+    "hf_liger": 1.5,
+}  # fmt: skip
 
 FULL = dict(
     vocab=32000, hidden=2048, layers=16, heads=16, kv_heads=8, head_dim=128, ffn=5632,
@@ -130,8 +140,15 @@ def adamw(params: Any, device: torch.device) -> torch.optim.Optimizer:
     )
 
 
-def hf_setup(c: dict[str, int], device: torch.device, *, compiled: bool) -> Callable[..., Any]:
+def hf_setup(
+    c: dict[str, int], device: torch.device, *, compiled: bool, liger: bool = False
+) -> Callable[..., Any]:
     model = hf_model(c, device)
+    if liger:
+        # Liger's RoPE, RMSNorm, SwiGLU and fused linear CE (what HF users add for speed).
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(model=model)
     opt = adamw(model.parameters(), device)
     fwd = torch.compile(model) if compiled else model
 
@@ -453,6 +470,8 @@ def run_one(name: str, c: dict[str, int], acc: Any, args: argparse.Namespace) ->
     notes: dict[str, Any] = {}
     if name in ("hf_eager", "hf_compiled"):
         step = hf_setup(c, device, compiled=name == "hf_compiled")
+    elif name == "hf_liger":
+        step = hf_setup(c, device, compiled=False, liger=True)
     elif name == "mcore_local_spec":
         step, notes = mcore_setup(c, acc, backend="local", levers=False, compile_layers=False)
     elif name in ("longboat", "longboat_compiled"):
@@ -633,6 +652,9 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = acc.device_type != "cpu"
     c = dict(TINY if args.tiny else FULL)
     default_runs = ALL_RUNS if on_gpu else ("hf_eager", "mcore_local_spec", "longboat")
+    # A peer that is not installed is not a failure of the run.
+    if args.runs is None and importlib.util.find_spec("liger_kernel") is None:
+        default_runs = tuple(r for r in default_runs if r != "hf_liger")
     runs = args.runs.split(",") if args.runs else list(default_runs)
     result: dict[str, Any] = {
         "benchmark": "llm_throughput",
