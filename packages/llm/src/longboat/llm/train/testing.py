@@ -38,6 +38,29 @@ def make_tiny_dataset(root: Path, *, docs: int = 120) -> tuple[Path, Path]:
     return root / "tokens", Path(tok)
 
 
+def make_tiny_sft_dataset(root: Path, *, records: int = 80) -> tuple[Path, Path]:
+    """(SFT dataset dir, tokenizer dir): short chats whose answers follow from the question."""
+    from longboat.llm.data.prepare import PrepareOptions, prepare_dataset
+    from longboat.llm.data.tiny_tokenizer import train_tiny_tokenizer
+
+    chats = [
+        [
+            {"role": "user", "content": f"count from {i % 7} please"},
+            {"role": "assistant", "content": " ".join(str((i % 7) + k) for k in range(4))},
+        ]
+        for i in range(records)
+    ]
+    root.mkdir(parents=True, exist_ok=True)
+    tok = train_tiny_tokenizer(
+        [m["content"] for c in chats for m in c], root / "tokenizer", vocab_size=256
+    )
+    corpus = root / "chats.jsonl"
+    corpus.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    opts = PrepareOptions(input=corpus, tokenizer=Path(tok), output=root / "sft", format="sft")
+    prepare_dataset(opts, log=lambda *_: None, progress=False)
+    return root / "sft", Path(tok)
+
+
 def tiny_overrides(data_dir: Path, tokenizer: Path, out: Path, *, steps: int = 10) -> list[str]:
     """Overrides of the ``quickstart`` experiment: the tiny model on a prepared dataset."""
     return [
