@@ -38,6 +38,12 @@ Every way this differs from the official code, and why:
    constant LR), which the HF Trainer adds at negligible cost per step.
 9. The vision tower's ``head`` (attention pooling) is off (``vision_use_head=False``), as in
    Eagle, which reads ``last_hidden_state``.
+10. A batch may carry ``noise`` and ``time`` (the flow-matching draws); only
+    ``vla_loss_alignment.py`` uses this, to feed both loops identical draws. Otherwise noise
+    comes from ``torch.randn`` on the device and t from a CPU ``Beta(1.5, 1)`` copied over,
+    as in GR00T.
+11. The loader's worker count is a benchmark argument (the same for both loops), not the
+    2 workers EMBODIED_MODELS.md describes; more workers only help the reference.
 """
 
 from __future__ import annotations
