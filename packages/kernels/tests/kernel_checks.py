@@ -196,3 +196,27 @@ def test_torch_compile_traces_custom_ops() -> None:
     ref = fn(x, w)
     ref.sum().backward()
     assert rel_err(out, ref) <= 1e-5 and rel_err(gx, x.grad) <= 1e-4
+
+
+def test_fake_impls_match_the_kernels_on_non_contiguous_inputs() -> None:
+    """Each op's fake (what torch.compile traces with) gives the real kernel's shapes,
+    dtypes and strides, also for a transposed input: a fake that kept the input's strides
+    while the kernel returns a contiguous tensor broke torch.compile of a ViT."""
+    from torch.library import opcheck
+
+    torch.manual_seed(3)
+    x = torch.randn(96, 6, device=DEVICE).t()  # [6, 96], last stride 6
+    assert not x.is_contiguous()
+    w, b = torch.randn(96, device=DEVICE), torch.randn(96, device=DEVICE)
+    x3 = torch.randn(2, 96, 5, device=DEVICE).transpose(1, 2)  # [2, 5, 96], not contiguous
+    scale, shift = torch.randn(2, 96, device=DEVICE), torch.randn(2, 96, device=DEVICE)
+    gate = torch.randn(96, 6, device=DEVICE).t()
+    cases = [
+        (torch.ops.longboat.layer_norm_fwd, (x, w, b, 1e-5)),
+        (torch.ops.longboat.rms_norm_fwd, (x, w, None, 1e-6)),
+        (torch.ops.longboat.rms_norm_fwd, (x, w, x * 0.5, 1e-6)),
+        (torch.ops.longboat.ada_layer_norm_fwd, (x3, scale, shift, 1e-6)),
+        (torch.ops.longboat.glu_fwd, (gate, gate * 2, 0)),
+    ]
+    for op, args in cases:
+        opcheck(op, args, test_utils=("test_faketensor",))

@@ -38,7 +38,7 @@ _ada_fwd = torch.library.custom_op("longboat::ada_layer_norm_fwd", mutates_args=
 @_ada_fwd.register_fake
 def _(x: Tensor, scale: Tensor, shift: Tensor, eps: float):
     stat = x.new_empty(x.shape[0] * x.shape[1], dtype=torch.float32)
-    return torch.empty_like(x), stat, torch.empty_like(stat)
+    return x.new_empty(x.shape), stat, stat.new_empty(stat.shape)
 
 
 def _ada_bwd_impl(
@@ -54,7 +54,7 @@ _ada_bwd = torch.library.custom_op("longboat::ada_layer_norm_bwd", mutates_args=
 
 @_ada_bwd.register_fake
 def _(dy: Tensor, x: Tensor, scale: Tensor, mean: Tensor, rstd: Tensor):
-    return torch.empty_like(x), torch.empty_like(scale), torch.empty_like(scale)
+    return x.new_empty(x.shape), scale.new_empty(scale.shape), scale.new_empty(scale.shape)
 
 
 class _AdaLNFn(torch.autograd.Function):

@@ -142,7 +142,7 @@ def _(hidden, weight, target, ignore_index, z_loss, reduction, chunk_size, need_
     loss = hidden.new_empty((), dtype=torch.float32)
     if not need_grad:
         return loss, hidden.new_empty(0), weight.new_empty(0)
-    return loss, torch.empty_like(hidden), torch.empty_like(weight)
+    return loss, hidden.new_empty(hidden.shape), weight.new_empty(weight.shape)
 
 
 class _FusedLinearCEFn(torch.autograd.Function):

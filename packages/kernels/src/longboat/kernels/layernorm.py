@@ -192,7 +192,7 @@ _layer_norm_fwd = torch.library.custom_op("longboat::layer_norm_fwd", mutates_ar
 def _(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float):
     m = x.numel() // max(x.shape[-1], 1)
     stat = x.new_empty(m, dtype=torch.float32)
-    return torch.empty_like(x), stat, torch.empty_like(stat)
+    return x.new_empty(x.shape), stat, stat.new_empty(stat.shape)
 
 
 def _layer_norm_bwd_impl(
@@ -214,10 +214,10 @@ _layer_norm_bwd = torch.library.custom_op("longboat::layer_norm_bwd", mutates_ar
 @_layer_norm_bwd.register_fake
 def _(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor, need_wb: bool):
     if not need_wb:
-        return torch.empty_like(x), x.new_empty(0), x.new_empty(0)
+        return x.new_empty(x.shape), x.new_empty(0), x.new_empty(0)
     dtype = weight.dtype if weight is not None else x.dtype
     n = x.shape[-1]
-    return torch.empty_like(x), x.new_empty(n, dtype=dtype), x.new_empty(n, dtype=dtype)
+    return x.new_empty(x.shape), x.new_empty(n, dtype=dtype), x.new_empty(n, dtype=dtype)
 
 
 class _LayerNormFn(torch.autograd.Function):

@@ -122,8 +122,8 @@ _rms_norm_fwd = torch.library.custom_op("longboat::rms_norm_fwd", mutates_args=(
 @_rms_norm_fwd.register_fake
 def _(x: Tensor, weight: Tensor, residual: Tensor | None, eps: float):
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    h = torch.empty_like(x) if residual is not None else x.new_empty(0)
-    return torch.empty_like(x), h, x.new_empty(m, dtype=torch.float32)
+    h = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
+    return x.new_empty(x.shape), h, x.new_empty(m, dtype=torch.float32)
 
 
 def _rms_norm_bwd_impl(
@@ -157,7 +157,7 @@ _rms_norm_bwd = torch.library.custom_op("longboat::rms_norm_bwd", mutates_args=(
 
 @_rms_norm_bwd.register_fake
 def _(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, dh: Tensor | None):
-    return torch.empty_like(x), torch.empty_like(weight)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
 class _RMSNormFn(torch.autograd.Function):

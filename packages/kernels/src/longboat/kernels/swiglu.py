@@ -122,7 +122,7 @@ _glu_fwd = torch.library.custom_op("longboat::glu_fwd", mutates_args=())(_glu_fw
 def _(gate: Tensor, up: Tensor | None, act: int):
     if up is None:
         return gate.new_empty((*gate.shape[:-1], gate.shape[-1] // 2))
-    return torch.empty_like(gate)
+    return gate.new_empty(gate.shape)
 
 
 def _glu_bwd_impl(dy: Tensor, gate: Tensor, up: Tensor | None, act: int) -> tuple[Tensor, Tensor]:
@@ -135,7 +135,7 @@ def _glu_bwd_impl(dy: Tensor, gate: Tensor, up: Tensor | None, act: int) -> tupl
         dg, du = dgu[:, :n], dgu[:, n:]
     else:
         g2, u2 = as_rows(gate, n), as_rows(up, n)
-        dg, du = torch.empty_like(g2), torch.empty_like(u2)
+        dg, du = g2.new_empty(g2.shape), u2.new_empty(u2.shape)
     block, warps = _launch_cfg(n)
     if m > 0 and n > 0:
         _glu_bwd_kernel[(m, triton.cdiv(n, block))](
@@ -154,8 +154,8 @@ _glu_bwd = torch.library.custom_op("longboat::glu_bwd", mutates_args=())(_glu_bw
 @_glu_bwd.register_fake
 def _(dy: Tensor, gate: Tensor, up: Tensor | None, act: int):
     if up is None:
-        return torch.empty_like(gate), gate.new_empty(0)
-    return torch.empty_like(gate), torch.empty_like(up)
+        return gate.new_empty(gate.shape), gate.new_empty(0)
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
 
 
 class _GLUFn(torch.autograd.Function):
