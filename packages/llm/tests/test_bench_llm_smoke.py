@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,18 @@ def _load_bench():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _run_script(script: Path, args: list[str]) -> None:
+    """Run a benchmark script in a fresh process: it initialises torch.distributed and
+    megatron's global state, which must not leak into the forked workers of later tests."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    done = subprocess.run(
+        [sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
 
 def test_flop_accounting_reproduces_the_anchors() -> None:
@@ -33,11 +48,11 @@ def test_tiny_run_of_every_cpu_implementation(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     bench = _load_bench()
     out = tmp_path / "llm.json"
-    rc = bench.main(
+    _run_script(
+        SCRIPT,
         ["--out", str(out), "--tiny", "--steps", "2", "--warmup", "0",
-         "--runs", "hf_eager,mcore_local_spec,longboat", "--results-dir", str(tmp_path)]
+         "--runs", "hf_eager,mcore_local_spec,longboat", "--results-dir", str(tmp_path)],
     )  # fmt: skip
-    assert rc == 0
     result = json.loads(out.read_text())
     assert result["benchmark"] == "llm_throughput"
     assert [r["name"] for r in result["runs"]] == ["hf_eager", "mcore_local_spec", "longboat"]
@@ -65,13 +80,11 @@ def test_a_failing_run_is_recorded_not_raised(tmp_path: Path) -> None:
 def test_tiny_loss_alignment_matches_hf(tmp_path: Path) -> None:
     pytest.importorskip("megatron.core")
     pytest.importorskip("transformers")
-    spec = importlib.util.spec_from_file_location(
-        "llm_loss_alignment_bench", SCRIPT.parent / "llm_loss_alignment.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     out = tmp_path / "align.json"
-    assert mod.main(["--out", str(out), "--tiny", "--steps", "8", "--lr", "3e-3"]) == 0
+    _run_script(
+        SCRIPT.parent / "llm_loss_alignment.py",
+        ["--out", str(out), "--tiny", "--steps", "8", "--lr", "3e-3"],
+    )
     result = json.loads(out.read_text())
     assert len(result["hf_losses"]) == len(result["longboat_losses"]) == 8
     # Same weights, same batches: on CPU (bf16 autocast vs bf16 weights) the curves agree
