@@ -239,3 +239,16 @@ def test_function_ref_reimports_test_module_by_path():
 def test_spawn_reimports_test_module_by_path():
     out = run_multiprocess(_all_reduce_worker, 2, 1.0, start_method="spawn", timeout=90)
     assert [o["sum"] for o in out] == [3.0, 3.0]
+
+
+def test_run_multiprocess_refuses_to_fork_a_live_process_group(tmp_path) -> None:
+    """Forking while this process holds a process group would hang the workers: refuse."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="destroy_distributed"):
+            run_multiprocess(_all_reduce_worker, 2, 1.0)
+    finally:
+        dist.destroy_process_group()

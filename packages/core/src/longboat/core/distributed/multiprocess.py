@@ -146,6 +146,16 @@ def run_multiprocess(
         raise ValueError(f"run_multiprocess: world_size must be >= 1, got {world_size}")
     if start_method is None:
         start_method = "fork" if sys.platform.startswith("linux") else "spawn"
+    import torch.distributed as dist
+
+    if start_method == "fork" and dist.is_available() and dist.is_initialized():
+        # A forked child would inherit the parent's live process group (sockets, helper
+        # threads) and hang or crash in its own init; say so instead.
+        raise RuntimeError(
+            "run_multiprocess: torch.distributed is initialised in this process, so forked "
+            "workers would inherit its process group; call destroy_distributed() first, or "
+            "run the code that initialised it in a subprocess"
+        )
     ctx = mp.get_context(start_method)
     if start_method == "fork":
         _warm_imports()
