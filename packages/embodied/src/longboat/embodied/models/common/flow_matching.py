@@ -44,6 +44,21 @@ def pi0_time(
     return sample_beta_a1(alpha, n, device=device, generator=generator) * 0.999 + 0.001
 
 
+def zero_padding(x: Tensor, mask: Tensor | None, key: str) -> Tensor:
+    """``x`` with padded entries (``mask == 0``) zeroed, so their values never reach the loss.
+
+    ``key`` names the batch entry in the error when the mask does not broadcast.
+    """
+    if mask is None:
+        return x
+    try:
+        return x * mask.to(x.dtype).expand_as(x)
+    except RuntimeError as e:
+        raise ValueError(
+            f"batch[{key!r}] of shape {tuple(mask.shape)} does not broadcast to {tuple(x.shape)}"
+        ) from e
+
+
 def masked_mse(pred: Tensor, target: Tensor, mask: Tensor | None) -> Tensor:
     """Mean squared error over the entries where mask is true (all when None)."""
     err = (pred.float() - target.float()).pow(2)

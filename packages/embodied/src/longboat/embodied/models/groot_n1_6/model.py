@@ -32,23 +32,13 @@ from longboat.embodied.models.common.flow_matching import (
     groot_time,
     masked_mse,
     randn_like_gen,
+    zero_padding,
 )
 from longboat.embodied.models.common.freezing import FreezingGroups
 from longboat.embodied.models.groot_n1_6.action_head import GrootActionHead
 from longboat.embodied.models.groot_n1_6.backbone import EagleBackbone
 from longboat.embodied.models.groot_n1_6.config import GrootN16Config
 from longboat.embodied.models.registry import register_model
-
-
-def _masked(x: Tensor, mask: Tensor | None, key: str) -> Tensor:
-    if mask is None:
-        return x
-    try:
-        return x * mask.to(x.dtype).expand_as(x)
-    except RuntimeError as e:
-        raise ValueError(
-            f"batch[{key!r}] of shape {tuple(mask.shape)} does not broadcast to {tuple(x.shape)}"
-        ) from e
 
 
 @register_model("groot_n1_6")
@@ -115,7 +105,7 @@ class GrootN16(nn.Module):
         feats, valid, is_image = self.backbone(batch, generator, self._check_values())
         self._value_checks_left = max(0, self._value_checks_left - 1)
         cond = self.action_head.condition(feats, valid, is_image)
-        state = _masked(batch["state"].float(), batch.get("state_mask"), "state_mask")
+        state = zero_padding(batch["state"].float(), batch.get("state_mask"), "state_mask")
         state_tok = self.action_head.encode_state(state, batch["embodiment_id"], generator)
         return cond, state_tok
 
@@ -126,7 +116,7 @@ class GrootN16(nn.Module):
         self._check(batch, need_action=True)
         cond, state_tok = self._condition(batch, generator)
         mask = batch.get("action_mask")
-        action = _masked(batch["action"].float(), mask, "action_mask")
+        action = zero_padding(batch["action"].float(), mask, "action_mask")
         b = action.shape[0]
         noise = batch["noise"].float() if "noise" in batch else randn_like_gen(action, generator)
         if "time" in batch:

@@ -31,6 +31,7 @@ from longboat.embodied.models.common.flow_matching import (
     masked_mse,
     pi0_time,
     randn_like_gen,
+    zero_padding,
 )
 from longboat.embodied.models.common.freezing import FreezingGroups
 from longboat.embodied.models.common.image_preprocessing import preprocess_images
@@ -47,17 +48,6 @@ def discretize_state(state: Tensor, num_bins: int) -> Tensor:
     edges = torch.linspace(-1.0, 1.0, num_bins + 1, device=state.device)[:-1]
     idx = torch.bucketize(state.float().contiguous(), edges, right=True) - 1
     return idx.clamp(0, num_bins - 1)
-
-
-def _masked(x: Tensor, mask: Tensor | None, key: str) -> Tensor:
-    if mask is None:
-        return x
-    try:
-        return x * mask.to(x.dtype).expand_as(x)
-    except RuntimeError as e:
-        raise ValueError(
-            f"batch[{key!r}] of shape {tuple(mask.shape)} does not broadcast to {tuple(x.shape)}"
-        ) from e
 
 
 @register_model("pi05")
@@ -192,7 +182,7 @@ class Pi05(nn.Module):
         self._check(batch, need_action=True)
         prefix, prefix_valid = self.embed_prefix(batch, generator)
         mask = batch.get("action_mask")
-        action = _masked(batch["action"].float(), mask, "action_mask")
+        action = zero_padding(batch["action"].float(), mask, "action_mask")
         b = action.shape[0]
         noise = batch["noise"].float() if "noise" in batch else randn_like_gen(action, generator)
         if "time" in batch:
