@@ -223,6 +223,31 @@ def _loop(
     return timer, wall
 
 
+def _profile(
+    acc: Any, it: Any, step_fn: Any, to_dev: Any, steps: int, out: Path | None, first: int
+) -> None:
+    """Run ``steps`` more steps under torch.profiler and write the ops table sorted by
+    device (or CPU) self time to ``out``: where a step's time goes, measured."""
+    if steps <= 0 or out is None:
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if acc.device_type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for i in range(steps):
+            step_fn(to_dev(next(it)), first + i)
+        acc.synchronize()
+    key = "self_cuda_time_total" if acc.device_type == "cuda" else "self_cpu_time_total"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        f"{steps} profiled steps; sorted by {key}\n"
+        + prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70)
+    )
+    print(f"  profile: {out}", flush=True)
+
+
 class _Alarm:
     """Raise ``TimeoutError`` in the main thread after ``seconds`` (a run that overruns the
     whole budget, e.g. a long torch.compile, fails alone and the table is still printed)."""
@@ -273,6 +298,15 @@ def run_reference(
             args.warmup,
             deadline,
         )
+        _profile(
+            acc,
+            it,
+            lambda b, i: ref.train_step(model, opt, b, acc.device_type, bf16=True),
+            lambda b: ref.to_device(b, device),
+            args.profile_steps,
+            args.profile_dir and args.profile_dir / "vla_profile_reference.txt",
+            args.warmup + args.steps,
+        )
     finally:
         del it, loader
     return timer, wall, counts
@@ -302,7 +336,7 @@ def run_longboat(
         len(dataset), BatchLayout(args.batch, args.batch, 1), seed=args.seed, shuffle=True
     )
     micro = RankMicroBatches(dataset, plan, collate, dp_rank=0, seed=args.seed)
-    total = args.warmup + args.steps
+    total = args.warmup + args.steps + args.profile_steps
     loader = DataLoader(
         micro,
         batch_size=None,
@@ -342,6 +376,16 @@ def run_longboat(
     try:
         timer, wall = _loop(
             acc, it, step, lambda b: to_device(b, device), args.steps, args.warmup, deadline
+        )
+        name = "longboat_compiled" if compile_blocks else "longboat"
+        _profile(
+            acc,
+            it,
+            step,
+            lambda b: to_device(b, device),
+            args.profile_steps,
+            args.profile_dir and args.profile_dir / f"vla_profile_{name}.txt",
+            args.warmup + args.steps,
         )
     finally:
         del it, loader
@@ -450,6 +494,10 @@ def main(argv: list[str] | None = None) -> int:
         "--runs", default=None, help="comma list of reference,longboat,longboat_compiled"
     )
     p.add_argument("--data-dir", type=Path, default=None)
+    p.add_argument(
+        "--profile-steps", type=int, default=0, help="profile N more steps per run (torch.profiler)"
+    )
+    p.add_argument("--profile-dir", type=Path, default=None, help="where the profile tables go")
     p.add_argument("--embodiments", type=int, default=4)
     p.add_argument("--episodes", type=int, default=12, help="episodes per embodiment")
     p.add_argument("--episode-length", type=int, nargs=2, default=[80, 120])
