@@ -157,5 +157,7 @@ def test_bf16_step_with_fp32_main_params(
     assert abs(loss - ref_losses[0]) < 0.05, (loss, ref_losses[0])
     for name, ref in ref_weights.items():
         assert weights[name].dtype == torch.bfloat16, name
-        # bf16 has ~3 significant digits: the update lands within bf16 rounding of fp32's.
-        torch.testing.assert_close(weights[name].float(), ref, atol=0.03, rtol=0.02)
+        # bf16 keeps 8 mantissa bits: the update lands within ~1 bf16 ulp (2^-7 relative) of
+        # fp32's. The step moves embeddings, v/o projections and the head by 0.01-0.04, so a
+        # bf16 step that did not update them fails here (atol=0.03 could not tell).
+        torch.testing.assert_close(weights[name].float(), ref, atol=1e-3, rtol=2**-7)
