@@ -70,16 +70,20 @@ def test_demo_sigterm_saves_and_resume_matches_uninterrupted_run(tmp_path: Path)
     assert resumed.eval_after == full.eval_after
 
 
-def _demo_rank(rank: int, world: int, root: str) -> tuple[int, list[float]]:
+def _demo_rank(rank: int, world: int, root: str) -> tuple[int, list[float], float]:
     result = run(_cfg(Path(root), "train.steps=12"))
-    return result.end_step, result.losses
+    return result.end_step, result.losses, result.eval_after
 
 
 @pytest.mark.multiprocess
 def test_demo_under_ddp_at_world_2_resumes_at_world_1(tmp_path: Path) -> None:
-    (end0, losses0), (end1, losses1) = run_multiprocess(_demo_rank, 2, str(tmp_path), timeout=120)
+    (end0, losses0, eval0), (end1, losses1, eval1) = run_multiprocess(
+        _demo_rank, 2, str(tmp_path), timeout=120
+    )
     assert end0 == end1 == 12
     assert losses0 != losses1  # each rank trains on its own shard of every batch
+    # ...yet DDP's averaged gradients keep the replicas identical: same held-out MSE.
+    assert eval0 == eval1
     assert read_manifest(tmp_path / "ckpt" / "step_00000012").world_size == 2
     resumed = run(_cfg(tmp_path, "train.steps=20"))
     assert resumed.resumed_from == tmp_path / "ckpt" / "step_00000012"
