@@ -44,6 +44,8 @@ class FakeDeviceModule:
         self.allocated = 3 << 30
         self.seeds: list[int] = []
         self.peak_resets = 0
+        self.calls: list[str] = []  # no-result calls, to check they reach the runtime
+        self.entered_streams: list[object] = []
 
     def device_count(self) -> int:
         return self.count
@@ -58,7 +60,10 @@ class FakeDeviceModule:
         return self.current
 
     def synchronize(self) -> None:
-        pass
+        self.calls.append("synchronize")
+
+    def empty_cache(self) -> None:
+        self.calls.append("empty_cache")
 
     def manual_seed_all(self, seed: int) -> None:
         self.seeds.append(seed)
@@ -91,6 +96,7 @@ class FakeDeviceModule:
     def stream(self, s):
         import contextlib
 
+        self.entered_streams.append(s)
         return contextlib.nullcontext(s)
 
     class Event:
@@ -165,7 +171,11 @@ def test_interface_delegates_to_runtime(fake_xmlir):
     s = acc.stream()
     assert isinstance(s, FakeDeviceModule.Stream)
     with acc.use_stream(s):
-        pass
+        assert fake_xmlir.entered_streams == [s]
+    assert isinstance(acc.current_stream(), FakeDeviceModule.Stream)
+    acc.synchronize()
+    acc.empty_cache()
+    assert fake_xmlir.calls == ["synchronize", "empty_cache"]
     assert acc.event(enable_timing=True).enable_timing
     assert acc.supports_bf16 and not acc.supports_fp8
 
