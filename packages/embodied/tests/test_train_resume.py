@@ -110,6 +110,12 @@ def test_sigkill_then_resume_continues_the_exact_loss_curve(tmp_path: Path) -> N
     _train_to_end(killed, data)
     resumed = _losses(killed)
     assert sorted(resumed) == list(range(1, STEPS + 1))
+    # A restart from step 0 would reproduce the curve too: the checkpointed steps must be
+    # logged once (by the killed run), not again by the relaunch.
+    logged = (killed / "logs" / "groot_n1_6_tiny" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in logged]
+    repeated = [s for s in range(1, KILL_AFTER_CHECKPOINT + 1) if steps.count(s) != 1]
+    assert not repeated, f"the relaunch did not resume from the checkpoint: steps {steps}"
     # Bit-identical: same floats, not merely close.
     assert resumed == reference, {s: (resumed[s], reference[s]) for s in reference}
 
