@@ -114,3 +114,33 @@ def test_tied_head_maps_to_the_embedding() -> None:
     slot = megatron_to_hf_slot("output_layer.weight", tied, global_layer=None, ep=RankCoords())
     assert slot.hf_names == ("model.embed_tokens.weight",)
     assert "lm_head.weight" not in expected_hf_shapes(tied)
+
+
+def test_fused_layouts_match_megatron_by_hand() -> None:
+    """The round trip above cannot see a layout that is wrong both ways; pin the layouts.
+
+    linear_qkv interleaves per query group ([q_g, k_g, v_g] for each group g of the rank);
+    with one group per rank (tp=2 above) interleaved and blocked layouts coincide, so check
+    tp=1 with both groups. linear_fc1 is this rank's gate rows, then its up rows.
+    """
+    hf = _hf_tensors()
+    coords = RankCoords()
+    slot = megatron_to_hf_slot(
+        "decoder.layers.0.self_attention.linear_qkv.weight", ARCH, global_layer=0, ep=coords
+    )
+    shard = shard_from_hf(slot, _reader(hf, coords, []), ARCH, coords)
+    q, k, v = (hf[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
+    # 4 heads in 2 groups of 2 heads, head_dim 4: q rows 8 per group, k / v rows 4.
+    want = torch.cat([q[0:8], k[0:4], v[0:4], q[8:16], k[4:8], v[4:8]])
+    assert torch.equal(shard, want)
+
+    dense = DecoderArch(**{**ARCH.__dict__, "num_experts": 0, "moe_ffn_hidden_size": None})
+    g = torch.Generator().manual_seed(1)
+    hf = {n: torch.randn(s, generator=g) for n, s in expected_hf_shapes(dense).items()}
+    coords = RankCoords(tp_rank=1, tp_size=2)
+    slot = megatron_to_hf_slot(
+        "decoder.layers.1.mlp.linear_fc1.weight", dense, global_layer=1, ep=coords
+    )
+    shard = shard_from_hf(slot, _reader(hf, coords, []), dense, coords)
+    gate, up = (hf[f"model.layers.1.mlp.{n}_proj.weight"] for n in ("gate", "up"))
+    assert torch.equal(shard, torch.cat([gate[12:24], up[12:24]]))  # ffn 24 over 2 ranks
