@@ -69,9 +69,11 @@ def test_sigkill_then_resume_continues_the_loss_curve(tmp_path: Path) -> None:
     proc = mp.get_context("fork").Process(target=_killed_run, args=(_overrides(data, tok, out),))
     proc.start()
     proc.join(120)
-    if proc.exitcode is None:
-        proc.kill()
+    hung = proc.exitcode is None
+    if hung:
+        proc.kill()  # also a SIGKILL: must not pass for the kill at step KILL_AT below
         proc.join()
+    assert not hung, f"the training run did not reach its kill at step {KILL_AT} within 120 s"
     assert proc.exitcode == -signal.SIGKILL, f"the run was not killed (exit {proc.exitcode})"
     last = (KILL_AT // SAVE_EVERY) * SAVE_EVERY
     assert (out / "ckpt" / f"step_{last:08d}").is_dir()
