@@ -23,15 +23,16 @@ def qkv(b: int, s: int, hq: int, hk: int, d: int = 16, seed: int = 0):  # type: 
     return tuple(torch.randn(b, s, h, d, generator=g).requires_grad_() for h in (hq, hk, hk))
 
 
-def explicit_softmax(q, k, v, allowed):  # type: ignore[no-untyped-def]
+def explicit_softmax(q, k, v, allowed, scale=None):  # type: ignore[no-untyped-def]
     """Hand-written reference: per (b, h), softmax over allowed keys; GQA by head grouping."""
     b, _, hq, d = q.shape
     hk = k.shape[2]
+    scale = d**-0.5 if scale is None else scale
     out = torch.zeros_like(q)
     for bi in range(b):
         for h in range(hq):
             kh = h // (hq // hk)
-            sc = q[bi, :, h] @ k[bi, :, kh].T / d**0.5
+            sc = q[bi, :, h] @ k[bi, :, kh].T * scale
             sc = sc.masked_fill(~allowed[bi if allowed.shape[0] > 1 else 0], float("-inf"))
             out[bi, :, h] = torch.softmax(sc, -1) @ v[bi, :, kh]
     return out
@@ -62,6 +63,18 @@ def test_dense_backends_match_reference(backend: str, causal: bool) -> None:
     if backend != "flex":
         for a, b in zip(grads(out, (q, k, v)), grads(ref, (q, k, v)), strict=True):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_explicit_scale_reaches_every_backend(backend: str) -> None:
+    # Every other test uses the default 1/sqrt(head_dim); a backend that dropped ``scale``
+    # would pass them all.
+    q, k, v = (t.detach() for t in qkv(1, 6, 2, 1, seed=4))
+    allowed = torch.ones(1, 6, 6, dtype=torch.bool).tril()
+    ref = explicit_softmax(q, k, v, allowed, scale=0.7)
+    out = K.attention(q, k, v, causal=True, scale=0.7, backend=backend)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    assert (out - explicit_softmax(q, k, v, allowed)).abs().max() > 1e-2  # 0.7 != 1/sqrt(16)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
