@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from longboat.core.device import get_accelerator
+from longboat.core.device import CPUAccelerator, get_accelerator
 from longboat.core.rng import RNGState, seed_everything
 
 
@@ -73,3 +73,35 @@ def test_restore_without_snapshot_and_wrong_format_fail_clearly() -> None:
     bad = dict(sd, format=99)
     with pytest.raises(ValueError, match="format 99"):
         RNGState().load_state_dict(bad)
+
+
+class _FakeDeviceAccelerator(CPUAccelerator):
+    """An accelerator whose device RNG is a generator of its own (not the CPU one)."""
+
+    name = "fakedev"
+    device_type = "fakedev"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(5)
+
+    def get_rng_state(self) -> torch.Tensor:
+        return self.gen.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.gen.set_state(state)
+
+
+def test_device_rng_is_captured_and_restored_on_the_same_device_type() -> None:
+    # On CPU the device stream is the CPU one; a real device has a generator of its own.
+    acc = _FakeDeviceAccelerator()
+    snap = RNGState.capture(acc)
+    first = torch.rand(4, generator=acc.gen)
+    assert not torch.equal(torch.rand(4, generator=acc.gen), first)
+    snap.restore()
+    assert torch.equal(torch.rand(4, generator=acc.gen), first)
+    torch.rand(3)  # move the CPU stream away from the snapshot's
+    cpu_before = torch.get_rng_state()
+    with pytest.raises(ValueError, match="'fakedev' device but this run uses 'cpu'"):
+        RNGState(get_accelerator("cpu")).load_state_dict(snap.state_dict())
+    assert torch.equal(torch.get_rng_state(), cpu_before)  # refused before touching any RNG

@@ -60,6 +60,13 @@ def _restore(state: dict[str, Any], accelerator: Accelerator) -> None:
             f"RNG state has format {state.get('format')!r}, this longboat reads format {_FORMAT}; "
             "the checkpoint was written by an incompatible version"
         )
+    # Checked before any RNG is touched: a refused state must leave every stream as it was.
+    if "device" in state and state["device_type"] != accelerator.device_type:
+        raise ValueError(
+            f"RNG state was captured on a {state['device_type']!r} device but this run uses "
+            f"{accelerator.device_type!r}; resume on the same accelerator type for an exact "
+            "continuation (or drop 'rng' from the state to resume with fresh device RNG)"
+        )
     version, mt_state, gauss = state["python"]
     random.setstate((version, tuple(mt_state), gauss))
     np_state = state["numpy"]
@@ -76,12 +83,6 @@ def _restore(state: dict[str, Any], accelerator: Accelerator) -> None:
     )
     torch.set_rng_state(state["torch_cpu"])
     if "device" in state:
-        if state["device_type"] != accelerator.device_type:
-            raise ValueError(
-                f"RNG state was captured on a {state['device_type']!r} device but this run uses "
-                f"{accelerator.device_type!r}; resume on the same accelerator type for an exact "
-                "continuation (or drop 'rng' from the state to resume with fresh device RNG)"
-            )
         accelerator.set_rng_state(state["device"])
 
 
