@@ -38,6 +38,19 @@ class ViTConfig:
             )
 
 
+def siglip_so400m(pos_grid: tuple[int, int]) -> ViTConfig:
+    """The SigLIP(2) So400m/14 tower both GR00T N1.6 and pi0.5 use; ``pos_grid`` is the
+    learned position table (18x18 for GR00T's 252 px crops, 16x16 for pi0.5's 224 px)."""
+    return ViTConfig(
+        hidden_size=1152,
+        num_layers=27,
+        num_heads=16,
+        intermediate_size=4304,
+        patch_size=14,
+        pos_grid=pos_grid,
+    )
+
+
 class ViTBlock(nn.Module):
     """Pre-LN encoder block with biased projections."""
 

@@ -10,7 +10,7 @@ from longboat.embodied.models.common.category_specific import CategoryImpl
 from longboat.embodied.models.common.dit import DiTConfig
 from longboat.embodied.models.common.image_preprocessing import ImagePreprocessConfig
 from longboat.embodied.models.common.lm import DecoderConfig
-from longboat.embodied.models.common.vit import ViTConfig
+from longboat.embodied.models.common.vit import ViTConfig, siglip_so400m
 
 
 @dataclass(kw_only=True)
@@ -112,14 +112,7 @@ class GrootN16Config:
 def full() -> GrootN16Config:
     """The released GR00T N1.6 shapes (~2.9B parameters)."""
     return GrootN16Config(
-        vision=ViTConfig(
-            hidden_size=1152,
-            num_layers=27,
-            num_heads=16,
-            intermediate_size=4304,
-            patch_size=14,
-            pos_grid=(18, 18),
-        ),
+        vision=siglip_so400m(pos_grid=(18, 18)),
         llm=DecoderConfig(
             hidden_size=2048,
             num_layers=28,

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from longboat.embodied.models.common.image_preprocessing import ImagePreprocessConfig
 from longboat.embodied.models.common.lm import DecoderConfig
-from longboat.embodied.models.common.vit import ViTConfig
+from longboat.embodied.models.common.vit import ViTConfig, siglip_so400m
 
 
 @dataclass(kw_only=True)
@@ -98,14 +98,7 @@ class Pi05Config:
 def full() -> Pi05Config:
     """openpi's pi0.5 shapes (~3.3B parameters)."""
     return Pi05Config(
-        vision=ViTConfig(
-            hidden_size=1152,
-            num_layers=27,
-            num_heads=16,
-            intermediate_size=4304,
-            patch_size=14,
-            pos_grid=(16, 16),
-        ),
+        vision=siglip_so400m(pos_grid=(16, 16)),
         llm=DecoderConfig(
             hidden_size=2048,
             num_layers=18,
