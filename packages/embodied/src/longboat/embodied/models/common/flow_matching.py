@@ -59,6 +59,27 @@ def zero_padding(x: Tensor, mask: Tensor | None, key: str) -> Tensor:
         ) from e
 
 
+def training_draw(
+    batch: dict[str, Tensor],
+    generator: torch.Generator | None,
+    sample_time: Callable[[int, torch.device], Tensor],
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    """(action with padding zeroed, action mask, noise, time) for one training step.
+
+    ``batch["noise"]`` / ``batch["time"]`` replace the random draws when present (loss
+    alignment against a reference feeds both the same draws); ``sample_time(b, device)``
+    is the model's own time distribution.
+    """
+    mask = batch.get("action_mask")
+    action = zero_padding(batch["action"].float(), mask, "action_mask")
+    noise = batch["noise"].float() if "noise" in batch else randn_like_gen(action, generator)
+    if "time" in batch:
+        t = batch["time"].float()
+    else:
+        t = sample_time(action.shape[0], action.device)
+    return action, mask, noise, t
+
+
 def masked_mse(pred: Tensor, target: Tensor, mask: Tensor | None) -> Tensor:
     """Mean squared error over the entries where mask is true (all when None)."""
     err = (pred.float() - target.float()).pow(2)

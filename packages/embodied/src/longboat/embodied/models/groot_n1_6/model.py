@@ -32,6 +32,7 @@ from longboat.embodied.models.common.flow_matching import (
     groot_time,
     masked_mse,
     randn_like_gen,
+    training_draw,
     zero_padding,
 )
 from longboat.embodied.models.common.freezing import FreezingGroups
@@ -115,20 +116,17 @@ class GrootN16(nn.Module):
         """Flow-matching training loss. Returns {"loss", "pred_velocity", "target_velocity"}."""
         self._check(batch, need_action=True)
         cond, state_tok = self._condition(batch, generator)
-        mask = batch.get("action_mask")
-        action = zero_padding(batch["action"].float(), mask, "action_mask")
-        b = action.shape[0]
-        noise = batch["noise"].float() if "noise" in batch else randn_like_gen(action, generator)
-        if "time" in batch:
-            t = batch["time"].float()
-        else:
-            t = groot_time(
+        action, mask, noise, t = training_draw(
+            batch,
+            generator,
+            lambda b, device: groot_time(
                 b,
-                device=action.device,
+                device=device,
                 generator=generator,
                 alpha=self.cfg.noise_beta_alpha,
                 noise_s=self.cfg.noise_s,
-            )
+            ),
+        )
         tt = t[:, None, None]
         x_t = (1 - tt) * noise + tt * action
         target = action - noise

@@ -31,7 +31,7 @@ from longboat.embodied.models.common.flow_matching import (
     masked_mse,
     pi0_time,
     randn_like_gen,
-    zero_padding,
+    training_draw,
 )
 from longboat.embodied.models.common.freezing import FreezingGroups
 from longboat.embodied.models.common.image_preprocessing import preprocess_images
@@ -181,16 +181,13 @@ class Pi05(nn.Module):
         """Flow-matching training loss. Returns {"loss", "pred_velocity", "target_velocity"}."""
         self._check(batch, need_action=True)
         prefix, prefix_valid = self.embed_prefix(batch, generator)
-        mask = batch.get("action_mask")
-        action = zero_padding(batch["action"].float(), mask, "action_mask")
-        b = action.shape[0]
-        noise = batch["noise"].float() if "noise" in batch else randn_like_gen(action, generator)
-        if "time" in batch:
-            t = batch["time"].float()
-        else:
-            t = pi0_time(
-                b, device=action.device, generator=generator, alpha=self.cfg.noise_beta_alpha
-            )
+        action, mask, noise, t = training_draw(
+            batch,
+            generator,
+            lambda b, device: pi0_time(
+                b, device=device, generator=generator, alpha=self.cfg.noise_beta_alpha
+            ),
+        )
         tt = t[:, None, None]
         x_t = tt * noise + (1 - tt) * action
         target = noise - action
