@@ -17,8 +17,6 @@ import argparse
 import datetime as dt
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -33,6 +31,11 @@ REPO = Path(__file__).resolve().parents[2]
 for sub in ("packages/core/src", "packages/kernels/src"):
     if str(REPO / sub) not in sys.path:
         sys.path.insert(0, str(REPO / sub))
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_env import git_commit, versions  # noqa: E402
+from bench_env import gpu_name as _gpu_name  # noqa: E402
 
 from longboat import kernels as K  # noqa: E402
 
@@ -508,41 +511,6 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {"torch": torch.__version__, "cuda": str(torch.version.cuda)}
-    for pkg in ("triton", "liger-kernel"):
-        try:
-            out[pkg.replace("-", "_")] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg.replace("-", "_")] = "absent"
-    return out
-
-
-def gpu_name() -> str:
-    if DEVICE == "cpu":
-        return "cpu"
-    try:
-        return subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True, text=True, check=True, timeout=30,
-        ).stdout.splitlines()[0].strip()  # fmt: skip
-    except Exception:
-        return "unknown GPU"
-
-
-def git_commit() -> str:
-    env = os.environ.get("LONGBOAT_COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                              capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    except Exception:
-        return "unknown"
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("results.json"), help="JSON results path")
@@ -592,8 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "benchmark": "kernels",
         "date": a.date,
-        "gpu": gpu_name(),
-        "versions": versions(),
+        "gpu": "cpu" if DEVICE == "cpu" else _gpu_name(),
+        "versions": versions("triton", "liger-kernel"),
         "commit": git_commit(),
         "copy_bandwidth_gb_s": copy_gbs,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},

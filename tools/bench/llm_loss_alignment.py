@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "llm_loss_alignment",
         "date": lt.DATE,
         "gpu": lt.gpu_name() if acc.device_type != "cpu" else "cpu",
-        "versions": lt.versions(),
-        "commit": lt.commit(),
+        "versions": lt.versions("transformers", "triton", "megatron-core"),
+        "commit": lt.git_commit(),
         "config": {**c, "steps": args.steps, "seed": args.seed, "precision": "bf16",
                    "lr": args.lr, "data": "fixed random Markov chain, 8 successors per token"},
     }  # fmt: skip

@@ -51,7 +51,6 @@ import os
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -65,6 +64,9 @@ REPO = Path(__file__).resolve().parents[2]
 for sub in ("packages/core/src", "packages/kernels/src", "packages/llm/src"):
     if str(REPO / sub) not in sys.path:
         sys.path.insert(0, str(REPO / sub))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_env import git_commit, gpu_name, versions  # noqa: E402
 
 from longboat.core.device import get_accelerator  # noqa: E402
 
@@ -518,47 +520,6 @@ def run_one(name: str, c: dict[str, int], acc: Any, args: argparse.Namespace) ->
     }
 
 
-def gpu_name() -> str:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else "cpu"
-    except (OSError, IndexError, subprocess.TimeoutExpired):
-        return "cpu"
-
-
-def versions() -> dict[str, str]:
-    import platform
-
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for name, mod in (("transformers", "transformers"), ("triton", "triton")):
-        with contextlib.suppress(Exception):
-            out[name] = __import__(mod).__version__
-    with contextlib.suppress(Exception):
-        from megatron.core import package_info
-
-        out["megatron_core"] = package_info.__version__
-    with contextlib.suppress(Exception):
-        out["cuda"] = str(torch.version.cuda)
-    return out
-
-
-def commit() -> str:
-    if os.environ.get("BENCH_COMMIT"):  # the GPU machine gets a copy of the tree, no .git
-        return os.environ["BENCH_COMMIT"]
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def table(result: dict[str, Any]) -> str:
     runs = result["runs"]
     base = next((r for r in runs if r["name"] == "hf_compiled" and "tokens_per_s" in r), None)
@@ -660,8 +621,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "llm_throughput",
         "date": DATE,
         "gpu": gpu_name() if on_gpu else "cpu",
-        "versions": versions(),
-        "commit": commit(),
+        "versions": versions("transformers", "triton", "megatron-core"),
+        "commit": git_commit(),
         "config": {
             **c,
             "flavor": "tiny" if args.tiny else "886m",

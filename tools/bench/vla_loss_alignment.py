@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "baselines"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import groot_n1_6_reference as ref  # noqa: E402
-from vla_throughput import DATE, commit, gpu_name, versions  # noqa: E402
+from bench_env import git_commit, gpu_name, versions  # noqa: E402
+from vla_throughput import DATE  # noqa: E402
 
 from longboat.core.device import get_accelerator  # noqa: E402
 
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     rel = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref_losses, lb_losses)]
     result = {
         "benchmark": "vla_loss_alignment", "date": DATE, "gpu": gpu_name(),
-        "versions": versions(), "commit": commit(),
+        "versions": versions("transformers", "av", "triton"), "commit": git_commit(),
         "config": {"model": "groot_n1_6", "flavor": "tiny" if args.tiny else "full",
                    "batch": args.batch, "steps": len(rel), "precision": "bf16",
                    "distinct_batches": len(batches), "overrides": {k: str(v) for k, v in

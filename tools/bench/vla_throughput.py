@@ -29,14 +29,12 @@ last. ``--tiny`` runs the tiny flavour (CPU smoke).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import gc
 import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -51,9 +49,11 @@ for sub in ("packages/core/src", "packages/kernels/src", "packages/embodied/src"
     if str(REPO / sub) not in sys.path:
         sys.path.insert(0, str(REPO / sub))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "baselines"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import groot_n1_6_reference as ref  # noqa: E402
 import groot_n1_6_reference_data as ref_data  # noqa: E402
+from bench_env import git_commit, gpu_name, versions  # noqa: E402
 
 from longboat.core.device import get_accelerator  # noqa: E402
 
@@ -395,43 +395,6 @@ def run_longboat(
 # ----------------------------------------------------------------------------- reporting
 
 
-def gpu_name() -> str:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else "cpu"
-    except (OSError, IndexError, subprocess.TimeoutExpired):
-        return "cpu"
-
-
-def versions() -> dict[str, str]:
-    import platform
-
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("transformers", "av", "triton"):
-        with contextlib.suppress(Exception):
-            out[name] = __import__(name).__version__
-    return out
-
-
-def commit() -> str:
-    if os.environ.get("BENCH_COMMIT"):  # the GPU machine gets a copy of the tree, no .git
-        return os.environ["BENCH_COMMIT"]
-    try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-            ).stdout.strip()
-            or "unknown"
-        )
-    except OSError:
-        return "unknown"
-
-
 def table(result: dict[str, Any]) -> str:
     runs = result["runs"]
     base = next((r for r in runs if r["name"] == "reference" and "samples_per_s" in r), None)
@@ -555,8 +518,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "vla_throughput",
         "date": DATE,
         "gpu": gpu_name() if on_gpu else "cpu",
-        "versions": versions(),
-        "commit": commit(),
+        "versions": versions("transformers", "av", "triton"),
+        "commit": git_commit(),
         "config": {
             "model": args.model,
             "flavor": flavor,

@@ -1,0 +1,58 @@
+"""Where and with what a benchmark ran: GPU name, package versions, commit.
+
+Shared by every script in tools/bench so their result files describe the run the same way.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def gpu_name() -> str:
+    """The first GPU's name from nvidia-smi, or "cpu" where there is none."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else "cpu"
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        return "cpu"
+
+
+def versions(*distributions: str) -> dict[str, str]:
+    """python, torch, CUDA and each named distribution's version ("absent" if missing)."""
+    import torch
+
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+    }
+    for dist in distributions:
+        try:
+            out[dist.replace("-", "_")] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist.replace("-", "_")] = "absent"
+    return out
+
+
+def git_commit() -> str:
+    """Short HEAD commit; BENCH_COMMIT overrides it (the GPU machine gets a tree without .git)."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        )
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
