@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 from longboat.core.config.schema import ModelConfig
 from longboat.core.megatron.decoder_config import DecoderArch
@@ -55,27 +57,11 @@ class LLMModelConfig(ModelConfig):
     layer_backend: str = "auto"
     """auto (Transformer Engine on CUDA when installed, else longboat kernels), longboat, te, local."""
 
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> LLMModelConfig:
+        """The config from a composed ``model`` section (keys of other schemas ignored)."""
+        return cls(**{f.name: raw[f.name] for f in fields(cls) if f.name in raw})
+
     def to_arch(self) -> DecoderArch:
-        """The backend-neutral architecture core.megatron builds from."""
-        return DecoderArch(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            num_layers=self.num_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_query_groups=self.num_query_groups,
-            head_dim=self.head_dim,
-            ffn_hidden_size=self.ffn_hidden_size,
-            max_position_embeddings=self.max_position_embeddings,
-            rope_theta=self.rope_theta,
-            rope_scaling_factor=self.rope_scaling_factor,
-            norm_eps=self.norm_eps,
-            qk_norm=self.qk_norm,
-            attention_bias=self.attention_bias,
-            tie_embeddings=self.tie_embeddings,
-            num_experts=self.num_experts,
-            moe_topk=self.moe_topk,
-            moe_ffn_hidden_size=self.moe_ffn_hidden_size,
-            moe_norm_topk_prob=self.moe_norm_topk_prob,
-            moe_aux_loss_coeff=self.moe_aux_loss_coeff,
-            init_std=self.init_std,
-        )
+        """The backend-neutral architecture core.megatron builds from (the shared fields)."""
+        return DecoderArch(**{f.name: getattr(self, f.name) for f in fields(DecoderArch)})

@@ -16,9 +16,8 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
         return
     from longboat.llm.config import LLMModelConfig
 
-    fields = {k: model[k] for k in LLMModelConfig.__dataclass_fields__ if k in model}
     try:
-        arch = LLMModelConfig(**fields).to_arch()
+        arch = LLMModelConfig.from_mapping(model).to_arch()
         arch.validate()
         par = cfg.get("parallel") or {}
         arch.validate_parallel(

@@ -25,9 +25,7 @@ def section(cfg: Any) -> dict[str, Any]:
 
 def model_config(cfg: Any) -> LLMModelConfig:
     """``cfg.model`` as an ``LLMModelConfig``."""
-    raw = section(cfg.model)
-    names = {f.name for f in dataclasses.fields(LLMModelConfig)}
-    return LLMModelConfig(**{k: v for k, v in raw.items() if k in names})
+    return LLMModelConfig.from_mapping(section(cfg.model))
 
 
 def check_run(cfg: Any, model: LLMModelConfig) -> None:
