@@ -67,6 +67,7 @@ for sub in ("packages/core/src", "packages/kernels/src", "packages/llm/src"):
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_env import git_commit, gpu_name, versions  # noqa: E402
+from bench_profile import profile_steps  # noqa: E402
 
 from longboat.core.device import get_accelerator  # noqa: E402
 
@@ -501,6 +502,15 @@ def run_one(name: str, c: dict[str, int], acc: Any, args: argparse.Namespace) ->
             times.append(time.perf_counter() - ts)
         losses.append(loss)  # a device tensor: read after the loop (no sync inside a step)
     total_s = time.perf_counter() - t0
+    profile = profile_steps(
+        acc,
+        lambda i, fn=step, bs=batches: fn(*bs[i % n_batches]),
+        args.profile_steps,
+        args.profile_dir and args.profile_dir / f"llm_profile_{name}.txt",
+        title=f"llm_throughput {name}",
+    )
+    if profile:
+        notes["profile"] = profile
     losses_f = [float(x) for x in losses]
     med = statistics.median(times)
     tokens_per_s = c["micro_batch"] * c["seq"] / med
@@ -606,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--time-budget", type=float, default=0, help="seconds for all runs (0: none)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile-steps", type=int, default=0, help="profiled steps after timing")
+    p.add_argument("--profile-dir", type=Path, default=None, help="where profile tables go")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
 

@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import groot_n1_6_reference as ref  # noqa: E402
 import groot_n1_6_reference_data as ref_data  # noqa: E402
 from bench_env import git_commit, gpu_name, versions  # noqa: E402
+from bench_profile import profile_steps  # noqa: E402
 
 from longboat.core.device import get_accelerator  # noqa: E402
 
@@ -225,27 +226,11 @@ def _loop(
 
 def _profile(
     acc: Any, it: Any, step_fn: Any, to_dev: Any, steps: int, out: Path | None, first: int
-) -> None:
-    """Run ``steps`` more steps under torch.profiler and write the ops table sorted by
-    device (or CPU) self time to ``out``: where a step's time goes, measured."""
-    if steps <= 0 or out is None:
-        return
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU]
-    if acc.device_type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
-        for i in range(steps):
-            step_fn(to_dev(next(it)), first + i)
-        acc.synchronize()
-    key = "self_cuda_time_total" if acc.device_type == "cuda" else "self_cpu_time_total"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        f"{steps} profiled steps; sorted by {key}\n"
-        + prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70)
+) -> dict[str, Any] | None:
+    """Run ``steps`` more steps under torch.profiler (bench_profile): op table + summary."""
+    return profile_steps(
+        acc, lambda i: step_fn(to_dev(next(it)), first + i), steps, out, title=str(out)
     )
-    print(f"  profile: {out}", flush=True)
 
 
 class _Alarm:

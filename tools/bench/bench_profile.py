@@ -1,0 +1,136 @@
+"""Where a training step's time goes: a torch.profiler window summarised for a person.
+
+Shared by the benchmark scripts in tools/bench. ``profile_steps`` runs a few steps under
+``torch.profiler`` and writes two things:
+
+- the usual op table (self device time, or CPU time without a GPU);
+- a per-step summary: wall time, device busy time (the union of kernel intervals, so
+  overlapping streams count once), the idle share (wall minus busy: host launch overhead and
+  syncs), and device time by kernel category (GEMM, attention, Triton, optimizer, copies and
+  casts, other elementwise / reductions, communication).
+
+The categories come from kernel names, so they are a reading aid, not an exact accounting.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("communication", re.compile(r"nccl|allreduce|all_gather|reduce_scatter", re.I)),
+    ("attention", re.compile(r"flash|fmha|sdpa|attention|attn", re.I)),
+    (
+        "gemm",
+        re.compile(r"nvjet|gemm|cutlass|cublas|sm90_xmma|wgmma|_mm_|matmul|splitk", re.I),
+    ),
+    ("optimizer", re.compile(r"adam|multi_tensor_apply|foreach", re.I)),
+    ("copy/cast", re.compile(r"copy|cast|convert|memcpy|to_copy|catarray|cat_", re.I)),
+    ("memset", re.compile(r"memset|fill", re.I)),
+    ("reduction", re.compile(r"reduce|sum|norm|softmax|max|mean", re.I)),
+    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|pointwise", re.I)),
+)
+
+
+def categorize(kernel_name: str) -> str:
+    """Category of one kernel by its name; Triton kernels (``triton_`` or ``_kernel`` names
+    that match nothing else) are their own category."""
+    for cat, pat in CATEGORIES:
+        if pat.search(kernel_name):
+            return cat
+    if kernel_name.startswith("triton") or kernel_name.endswith("_kernel"):
+        return "triton"
+    return "other"
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def summarize(kernels: list[tuple[str, float, float]], steps: int, wall_s: float) -> dict[str, Any]:
+    """``kernels``: (name, start_us, duration_us) of every device kernel in the window."""
+    by_cat: dict[str, float] = {}
+    for name, _, dur in kernels:
+        cat = categorize(name)
+        by_cat[cat] = by_cat.get(cat, 0.0) + dur
+    busy_us = _union_length([(s, s + d) for _, s, d in kernels])
+    per_step_ms = {k: v / 1e3 / steps for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])}
+    wall_ms = wall_s * 1e3 / steps
+    busy_ms = busy_us / 1e3 / steps
+    return {
+        "steps": steps,
+        "wall_ms_per_step": wall_ms,
+        "device_busy_ms_per_step": busy_ms,
+        "device_idle_fraction": max(0.0, 1.0 - busy_ms / wall_ms) if wall_ms > 0 else 0.0,
+        "kernels_per_step": len(kernels) / steps,
+        "device_ms_per_step_by_category": per_step_ms,
+    }
+
+
+def summary_text(s: dict[str, Any]) -> str:
+    lines = [
+        f"per step over {s['steps']} profiled steps: wall {s['wall_ms_per_step']:.1f} ms, "
+        f"device busy {s['device_busy_ms_per_step']:.1f} ms "
+        f"(idle {s['device_idle_fraction']:.0%}), {s['kernels_per_step']:.0f} kernels",
+        "| category | device ms/step | share of busy |",
+        "|---|---|---|",
+    ]
+    busy = max(s["device_busy_ms_per_step"], 1e-9)
+    for cat, ms in s["device_ms_per_step_by_category"].items():
+        lines.append(f"| {cat} | {ms:.2f} | {ms / busy:.0%} |")
+    return "\n".join(lines)
+
+
+def profile_steps(
+    acc: Any,
+    run_step: Callable[[int], Any],
+    steps: int,
+    out: Path | None,
+    *,
+    title: str = "",
+    row_limit: int = 40,
+) -> dict[str, Any] | None:
+    """Run ``run_step(i)`` for ``steps`` steps under torch.profiler; write the op table and
+    the per-step summary to ``out`` (a text file); return the summary (None when skipped)."""
+    if steps <= 0 or out is None:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if acc.device_type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    acc.synchronize()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for i in range(steps):
+            run_step(i)
+        acc.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = []
+    for ev in prof.events():
+        dev = getattr(ev, "device_type", None)
+        if dev is not None and "CUDA" in str(dev) and ev.time_range.elapsed_us() > 0:
+            kernels.append((ev.name, float(ev.time_range.start), float(ev.time_range.elapsed_us())))
+    summary = summarize(kernels, steps, wall) if kernels else None
+    key = "self_cuda_time_total" if acc.device_type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=row_limit, max_name_column_width=70)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    head = f"{title}\n" if title else ""
+    body = (summary_text(summary) + "\n\n") if summary else ""
+    out.write_text(f"{head}{steps} profiled steps (profiler overhead included in wall)\n{body}"
+                   f"sorted by {key}\n{table}")  # fmt: skip
+    print(f"  profile: {out}", flush=True)
+    if summary:
+        print(summary_text(summary), flush=True)
+    return summary
