@@ -120,6 +120,10 @@ def profile_steps(
     kernels = []
     for ev in prof.events():
         dev = getattr(ev, "device_type", None)
+        # Kernels only: user annotations ("Optimizer.step#AdamW.step", "ProfilerStep#3") also
+        # show up as device ranges and would count their kernels twice.
+        if "#" in ev.name or ev.name.startswith("ProfilerStep"):
+            continue
         if dev is not None and "CUDA" in str(dev) and ev.time_range.elapsed_us() > 0:
             kernels.append((ev.name, float(ev.time_range.start), float(ev.time_range.elapsed_us())))
     summary = summarize(kernels, steps, wall) if kernels else None

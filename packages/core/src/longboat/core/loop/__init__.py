@@ -1,6 +1,7 @@
 """Training-loop parts every stack shares: LR schedules, metrics, progress, NaN guard,
-signals and a step-range profiler."""
+signals, a step-range profiler and a CUDA-graphed step."""
 
+from longboat.core.loop.cuda_graph import GraphCaptureError, GraphedStep, GraphInputError
 from longboat.core.loop.lr_schedule import SCHEDULES, build_lr_scheduler
 from longboat.core.loop.metrics import MetricsSink
 from longboat.core.loop.nan_guard import NaNGuard, NonFiniteLossError
@@ -11,6 +12,9 @@ from longboat.core.loop.signals import GracefulShutdown
 __all__ = [
     "SCHEDULES",
     "GracefulShutdown",
+    "GraphCaptureError",
+    "GraphInputError",
+    "GraphedStep",
     "MetricsSink",
     "NaNGuard",
     "NonFiniteLossError",
