@@ -145,6 +145,46 @@ def test_rope_inplace_matches() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("groups,q_per_group,head_dim,rotary", [(2, 3, 16, 16), (3, 1, 24, 8)])
+def test_split_qkv_rope(dtype, groups, q_per_group, head_dim, rotary) -> None:  # type: ignore[no-untyped-def]
+    """Fused split + RoPE vs views + torch rotation, forward and backward, on megatron's
+    [s, b, groups * (q_per_group + 2) * head_dim] layout; also full vs partial rotary."""
+    from longboat.kernels.qkv_rope import positions_for_layout, split_qkv_rope
+
+    torch.manual_seed(7)
+    s, b = 5, 3
+    cos, sin = K.rope_cos_sin(16, rotary, device=DEVICE)
+    pos = positions_for_layout(s, b, seq_first=True, device=DEVICE)
+    mixed = leaf(s, b, groups * (q_per_group + 2) * head_dim, dtype=dtype)
+    res = run_both(
+        lambda impl, m: split_qkv_rope(m, groups, q_per_group, cos, sin, pos, impl=impl), [mixed]
+    )
+    check(res, dtype, f"split_qkv_rope[g={groups}, q={q_per_group}, r={rotary}]")
+    q, k, v = res[1][0]
+    assert q.shape == (s, b, groups * q_per_group, head_dim) and k.shape == (s, b, groups, head_dim)
+    # v passes through untouched and equals its slot of the row bit for bit
+    row = mixed.detach().view(s, b, groups, q_per_group + 2, head_dim)
+    assert torch.equal(v, row[:, :, :, q_per_group + 1])
+
+
+def test_split_qkv_rope_matches_split_then_rope() -> None:
+    """Same as megatron's path: torch.split of the grouped row, then RoPE on q and k."""
+    from longboat.kernels.qkv_rope import positions_for_layout, split_qkv_rope
+
+    torch.manual_seed(8)
+    s, b, g, qpg, d = 6, 2, 2, 2, 32
+    cos, sin = K.rope_cos_sin(32, d, device=DEVICE)
+    mixed = torch.randn(s, b, g * (qpg + 2) * d, device=DEVICE)
+    pos = positions_for_layout(s, b, seq_first=True, device=DEVICE)
+    q, k, v = split_qkv_rope(mixed, g, qpg, cos, sin, pos, impl="triton")
+    qs, ks, vs = torch.split(mixed.view(s, b, g, (qpg + 2) * d), [qpg * d, d, d], dim=3)
+    qs = qs.reshape(s, b, g * qpg, d)
+    rq, rk = K.apply_rope_torch(qs.transpose(0, 1), ks.transpose(0, 1), cos, sin)
+    assert rel_err(q, rq.transpose(0, 1)) <= 1e-5 and rel_err(k, rk.transpose(0, 1)) <= 1e-5
+    assert torch.equal(v, vs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("z_loss,reduction", [(0.0, "mean"), (1e-3, "mean"), (0.0, "sum")])
 def test_fused_linear_cross_entropy(dtype, z_loss, reduction, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     torch.manual_seed(6)
@@ -217,6 +257,16 @@ def test_fake_impls_match_the_kernels_on_non_contiguous_inputs() -> None:
         (torch.ops.longboat.rms_norm_fwd, (x, w, x * 0.5, 1e-6)),
         (torch.ops.longboat.ada_layer_norm_fwd, (x3, scale, shift, 1e-6)),
         (torch.ops.longboat.glu_fwd, (gate, gate * 2, 0)),
+        (
+            torch.ops.longboat.qkv_rope_fwd,
+            (
+                torch.randn(4, 2, 64, device=DEVICE),
+                *K.rope_cos_sin(8, 8, device=DEVICE),
+                torch.arange(4, device=DEVICE).repeat_interleave(2),
+                2,
+                2,
+            ),
+        ),
     ]
     for op, args in cases:
         opcheck(op, args, test_utils=("test_faketensor",))

@@ -31,6 +31,11 @@ from longboat.kernels.fused_linear_ce import (
     fused_linear_cross_entropy_triton,
 )
 from longboat.kernels.layernorm import layer_norm, layer_norm_torch, layer_norm_triton
+from longboat.kernels.qkv_rope import (
+    positions_for_layout,
+    split_qkv_rope,
+    split_qkv_rope_torch,
+)
 from longboat.kernels.rmsnorm import rms_norm, rms_norm_torch, rms_norm_triton
 from longboat.kernels.rope import (
     apply_rope,
@@ -72,6 +77,7 @@ __all__ = [
     "layer_norm",
     "layer_norm_torch",
     "layer_norm_triton",
+    "positions_for_layout",
     "prefix_lm_block_mask",
     "prefix_lm_mask",
     "rms_norm",
@@ -79,5 +85,7 @@ __all__ = [
     "rms_norm_triton",
     "rope_cos_sin",
     "select_backend",
+    "split_qkv_rope",
+    "split_qkv_rope_torch",
     "swiglu",
 ]
