@@ -74,3 +74,41 @@ def test_initialize_builds_megatron_groups(parallel: ParallelConfig, want: dict[
         assert {k: out[k] for k in want} == want
     if parallel.tensor_parallel == 2:
         assert sorted(o["tp_rank"] for o in outs) == [0, 1]
+
+
+def _tp_lookup_worker(rank: int, world: int) -> dict[str, bool]:
+    import warnings
+
+    from megatron.core import parallel_state as mps
+    from megatron.core import utils as mutils
+    from megatron.core.tensor_parallel import layers, mappings
+
+    from longboat.core.device import get_accelerator
+    from longboat.core.megatron import parallel_state
+
+    parallel_state.initialize(ParallelConfig(tensor_parallel=2), get_accelerator("cpu"))
+    try:
+        group = mps.get_tensor_model_parallel_group()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            quiet = [m.get_tensor_model_parallel_group_if_none(None) for m in (layers, mappings)]
+            explicit = layers.get_tensor_model_parallel_group_if_none(group)
+        out = {
+            "same_group": all(g is group for g in quiet) and explicit is group,
+            "silent": not caught,
+        }
+    finally:
+        parallel_state.destroy()
+    original = mutils.get_tensor_model_parallel_group_if_none
+    out["restored"] = all(
+        m.get_tensor_model_parallel_group_if_none is original for m in (layers, mappings)
+    )
+    return out
+
+
+@pytest.mark.multiprocess
+def test_tp_group_lookup_is_silent_and_undone_by_destroy() -> None:
+    """megatron's per-linear TP-group lookup warns on every call (a torch.compile graph break);
+    under initialize() it returns the same group silently, and destroy() restores megatron's."""
+    for out in run_multiprocess(_tp_lookup_worker, 2):
+        assert out == {"same_group": True, "silent": True, "restored": True}

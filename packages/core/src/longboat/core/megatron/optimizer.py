@@ -38,6 +38,9 @@ def build_optimizer(
 ) -> Any:
     """megatron optimizer for ``optim`` (adamw / sgd), fp32 main params under bf16 / fp16.
 
+    ``optim.fused`` (default) runs torch's fused AdamW on CUDA when megatron falls back to
+    torch's optimizer (no Transformer Engine / apex): see ``use_fused_torch_adamw``.
+
     ``distributed_optimizer`` shards optimizer state over data-parallel ranks (ZeRO-1;
     megatron supports it for Adam only).
     """
@@ -71,4 +74,58 @@ def build_optimizer(
         params_dtype=_PARAM_DTYPES[precision],
         use_distributed_optimizer=distributed_optimizer,
     )
-    return get_megatron_optimizer(cfg, ddp_chunks)
+    optimizer = get_megatron_optimizer(cfg, ddp_chunks)
+    if optim.fused:
+        use_fused_torch_adamw(optimizer)
+    return optimizer
+
+
+def _inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [p.optimizer for p in parts if getattr(p, "optimizer", None) is not None]
+
+
+def use_fused_torch_adamw(optimizer: Any) -> int:
+    """Switch megatron's torch AdamW fallback to torch's fused (single-kernel) AdamW on CUDA.
+
+    Without Transformer Engine or apex megatron builds ``torch.optim.AdamW`` with torch's
+    default ``foreach`` implementation (a dozen multi-tensor kernels per step); ``fused=True``
+    is the same update rule in one kernel per parameter group chunk, and what Hugging Face
+    users run. Param groups whose parameters are not all on CUDA (CPU runs, offloading) and
+    TE / apex optimizers are left alone. Returns how many param groups were switched.
+    """
+    switched = 0
+    for inner in _inner_optimizers(optimizer):
+        if not isinstance(inner, torch.optim.AdamW | torch.optim.Adam):
+            continue
+        for group in inner.param_groups:
+            params = group["params"]
+            if not params or not all(p.is_cuda and p.is_floating_point() for p in params):
+                continue
+            if group.get("fused") or group.get("capturable"):
+                continue  # already fused, or set up for CUDA-graph capture: megatron's choice
+            group["fused"], group["foreach"] = True, False
+            switched += 1
+    return switched
+
+
+def optimizer_step(optimizer: Any) -> tuple[bool, Any]:
+    """One megatron optimizer step; ``(stepped, grad_norm)``.
+
+    ``optimizer.step()`` always computes the global grad norm and reads it on the host
+    (``.item()``), a device sync every step. When gradient clipping is off (``clip_grad ==
+    0``) and there is no loss scaler (bf16 / fp32), the norm is not needed: this runs
+    ``prepare_grads()`` + ``step_with_ready_grads()`` (the same update) without the sync and
+    returns ``grad_norm=None`` (call ``optimizer.get_grad_norm()`` on the steps that log it,
+    before ``zero_grad``). With clipping or fp16 loss scaling it is ``optimizer.step()``.
+    """
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    clip = any(float(getattr(p.config, "clip_grad", 0.0) or 0.0) > 0.0 for p in parts)
+    scaled = any(getattr(p, "grad_scaler", None) is not None for p in parts)
+    if clip or scaled:
+        ok, grad_norm, _ = optimizer.step()
+        return bool(ok), grad_norm
+    if hasattr(optimizer, "grad_norms_by_group"):
+        optimizer.grad_norms_by_group = {}
+    optimizer.prepare_grads()  # no scaler: never finds inf (that needs the scaler's check)
+    return bool(optimizer.step_with_ready_grads()), None

@@ -3,8 +3,9 @@
 ``initialize`` validates the layout against the world size before touching any
 process group, installs the accelerator's megatron adapter (CPU: the call-site
 patches of ``adapters.CPUMegatronAdapter``), builds megatron's TP / PP (with
-virtual stages) / CP / EP / DP groups and seeds megatron's RNG tracker.
-``destroy`` undoes all of it.
+virtual stages) / CP / EP / DP groups, seeds megatron's RNG tracker and answers
+megatron's per-call TP-group lookup without its deprecation warning
+(``quiet_tp_group_lookup``). ``destroy`` undoes all of it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from longboat.core.config.errors import ConfigError
 from longboat.core.config.schema import ParallelConfig
+from longboat.core.megatron._patching import PatchSet
 from longboat.core.megatron.adapters import MegatronAdapter, check_megatron_version
 
 
@@ -32,7 +34,44 @@ class MegatronParallel:
     world_size: int
 
 
-_STATE: dict[str, Any] = {"adapter": None, "layout": None}
+_STATE: dict[str, Any] = {"adapter": None, "layout": None, "patches": None}
+
+# Modules that call ``get_tensor_model_parallel_group_if_none`` per forward / backward.
+_TP_LOOKUP_MODULES = (
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.mappings",
+)
+
+
+def quiet_tp_group_lookup() -> PatchSet:
+    """Answer megatron's per-call TP-group lookup with the group, without a warning.
+
+    megatron 0.19's ``RowParallelLinear`` (and the TP mappings) pass ``tp_group=None`` on
+    every call to a helper that then issues a ``DeprecationWarning`` before returning the
+    default TP group. The warning machinery costs host time in every linear of every layer
+    in eager mode, and ``warnings.warn`` is a torch.compile graph break (four per decoder
+    layer). The replacement returns the same group silently; explicit groups and the expert
+    lookup go to megatron's helper. Undone by ``destroy()``.
+    """
+    import importlib
+
+    from megatron.core import parallel_state as mps
+    from megatron.core import utils as mutils
+
+    original = mutils.get_tensor_model_parallel_group_if_none
+    group = mps.get_tensor_model_parallel_group()
+
+    def lookup(tp_group: Any, is_expert: bool = False, check_initialized: bool = True) -> Any:
+        if tp_group is not None or is_expert:
+            return original(tp_group, is_expert=is_expert, check_initialized=check_initialized)
+        return group
+
+    patches = PatchSet()
+    for name in _TP_LOOKUP_MODULES:
+        patches.set_attr(
+            importlib.import_module(name), "get_tensor_model_parallel_group_if_none", lookup
+        )
+    return patches
 
 
 def validate_layout(parallel: ParallelConfig, world_size: int) -> MegatronParallel:
@@ -132,6 +171,7 @@ def initialize(
             create_gloo_process_groups=True,
         )
         model_parallel_cuda_manual_seed(seed)
+        _STATE["patches"] = quiet_tp_group_lookup()
     except BaseException:
         destroy()
         raise
@@ -144,6 +184,9 @@ def destroy() -> None:
     from megatron.core import parallel_state as mps
     from megatron.core.tensor_parallel import random as mrandom
 
+    if _STATE["patches"] is not None:
+        _STATE["patches"].undo()
+        _STATE["patches"] = None
     mps.destroy_model_parallel()
     mrandom.initialize_rng_tracker(force_reset=True)
     adapter = _STATE["adapter"]

@@ -36,6 +36,11 @@ GLUFn = Callable[[torch.Tensor], torch.Tensor]
 """``fn(x)`` = ``silu(x[..., :n]) * x[..., n:]`` for the packed ``[gate, up]`` fc1 output."""
 RMSNormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 """``fn(x, weight, eps)`` over the last dimension."""
+RopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+"""``fn(q, k, cos, sin) -> (q, k)``: rotate ``q`` / ``k`` ``[batch, seq, heads, head_dim]`` (k with
+its own, grouped head count; strided views allowed) by the half-split (NeoX / Llama) rotation,
+``cos`` / ``sin`` ``[seq, rotary_dim // 2]`` fp32, channels past ``rotary_dim`` passed through.
+This is ``longboat.kernels.rope.apply_rope``'s contract (positions ``0..seq-1``)."""
 
 
 def sdpa_attention(
@@ -84,6 +89,9 @@ class LayerKernels:
     When set, the TransformerConfig must have ``use_te_activation_func=True`` (megatron's
     switch for "the spec supplies the activation module"); ``to_transformer_config`` does
     that given ``kernel_activation=True``."""
+    rope: RopeFn | None = None
+    """Rotary embedding of q and k in one call (``RopeFn`` contract); None keeps megatron's own
+    ``apply_rotary_pos_emb`` (two calls, cos/sin recomputed and cast to the activation dtype)."""
     name: str = "torch"
     """Label for logs."""
 
@@ -177,6 +185,91 @@ class KernelCoreAttention(MegatronModule):
         return out.transpose(0, 1).reshape(sq, b, -1)
 
 
+class KernelSelfAttention(SelfAttention):
+    """megatron ``SelfAttention`` whose q/k rotation runs an injected RoPE kernel.
+
+    megatron rotates q and k in two ``apply_rotary_pos_emb`` calls on ``[s, b, heads, d]``
+    tensors, recomputing ``cos`` / ``sin`` of the ``freqs`` table each time. Here ``forward``
+    withholds ``rotary_pos_emb`` from megatron and ``get_query_key_value_tensors`` rotates q and
+    k together (after the qk-norms, as megatron does) through ``[b, s, heads, d]`` strided
+    views, with ``cos`` / ``sin`` computed once per ``freqs`` table and reused by every call.
+    Cases the kernel does not cover (inference, packed THD sequences, interleaved or YaRN
+    rotary, fused QKV RoPE) go through megatron unchanged.
+    """
+
+    def __init__(self, *args: Any, rope: RopeFn, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rope = rope
+        self._pending_freqs: torch.Tensor | None = None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _kernel_applies(self, rotary_pos_emb: Any, kwargs: dict[str, Any]) -> bool:
+        cfg = self.config
+        if rotary_pos_emb is None or kwargs.get("key_value_states") is not None:
+            return False
+        if kwargs.get("inference_context") is not None or kwargs.get("inference_params"):
+            return False
+        if kwargs.get("packed_seq_params") is not None:
+            return False
+        if isinstance(rotary_pos_emb, tuple):
+            q_emb, k_emb = rotary_pos_emb
+            if q_emb is not k_emb:
+                return False
+        return not (
+            cfg.rotary_interleaved
+            or getattr(cfg, "apply_rope_fusion", False)
+            or getattr(cfg, "fused_single_qkv_rope", False)
+            or getattr(cfg, "multi_latent_attention", False)
+            or getattr(cfg, "flash_decode", False)
+            or self._yarn_concentration_factor not in (None, 1.0)
+        )
+
+    def forward(  # type: ignore[override]
+        self, hidden_states: torch.Tensor, attention_mask: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if args:  # megatron passes everything after the mask by keyword; stay exact if not
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        rotary_pos_emb = kwargs.get("rotary_pos_emb")
+        if not self._kernel_applies(rotary_pos_emb, kwargs):
+            return super().forward(hidden_states, attention_mask, **kwargs)
+        freqs = rotary_pos_emb[0] if isinstance(rotary_pos_emb, tuple) else rotary_pos_emb
+        kwargs["rotary_pos_emb"] = None
+        self._pending_freqs = freqs
+        try:
+            return super().forward(hidden_states, attention_mask, **kwargs)
+        finally:
+            self._pending_freqs = None
+
+    def get_query_key_value_tensors(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        out = super().get_query_key_value_tensors(*args, **kwargs)
+        freqs = self._pending_freqs
+        if freqs is None:
+            return out
+        query, key = out[0], out[1]
+        cos, sin = self._rope_tables(freqs, query.shape[0])
+        # [s, b, h, d] -> [b, s, h, d] views: the kernel follows the strides, no copies.
+        q, k = self._rope(query.transpose(0, 1), key.transpose(0, 1), cos, sin)
+        return (q.transpose(0, 1), k.transpose(0, 1), *out[2:])
+
+    def _rope_tables(self, freqs: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``cos`` / ``sin`` ``[seq, rotary_dim // 2]`` of megatron's ``freqs``.
+
+        megatron's table is ``cat(theta, theta)`` ``[>= seq, 1, 1, rotary_dim]``; it is cached
+        by the model per sequence length, so the tables are cached on its identity (the held
+        reference keeps that identity from being reused).
+        """
+        cached = self._cos_sin
+        compiling = torch.compiler.is_compiling()
+        if not compiling and cached is not None and cached[0] is freqs:
+            return cached[1][:seq], cached[2][:seq]
+        half = freqs.shape[-1] // 2
+        theta = freqs.reshape(freqs.shape[0], -1)[:, :half].float()
+        cos, sin = theta.cos(), theta.sin()
+        if not compiling:
+            self._cos_sin = (freqs, cos, sin)
+        return cos[:seq], sin[:seq]
+
+
 class LongboatSpecProvider(LocalSpecProvider):
     """megatron's local provider with longboat's attention and RMSNorm kernels."""
 
@@ -255,8 +348,9 @@ def decoder_layer_spec(
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
+                module=SelfAttention if provider.kernels.rope is None else KernelSelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal}
+                | ({} if provider.kernels.rope is None else {"rope": provider.kernels.rope}),
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=provider.column_parallel_linear(),
                     core_attention=provider.core_attention(),
