@@ -3,7 +3,7 @@
 core cannot import kernels (kernels sits above core), so the llm stack, which
 depends on both, hands the kernels to the spec: attention through
 ``longboat.kernels.attention`` dispatch (SDPA flash / cuDNN without Transformer
-Engine), RMSNorm and SwiGLU (Triton on CUDA, torch reference elsewhere).
+Engine), RMSNorm, SwiGLU and RoPE (Triton on CUDA, torch reference elsewhere).
 """
 
 from __future__ import annotations
@@ -41,11 +41,20 @@ def _swiglu(x: torch.Tensor) -> torch.Tensor:
     return swiglu(x)
 
 
-def longboat_layer_kernels(*, swiglu: bool = True) -> LayerKernels:
-    """The longboat kernels as a ``LayerKernels`` bundle."""
+def _rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from longboat.kernels.rope import apply_rope
+
+    return apply_rope(q, k, cos, sin)
+
+
+def longboat_layer_kernels(*, swiglu: bool = True, rope: bool = True) -> LayerKernels:
+    """The longboat kernels as a ``LayerKernels`` bundle (``rope=False``: megatron's RoPE)."""
     return LayerKernels(
         attention=_attention,
         rms_norm=_rms_norm,
         swiglu=_swiglu if swiglu else None,
+        rope=_rope if rope else None,
         name="longboat.kernels",
     )

@@ -223,6 +223,7 @@ def _train(
         TrainProgress,
     )
     from longboat.core.megatron import parallel_state as mparallel
+    from longboat.core.megatron.optimizer import optimizer_step
     from longboat.core.rng import RNGState, seed_everything
     from longboat.llm.build import build_model
     from longboat.llm.hf import load_hf
@@ -230,6 +231,7 @@ def _train(
     from longboat.llm.train.data import GlobalBatchSchedule, microbatch
     from longboat.llm.train.optimizer import ChainedLR, MegatronOptimizerState, wrap_and_build
     from longboat.llm.train.step import evaluate, forward_backward
+    from longboat.llm.train.train_step import compile_decoder_layers
 
     main = info.rank == 0
     console = Console(quiet=not main)
@@ -277,6 +279,8 @@ def _train(
                 targets=list(cfg.lora.targets),
                 seed=int(cfg.train.seed),
             )
+        if cfg.train.compile:
+            compile_decoder_layers(chunks)
         model, optimizer = wrap_and_build(chunks, cfg.optim, precision=precision)
         total = int(cfg.train.steps)
         lr = ChainedLR(optimizer, cfg.optim.schedule, total)
@@ -305,7 +309,7 @@ def _train(
                 for s in range(max(1, int(cfg.llm.eval_batches)))
                 for rows in es.rows(s, dp_rank)
             ]
-            return evaluate(model, micro, device)
+            return evaluate(model, micro, device, fused_ce=bool(cfg.llm.fused_linear_ce))
 
         result.eval_losses[step] = eval_loss()
         metrics = MetricsSink(
@@ -316,6 +320,8 @@ def _train(
         )
         log_every = max(1, int(cfg.train.log_every))
         eval_every = int(cfg.train.eval_every)
+        fused_ce = bool(cfg.llm.fused_linear_ce)
+        pending: list[torch.Tensor] = []  # step losses not yet read on the host
         last_saved = resumed
         t0 = time.perf_counter()
         with (
@@ -337,25 +343,37 @@ def _train(
                     for rows in schedule.rows(step, dp_rank)
                 ]
                 optimizer.zero_grad()
-                loss = forward_backward(model, micro, device)
+                loss_t = forward_backward(model, micro, device, fused_ce=fused_ce)
+                log_now = (step + 1) % log_every == 0 or step + 1 == total
                 grad_norm = None
-                if guard.check(torch.tensor(loss, device=device)):
-                    _, grad_norm, _ = optimizer.step()
+                # The NaN guard decides on the host whether to step: it reads the loss every
+                # step (one device sync); with the guard off the loss is read only when logged.
+                if guard.check(loss_t):
+                    _, grad_norm = optimizer_step(optimizer)
+                    if grad_norm is None and log_now:
+                        grad_norm = optimizer.get_grad_norm()  # grads are kept until zero_grad
                     lr.step()
                 step += 1
                 state["step"] = step
-                result.losses.append(loss)
-                progress.update(step, loss=loss, items=gbs * seq_len)
+                pending.append(loss_t)
                 row: dict[str, Any] = {}
                 if eval_every and step % eval_every == 0 and step < total:
                     row["eval_loss"] = result.eval_losses[step] = eval_loss()
-                if step % log_every == 0 or step == total or row:
+                flush = log_now or bool(row) or ckpt.should_save(step) or on_step is not None
+                if flush or guard.cfg.enabled:
+                    # One stacked host read for every loss since the last flush.
+                    result.losses.extend(torch.stack(pending).tolist())
+                    pending.clear()
+                    progress.update(step, loss=result.losses[-1], items=gbs * seq_len)
+                else:
+                    progress.update(step, items=gbs * seq_len)
+                if log_now or row:
                     metrics.log(
                         step,
                         {
-                            "loss": loss,
+                            "loss": result.losses[-1],
                             "lr": lr.get_last_lr(),
-                            "grad_norm": grad_norm,
+                            "grad_norm": None if grad_norm is None else float(grad_norm),
                             "tokens": step * gbs * seq_len,
                             "skipped_steps": guard.total_skipped,
                             **row,
@@ -369,6 +387,9 @@ def _train(
                 if stop.should_stop():
                     result.stopped_by_signal = stop.signal_name
                     break
+            if pending:
+                result.losses.extend(torch.stack(pending).tolist())
+                pending.clear()
         elapsed = time.perf_counter() - t0
         if result.losses:
             result.eval_losses[step] = eval_loss()

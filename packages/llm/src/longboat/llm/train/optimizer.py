@@ -16,6 +16,7 @@ import torch
 
 from longboat.core.config.errors import ConfigError
 from longboat.core.loop import build_lr_scheduler
+from longboat.core.megatron.optimizer import use_fused_torch_adamw
 
 _OPTIMIZERS = {"adamw": "adam", "sgd": "sgd"}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -57,7 +58,10 @@ def wrap_and_build(
         params_dtype=_DTYPES[precision],
         use_distributed_optimizer=True,
     )
-    return model, get_megatron_optimizer(opt_cfg, model)
+    optimizer = get_megatron_optimizer(opt_cfg, model)
+    if getattr(optim, "fused", True):
+        use_fused_torch_adamw(optimizer)  # torch's fused AdamW on CUDA when TE / apex are absent
+    return model, optimizer
 
 
 def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:

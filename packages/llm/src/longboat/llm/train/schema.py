@@ -83,6 +83,11 @@ class LLMRunConfig:
     """transformers' repetition penalty for that generation (1.0: plain greedy)."""
     num_threads: int = 0
     """torch intra-op threads on CPU (0: leave torch's default)."""
+    fused_linear_ce: bool = True
+    """Compute the LM loss with fused linear cross-entropy (``longboat.kernels``) through
+    GPTModel's output hook: no ``[tokens, vocab]`` logits. Used where the full vocabulary and
+    all tokens are on the rank (tensor/sequence/context parallel 1); the logits path
+    elsewhere and when false."""
 
 
 @dataclass

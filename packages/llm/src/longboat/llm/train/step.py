@@ -4,6 +4,11 @@
 1F1B, or interleaved 1F1B with virtual stages); the loss of a microbatch is the mean
 cross-entropy over its ``loss_mask`` tokens, and megatron divides it by the number of
 microbatches, so gradients are those of the mean over the global batch's microbatches.
+With ``fused_ce`` the loss comes from fused linear cross-entropy through ``GPTModel``'s
+``output_processor`` hook (``train.loss``; no ``[tokens, vocab]`` logits) wherever it applies.
+
+The step's loss stays on the device (``forward_backward`` returns a tensor): reading it on
+the host is a device sync, which the loop does only where it needs the value.
 """
 
 from __future__ import annotations
@@ -14,34 +19,55 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from longboat.llm.train.loss import fused_lm_loss, fused_loss_applies
+
 
 def masked_lm_loss(
     loss_mask: torch.Tensor, output: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Mean of megatron's per-token losses ``[b, s]`` over the tokens ``loss_mask`` keeps."""
+    """Mean of megatron's per-token losses ``[b, s]`` over the tokens ``loss_mask`` keeps.
+
+    A scalar ``output`` is already that mean (the fused loss path).
+    """
+    if output.dim() == 0:
+        loss = output.float()
+        return loss, {"lm loss": loss.detach().clone()}
     losses = output.float()
     loss = (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
     # clone: megatron divides the returned loss in place by the number of microbatches.
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def _forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+def _forward_step(
+    data_iterator: Any, model: torch.nn.Module, *, fused_ce: bool = False
+) -> tuple[torch.Tensor, Any]:
     batch = next(data_iterator)
+    kwargs: dict[str, Any] = {}
+    if fused_ce and fused_loss_applies(model):
+        kwargs = {"output_processor": fused_lm_loss, "output_processor_context": batch["loss_mask"]}
     output = model(
-        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+        batch["tokens"],
+        batch["position_ids"],
+        batch["attention_mask"],
+        labels=batch["labels"],
+        **kwargs,
     )
     return output, partial(masked_lm_loss, batch["loss_mask"])
 
 
 def _schedule(
-    model: list[torch.nn.Module], microbatches: list[dict[str, Any]], *, forward_only: bool
+    model: list[torch.nn.Module],
+    microbatches: list[dict[str, Any]],
+    *,
+    forward_only: bool,
+    fused_ce: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     data: Any = iter(microbatches) if len(model) == 1 else [iter(microbatches) for _ in model]
     tokens = microbatches[0]["tokens"]
     return get_forward_backward_func()(
-        forward_step_func=_forward_step,
+        forward_step_func=partial(_forward_step, fused_ce=fused_ce),
         data_iterator=data,
         model=model if len(model) > 1 else model[0],
         num_microbatches=len(microbatches),
@@ -53,11 +79,12 @@ def _schedule(
 
 def world_mean_of_last_stage(
     values: list[dict[str, torch.Tensor]], device: torch.device | None = None
-) -> float:
+) -> torch.Tensor:
     """The mean microbatch loss, averaged over data-parallel ranks, known on every rank.
 
     Losses exist on the last pipeline stage only (identical on its TP ranks); one all-reduce
-    over the world sums them with a count, so rank 0 can log them.
+    over the world sums them with a count, so rank 0 can log them. A 0-d fp64 device tensor
+    (NaN when no stage had losses); ``float()`` of it is the host read.
     """
     from megatron.core import parallel_state as mps
 
@@ -68,25 +95,27 @@ def world_mean_of_last_stage(
         local[1] = 1.0
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(local)
-    return float(local[0] / local[1]) if local[1] > 0 else float("nan")
+    return local[0] / local[1]  # 0 / 0 = NaN when no rank had losses
 
 
 def forward_backward(
     model: list[torch.nn.Module],
     microbatches: list[dict[str, Any]],
     device: torch.device | None = None,
-) -> float:
+    *,
+    fused_ce: bool = False,
+) -> torch.Tensor:
     """Zero the grads, run forward + backward over ``microbatches``, reduce the grads.
 
-    Returns the step's mean loss on every rank. The optimizer step is the caller's, so a
-    non-finite loss can skip it.
+    Returns the step's mean loss on every rank as a 0-d device tensor (no host sync). The
+    optimizer step is the caller's, so a non-finite loss can skip it.
     """
     from megatron.core.distributed import finalize_model_grads
 
     for chunk in model:
         chunk.train()
         chunk.zero_grad_buffer()
-    losses = _schedule(model, microbatches, forward_only=False)
+    losses = _schedule(model, microbatches, forward_only=False, fused_ce=fused_ce)
     finalize_model_grads(model)
     return world_mean_of_last_stage(losses, device)
 
@@ -96,11 +125,13 @@ def evaluate(
     model: list[torch.nn.Module],
     microbatches: list[dict[str, Any]],
     device: torch.device | None = None,
+    *,
+    fused_ce: bool = False,
 ) -> float:
     """Mean held-out loss over ``microbatches`` (forward only), on every rank."""
     for chunk in model:
         chunk.eval()
-    losses = _schedule(model, microbatches, forward_only=True)
+    losses = _schedule(model, microbatches, forward_only=True, fused_ce=fused_ce)
     for chunk in model:
         chunk.train()
-    return world_mean_of_last_stage(losses, device)
+    return float(world_mean_of_last_stage(losses, device))

@@ -1,0 +1,138 @@
+"""The training step ``longboat-llm train`` runs, as one object: model, DDP, optimizer, step.
+
+``build_train_step`` assembles exactly what the train loop (``train.loop``) assembles, with
+every default-on speed lever of the library:
+
+- the longboat layer spec (``build_model``): SDPA flash / cuDNN attention, Triton RMSNorm,
+  SwiGLU and RoPE (``LayerKernels.rope``), weights initialised on the device on CUDA;
+- megatron DDP + distributed optimizer (``wrap_and_build``) with torch's fused AdamW when
+  neither Transformer Engine nor apex is installed;
+- the loss through fused linear cross-entropy (``train.loss``, no ``[tokens, vocab]``
+  logits) wherever it applies;
+- forward + backward through megatron's schedule (``train.step.forward_backward``) and an
+  optimizer step without the grad-norm host sync when clipping is off
+  (``core.megatron.optimizer.optimizer_step``).
+
+``TrainStep.step(tokens, labels)`` returns the loss as a device tensor and reads nothing on
+the host, so a caller timing it sees the device time. Benchmarks call this instead of
+assembling the pieces themselves. megatron's parallel state must be initialised first
+(``longboat.core.megatron.parallel_state.initialize``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from longboat.core.config.schema import OptimConfig
+from longboat.llm.config import LLMModelConfig
+
+
+@dataclass
+class TrainStep:
+    """A built training step (see the module docstring); call ``step`` once per batch."""
+
+    chunks: list[torch.nn.Module]
+    """The megatron model chunks (``GPTModel``) of this rank."""
+    model: list[torch.nn.Module]
+    """The chunks wrapped in megatron's ``DistributedDataParallel``."""
+    optimizer: Any
+    """megatron's (distributed, chained) optimizer."""
+    device: torch.device
+    fused_linear_ce: bool = True
+    """Loss through fused linear cross-entropy where it applies (else megatron's logits)."""
+    _positions: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def batch(
+        self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor | None]:
+        """One microbatch in the loop's format (positions ``0..s-1``, causal attention)."""
+        b, s = tokens.shape
+        if (b, s) not in self._positions:
+            pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, -1)
+            self._positions[(b, s)] = pos
+        if loss_mask is None:
+            loss_mask = torch.ones(b, s, device=tokens.device, dtype=torch.float32)
+        return {
+            "tokens": tokens,
+            "labels": labels,
+            "loss_mask": loss_mask,
+            "position_ids": self._positions[(b, s)],
+            "attention_mask": None,
+        }
+
+    def step(
+        self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One optimizer step on ``tokens`` / ``labels`` ``[b, s]`` (labels already shifted).
+
+        Returns the mean token loss as a 0-d device tensor (no host sync).
+        """
+        from longboat.core.megatron.optimizer import optimizer_step
+        from longboat.llm.train.step import forward_backward
+
+        self.optimizer.zero_grad()
+        loss = forward_backward(
+            self.model,
+            [self.batch(tokens, labels, loss_mask)],
+            self.device,
+            fused_ce=self.fused_linear_ce,
+        )
+        optimizer_step(self.optimizer)
+        return loss
+
+    __call__ = step
+
+
+def build_train_step(
+    model_cfg: LLMModelConfig,
+    optim: OptimConfig,
+    *,
+    precision: str = "bf16",
+    device: torch.device | str | None = None,
+    fused_linear_ce: bool = True,
+    compile_layers: bool = False,
+    **model_overrides: Any,
+) -> TrainStep:
+    """Build the model, megatron DDP + optimizer and the step ``longboat-llm train`` runs.
+
+    ``device``: where the model lives (default: the accelerator's device).
+    ``compile_layers``: ``torch.compile`` each decoder layer (what ``train.compile`` does).
+    ``model_overrides`` go to megatron's ``TransformerConfig`` (as in ``build_model``).
+    """
+    from longboat.llm.build import build_model
+    from longboat.llm.train.optimizer import wrap_and_build
+
+    if device is None:
+        from longboat.core.device import get_accelerator
+
+        device = get_accelerator().device()
+    device = torch.device(device)
+    chunks = build_model(model_cfg, precision=precision, device_type=device.type, **model_overrides)
+    if compile_layers:
+        compile_decoder_layers(chunks)
+    model, optimizer = wrap_and_build(chunks, optim, precision=precision)
+    return TrainStep(
+        chunks=chunks,
+        model=model,
+        optimizer=optimizer,
+        device=device,
+        fused_linear_ce=fused_linear_ce,
+    )
+
+
+def compile_decoder_layers(chunks: list[torch.nn.Module]) -> int:
+    """``torch.compile`` every decoder layer in place; returns how many were compiled.
+
+    Per layer rather than the whole model: megatron's model-level code (schedules, DDP
+    hooks, the embedding and the fused loss) stays eager, and all layers share one graph.
+    """
+    n = 0
+    for chunk in chunks:
+        decoder = getattr(chunk, "decoder", None)
+        for layer in getattr(decoder, "layers", []):
+            layer.compile()
+            n += 1
+    return n

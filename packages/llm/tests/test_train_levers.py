@@ -1,0 +1,400 @@
+"""The training step's speed levers change no numbers beyond stated tolerances.
+
+- RoPE through ``LayerKernels.rope`` (``KernelSelfAttention``) == megatron's own rotation;
+- the loss through fused linear cross-entropy (``output_processor``) == megatron's logits
+  path, loss and every gradient, with a partial loss mask;
+- the optimizer step without the grad-norm sync == ``optimizer.step()``;
+- ``build_train_step`` (what the benchmark times) == the loop's pieces.
+
+On CPU the kernels dispatch to their torch references; ``test_triton_levers_in_the_model``
+runs the Triton RoPE and fused CE kernels through Triton's interpreter in a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from longboat.core.distributed import run_multiprocess
+
+FP32_TOL = 2e-5  # fp32: the paths differ only in summation order (measured <= 3e-6)
+
+
+def _tiny_cfg():
+    from longboat.llm.models import get_family
+
+    return get_family("llama3").flavor("tiny")
+
+
+def _batch(cfg, b: int = 2, s: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    seq = torch.randint(
+        0, cfg.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(seed)
+    )
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def _init(seed: int = 1):
+    from longboat.core.config.schema import ParallelConfig
+    from longboat.core.device import get_accelerator
+    from longboat.core.megatron import parallel_state
+
+    parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"), seed=seed)
+    return parallel_state
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def _rope_worker(rank: int, world: int, precision: str) -> dict[str, float]:
+    from megatron.core.transformer.attention import SelfAttention
+
+    from longboat.core.megatron.specs import KernelSelfAttention
+    from longboat.llm import build
+    from longboat.llm.layer_kernels import longboat_layer_kernels
+
+    ps = _init()
+    try:
+        cfg = _tiny_cfg()
+        (kernel,) = build.build_model(cfg, precision=precision)
+        original = build.longboat_layer_kernels
+        build.longboat_layer_kernels = lambda: longboat_layer_kernels(rope=False)
+        try:
+            (plain,) = build.build_model(cfg, precision=precision)
+        finally:
+            build.longboat_layer_kernels = original
+        attn = [layer.self_attention for layer in kernel.decoder.layers]
+        assert all(type(a) is KernelSelfAttention for a in attn)
+        assert all(type(layer.self_attention) is SelfAttention for layer in plain.decoder.layers)
+        plain.load_state_dict(kernel.state_dict())
+        tokens, _ = _batch(cfg)
+        pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        out: dict[str, float] = {}
+        grads, logits = [], []
+        for model in (kernel, plain):
+            y = model(tokens, pos, None)
+            y.float().square().mean().backward()
+            grads.append({n: p.grad.float() for n, p in model.named_parameters()})
+            logits.append(y.detach().float())
+        out["logits"] = float((logits[0] - logits[1]).abs().max())
+        out["logits_scale"] = float(logits[1].abs().max())
+        out["grad"] = max(float((grads[0][n] - grads[1][n]).abs().max()) for n in grads[0])
+        out["qkv_grad_scale"] = float(
+            grads[1]["decoder.layers.0.self_attention.linear_qkv.weight"].abs().max()
+        )
+        # Once per freqs table: every layer's second call reuses its cos / sin.
+        out["cached"] = float(all(a._cos_sin is not None for a in attn))
+        return out
+    finally:
+        ps.destroy()
+
+
+@pytest.mark.multiprocess
+def test_kernel_rope_matches_megatrons_rotation_fp32() -> None:
+    (out,) = run_multiprocess(_rope_worker, 1, "fp32")
+    assert out["logits"] <= FP32_TOL * max(1.0, out["logits_scale"]), out
+    assert out["grad"] <= FP32_TOL * max(1.0, out["qkv_grad_scale"]), out
+    assert out["qkv_grad_scale"] > 1e-4, "the loss does not reach the attention weights"
+    assert out["cached"] == 1.0
+
+
+def test_rope_rotation_in_bf16_is_at_least_as_accurate_as_megatrons() -> None:
+    """megatron rotates bf16 q/k with bf16 cos/sin; the kernel contract rotates in fp32.
+
+    Against an fp64 rotation of the same bf16 inputs, the kernel path's error is one bf16
+    rounding of the output (<= 2^-8 relative) and no larger than megatron's.
+    """
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from longboat.core.megatron.specs import KernelSelfAttention
+    from longboat.llm.layer_kernels import longboat_layer_kernels
+
+    g = torch.Generator().manual_seed(0)
+    s, b, h, hk, d = 24, 2, 4, 2, 32
+    q = torch.randn(s, b, h, d, generator=g).bfloat16()
+    k = torch.randn(s, b, hk, d, generator=g).bfloat16()
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    theta = torch.outer(torch.arange(s, dtype=torch.float64), inv)
+    freqs = torch.cat([theta, theta], -1)[:, None, None, :].float()
+    attn = KernelSelfAttention.__new__(KernelSelfAttention)  # only the table helper is used
+    attn._cos_sin = None
+    cos, sin = attn._rope_tables(freqs, s)
+    rope = longboat_layer_kernels().rope
+    qk, kk = (t.transpose(0, 1) for t in rope(q.transpose(0, 1), k.transpose(0, 1), cos, sin))
+    for x, got in ((q, qk), (k, kk)):
+        ref = _apply_rotary_pos_emb_bshd(x.double(), freqs.double())
+        mega = _apply_rotary_pos_emb_bshd(x, freqs)
+        err = float((got.double() - ref).abs().max())
+        err_mega = float((mega.double() - ref).abs().max())
+        assert err <= 2**-8 * float(ref.abs().max()), (err, err_mega)
+        assert err <= err_mega, (err, err_mega)
+
+
+# ----------------------------------------------------------------------------- fused CE
+
+
+def _flce_worker(rank: int, world: int) -> dict[str, float]:
+    from longboat.core.config.schema import OptimConfig
+    from longboat.llm.train.step import forward_backward
+    from longboat.llm.train.train_step import build_train_step
+
+    ps = _init()
+    try:
+        cfg = _tiny_cfg()
+        ts = build_train_step(cfg, OptimConfig(grad_clip=0.0), precision="fp32", device="cpu")
+        (net,) = ts.model
+        tokens, labels = _batch(cfg, b=2, s=16)
+        mask = torch.ones(2, 16)
+        mask[0, :5] = 0.0  # SFT-style prompt tokens carry no loss
+        mask[1, 11:] = 0.0
+        calls = []
+        handle = ts.chunks[0].output_layer.register_forward_hook(lambda *a: calls.append(1))
+        results = {}
+        for fused in (True, False):
+            calls.clear()
+            loss = forward_backward(ts.model, [ts.batch(tokens, labels, mask)], fused_ce=fused)
+            grads = {n: p.main_grad.clone() for n, p in net.module.named_parameters()}
+            results[fused] = (float(loss), grads, len(calls))
+        handle.remove()
+        (lf, gf, cf), (ll, gl, cl) = results[True], results[False]
+        # The logits path by hand: megatron's per-token CE, masked mean.
+        with torch.no_grad():
+            pos = torch.arange(16).unsqueeze(0).expand(2, -1)
+            per_token = ts.chunks[0](tokens, pos, None, labels=labels)
+            manual = float((per_token * mask).sum() / mask.sum())
+        return {
+            "loss_fused": lf,
+            "loss_logits": ll,
+            "loss_manual": manual,
+            "grad": max(float((gf[n] - gl[n]).abs().max()) for n in gf),
+            "grad_scale": max(float(gl[n].abs().max()) for n in gl),
+            "head_grad": float(gl["output_layer.weight"].abs().max()),
+            "output_layer_calls_fused": cf,
+            "output_layer_calls_logits": cl,
+        }
+    finally:
+        ps.destroy()
+
+
+@pytest.mark.multiprocess
+def test_fused_ce_matches_the_logits_path() -> None:
+    (out,) = run_multiprocess(_flce_worker, 1)
+    assert abs(out["loss_fused"] - out["loss_logits"]) <= FP32_TOL, out
+    assert abs(out["loss_logits"] - out["loss_manual"]) <= FP32_TOL, out
+    assert out["grad"] <= FP32_TOL * out["grad_scale"], out
+    assert out["head_grad"] > 1e-4, "the output weight got no gradient"
+    # The fused path never runs the output layer (no [tokens, vocab] logits); the other does.
+    assert out["output_layer_calls_fused"] == 0 and out["output_layer_calls_logits"] == 1, out
+
+
+def test_fused_ce_is_off_where_the_vocab_or_tokens_are_split() -> None:
+    from types import SimpleNamespace
+
+    from longboat.llm.train.loss import fused_loss_applies
+
+    def model(**cfg):
+        base = dict(tensor_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False)
+        inner = SimpleNamespace(config=SimpleNamespace(**(base | cfg)), post_process=True)
+        inner.output_layer = object()
+        return SimpleNamespace(module=inner)  # a DDP-like wrapper
+
+    assert fused_loss_applies(model())
+    assert not fused_loss_applies(model(tensor_model_parallel_size=2))
+    assert not fused_loss_applies(model(context_parallel_size=2))
+    assert not fused_loss_applies(model(sequence_parallel=True))
+    assert not fused_loss_applies(model(mtp_num_layers=1))
+    last = model()
+    last.module.post_process = False
+    assert not fused_loss_applies(last)
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def _step_worker(rank: int, world: int, clip: float) -> dict[str, object]:
+    from longboat.core.config.schema import OptimConfig
+    from longboat.core.megatron import optimizer as core_opt
+    from longboat.llm.train.train_step import build_train_step
+
+    ps = _init()
+    try:
+        cfg = _tiny_cfg()
+        optim = OptimConfig(lr=1e-2, eps=1e-3, grad_clip=clip)
+        tokens, labels = _batch(cfg)
+        weights = []
+        norm_calls = []
+        for sync_free in (True, False):
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(1)
+            ts = build_train_step(cfg, optim, precision="fp32", device="cpu")
+            before = {n: p.detach().clone() for n, p in ts.chunks[0].named_parameters()}
+            opt = ts.optimizer
+            real = opt.get_grad_norm
+
+            def counting(real=real, sync_free=sync_free):
+                norm_calls.append(sync_free)
+                return real()
+
+            opt.get_grad_norm = counting
+            if sync_free:
+                losses = [ts.step(tokens, labels) for _ in range(2)]
+            else:  # the loop's pieces with megatron's plain step()
+                from longboat.llm.train.step import forward_backward
+
+                losses = []
+                for _ in range(2):
+                    opt.zero_grad()
+                    losses.append(forward_backward(ts.model, [ts.batch(tokens, labels)]))
+                    opt.step()
+            weights.append({n: p.detach().clone() for n, p in ts.chunks[0].named_parameters()})
+            moved = max(float((weights[-1][n] - before[n]).abs().max()) for n in before)
+        diff = max(float((weights[0][n] - weights[1][n]).abs().max()) for n in weights[0])
+        return {
+            "diff": diff,
+            "moved": moved,
+            "loss_is_tensor": isinstance(losses[0], torch.Tensor),
+            "norm_calls_sync_free": norm_calls.count(True),
+            "fused_groups_on_cpu": core_opt.use_fused_torch_adamw(ts.optimizer),
+        }
+    finally:
+        ps.destroy()
+
+
+@pytest.mark.multiprocess
+def test_sync_free_step_equals_megatrons_step_without_clipping() -> None:
+    (out,) = run_multiprocess(_step_worker, 1, 0.0)
+    assert out["diff"] <= 1e-6 and out["moved"] > 1e-3, out
+    assert out["loss_is_tensor"]
+    assert out["norm_calls_sync_free"] == 0, "the grad norm (a host sync) was computed"
+    assert out["fused_groups_on_cpu"] == 0  # fused AdamW is switched on for CUDA params only
+
+
+@pytest.mark.multiprocess
+def test_clipping_still_takes_megatrons_step() -> None:
+    (out,) = run_multiprocess(_step_worker, 1, 1e-3)  # far below the tiny model's norm
+    assert out["diff"] <= 1e-6 and out["moved"] > 1e-4, out  # clipped: smaller steps
+    assert out["norm_calls_sync_free"] >= 2, "clipping needs the norm every step"
+
+
+@pytest.mark.gpu
+def test_fused_adamw_on_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from longboat.core.megatron.optimizer import use_fused_torch_adamw
+
+    class Fake:
+        def __init__(self, opt):
+            self.optimizer = opt
+
+    p = torch.nn.Parameter(torch.randn(4, device="cuda"))
+    inner = torch.optim.AdamW([p], lr=1e-3)
+    assert use_fused_torch_adamw(Fake(inner)) == 1
+    assert inner.param_groups[0]["fused"] and not inner.param_groups[0]["foreach"]
+    p.grad = torch.ones_like(p)
+    inner.step()
+
+
+# ----------------------------------------------------------------------------- init device
+
+
+def test_build_model_initialises_on_the_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    from longboat.llm import build
+
+    seen: dict[str, object] = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(arch, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(build, "current_layout", lambda: _Layout())
+    monkeypatch.setattr(build, "to_transformer_config", capture)
+    for device, cpu_init in (("cuda", False), ("cpu", True)):
+        with pytest.raises(Stop):
+            build.build_model(_tiny_cfg(), device_type=device)
+        assert seen["use_cpu_initialization"] is cpu_init, device
+    with pytest.raises(Stop):
+        build.build_model(_tiny_cfg(), device_type="cuda", use_cpu_initialization=True)
+    assert seen["use_cpu_initialization"] is True
+
+
+class _Layout:
+    tensor_parallel = pipeline_parallel = context_parallel = expert_parallel = 1
+    virtual_pipeline_parallel = None
+
+
+# ----------------------------------------------------------------------------- Triton
+
+
+TRITON_SCRIPT = textwrap.dedent(
+    """
+    import os, socket, warnings
+    warnings.simplefilter("ignore")
+    import torch, torch.distributed as dist
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from longboat.core.config.schema import ParallelConfig
+    from longboat.core.device import get_accelerator
+    from longboat.core.megatron import parallel_state
+    from longboat.llm import build
+    from longboat.llm.layer_kernels import longboat_layer_kernels
+    from longboat.llm.models import get_family
+    from longboat.llm.train.loss import fused_lm_loss
+    import longboat.kernels.rope as rope_mod
+
+    launched = []
+    real = rope_mod.apply_rope_triton
+    rope_mod.apply_rope_triton = lambda *a, **k: launched.append(1) or real(*a, **k)
+    parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"), seed=1)
+    cfg = get_family("llama3").flavor("tiny")
+    (kernel,) = build.build_model(cfg)
+    build.longboat_layer_kernels = lambda: longboat_layer_kernels(rope=False)
+    (plain,) = build.build_model(cfg)
+    plain.load_state_dict(kernel.state_dict())
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, cfg.vocab_size, (2, 9), generator=g)
+    tokens, labels = seq[:, :-1], seq[:, 1:]
+    pos = torch.arange(8).unsqueeze(0).expand(2, -1)
+    fused = kernel(tokens, pos, None, labels=labels, output_processor=fused_lm_loss)
+    fused.backward()
+    ref = plain(tokens, pos, None, labels=labels).float().mean()
+    ref.backward()
+    gk = dict(kernel.named_parameters())
+    grad = max(float((p.grad - gk[n].grad).abs().max()) for n, p in plain.named_parameters())
+    scale = max(float(p.grad.abs().max()) for p in plain.parameters())
+    print("RESULT", float(fused), float(ref), grad, scale, len(launched))
+    parallel_state.destroy()
+    """
+)
+
+
+# ~6 s on 2 cores: a fresh process importing megatron, every kernel in Triton's interpreter
+def test_triton_levers_in_the_model(tmp_path: Path) -> None:
+    pytest.importorskip("triton")
+    script = tmp_path / "triton_levers.py"
+    script.write_text(TRITON_SCRIPT)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "LONGBOAT_KERNELS_IMPL": "triton"}
+    env["OMP_NUM_THREADS"] = "1"
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
+    fused, ref, grad, scale, launched = (float(v) for v in line.split()[1:])
+    assert launched == _tiny_cfg().num_layers  # every layer's forward ran the Triton RoPE
+    # Triton (interpreter, fp32) vs megatron's fp32 logits path and rotation.
+    assert abs(fused - ref) <= FP32_TOL, (fused, ref)
+    assert grad <= FP32_TOL * max(1.0, scale), (grad, scale)
