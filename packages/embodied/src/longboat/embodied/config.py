@@ -8,7 +8,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from longboat.core.config.errors import ProblemCollector
-from longboat.core.config.schema import DataConfig, ExperimentConfig, ModelConfig
+from longboat.core.config.schema import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
 
 MODEL_NAMES = ("groot_n1_6", "pi05")
 LAYOUTS = ("v2.1", "v3.0")
@@ -72,12 +72,24 @@ class ExportConfig:
 
 
 @dataclass
+class EmbodiedTrainConfig(TrainConfig):
+    """The embodied training loop (core's fields plus embodied-only switches)."""
+
+    master_weights: bool = False
+    """With precision=bf16: store trainable params in bf16 (views of one flat buffer,
+    grads in one flat bf16 buffer) with fp32 master weights and Adam moments in the
+    optimizer (``MasterWeightAdamW``). false keeps fp32 params under bf16 autocast.
+    parallel.strategy=ddp only (all-reduced by the optimizer in one collective)."""
+
+
+@dataclass
 class EmbodiedExperimentConfig(ExperimentConfig):
     """Root config of an embodied experiment."""
 
     stack: str = "embodied"
     model: PolicyModelConfig = field(default_factory=PolicyModelConfig)
     data: LeRobotDataConfig = field(default_factory=LeRobotDataConfig)
+    train: EmbodiedTrainConfig = field(default_factory=EmbodiedTrainConfig)
     output_dir: str = "outputs/embodied"
     """Run directory (dataset, checkpoints, logs and export default under it)."""
     export: ExportConfig = field(default_factory=ExportConfig)
@@ -127,6 +139,30 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
             value=train.get("eval_every"),
             fix="set train.eval_every=0 and evaluate the exported policy (export/)",
         )
+    if train is not None and train.get("master_weights"):
+        strategy = cfg.parallel.get("strategy") if "parallel" in cfg else None
+        if strategy is not None and strategy != "ddp":
+            problems.add(
+                "train.master_weights",
+                f"is not supported with parallel.strategy={strategy} (sharded or wrapped params "
+                "cannot be views of one flat buffer)",
+                value=True,
+                fix="set parallel.strategy=ddp or train.master_weights=false",
+            )
+        if train.get("precision") != "bf16":
+            problems.add(
+                "train.master_weights",
+                "keeps bf16 params, so it needs bf16 autocast",
+                value=True,
+                fix="set train.precision=bf16 or train.master_weights=false",
+            )
+        if (cfg.optim.get("name") if "optim" in cfg else "adamw") != "adamw":
+            problems.add(
+                "train.master_weights",
+                "is implemented for AdamW only",
+                value=True,
+                fix="set optim.name=adamw or train.master_weights=false",
+            )
     if train is not None and train.get("precision") == "fp16":
         problems.add(
             "train.precision",

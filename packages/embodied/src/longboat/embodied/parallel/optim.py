@@ -9,7 +9,8 @@ from torch.distributed.tensor import DTensor
 
 from longboat.core.config.errors import ConfigError
 from longboat.core.config.schema import OptimConfig
-from longboat.embodied.parallel.strategy import ParallelSetup
+from longboat.embodied.parallel.master_weights import MasterWeightAdamW
+from longboat.embodied.parallel.strategy import ParallelSetup, check_master_weights
 
 # Device types whose torch build ships a fused AdamW kernel.
 _FUSED_ADAMW_DEVICES = ("cuda", "cpu", "xpu", "mps", "hpu")
@@ -29,9 +30,14 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, setup: ParallelSetup
+    model: nn.Module, cfg: OptimConfig, setup: ParallelSetup, *, master_weights: bool = False
 ) -> torch.optim.Optimizer:
-    """AdamW (or SGD) over the trainable params; ZeroRedundancyOptimizer for ``zero1``."""
+    """AdamW (or SGD) over the trainable params; ZeroRedundancyOptimizer for ``zero1``.
+
+    ``master_weights``: ``MasterWeightAdamW`` (see master_weights.py), which turns the
+    trainable params into bf16 views of one flat buffer with fp32 master weights in the
+    optimizer; pair it with ``parallelize(..., master_weights=True)``.
+    """
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
         raise ConfigError(
@@ -39,6 +45,16 @@ def build_optimizer(
             key="model",
             fix="unfreeze something (e.g. model.tune_llm=true or the action head)",
         )
+    if master_weights:
+        check_master_weights(setup.strategy)
+        if cfg.name != "adamw":
+            raise ConfigError(
+                "master weights are implemented for AdamW only",
+                key="train.master_weights",
+                value=True,
+                fix="set optim.name=adamw or train.master_weights=false",
+            )
+        return MasterWeightAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     if cfg.name == "adamw":
         cls: type[torch.optim.Optimizer] = torch.optim.AdamW
         kwargs: dict = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps}

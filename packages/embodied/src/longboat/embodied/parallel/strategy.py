@@ -76,6 +76,23 @@ def validate_setup(setup: ParallelSetup) -> None:
         )
 
 
+MASTER_WEIGHT_STRATEGIES = ("ddp",)
+"""Strategies that support ``train.master_weights`` (flat bf16 params + fp32 masters)."""
+
+
+def check_master_weights(strategy: str) -> None:
+    """ConfigError unless ``strategy`` supports master weights (any world size: the
+    sharded strategies keep their own parameter storage)."""
+    if strategy not in MASTER_WEIGHT_STRATEGIES:
+        raise ConfigError(
+            f"master weights are not supported with {strategy} (its params are sharded "
+            "or wrapped, so they cannot be views of one flat buffer)",
+            key="train.master_weights",
+            value=True,
+            fix="set parallel.strategy=ddp or train.master_weights=false",
+        )
+
+
 def build_mesh(setup: ParallelSetup) -> DeviceMesh | None:
     """The device mesh for FSDP/HSDP (None when not distributed or not sharding)."""
     if not setup.distributed or setup.strategy not in ("fsdp", "hsdp"):
@@ -98,6 +115,7 @@ def parallelize(
     device_ids: list[int] | None = None,
     bucket_cap_mb: int = 25,
     find_unused_parameters: bool = True,
+    master_weights: bool = False,
 ) -> nn.Module:
     """Apply activation checkpointing, then the data-parallel strategy, to ``model``.
 
@@ -108,13 +126,25 @@ def parallelize(
     - ``hsdp``: the same on a 2-D (replicate, shard) mesh.
 
     With a single process the model is returned unwrapped (same math).
+    ``master_weights`` (ddp only): the model is returned unwrapped at any world size;
+    ``MasterWeightAdamW`` all-reduces its flat grad buffer with one collective instead
+    (no overlap with backward, no per-bucket copies).
     ``find_unused_parameters`` (DDP/ZeRO-1) costs one autograd-graph walk per step;
     turn it off only for policies whose every trainable parameter is used every step.
     """
     validate_setup(setup)
+    if master_weights:
+        check_master_weights(setup.strategy)
+        if precision != "bf16":
+            raise ConfigError(
+                "master weights keep bf16 params; they need bf16 autocast",
+                key="train.precision",
+                value=precision,
+                fix="set train.precision=bf16 or train.master_weights=false",
+            )
     blocks = find_blocks(model)
     apply_activation_checkpointing(model, blocks, activation_checkpointing)
-    if not setup.distributed:
+    if not setup.distributed or master_weights:
         return model
     if setup.strategy in ("ddp", "zero1"):
         return DistributedDataParallel(

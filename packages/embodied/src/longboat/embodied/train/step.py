@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from longboat.embodied.parallel.master_weights import MasterWeightAdamW
 from longboat.embodied.parallel.optim import clip_grad_norm_
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,15 +51,19 @@ def seeded_rng(seed: int, device_type: str, device_index: int | None = None) -> 
 
 @dataclass
 class StepResult:
-    """What one optimizer step measured."""
+    """What one optimizer step measured.
 
-    loss: float
+    With ``train_step(..., host_sync=False)`` ``loss``, ``grad_norm`` and the ``metrics``
+    values are 0-dim device tensors (read them with ``float()`` when logging); otherwise
+    Python floats."""
+
+    loss: Any
     """Mean loss over every micro-batch of the global batch (all ranks)."""
-    grad_norm: float
+    grad_norm: Any
     """Global grad norm before clipping."""
     stepped: bool
     """False when the NaN guard skipped the update."""
-    metrics: dict[str, float]
+    metrics: dict[str, Any]
     """Extra scalars the model returned (averaged over the global batch)."""
 
 
@@ -77,6 +82,34 @@ def _set_fsdp_sync(model: nn.Module, sync: bool) -> None:
         setter(sync)
 
 
+def autocast_context(precision: str, device_type: str) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` for bf16/fp16, a no-op for fp32."""
+    dtype = _DTYPES.get(precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def _scalar_extras(out: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {
+        k: v.detach()
+        for k, v in out.items()
+        if k != "loss" and isinstance(v, torch.Tensor) and v.numel() == 1
+    }
+
+
+def clip_and_measure(
+    model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float
+) -> torch.Tensor:
+    """Global grad norm (device tensor, before clipping), clipping to ``grad_clip`` when > 0.
+
+    ``MasterWeightAdamW`` casts/reduces its flat grads and folds the clip into its step;
+    other optimizers clip the params' grads in place."""
+    if isinstance(optimizer, MasterWeightAdamW):
+        return optimizer.prepare_grads(grad_clip)
+    return clip_grad_norm_([p for p in model.parameters() if p.requires_grad], grad_clip)
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -91,6 +124,7 @@ def train_step(
     grad_clip: float = 0.0,
     should_step: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
     scheduler: Any = None,
+    host_sync: bool = True,
 ) -> StepResult:
     """Forward/backward ``micro_batches`` (this rank's share), then one optimizer step.
 
@@ -98,51 +132,51 @@ def train_step(
     (``dp_rank * accum``); ``device_index`` is this process's device (None on CPU).
     ``model(batch)`` must return a dict with a scalar
     ``loss``; other scalar entries are averaged and reported. ``should_step``
-    (the NaN guard) sees the global loss and grad norm and may veto the update.
+    (the NaN guard) sees the global loss and grad norm and may veto the update; it is
+    the step's only host sync when ``host_sync=False`` (then the result holds device
+    tensors, see ``StepResult``).
     """
     accum = len(micro_batches)
-    dtype = _DTYPES.get(precision)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    total_loss = torch.zeros((), dtype=torch.float64)
+    # float64 sums on the host's CPU runs (exact across world sizes); fp32 on devices.
+    acc_dtype = torch.float64 if device_type == "cpu" else torch.float32
+    total_loss: torch.Tensor | None = None
     extras: dict[str, torch.Tensor] = {}
     for i, batch in enumerate(micro_batches):
         last = i == accum - 1
         _set_fsdp_sync(model, last)
-        autocast = (
-            torch.autocast(device_type=device_type, dtype=dtype)
-            if dtype is not None
-            else contextlib.nullcontext()
-        )
         with (
             _no_sync(model, last),
             seeded_rng(micro_batch_seed(seed, step, rank_offset + i), device_type, device_index),
         ):
-            with autocast:
+            with autocast_context(precision, device_type):
                 out = model(batch)
             loss = out["loss"]
             (loss / accum).backward()
-        total_loss += loss.detach().double().cpu()
-        for key, value in out.items():
-            if key != "loss" and isinstance(value, torch.Tensor) and value.numel() == 1:
-                extras[key] = extras.get(key, 0.0) + value.detach().double().cpu()
+        value = loss.detach().to(acc_dtype)
+        total_loss = value if total_loss is None else total_loss + value
+        for key, v in _scalar_extras(out).items():
+            v = v.reshape(()).to(acc_dtype)
+            extras[key] = extras[key] + v if key in extras else v
+    assert total_loss is not None, "train_step needs at least one micro-batch"
     names = sorted(extras)
-    packed = torch.stack([total_loss] + [torch.as_tensor(extras[k]) for k in names]) / accum
+    packed = torch.stack([total_loss] + [extras[k] for k in names]) / accum
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # gloo reduces CPU tensors (and has no AVG); NCCL needs them on the device.
-        reduce_on = packed if device_type == "cpu" else packed.to(device_type)
-        dist.all_reduce(reduce_on, op=dist.ReduceOp.SUM)
-        packed = reduce_on.cpu() / dist.get_world_size()
-    grad_norm = clip_grad_norm_(trainable, grad_clip)
-    loss_value = float(packed[0])
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+        packed = packed / dist.get_world_size()
+    grad_norm = clip_and_measure(model, optimizer, grad_clip)
     stepped = True
     if should_step is not None:
         # On the device: the guard may all-reduce its verdict (NCCL needs device tensors).
-        on = torch.device(device_type) if device_type != "cpu" else torch.device("cpu")
-        stepped = should_step(torch.tensor(loss_value, device=on), grad_norm.detach().to(on))
+        stepped = should_step(packed[0], grad_norm.detach())
     if stepped:
         optimizer.step()
         if scheduler is not None:  # a skipped step does not advance the schedule either
             scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    metrics = {k: float(v) for k, v in zip(names, packed[1:].tolist())}
-    return StepResult(loss=loss_value, grad_norm=float(grad_norm), stepped=stepped, metrics=metrics)
+    if not host_sync:
+        metrics_t = {k: packed[j + 1] for j, k in enumerate(names)}
+        return StepResult(loss=packed[0], grad_norm=grad_norm, stepped=stepped, metrics=metrics_t)
+    host = packed.cpu().tolist()  # one device -> host copy for every scalar
+    metrics = dict(zip(names, host[1:]))
+    return StepResult(loss=host[0], grad_norm=float(grad_norm), stepped=stepped, metrics=metrics)

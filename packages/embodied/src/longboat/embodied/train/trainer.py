@@ -148,8 +148,9 @@ def train(cfg: Any) -> TrainResult:
         precision=cfg.train.precision,
         activation_checkpointing=cfg.train.activation_checkpointing,
         device_ids=[info.local_rank] if accelerator.device_type == "cuda" else None,
+        master_weights=cfg.train.master_weights,
     )
-    optimizer = build_optimizer(model, cfg.optim, setup)
+    optimizer = build_optimizer(model, cfg.optim, setup, master_weights=cfg.train.master_weights)
     scheduler = build_lr_scheduler(optimizer, cfg.optim.schedule, cfg.train.steps)
     nan_guard = NaNGuard(cfg.train.nan_guard)
     position = DataPosition(plan)
@@ -202,6 +203,7 @@ def train(cfg: Any) -> TrainResult:
         cfg.logging.dir, cfg.logging.run_name, tensorboard=cfg.logging.tensorboard, enabled=is_main
     )
     step = start
+    pending_losses: list[torch.Tensor] = []  # device losses of steps not yet logged
     with (
         metrics,
         GracefulShutdown() as shutdown,
@@ -230,32 +232,44 @@ def train(cfg: Any) -> TrainResult:
                 grad_clip=cfg.optim.grad_clip,
                 should_step=nan_guard.check,
                 scheduler=scheduler,
+                host_sync=False,  # losses stay on the device until they are logged
             )
             done = step + 1
             position.step = done
             result.steps_done = done
-            result.losses.append(out.loss)
+            pending_losses.append(out.loss)
             dt = time.perf_counter() - t0
-            progress.update(done, loss=out.loss, items=layout.global_batch)
             if done % cfg.train.log_every == 0 or done == cfg.train.steps:
+                # One device -> host copy for every scalar of the step.
+                names = sorted(out.metrics)
+                host = torch.stack(
+                    [out.loss.double(), out.grad_norm.double().to(out.loss.device)]
+                    + [out.metrics[k].double() for k in names]
+                ).tolist()
+                result.losses.extend(float(v) for v in pending_losses)
+                pending_losses.clear()
+                progress.update(done, loss=host[0], items=layout.global_batch)
                 metrics.log(
                     done,
                     {
-                        "loss": out.loss,
-                        "grad_norm": out.grad_norm,
+                        "loss": host[0],
+                        "grad_norm": host[1],
                         "lr": scheduler.get_last_lr()[0],
                         "step_time_s": dt,
                         "samples_per_s": layout.global_batch / dt,
                         "skipped_step": not out.stepped,
-                        **out.metrics,
+                        **dict(zip(names, host[2:])),
                     },
                 )
+            else:
+                progress.update(done, items=layout.global_batch)
             if ckpt.should_save(done):
                 state["rng"] = RNGState.capture(accelerator)
                 ckpt.save(done, state)
             if shutdown.should_stop():
                 result.interrupted = True
                 break
+    result.losses.extend(float(v) for v in pending_losses)  # an interrupted run's tail
     final = result.steps_done
     if cfg.checkpoint.save_on_exit and ckpt.last_saved_step != final and final > start:
         state["rng"] = RNGState.capture(accelerator)

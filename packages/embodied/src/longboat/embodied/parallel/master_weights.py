@@ -1,0 +1,230 @@
+"""bf16 weights with fp32 master weights: flat buffers, one fused AdamW launch per group.
+
+``MasterWeightAdamW`` takes ownership of the trainable parameters' storage:
+
+- every trainable parameter becomes a bf16 view into ONE flat bf16 buffer
+  (``flat_param``), and its ``.grad`` a view into ONE flat bf16 buffer (``flat_grad``)
+  that autograd accumulates into (``zero_grad`` zeroes the buffer, it never frees it);
+- the optimizer keeps fp32 master weights and both Adam moments as flat fp32 buffers;
+  ``prepare_grads`` casts the grads to fp32 (one copy), all-reduces them with one
+  collective at world size > 1, and measures the global norm and the clip factor on the
+  device (no host sync); ``step`` runs ``torch._fused_adamw_`` once per param group on the
+  flat fp32 segment (clipping folded in through its ``grad_scale``) and copies the
+  master weights back to the bf16 buffer in one copy.
+
+Autocast stays on around the forward: ops autocast runs in fp32 (softmax, norms, losses)
+still do; only the per-use casts of fp32 weights to bf16 disappear.
+
+Each parameter starts at an offset aligned to ``ALIGN`` elements (128 bytes of bf16), so
+matmuls see aligned operands; the padding stays exactly zero (zero grad, zero weight).
+The learning rate and the step count live in device tensors, so ``step_on_device`` is
+CUDA-graph capturable; ``sync_hyperparams`` (host -> device lr copy) must run outside
+the captured region. ``step`` does both.
+
+The state dict is the standard per-parameter layout (``master``, ``exp_avg``,
+``exp_avg_sq``, ``step`` per parameter), so core's DCP checkpoints save and reshard it by
+FQN; ``load_state_dict`` copies into the flat buffers (the views stay views).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+ALIGN = 64
+"""Element alignment of every parameter's offset in the flat buffers."""
+
+_STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class MasterWeightAdamW(torch.optim.Optimizer):
+    """AdamW over bf16 params with fp32 master weights in flat buffers (see module doc).
+
+    ``groups``: ``[{"params": [...], "weight_decay": wd}, ...]`` as from ``param_groups``.
+    ``process_group``: grads are averaged over it in ``prepare_grads`` (None: the default
+    group when one with more than one rank is initialized).
+    """
+
+    def __init__(
+        self,
+        groups: list[dict[str, Any]],
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        param_dtype: torch.dtype = torch.bfloat16,
+        process_group: Any = None,
+    ) -> None:
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": 0.0}
+        super().__init__(groups, defaults)
+        params = [p for g in self.param_groups for p in g["params"]]
+        if not params:
+            raise ValueError("MasterWeightAdamW needs at least one parameter")
+        if any(not p.requires_grad for p in params):
+            raise ValueError("MasterWeightAdamW got a parameter that does not require grad")
+        device = params[0].device
+        if any(p.device != device for p in params):
+            raise ValueError("MasterWeightAdamW needs every parameter on one device")
+        # Segments: one contiguous, aligned range of the flat buffers per param group.
+        self._segments: list[tuple[int, int]] = []
+        offsets: list[int] = []
+        total = 0
+        for group in self.param_groups:
+            start = total
+            for p in group["params"]:
+                offsets.append(total)
+                total += _aligned(p.numel())
+            self._segments.append((start, total))
+        self.param_dtype = param_dtype
+        self.master = torch.zeros(total, dtype=torch.float32, device=device)
+        for p, off in zip(params, offsets):
+            self.master[off : off + p.numel()].copy_(p.detach().reshape(-1))
+        self.process_group = process_group
+        if self._world_size() > 1:
+            # Identical starting weights on every rank (what DDP's constructor guarantees).
+            dist.broadcast(
+                self.master, src=dist.get_global_rank(self._group(), 0), group=self._group()
+            )
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.grad32 = torch.zeros_like(self.master)
+        self.flat_param = self.master.to(param_dtype)
+        self.flat_grad = torch.zeros(total, dtype=param_dtype, device=device)
+        self.step_count = torch.zeros((), dtype=torch.float32, device=device)
+        self.grad_scale = torch.ones((), dtype=torch.float32, device=device)
+        self.lr_tensors = [
+            torch.full((), float(g["lr"]), dtype=torch.float32, device=device)
+            for g in self.param_groups
+        ]
+        self._views: list[tuple[nn.Parameter, Tensor]] = []
+        for p, off in zip(params, offsets):
+            n = p.numel()
+            p.data = self.flat_param[off : off + n].view(p.shape)
+            grad_view = self.flat_grad[off : off + n].view(p.shape)
+            p.grad = grad_view
+            self._views.append((p, grad_view))
+            self.state[p] = {
+                "step": self.step_count,
+                "master": self.master[off : off + n].view(p.shape),
+                "exp_avg": self.exp_avg[off : off + n].view(p.shape),
+                "exp_avg_sq": self.exp_avg_sq[off : off + n].view(p.shape),
+            }
+
+    # ------------------------------------------------------------------ distributed
+
+    def _group(self) -> Any:
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def _world_size(self) -> int:
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self._group())
+
+    # ------------------------------------------------------------------ grads
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the flat grad buffer (``set_to_none`` is ignored: the views must persist)."""
+        self.flat_grad.zero_()
+        for p, view in self._views:
+            if p.grad is not view:  # someone (model.zero_grad, a hook) replaced it
+                p.grad = view
+
+    @torch.no_grad()
+    def prepare_grads(self, max_norm: float = 0.0) -> Tensor:
+        """Cast the accumulated bf16 grads to fp32, average them over ranks (one
+        all-reduce), and set the clip factor used by the next ``step``. Returns the global
+        grad norm (before clipping) as a device tensor; no host sync."""
+        self.grad32.copy_(self.flat_grad)
+        world = self._world_size()
+        if world > 1:
+            dist.all_reduce(self.grad32, group=self._group())
+            self.grad32.div_(world)
+        norm = torch.linalg.vector_norm(self.grad32)
+        if max_norm > 0:
+            # fused AdamW divides the grads by grad_scale: 1/clip_coef, >= 1.
+            torch.clamp((norm + 1e-6) / max_norm, min=1.0, out=self.grad_scale)
+        else:
+            self.grad_scale.fill_(1.0)
+        return norm
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def sync_hyperparams(self) -> None:
+        """Copy each group's (scheduler-set) float ``lr`` into its device tensor. Host ->
+        device: run it outside a captured CUDA graph, before the replay."""
+        for group, lr in zip(self.param_groups, self.lr_tensors):
+            value = group["lr"]
+            if isinstance(value, Tensor):
+                lr.copy_(value)
+            else:
+                lr.fill_(float(value))
+
+    @torch.no_grad()
+    def step_on_device(self) -> None:
+        """The update from ``grad32`` (as left by ``prepare_grads``): device-only work, a
+        fixed sequence of launches (capturable)."""
+        self.step_count.add_(1.0)
+        for group, (start, end), lr in zip(self.param_groups, self._segments, self.lr_tensors):
+            beta1, beta2 = group["betas"]
+            torch._fused_adamw_(
+                [self.master[start:end]],
+                [self.grad32[start:end]],
+                [self.exp_avg[start:end]],
+                [self.exp_avg_sq[start:end]],
+                [],
+                [self.step_count],
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                amsgrad=False,
+                maximize=False,
+                grad_scale=self.grad_scale,
+                found_inf=None,
+            )
+        self.flat_param.copy_(self.master)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """One AdamW update. ``prepare_grads`` must have run since the last backward."""
+        if closure is not None:
+            raise ValueError("MasterWeightAdamW.step takes no closure")
+        self.sync_hyperparams()
+        self.step_on_device()
+
+    # ------------------------------------------------------------------ state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Copy a ``state_dict()`` (same params, same groups) into the flat buffers."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
+        ):
+            raise ValueError(
+                "the optimizer state has a different parameter layout than this model's "
+                "trainable parameters; resume with the same model and freezing config"
+            )
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved_ids = [i for g in saved_groups for i in g["params"]]
+        with torch.no_grad():
+            for p, idx in zip(params, saved_ids):
+                saved = state_dict["state"][idx]
+                for key in _STATE_KEYS:
+                    self.state[p][key].copy_(saved[key])
+                self.step_count.copy_(saved["step"])
+            self.flat_param.copy_(self.master)
+        for group, saved in zip(self.param_groups, saved_groups):
+            for key, value in saved.items():
+                if key != "params":
+                    group[key] = value
+        self.sync_hyperparams()
