@@ -194,7 +194,8 @@ class KernelSelfAttention(SelfAttention):
     k together (after the qk-norms, as megatron does) through ``[b, s, heads, d]`` strided
     views, with ``cos`` / ``sin`` computed once per ``freqs`` table and reused by every call.
     Cases the kernel does not cover (inference, packed THD sequences, interleaved or YaRN
-    rotary, fused QKV RoPE) go through megatron unchanged.
+    rotary, fused QKV RoPE) go through megatron unchanged, and so does a layer being traced
+    by torch.compile (Inductor fuses megatron's rotation with the QKV split around it).
     """
 
     def __init__(self, *args: Any, rope: RopeFn, **kwargs: Any) -> None:
@@ -207,6 +208,8 @@ class KernelSelfAttention(SelfAttention):
         cfg = self.config
         if rotary_pos_emb is None or kwargs.get("key_value_states") is not None:
             return False
+        if torch.compiler.is_compiling():
+            return False  # Inductor fuses megatron's own rotation into its neighbours
         if kwargs.get("inference_context") is not None or kwargs.get("inference_params"):
             return False
         if kwargs.get("packed_seq_params") is not None:
@@ -259,14 +262,12 @@ class KernelSelfAttention(SelfAttention):
         reference keeps that identity from being reused).
         """
         cached = self._cos_sin
-        compiling = torch.compiler.is_compiling()
-        if not compiling and cached is not None and cached[0] is freqs:
+        if cached is not None and cached[0] is freqs:
             return cached[1][:seq], cached[2][:seq]
         half = freqs.shape[-1] // 2
         theta = freqs.reshape(freqs.shape[0], -1)[:, :half].float()
         cos, sin = theta.cos(), theta.sin()
-        if not compiling:
-            self._cos_sin = (freqs, cos, sin)
+        self._cos_sin = (freqs, cos, sin)
         return cos[:seq], sin[:seq]
 
 

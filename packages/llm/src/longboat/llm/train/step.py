@@ -23,17 +23,21 @@ from longboat.llm.train.loss import fused_lm_loss, fused_loss_applies
 
 
 def masked_lm_loss(
-    loss_mask: torch.Tensor, output: torch.Tensor
+    loss_mask: torch.Tensor | None, output: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Mean of megatron's per-token losses ``[b, s]`` over the tokens ``loss_mask`` keeps.
 
-    A scalar ``output`` is already that mean (the fused loss path).
+    A scalar ``output`` is already that mean (the fused loss path); ``loss_mask=None`` keeps
+    every token.
     """
     if output.dim() == 0:
         loss = output.float()
         return loss, {"lm loss": loss.detach().clone()}
     losses = output.float()
-    loss = (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+    if loss_mask is None:
+        loss = losses.mean()
+    else:
+        loss = (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
     # clone: megatron divides the returned loss in place by the number of microbatches.
     return loss, {"lm loss": loss.detach().clone()}
 

@@ -48,13 +48,12 @@ class TrainStep:
     def batch(
         self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None
     ) -> dict[str, torch.Tensor | None]:
-        """One microbatch in the loop's format (positions ``0..s-1``, causal attention)."""
+        """One microbatch in the loop's format (positions ``0..s-1``, causal attention;
+        ``loss_mask=None``: every token counts)."""
         b, s = tokens.shape
         if (b, s) not in self._positions:
             pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, -1)
             self._positions[(b, s)] = pos
-        if loss_mask is None:
-            loss_mask = torch.ones(b, s, device=tokens.device, dtype=torch.float32)
         return {
             "tokens": tokens,
             "labels": labels,
