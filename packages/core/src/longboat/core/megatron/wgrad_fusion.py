@@ -1,0 +1,81 @@
+"""Weight gradients accumulated straight into megatron's ``main_grad`` buffers.
+
+Without it, every linear layer's backward computes its weight gradient as a new bf16 tensor,
+and a DDP hook then adds it into the layer's fp32 ``main_grad`` slice of the grad buffer: one
+more pass over every weight (read bf16 + read fp32 + write fp32, 10 bytes a parameter) and a
+bf16 gradient allocated per layer. megatron can instead let the GEMM accumulate into
+``main_grad`` itself (``TransformerConfig.gradient_accumulation_fusion``), but only through
+apex's ``fused_weight_gradient_mlp_cuda`` extension, which is not installed here.
+
+:func:`install_wgrad_fusion` gives megatron a stand-in for that extension built on torch:
+
+- fp32 ``main_grad``: ``addmm`` with bf16 inputs and fp32 output (``out_dtype``), accumulated
+  in place (cuBLAS ``C = A B + C``): the product is never rounded to bf16, so the gradient is
+  at least as precise as before (measured H200: one GEMM instead of a GEMM + an add pass);
+- bf16 / fp16 ``main_grad``: ``addmm_`` in that dtype;
+- where ``addmm`` has no ``out_dtype`` (CPU), the product is formed in fp32 and added:
+  the same values, one extra pass.
+
+Turn it on per model with ``TransformerConfig.gradient_accumulation_fusion=True`` after
+installing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_STATE: dict[str, bool] = {}
+
+
+def _accum_fp32_out_dtype(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:  # fmt: skip
+    torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=torch.float32, out=main_grad)
+
+
+def _accum_fp32_fallback(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:  # fmt: skip
+    main_grad.add_(grad_output.t().float() @ total_input.float())
+
+
+def _out_dtype_works(device: torch.device) -> bool:
+    """Check once per device type that in-place ``addmm(out_dtype=fp32)`` accumulates right."""
+    key = f"out_dtype:{device.type}"
+    if key not in _STATE:
+        try:
+            g = torch.Generator(device=device).manual_seed(0)
+            x = torch.randn(64, 48, device=device, generator=g).to(torch.bfloat16)
+            dy = torch.randn(64, 32, device=device, generator=g).to(torch.bfloat16)
+            acc = torch.randn(32, 48, device=device, generator=g)
+            want = acc + dy.t().float() @ x.float()
+            _accum_fp32_out_dtype(x, dy, acc)
+            _STATE[key] = bool(torch.allclose(acc, want, rtol=1e-4, atol=1e-3))
+        except (RuntimeError, TypeError, NotImplementedError):
+            _STATE[key] = False
+    return _STATE[key]
+
+
+class TorchWgradAccumulation:
+    """The two functions megatron calls on apex's ``fused_weight_gradient_mlp_cuda``:
+    ``main_grad [out, in] += grad_output[T, out]^T @ total_input[T, in]``."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(
+        total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor
+    ) -> None:
+        if total_input.dtype != torch.float32 and _out_dtype_works(main_grad.device):
+            _accum_fp32_out_dtype(total_input, grad_output, main_grad)
+        else:
+            _accum_fp32_fallback(total_input, grad_output, main_grad)
+
+    @staticmethod
+    def wgrad_gemm_accum_fp16(
+        total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor
+    ) -> None:
+        main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
+
+
+def install_wgrad_fusion() -> None:
+    """Make megatron's gradient-accumulation fusion available (idempotent)."""
+    from megatron.core.tensor_parallel import layers
+
+    layers.fused_weight_gradient_mlp_cuda = TorchWgradAccumulation
+    layers._grad_accum_fusion_available = True
+    _STATE["installed"] = True
