@@ -99,7 +99,7 @@ def profile_steps(
     out: Path | None,
     *,
     title: str = "",
-    row_limit: int = 40,
+    row_limit: int = 70,
 ) -> dict[str, Any] | None:
     """Run ``run_step(i)`` for ``steps`` steps under torch.profiler; write the op table and
     the per-step summary to ``out`` (a text file); return the summary (None when skipped)."""

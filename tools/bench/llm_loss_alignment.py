@@ -7,10 +7,12 @@ A ``transformers.LlamaForCausalLM`` (the llm_throughput model, fp32, seeded rand
 saved with ``save_pretrained`` and loaded into longboat's build path
 (``longboat.llm.hf.read_hf_config`` + ``build_model`` + ``load_hf``), so both start from the
 same weights. Both then train ``--steps`` steps on the same batches (sequences from a fixed
-random Markov chain, so the loss has something to learn) with AdamW (lr ``--lr``, default 3e-4, betas
-0.9/0.95, weight decay 0.1 on matrices only, no clipping), bf16: HF as fp32 weights + bf16
+random Markov chain, so the loss has something to learn) with AdamW (lr ``--lr``, default 3e-4,
+linear warm-up over ``--warmup-steps`` (20), betas 0.9/0.95, weight decay 0.1 on matrices only,
+global grad-norm clipping at ``--clip`` (1.0)), bf16: HF as fp32 weights + bf16
 autocast (``hf_eager``), longboat as in llm_throughput's ``longboat`` run (bf16 weights, fp32
-main weights in megatron's optimizer, Triton kernels, fused linear cross-entropy). Both
+main weights in megatron's optimizer, Triton kernels, fused QKV RoPE, wgrad accumulation
+fusion, fused linear cross-entropy: the same ``longboat_levers``). Both
 losses cover the same targets (HF shifts labels itself; longboat ignores the last position).
 
 Writes ``max_abs_loss_diff`` and both curves to ``--out`` and
@@ -51,8 +53,18 @@ def markov_batches(
     return list(torch.stack(rows, 1).view(n, batch, seq + 1))
 
 
+def lr_at(step: int, lr: float, warmup: int) -> float:
+    """Linear warm-up over ``warmup`` steps, then constant (both loops use this)."""
+    return lr * min(1.0, (step + 1) / warmup) if warmup > 0 else lr
+
+
 def hf_losses(
-    model: torch.nn.Module, batches: list[torch.Tensor], device: torch.device, lr: float
+    model: torch.nn.Module,
+    batches: list[torch.Tensor],
+    device: torch.device,
+    lr: float,
+    warmup: int,
+    clip: float,
 ) -> list[float]:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
@@ -61,11 +73,15 @@ def hf_losses(
         lr=lr, betas=lt.BETAS, eps=lt.EPS, weight_decay=lt.WD, fused=device.type == "cuda",
     )  # fmt: skip
     losses = []
-    for b in batches:
+    for i, b in enumerate(batches):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(i, lr, warmup)
         x = b[:, :-1].to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model(input_ids=x, labels=x).loss
         loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
@@ -73,27 +89,31 @@ def hf_losses(
 
 
 def longboat_losses(
-    hf_dir: Path, batches: list[torch.Tensor], acc: Any, lr: float
+    hf_dir: Path, batches: list[torch.Tensor], acc: Any, lr: float, warmup: int, clip: float
 ) -> tuple[list[float], dict[str, Any]]:
     from longboat.llm.build import build_model
     from longboat.llm.hf import load_hf, read_hf_config
 
     lt.init_megatron(acc)
     device = acc.device()
-    notes = {"rope": lt.install_triton_rope()}
-    lt.quiet_tp_group_lookup()
+    notes: dict[str, Any] = {}
+    overrides = lt.longboat_levers(notes)
     cfg = read_hf_config(hf_dir)
     cfg.layer_backend = "longboat"
-    overrides = {"use_cpu_initialization": False} if device.type == "cuda" else {}
+    if device.type == "cuda":
+        overrides["use_cpu_initialization"] = False
     chunks = build_model(cfg, precision="bf16", device_type=device.type, **overrides)
     load_hf(chunks, cfg, hf_dir)
-    ddp, opt = lt.megatron_optimizer(chunks, device, lr)  # main weights copied from the loaded ones
+    # main weights copied from the loaded ones; megatron clips by the global grad norm
+    ddp, opt = lt.megatron_optimizer(chunks, device, lr, clip=clip)
     net = ddp[0]
     from megatron.core.distributed import finalize_model_grads
 
     pos = None
     losses = []
-    for b in batches:
+    for i, b in enumerate(batches):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(i, lr, warmup)
         tokens = b[:, :-1].to(device)
         labels = b[:, 1:].clone()
         labels[:, -1] = -100  # HF has no target for the last position
@@ -105,8 +125,7 @@ def longboat_losses(
         loss = net(tokens, pos, None, labels=labels, output_processor=lt.flce_processor)
         loss.backward()
         finalize_model_grads(ddp)
-        opt.prepare_grads()
-        opt.step_with_ready_grads()
+        opt.step()  # grad norm + clipping + update (the norm is a host read; speed is not timed)
         losses.append(loss.detach())
     lt.uninstall_triton_rope()
     return [float(v) for v in losses], notes
@@ -151,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results-dir", type=Path, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=lt.LR)
+    p.add_argument("--warmup-steps", type=int, default=20, help="linear LR warm-up (both loops)")
+    p.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip (0: off)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     acc = get_accelerator()
@@ -171,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         "versions": lt.versions("transformers", "triton", "megatron-core"),
         "commit": lt.git_commit(),
         "config": {**c, "steps": args.steps, "seed": args.seed, "precision": "bf16",
-                   "lr": args.lr, "data": "fixed random Markov chain, 8 successors per token"},
+                   "lr": args.lr, "warmup_steps": args.warmup_steps, "clip": args.clip,
+                   "data": "fixed random Markov chain, 8 successors per token"},
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         hf = lt.hf_model(c, device)
@@ -180,11 +202,11 @@ def main(argv: list[str] | None = None) -> int:
             if hasattr(m, "variance_epsilon"):
                 m.variance_epsilon = 1e-5
         hf.save_pretrained(tmp)
-        result["hf_losses"] = hf_losses(hf, batches, device, args.lr)
+        result["hf_losses"] = hf_losses(hf, batches, device, args.lr, args.warmup_steps, args.clip)
         del hf
         acc.empty_cache()
         result["longboat_losses"], result["notes"] = longboat_losses(
-            Path(tmp), batches, acc, args.lr
+            Path(tmp), batches, acc, args.lr, args.warmup_steps, args.clip
         )
     lt.teardown_megatron()
     diffs = [

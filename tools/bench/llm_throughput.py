@@ -75,11 +75,12 @@ PEAK_BF16_FLOPS = 989e12
 DATE = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
 # hf_liger last: liger patches transformers' Llama classes process-wide.
 ALL_RUNS = (
-    "hf_eager", "hf_compiled", "mcore_local_spec", "longboat", "longboat_compiled", "hf_liger",
+    "hf_eager", "hf_compiled", "mcore_local_spec", "longboat", "longboat_graphed",
+    "longboat_compiled", "hf_liger",
 )  # fmt: skip
 RUN_WEIGHT = {
     "hf_eager": 1.5, "hf_compiled": 4.0, "longboat": 1.5, "longboat_compiled": 2.5,
-    "hf_liger": 1.5,
+    "longboat_graphed": 1.5, "hf_liger": 1.5,
 }  # fmt: skip
 
 FULL = dict(
@@ -232,7 +233,7 @@ def llm_config(c: dict[str, int], backend: str) -> Any:
 
 
 def megatron_optimizer(
-    chunks: list[torch.nn.Module], device: torch.device, lr: float = LR
+    chunks: list[torch.nn.Module], device: torch.device, lr: float = LR, clip: float = 0.0
 ) -> tuple[Any, Any]:
     """megatron DDP (fp32 grad buffer) + megatron optimizer with a fused inner AdamW."""
     from longboat.core.config.schema import OptimConfig
@@ -240,7 +241,7 @@ def megatron_optimizer(
 
     ddp = wrap_ddp(chunks)
     optim = OptimConfig(
-        name="adamw", lr=lr, weight_decay=WD, betas=list(BETAS), eps=EPS, grad_clip=0.0
+        name="adamw", lr=lr, weight_decay=WD, betas=list(BETAS), eps=EPS, grad_clip=clip
     )
     opt = build_optimizer(ddp, optim, precision="bf16")
     if device.type == "cuda":
@@ -388,8 +389,30 @@ def flce_processor(*, hidden_states: torch.Tensor, output_layer: Any, output_wei
     return fused_linear_cross_entropy(hidden_states, weight, labels.t())
 
 
+def longboat_levers(notes: dict[str, Any]) -> dict[str, Any]:
+    """Install the longboat levers that live around megatron and return the TransformerConfig
+    overrides that turn them on (shared with llm_loss_alignment.py, so the loss check runs
+    the same code as the timed run)."""
+    from longboat.core.megatron.qkv_rope import install_fused_qkv_rope
+    from longboat.core.megatron.wgrad_fusion import install_wgrad_fusion
+
+    notes["rope"] = install_triton_rope()
+    quiet_tp_group_lookup()
+    # QKV split + RoPE in one kernel each way; wgrad GEMMs accumulate into main_grad.
+    install_fused_qkv_rope()
+    install_wgrad_fusion()
+    notes["fusions"] = "fused_single_qkv_rope, gradient_accumulation_fusion"
+    return {"fused_single_qkv_rope": True, "gradient_accumulation_fusion": True}
+
+
 def mcore_setup(
-    c: dict[str, int], acc: Any, *, backend: str, levers: bool, compile_layers: bool
+    c: dict[str, int],
+    acc: Any,
+    *,
+    backend: str,
+    levers: bool,
+    compile_layers: bool,
+    graphed: bool = False,
 ) -> tuple[Callable[..., Any], dict[str, Any]]:
     from longboat.llm.build import build_model
 
@@ -401,9 +424,8 @@ def mcore_setup(
         overrides["use_cpu_initialization"] = False  # init on the GPU: seconds, not minutes
     uninstall_triton_rope()
     if levers:
-        notes["rope"] = install_triton_rope()
         notes["attention"] = pick_attention_backend(c, acc)
-        quiet_tp_group_lookup()
+        overrides.update(longboat_levers(notes))
     chunks = build_model(
         llm_config(c, backend), precision="bf16", device_type=device.type, **overrides
     )
@@ -436,6 +458,19 @@ def mcore_setup(
             opt.step()
         return loss.detach()
 
+    if graphed:
+        from longboat.core.loop import GraphedStep
+
+        graph = GraphedStep(
+            lambda b: step(b["tokens"], b["labels"]), accelerator=acc, warmup=2, name="llm step"
+        )
+        notes["cuda_graph"] = graph.reason or "whole step as one CUDA graph"
+
+        def graphed_step(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return graph({"tokens": tokens, "labels": labels}).clone()
+
+        graphed_step.keep = (chunks, ddp, opt, graph)  # type: ignore[attr-defined]
+        return graphed_step, notes
     step.keep = (chunks, ddp, opt)  # type: ignore[attr-defined]
     return step, notes
 
@@ -477,9 +512,14 @@ def run_one(name: str, c: dict[str, int], acc: Any, args: argparse.Namespace) ->
         step = hf_setup(c, device, compiled=False, liger=True)
     elif name == "mcore_local_spec":
         step, notes = mcore_setup(c, acc, backend="local", levers=False, compile_layers=False)
-    elif name in ("longboat", "longboat_compiled"):
+    elif name in ("longboat", "longboat_compiled", "longboat_graphed"):
         step, notes = mcore_setup(
-            c, acc, backend="longboat", levers=True, compile_layers=name == "longboat_compiled"
+            c,
+            acc,
+            backend="longboat",
+            levers=True,
+            compile_layers=name == "longboat_compiled",
+            graphed=name == "longboat_graphed",
         )
     else:
         raise ValueError(f"unknown run {name!r}; use one of {ALL_RUNS}")
