@@ -402,6 +402,11 @@ def longboat_levers(notes: dict[str, Any]) -> dict[str, Any]:
     install_fused_qkv_rope()
     install_wgrad_fusion()
     notes["fusions"] = "fused_single_qkv_rope, gradient_accumulation_fusion"
+    dev = get_accelerator().device()
+    if dev.type == "cuda":
+        from longboat.core.megatron.wgrad_fusion import _out_dtype_works
+
+        notes["wgrad_fp32_in_place"] = _out_dtype_works(dev)
     return {"fused_single_qkv_rope": True, "gradient_accumulation_fusion": True}
 
 

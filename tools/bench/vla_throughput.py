@@ -297,10 +297,20 @@ def run_reference(
     return timer, wall, counts
 
 
+LONGBOAT_RUNS = ("longboat", "longboat_master", "longboat_compiled")
+
+
 def run_longboat(
-    acc: Any, cfg: Any, root: Path, args: argparse.Namespace, deadline: float, compile_blocks: bool
+    acc: Any, cfg: Any, root: Path, args: argparse.Namespace, deadline: float, variant: str
 ) -> tuple[Timer, float, dict[str, int]]:
-    """The longboat-embodied trainer's model and input pipeline."""
+    """The longboat-embodied trainer's model and input pipeline.
+
+    ``variant``: ``longboat`` (fp32 trainable weights + bf16 autocast, the reference's
+    layout), ``longboat_master`` (``train.master_weights``: bf16 weights as views of one flat
+    buffer, fp32 master weights in the optimizer, no per-use weight casts, sync-free step),
+    ``longboat_compiled`` (``longboat`` with every parallel block torch.compile'd)."""
+    compile_blocks = variant == "longboat_compiled"
+    master = variant == "longboat_master"
     from torch.utils.data import DataLoader
 
     from longboat.core.config.schema import OptimConfig
@@ -336,9 +346,9 @@ def run_longboat(
     counts = apply_freezing(model, cfg)
     model.train()
     setup = ParallelSetup(strategy="ddp", world_size=1, rank=0, device_type=acc.device_type)
-    model = parallelize(model, setup, precision="bf16")
+    model = parallelize(model, setup, precision="bf16", master_weights=master)
     optim = OptimConfig(lr=1e-4, weight_decay=1e-5, betas=[0.9, 0.999], grad_clip=1.0)
-    opt = build_optimizer(model, optim, setup)
+    opt = build_optimizer(model, optim, setup, master_weights=master)
     if compile_blocks:
         for block in model.parallel_blocks():
             block.compile()
@@ -354,15 +364,16 @@ def run_longboat(
             device_type=acc.device_type,
             precision="bf16",
             grad_clip=1.0,
+            host_sync=not master,
         )
-        return out.loss
+        return float(out.loss)  # the loop synchronizes after each step anyway
 
     it = iter(loader)
     try:
         timer, wall = _loop(
             acc, it, step, lambda b: to_device(b, device), args.steps, args.warmup, deadline
         )
-        name = "longboat_compiled" if compile_blocks else "longboat"
+        name = variant
         _profile(
             acc,
             it,
@@ -439,7 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=8, help="DataLoader workers (both loops)")
     p.add_argument("--tiny", action="store_true", help="tiny flavour (CPU smoke)")
     p.add_argument(
-        "--runs", default=None, help="comma list of reference,longboat,longboat_compiled"
+        "--runs",
+        default=None,
+        help="comma list of reference,longboat,longboat_master,longboat_compiled",
     )
     p.add_argument("--data-dir", type=Path, default=None)
     p.add_argument(
@@ -544,9 +557,9 @@ def main(argv: list[str] | None = None) -> int:
             if name == "reference":
                 timer, wall, counts = run_reference(acc, cfg, roots, args, deadline)
             else:
-                timer, wall, counts = run_longboat(
-                    acc, cfg, data_dir, args, deadline, compile_blocks=name == "longboat_compiled"
-                )
+                if name not in LONGBOAT_RUNS:
+                    raise ValueError(f"unknown run {name!r}: use reference or {LONGBOAT_RUNS}")
+                timer, wall, counts = run_longboat(acc, cfg, data_dir, args, deadline, name)
             entry.update(timer.summary(args.batch, args.warmup, flops, wall))
             entry["peak_mem_gb"] = acc.memory_stats()["peak_allocated_gb"]
             entry["params"] = counts
