@@ -231,3 +231,31 @@ def test_config_validation_names_the_key(tmp_path):
         world_size=1,
     )
     assert cfg.train.master_weights is True
+
+
+def test_non_finite_grads_skip_the_update_on_the_device():
+    torch.manual_seed(0)
+    mlp = _Mlp()
+    opt = MasterWeightAdamW(param_groups(mlp, 0.1), lr=1e-2)
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 weights need autocast
+            return mlp(x)
+
+    model(torch.randn(4, 7)).float().pow(2).mean().backward()
+    opt.prepare_grads(1.0)
+    opt.step()  # one good step: moments are non-zero
+    opt.zero_grad()
+    before = [t.clone() for t in (opt.master, opt.exp_avg, opt.exp_avg_sq, opt.flat_param)]
+    model(torch.randn(4, 7)).float().pow(2).mean().backward()
+    opt.flat_grad[3] = float("nan")
+    assert not torch.isfinite(opt.prepare_grads(1.0))
+    opt.step()
+    assert float(opt.step_count) == 1  # the skipped step is not counted
+    for now, old in zip((opt.master, opt.exp_avg, opt.exp_avg_sq, opt.flat_param), before):
+        assert torch.equal(now, old)
+    opt.zero_grad()
+    model(torch.randn(4, 7)).float().pow(2).mean().backward()
+    opt.prepare_grads(1.0)
+    opt.step()  # and the next finite step goes through again
+    assert float(opt.step_count) == 2 and not torch.equal(opt.master, before[0])

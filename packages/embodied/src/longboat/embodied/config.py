@@ -80,6 +80,11 @@ class EmbodiedTrainConfig(TrainConfig):
     grads in one flat bf16 buffer) with fp32 master weights and Adam moments in the
     optimizer (``MasterWeightAdamW``). false keeps fp32 params under bf16 autocast.
     parallel.strategy=ddp only (all-reduced by the optimizer in one collective)."""
+    cuda_graph: bool = False
+    """Replay each training step (forward, backward, clip, AdamW update) as one CUDA graph
+    (core's ``GraphedStep``, captured after 3 eager steps). Needs train.master_weights=true
+    and no gradient accumulation (global batch = micro batch x data-parallel size); batches
+    are padded to fixed shapes. Falls back to eager steps (logged) on a non-CUDA device."""
 
 
 @dataclass
@@ -162,6 +167,25 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
                 "is implemented for AdamW only",
                 value=True,
                 fix="set optim.name=adamw or train.master_weights=false",
+            )
+    if train is not None and train.get("cuda_graph"):
+        if not train.get("master_weights"):
+            problems.add(
+                "train.cuda_graph",
+                "needs the capturable optimizer step of train.master_weights",
+                value=True,
+                fix="set train.master_weights=true (and train.precision=bf16) or "
+                "train.cuda_graph=false",
+            )
+        gbs, mbs = train.get("global_batch_size"), train.get("micro_batch_size")
+        if gbs is not None and world_size is not None and gbs != mbs * world_size:
+            problems.add(
+                "train.cuda_graph",
+                f"captures one micro-batch per step, but global_batch_size={gbs} is "
+                f"{gbs // max(1, mbs * world_size)} accumulated micro-batches",
+                value=True,
+                fix=f"set train.global_batch_size={mbs * world_size} (or null) or "
+                "train.cuda_graph=false",
             )
     if train is not None and train.get("precision") == "fp16":
         problems.add(

@@ -9,8 +9,9 @@
   ``prepare_grads`` casts the grads to fp32 (one copy), all-reduces them with one
   collective at world size > 1, and measures the global norm and the clip factor on the
   device (no host sync); ``step`` runs ``torch._fused_adamw_`` once per param group on the
-  flat fp32 segment (clipping folded in through its ``grad_scale``) and copies the
-  master weights back to the bf16 buffer in one copy.
+  flat fp32 segment (clipping folded in through its ``grad_scale``; a non-finite grad norm
+  sets its ``found_inf``, so the update is skipped on the device) and copies the master
+  weights back to the bf16 buffer in one copy.
 
 Autocast stays on around the forward: ops autocast runs in fp32 (softmax, norms, losses)
 still do; only the per-use casts of fp32 weights to bf16 disappear.
@@ -36,6 +37,10 @@ from torch import Tensor, nn
 
 ALIGN = 64
 """Element alignment of every parameter's offset in the flat buffers."""
+
+CHUNK = 1 << 28
+"""Largest slice handed to the fused kernel (its index math is 32-bit): a group's segment
+is passed as a list of slices of at most this many elements, still one call."""
 
 _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -99,6 +104,15 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         self.flat_grad = torch.zeros(total, dtype=param_dtype, device=device)
         self.step_count = torch.zeros((), dtype=torch.float32, device=device)
         self.grad_scale = torch.ones((), dtype=torch.float32, device=device)
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        # Per group: (master, grad32, exp_avg, exp_avg_sq) slices of at most CHUNK elements.
+        self._chunks = [
+            tuple(
+                [buf[a : min(a + CHUNK, end)] for a in range(start, end, CHUNK)]
+                for buf in (self.master, self.grad32, self.exp_avg, self.exp_avg_sq)
+            )
+            for start, end in self._segments
+        ]
         self.lr_tensors = [
             torch.full((), float(g["lr"]), dtype=torch.float32, device=device)
             for g in self.param_groups
@@ -148,6 +162,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             dist.all_reduce(self.grad32, group=self._group())
             self.grad32.div_(world)
         norm = torch.linalg.vector_norm(self.grad32)
+        # A non-finite norm makes the fused kernel skip the update (masters and moments
+        # untouched) and ``step_on_device`` undo the step count: bad grads never land.
+        torch.logical_not(torch.isfinite(norm), out=self.found_inf)
         if max_norm > 0:
             # fused AdamW divides the grads by grad_scale: 1/clip_coef, >= 1.
             torch.clamp((norm + 1e-6) / max_norm, min=1.0, out=self.grad_scale)
@@ -173,15 +190,16 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         """The update from ``grad32`` (as left by ``prepare_grads``): device-only work, a
         fixed sequence of launches (capturable)."""
         self.step_count.add_(1.0)
-        for group, (start, end), lr in zip(self.param_groups, self._segments, self.lr_tensors):
+        for group, chunks, lr in zip(self.param_groups, self._chunks, self.lr_tensors):
+            master, grads, exp_avg, exp_avg_sq = chunks
             beta1, beta2 = group["betas"]
             torch._fused_adamw_(
-                [self.master[start:end]],
-                [self.grad32[start:end]],
-                [self.exp_avg[start:end]],
-                [self.exp_avg_sq[start:end]],
+                master,
+                grads,
+                exp_avg,
+                exp_avg_sq,
                 [],
-                [self.step_count],
+                [self.step_count] * len(master),
                 lr=lr,
                 beta1=beta1,
                 beta2=beta2,
@@ -190,8 +208,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 amsgrad=False,
                 maximize=False,
                 grad_scale=self.grad_scale,
-                found_inf=None,
+                found_inf=self.found_inf,
             )
+        self.step_count.sub_(self.found_inf)
+        self._opt_called = True  # what LRScheduler's step() wrapper records (no warning)
         self.flat_param.copy_(self.master)
 
     @torch.no_grad()

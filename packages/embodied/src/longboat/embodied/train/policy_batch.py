@@ -103,9 +103,14 @@ def _pad_last(x: torch.Tensor, size: int, what: str) -> tuple[torch.Tensor, torc
 class PolicyCollator:
     """Collate LeRobotDataset samples into one policy batch (CPU tensors)."""
 
-    def __init__(self, spec: PolicyBatchSpec, camera_keys: Sequence[str]) -> None:
+    def __init__(
+        self, spec: PolicyBatchSpec, camera_keys: Sequence[str], *, fixed_text_length: bool = False
+    ) -> None:
+        """``fixed_text_length``: pad the text to ``spec.max_text_tokens`` in every batch (not
+        to the batch's longest), so every batch has the same shapes (a CUDA-graphed step)."""
         self.spec = spec
         self.camera_keys = list(camera_keys)
+        self.fixed_text_length = fixed_text_length
         self.tokenizer = ByteTokenizer(spec.vocab_limit)
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -142,7 +147,7 @@ class PolicyCollator:
             images.append(torch.stack(frames))
             cam_masks.append(torch.tensor(present))
             ids.append(self.tokenizer.encode(str(s.get("task", "")))[: spec.max_text_tokens])
-        length = max(1, max(len(t) for t in ids))
+        length = spec.max_text_tokens if self.fixed_text_length else max(1, *map(len, ids))
         input_ids = torch.zeros(len(samples), length, dtype=torch.int64)
         attention = torch.zeros(len(samples), length, dtype=torch.bool)
         for row, tokens in enumerate(ids):

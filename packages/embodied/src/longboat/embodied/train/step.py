@@ -180,3 +180,105 @@ def train_step(
     host = packed.cpu().tolist()  # one device -> host copy for every scalar
     metrics = dict(zip(names, host[1:]))
     return StepResult(loss=host[0], grad_norm=float(grad_norm), stepped=stepped, metrics=metrics)
+
+
+class GraphableStep:
+    """One optimizer step over ONE micro-batch, as a function of tensors only.
+
+    ``step_fn(batch) -> {"loss", "grad_norm", <model scalars>}`` (device tensors) runs the
+    forward (autocast), the backward, the grad cast / all-reduce / norm / clip, the
+    ``MasterWeightAdamW`` update and the zeroing of the flat grad buffer, with no host sync
+    (once the model's first value-check batches are past), no data-dependent shape, no
+    host->device copy and no RNG seeding: the function ``GraphedStep`` captures as one CUDA
+    graph. The caller seeds the RNG and copies the scheduler's lr to the device around each
+    call: ``run_step`` does both (and the NaN guard and the schedule after it).
+
+    A non-finite grad norm skips the update on the device (``MasterWeightAdamW``'s
+    ``found_inf``), so a guarded step that was skipped never changed the weights.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        precision: str,
+        device_type: str,
+        grad_clip: float = 0.0,
+    ) -> None:
+        if not isinstance(optimizer, MasterWeightAdamW):
+            raise ValueError(
+                "GraphableStep needs MasterWeightAdamW (train.master_weights=true): its update "
+                f"keeps the lr and step count on the device; got {type(optimizer).__name__}"
+            )
+        if isinstance(model, DistributedDataParallel):
+            raise ValueError(
+                "GraphableStep takes the unwrapped model: MasterWeightAdamW all-reduces the "
+                "flat grads itself (parallelize(..., master_weights=True) does not wrap)"
+            )
+        self.model = model
+        self.optimizer = optimizer
+        self.precision = precision
+        self.device_type = device_type
+        self.grad_clip = grad_clip
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        with autocast_context(self.precision, self.device_type):
+            out = self.model(batch)
+        loss = out["loss"]
+        loss.backward()
+        acc_dtype = torch.float64 if self.device_type == "cpu" else torch.float32
+        extras = _scalar_extras(out)
+        names = sorted(extras)
+        packed = torch.stack(
+            [loss.detach().to(acc_dtype)] + [extras[k].reshape(()).to(acc_dtype) for k in names]
+        )
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+            packed = packed / dist.get_world_size()
+        grad_norm = self.optimizer.prepare_grads(self.grad_clip)
+        self.optimizer.step_on_device()
+        self.optimizer.zero_grad()
+        return {"loss": packed[0], "grad_norm": grad_norm, **dict(zip(names, packed[1:]))}
+
+
+def run_step(
+    step_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    optimizer: MasterWeightAdamW,
+    batch: dict[str, torch.Tensor],
+    *,
+    step: int,
+    seed: int,
+    rank_offset: int,
+    device_type: str,
+    device_index: int | None = None,
+    should_step: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
+    scheduler: Any = None,
+    host_sync: bool = True,
+) -> StepResult:
+    """One optimizer step through ``step_fn`` (a ``GraphableStep``, or a ``GraphedStep``
+    wrapping one), equal to ``train_step`` with one micro-batch.
+
+    Outside the (captured) function: the scheduler's lr goes to the device, the RNG is
+    seeded for micro-batch ``rank_offset`` of ``step`` (a CUDA graph replays from the
+    generator's current seed and offset, so it draws what the eager step draws); after it:
+    the NaN guard (``should_step``: its one host sync) and the schedule. The outputs are
+    cloned (a graph overwrites its static outputs on the next replay).
+    """
+    optimizer.sync_hyperparams()
+    with seeded_rng(micro_batch_seed(seed, step, rank_offset), device_type, device_index):
+        out = {k: v.clone() for k, v in step_fn(batch).items()}
+    loss, grad_norm = out.pop("loss"), out.pop("grad_norm")
+    stepped = True
+    if should_step is not None:
+        stepped = should_step(loss, grad_norm)
+    if stepped and scheduler is not None:
+        scheduler.step()
+    if not host_sync:
+        return StepResult(loss=loss, grad_norm=grad_norm, stepped=stepped, metrics=out)
+    names = sorted(out)
+    host = torch.stack([loss.double(), grad_norm.double()] + [out[k].double() for k in names])
+    values = host.cpu().tolist()
+    return StepResult(
+        loss=values[0], grad_norm=values[1], stepped=stepped, metrics=dict(zip(names, values[2:]))
+    )

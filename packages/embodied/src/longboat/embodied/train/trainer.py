@@ -19,9 +19,11 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from longboat.core.checkpoint import CheckpointManager
+from longboat.core.config.errors import ConfigError
 from longboat.core.config.validate import validate
 from longboat.core.device import get_accelerator
 from longboat.core.distributed import init_distributed, resolve_parallel
+from longboat.core.loop.cuda_graph import GraphedStep
 from longboat.core.loop.lr_schedule import build_lr_scheduler
 from longboat.core.loop.metrics import MetricsSink
 from longboat.core.loop.nan_guard import NaNGuard
@@ -42,7 +44,7 @@ from longboat.embodied.train.export import export_policy
 from longboat.embodied.train.loader import RankMicroBatches, build_loader
 from longboat.embodied.train.plan import BatchLayout, GlobalBatchPlan
 from longboat.embodied.train.policy_batch import PolicyCollator, batch_spec, to_device
-from longboat.embodied.train.step import train_step
+from longboat.embodied.train.step import GraphableStep, run_step, train_step
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +130,11 @@ def train(cfg: Any) -> TrainResult:
         else ensure_synthetic(cfg.data, cfg.model.name, model_cfg, output_dir, is_main)
     )
     dataset, cameras, image_hw = open_dataset(cfg.data, root, model_cfg.action_horizon)
-    collate = PolicyCollator(batch_spec(cfg.model.name, model_cfg, len(cameras), image_hw), cameras)
+    collate = PolicyCollator(
+        batch_spec(cfg.model.name, model_cfg, len(cameras), image_hw),
+        cameras,
+        fixed_text_length=cfg.train.cuda_graph,  # one set of shapes for the graph
+    )
     plan = GlobalBatchPlan(len(dataset), layout, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
 
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
@@ -153,6 +159,27 @@ def train(cfg: Any) -> TrainResult:
     optimizer = build_optimizer(model, cfg.optim, setup, master_weights=cfg.train.master_weights)
     scheduler = build_lr_scheduler(optimizer, cfg.optim.schedule, cfg.train.steps)
     nan_guard = NaNGuard(cfg.train.nan_guard)
+    graphed = None
+    if cfg.train.cuda_graph:
+        if layout.accum != 1:
+            raise ConfigError(
+                f"captures one micro-batch per step; this layout accumulates {layout.accum}",
+                key="train.cuda_graph",
+                value=True,
+                fix=f"set train.global_batch_size={mbs * dp} or train.cuda_graph=false",
+            )
+        graphed = GraphedStep(
+            GraphableStep(
+                model,
+                optimizer,
+                precision=cfg.train.precision,
+                device_type=accelerator.device_type,
+                grad_clip=cfg.optim.grad_clip,
+            ),
+            accelerator=accelerator,
+            warmup=3,
+            name="embodied train step",
+        )
     position = DataPosition(plan)
     state: dict[str, Any] = {
         "model": model,
@@ -219,21 +246,27 @@ def train(cfg: Any) -> TrainResult:
             t0 = time.perf_counter()
             profiler.step(step + 1)  # steps are numbered from 1, as in metrics.jsonl
             batches = [to_device(next(loader), device) for _ in range(layout.accum)]
-            out = train_step(
-                model,
-                optimizer,
-                batches,
+            common = dict(
                 step=step,
                 seed=cfg.train.seed,
                 rank_offset=dp_rank * layout.accum,
                 device_type=accelerator.device_type,
                 device_index=device.index,
-                precision=cfg.train.precision,
-                grad_clip=cfg.optim.grad_clip,
                 should_step=nan_guard.check,
                 scheduler=scheduler,
                 host_sync=False,  # losses stay on the device until they are logged
             )
+            if graphed is not None:
+                out = run_step(graphed, optimizer, batches[0], **common)
+            else:
+                out = train_step(
+                    model,
+                    optimizer,
+                    batches,
+                    precision=cfg.train.precision,
+                    grad_clip=cfg.optim.grad_clip,
+                    **common,
+                )
             done = step + 1
             position.step = done
             result.steps_done = done

@@ -5,6 +5,7 @@ resize to multiples of the patch grid -> normalise."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +79,24 @@ def _to_unit_float(images: Tensor) -> Tensor:
     return images.float()
 
 
+_CONSTANTS: dict[tuple[Any, ...], tuple[Tensor, Tensor]] = {}
+
+
+def _channel_constants(
+    mean: tuple[float, ...], std: tuple[float, ...], device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """Per-channel mean/std [1, 3, 1, 1] on ``device``, made once per device: a fresh
+    ``torch.tensor(list, device=...)`` per call is a host->device copy (a sync, and not
+    capturable in a CUDA graph)."""
+    key = (mean, std, str(device))
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = (
+            torch.tensor(mean, device=device).view(1, 3, 1, 1),
+            torch.tensor(std, device=device).view(1, 3, 1, 1),
+        )
+    return _CONSTANTS[key]
+
+
 def crop_and_resize_back(
     images: Tensor, fraction: float, *, random: bool, generator: torch.Generator | None = None
 ) -> Tensor:
@@ -129,7 +148,6 @@ def preprocess_images(
     oh, ow = cfg.output_size(h, w)
     if (oh, ow) != (rh, rw):
         x = F.interpolate(x, size=(oh, ow), mode="bilinear", antialias=True, align_corners=False)
-    mean = torch.tensor(cfg.mean, device=x.device).view(1, 3, 1, 1)
-    std = torch.tensor(cfg.std, device=x.device).view(1, 3, 1, 1)
+    mean, std = _channel_constants(tuple(cfg.mean), tuple(cfg.std), x.device)
     x = (x - mean) / std
     return x.reshape(*lead, 3, oh, ow)
