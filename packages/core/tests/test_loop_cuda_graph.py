@@ -22,10 +22,14 @@ class RecordingBackend:
         self.captures = 0
         self.fail = fail
         self.state = list(state)  # tensors fn mutates: a real capture does not run kernels
+        self.syncs: list[str] = []  # what the sync finder reports on the last warm-up step
 
     def run_on_side_stream(self, fn):  # type: ignore[no-untyped-def]
         self.side_runs += 1
         return fn()
+
+    def run_and_find_syncs(self, fn):  # type: ignore[no-untyped-def]
+        return self.run_on_side_stream(fn), list(self.syncs)
 
     def capture(self, fn):  # type: ignore[no-untyped-def]
         self.captures += 1
@@ -94,6 +98,19 @@ def test_shape_change_after_capture_names_the_key() -> None:
         step({"x": torch.ones(3, 2), "mask": torch.ones(4)})
     with pytest.raises(GraphInputError, match="'mask' is missing"):
         step({"x": torch.ones(4, 2)})
+
+
+def test_a_host_sync_is_found_before_capture_and_named() -> None:
+    backend = RecordingBackend()
+    backend.syncs = ["model.py:12: called a synchronizing CUDA operation"]
+    done = []
+    step = GraphedStep(
+        lambda b: done.append(1) or b["x"], accelerator=CPU, warmup=2, backend=backend
+    )
+    step({"x": torch.ones(1)})
+    with pytest.raises(GraphCaptureError, match=r"model\.py:12"):
+        step({"x": torch.ones(1)})
+    assert len(done) == 2 and backend.captures == 0  # the step ran; nothing was captured
 
 
 def test_failed_capture_stops_with_a_clear_error() -> None:

@@ -10,6 +10,9 @@ name -> tensor, ``outputs`` any nest of tensors). Every call runs exactly one re
 
 1. the first ``warmup`` calls run ``fn`` eagerly on a side stream (lazy state such as the
    optimizer's moments and cuDNN/cuBLAS workspaces gets allocated there, outside the graph);
+   the last of them runs under ``torch.cuda.set_sync_debug_mode("warn")`` and, if the step
+   synchronised with the host anywhere, raises ``GraphCaptureError`` listing where (that
+   step is complete; only the capture is refused);
 2. the next call copies its inputs into static buffers, records ``fn`` into a graph, and
    replays the graph once for that same batch;
 3. later calls copy their inputs into the static buffers and replay.
@@ -37,6 +40,7 @@ kernels, so gradients and optimizer state can no longer be trusted and the run m
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -79,12 +83,37 @@ class _CudaGraphBackend:
         self.pool = torch.cuda.graph_pool_handle()
 
     def run_on_side_stream(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` eagerly on a side stream."""
+        return self._side(fn, find_syncs=False)
+
+    def run_and_find_syncs(self, fn: Callable[[], Any]) -> tuple[Any, list[str]]:
+        """``run_on_side_stream`` that also returns where ``fn`` synchronised with the host
+        (``torch.cuda.set_sync_debug_mode("warn")`` warnings: file:line and message)."""
+        return self._side(fn, find_syncs=True)
+
+    def _side(self, fn: Callable[[], Any], find_syncs: bool) -> Any:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        syncs: list[str] = []
         with torch.cuda.stream(side):
-            out = fn()
+            if not find_syncs:
+                out = fn()
+            else:
+                previous = torch.cuda.get_sync_debug_mode()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        out = fn()
+                    finally:
+                        torch.cuda.set_sync_debug_mode(previous)
+                syncs = [
+                    f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}"
+                    for w in caught
+                    if "synchroniz" in str(w.message)
+                ]
         torch.cuda.current_stream().wait_stream(side)
-        return out
+        return (out, syncs) if find_syncs else out
 
     def capture(self, fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
         graph = torch.cuda.CUDAGraph()
@@ -149,8 +178,25 @@ class GraphedStep:
         self.calls += 1
         if not self.active:
             return self.fn(inputs)
-        if self._replay is None and self.calls <= self.warmup:
+        if self._replay is None and self.calls < self.warmup:
             return self._backend.run_on_side_stream(lambda: self.fn(inputs))
+        if self._replay is None and self.calls == self.warmup:
+            # The last warm-up step also looks for host syncs, which would break the capture:
+            # the step itself completes eagerly, so nothing is lost when this raises.
+            finder = getattr(self._backend, "run_and_find_syncs", None)
+            if finder is None:  # a backend without a sync finder (a test stand-in)
+                return self._backend.run_on_side_stream(lambda: self.fn(inputs))
+            out, syncs = finder(lambda: self.fn(inputs))
+            if syncs:
+                self.reason = f"{len(syncs)} host sync(s) in the step"
+                raise GraphCaptureError(
+                    f"{self.name}: the step synchronises with the host, which a CUDA graph cannot "
+                    "record (step {self.calls} ran eagerly and is complete). Where:\n  "
+                    + "\n  ".join(dict.fromkeys(syncs))
+                    + "\nRemove these (.item(), .cpu(), nonzero, Python-data tensors...) or run "
+                    "with the graph turned off"
+                )
+            return out
         if self._replay is None:
             return self._capture_and_run(inputs)
         self._check(inputs)
