@@ -87,7 +87,7 @@ def test_tiny_loss_alignment_matches_hf(tmp_path: Path) -> None:
     out = tmp_path / "align.json"
     _run_script(
         SCRIPT.parent / "llm_loss_alignment.py",
-        ["--out", str(out), "--tiny", "--steps", "8", "--lr", "3e-3"],
+        ["--out", str(out), "--tiny", "--steps", "8", "--lr", "3e-3", "--warmup-steps", "2"],
     )
     result = json.loads(out.read_text())
     assert len(result["hf_losses"]) == len(result["longboat_losses"]) == 8

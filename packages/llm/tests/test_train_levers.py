@@ -398,3 +398,130 @@ def test_triton_levers_in_the_model(tmp_path: Path) -> None:
     # Triton (interpreter, fp32) vs megatron's fp32 logits path and rotation.
     assert abs(fused - ref) <= FP32_TOL, (fused, ref)
     assert grad <= FP32_TOL * max(1.0, scale), (grad, scale)
+
+
+# ----------------------------------------------------------------------------- single-pass grads
+
+
+def _single_pass_worker(rank: int, world: int) -> dict[str, object]:
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from longboat.core.config.schema import OptimConfig
+    from longboat.llm.train.step import forward_backward
+    from longboat.llm.train.train_step import build_train_step
+
+    ps = _init()
+    try:
+        cfg = _tiny_cfg()
+        tokens, labels = _batch(cfg)
+        grads, weights, info = [], [], []
+        for single in (True, False):
+            model_parallel_cuda_manual_seed(1)
+            ts = build_train_step(
+                cfg,
+                OptimConfig(lr=1e-2, eps=1e-3, grad_clip=0.0),
+                precision="bf16",
+                device="cpu",
+                wgrad_fusion=single,
+            )
+            (net,) = ts.model
+            fc1 = ts.chunks[0].decoder.layers[0].mlp.linear_fc1.weight
+            forward_backward(ts.model, [ts.batch(tokens, labels)])
+            grads.append({n: p.main_grad.float().clone() for n, p in net.module.named_parameters()})
+            info.append(
+                {
+                    "buffer_dtype": str(net.buffers[0].grad_data.dtype),
+                    "fused": bool(ts.chunks[0].config.gradient_accumulation_fusion),
+                    "written_by_gemm": bool(getattr(fc1, "grad_added_to_main_grad", False)),
+                }
+            )
+            ts.optimizer.zero_grad()
+            ts.step(tokens, labels)
+            ts.step(tokens, labels)
+            weights.append({n: p.detach().float() for n, p in ts.chunks[0].named_parameters()})
+        # Relative to each tensor's scale: bf16 keeps 8 significant bits.
+        grad_rel = max(
+            float(
+                (grads[0][n] - grads[1][n]).abs().max() / grads[1][n].abs().max().clamp(min=1e-12)
+            )
+            for n in grads[0]
+        )
+        weight_diff = max(float((weights[0][n] - weights[1][n]).abs().max()) for n in weights[0])
+        return {"info": info, "grad_rel": grad_rel, "weight_diff": weight_diff}
+    finally:
+        ps.destroy()
+
+
+@pytest.mark.multiprocess
+def test_single_pass_grads_equal_the_fp32_buffer_path_in_bf16() -> None:
+    """One microbatch, DP 1, bf16: wgrad GEMMs writing the bf16 buffer give the gradients the
+    hook path puts in the fp32 buffer (both are the bf16-rounded wgrad; CPU: bit-identical)."""
+    (out,) = run_multiprocess(_single_pass_worker, 1)
+    single, plain = out["info"]
+    assert single == {"buffer_dtype": "torch.bfloat16", "fused": True, "written_by_gemm": True}
+    assert plain == {"buffer_dtype": "torch.float32", "fused": False, "written_by_gemm": False}
+    assert out["grad_rel"] <= 2**-8, out  # at most one bf16 rounding apart
+    assert out["weight_diff"] <= 2**-7, out  # two AdamW steps later: within ~1 bf16 ulp of 1
+
+
+def _fp32_buffer_fusion_worker(rank: int, world: int) -> dict[str, float]:
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from longboat.core.config.schema import OptimConfig
+    from longboat.core.megatron.wgrad_fusion import install_wgrad_fusion
+    from longboat.llm.build import build_model
+    from longboat.llm.train.optimizer import wrap_and_build
+    from longboat.llm.train.step import forward_backward
+
+    ps = _init()
+    try:
+        cfg = _tiny_cfg()
+        micro = []
+        for seed in (0, 1):  # two microbatches: the buffer accumulates
+            tokens, labels = _batch(cfg, seed=seed)
+            pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+            micro.append(
+                {"tokens": tokens, "labels": labels, "loss_mask": None, "position_ids": pos,
+                 "attention_mask": None}
+            )  # fmt: skip
+        grads = []
+        for fusion in (True, False):
+            model_parallel_cuda_manual_seed(1)
+            install_wgrad_fusion()
+            chunks = build_model(cfg, precision="bf16", gradient_accumulation_fusion=fusion)
+            model, _ = wrap_and_build(chunks, OptimConfig(), precision="bf16")
+            assert model[0].buffers[0].grad_data.dtype == torch.float32
+            forward_backward(model, micro)
+            grads.append({n: p.main_grad.clone() for n, p in model[0].module.named_parameters()})
+        return {
+            "rel": max(
+                float((grads[0][n] - grads[1][n]).abs().max() / grads[1][n].abs().max())
+                for n in grads[0]
+            )
+        }
+    finally:
+        ps.destroy()
+
+
+@pytest.mark.multiprocess
+def test_wgrad_fusion_into_an_fp32_buffer_matches_the_hook() -> None:
+    """Two microbatches, fp32 buffer: the fused GEMM accumulates the unrounded product (CPU:
+    fp32 product + add); the hook adds the bf16-rounded one. They differ by bf16 rounding."""
+    (out,) = run_multiprocess(_fp32_buffer_fusion_worker, 1)
+    assert 0.0 < out["rel"] <= 2**-7, out  # not identical (different rounding), within 2 ulp
+
+
+def test_single_pass_grads_only_where_numerics_are_unchanged() -> None:
+    from longboat.core.megatron.wgrad_fusion import grad_plan, single_pass_grads
+
+    assert grad_plan(precision="bf16", microbatches=1, data_parallel=1) == (True, False)
+    assert grad_plan(precision="bf16", microbatches=4, data_parallel=1) == (True, True)
+    assert grad_plan(precision="fp32", microbatches=1, data_parallel=1) == (False, True)
+
+    base = dict(precision="bf16", microbatches=1, data_parallel=1)
+    assert single_pass_grads(**base)
+    assert not single_pass_grads(**(base | {"precision": "fp32"}))
+    assert not single_pass_grads(**(base | {"microbatches": 2}))  # bf16 accumulation
+    assert not single_pass_grads(**(base | {"data_parallel": 2}))  # bf16 all-reduce
+    assert not single_pass_grads(**base, context_parallel=2)
+    assert not single_pass_grads(**base, pipeline_parallel=2)  # tied-embedding all-reduce

@@ -79,3 +79,57 @@ def install_wgrad_fusion() -> None:
     layers.fused_weight_gradient_mlp_cuda = TorchWgradAccumulation
     layers._grad_accum_fusion_available = True
     _STATE["installed"] = True
+
+
+def single_pass_grads(
+    *,
+    precision: str,
+    microbatches: int,
+    data_parallel: int,
+    context_parallel: int = 1,
+    pipeline_parallel: int = 1,
+) -> bool:
+    """True when a bf16 grad buffer holds exactly what the fp32 one would.
+
+    With bf16 weights the unfused path adds a bf16 weight gradient to a zeroed fp32 buffer
+    (exact) once per step when there is one microbatch and no gradient reduction between
+    ranks (data / context parallel 1; pipeline parallel 1, whose tied-embedding all-reduce
+    would otherwise sum in bf16). A bf16 buffer written by ``wgrad_gemm_accum_fp16`` then
+    holds the same bf16-rounded GEMM result (up to cuBLAS's kernel choice for beta=1) with
+    half the buffer memory; megatron's optimizer reads it into fp32 (``main_grad.float()``,
+    a transient copy after the activations are freed).
+    """
+    return (
+        precision == "bf16"
+        and microbatches == 1
+        and data_parallel == 1
+        and context_parallel == 1
+        and pipeline_parallel == 1
+    )
+
+
+def grad_plan(
+    *,
+    precision: str,
+    microbatches: int,
+    data_parallel: int,
+    context_parallel: int = 1,
+    pipeline_parallel: int = 1,
+) -> tuple[bool, bool]:
+    """``(gradient_accumulation_fusion, grad_reduce_in_fp32)`` for a run.
+
+    bf16: fusion on (install with ``install_wgrad_fusion``); an fp32 buffer then accumulates
+    the unrounded fp32 product (at least as precise as the hook's bf16 gradient + add), a
+    bf16 buffer where ``single_pass_grads`` holds (same values, half the memory). Other
+    precisions: megatron's default (no fusion, fp32 buffer).
+    """
+    if precision != "bf16":
+        return False, True
+    single = single_pass_grads(
+        precision=precision,
+        microbatches=microbatches,
+        data_parallel=data_parallel,
+        context_parallel=context_parallel,
+        pipeline_parallel=pipeline_parallel,
+    )
+    return True, not single

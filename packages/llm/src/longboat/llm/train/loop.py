@@ -224,6 +224,7 @@ def _train(
     )
     from longboat.core.megatron import parallel_state as mparallel
     from longboat.core.megatron.optimizer import optimizer_step
+    from longboat.core.megatron.wgrad_fusion import grad_plan, install_wgrad_fusion
     from longboat.core.rng import RNGState, seed_everything
     from longboat.llm.build import build_model
     from longboat.llm.hf import load_hf
@@ -262,10 +263,24 @@ def _train(
         doc_attn = bool(data.document_attention)
 
         seed_everything(int(cfg.train.seed), accelerator)
+        # Not with train.compile (see train_step.build_train_step).
+        compiled = bool(cfg.train.compile)
+        fusion, fp32_grads = (False, True)
+        if bool(cfg.llm.wgrad_fusion) and not compiled:
+            fusion, fp32_grads = grad_plan(
+                precision=precision,
+                microbatches=schedule.num_microbatches,
+                data_parallel=dp,
+                context_parallel=layout.context_parallel,
+                pipeline_parallel=layout.pipeline_parallel,
+            )
+        if fusion:
+            install_wgrad_fusion()  # megatron's apex extension, in torch
         chunks = build_model(
             model_cfg,
             precision=precision,
             device_type=accelerator.device_type,
+            gradient_accumulation_fusion=fusion,
             **_RECOMPUTE[str(cfg.train.activation_checkpointing)],
         )
         if cfg.llm.init_from_hf:
@@ -279,9 +294,11 @@ def _train(
                 targets=list(cfg.lora.targets),
                 seed=int(cfg.train.seed),
             )
-        if cfg.train.compile:
+        if compiled:
             compile_decoder_layers(chunks)
-        model, optimizer = wrap_and_build(chunks, cfg.optim, precision=precision)
+        model, optimizer = wrap_and_build(
+            chunks, cfg.optim, precision=precision, grad_reduce_in_fp32=fp32_grads
+        )
         total = int(cfg.train.steps)
         lr = ChainedLR(optimizer, cfg.optim.schedule, total)
         guard = NaNGuard(cfg.train.nan_guard)

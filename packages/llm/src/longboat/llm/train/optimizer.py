@@ -23,9 +23,17 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def wrap_and_build(
-    chunks: list[torch.nn.Module], optim: Any, *, precision: str
+    chunks: list[torch.nn.Module],
+    optim: Any,
+    *,
+    precision: str,
+    grad_reduce_in_fp32: bool = True,
 ) -> tuple[list[torch.nn.Module], Any]:
-    """(DDP-wrapped chunks, megatron distributed optimizer) for ``optim`` (an OptimConfig)."""
+    """(DDP-wrapped chunks, megatron distributed optimizer) for ``optim`` (an OptimConfig).
+
+    ``grad_reduce_in_fp32=False``: a bf16 grad buffer (for ``core.megatron.wgrad``'s
+    single-pass gradients, where it holds the same values as an fp32 one).
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -34,7 +42,9 @@ def wrap_and_build(
             "unknown optimizer", key="optim.name", value=optim.name, fix="use adamw or sgd"
         )
     ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=False
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=False,
     )
     model = [
         DistributedDataParallel(

@@ -88,6 +88,11 @@ class LLMRunConfig:
     GPTModel's output hook: no ``[tokens, vocab]`` logits. Used where the full vocabulary and
     all tokens are on the rank (tensor/sequence/context parallel 1); the logits path
     elsewhere and when false."""
+    wgrad_fusion: bool = True
+    """bf16: weight-gradient GEMMs accumulate straight into megatron's grad buffer
+    (``longboat.core.megatron.wgrad_fusion``; no per-parameter add pass). With one microbatch per
+    step and DP / CP / PP 1 the buffer is bf16 (same gradient values, half the memory),
+    otherwise fp32 (the GEMM accumulates its fp32 product). Off with ``train.compile``."""
 
 
 @dataclass

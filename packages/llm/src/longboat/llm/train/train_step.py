@@ -7,6 +7,9 @@ every default-on speed lever of the library:
   SwiGLU and RoPE (``LayerKernels.rope``), weights initialised on the device on CUDA;
 - megatron DDP + distributed optimizer (``wrap_and_build``) with torch's fused AdamW when
   neither Transformer Engine nor apex is installed;
+- in bf16, weight-gradient GEMMs that accumulate into megatron's grad buffer
+  (``core.megatron.wgrad_fusion``; with one microbatch and no DP / CP / PP a bf16 buffer: same
+  gradient values, one pass and half the buffer less);
 - the loss through fused linear cross-entropy (``train.loss``, no ``[tokens, vocab]``
   logits) wherever it applies;
 - forward + backward through megatron's schedule (``train.step.forward_backward``) and an
@@ -27,6 +30,8 @@ from typing import Any
 import torch
 
 from longboat.core.config.schema import OptimConfig
+from longboat.core.megatron.parallel_state import current_layout
+from longboat.core.megatron.wgrad_fusion import grad_plan, install_wgrad_fusion
 from longboat.llm.config import LLMModelConfig
 
 
@@ -92,12 +97,15 @@ def build_train_step(
     precision: str = "bf16",
     device: torch.device | str | None = None,
     fused_linear_ce: bool = True,
+    wgrad_fusion: bool = True,
     compile_layers: bool = False,
     **model_overrides: Any,
 ) -> TrainStep:
     """Build the model, megatron DDP + optimizer and the step ``longboat-llm train`` runs.
 
     ``device``: where the model lives (default: the accelerator's device).
+    ``fused_linear_ce`` / ``wgrad_fusion``: as ``llm.fused_linear_ce`` / ``llm.wgrad_fusion``
+    of ``longboat-llm train`` (the step is one microbatch).
     ``compile_layers``: ``torch.compile`` each decoder layer (what ``train.compile`` does).
     ``model_overrides`` go to megatron's ``TransformerConfig`` (as in ``build_model``).
     """
@@ -109,10 +117,32 @@ def build_train_step(
 
         device = get_accelerator().device()
     device = torch.device(device)
+    layout = current_layout()
+    if layout is None:
+        raise RuntimeError(
+            "build_train_step needs megatron's parallel state: call "
+            "longboat.core.megatron.parallel_state.initialize(parallel, accelerator) first."
+        )
+    # Not under torch.compile: it would have to trace megatron's in-place buffer write in
+    # the linears' backward (an attribute tensor on ctx), so the compiled path keeps the hook.
+    fusion, fp32_grads = (False, True)
+    if wgrad_fusion and not compile_layers:
+        fusion, fp32_grads = grad_plan(
+            precision=precision,
+            microbatches=1,
+            data_parallel=layout.data_parallel,
+            context_parallel=layout.context_parallel,
+            pipeline_parallel=layout.pipeline_parallel,
+        )
+    model_overrides.setdefault("gradient_accumulation_fusion", fusion)
+    if model_overrides["gradient_accumulation_fusion"]:
+        install_wgrad_fusion()  # megatron's apex extension, in torch
     chunks = build_model(model_cfg, precision=precision, device_type=device.type, **model_overrides)
     if compile_layers:
         compile_decoder_layers(chunks)
-    model, optimizer = wrap_and_build(chunks, optim, precision=precision)
+    model, optimizer = wrap_and_build(
+        chunks, optim, precision=precision, grad_reduce_in_fp32=fp32_grads
+    )
     return TrainStep(
         chunks=chunks,
         model=model,
