@@ -297,7 +297,7 @@ def run_reference(
     return timer, wall, counts
 
 
-LONGBOAT_RUNS = ("longboat", "longboat_master", "longboat_compiled")
+LONGBOAT_RUNS = ("longboat", "longboat_master", "longboat_graphed", "longboat_compiled")
 
 
 def run_longboat(
@@ -308,9 +308,13 @@ def run_longboat(
     ``variant``: ``longboat`` (fp32 trainable weights + bf16 autocast, the reference's
     layout), ``longboat_master`` (``train.master_weights``: bf16 weights as views of one flat
     buffer, fp32 master weights in the optimizer, no per-use weight casts, sync-free step),
-    ``longboat_compiled`` (``longboat`` with every parallel block torch.compile'd)."""
+    ``longboat_graphed`` (``train.cuda_graph``: ``longboat_master`` with the whole step -
+    forward, backward, clip, update - replayed as one CUDA graph; text padded to the fixed
+    maximum so every batch has the same shapes), ``longboat_compiled`` (``longboat`` with
+    every parallel block torch.compile'd)."""
     compile_blocks = variant == "longboat_compiled"
-    master = variant == "longboat_master"
+    graphed = variant == "longboat_graphed"
+    master = variant in ("longboat_master", "longboat_graphed")
     from torch.utils.data import DataLoader
 
     from longboat.core.config.schema import OptimConfig
@@ -326,7 +330,9 @@ def run_longboat(
     device = acc.device()
     data_cfg = LeRobotDataConfig(path=str(root), video_backend="pyav")
     dataset, cams, hw = open_dataset(data_cfg, root, cfg.action_horizon)
-    collate = PolicyCollator(batch_spec("groot_n1_6", cfg, len(cams), hw), cams)
+    collate = PolicyCollator(
+        batch_spec("groot_n1_6", cfg, len(cams), hw), cams, fixed_text_length=graphed
+    )
     plan = GlobalBatchPlan(
         len(dataset), BatchLayout(args.batch, args.batch, 1), seed=args.seed, shuffle=True
     )
@@ -353,7 +359,23 @@ def run_longboat(
         for block in model.parallel_blocks():
             block.compile()
 
+    if graphed:
+        from longboat.core.loop import GraphedStep
+        from longboat.embodied.train.step import GraphableStep, run_step
+
+        fn = GraphableStep(model, opt, precision="bf16", device_type=acc.device_type, grad_clip=1.0)
+        graph = GraphedStep(fn, accelerator=acc, warmup=3, name="vla step")
+
+        def graph_step(batch: dict, i: int) -> float:
+            out = run_step(
+                graph, opt, batch, step=i, seed=args.seed, rank_offset=0,
+                device_type=acc.device_type, device_index=device.index or 0, host_sync=False,
+            )  # fmt: skip
+            return float(out.loss)
+
     def step(batch: dict, i: int) -> float:
+        if graphed:
+            return graph_step(batch, i)
         out = train_step(
             model,
             opt,
