@@ -3,6 +3,8 @@ loss parity with fp32-weights autocast, state-dict round trip and config errors 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -304,3 +306,37 @@ def test_triton_kernels_train_bf16_weights(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert float(done.stdout.split()[-1]) < 1e-3
+
+
+def test_trainer_exports_the_fp32_master_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    from longboat.core.config.compose import compose_experiment
+    from longboat.embodied.train.trainer import train
+
+    cfg = compose_experiment(
+        "groot_n1_6_tiny",
+        [
+            f"output_dir={tmp_path}",
+            "train.steps=2",
+            "train.micro_batch_size=2",
+            "train.precision=bf16",
+            "train.master_weights=true",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "checkpoint.save_on_exit=false",
+            "data.synthetic.num_episodes=2",
+            "data.synthetic.episode_length=12",
+        ],
+        world_size=1,
+    )
+    result = train(cfg)
+    weights = load_file(str(Path(result.export_dir) / "model.safetensors"))
+    model = build_model("groot_n1_6", "tiny")
+    apply_freezing(model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(weights[n].dtype == torch.float32 for n in trainable)
+    assert all(weights[n].dtype == torch.bfloat16 for n in weights if n not in trainable)
+    # fp32 masters, not bf16 values widened: some trained weight is not bf16-representable.
+    fc = next(n for n in trainable if weights[n].ndim == 2)
+    assert not torch.equal(weights[fc], weights[fc].to(torch.bfloat16).float())

@@ -29,6 +29,8 @@ FQN; ``load_state_dict`` copies into the flat buffers (the views stay views).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -223,6 +225,20 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         self.step_on_device()
 
     # ------------------------------------------------------------------ state
+
+    @contextmanager
+    def master_params(self) -> Iterator[None]:
+        """Inside: every trainable param is its fp32 master weight (a view of ``master``), as
+        fp32-weight training would have it, e.g. to export the policy; after: the bf16
+        views again. Do not train inside."""
+        bf16 = [(p, p.data) for p, _ in self._views]
+        for p, _ in self._views:
+            p.data = self.state[p]["master"]
+        try:
+            yield
+        finally:
+            for p, view in bf16:
+                p.data = view
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Copy a ``state_dict()`` (same params, same groups) into the flat buffers."""

@@ -7,6 +7,7 @@ data, models and data-parallel strategies.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -34,6 +35,7 @@ from longboat.core.rng import RNGState
 from longboat.embodied.config import EmbodiedExperimentConfig
 from longboat.embodied.models import apply_freezing, build_model, get_config
 from longboat.embodied.parallel import (
+    MasterWeightAdamW,
     ParallelSetup,
     ZeroShardState,
     build_optimizer,
@@ -310,20 +312,23 @@ def train(cfg: Any) -> TrainResult:
     ckpt.close()
     if cfg.export.enabled and not result.interrupted:
         export_dir = Path(cfg.export.dir) if cfg.export.dir else output_dir / "export"
-        export_policy(
-            model,
-            export_dir,
-            model_name=cfg.model.name,
-            flavor=cfg.model.flavor,
-            overrides=overrides,
-            model_cfg=model_cfg,
-            extra={
-                "trained_steps": final,
-                "experiment": cfg.experiment,
-                "cameras": cameras,
-                "image_hw": list(image_hw),
-            },
-        )
+        # Master weights: export the fp32 masters (the trained values), not their bf16 copy.
+        masters = optimizer.master_params() if isinstance(optimizer, MasterWeightAdamW) else None
+        with masters or contextlib.nullcontext():
+            export_policy(
+                model,
+                export_dir,
+                model_name=cfg.model.name,
+                flavor=cfg.model.flavor,
+                overrides=overrides,
+                model_cfg=model_cfg,
+                extra={
+                    "trained_steps": final,
+                    "experiment": cfg.experiment,
+                    "cameras": cameras,
+                    "image_hw": list(image_hw),
+                },
+            )
         result.export_dir = str(export_dir)
     if is_main and result.losses:
         log.info(
