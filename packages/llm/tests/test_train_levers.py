@@ -51,7 +51,7 @@ def _init(seed: int = 1):
 # ----------------------------------------------------------------------------- RoPE
 
 
-def _rope_worker(rank: int, world: int, precision: str) -> dict[str, float]:
+def _rope_worker(rank: int, world: int, precision: str, qkv: bool) -> dict[str, float]:
     from megatron.core.transformer.attention import SelfAttention
 
     from longboat.core.megatron.specs import KernelSelfAttention
@@ -61,8 +61,12 @@ def _rope_worker(rank: int, world: int, precision: str) -> dict[str, float]:
     ps = _init()
     try:
         cfg = _tiny_cfg()
-        (kernel,) = build.build_model(cfg, precision=precision)
         original = build.longboat_layer_kernels
+        build.longboat_layer_kernels = lambda: longboat_layer_kernels(qkv_rope=qkv)
+        try:
+            (kernel,) = build.build_model(cfg, precision=precision)
+        finally:
+            build.longboat_layer_kernels = original
         build.longboat_layer_kernels = lambda: longboat_layer_kernels(rope=False)
         try:
             (plain,) = build.build_model(cfg, precision=precision)
@@ -70,6 +74,7 @@ def _rope_worker(rank: int, world: int, precision: str) -> dict[str, float]:
             build.longboat_layer_kernels = original
         attn = [layer.self_attention for layer in kernel.decoder.layers]
         assert all(type(a) is KernelSelfAttention for a in attn)
+        assert all((a._qkv_rope is not None) is qkv for a in attn)  # llama: no qk-norm
         assert all(type(layer.self_attention) is SelfAttention for layer in plain.decoder.layers)
         plain.load_state_dict(kernel.state_dict())
         tokens, _ = _batch(cfg)
@@ -95,8 +100,10 @@ def _rope_worker(rank: int, world: int, precision: str) -> dict[str, float]:
 
 
 @pytest.mark.multiprocess
-def test_kernel_rope_matches_megatrons_rotation_fp32() -> None:
-    (out,) = run_multiprocess(_rope_worker, 1, "fp32")
+@pytest.mark.parametrize("qkv", [True, False], ids=["split_qkv_rope", "rope"])
+def test_kernel_rope_matches_megatrons_rotation_fp32(qkv: bool) -> None:
+    """The RoPE kernel (and the fused QKV split + RoPE kernel) == megatron's split + rotation."""
+    (out,) = run_multiprocess(_rope_worker, 1, "fp32", qkv)
     assert out["logits"] <= FP32_TOL * max(1.0, out["logits_scale"]), out
     assert out["grad"] <= FP32_TOL * max(1.0, out["qkv_grad_scale"]), out
     assert out["qkv_grad_scale"] > 1e-4, "the loss does not reach the attention weights"
@@ -351,29 +358,43 @@ TRITON_SCRIPT = textwrap.dedent(
     from longboat.llm.layer_kernels import longboat_layer_kernels
     from longboat.llm.models import get_family
     from longboat.llm.train.loss import fused_lm_loss
+    import longboat.kernels.qkv_rope as qkv_mod
     import longboat.kernels.rope as rope_mod
 
-    launched = []
-    real = rope_mod.apply_rope_triton
-    rope_mod.apply_rope_triton = lambda *a, **k: launched.append(1) or real(*a, **k)
+    launched = {"rope": 0, "qkv": 0}
+    real_rope = rope_mod.apply_rope_triton
+    def counted_rope(*a, **k):
+        launched["rope"] += 1
+        return real_rope(*a, **k)
+    rope_mod.apply_rope_triton = counted_rope
+    real_qkv = qkv_mod._QKVRopeFn.apply
+    def counted_qkv(*a):
+        launched["qkv"] += 1
+        return real_qkv(*a)
+    qkv_mod._QKVRopeFn.apply = counted_qkv
     parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"), seed=1)
     cfg = get_family("llama3").flavor("tiny")
-    (kernel,) = build.build_model(cfg)
-    build.longboat_layer_kernels = lambda: longboat_layer_kernels(rope=False)
-    (plain,) = build.build_model(cfg)
-    plain.load_state_dict(kernel.state_dict())
+    models = {}
+    for name, kw in (("qkv", {}), ("rope", {"qkv_rope": False}), ("plain", {"rope": False})):
+        build.longboat_layer_kernels = lambda kw=kw: longboat_layer_kernels(**kw)
+        (models[name],) = build.build_model(cfg)
+    for m in ("rope", "plain"):
+        models[m].load_state_dict(models["qkv"].state_dict())
     g = torch.Generator().manual_seed(0)
     seq = torch.randint(0, cfg.vocab_size, (2, 9), generator=g)
     tokens, labels = seq[:, :-1], seq[:, 1:]
     pos = torch.arange(8).unsqueeze(0).expand(2, -1)
-    fused = kernel(tokens, pos, None, labels=labels, output_processor=fused_lm_loss)
-    fused.backward()
-    ref = plain(tokens, pos, None, labels=labels).float().mean()
+    ref = models["plain"](tokens, pos, None, labels=labels).float().mean()
     ref.backward()
-    gk = dict(kernel.named_parameters())
-    grad = max(float((p.grad - gk[n].grad).abs().max()) for n, p in plain.named_parameters())
-    scale = max(float(p.grad.abs().max()) for p in plain.parameters())
-    print("RESULT", float(fused), float(ref), grad, scale, len(launched))
+    gp = dict(models["plain"].named_parameters())
+    scale = max(float(p.grad.abs().max()) for p in gp.values())
+    for name in ("qkv", "rope"):
+        fused = models[name](tokens, pos, None, labels=labels, output_processor=fused_lm_loss)
+        fused.backward()
+        mp = models[name].named_parameters()
+        grad = max(float((p.grad - gp[n].grad).abs().max()) for n, p in mp)
+        print("RESULT", name, float(fused), float(ref), grad, scale)
+    print("LAUNCHED", launched["qkv"], launched["rope"])
     parallel_state.destroy()
     """
 )
@@ -392,12 +413,17 @@ def test_triton_levers_in_the_model(tmp_path: Path) -> None:
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
-    fused, ref, grad, scale, launched = (float(v) for v in line.split()[1:])
-    assert launched == _tiny_cfg().num_layers  # every layer's forward ran the Triton RoPE
-    # Triton (interpreter, fp32) vs megatron's fp32 logits path and rotation.
-    assert abs(fused - ref) <= FP32_TOL, (fused, ref)
-    assert grad <= FP32_TOL * max(1.0, scale), (grad, scale)
+    lines = [x.split() for x in done.stdout.splitlines() if x.startswith(("RESULT", "LAUNCHED"))]
+    results = {x[1]: [float(v) for v in x[2:]] for x in lines if x[0] == "RESULT"}
+    (launch,) = [x[1:] for x in lines if x[0] == "LAUNCHED"]
+    layers = _tiny_cfg().num_layers
+    # Every layer's forward ran the fused QKV kernel in one model and the RoPE kernel in the other.
+    assert [int(v) for v in launch] == [layers, layers], launch
+    for name in ("qkv", "rope"):
+        fused, ref, grad, scale = results[name]
+        # Triton (interpreter, fp32) vs megatron's fp32 logits path, split and rotation.
+        assert abs(fused - ref) <= FP32_TOL, (name, fused, ref)
+        assert grad <= FP32_TOL * max(1.0, scale), (name, grad, scale)
 
 
 # ----------------------------------------------------------------------------- single-pass grads

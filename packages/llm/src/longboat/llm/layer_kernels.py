@@ -3,7 +3,8 @@
 core cannot import kernels (kernels sits above core), so the llm stack, which
 depends on both, hands the kernels to the spec: attention through
 ``longboat.kernels.attention`` dispatch (SDPA flash / cuDNN without Transformer
-Engine), RMSNorm, SwiGLU and RoPE (Triton on CUDA, torch reference elsewhere).
+Engine), RMSNorm, SwiGLU, RoPE and the fused QKV split + RoPE (Triton on CUDA, torch
+reference elsewhere).
 """
 
 from __future__ import annotations
@@ -49,12 +50,37 @@ def _rope(
     return apply_rope(q, k, cos, sin)
 
 
-def longboat_layer_kernels(*, swiglu: bool = True, rope: bool = True) -> LayerKernels:
-    """The longboat kernels as a ``LayerKernels`` bundle (``rope=False``: megatron's RoPE)."""
+_POSITIONS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _qkv_rope(
+    mixed: torch.Tensor, groups: int, q_per_group: int, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from longboat.kernels.qkv_rope import positions_for_layout, split_qkv_rope
+
+    s, b = mixed.shape[0], mixed.shape[1]
+    key = (s, b, mixed.device)
+    pos = _POSITIONS.get(key)
+    if pos is None:  # megatron's [s, b] token order: position i repeated b times
+        if len(_POSITIONS) > 8:
+            _POSITIONS.clear()
+        pos = _POSITIONS[key] = positions_for_layout(s, b, seq_first=True, device=mixed.device)
+    return split_qkv_rope(mixed, groups, q_per_group, cos, sin, pos)
+
+
+def longboat_layer_kernels(
+    *, swiglu: bool = True, rope: bool = True, qkv_rope: bool = True
+) -> LayerKernels:
+    """The longboat kernels as a ``LayerKernels`` bundle.
+
+    ``rope=False``: megatron's RoPE; ``qkv_rope=False``: megatron's QKV split views followed
+    by the RoPE kernel (``qkv_rope`` needs ``rope``: it serves the same rotation).
+    """
     return LayerKernels(
         attention=_attention,
         rms_norm=_rms_norm,
         swiglu=_swiglu if swiglu else None,
         rope=_rope if rope else None,
+        qkv_rope=_qkv_rope if rope and qkv_rope else None,
         name="longboat.kernels",
     )

@@ -41,6 +41,11 @@ RopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 its own, grouped head count; strided views allowed) by the half-split (NeoX / Llama) rotation,
 ``cos`` / ``sin`` ``[seq, rotary_dim // 2]`` fp32, channels past ``rotary_dim`` passed through.
 This is ``longboat.kernels.rope.apply_rope``'s contract (positions ``0..seq-1``)."""
+QKVRopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+"""``fn(mixed, groups, q_per_group, cos, sin) -> (q, k, v)``: split megatron's fused QKV output
+``mixed`` ``[s, b, groups * (q_per_group + 2) * head_dim]`` (each group's query heads, then its
+key head, then its value head) into ``q`` ``[s, b, groups * q_per_group, head_dim]`` and ``k``,
+``v`` ``[s, b, groups, head_dim]``, rotating q and k as ``RopeFn`` does (positions ``0..s-1``)."""
 
 
 def sdpa_attention(
@@ -92,6 +97,10 @@ class LayerKernels:
     rope: RopeFn | None = None
     """Rotary embedding of q and k in one call (``RopeFn`` contract); None keeps megatron's own
     ``apply_rotary_pos_emb`` (two calls, cos/sin recomputed and cast to the activation dtype)."""
+    qkv_rope: QKVRopeFn | None = None
+    """QKV split + rotation in one call (``QKVRopeFn``), used instead of megatron's split views
+    and ``rope`` where the layer allows it (no qk-norm between split and rotation, no gated
+    attention, KV groups >= TP size); None: split, then ``rope``."""
     name: str = "torch"
     """Label for logs."""
 
@@ -186,7 +195,7 @@ class KernelCoreAttention(MegatronModule):
 
 
 class KernelSelfAttention(SelfAttention):
-    """megatron ``SelfAttention`` whose q/k rotation runs an injected RoPE kernel.
+    """megatron ``SelfAttention`` whose QKV split and q/k rotation run injected kernels.
 
     megatron rotates q and k in two ``apply_rotary_pos_emb`` calls on ``[s, b, heads, d]``
     tensors, recomputing ``cos`` / ``sin`` of the ``freqs`` table each time. Here ``forward``
@@ -196,17 +205,46 @@ class KernelSelfAttention(SelfAttention):
     Cases the kernel does not cover (inference, packed THD sequences, interleaved or YaRN
     rotary, fused QKV RoPE) go through megatron unchanged, and so does a layer being traced
     by torch.compile (Inductor fuses megatron's rotation with the QKV split around it).
+    With ``qkv_rope`` (and a layer that allows it, ``_qkv_fusable``) the fused QKV projection
+    goes to that kernel whole: split and rotation in one pass each way, instead of megatron's
+    split views, a reshape copy of q, the rotation and ``torch.split``'s backward.
     """
 
-    def __init__(self, *args: Any, rope: RopeFn, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        rope: RopeFn | None = None,
+        qkv_rope: QKVRopeFn | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._rope = rope
+        self._qkv_rope = qkv_rope if self._qkv_fusable() else None
         self._pending_freqs: torch.Tensor | None = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _qkv_fusable(self) -> bool:
+        """No module between the split and the rotation, and a clean per-rank head layout."""
+        from megatron.core.transformer.identity_op import IdentityOp
+
+        def identity(m: Any) -> bool:
+            return m is None or isinstance(m, IdentityOp)
+
+        cfg = self.config
+        return (
+            identity(self.q_layernorm)
+            and identity(self.k_layernorm)
+            and not getattr(cfg, "attention_output_gate", False)
+            and not getattr(cfg, "test_mode", False)
+            and cfg.num_query_groups is not None
+            and cfg.num_query_groups >= self.world_size
+        )
 
     def _kernel_applies(self, rotary_pos_emb: Any, kwargs: dict[str, Any]) -> bool:
         cfg = self.config
         if rotary_pos_emb is None or kwargs.get("key_value_states") is not None:
+            return False
+        if self._rope is None and self._qkv_rope is None:
             return False
         if torch.compiler.is_compiling():
             return False  # Inductor fuses megatron's own rotation into its neighbours
@@ -243,11 +281,27 @@ class KernelSelfAttention(SelfAttention):
         finally:
             self._pending_freqs = None
 
-    def get_query_key_value_tensors(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        out = super().get_query_key_value_tensors(*args, **kwargs)
+    def get_query_key_value_tensors(  # type: ignore[override]
+        self,
+        hidden_states: torch.Tensor,
+        key_value_states: torch.Tensor | None = None,
+        output_gate: bool = False,
+        split_qkv: bool = True,
+    ) -> Any:
         freqs = self._pending_freqs
+        if freqs is not None and self._qkv_rope is not None and split_qkv and not output_gate:
+            mixed_qkv, _ = self.linear_qkv(hidden_states)  # [s, b, groups * (qpg + 2) * d]
+            cos, sin = self._rope_tables(freqs, mixed_qkv.shape[0])
+            groups = self.num_query_groups_per_partition
+            qpg = self.num_attention_heads_per_partition // groups
+            return self._qkv_rope(mixed_qkv, groups, qpg, cos, sin)
+        out = super().get_query_key_value_tensors(
+            hidden_states, key_value_states, output_gate=output_gate, split_qkv=split_qkv
+        )
         if freqs is None:
             return out
+        if self._rope is None:
+            raise RuntimeError("KernelSelfAttention: rotary embedding withheld without a kernel")
         query, key = out[0], out[1]
         cos, sin = self._rope_tables(freqs, query.shape[0])
         # [s, b, h, d] -> [b, s, h, d] views: the kernel follows the strides, no copies.
@@ -312,6 +366,18 @@ def resolve_backend(backend: str, device_type: str) -> str:
     return backend
 
 
+def _attention_module(kernels: LayerKernels) -> type:
+    if kernels.rope is None and kernels.qkv_rope is None:
+        return SelfAttention
+    return KernelSelfAttention
+
+
+def _attention_params(kernels: LayerKernels) -> dict[str, Any]:
+    if kernels.rope is None and kernels.qkv_rope is None:
+        return {}
+    return {"rope": kernels.rope, "qkv_rope": kernels.qkv_rope}
+
+
 def decoder_layer_spec(
     *,
     num_experts: int = 0,
@@ -336,7 +402,8 @@ def decoder_layer_spec(
         return get_gpt_layer_local_spec(
             num_experts=num_experts or None, qk_layernorm=qk_norm, normalization="RMSNorm"
         )
-    provider = LongboatSpecProvider(kernels or LayerKernels())
+    kernels = kernels or LayerKernels()
+    provider = LongboatSpecProvider(kernels)
     norm = provider.layer_norm(rms_norm=True)
     mlp = get_mlp_module_spec_for_backend(
         backend=provider,
@@ -349,9 +416,8 @@ def decoder_layer_spec(
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=ModuleSpec(
-                module=SelfAttention if provider.kernels.rope is None else KernelSelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal}
-                | ({} if provider.kernels.rope is None else {"rope": provider.kernels.rope}),
+                module=_attention_module(kernels),
+                params={"attn_mask_type": AttnMaskType.causal} | _attention_params(kernels),
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=provider.column_parallel_linear(),
                     core_attention=provider.core_attention(),
