@@ -81,3 +81,62 @@ def test_bf16_training_tracks_fp32(tiny: tuple[Path, Path, Path, str], tp1_losse
     diffs = [abs(a - b) for a, b in zip(losses, tp1_losses, strict=True)]
     assert 0 < max(diffs) <= 0.1, f"bf16 vs fp32 losses: max diff {max(diffs):.3f}"
     assert losses[-1] < losses[0] - 0.5
+
+
+def _train_metrics_worker(rank: int, world: int, overrides: list[str]) -> tuple[list[float], list]:
+    import json
+
+    from longboat.llm.train.loop import run
+
+    result = run(compose(overrides, world_size=world))
+    rows = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
+    return result.losses, [r for r in rows if "loss" in r]
+
+
+@pytest.mark.multiprocess
+def test_logits_loss_path_and_sparse_loss_reads_keep_the_losses(
+    tiny: tuple[Path, Path, Path, str], tp1_losses
+) -> None:
+    """The default run uses fused linear CE and reads each loss every step (NaN guard on);
+    megatron's logits path gives the same curve, and with the guard off and logging every 4
+    steps the losses are read in batches at log steps, unchanged."""
+    data, tok, root, init = tiny
+    logits = [*tiny_overrides(data, tok, root / "logits"), init, "llm.fused_linear_ce=false"]
+    sparse = [
+        *tiny_overrides(data, tok, root / "sparse"),
+        init,
+        "train.log_every=4",
+        "train.nan_guard.enabled=false",
+    ]
+    (logit_losses,) = run_multiprocess(_train_worker, 1, logits)
+    ((sparse_losses, rows),) = run_multiprocess(_train_metrics_worker, 1, sparse)
+    diffs = [abs(a - b) for a, b in zip(logit_losses, tp1_losses, strict=True)]
+    assert max(diffs) <= 1e-5, f"logits vs fused CE: max |dloss| = {max(diffs):.2e}"
+    assert sparse_losses == tp1_losses  # the same steps; only when the host reads changes
+    assert [r["step"] for r in rows] == [4, 8, 10]
+    assert [r["loss"] for r in rows] == [tp1_losses[3], tp1_losses[7], tp1_losses[9]]
+
+
+@pytest.mark.multiprocess
+def test_bf16_wgrad_fusion_keeps_the_losses(tiny: tuple[Path, Path, Path, str]) -> None:
+    """bf16: with one microbatch (global batch = micro batch) the fused wgrad GEMMs write a
+    bf16 grad buffer and the curve is the unfused one (CPU: identical); with two microbatches
+    (fp32 buffer, the unrounded product accumulated) it stays within bf16 noise of it."""
+    data, tok, root, init = tiny
+    base = [init, "llm.cpu_precision=bf16"]
+    curves = {}
+    for name, extra in {
+        "single_fused": ["train.global_batch_size=2"],
+        "single_hook": ["train.global_batch_size=2", "llm.wgrad_fusion=false"],
+        "accum_fused": [],
+        "accum_hook": ["llm.wgrad_fusion=false"],
+    }.items():
+        overrides = [*tiny_overrides(data, tok, root / name), *base, *extra]
+        (curves[name],) = run_multiprocess(_train_worker, 1, overrides)
+    single = [
+        abs(a - b) for a, b in zip(curves["single_fused"], curves["single_hook"], strict=True)
+    ]
+    accum = [abs(a - b) for a, b in zip(curves["accum_fused"], curves["accum_hook"], strict=True)]
+    assert max(single) <= 1e-6, f"single microbatch: max |dloss| = {max(single):.2e}"
+    assert max(accum) <= 0.01, f"two microbatches: max |dloss| = {max(accum):.2e}"  # 7.7e-4
+    assert curves["accum_fused"][-1] < curves["accum_fused"][0] - 0.5
