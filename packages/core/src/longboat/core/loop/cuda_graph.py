@@ -110,14 +110,16 @@ class _CudaGraphBackend:
                 syncs = [
                     f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}"
                     for w in caught
-                    if "synchroniz" in str(w.message)
+                    if "synchroniz" in str(w.message) and "prototype" not in str(w.message)
                 ]
         torch.cuda.current_stream().wait_stream(side)
         return (out, syncs) if find_syncs else out
 
     def capture(self, fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: CUDA calls from other threads (a DataLoader's pin-memory thread
+        # allocating pinned host memory) must not invalidate this thread's capture.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = fn()
         return graph.replay, out
 
