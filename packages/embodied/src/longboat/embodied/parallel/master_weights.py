@@ -6,12 +6,15 @@
   (``flat_param``), and its ``.grad`` a view into ONE flat bf16 buffer (``flat_grad``)
   that autograd accumulates into (``zero_grad`` zeroes the buffer, it never frees it);
 - the optimizer keeps fp32 master weights and both Adam moments as flat fp32 buffers;
-  ``prepare_grads`` casts the grads to fp32 (one copy), all-reduces them with one
-  collective at world size > 1, and measures the global norm and the clip factor on the
-  device (no host sync); ``step`` runs ``torch._fused_adamw_`` once per param group on the
-  flat fp32 segment (clipping folded in through its ``grad_scale``; a non-finite grad norm
-  sets its ``found_inf``, so the update is skipped on the device) and copies the master
-  weights back to the bf16 buffer in one copy.
+  ``prepare_grads`` all-reduces the bf16 grads with one collective at world size > 1 and
+  measures the global norm (accumulated in fp32) and the clip factor on the device (no host
+  sync); ``step`` walks the flat buffers in slices of ``CHUNK`` elements: each slice's grads
+  are cast into one reused fp32 scratch buffer and updated by one ``torch._fused_adamw_``
+  call (clipping folded in through its ``grad_scale``; a non-finite grad norm sets its
+  ``found_inf``, so the update is skipped on the device); then one copy of the master
+  weights back to the bf16 buffer. No full-size fp32 copy of the grads exists: the
+  optimizer's memory is that of fp32-weight AdamW (bf16 weights + bf16 grads + fp32
+  masters + two fp32 moments = 16 bytes a parameter) plus one ``CHUNK`` of scratch.
 
 Autocast stays on around the forward: ops autocast runs in fp32 (softmax, norms, losses)
 still do; only the per-use casts of fp32 weights to bf16 disappear.
@@ -40,9 +43,9 @@ from torch import Tensor, nn
 ALIGN = 64
 """Element alignment of every parameter's offset in the flat buffers."""
 
-CHUNK = 1 << 28
-"""Largest slice handed to the fused kernel (its index math is 32-bit): a group's segment
-is passed as a list of slices of at most this many elements, still one call."""
+CHUNK = 1 << 26
+"""Elements per update slice: the size of the fp32 grad scratch (256 MB) and of each fused
+AdamW call (its index math is 32-bit). 1.6B trainable parameters take ~25 slices."""
 
 _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -101,20 +104,25 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             )
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
-        self.grad32 = torch.zeros_like(self.master)
         self.flat_param = self.master.to(param_dtype)
         self.flat_grad = torch.zeros(total, dtype=param_dtype, device=device)
         self.step_count = torch.zeros((), dtype=torch.float32, device=device)
         self.grad_scale = torch.ones((), dtype=torch.float32, device=device)
         self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        # Per group: (master, grad32, exp_avg, exp_avg_sq) slices of at most CHUNK elements.
+        # Per group: (master, bf16 grad, exp_avg, exp_avg_sq) slices of at most CHUNK elements.
         self._chunks = [
-            tuple(
-                [buf[a : min(a + CHUNK, end)] for a in range(start, end, CHUNK)]
-                for buf in (self.master, self.grad32, self.exp_avg, self.exp_avg_sq)
-            )
+            [
+                tuple(
+                    buf[a : min(a + CHUNK, end)]
+                    for buf in (self.master, self.flat_grad, self.exp_avg, self.exp_avg_sq)
+                )
+                for a in range(start, end, CHUNK)
+            ]
             for start, end in self._segments
         ]
+        self._scratch = torch.empty(min(CHUNK, max(total, 1)), dtype=torch.float32, device=device)
+        n_slices = sum(len(c) for c in self._chunks)
+        self._slice_norms = torch.zeros(max(n_slices, 1), dtype=torch.float32, device=device)
         self.lr_tensors = [
             torch.full((), float(g["lr"]), dtype=torch.float32, device=device)
             for g in self.param_groups
@@ -155,15 +163,19 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def prepare_grads(self, max_norm: float = 0.0) -> Tensor:
-        """Cast the accumulated bf16 grads to fp32, average them over ranks (one
-        all-reduce), and set the clip factor used by the next ``step``. Returns the global
-        grad norm (before clipping) as a device tensor; no host sync."""
-        self.grad32.copy_(self.flat_grad)
+        """Average the accumulated bf16 grads over ranks (one all-reduce, in bf16), and set
+        the clip factor used by the next ``step``. Returns the global grad norm (before
+        clipping, accumulated in fp32 slice by slice) as a device tensor; no host sync."""
         world = self._world_size()
         if world > 1:
-            dist.all_reduce(self.grad32, group=self._group())
-            self.grad32.div_(world)
-        norm = torch.linalg.vector_norm(self.grad32)
+            dist.all_reduce(self.flat_grad, group=self._group())
+            self.flat_grad.div_(world)
+        i = 0
+        for chunks in self._chunks:
+            for _, grad, _, _ in chunks:
+                torch.linalg.vector_norm(grad, dtype=torch.float32, out=self._slice_norms[i])
+                i += 1
+        norm = torch.linalg.vector_norm(self._slice_norms)
         # A non-finite norm makes the fused kernel skip the update (masters and moments
         # untouched) and ``step_on_device`` undo the step count: bad grads never land.
         torch.logical_not(torch.isfinite(norm), out=self.found_inf)
@@ -189,29 +201,31 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step_on_device(self) -> None:
-        """The update from ``grad32`` (as left by ``prepare_grads``): device-only work, a
-        fixed sequence of launches (capturable)."""
+        """The update from the flat bf16 grads (after ``prepare_grads``): device-only work,
+        a fixed sequence of launches (capturable)."""
         self.step_count.add_(1.0)
         for group, chunks, lr in zip(self.param_groups, self._chunks, self.lr_tensors):
-            master, grads, exp_avg, exp_avg_sq = chunks
             beta1, beta2 = group["betas"]
-            torch._fused_adamw_(
-                master,
-                grads,
-                exp_avg,
-                exp_avg_sq,
-                [],
-                [self.step_count] * len(master),
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                amsgrad=False,
-                maximize=False,
-                grad_scale=self.grad_scale,
-                found_inf=self.found_inf,
-            )
+            for master, grad, exp_avg, exp_avg_sq in chunks:
+                grad32 = self._scratch[: grad.numel()]
+                grad32.copy_(grad)
+                torch._fused_adamw_(
+                    [master],
+                    [grad32],
+                    [exp_avg],
+                    [exp_avg_sq],
+                    [],
+                    [self.step_count],
+                    lr=lr,
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    amsgrad=False,
+                    maximize=False,
+                    grad_scale=self.grad_scale,
+                    found_inf=self.found_inf,
+                )
         self.step_count.sub_(self.found_inf)
         self._opt_called = True  # what LRScheduler's step() wrapper records (no warning)
         self.flat_param.copy_(self.master)
