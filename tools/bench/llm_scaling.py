@@ -622,7 +622,7 @@ def write(result: dict[str, Any], args: argparse.Namespace) -> None:
     head = (
         f"# llm_scaling {result['date']}\n\n{result['gpu']}, commit {result['commit']}, "
         f"versions {json.dumps(result['versions'])}\n\n"
-        f"Llama-style {cfg['params'] / 1e6:.0f}M params (hidden {cfg['hidden']}, "
+        f"Llama-style {cfg['params'] / 1e6:.1f}M params (hidden {cfg['hidden']}, "
         f"{cfg['layers']} layers, {cfg['heads']} heads / {cfg['kv_heads']} KV), seq {cfg['seq']}, "
         f"micro-batch {cfg['micro_batch']} per GPU, bf16, the product step (build_train_step). "
         f"Throughput: median of {cfg['steps']} steps after {cfg['warmup']} warm-up, AdamW "
