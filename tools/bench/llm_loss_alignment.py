@@ -6,9 +6,9 @@
 A ``transformers.LlamaForCausalLM`` (the llm_throughput model, fp32, seeded random init) is
 saved with ``save_pretrained`` and loaded into longboat's build path
 (``longboat.llm.hf.read_hf_config`` + ``build_model`` + ``load_hf``), so both start from the
-same weights. Both then train ``--steps`` steps on the same batches (sequences from a fixed
-random Markov chain over ``--active-vocab`` (2048) token ids with ``--fanout`` (4) successors
-each, so the loss falls steadily instead of sitting on the ln(vocab) plateau) with AdamW (lr ``--lr``, default 3e-4,
+same weights. Both then train ``--steps`` steps on the same batches (``--data text``, the
+default: byte-level tokens of the installed transformers package's Python source, a smoothly
+falling loss; ``--data markov``: a fixed random Markov chain over ``--active-vocab`` ids) with AdamW (lr ``--lr``, default 3e-4,
 linear warm-up over ``--warmup-steps`` (20), betas 0.9/0.95, weight decay 0.1 on matrices only,
 global grad-norm clipping at ``--clip`` (1.0)), bf16: HF as fp32 weights + bf16
 autocast (``hf_eager``), longboat as in llm_throughput's ``longboat`` run (bf16 weights, fp32
@@ -58,6 +58,28 @@ def markov_batches(
     return list(torch.stack(rows, 1).view(n, batch, seq + 1))
 
 
+def text_batches(n: int, batch: int, seq: int) -> list[torch.Tensor]:
+    """``n`` batches ``[batch, seq + 1]`` of byte-level tokens (ids 0-255) from the installed
+    ``transformers`` package's Python source, files in sorted order: real text, the same on
+    every machine with the same transformers version, and a loss that falls smoothly (no
+    plateau-then-drop transition, whose timing bf16 noise shifts between runs)."""
+    import transformers
+
+    need = n * batch * (seq + 1)
+    root = Path(transformers.__file__).parent
+    chunks, have = [], 0
+    for f in sorted(root.rglob("*.py")):
+        data = f.read_bytes()
+        chunks.append(data)
+        have += len(data)
+        if have >= need:
+            break
+    if have < need:
+        raise ValueError(f"transformers' source has {have} bytes, {need} needed")
+    ids = torch.frombuffer(bytearray(b"".join(chunks)[:need]), dtype=torch.uint8).long()
+    return list(ids.view(n, batch, seq + 1))
+
+
 def lr_at(step: int, lr: float, warmup: int) -> float:
     """Linear warm-up over ``warmup`` steps, then constant (both loops use this)."""
     return lr * min(1.0, (step + 1) / warmup) if warmup > 0 else lr
@@ -96,43 +118,33 @@ def hf_losses(
 def longboat_losses(
     hf_dir: Path, batches: list[torch.Tensor], acc: Any, lr: float, warmup: int, clip: float
 ) -> tuple[list[float], dict[str, Any]]:
-    from longboat.llm.build import build_model
+    """The product's step (``build_train_step``, as llm_throughput's ``longboat`` run) from
+    the HF weights (loaded before the optimizer copies them into its fp32 main weights)."""
     from longboat.llm.hf import load_hf, read_hf_config
+    from longboat.llm.train.optimizer import inner_optimizers
+    from longboat.llm.train.train_step import build_train_step
 
     lt.init_megatron(acc)
     device = acc.device()
-    notes: dict[str, Any] = {}
-    overrides = lt.longboat_levers(notes)
     cfg = read_hf_config(hf_dir)
     cfg.layer_backend = "longboat"
-    if device.type == "cuda":
-        overrides["use_cpu_initialization"] = False
-    chunks = build_model(cfg, precision="bf16", device_type=device.type, **overrides)
-    load_hf(chunks, cfg, hf_dir)
-    # main weights copied from the loaded ones; megatron clips by the global grad norm
-    ddp, opt = lt.megatron_optimizer(chunks, device, lr, clip=clip)
-    net = ddp[0]
-    from megatron.core.distributed import finalize_model_grads
-
-    pos = None
+    ts = build_train_step(
+        cfg,
+        lt.product_optim(lr, clip),
+        precision="bf16",
+        device=device,
+        init_weights=lambda chunks: load_hf(chunks, cfg, hf_dir),
+    )
+    notes = {"gradient_accumulation_fusion": bool(ts.chunks[0].config.gradient_accumulation_fusion)}
     losses = []
     for i, b in enumerate(batches):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(i, lr, warmup)
+        for opt in inner_optimizers(ts.optimizer):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(i, lr, warmup)
         tokens = b[:, :-1].to(device)
         labels = b[:, 1:].clone()
         labels[:, -1] = -100  # HF has no target for the last position
-        labels = labels.to(device)
-        if pos is None:
-            pos = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-        net.zero_grad_buffer()
-        opt.zero_grad()
-        loss = net(tokens, pos, None, labels=labels, output_processor=lt.flce_processor)
-        loss.backward()
-        finalize_model_grads(ddp)
-        opt.step()  # grad norm + clipping + update (the norm is a host read; speed is not timed)
-        losses.append(loss.detach())
-    lt.uninstall_triton_rope()
+        losses.append(ts.step(tokens, labels.to(device)))
     return [float(v) for v in losses], notes
 
 
@@ -177,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=lt.LR)
     p.add_argument("--warmup-steps", type=int, default=20, help="linear LR warm-up (both loops)")
     p.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip (0: off)")
-    p.add_argument("--active-vocab", type=int, default=2048, help="token ids the chain uses")
+    p.add_argument("--data", choices=["text", "markov"], default="text")
+    p.add_argument("--active-vocab", type=int, default=2048, help="markov: token ids used")
     p.add_argument("--fanout", type=int, default=4, help="successors per token in the chain")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -190,15 +203,16 @@ def main(argv: list[str] | None = None) -> int:
         c["seq"] = args.seq
     if not args.tiny and args.micro_batch is None:
         c["micro_batch"] = 4
-    batches = markov_batches(
-        c["vocab"],
-        args.steps,
-        c["micro_batch"],
-        c["seq"],
-        args.seed,
-        args.fanout,
-        args.active_vocab,
-    )
+    if args.data == "text":
+        batches = text_batches(args.steps, c["micro_batch"], c["seq"])
+        data = "byte-level text: the installed transformers package's Python source"
+    else:
+        batches = markov_batches(
+            c["vocab"], args.steps, c["micro_batch"], c["seq"], args.seed, args.fanout,
+            args.active_vocab,
+        )  # fmt: skip
+        data = (f"fixed random Markov chain over {args.active_vocab} token ids, "
+                f"{args.fanout} successors per token")  # fmt: skip
     torch.manual_seed(args.seed)
     result: dict[str, Any] = {
         "benchmark": "llm_loss_alignment",
@@ -208,8 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": lt.git_commit(),
         "config": {**c, "steps": args.steps, "seed": args.seed, "precision": "bf16",
                    "lr": args.lr, "warmup_steps": args.warmup_steps, "clip": args.clip,
-                   "data": f"fixed random Markov chain over {args.active_vocab} token ids, "
-                           f"{args.fanout} successors per token"},
+                   "data": data},
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         hf = lt.hf_model(c, device)

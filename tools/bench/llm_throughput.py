@@ -15,12 +15,15 @@ freeing device memory in between:
 - ``mcore_local_spec``: megatron-core ``GPTModel`` with megatron's local layer spec (no TE),
   bf16 weights, megatron DDP (fp32 grad buffer) + megatron optimizer (fp32 main weights)
   whose inner torch AdamW is switched to ``fused=True``; loss through ``GPTModel``'s labels.
-- ``longboat``: ``longboat.llm.build.build_model`` (megatron ``GPTModel`` with longboat's
-  kernel layer spec: SDPA flash/cuDNN attention, Triton RMSNorm and SwiGLU), the same DDP +
-  optimizer, plus the levers this script lands around the build path: Triton RoPE (patched
-  into megatron's attention, checked against megatron's rotation before timing), fused
-  linear cross-entropy through ``GPTModel``'s ``output_processor`` hook (no ``[tokens,
-  vocab]`` logits), weights initialised on the device, no host syncs inside the step.
+- ``longboat``: the product's training step, ``longboat.llm.train.train_step.build_train_step``
+  (what ``longboat-llm train`` runs; nothing patched by this script): megatron ``GPTModel``
+  with longboat's layer spec (SDPA flash/cuDNN attention, Triton RMSNorm, SwiGLU and fused
+  QKV-split + RoPE), weights initialised on the device, megatron DDP + distributed
+  optimizer with torch's fused AdamW, weight-gradient GEMMs accumulating straight into the
+  grad buffer, fused linear cross-entropy (no ``[tokens, vocab]`` logits), no host sync in
+  the step.
+- ``longboat_graphed``: ``longboat`` with the whole step replayed as one CUDA graph
+  (``longboat.core.loop.GraphedStep``).
 - ``longboat_compiled``: ``longboat`` with each decoder layer ``torch.compile``d.
 - ``hf_liger`` (when ``liger-kernel`` is installed): ``hf_eager`` with
   ``apply_liger_kernel_to_llama`` (RoPE, RMSNorm, SwiGLU, fused linear CE), the strongest
@@ -252,57 +255,7 @@ def megatron_optimizer(
     return ddp, opt
 
 
-_MEGATRON_ROPE: dict[str, Any] = {}
 _OWN_PG: list[bool] = []  # non-empty when init_megatron created the process group
-
-
-def install_triton_rope() -> str:
-    """Route megatron's ``apply_rotary_pos_emb`` (attention) to longboat's RoPE kernel.
-
-    megatron rotates q and k in two calls, each ``[s, b, heads, d]`` with ``freqs`` =
-    ``cat(theta, theta)`` ``[s, 1, 1, d]``; the kernel takes ``[b, s, heads, d]`` strided
-    views and cos/sin tables ``[s, d/2]``. Returns "triton rope" or why it stayed off.
-    """
-    from megatron.core.transformer import attention as mattn
-
-    from longboat.kernels.rope import apply_rope
-
-    original = _MEGATRON_ROPE.setdefault("fn", mattn.apply_rotary_pos_emb)
-    cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def rope(t: torch.Tensor, freqs: torch.Tensor, config: Any, *args: Any, **kw: Any) -> Any:
-        # Under torch.compile Inductor fuses megatron's own rotation into its neighbours.
-        if torch.compiler.is_compiling() or args or kw.get("cu_seqlens") is not None:
-            return original(t, freqs, config, *args, **kw)
-        if config.rotary_interleaved:
-            return original(t, freqs, config, *args, **kw)
-        half = freqs.shape[-1] // 2
-        key = (freqs.data_ptr(), freqs.shape[0])
-        if key not in cache:
-            theta = freqs[: t.shape[0], 0, 0, :half].float()
-            cache.clear()
-            cache[key] = (theta.cos(), theta.sin())
-        cos, sin = cache[key]
-        q = t.transpose(0, 1)  # [b, s, h, d] view
-        out, _ = apply_rope(q, q[:, :, :1], cos, sin)  # k: one head, discarded
-        return out.transpose(0, 1)
-
-    # Check against megatron's own rotation before trusting it.
-    dev = get_accelerator().device()
-    cfg = type("C", (), {"rotary_interleaved": False, "apply_rope_fusion": False,
-                         "multi_latent_attention": False})()  # fmt: skip
-    t = torch.randn(48, 2, 4, 32, device=dev, dtype=torch.bfloat16)
-    theta = torch.outer(torch.arange(48.0, device=dev), torch.rand(16, device=dev))
-    freqs = torch.cat([theta, theta], -1)[:, None, None, :]
-    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
-
-    ref = _apply_rotary_pos_emb_bshd(t.float(), freqs.float())
-    got = rope(t, freqs, cfg).float()
-    err = float((got - ref).abs().max())
-    if not err < 0.05:
-        return f"off (triton rope differs from megatron's by {err:.3g})"
-    mattn.apply_rotary_pos_emb = rope
-    return "triton rope"
 
 
 def pick_attention_backend(c: dict[str, int], acc: Any) -> str:
@@ -348,97 +301,67 @@ def pick_attention_backend(c: dict[str, int], acc: Any) -> str:
     return f"{best} ({', '.join(f'{n} {t * 1e3:.2f} ms' for n, t in timings.items())})"
 
 
-def quiet_tp_group_lookup() -> None:
-    """megatron's linear layers look the TP group up per call through a helper that issues a
-    DeprecationWarning when it is None; ``warnings.warn`` is a torch.compile graph break
-    (4 per layer) and host time in eager. Answer with the group, silently."""
-    from megatron.core import parallel_state as mps
-    from megatron.core.tensor_parallel import layers
+def product_optim(lr: float = LR, clip: float = 0.0) -> Any:
+    from longboat.core.config.schema import OptimConfig
 
-    original = _MEGATRON_ROPE.setdefault(
-        "tp_lookup", layers.get_tensor_model_parallel_group_if_none
+    return OptimConfig(
+        name="adamw", lr=lr, weight_decay=WD, betas=list(BETAS), eps=EPS, grad_clip=clip
     )
-    group = mps.get_tensor_model_parallel_group()
-
-    def lookup(tp_group: Any, is_expert: bool = False, check_initialized: bool = True) -> Any:
-        if tp_group is not None or is_expert:
-            return original(tp_group, is_expert, check_initialized)
-        return group
-
-    layers.get_tensor_model_parallel_group_if_none = lookup
 
 
-def uninstall_triton_rope() -> None:
-    if "fn" in _MEGATRON_ROPE:
-        from megatron.core.transformer import attention as mattn
-
-        mattn.apply_rotary_pos_emb = _MEGATRON_ROPE["fn"]
-    if "tp_lookup" in _MEGATRON_ROPE:
-        from megatron.core.tensor_parallel import layers
-
-        layers.get_tensor_model_parallel_group_if_none = _MEGATRON_ROPE["tp_lookup"]
-
-
-def flce_processor(*, hidden_states: torch.Tensor, output_layer: Any, output_weight: Any,
-                   labels: torch.Tensor, **unused: Any) -> torch.Tensor:  # fmt: skip
-    """``GPTModel`` output hook: fused linear cross-entropy on the final-norm hidden states."""
-    from longboat.kernels.fused_linear_ce import fused_linear_cross_entropy
-
-    weight = output_weight if output_weight is not None else output_layer.weight
-    # hidden [s, b, h]; labels [b, s]
-    return fused_linear_cross_entropy(hidden_states, weight, labels.t())
-
-
-def longboat_levers(notes: dict[str, Any]) -> dict[str, Any]:
-    """Install the longboat levers that live around megatron and return the TransformerConfig
-    overrides that turn them on (shared with llm_loss_alignment.py, so the loss check runs
-    the same code as the timed run)."""
-    from longboat.core.megatron.qkv_rope import install_fused_qkv_rope
-    from longboat.core.megatron.wgrad_fusion import install_wgrad_fusion
-
-    notes["rope"] = install_triton_rope()
-    quiet_tp_group_lookup()
-    # QKV split + RoPE in one kernel each way; wgrad GEMMs accumulate into main_grad.
-    install_fused_qkv_rope()
-    install_wgrad_fusion()
-    notes["fusions"] = "fused_single_qkv_rope, gradient_accumulation_fusion"
-    dev = get_accelerator().device()
-    if dev.type == "cuda":
-        from longboat.core.megatron.wgrad_fusion import _out_dtype_works
-
-        notes["wgrad_fp32_in_place"] = _out_dtype_works(dev)
-    return {"fused_single_qkv_rope": True, "gradient_accumulation_fusion": True}
-
-
-def mcore_setup(
-    c: dict[str, int],
-    acc: Any,
-    *,
-    backend: str,
-    levers: bool,
-    compile_layers: bool,
-    graphed: bool = False,
+def product_setup(
+    c: dict[str, int], acc: Any, *, compile_layers: bool, graphed: bool
 ) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """The step ``longboat-llm train`` runs (``longboat.llm.train.train_step``): longboat's
+    layer spec (SDPA attention, Triton RMSNorm / SwiGLU / fused QKV-split RoPE), weights
+    initialised on the device, megatron DDP + distributed optimizer with fused AdamW, wgrad
+    GEMMs accumulating into the grad buffer, fused linear cross-entropy, no host sync."""
+    from longboat.llm.train.train_step import build_train_step
+
+    notes: dict[str, Any] = {"attention": pick_attention_backend(c, acc)}
+    ts = build_train_step(
+        llm_config(c, "longboat"),
+        product_optim(),
+        precision="bf16",
+        device=acc.device(),
+        compile_layers=compile_layers,
+    )
+    cfg0 = ts.chunks[0].config
+    notes["levers"] = {
+        "gradient_accumulation_fusion": bool(cfg0.gradient_accumulation_fusion),
+        "fused_linear_ce": ts.fused_linear_ce,
+        "compile_layers": compile_layers,
+    }
+    if not graphed:
+        return ts.step, notes
+    from longboat.core.loop import GraphedStep
+
+    graph = GraphedStep(
+        lambda b: ts.step(b["tokens"], b["labels"]), accelerator=acc, warmup=3, name="llm step"
+    )
+    notes["cuda_graph"] = graph.reason or "whole step as one CUDA graph"
+
+    def graphed_step(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return graph({"tokens": tokens, "labels": labels}).clone()
+
+    graphed_step.keep = (ts, graph)  # type: ignore[attr-defined]
+    return graphed_step, notes
+
+
+def mcore_setup(c: dict[str, int], acc: Any) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """Upstream megatron-core: ``GPTModel`` with megatron's local layer spec (unfused
+    attention, torch norms), loss from ``GPTModel``'s logits, megatron's own optimizer step."""
+    from megatron.core.distributed import finalize_model_grads
+
     from longboat.llm.build import build_model
 
     init_megatron(acc)
     device = acc.device()
-    notes: dict[str, Any] = {}
     overrides: dict[str, Any] = {}
     if device.type == "cuda":
         overrides["use_cpu_initialization"] = False  # init on the GPU: seconds, not minutes
-    uninstall_triton_rope()
-    if levers:
-        notes["attention"] = pick_attention_backend(c, acc)
-        overrides.update(longboat_levers(notes))
-    chunks = build_model(
-        llm_config(c, backend), precision="bf16", device_type=device.type, **overrides
-    )
-    model = chunks[0]
-    if compile_layers:
-        for layer in model.decoder.layers:
-            layer.compile()
-        notes["compile"] = f"{len(model.decoder.layers)} decoder layers torch.compile'd"
+    chunks = build_model(llm_config(c, "local"), precision="bf16", device_type=device.type,
+                         **overrides)  # fmt: skip
     ddp, opt = megatron_optimizer(chunks, device)
     net = ddp[0]
     pos = torch.arange(c["seq"], device=device).unsqueeze(0).expand(c["micro_batch"], -1)
@@ -446,38 +369,14 @@ def mcore_setup(
     def step(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         net.zero_grad_buffer()
         opt.zero_grad()
-        if levers:
-            loss = net(tokens, pos, None, labels=labels, output_processor=flce_processor)
-        else:
-            loss = net(tokens, pos, None, labels=labels).float().mean()
+        loss = net(tokens, pos, None, labels=labels).float().mean()
         loss.backward()
-        from megatron.core.distributed import finalize_model_grads
-
         finalize_model_grads(ddp)
-        if levers:
-            # opt.step() = prepare + grad norm (a host sync via .item()) + step; without
-            # clipping the norm is unused, so step without it (no host sync in the step).
-            opt.prepare_grads()
-            opt.step_with_ready_grads()
-        else:
-            opt.step()
+        opt.step()
         return loss.detach()
 
-    if graphed:
-        from longboat.core.loop import GraphedStep
-
-        graph = GraphedStep(
-            lambda b: step(b["tokens"], b["labels"]), accelerator=acc, warmup=2, name="llm step"
-        )
-        notes["cuda_graph"] = graph.reason or "whole step as one CUDA graph"
-
-        def graphed_step(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return graph({"tokens": tokens, "labels": labels}).clone()
-
-        graphed_step.keep = (chunks, ddp, opt, graph)  # type: ignore[attr-defined]
-        return graphed_step, notes
     step.keep = (chunks, ddp, opt)  # type: ignore[attr-defined]
-    return step, notes
+    return step, {}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -516,15 +415,11 @@ def run_one(name: str, c: dict[str, int], acc: Any, args: argparse.Namespace) ->
     elif name == "hf_liger":
         step = hf_setup(c, device, compiled=False, liger=True)
     elif name == "mcore_local_spec":
-        step, notes = mcore_setup(c, acc, backend="local", levers=False, compile_layers=False)
+        step, notes = mcore_setup(c, acc)
     elif name in ("longboat", "longboat_compiled", "longboat_graphed"):
-        step, notes = mcore_setup(
-            c,
-            acc,
-            backend="longboat",
-            levers=True,
-            compile_layers=name == "longboat_compiled",
-            graphed=name == "longboat_graphed",
+        init_megatron(acc)
+        step, notes = product_setup(
+            c, acc, compile_layers=name == "longboat_compiled", graphed=name == "longboat_graphed"
         )
     else:
         raise ValueError(f"unknown run {name!r}; use one of {ALL_RUNS}")
@@ -721,7 +616,6 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(Exception):
             torch._dynamo.reset()
         write(result, args)  # partial results survive a kill
-    uninstall_triton_rope()
     os.environ.pop("LONGBOAT_ATTENTION_BACKEND", None)
     teardown_megatron()
     result["wall_s"] = time.perf_counter() - t_start

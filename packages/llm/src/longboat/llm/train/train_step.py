@@ -99,6 +99,7 @@ def build_train_step(
     fused_linear_ce: bool = True,
     wgrad_fusion: bool = True,
     compile_layers: bool = False,
+    init_weights: Any = None,
     **model_overrides: Any,
 ) -> TrainStep:
     """Build the model, megatron DDP + optimizer and the step ``longboat-llm train`` runs.
@@ -107,6 +108,9 @@ def build_train_step(
     ``fused_linear_ce`` / ``wgrad_fusion``: as ``llm.fused_linear_ce`` / ``llm.wgrad_fusion``
     of ``longboat-llm train`` (the step is one microbatch).
     ``compile_layers``: ``torch.compile`` each decoder layer (what ``train.compile`` does).
+    ``init_weights``: called with the model chunks after they are built and before the
+    optimizer copies them into its fp32 main weights (e.g. ``lambda c: load_hf(c, cfg, dir)``);
+    loading weights after ``build_train_step`` would leave the main weights at the random init.
     ``model_overrides`` go to megatron's ``TransformerConfig`` (as in ``build_model``).
     """
     from longboat.llm.build import build_model
@@ -138,6 +142,8 @@ def build_train_step(
     if model_overrides["gradient_accumulation_fusion"]:
         install_wgrad_fusion()  # megatron's apex extension, in torch
     chunks = build_model(model_cfg, precision=precision, device_type=device.type, **model_overrides)
+    if init_weights is not None:
+        init_weights(chunks)
     if compile_layers:
         compile_decoder_layers(chunks)
     model, optimizer = wrap_and_build(
