@@ -93,10 +93,13 @@ def world_mean_of_last_stage(
     from megatron.core import parallel_state as mps
 
     # On the accelerator: NCCL-like backends reduce device tensors only.
-    local = torch.zeros(2, dtype=torch.float64, device=device)
+    # Built from device tensors only: writing a Python number into a device tensor is a
+    # host-to-device copy, which synchronises (and breaks a CUDA-graph capture of the step).
     if mps.is_pipeline_last_stage() and values:
-        local[0] = torch.stack([v["lm loss"].double().to(local.device) for v in values]).mean()
-        local[1] = 1.0
+        mean = torch.stack([v["lm loss"].double().to(device) for v in values]).mean()
+        local = torch.stack([mean, torch.ones_like(mean)])
+    else:
+        local = torch.zeros(2, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(local)
     return local[0] / local[1]  # 0 / 0 = NaN when no rank had losses
