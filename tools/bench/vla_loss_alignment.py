@@ -224,13 +224,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results-dir", type=Path, default=REPO / "benchmarks/results")
     p.add_argument("--time-budget", type=float, default=1e9)
     p.add_argument("--override", action="append", default=[], help="KEY=JSON_VALUE")
+    p.add_argument(
+        "--master-weights", action="store_true",
+        help="longboat with train.master_weights (bf16 weights + fp32 masters), the fast path",
+    )  # fmt: skip
     args = p.parse_args(argv)
     t_start = time.perf_counter()
 
     import longboat.embodied.models.groot_n1_6.backbone as lb_backbone
     from longboat.core.config.schema import OptimConfig
     from longboat.embodied.models import apply_freezing, build_model, get_config
-    from longboat.embodied.parallel import ParallelSetup, build_optimizer
+    from longboat.embodied.parallel import ParallelSetup, build_optimizer, parallelize
     from longboat.embodied.train.step import train_step
 
     acc = get_accelerator()
@@ -261,7 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     lb.train()
     rf.train()
     setup = ParallelSetup(strategy="ddp", world_size=1, rank=0, device_type=acc.device_type)
-    lb_opt = build_optimizer(lb, OptimConfig(lr=1e-4, weight_decay=1e-5, betas=[0.9, 0.999]), setup)
+    if args.master_weights:  # the fast path: bf16 weights, fp32 masters in the optimizer
+        lb = parallelize(lb, setup, precision="bf16", master_weights=True)
+    lb_opt = build_optimizer(
+        lb, OptimConfig(lr=1e-4, weight_decay=1e-5, betas=[0.9, 0.999]), setup,
+        master_weights=args.master_weights,
+    )  # fmt: skip
     rf_opt = ref.build_optimizer(rf, acc.device_type)
     batches = make_batches(cfg, min(args.steps, 16), args.batch, hw, args.seed)
     ref_losses, lb_losses = [], []
@@ -291,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": versions("transformers", "av", "triton"), "commit": git_commit(),
         "config": {"model": "groot_n1_6", "flavor": "tiny" if args.tiny else "full",
                    "batch": args.batch, "steps": len(rel), "precision": "bf16",
+                   "master_weights": args.master_weights,
                    "distinct_batches": len(batches), "overrides": {k: str(v) for k, v in
                                                                     overrides.items()}},
         "runs": [{"name": "reference", "model": "groot_n1_6", "losses": ref_losses},
@@ -299,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    stem = args.results_dir / f"vla_loss_alignment_{DATE}{'_tiny' if args.tiny else ''}"
+    suffix = ('_tiny' if args.tiny else '') + ('_master' if args.master_weights else '')
+    stem = args.results_dir / f"vla_loss_alignment_{DATE}{suffix}"
     args.results_dir.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     md = (

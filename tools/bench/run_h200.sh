@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Every benchmark of issues 6 and 8 in one go, as run for benchmarks/results/*_<date>.*:
+#
+#   RESULTS=benchmarks/results bash tools/bench/run_h200.sh
+#
+# from the repo root on a machine with one H200 (two for the scaling run, which is skipped
+# with one GPU), with megatron-core 0.19, hydra, av and liger-kernel importable and
+# PYTHONPATH pointing at packages/*/src. Each step has its own time limit (seconds, env
+# LIMIT_*), so one that overruns leaves the others their time; results are written as
+# each step ends.
+set -u
+RESULTS=${RESULTS:-benchmarks/results}
+mkdir -p "$RESULTS"
+export PYTHONUNBUFFERED=1
+step() { echo "== $1"; shift; "$@" 2>&1 | grep -v -i "userwarning\|warnings.warn\|deprecat\|MimoModelConfig\|Evict LRU"; }
+
+step "llm throughput" timeout "${LIMIT_LLM:-150}" python3 tools/bench/llm_throughput.py \
+  --out /tmp/llm_throughput.json --results-dir "$RESULTS" \
+  --runs hf_eager,hf_compiled,mcore_local_spec,longboat,longboat_graphed,hf_liger \
+  --steps 10 --warmup 3 --time-budget "$(( ${LIMIT_LLM:-150} - 10 ))"
+step "vla throughput" timeout "${LIMIT_VLA:-105}" python3 tools/bench/vla_throughput.py \
+  --out /tmp/vla_throughput.json --results-dir "$RESULTS" \
+  --runs reference,longboat,longboat_graphed --batch 32 --steps 20 --warmup 5 --workers 12 \
+  --embodiments 8 --episodes 6 --episode-length 80 120 --time-budget "$(( ${LIMIT_VLA:-105} - 10 ))"
+step "llm loss alignment" timeout "${LIMIT_LLM_ALIGN:-70}" python3 tools/bench/llm_loss_alignment.py \
+  --out /tmp/llm_loss_alignment.json --results-dir "$RESULTS" --steps 200
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+  step "llm scaling" timeout "${LIMIT_SCALING:-140}" python3 tools/bench/llm_scaling.py \
+    --results-dir "$RESULTS" --time-budget "$(( ${LIMIT_SCALING:-140} - 20 ))"
+fi
+step "vla loss alignment (master weights)" timeout "${LIMIT_VLA_ALIGN:-45}" \
+  python3 tools/bench/vla_loss_alignment.py --out /tmp/vla_loss_alignment.json \
+  --results-dir "$RESULTS" --steps 200 --batch 8 --master-weights \
+  --time-budget "$(( ${LIMIT_VLA_ALIGN:-45} - 15 ))"
