@@ -16,13 +16,13 @@ step() { echo "== $1"; shift; "$@" 2>&1 | grep -v -i "userwarning\|warnings.warn
 
 step "llm throughput" timeout "${LIMIT_LLM:-150}" python3 tools/bench/llm_throughput.py \
   --out /tmp/llm_throughput.json --results-dir "$RESULTS" \
-  --runs hf_eager,hf_compiled,mcore_local_spec,longboat,longboat_graphed,hf_liger \
+  --runs hf_eager,hf_compiled,mcore_local_spec,longboat,hf_liger,longboat_graphed \
   --steps 10 --warmup 3 --time-budget "$(( ${LIMIT_LLM:-150} - 10 ))"
 step "vla throughput" timeout "${LIMIT_VLA:-105}" python3 tools/bench/vla_throughput.py \
   --out /tmp/vla_throughput.json --results-dir "$RESULTS" \
   --runs reference,longboat,longboat_graphed --batch 32 --steps 20 --warmup 5 --workers 12 \
   --embodiments 8 --episodes 6 --episode-length 80 120 --time-budget "$(( ${LIMIT_VLA:-105} - 10 ))"
-step "llm loss alignment" timeout "${LIMIT_LLM_ALIGN:-70}" python3 tools/bench/llm_loss_alignment.py \
+step "llm loss alignment" timeout "${LIMIT_LLM_ALIGN:-130}" python3 tools/bench/llm_loss_alignment.py \
   --out /tmp/llm_loss_alignment.json --results-dir "$RESULTS" --steps 200
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
   step "llm scaling" timeout "${LIMIT_SCALING:-140}" python3 tools/bench/llm_scaling.py \

@@ -34,7 +34,9 @@ On an accelerator without CUDA graphs, or with ``enabled=False``, ``GraphedStep`
 ``fn`` directly; ``reason`` says why. When the capture itself fails (an op that cannot be
 captured) ``GraphCaptureError`` says so: the capture ran the step's Python side without its
 kernels, so gradients and optimizer state can no longer be trusted and the run must restart
-(from its last checkpoint) with the graph off; this happens at step ``warmup + 1``.
+(from its last checkpoint) with the graph off; this happens at step ``warmup + 1``. Restart
+the process, too: torch leaves the CUDA generator of a failed capture unusable ("Offset
+increment outside graph capture" on the next random op, seen on an H200).
 """
 
 from __future__ import annotations
