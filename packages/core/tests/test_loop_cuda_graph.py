@@ -169,12 +169,14 @@ def test_cuda_graph_training_step_matches_eager() -> None:
     results = []
     for graphed in (False, True):
         model, fn = build()
-        step = GraphedStep(fn, accelerator=SimpleNamespace(device_type="cuda"), warmup=2,
-                           enabled=graphed)  # fmt: skip
+        from longboat.core.device.cuda import CUDAAccelerator
+
+        step = GraphedStep(fn, accelerator=CUDAAccelerator(), warmup=2, enabled=graphed)
         losses = []
         for i, b in enumerate(batches):
             torch.manual_seed(100 + i)  # dropout draws: same seed per step in both runs
             losses.append(float(step(b)))
+        assert step.captured == graphed and step.replays == (6 if graphed else 0)
         results.append((losses, [p.detach().clone() for p in model.parameters()]))
     (le, pe), (lg, pg) = results
     torch.testing.assert_close(torch.tensor(lg), torch.tensor(le), rtol=1e-5, atol=1e-6)

@@ -130,6 +130,12 @@ class Accelerator(ABC):
         return HostEvent(enable_timing=enable_timing)
 
     # --- capabilities ------------------------------------------------------------------------
+    def graph_backend(self) -> Any:
+        """What ``longboat.core.loop.GraphedStep`` replays a step with (side streams, a
+        host-sync finder, graph capture; see ``cuda.CUDAGraphBackend``), or None where the
+        device has no graphs (the default): the step then runs eagerly."""
+        return None
+
     @property
     def supports_bf16(self) -> bool:
         """bfloat16 compute is supported (and fast enough to be the default)."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
@@ -84,6 +85,10 @@ class CUDAAccelerator(Accelerator):
     def event(self, enable_timing: bool = False) -> Any:
         return torch.cuda.Event(enable_timing=enable_timing)
 
+    def graph_backend(self) -> Any:
+        """CUDA graphs for ``longboat.core.loop.GraphedStep``."""
+        return CUDAGraphBackend()
+
     @property
     def supports_bf16(self) -> bool:
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
@@ -92,3 +97,51 @@ class CUDAAccelerator(Accelerator):
     def supports_fp8(self) -> bool:
         # FP8 tensor cores arrived with Ada (8.9) and Hopper (9.0).
         return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+class CUDAGraphBackend:
+    """Side streams, a host-sync finder and graph capture: what ``loop.GraphedStep`` needs."""
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def run_on_side_stream(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` eagerly on a side stream."""
+        return self._side(fn, find_syncs=False)
+
+    def run_and_find_syncs(self, fn: Callable[[], Any]) -> tuple[Any, list[str]]:
+        """``run_on_side_stream`` that also returns where ``fn`` synchronised with the host
+        (``torch.cuda.set_sync_debug_mode("warn")`` warnings: file:line and message)."""
+        return self._side(fn, find_syncs=True)
+
+    def _side(self, fn: Callable[[], Any], find_syncs: bool) -> Any:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        syncs: list[str] = []
+        with torch.cuda.stream(side):
+            if not find_syncs:
+                out = fn()
+            else:
+                previous = torch.cuda.get_sync_debug_mode()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        out = fn()
+                    finally:
+                        torch.cuda.set_sync_debug_mode(previous)
+                syncs = [
+                    f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}"
+                    for w in caught
+                    if "synchroniz" in str(w.message) and "prototype" not in str(w.message)
+                ]
+        torch.cuda.current_stream().wait_stream(side)
+        return (out, syncs) if find_syncs else out
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: CUDA calls from other threads (a DataLoader's pin-memory thread
+        # allocating pinned host memory) must not invalidate this thread's capture.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = fn()
+        return graph.replay, out

@@ -10,7 +10,7 @@ name -> tensor, ``outputs`` any nest of tensors). Every call runs exactly one re
 
 1. the first ``warmup`` calls run ``fn`` eagerly on a side stream (lazy state such as the
    optimizer's moments and cuDNN/cuBLAS workspaces gets allocated there, outside the graph);
-   the last of them runs under ``torch.cuda.set_sync_debug_mode("warn")`` and, if the step
+   the last of them runs under CUDA's sync-debug mode ("warn") and, if the step
    synchronised with the host anywhere, raises ``GraphCaptureError`` listing where (that
    step is complete; only the capture is refused);
 2. the next call copies its inputs into static buffers, records ``fn`` into a graph, and
@@ -42,7 +42,6 @@ increment outside graph capture" on the next random op, seen on an H200).
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -78,54 +77,6 @@ def _describe(entry: Any) -> str:
     return repr(entry[1])
 
 
-class _CudaGraphBackend:
-    """What ``GraphedStep`` needs from torch.cuda: side streams and graph capture."""
-
-    def __init__(self) -> None:
-        self.pool = torch.cuda.graph_pool_handle()
-
-    def run_on_side_stream(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` eagerly on a side stream."""
-        return self._side(fn, find_syncs=False)
-
-    def run_and_find_syncs(self, fn: Callable[[], Any]) -> tuple[Any, list[str]]:
-        """``run_on_side_stream`` that also returns where ``fn`` synchronised with the host
-        (``torch.cuda.set_sync_debug_mode("warn")`` warnings: file:line and message)."""
-        return self._side(fn, find_syncs=True)
-
-    def _side(self, fn: Callable[[], Any], find_syncs: bool) -> Any:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        syncs: list[str] = []
-        with torch.cuda.stream(side):
-            if not find_syncs:
-                out = fn()
-            else:
-                previous = torch.cuda.get_sync_debug_mode()
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    torch.cuda.set_sync_debug_mode("warn")
-                    try:
-                        out = fn()
-                    finally:
-                        torch.cuda.set_sync_debug_mode(previous)
-                syncs = [
-                    f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}"
-                    for w in caught
-                    if "synchroniz" in str(w.message) and "prototype" not in str(w.message)
-                ]
-        torch.cuda.current_stream().wait_stream(side)
-        return (out, syncs) if find_syncs else out
-
-    def capture(self, fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA calls from other threads (a DataLoader's pin-memory thread
-        # allocating pinned host memory) must not invalidate this thread's capture.
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = fn()
-        return graph.replay, out
-
-
 class GraphedStep:
     """Capture ``fn`` once after ``warmup`` eager calls and replay it (see the module doc).
 
@@ -143,6 +94,7 @@ class GraphedStep:
         name: str = "train step",
         backend: Any = None,
     ) -> None:
+        # ``backend``: side streams + capture; default: ``accelerator.graph_backend()``.
         if warmup < 1:
             raise ValueError(
                 f"GraphedStep warmup={warmup}: use >= 1 (lazy state must exist before capture)"
@@ -158,14 +110,15 @@ class GraphedStep:
         self._sig: dict[str, Any] | None = None
         self.reason: str | None = None
         device_type = getattr(accelerator, "device_type", "cpu")
+        if backend is None and enabled:
+            make = getattr(accelerator, "graph_backend", None)
+            backend = make() if callable(make) else None
         if not enabled:
             self.reason = "disabled by configuration"
-        elif backend is not None:
-            self._backend = backend
-        elif device_type != "cuda":
+        elif backend is None:
             self.reason = f"the {device_type} accelerator has no CUDA graphs"
         else:
-            self._backend = _CudaGraphBackend()
+            self._backend = backend
         if self.reason:
             log.info("%s: eager (%s)", name, self.reason)
 
