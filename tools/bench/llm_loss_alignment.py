@@ -116,7 +116,13 @@ def hf_losses(
 
 
 def longboat_losses(
-    hf_dir: Path, batches: list[torch.Tensor], acc: Any, lr: float, warmup: int, clip: float
+    hf_dir: Path,
+    batches: list[torch.Tensor],
+    acc: Any,
+    lr: float,
+    warmup: int,
+    clip: float,
+    options: dict[str, Any] | None = None,
 ) -> tuple[list[float], dict[str, Any]]:
     """The product's step (``build_train_step``, as llm_throughput's ``longboat`` run) from
     the HF weights (loaded before the optimizer copies them into its fp32 main weights)."""
@@ -134,6 +140,7 @@ def longboat_losses(
         precision="bf16",
         device=device,
         init_weights=lambda chunks: load_hf(chunks, cfg, hf_dir),
+        **(options or {}),
     )
     notes = {"gradient_accumulation_fusion": bool(ts.chunks[0].config.gradient_accumulation_fusion)}
     losses = []
@@ -190,6 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-steps", type=int, default=20, help="linear LR warm-up (both loops)")
     p.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip (0: off)")
     p.add_argument("--data", choices=["text", "markov"], default="text")
+    p.add_argument(
+        "--longboat-option", action="append", default=[], metavar="KEY=JSON",
+        help="passed to build_train_step: fused_linear_ce=false, wgrad_fusion=false, or a "
+        "megatron TransformerConfig field (to find which part of the step moves the "
+        "curve; LONGBOAT_KERNELS_IMPL=torch swaps the Triton kernels for their torch "
+        "references). fp32_residual_connection=true does not run with longboat's layer "
+        "spec yet (a bf16/fp32 matmul dtype mismatch)",
+    )  # fmt: skip
     p.add_argument("--active-vocab", type=int, default=2048, help="markov: token ids used")
     p.add_argument("--fanout", type=int, default=4, help="successors per token in the chain")
     args = p.parse_args(argv)
@@ -234,8 +249,15 @@ def main(argv: list[str] | None = None) -> int:
         result["hf_losses"] = hf_losses(hf, batches, device, args.lr, args.warmup_steps, args.clip)
         del hf
         acc.empty_cache()
+        options = {}
+        for item in args.longboat_option:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise SystemExit(f"--longboat-option {item!r}: use KEY=JSON_VALUE")
+            options[key] = json.loads(value)
+        result["config"]["longboat_options"] = options
         result["longboat_losses"], result["notes"] = longboat_losses(
-            Path(tmp), batches, acc, args.lr, args.warmup_steps, args.clip
+            Path(tmp), batches, acc, args.lr, args.warmup_steps, args.clip, options
         )
     lt.teardown_megatron()
     diffs = [
