@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    suffix = ('_tiny' if args.tiny else '') + ('_master' if args.master_weights else '')
+    suffix = ("_tiny" if args.tiny else "") + ("_master" if args.master_weights else "")
     stem = args.results_dir / f"vla_loss_alignment_{DATE}{suffix}"
     args.results_dir.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
