@@ -7,6 +7,11 @@ fake implementations, so ``torch.compile`` traces through them.
 """
 
 from longboat.kernels.adaln import ada_layer_norm, ada_layer_norm_torch, ada_layer_norm_triton
+from longboat.kernels.adamw import (
+    adamw_master_step_,
+    adamw_master_step_torch_,
+    adamw_master_step_triton_,
+)
 from longboat.kernels.attention import (
     BACKENDS,
     AttentionBackendUnavailableError,
@@ -54,6 +59,9 @@ __all__ = [
     "ada_layer_norm",
     "ada_layer_norm_torch",
     "ada_layer_norm_triton",
+    "adamw_master_step_",
+    "adamw_master_step_torch_",
+    "adamw_master_step_triton_",
     "apply_rope",
     "apply_rope_",
     "apply_rope_torch",

@@ -8,13 +8,18 @@
 - the optimizer keeps fp32 master weights and both Adam moments as flat fp32 buffers;
   ``prepare_grads`` all-reduces the bf16 grads with one collective at world size > 1 and
   measures the global norm (accumulated in fp32) and the clip factor on the device (no host
-  sync); ``step`` walks the flat buffers in slices of ``CHUNK`` elements: each slice's grads
-  are cast into one reused fp32 scratch buffer and updated by one ``torch._fused_adamw_``
-  call (clipping folded in through its ``grad_scale``; a non-finite grad norm sets its
-  ``found_inf``, so the update is skipped on the device); then one copy of the master
-  weights back to the bf16 buffer. No full-size fp32 copy of the grads exists: the
+  sync); ``step`` updates each param group in one pass on CUDA:
+  ``longboat.kernels.adamw_master_step_`` (Triton) reads the bf16 grads, the fp32 masters
+  and moments, writes them back and writes the bf16 weights (28 bytes a parameter; clipping
+  through its ``grad_scale``, and a non-finite grad norm sets its ``found_inf``, so the
+  update is skipped on the device). Elsewhere (CPU; or ``LONGBOAT_KERNELS_IMPL=torch``)
+  it walks the flat buffers in slices of ``CHUNK`` elements: each slice's grads are cast
+  into one reused fp32 scratch buffer and updated by one ``torch._fused_adamw_`` call (same
+  ``grad_scale`` / ``found_inf``), then one copy of the master weights back to the bf16
+  buffer (~44 bytes a parameter). No full-size fp32 copy of the grads exists: the
   optimizer's memory is that of fp32-weight AdamW (bf16 weights + bf16 grads + fp32
-  masters + two fp32 moments = 16 bytes a parameter) plus one ``CHUNK`` of scratch.
+  masters + two fp32 moments = 16 bytes a parameter), plus one ``CHUNK`` of scratch on the
+  slice path.
 
 Autocast stays on around the forward: ops autocast runs in fp32 (softmax, norms, losses)
 still do; only the per-use casts of fp32 weights to bf16 disappear.
@@ -40,12 +45,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from longboat.kernels import adamw_master_step_
+from longboat.kernels._dispatch import resolve_impl
+
 ALIGN = 64
 """Element alignment of every parameter's offset in the flat buffers."""
 
 CHUNK = 1 << 26
-"""Elements per update slice: the size of the fp32 grad scratch (256 MB) and of each fused
-AdamW call (its index math is 32-bit). 1.6B trainable parameters take ~25 slices."""
+"""Elements per slice of the grad norm and of the ``torch._fused_adamw_`` path: the size of
+its fp32 grad scratch (256 MB) and of each fused AdamW call (its index math is 32-bit).
+1.6B trainable parameters take ~25 slices."""
 
 _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -60,6 +69,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     ``groups``: ``[{"params": [...], "weight_decay": wd}, ...]`` as from ``param_groups``.
     ``process_group``: grads are averaged over it in ``prepare_grads`` (None: the default
     group when one with more than one rank is initialized).
+    ``kernel_impl``: None picks the update: the one-pass Triton kernel on CUDA (unless
+    ``LONGBOAT_KERNELS_IMPL=torch``), the ``torch._fused_adamw_`` slices elsewhere;
+    ``"torch"`` / ``"triton"`` force ``adamw_master_step_`` with that implementation (its
+    torch reference allocates full-size temporaries: for checks on small models).
     """
 
     def __init__(
@@ -71,6 +84,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         param_dtype: torch.dtype = torch.bfloat16,
         process_group: Any = None,
+        kernel_impl: str | None = None,
     ) -> None:
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": 0.0}
         super().__init__(groups, defaults)
@@ -120,7 +134,33 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             ]
             for start, end in self._segments
         ]
-        self._scratch = torch.empty(min(CHUNK, max(total, 1)), dtype=torch.float32, device=device)
+        if (
+            kernel_impl is None
+            and device.type == "cuda"
+            and resolve_impl(None, self.master) == "triton"
+        ):
+            kernel_impl = "triton"
+        if kernel_impl not in (None, "torch", "triton"):
+            raise ValueError(
+                f"MasterWeightAdamW: kernel_impl={kernel_impl!r}; use None, 'torch' or 'triton'"
+            )
+        self.kernel_impl = kernel_impl
+        # Per group for the one-pass kernel: (master, bf16 grad, exp_avg, exp_avg_sq, bf16 param).
+        self._segment_views = [
+            tuple(
+                buf[start:end]
+                for buf in (
+                    self.master,
+                    self.flat_grad,
+                    self.exp_avg,
+                    self.exp_avg_sq,
+                    self.flat_param,
+                )
+            )
+            for start, end in self._segments
+        ]
+        scratch = 0 if kernel_impl is not None else min(CHUNK, max(total, 1))
+        self._scratch = torch.empty(scratch, dtype=torch.float32, device=device)
         n_slices = sum(len(c) for c in self._chunks)
         self._slice_norms = torch.zeros(max(n_slices, 1), dtype=torch.float32, device=device)
         self.lr_tensors = [
@@ -204,6 +244,38 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         """The update from the flat bf16 grads (after ``prepare_grads``): device-only work,
         a fixed sequence of launches (capturable)."""
         self.step_count.add_(1.0)
+        if self.kernel_impl is not None:
+            self._kernel_update()
+        else:
+            self._slice_update()
+        self.step_count.sub_(self.found_inf)
+        self._opt_called = True  # what LRScheduler's step() wrapper records (no warning)
+
+    def _kernel_update(self) -> None:
+        """One ``adamw_master_step_`` pass per param group (it writes the bf16 weights)."""
+        for group, views, lr in zip(self.param_groups, self._segment_views, self.lr_tensors):
+            master, grad, exp_avg, exp_avg_sq, param = views
+            beta1, beta2 = group["betas"]
+            adamw_master_step_(
+                master,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                param,
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                step=self.step_count,
+                grad_scale=self.grad_scale,
+                found_inf=self.found_inf,
+                impl=self.kernel_impl,
+            )
+
+    def _slice_update(self) -> None:
+        """Grads cast slice by slice into the fp32 scratch, ``torch._fused_adamw_`` per slice,
+        then one master -> bf16 copy."""
         for group, chunks, lr in zip(self.param_groups, self._chunks, self.lr_tensors):
             beta1, beta2 = group["betas"]
             for master, grad, exp_avg, exp_avg_sq in chunks:
@@ -226,8 +298,6 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                     grad_scale=self.grad_scale,
                     found_inf=self.found_inf,
                 )
-        self.step_count.sub_(self.found_inf)
-        self._opt_called = True  # what LRScheduler's step() wrapper records (no warning)
         self.flat_param.copy_(self.master)
 
     @torch.no_grad()

@@ -1,0 +1,305 @@
+"""AdamW on fp32 master weights from low-precision grads, in one pass: torch reference,
+Triton kernel, dispatch.
+
+``adamw_master_step_(master, grad, exp_avg, exp_avg_sq, param_out, ...)`` updates flat 1-D
+buffers in place, as ``torch.optim.AdamW`` would update fp32 weights ``master`` with the
+grads ``grad.float() / grad_scale``, and writes ``master`` rounded to ``param_out``'s dtype
+(the bf16 weights the model computes with). Per element the kernel reads the grad (2 bytes
+in bf16), the master weight and both moments (12) and writes them back (12) plus the bf16
+weight (2): 28 bytes, where casting the grads into an fp32 buffer, ``torch._fused_adamw_``
+and a master -> bf16 copy move ~44.
+
+Capturable in a CUDA graph: ``lr``, ``step``, ``grad_scale`` and ``found_inf`` are device
+tensors read by the kernel (no host read, and no per-step Python number among the kernel's
+arguments). A nonzero ``found_inf`` turns every load and store off: nothing changes.
+Offsets are int64, so one call covers a buffer of more than 2**31 elements.
+
+Numerics: element-wise math in fp32 with IEEE division and square root; the bias
+corrections ``1 - beta ** step`` in fp64 (as torch does: in fp32, ``1 - 0.999`` alone is off
+by 1e-5 relative).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longboat.kernels._dispatch import op, resolve_impl
+from longboat.kernels._triton import tl, triton
+
+Tensor = torch.Tensor
+
+BLOCK = 1024
+"""Elements per Triton program (8 per thread at 4 warps: 16-byte loads of the fp32 buffers)."""
+
+
+def _bias_correction_powers(step: Tensor, beta1: float, beta2: float) -> tuple[Tensor, Tensor]:
+    """``beta1 ** step`` and ``beta2 ** step`` as fp64 device tensors (no host read)."""
+    s = step.to(torch.float64)
+    return torch.pow(beta1, s), torch.pow(beta2, s)
+
+
+def adamw_master_step_torch_(
+    master: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    param_out: Tensor | None,
+    *,
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: Tensor,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """Pure-torch reference of :func:`adamw_master_step_` (same contract, same fp32 math;
+    allocates full-size temporaries, so it is for checks and small buffers)."""
+    pow1, pow2 = _bias_correction_powers(step, beta1, beta2)
+    step_size = (lr.to(torch.float64) / (1.0 - pow1)).float()
+    bc2_sqrt = (1.0 - pow2).sqrt().float()
+    lr32 = lr.float()
+    g = grad.float()
+    if grad_scale is not None:
+        g = g / grad_scale.float()
+    p = master * (1.0 - lr32 * weight_decay)
+    m = exp_avg * beta1 + g * (1.0 - beta1)
+    v = exp_avg_sq * beta2 + g * g * (1.0 - beta2)
+    p = p - step_size * m / (v.sqrt() / bc2_sqrt + eps)
+    if found_inf is None:
+        new = (p, m, v)
+    else:
+        skip = found_inf != 0
+        new = tuple(
+            torch.where(skip, old, t) for old, t in zip((master, exp_avg, exp_avg_sq), (p, m, v))
+        )
+    for buf, value in zip((master, exp_avg, exp_avg_sq), new):
+        buf.copy_(value)
+    if param_out is not None:
+        rounded = master.to(param_out.dtype)
+        if found_inf is not None:
+            rounded = torch.where(found_inf != 0, param_out, rounded)
+        param_out.copy_(rounded)
+
+
+@triton.jit
+def _round_to_bf16(x):
+    # Round to nearest even on the bits, as torch's fp32 -> bf16 copy does. The GPU's own
+    # conversion does the same, but Triton's CPU interpreter truncates; on the bits both
+    # agree, so the interpreter checks what the GPU runs. NaN stays a quiet NaN.
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    bits = tl.where(x != x, 0x7FC00000, bits)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _adamw_master_kernel(
+    P, G, M, V, OUT, LR, STEP_POW1, STEP_POW2, SCALE, FOUND_INF,
+    N, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+    HAS_OUT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    # int64 before the multiply: buffers of more than 2**31 elements.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    limit = N
+    if HAS_INF:
+        # A skipped step masks every load and store (no traffic, nothing written).
+        limit = tl.where(tl.load(FOUND_INF).to(tl.float32) == 0.0, N, 0)
+    mask = offs < limit
+    lr = tl.load(LR).to(tl.float32)
+    # Scalars in fp64, as torch does: 1 - beta2 ** step loses ~1e-5 relative in fp32.
+    bc1 = 1.0 - tl.load(STEP_POW1)
+    bc2_sqrt = tl.sqrt(1.0 - tl.load(STEP_POW2)).to(tl.float32)
+    step_size = (lr.to(tl.float64) / bc1).to(tl.float32)
+
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        g = tl.math.div_rn(g, tl.load(SCALE).to(tl.float32))
+    p = tl.load(P + offs, mask=mask, other=0.0)
+    m = tl.load(M + offs, mask=mask, other=0.0)
+    v = tl.load(V + offs, mask=mask, other=0.0)
+    p = p * (1.0 - lr * weight_decay)
+    m = m * beta1 + g * one_minus_beta1
+    v = v * beta2 + g * g * one_minus_beta2
+    denom = tl.math.div_rn(tl.math.sqrt_rn(v), bc2_sqrt) + eps
+    p = p - tl.math.div_rn(step_size * m, denom)
+    tl.store(P + offs, p, mask=mask)
+    tl.store(M + offs, m, mask=mask)
+    tl.store(V + offs, v, mask=mask)
+    if HAS_OUT:
+        if OUT.dtype.element_ty == tl.bfloat16:
+            out = _round_to_bf16(p)
+        else:
+            out = p.to(OUT.dtype.element_ty)
+        tl.store(OUT + offs, out, mask=mask)
+
+
+def _adamw_master_step_impl(
+    master: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    param_out: Tensor | None,
+    lr: Tensor,
+    step: Tensor,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    n = master.numel()
+    if n == 0:
+        return
+    pow1, pow2 = _bias_correction_powers(step, beta1, beta2)
+    _adamw_master_kernel[(triton.cdiv(n, BLOCK),)](
+        master, grad, exp_avg, exp_avg_sq,
+        param_out if param_out is not None else master,  # unused (HAS_OUT=False)
+        lr, pow1, pow2,
+        grad_scale if grad_scale is not None else lr,  # unused (HAS_SCALE=False)
+        found_inf if found_inf is not None else lr,  # unused (HAS_INF=False)
+        n, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, weight_decay,
+        HAS_OUT=param_out is not None, HAS_SCALE=grad_scale is not None,
+        HAS_INF=found_inf is not None, BLOCK=BLOCK, num_warps=4,
+    )  # fmt: skip
+
+
+_adamw_master_step = torch.library.custom_op(
+    "longboat::adamw_master_step", mutates_args=("master", "exp_avg", "exp_avg_sq", "param_out")
+)(_adamw_master_step_impl)
+
+
+@_adamw_master_step.register_fake
+def _(
+    master: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    param_out: Tensor | None,
+    lr: Tensor,
+    step: Tensor,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    return None
+
+
+def adamw_master_step_triton_(
+    master: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    param_out: Tensor | None,
+    *,
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: Tensor,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """Triton :func:`adamw_master_step_` (one launch plus two scalar fp64 ``pow``)."""
+    op("adamw_master_step", _adamw_master_step_impl)(
+        master, grad, exp_avg, exp_avg_sq, param_out, lr, step, grad_scale, found_inf,
+        float(beta1), float(beta2), float(eps), float(weight_decay),
+    )  # fmt: skip
+
+
+def _check(
+    master: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    param_out: Tensor | None,
+    scalars: dict[str, Tensor | None],
+) -> None:
+    buffers = {"master": master, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    if param_out is not None:
+        buffers["param_out"] = param_out
+    for name, t in buffers.items():
+        if t.dim() != 1 or not t.is_contiguous() or t.numel() != master.numel():
+            raise ValueError(
+                f"adamw_master_step_: {name} must be a contiguous 1-D tensor of master's "
+                f"{master.numel()} elements, got shape {tuple(t.shape)} "
+                f"(contiguous={t.is_contiguous()}); pass flat buffers"
+            )
+        if t.device != master.device:
+            raise ValueError(
+                f"adamw_master_step_: {name} is on {t.device}, master on {master.device}"
+            )
+    for name in ("master", "exp_avg", "exp_avg_sq"):
+        if buffers[name].dtype != torch.float32:
+            raise ValueError(
+                f"adamw_master_step_: {name} must be float32, got {buffers[name].dtype}"
+            )
+    low = (torch.float32, torch.bfloat16, torch.float16)
+    if grad.dtype not in low or (param_out is not None and param_out.dtype not in low):
+        raise ValueError(
+            "adamw_master_step_: grad and param_out must be float32, bfloat16 or float16, got "
+            f"{grad.dtype} and {None if param_out is None else param_out.dtype}"
+        )
+    for name, t in scalars.items():
+        if t is None:
+            continue
+        if not isinstance(t, Tensor) or t.numel() != 1 or t.device != master.device:
+            raise ValueError(
+                f"adamw_master_step_: {name} must be a one-element tensor on {master.device} "
+                f"(a Python number would be frozen into a captured CUDA graph), got {t!r}"
+            )
+
+
+def adamw_master_step_(
+    master: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    param_out: Tensor | None,
+    *,
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: Tensor,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    impl: str | None = None,
+) -> None:
+    """One AdamW step on fp32 ``master`` and moments, in place, from ``grad``; writes the
+    updated master rounded to ``param_out`` (skipped when it is None).
+
+    All buffers are flat, contiguous and of one length; ``master``, ``exp_avg`` and
+    ``exp_avg_sq`` fp32, ``grad`` and ``param_out`` bf16, fp16 or fp32. ``lr``, ``step``
+    (already counting this step, as torch's state ``step`` after its increment),
+    ``grad_scale`` (grads are divided by it: clipping) and ``found_inf`` (nonzero: skip, every
+    buffer unchanged) are one-element device tensors. Decoupled weight decay
+    ``master *= 1 - lr * weight_decay``, as ``torch.optim.AdamW``.
+
+    ``impl``: ``"torch"``, ``"triton"`` or ``"auto"`` (default: ``LONGBOAT_KERNELS_IMPL`` env,
+    else Triton on CUDA tensors and the torch reference elsewhere).
+    """
+    scalars = {"lr": lr, "step": step, "grad_scale": grad_scale, "found_inf": found_inf}
+    _check(master, grad, exp_avg, exp_avg_sq, param_out, scalars)
+    kwargs = {
+        "lr": lr,
+        "beta1": beta1,
+        "beta2": beta2,
+        "eps": eps,
+        "weight_decay": weight_decay,
+        "step": step,
+        "grad_scale": grad_scale,
+        "found_inf": found_inf,
+    }
+    if resolve_impl(impl, master) == "torch":
+        adamw_master_step_torch_(master, grad, exp_avg, exp_avg_sq, param_out, **kwargs)
+    else:
+        adamw_master_step_triton_(master, grad, exp_avg, exp_avg_sq, param_out, **kwargs)
