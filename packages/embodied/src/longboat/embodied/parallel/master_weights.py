@@ -37,6 +37,7 @@ FQN; ``load_state_dict`` copies into the flat buffers (the views stay views).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -69,8 +70,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     ``groups``: ``[{"params": [...], "weight_decay": wd}, ...]`` as from ``param_groups``.
     ``process_group``: grads are averaged over it in ``prepare_grads`` (None: the default
     group when one with more than one rank is initialized).
-    ``kernel_impl``: None picks the update: the one-pass Triton kernel on CUDA (unless
-    ``LONGBOAT_KERNELS_IMPL=torch``), the ``torch._fused_adamw_`` slices elsewhere;
+    ``kernel_impl``: None picks the update: the ``torch._fused_adamw_`` slices, or the
+    one-pass Triton kernel on CUDA when ``LONGBOAT_ADAMW_KERNEL=1`` (opt-in: not yet run on
+    a GPU; ``LONGBOAT_KERNELS_IMPL=torch`` also keeps it off);
     ``"torch"`` / ``"triton"`` force ``adamw_master_step_`` with that implementation (its
     torch reference allocates full-size temporaries: for checks on small models).
     """
@@ -134,9 +136,12 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             ]
             for start, end in self._segments
         ]
+        # Opt-in until the one-pass kernel has run on a GPU (it was written and checked in
+        # Triton's CPU interpreter only): LONGBOAT_ADAMW_KERNEL=1 turns it on for CUDA.
         if (
             kernel_impl is None
             and device.type == "cuda"
+            and os.environ.get("LONGBOAT_ADAMW_KERNEL", "0") == "1"
             and resolve_impl(None, self.master) == "triton"
         ):
             kernel_impl = "triton"
