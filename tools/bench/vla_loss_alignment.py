@@ -2,7 +2,7 @@
 the same batches and the same flow-matching draws.
 
     python tools/bench/vla_loss_alignment.py --out results.json [--steps 200] [--batch 8]
-        [--tiny] [--results-dir benchmarks/results]
+        [--tiny] [--model groot_n1_6|pi05] [--results-dir benchmarks/results]
 
 longboat's ``groot_n1_6`` is built (fp32, seed), its weights are copied into the reference
 model (``transfer_weights``: the ViT's fused qkv split into q/k/v, the conv patch embedding
@@ -15,6 +15,17 @@ come from the batch, DiT dropout is 0 (dropout masks cannot match across impleme
 Reports the max per-step relative loss difference and both curves (JSON + md + PNG).
 The position table must be square (true at full shapes: 18x18); ``--tiny`` overrides the
 tiny ViT grid to 4x4 on 56x56 images.
+
+``--model pi05``: longboat's ``pi05`` against ``baselines/pi05_reference.py`` (openpi's
+PyTorch loop: bf16 weights with fp32 norms, no autocast, gradient checkpointing, eager
+attention; ``--ref-precision float32`` runs it in fp32). ``pi05_reference.transfer_weights``
+copies every longboat weight over (the ViT's fused qkv split into q/k/v, the adaRMSNorm
+modulations into the expert norms' ``dense``); both train with AdamW (0.9, 0.95), weight decay
+1e-10, clip 1.0 at one constant lr (``--lr``, default openpi's peak 2.5e-5) on identical batches:
+normalised 224 px (tiny: 56 px) images on 3 cameras (the third masked), fed to longboat through
+an identity ``preprocess_images`` and to the reference with its augmentation off; prompt =
+text ids + state bins (the reference's padded to ``max_token_len``); noise and time from the
+batch; no action mask (openpi's loss is the mean over every padded dim).
 """
 
 from __future__ import annotations
@@ -224,11 +235,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results-dir", type=Path, default=REPO / "benchmarks/results")
     p.add_argument("--time-budget", type=float, default=1e9)
     p.add_argument("--override", action="append", default=[], help="KEY=JSON_VALUE")
+    p.add_argument("--model", default="groot_n1_6", choices=["groot_n1_6", "pi05"])
+    p.add_argument("--lr", type=float, default=2.5e-5, help="pi05: the constant lr of both loops")
+    p.add_argument(
+        "--ref-precision", default="bfloat16", choices=["bfloat16", "float32"],
+        help="pi05: the reference's weight precision (openpi trains in bfloat16)",
+    )  # fmt: skip
     p.add_argument(
         "--master-weights", action="store_true",
         help="longboat with train.master_weights (bf16 weights + fp32 masters), the fast path",
     )  # fmt: skip
     args = p.parse_args(argv)
+    if args.model == "pi05":
+        return main_pi05(args)
     t_start = time.perf_counter()
 
     import longboat.embodied.models.groot_n1_6.backbone as lb_backbone
@@ -333,6 +352,162 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_xlabel("step")
         ax.set_ylabel("flow-matching loss")
         ax.set_title(f"GR00T-N1.6 loss alignment (max rel diff {max(rel):.2%})")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(stem.with_suffix(".png"), dpi=110)
+        plt.close(fig)
+    except ImportError:
+        pass
+    print(md)
+    return 0
+
+
+# ----------------------------------------------------------------------------- pi0.5
+
+
+def make_batches_pi05(cfg: Any, n: int, batch: int, seed: int) -> list[dict]:
+    """Fixed longboat ``pi05`` batches: normalised square images on every camera slot (the
+    last masked), prompts with padding, state with padded dims, actions, draws."""
+    g = torch.Generator().manual_seed(seed)
+    side = cfg.image.pad_to_square
+    text_len = max(4, min(24, cfg.max_token_len - cfg.max_state_dim))
+    sdim, adim = cfg.max_state_dim - 2, cfg.action_dim - 3
+    out = []
+    for _ in range(n):
+        cams = torch.ones(batch, cfg.num_cameras, dtype=torch.bool)
+        cams[:, -1] = False
+        text_mask = torch.ones(batch, text_len, dtype=torch.bool)
+        text_mask[1::2, text_len * 3 // 4 :] = False
+        smask = torch.zeros(batch, cfg.max_state_dim, dtype=torch.bool)
+        smask[:, :sdim] = True
+        action = torch.zeros(batch, cfg.action_horizon, cfg.action_dim)
+        action[..., :adim] = torch.rand(batch, cfg.action_horizon, adim, generator=g) * 2 - 1
+        u = torch.rand(batch, generator=g)
+        out.append({
+            "images": torch.rand(batch, cfg.num_cameras, 3, side, side, generator=g) * 2 - 1,
+            "image_mask": cams,
+            "input_ids": torch.randint(1, cfg.bin_offset, (batch, text_len), generator=g),
+            "attention_mask": text_mask,
+            "state": (torch.rand(batch, cfg.max_state_dim, generator=g) * 2 - 1) * smask,
+            "state_mask": smask,
+            "action": action,
+            "noise": torch.randn(batch, cfg.action_horizon, cfg.action_dim, generator=g),
+            "time": u.pow(1 / 1.5) * 0.999 + 0.001,
+        })  # fmt: skip
+    return out
+
+
+def build_pi05_pair(cfg: Any, device: torch.device, seed: int, ref_precision: str) -> tuple:
+    """longboat ``Pi05`` (fp32, seeded) and the reference with its weights, both in train
+    mode; longboat's frozen/trainable layout applied, the reference in ``ref_precision``."""
+    import pi05_reference as pi05_ref
+
+    from longboat.embodied.models import apply_freezing, build_model
+
+    shapes = pi05_ref.RefShapes.from_pi05_config(cfg)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        lb = build_model("pi05", cfg)
+        rf = pi05_ref.Pi05Reference(shapes)
+    pi05_ref.transfer_weights(lb, rf)
+    rf.set_precision(ref_precision)
+    rf.augment = False
+    apply_freezing(lb, cfg)
+    return lb.train(), rf.train(), shapes
+
+
+def main_pi05(args: argparse.Namespace) -> int:
+    import longboat.embodied.models.pi05.model as lb_pi05
+    from longboat.embodied.models import get_config
+
+    t_start = time.perf_counter()
+    acc = get_accelerator()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    overrides: dict[str, Any] = {}
+    for item in args.override:
+        key, _, value = item.partition("=")
+        overrides[key] = json.loads(value)
+    cfg = get_config("pi05", "tiny" if args.tiny else "full", overrides)
+    # Both sides get the same normalised pixels (see the module doc); restored on return.
+    original = lb_pi05.preprocess_images
+    lb_pi05.preprocess_images = lambda images, cfg, train, generator=None: images.float()
+    try:
+        return _align_pi05(args, cfg, overrides, acc, t_start)
+    finally:
+        lb_pi05.preprocess_images = original
+
+
+def _align_pi05(
+    args: argparse.Namespace, cfg: Any, overrides: dict, acc: Any, t_start: float
+) -> int:
+    import pi05_reference as pi05_ref
+
+    from longboat.core.config.schema import OptimConfig
+    from longboat.embodied.parallel import ParallelSetup, build_optimizer, parallelize
+    from longboat.embodied.train.step import train_step
+
+    device = acc.device()
+    lb, rf, shapes = build_pi05_pair(cfg, device, args.seed, args.ref_precision)
+    setup = ParallelSetup(strategy="ddp", world_size=1, rank=0, device_type=acc.device_type)
+    if args.master_weights:
+        lb = parallelize(lb, setup, precision="bf16", master_weights=True)
+    optim = OptimConfig(lr=args.lr, weight_decay=1e-10, betas=[0.9, 0.95], grad_clip=1.0)
+    lb_opt = build_optimizer(lb, optim, setup, master_weights=args.master_weights)
+    rf_opt = pi05_ref.build_optimizer(rf, lr=args.lr)
+    batches = make_batches_pi05(cfg, min(args.steps, 16), args.batch, args.seed)
+    ref_losses, lb_losses = [], []
+    for step in range(args.steps):
+        b = batches[step % len(batches)]
+        rb = pi05_ref.to_device(pi05_ref.reference_batch_from_longboat(b, shapes), device)
+        ref_losses.append(pi05_ref.train_step(rf, rf_opt, rb, step, lr=args.lr))
+        out = train_step(
+            lb, lb_opt, [{k: v.to(device) for k, v in b.items()}], step=step, seed=args.seed,
+            rank_offset=0, device_type=acc.device_type, precision="bf16", grad_clip=1.0,
+        )  # fmt: skip
+        lb_losses.append(float(out.loss))
+        if time.perf_counter() - t_start > args.time_budget:
+            print(f"time budget reached after {step + 1} steps", flush=True)
+            break
+    rel = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref_losses, lb_losses)]
+    result = {
+        "benchmark": "vla_loss_alignment", "date": DATE, "gpu": gpu_name(),
+        "versions": versions("transformers", "av", "triton"), "commit": git_commit(),
+        "config": {"model": "pi05", "flavor": "tiny" if args.tiny else "full",
+                   "batch": args.batch, "steps": len(rel), "precision": "bf16",
+                   "reference_precision": args.ref_precision, "lr": args.lr,
+                   "master_weights": args.master_weights, "distinct_batches": len(batches),
+                   "overrides": {k: str(v) for k, v in overrides.items()}},
+        "runs": [{"name": "reference", "model": "pi05", "losses": ref_losses},
+                 {"name": "longboat", "model": "pi05", "losses": lb_losses}],
+        "max_rel_loss_diff": max(rel), "first_step_rel_diff": rel[0],
+    }  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    suffix = ("_tiny" if args.tiny else "") + ("_master" if args.master_weights else "")
+    stem = args.results_dir / f"vla_loss_alignment_{DATE}_pi05{suffix}"
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    md = (
+        f"# vla_loss_alignment pi05 {DATE}\n\n{result['gpu']}, commit {result['commit']}\n\n"
+        f"| steps | max per-step rel. loss diff | step-0 rel. diff | first loss (ref / longboat)"
+        f" | last loss (ref / longboat) |\n|---|---|---|---|---|\n| {len(rel)} | "
+        f"{max(rel):.4%} | {rel[0]:.4%} | {ref_losses[0]:.4f} / {lb_losses[0]:.4f} | "
+        f"{ref_losses[-1]:.4f} / {lb_losses[-1]:.4f} |\n"
+    )
+    stem.with_suffix(".md").write_text(md)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot(ref_losses, label="reference (openpi-style)")
+        ax.plot(lb_losses, label="longboat", linestyle="--")
+        ax.set_xlabel("step")
+        ax.set_ylabel("flow-matching loss")
+        ax.set_title(f"pi0.5 loss alignment (max rel diff {max(rel):.2%})")
         ax.legend()
         fig.tight_layout()
         fig.savefig(stem.with_suffix(".png"), dpi=110)

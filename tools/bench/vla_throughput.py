@@ -1,6 +1,6 @@
-"""VLA training throughput: the reference GR00T-N1.6 loop vs longboat-embodied, one run.
+"""VLA training throughput: the reference GR00T-N1.6 (or pi0.5) loop vs longboat-embodied, one run.
 
-    python tools/bench/vla_throughput.py --out results.json [--model groot_n1_6] [--batch 32]
+    python tools/bench/vla_throughput.py --out results.json [--model groot_n1_6|pi05] [--batch 32]
         [--steps 20] [--warmup 5] [--workers 8] [--tiny] [--results-dir benchmarks/results]
 
 Both loops train the same model shapes (``longboat.embodied`` config ``full`` or ``tiny``)
@@ -17,6 +17,14 @@ on the same synthetic LeRobot v2.1 dataset (written with the data engineer's
   through ``longboat.kernels``; the loader additionally pins memory.
 - ``longboat_compiled`` (``--compile``, default on accelerators): the same with every
   ``parallel_blocks()`` block ``torch.compile``d.
+
+``--model pi05``: the reference is ``tools/bench/baselines/pi05_reference.py`` (openpi's
+PyTorch training as users run it: transformers SigLIP + Gemma modules, bf16 weights with fp32
+norms, gradient checkpointing on, eager attention with a materialised 4D mask, prompt padded
+to ``max_token_len``, on-device augmentation, AdamW (0.9, 0.95), per-sample decode + PIL
+resize-with-pad + tokenisation in DataLoader workers); the longboat runs train ``pi05`` with
+the same optimizer settings (lr 2.5e-5, betas (0.9, 0.95), weight decay 1e-10, clip 1.0) on
+3 cameras (the dataset's 2 plus one masked, as the reference).
 
 Per run: samples/s over the timed window (data loading included), median step time split
 into data wait (blocked on the loader) and compute (host->device copy + fwd/bwd/step, up to
@@ -53,6 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import groot_n1_6_reference as ref  # noqa: E402
 import groot_n1_6_reference_data as ref_data  # noqa: E402
+import pi05_reference as pi05_ref  # noqa: E402
+import pi05_reference_data as pi05_ref_data  # noqa: E402
 from bench_env import git_commit, gpu_name, versions  # noqa: E402
 from bench_profile import profile_steps  # noqa: E402
 
@@ -166,6 +176,41 @@ def flops_per_sample(cfg: Any, n_cams: int, image_hw: tuple[int, int], text_len:
     return float(vit + proj + lm_fwd + lm_bwd + head)
 
 
+def flops_per_sample_pi05(cfg: Any, text_len: int) -> float:
+    """Useful training FLOPs of one pi0.5 sample (matmuls + attention, fwd + bwd = 3x fwd;
+    everything trains): ViT on every camera slot, projector, the joint LM + expert layers
+    over longboat's prefix (images + text + state tokens) and the action suffix, the last LM
+    layer's prefix queries / output / MLP not counted (their output is never read), nor the
+    reference's padding of the prompt to ``max_token_len``."""
+    v, lm, ex = cfg.vision, cfg.llm, cfg.expert
+    side = cfg.image.pad_to_square
+    t_img = (side // v.patch_size) ** 2
+    d = v.hidden_size
+    vit_layer = 2 * t_img * (4 * d * d + 2 * d * v.intermediate_size) + 4 * t_img * t_img * d
+    n_cams = cfg.num_cameras
+    vit = n_cams * (v.num_layers * vit_layer + 2 * t_img * d * lm.hidden_size)
+    p = n_cams * t_img + text_len + cfg.max_state_dim
+    s = cfg.action_horizon
+    hd, nh, nkv = lm.head_dim, lm.num_heads, lm.num_kv_heads
+
+    def proj(width: int, mlp: int, tokens: int, with_q_out: bool = True) -> float:
+        qo = 2 * width * nh * hd if with_q_out else 0
+        mlp_f = 3 * width * mlp if with_q_out else 0
+        return 2 * tokens * (qo + 2 * width * nkv * hd + mlp_f)
+
+    layers = 0.0
+    for i in range(lm.num_layers):
+        last = i == lm.num_layers - 1
+        layers += proj(lm.hidden_size, lm.intermediate_size, p, with_q_out=not last)
+        layers += proj(ex.hidden_size, ex.intermediate_size, s)
+        q_rows = s + (0 if last else p)
+        layers += 4 * q_rows * (p + s) * nh * hd
+        layers += 2 * s * 3 * ex.hidden_size * ex.hidden_size * 2  # adaRMS modulations
+    a, we = cfg.action_dim, ex.hidden_size
+    head = 2 * s * (2 * a * we) + 2 * 2 * we * we
+    return float(3 * (vit + layers + head))
+
+
 # ----------------------------------------------------------------------------- timing
 
 
@@ -258,10 +303,48 @@ def _free(acc: Any) -> None:
     acc.reset_peak_memory_stats()
 
 
+def run_reference_pi05(
+    acc: Any, cfg: Any, roots: list[Path], args: argparse.Namespace, deadline: float
+) -> tuple[Timer, float, dict[str, int]]:
+    """openpi's PyTorch loop for pi0.5 (``baselines/pi05_reference.py``)."""
+    device = acc.device()
+    shapes = pi05_ref.RefShapes.from_pi05_config(cfg)
+    torch.manual_seed(args.seed)
+    model = pi05_ref.build_reference(shapes, device, precision="bfloat16")
+    counts = pi05_ref.parameter_counts(model)
+    opt = pi05_ref.build_optimizer(model)
+    dataset = pi05_ref_data.Pi05ReferenceDataset(roots, shapes)
+    loader = pi05_ref_data.build_loader(dataset, args.batch, args.workers, seed=args.seed)
+    it = iter(loader)
+
+    def step(b: dict, i: int) -> float:
+        return pi05_ref.train_step(model, opt, b, i)
+
+    try:
+        timer, wall = _loop(
+            acc, it, step, lambda b: pi05_ref.to_device(b, device), args.steps, args.warmup,
+            deadline,
+        )  # fmt: skip
+        _profile(
+            acc,
+            it,
+            step,
+            lambda b: pi05_ref.to_device(b, device),
+            args.profile_steps,
+            args.profile_dir and args.profile_dir / "vla_profile_pi05_reference.txt",
+            args.warmup + args.steps,
+        )
+    finally:
+        del it, loader
+    return timer, wall, counts
+
+
 def run_reference(
     acc: Any, cfg: Any, roots: list[Path], args: argparse.Namespace, deadline: float
 ) -> tuple[Timer, float, dict[str, int]]:
     """The reference loop; returns its timer, timed wall time and parameter counts."""
+    if args.model == "pi05":
+        return run_reference_pi05(acc, cfg, roots, args, deadline)
     device = acc.device()
     shapes = ref.RefShapes.from_groot_config(cfg)
     torch.manual_seed(args.seed)
@@ -331,7 +414,7 @@ def run_longboat(
     data_cfg = LeRobotDataConfig(path=str(root), video_backend="pyav")
     dataset, cams, hw = open_dataset(data_cfg, root, cfg.action_horizon)
     collate = PolicyCollator(
-        batch_spec("groot_n1_6", cfg, len(cams), hw), cams, fixed_text_length=graphed
+        batch_spec(args.model, cfg, len(cams), hw), cams, fixed_text_length=graphed
     )
     plan = GlobalBatchPlan(
         len(dataset), BatchLayout(args.batch, args.batch, 1), seed=args.seed, shuffle=True
@@ -348,12 +431,15 @@ def run_longboat(
     )
     torch.manual_seed(args.seed)
     with torch.device(device):
-        model = build_model("groot_n1_6", cfg)
+        model = build_model(args.model, cfg)
     counts = apply_freezing(model, cfg)
     model.train()
     setup = ParallelSetup(strategy="ddp", world_size=1, rank=0, device_type=acc.device_type)
     model = parallelize(model, setup, precision="bf16", master_weights=master)
-    optim = OptimConfig(lr=1e-4, weight_decay=1e-5, betas=[0.9, 0.999], grad_clip=1.0)
+    if args.model == "pi05":  # the reference's (openpi's) AdamW settings
+        optim = OptimConfig(lr=2.5e-5, weight_decay=1e-10, betas=[0.9, 0.95], grad_clip=1.0)
+    else:
+        optim = OptimConfig(lr=1e-4, weight_decay=1e-5, betas=[0.9, 0.999], grad_clip=1.0)
     opt = build_optimizer(model, optim, setup, master_weights=master)
     if compile_blocks:
         for block in model.parallel_blocks():
@@ -395,7 +481,7 @@ def run_longboat(
         timer, wall = _loop(
             acc, it, step, lambda b: to_device(b, device), args.steps, args.warmup, deadline
         )
-        name = variant
+        name = variant if args.model == "groot_n1_6" else f"{args.model}_{variant}"
         _profile(
             acc,
             it,
@@ -449,7 +535,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     a1.bar(names, [r["samples_per_s"] for r in runs], color="tab:blue")
     a1.set_ylabel("samples/s (end to end)")
-    a1.set_title(f"GR00T-N1.6 {result['config']['flavor']}, batch {result['config']['batch']}")
+    title = {"groot_n1_6": "GR00T-N1.6", "pi05": "pi0.5"}.get(result["config"]["model"], "VLA")
+    a1.set_title(f"{title} {result['config']['flavor']}, batch {result['config']['batch']}")
     data = [r["data_wait_s"] for r in runs]
     comp = [r["compute_s"] for r in runs]
     a2.bar(names, comp, label="compute", color="tab:green")
@@ -465,7 +552,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--model", default="groot_n1_6", choices=["groot_n1_6"])
+    p.add_argument("--model", default="groot_n1_6", choices=["groot_n1_6", "pi05"])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=20, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=5)
@@ -529,11 +616,14 @@ def main(argv: list[str] | None = None) -> int:
         length=tuple(args.episode_length),
         hw=hw,
         max_state=cfg.max_state_dim,
-        max_action=cfg.max_action_dim,
+        max_action=cfg.max_action_dim if args.model == "groot_n1_6" else cfg.action_dim,
     )
     print(f"dataset: {data_dir} ({time.perf_counter() - t0:.1f}s)", flush=True)
     n_cams = 2
-    flops = flops_per_sample(cfg, n_cams, hw, text_len=24)
+    if args.model == "pi05":
+        flops = flops_per_sample_pi05(cfg, text_len=24)
+    else:
+        flops = flops_per_sample(cfg, n_cams, hw, text_len=24)
     result: dict[str, Any] = {
         "benchmark": "vla_throughput",
         "date": DATE,
@@ -560,6 +650,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "runs": [],
     }
+    if args.model == "pi05":  # the dataset's 2 cameras + 1 masked slot
+        result["config"]["model_cameras"] = cfg.num_cameras
     deadline_all = t_start + args.time_budget
     for name in runs:
         remaining = deadline_all - time.perf_counter()
@@ -609,6 +701,8 @@ def _write(result: dict[str, Any], args: argparse.Namespace) -> None:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     args.results_dir.mkdir(parents=True, exist_ok=True)
     stem = args.results_dir / f"vla_throughput_{result['date']}"
+    if result["config"]["model"] != "groot_n1_6":
+        stem = stem.with_name(f"{stem.name}_{result['config']['model']}")
     if args.tiny:
         stem = stem.with_name(stem.name + "_tiny")
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")

@@ -1,0 +1,143 @@
+"""Reference pi0.5 input pipeline: what openpi's PyTorch data loader does per sample, in
+DataLoader workers (LeRobot dataset -> data transforms -> model transforms -> collate).
+
+Per sample (``Pi05ReferenceDataset.__getitem__``): the episode's parquet row and action chunk
+(the trajectory cache and LeRobot v2.1 reading of ``groot_n1_6_reference_data``, imported, not
+copied), every camera's frame decoded on its own with PyAV (LeRobot's ``pyav`` backend: open
+the file, seek to the keyframe before the timestamp, decode forward to the frame), quantile
+normalisation of state and action (pi0.5 uses q01/q99 -> [-1, 1]), openpi's
+``ResizeImages(224, 224)`` (PIL ``resize_with_pad``: bilinear resize of the longer side, black
+padding) on uint8 HWC frames, missing cameras as zero images with a False mask (openpi's
+LIBERO/DROID inputs fill a missing wrist camera the same way), ``TokenizePrompt`` with the
+discretised state (``pi05_reference.tokenize_prompt``, padded to ``max_token_len``) and
+``PadStatesAndActions`` to ``action_dim``. ``collate`` stacks (every entry has a fixed shape).
+
+Differences from openpi's loader besides those in ``pi05_reference.py``: LeRobot v2.1 layout
+only; no repack / robot-specific input transform (the synthetic dataset already has openpi's
+key layout: one state vector, one action vector, RGB cameras); ``action_is_pad`` is ignored,
+as openpi does (LeRobot clamps the chunk at the episode end).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pi05_reference as ref
+import torch
+from groot_n1_6_reference_data import ACTION_KEY, STATE_KEY, ReferenceLeRobotDataset
+from torch import Tensor
+
+
+def resize_with_pad(frame: np.ndarray, size: int) -> np.ndarray:
+    """openpi's ``image_tools.resize_with_pad`` (PIL, bilinear): uint8 [H, W, 3] ->
+    [size, size, 3], aspect kept, centred, zero padding."""
+    from PIL import Image
+
+    h, w = frame.shape[:2]
+    if (h, w) == (size, size):
+        return frame
+    ratio = max(w / size, h / size)
+    rh, rw = int(h / ratio), int(w / ratio)
+    img = Image.fromarray(frame).resize((rw, rh), resample=Image.BILINEAR)
+    out = np.zeros((size, size, 3), np.uint8)
+    top, left = (size - rh) // 2, (size - rw) // 2
+    out[top : top + rh, left : left + rw] = np.asarray(img)
+    return out
+
+
+def decode_frame(path: Path, timestamp: float, tolerance: float = 1e-4) -> np.ndarray:
+    """LeRobot's PyAV path for one timestamp: seek to the keyframe before it, decode forward
+    until the frame at (or just past) the timestamp."""
+    import av
+
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        tb = float(stream.time_base)
+        container.seek(int(max(0.0, timestamp) / tb), stream=stream, backward=True)
+        last = None
+        for frame in container.decode(stream):
+            last = frame
+            if frame.pts is not None and frame.pts * tb >= timestamp - tolerance:
+                break
+        if last is None:
+            raise ValueError(f"{path}: no frame at {timestamp:.4f}s")
+        return last.to_ndarray(format="rgb24")
+
+
+class Pi05ReferenceDataset(ReferenceLeRobotDataset):
+    """Map-style dataset over LeRobot v2.1 roots yielding openpi's per-sample pi0.5 inputs."""
+
+    def __init__(self, roots: list[Path], shapes: Any) -> None:
+        super().__init__(roots, shapes, max_text_tokens=shapes.max_text_tokens)
+        self.quantiles = []
+        for part in self.parts:
+            stats = json.loads((part.root / "meta/stats.json").read_text())
+            q = {}
+            for key in (STATE_KEY, ACTION_KEY):
+                st = stats[key]
+                lo, hi = st.get("q01", st["min"]), st.get("q99", st["max"])
+                q[key] = (np.asarray(lo, np.float32), np.asarray(hi, np.float32))
+            self.quantiles.append(q)
+
+    def _normalize(self, x: np.ndarray, pi: int, key: str) -> np.ndarray:
+        lo, hi = self.quantiles[pi][key]
+        return (x - lo) / (hi - lo + 1e-6) * 2.0 - 1.0  # openpi's Normalize(use_quantiles)
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        pi, ep, frame, length = self.index[idx]
+        part, s = self.parts[pi], self.s
+        traj = self._trajectory(pi, ep)
+        state = self._normalize(traj[STATE_KEY][frame], pi, STATE_KEY)
+        rows = np.minimum(np.arange(frame, frame + s.horizon), length - 1)
+        action = self._normalize(traj[ACTION_KEY][rows], pi, ACTION_KEY)
+        fps = float(part.info.get("fps", 30))
+        images, present = [], []
+        for key in part.video_keys[: s.num_cameras]:
+            img = decode_frame(part.video_path(ep, key), frame / fps)
+            images.append(resize_with_pad(img, s.image_size))
+            present.append(True)
+        while len(images) < s.num_cameras:
+            images.append(np.zeros((s.image_size, s.image_size, 3), np.uint8))
+            present.append(False)
+        task = part.episodes[ep]["tasks"][0] if part.episodes[ep].get("tasks") else ""
+        text = [1 + b % (s.vocab - 1) for b in task.encode("utf-8")]  # longboat's stand-in
+        tokens, token_mask = ref.tokenize_prompt(text, state, s)
+        state_p = np.zeros(s.max_state_dim, np.float32)
+        state_p[: state.shape[0]] = state
+        action_p = np.zeros((s.horizon, s.action_dim), np.float32)
+        action_p[:, : action.shape[1]] = action
+        return {
+            "images": torch.from_numpy(np.stack(images)),  # [C, H, W, 3] uint8
+            "image_mask": torch.tensor(present),
+            "tokenized_prompt": torch.from_numpy(tokens),
+            "tokenized_prompt_mask": torch.from_numpy(token_mask),
+            "state": torch.from_numpy(state_p),
+            "action": torch.from_numpy(action_p),
+        }
+
+
+def collate(samples: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """openpi's collate: stack every entry."""
+    return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+
+
+def build_loader(
+    dataset: Pi05ReferenceDataset, batch_size: int, num_workers: int, seed: int = 0
+) -> torch.utils.data.DataLoader:
+    """openpi's ``TorchDataLoader``: shuffled, workers, drop_last (pinned like the others)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        generator=g,
+        num_workers=num_workers,
+        collate_fn=collate,
+        pin_memory=torch.accelerator.is_available(),
+        drop_last=True,
+        persistent_workers=num_workers > 0,
+        prefetch_factor=2 if num_workers > 0 else None,
+    )
