@@ -24,7 +24,11 @@ norms, gradient checkpointing on, eager attention with a materialised 4D mask, p
 to ``max_token_len``, on-device augmentation, AdamW (0.9, 0.95), per-sample decode + PIL
 resize-with-pad + tokenisation in DataLoader workers); the longboat runs train ``pi05`` with
 the same optimizer settings (lr 2.5e-5, betas (0.9, 0.95), weight decay 1e-10, clip 1.0) on
-3 cameras (the dataset's 2 plus one masked, as the reference).
+3 cameras (the dataset's 2 plus one masked, as the reference). The reference pads every prompt
+to ``max_token_len`` (200: a 968-token prefix) as openpi does, longboat pads text to the
+batch's longest (~800-token prefix at full shapes); ``--override max_token_len=64`` shrinks the
+reference's padding to measure how much of the ratio it accounts for. The two loops' losses
+are not comparable here: openpi averages over every padded action dim, longboat masks them.
 
 Per run: samples/s over the timed window (data loading included), median step time split
 into data wait (blocked on the loader) and compute (host->device copy + fwd/bwd/step, up to

@@ -15,7 +15,11 @@ discretised state (``pi05_reference.tokenize_prompt``, padded to ``max_token_len
 Differences from openpi's loader besides those in ``pi05_reference.py``: LeRobot v2.1 layout
 only; no repack / robot-specific input transform (the synthetic dataset already has openpi's
 key layout: one state vector, one action vector, RGB cameras); ``action_is_pad`` is ignored,
-as openpi does (LeRobot clamps the chunk at the episode end).
+as openpi does (LeRobot clamps the chunk at the episode end); frames are decoded straight to
+uint8 HWC, where LeRobot returns float32 CHW in [0, 1] and openpi's input transform converts
+each one back to uint8 HWC (two extra per-frame copies the reference is spared); the
+episode's parquet is read once per trajectory (GR00T reference's cache) instead of LeRobot's
+arrow-backed rows.
 """
 
 from __future__ import annotations
