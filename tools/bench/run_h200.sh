@@ -32,3 +32,10 @@ step "vla loss alignment (master weights)" timeout "${LIMIT_VLA_ALIGN:-45}" \
   python3 tools/bench/vla_loss_alignment.py --out /tmp/vla_loss_alignment.json \
   --results-dir "$RESULTS" --steps 200 --batch 8 --master-weights \
   --time-budget "$(( ${LIMIT_VLA_ALIGN:-45} - 15 ))"
+# pi0.5 against the openpi-style reference (issue 8, second half; not yet run on a GPU):
+if [ "${WITH_PI05:-0}" = "1" ]; then
+  step "vla throughput pi05" timeout "${LIMIT_PI05:-300}" python3 tools/bench/vla_throughput.py \
+    --out /tmp/vla_pi05.json --model pi05 --batch 32 --steps 10 --warmup 3 --workers 8 \
+    --runs reference,longboat_master,longboat_graphed,longboat --results-dir "$RESULTS" \
+    --time-budget "$(( ${LIMIT_PI05:-300} - 15 ))"
+fi
