@@ -12,6 +12,7 @@ runs the Triton RoPE and fused CE kernels through Triton's interpreter in a subp
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -551,3 +552,40 @@ def test_single_pass_grads_only_where_numerics_are_unchanged() -> None:
     assert not single_pass_grads(**(base | {"data_parallel": 2}))  # bf16 all-reduce
     assert not single_pass_grads(**base, context_parallel=2)
     assert not single_pass_grads(**base, pipeline_parallel=2)  # tied-embedding all-reduce
+
+
+# ----------------------------------------------------------------------------- fp32 residual
+
+
+def _fp32_residual_worker(rank: int, world: int) -> dict[str, float]:
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from longboat.core.config.schema import OptimConfig
+    from longboat.llm.train.train_step import build_train_step
+
+    ps = _init()
+    try:
+        cfg = _tiny_cfg()
+        tokens, labels = _batch(cfg)
+        losses = {}
+        for fp32_residual in (False, True):
+            model_parallel_cuda_manual_seed(1)
+            torch.manual_seed(1)
+            ts = build_train_step(
+                cfg, OptimConfig(lr=1e-3), precision="bf16", device="cpu",
+                use_cpu_initialization=True, fp32_residual_connection=fp32_residual,
+            )  # fmt: skip
+            losses[fp32_residual] = [float(ts.step(tokens, labels)) for _ in range(2)]
+        return {"off": losses[False], "on": losses[True]}
+    finally:
+        ps.destroy()
+
+
+@pytest.mark.multiprocess
+def test_fp32_residual_stream_runs_with_the_longboat_spec() -> None:
+    """megatron's fp32_residual_connection: the kernel norms hand the linears bf16 (they
+    raised a dtype mismatch before); the loss stays that of the bf16 stream within bf16
+    rounding of the residual adds (2 tiny layers: 2e-2)."""
+    (out,) = run_multiprocess(_fp32_residual_worker, 1)
+    for a, b in zip(out["off"], out["on"]):
+        assert math.isfinite(b) and abs(a - b) <= 2e-2, out

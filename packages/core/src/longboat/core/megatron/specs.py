@@ -137,7 +137,11 @@ class KernelRMSNorm(torch.nn.Module):
         self._rms_norm = rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._rms_norm(x, self.weight, self.eps)
+        out = self._rms_norm(x, self.weight, self.eps)
+        # The linears' dtype: the input's, or with an fp32 residual stream
+        # (``fp32_residual_connection``) the params' (as apex's mixed-precision norms do).
+        want = self.config.params_dtype if self.config.fp32_residual_connection else x.dtype
+        return out if out.dtype == want else out.to(want)
 
 
 class KernelCoreAttention(MegatronModule):
