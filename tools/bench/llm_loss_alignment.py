@@ -140,7 +140,7 @@ def longboat_losses(
         precision="bf16",
         device=device,
         init_weights=lambda chunks: load_hf(chunks, cfg, hf_dir),
-        **(options or {}),
+        **{"exact_main_weights": True, **(options or {})},
     )
     notes = {"gradient_accumulation_fusion": bool(ts.chunks[0].config.gradient_accumulation_fusion)}
     losses = []

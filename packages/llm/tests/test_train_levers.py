@@ -589,3 +589,67 @@ def test_fp32_residual_stream_runs_with_the_longboat_spec() -> None:
     (out,) = run_multiprocess(_fp32_residual_worker, 1)
     for a, b in zip(out["off"], out["on"]):
         assert math.isfinite(b) and abs(a - b) <= 2e-2, out
+
+
+# ----------------------------------------------------------------------------- exact main weights
+
+
+def _exact_main_worker(rank: int, world: int) -> dict[str, float]:
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from longboat.core.config.schema import OptimConfig
+    from longboat.llm.train.train_step import build_train_step
+
+    def value(name: str, n: int) -> torch.Tensor:
+        """fp32 values off the bf16 grid, a function of the parameter's name only."""
+        k = sum(map(ord, name)) % 97
+        return 0.02 * torch.sin(torch.arange(n, dtype=torch.float64) * 0.37 + k).float()
+
+    def init(chunks):  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            for chunk in chunks:
+                for name, p in chunk.named_parameters():
+                    p.copy_(value(name, p.numel()).view(p.shape))
+
+    ps = _init()
+    try:
+        out = {}
+        for exact in (False, True):
+            model_parallel_cuda_manual_seed(1)
+            ts = build_train_step(
+                _tiny_cfg(), OptimConfig(lr=1e-3), precision="bf16", device="cpu",
+                use_cpu_initialization=True, init_weights=init, exact_main_weights=exact,
+            )  # fmt: skip
+            names = {id(p): n for n, p in ts.chunks[0].named_parameters()}
+            opts = getattr(ts.optimizer, "chained_optimizers", None) or [ts.optimizer]
+            worst_exact, worst_rounded, off_grid = 0.0, 0.0, 0.0
+            for opt in opts:
+                for mgroup, sgroup in zip(
+                    opt.model_float16_groups, opt.shard_fp32_from_float16_groups
+                ):
+                    for model_param, main in zip(mgroup, sgroup):
+                        want = value(names[id(model_param)], model_param.numel())
+                        rounded = want.to(torch.bfloat16).float()
+                        got = main.detach().view(-1).float()
+                        worst_exact = max(worst_exact, float((got - want).abs().max()))
+                        worst_rounded = max(worst_rounded, float((got - rounded).abs().max()))
+                        off_grid = max(off_grid, float((want - rounded).abs().max()))
+            out[exact] = {
+                "vs_exact": worst_exact,
+                "vs_rounded": worst_rounded,
+                "off_grid": off_grid,
+            }
+        return {f"{k}_{kk}": v for k, d in (("exact", out[True]), ("default", out[False]))
+                for kk, v in d.items()}  # fmt: skip
+    finally:
+        ps.destroy()
+
+
+@pytest.mark.multiprocess
+def test_exact_main_weights_start_from_the_fp32_checkpoint() -> None:
+    """With ``exact_main_weights`` the fp32 main weights equal the fp32 values written by
+    ``init_weights`` (not their bf16 rounding); by default they are the bf16 model copy."""
+    (out,) = run_multiprocess(_exact_main_worker, 1)
+    assert out["exact_off_grid"] > 1e-5  # the values are not bf16-representable: the test can fail
+    assert out["exact_vs_exact"] == 0.0, out
+    assert out["default_vs_rounded"] == 0.0 and out["default_vs_exact"] > 1e-5, out

@@ -100,6 +100,7 @@ def build_train_step(
     wgrad_fusion: bool = True,
     compile_layers: bool = False,
     init_weights: Any = None,
+    exact_main_weights: bool = False,
     **model_overrides: Any,
 ) -> TrainStep:
     """Build the model, megatron DDP + optimizer and the step ``longboat-llm train`` runs.
@@ -111,6 +112,13 @@ def build_train_step(
     ``init_weights``: called with the model chunks after they are built and before the
     optimizer copies them into its fp32 main weights (e.g. ``lambda c: load_hf(c, cfg, dir)``);
     loading weights after ``build_train_step`` would leave the main weights at the random init.
+    ``exact_main_weights`` (with ``init_weights``, bf16 / fp16): the optimizer's fp32 main
+    weights start from the exact values ``init_weights`` writes into an fp32 copy of the model
+    (built for the purpose, then freed), not from the bf16 model weights. For an fp32
+    checkpoint this matters: started on the bf16 grid, small early updates (an LR warm-up's
+    first steps are below bf16 resolution) round back to where they were, while fp32-weight
+    training applies them (measured: ``tools/bench/llm_alignment_probe.py``). Costs an fp32
+    copy of the model at build time; a bf16 checkpoint gains nothing from it.
     ``model_overrides`` go to megatron's ``TransformerConfig`` (as in ``build_model``).
     """
     from longboat.llm.build import build_model
@@ -149,6 +157,8 @@ def build_train_step(
     model, optimizer = wrap_and_build(
         chunks, optim, precision=precision, grad_reduce_in_fp32=fp32_grads
     )
+    if exact_main_weights and init_weights is not None and precision in ("bf16", "fp16"):
+        _main_weights_from_fp32_init(optimizer, model_cfg, device, init_weights, model_overrides)
     return TrainStep(
         chunks=chunks,
         model=model,
@@ -156,6 +166,31 @@ def build_train_step(
         device=device,
         fused_linear_ce=fused_linear_ce,
     )
+
+
+def _main_weights_from_fp32_init(
+    optimizer: Any, model_cfg: Any, device: torch.device, init_weights: Any, overrides: dict
+) -> None:
+    """Run ``init_weights`` on an fp32 copy of the model and start megatron's main weights
+    from it (``reload_model_params(state_dict)``, which megatron's distributed optimizer
+    supports; its non-distributed one does not)."""
+    from longboat.llm.build import build_model
+
+    shadow = build_model(model_cfg, precision="fp32", device_type=device.type, **overrides)
+    init_weights(shadow)
+    if len(shadow) == 1:
+        state: dict[str, Any] = {"model": shadow[0].state_dict()}
+    else:
+        state = {f"model{i}": chunk.state_dict() for i, chunk in enumerate(shadow)}
+    try:
+        optimizer.reload_model_params(state_dict=state)
+    except AssertionError as exc:
+        raise ValueError(
+            "exact_main_weights needs megatron's distributed optimizer (its non-distributed "
+            f"optimizer cannot start main weights from a state dict): {exc}"
+        ) from exc
+    finally:
+        del shadow, state
 
 
 def compile_decoder_layers(chunks: list[torch.nn.Module]) -> int:
