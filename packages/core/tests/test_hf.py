@@ -95,3 +95,13 @@ def test_transformers_interop_both_ways(tmp_path: Path) -> None:
     ids = torch.tensor([[1, 5, 9, 2]])
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_safetensors_dtypes_reads_headers_only(tmp_path: Path) -> None:
+    from longboat.core.hf import safetensors_dtypes
+
+    save_safetensors({"a": torch.zeros(3), "b": torch.ones(2, dtype=torch.bfloat16)}, tmp_path)
+    assert safetensors_dtypes(tmp_path) == {"F32", "BF16"}
+    single = tmp_path / "one"
+    save_safetensors({"c": torch.zeros(4, dtype=torch.float16)}, single)
+    assert safetensors_dtypes(single) == {"F16"}

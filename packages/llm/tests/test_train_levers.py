@@ -653,3 +653,19 @@ def test_exact_main_weights_start_from_the_fp32_checkpoint() -> None:
     assert out["exact_off_grid"] > 1e-5  # the values are not bf16-representable: the test can fail
     assert out["exact_vs_exact"] == 0.0, out
     assert out["default_vs_rounded"] == 0.0 and out["default_vs_exact"] > 1e-5, out
+
+
+def test_exact_main_weights_only_for_fp32_checkpoints_in_mixed_precision(
+    hf_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from longboat.llm.train.train_step import wants_exact_main_weights
+
+    fp32_dir = hf_dirs["llama3"]  # saved from an fp32 model
+    assert wants_exact_main_weights(fp32_dir, "bf16", lora=False)
+    assert not wants_exact_main_weights(fp32_dir, "fp32", lora=False)
+    assert not wants_exact_main_weights(fp32_dir, "bf16", lora=True)  # frozen base: no mains
+    bf16_dir = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(fp32_dir, dtype=torch.bfloat16).save_pretrained(bf16_dir)
+    assert not wants_exact_main_weights(bf16_dir, "bf16", lora=False)  # already on the grid

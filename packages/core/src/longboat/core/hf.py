@@ -168,6 +168,17 @@ def _files_for(path: Path) -> dict[str, list[str] | None]:
     return {str(f): None for f in files}
 
 
+def safetensors_dtypes(path_or_dir: str | os.PathLike[str]) -> set[str]:
+    """The safetensors dtype names (``"F32"``, ``"BF16"``...) of every tensor in a file or
+    folder, read from the headers only (no tensor data is loaded)."""
+    dtypes: set[str] = set()
+    for file in _files_for(Path(path_or_dir)):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names = list(f.keys())  # safe_open handles are not iterable
+            dtypes.update(f.get_slice(key).get_dtype() for key in names)
+    return dtypes
+
+
 def load_safetensors(
     path_or_dir: str | os.PathLike[str],
     keys: Iterable[str] | None = None,

@@ -232,7 +232,11 @@ def _train(
     from longboat.llm.train.data import GlobalBatchSchedule, microbatch
     from longboat.llm.train.optimizer import ChainedLR, MegatronOptimizerState, wrap_and_build
     from longboat.llm.train.step import evaluate, forward_backward
-    from longboat.llm.train.train_step import compile_decoder_layers
+    from longboat.llm.train.train_step import (
+        _main_weights_from_fp32_init,
+        compile_decoder_layers,
+        wants_exact_main_weights,
+    )
 
     main = info.rank == 0
     console = Console(quiet=not main)
@@ -299,6 +303,17 @@ def _train(
         model, optimizer = wrap_and_build(
             chunks, cfg.optim, precision=precision, grad_reduce_in_fp32=fp32_grads
         )
+        if cfg.llm.init_from_hf and wants_exact_main_weights(cfg.llm.init_from_hf, precision, lora):
+            # An fp32 checkpoint: start the fp32 main weights from its exact values, not
+            # from the bf16 model copy (the warm-up's first updates would round away).
+            _main_weights_from_fp32_init(
+                optimizer,
+                model_cfg,
+                accelerator.device(),
+                lambda c: load_hf(c, model_cfg, cfg.llm.init_from_hf),
+                {"gradient_accumulation_fusion": fusion,
+                 **_RECOMPUTE[str(cfg.train.activation_checkpointing)]},
+            )  # fmt: skip
         total = int(cfg.train.steps)
         lr = ChainedLR(optimizer, cfg.optim.schedule, total)
         guard = NaNGuard(cfg.train.nan_guard)

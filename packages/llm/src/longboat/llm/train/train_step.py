@@ -168,6 +168,17 @@ def build_train_step(
     )
 
 
+def wants_exact_main_weights(hf_dir: Any, precision: str, lora: bool) -> bool:
+    """Whether training from ``hf_dir`` should start the main weights from its exact values:
+    bf16 / fp16 training, full fine-tuning (LoRA's frozen base has no main weights) and an
+    fp32 tensor in the checkpoint (a bf16 checkpoint is already on the bf16 grid)."""
+    from longboat.core.hf import safetensors_dtypes
+
+    if precision not in ("bf16", "fp16") or lora:
+        return False
+    return "F32" in safetensors_dtypes(hf_dir)
+
+
 def _main_weights_from_fp32_init(
     optimizer: Any, model_cfg: Any, device: torch.device, init_weights: Any, overrides: dict
 ) -> None:
