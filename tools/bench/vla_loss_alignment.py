@@ -225,6 +225,65 @@ def longboat_batch(b: dict, device: torch.device) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
 
 
+def write_results(
+    args: argparse.Namespace,
+    model: str,
+    tag: str,
+    config: dict[str, Any],
+    ref_losses: list[float],
+    lb_losses: list[float],
+    *,
+    ref_label: str,
+    title: str,
+) -> int:
+    """``--out`` and ``<results-dir>/vla_loss_alignment_<date><tag>[_tiny][_master].{json,md,
+    png}`` for either model; prints the markdown table."""
+    rel = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref_losses, lb_losses)]
+    result = {
+        "benchmark": "vla_loss_alignment", "date": DATE, "gpu": gpu_name(),
+        "versions": versions("transformers", "av", "triton"), "commit": git_commit(),
+        "config": config,
+        "runs": [{"name": "reference", "model": model, "losses": ref_losses},
+                 {"name": "longboat", "model": model, "losses": lb_losses}],
+        "max_rel_loss_diff": max(rel), "first_step_rel_diff": rel[0],
+    }  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    suffix = tag + ("_tiny" if args.tiny else "") + ("_master" if args.master_weights else "")
+    stem = args.results_dir / f"vla_loss_alignment_{DATE}{suffix}"
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    heading = f"vla_loss_alignment {tag.strip('_')} {DATE}".replace("  ", " ")
+    md = (
+        f"# {heading}\n\n{result['gpu']}, commit {result['commit']}\n\n"
+        f"| steps | max per-step rel. loss diff | step-0 rel. diff | first loss (ref / longboat)"
+        f" | last loss (ref / longboat) |\n|---|---|---|---|---|\n| {len(rel)} | "
+        f"{max(rel):.4%} | {rel[0]:.4%} | {ref_losses[0]:.4f} / {lb_losses[0]:.4f} | "
+        f"{ref_losses[-1]:.4f} / {lb_losses[-1]:.4f} |\n"
+    )
+    stem.with_suffix(".md").write_text(md)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot(ref_losses, label=ref_label)
+        ax.plot(lb_losses, label="longboat", linestyle="--")
+        ax.set_xlabel("step")
+        ax.set_ylabel("flow-matching loss")
+        ax.set_title(f"{title} loss alignment (max rel diff {max(rel):.2%})")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(stem.with_suffix(".png"), dpi=110)
+        plt.close(fig)
+    except ImportError:
+        pass
+    print(md)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -314,52 +373,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"time budget reached after {step + 1} steps", flush=True)
             break
     rel = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref_losses, lb_losses)]
-    result = {
-        "benchmark": "vla_loss_alignment", "date": DATE, "gpu": gpu_name(),
-        "versions": versions("transformers", "av", "triton"), "commit": git_commit(),
-        "config": {"model": "groot_n1_6", "flavor": "tiny" if args.tiny else "full",
-                   "batch": args.batch, "steps": len(rel), "precision": "bf16",
-                   "master_weights": args.master_weights,
-                   "distinct_batches": len(batches), "overrides": {k: str(v) for k, v in
-                                                                    overrides.items()}},
-        "runs": [{"name": "reference", "model": "groot_n1_6", "losses": ref_losses},
-                 {"name": "longboat", "model": "groot_n1_6", "losses": lb_losses}],
-        "max_rel_loss_diff": max(rel), "first_step_rel_diff": rel[0],
-    }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    suffix = ("_tiny" if args.tiny else "") + ("_master" if args.master_weights else "")
-    stem = args.results_dir / f"vla_loss_alignment_{DATE}{suffix}"
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    md = (
-        f"# vla_loss_alignment {DATE}\n\n{result['gpu']}, commit {result['commit']}\n\n"
-        f"| steps | max per-step rel. loss diff | step-0 rel. diff | first loss (ref / longboat)"
-        f" | last loss (ref / longboat) |\n|---|---|---|---|---|\n| {len(rel)} | "
-        f"{max(rel):.4%} | {rel[0]:.4%} | {ref_losses[0]:.4f} / {lb_losses[0]:.4f} | "
-        f"{ref_losses[-1]:.4f} / {lb_losses[-1]:.4f} |\n"
-    )
-    stem.with_suffix(".md").write_text(md)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(ref_losses, label="reference")
-        ax.plot(lb_losses, label="longboat", linestyle="--")
-        ax.set_xlabel("step")
-        ax.set_ylabel("flow-matching loss")
-        ax.set_title(f"GR00T-N1.6 loss alignment (max rel diff {max(rel):.2%})")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(stem.with_suffix(".png"), dpi=110)
-        plt.close(fig)
-    except ImportError:
-        pass
-    print(md)
-    return 0
+    config = {"model": "groot_n1_6", "flavor": "tiny" if args.tiny else "full",
+              "batch": args.batch, "steps": len(rel), "precision": "bf16",
+              "master_weights": args.master_weights, "distinct_batches": len(batches),
+              "overrides": {k: str(v) for k, v in overrides.items()}}  # fmt: skip
+    return write_results(args, "groot_n1_6", "", config, ref_losses, lb_losses,
+                         ref_label="reference", title="GR00T-N1.6")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- pi0.5
@@ -470,52 +489,13 @@ def _align_pi05(
             print(f"time budget reached after {step + 1} steps", flush=True)
             break
     rel = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref_losses, lb_losses)]
-    result = {
-        "benchmark": "vla_loss_alignment", "date": DATE, "gpu": gpu_name(),
-        "versions": versions("transformers", "av", "triton"), "commit": git_commit(),
-        "config": {"model": "pi05", "flavor": "tiny" if args.tiny else "full",
-                   "batch": args.batch, "steps": len(rel), "precision": "bf16",
-                   "reference_precision": args.ref_precision, "lr": args.lr,
-                   "master_weights": args.master_weights, "distinct_batches": len(batches),
-                   "overrides": {k: str(v) for k, v in overrides.items()}},
-        "runs": [{"name": "reference", "model": "pi05", "losses": ref_losses},
-                 {"name": "longboat", "model": "pi05", "losses": lb_losses}],
-        "max_rel_loss_diff": max(rel), "first_step_rel_diff": rel[0],
-    }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    suffix = ("_tiny" if args.tiny else "") + ("_master" if args.master_weights else "")
-    stem = args.results_dir / f"vla_loss_alignment_{DATE}_pi05{suffix}"
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    md = (
-        f"# vla_loss_alignment pi05 {DATE}\n\n{result['gpu']}, commit {result['commit']}\n\n"
-        f"| steps | max per-step rel. loss diff | step-0 rel. diff | first loss (ref / longboat)"
-        f" | last loss (ref / longboat) |\n|---|---|---|---|---|\n| {len(rel)} | "
-        f"{max(rel):.4%} | {rel[0]:.4%} | {ref_losses[0]:.4f} / {lb_losses[0]:.4f} | "
-        f"{ref_losses[-1]:.4f} / {lb_losses[-1]:.4f} |\n"
-    )
-    stem.with_suffix(".md").write_text(md)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(ref_losses, label="reference (openpi-style)")
-        ax.plot(lb_losses, label="longboat", linestyle="--")
-        ax.set_xlabel("step")
-        ax.set_ylabel("flow-matching loss")
-        ax.set_title(f"pi0.5 loss alignment (max rel diff {max(rel):.2%})")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(stem.with_suffix(".png"), dpi=110)
-        plt.close(fig)
-    except ImportError:
-        pass
-    print(md)
-    return 0
+    config = {"model": "pi05", "flavor": "tiny" if args.tiny else "full",
+              "batch": args.batch, "steps": len(rel), "precision": "bf16",
+              "reference_precision": args.ref_precision, "lr": args.lr,
+              "master_weights": args.master_weights, "distinct_batches": len(batches),
+              "overrides": {k: str(v) for k, v in overrides.items()}}  # fmt: skip
+    return write_results(args, "pi05", "_pi05", config, ref_losses, lb_losses,
+                         ref_label="reference (openpi-style)", title="pi0.5")  # fmt: skip
 
 
 if __name__ == "__main__":
