@@ -320,6 +320,7 @@ def product_setup(
     GEMMs accumulating into the grad buffer, fused linear cross-entropy, no host sync."""
     from longboat.llm.train.train_step import build_train_step
 
+    init_megatron(acc)
     notes: dict[str, Any] = {"attention": pick_attention_backend(c, acc)}
     ts = build_train_step(
         llm_config(c, "longboat"),
@@ -419,7 +420,6 @@ def run_one(name: str, c: dict[str, int], acc: Any, args: argparse.Namespace) ->
     elif name == "mcore_local_spec":
         step, notes = mcore_setup(c, acc)
     elif name in ("longboat", "longboat_compiled", "longboat_graphed"):
-        init_megatron(acc)
         step, notes = product_setup(
             c, acc, compile_layers=name == "longboat_compiled", graphed=name == "longboat_graphed"
         )

@@ -233,8 +233,8 @@ def _train(
     from longboat.llm.train.optimizer import ChainedLR, MegatronOptimizerState, wrap_and_build
     from longboat.llm.train.step import evaluate, forward_backward
     from longboat.llm.train.train_step import (
-        _main_weights_from_fp32_init,
         compile_decoder_layers,
+        main_weights_from_fp32_init,
         wants_exact_main_weights,
     )
 
@@ -306,7 +306,7 @@ def _train(
         if cfg.llm.init_from_hf and wants_exact_main_weights(cfg.llm.init_from_hf, precision, lora):
             # An fp32 checkpoint: start the fp32 main weights from its exact values, not
             # from the bf16 model copy (the warm-up's first updates would round away).
-            _main_weights_from_fp32_init(
+            main_weights_from_fp32_init(
                 optimizer,
                 model_cfg,
                 accelerator.device(),

@@ -158,7 +158,7 @@ def build_train_step(
         chunks, optim, precision=precision, grad_reduce_in_fp32=fp32_grads
     )
     if exact_main_weights and init_weights is not None and precision in ("bf16", "fp16"):
-        _main_weights_from_fp32_init(optimizer, model_cfg, device, init_weights, model_overrides)
+        main_weights_from_fp32_init(optimizer, model_cfg, device, init_weights, model_overrides)
     return TrainStep(
         chunks=chunks,
         model=model,
@@ -179,7 +179,7 @@ def wants_exact_main_weights(hf_dir: Any, precision: str, lora: bool) -> bool:
     return "F32" in safetensors_dtypes(hf_dir)
 
 
-def _main_weights_from_fp32_init(
+def main_weights_from_fp32_init(
     optimizer: Any, model_cfg: Any, device: torch.device, init_weights: Any, overrides: dict
 ) -> None:
     """Run ``init_weights`` on an fp32 copy of the model and start megatron's main weights
