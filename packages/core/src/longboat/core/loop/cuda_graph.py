@@ -140,15 +140,12 @@ class GraphedStep:
         if self._replay is None and self.calls == self.warmup:
             # The last warm-up step also looks for host syncs, which would break the capture:
             # the step itself completes eagerly, so nothing is lost when this raises.
-            finder = getattr(self._backend, "run_and_find_syncs", None)
-            if finder is None:  # a backend without a sync finder (a test stand-in)
-                return self._backend.run_on_side_stream(lambda: self.fn(inputs))
-            out, syncs = finder(lambda: self.fn(inputs))
+            out, syncs = self._backend.run_and_find_syncs(lambda: self.fn(inputs))
             if syncs:
                 self.reason = f"{len(syncs)} host sync(s) in the step"
                 raise GraphCaptureError(
                     f"{self.name}: the step synchronises with the host, which a CUDA graph cannot "
-                    "record (step {self.calls} ran eagerly and is complete). Where:\n  "
+                    f"record (step {self.calls} ran eagerly and is complete). Where:\n  "
                     + "\n  ".join(dict.fromkeys(syncs))
                     + "\nRemove these (.item(), .cpu(), nonzero, Python-data tensors...) or run "
                     "with the graph turned off"
