@@ -165,10 +165,13 @@ def _isolation_check(session: nox.Session, dist_name: str, wheel: pathlib.Path) 
         venv = pathlib.Path(tmp) / "venv"
         session.run("uv", "venv", "--quiet", "-p", sys.executable, str(venv), external=True)
         py = str(venv / "bin" / "python")
-        # Siblings come from dist/ (find-links), everything else from the index.
+        # Siblings come from dist/ (find-links), everything else from the index. uv caches
+        # find-links wheels by file name as if immutable, so a wheel of an earlier build with
+        # the same version would be reused: refresh every sibling so the fresh build is used.
+        refresh = [arg for name in PACKAGES.values() for arg in ("--refresh-package", name)]
         session.run(
-            "uv", "pip", "install", "--quiet", "-p", py, "--find-links", str(DIST), str(wheel),
-            external=True,
+            "uv", "pip", "install", "--quiet", "-p", py, "--find-links", str(DIST), *refresh,
+            str(wheel), external=True,
         )  # fmt: skip
         session.run(
             py, "-c", IMPORT_ALL, module, *OPTIONAL_MODULES.get(dist_name, ()), external=True
