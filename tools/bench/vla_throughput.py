@@ -30,10 +30,15 @@ batch's longest (~800-token prefix at full shapes); ``--override max_token_len=6
 reference's padding to measure how much of the ratio it accounts for. The two loops' losses
 are not comparable here: openpi averages over every padded action dim, longboat masks them.
 
-Per run: samples/s over the timed window (data loading included), median step time split
-into data wait (blocked on the loader) and compute (host->device copy + fwd/bwd/step, up to
-a device synchronize), peak device memory (accelerator API), MFU from an analytic FLOP count
-of the useful work (the reference's discarded LM head not counted) against 989 TFLOP/s.
+Per run: samples/s over the timed window's wall clock (data loading included), the median
+step time on the device (steps run back to back as in a training loop, timed by device
+events between them: ``bench_timing.StepClock``; a loop that reads its loss every step, as
+the reference's HF-Trainer-style ``loss.item()`` does, pays that sync inside its step), the
+host's median wait for a batch and its median time to enqueue a step (when that reaches the
+device step time, the loop is host bound), peak device memory (accelerator API), MFU from an
+analytic FLOP count of the useful work (the reference's discarded LM head not counted)
+against 989 TFLOP/s. ``--sync-every-step`` restores the older method (device synchronize
+after every step).
 Writes ``<results-dir>/vla_throughput_<date>.{json,md,png}`` and ``--out``; prints the table
 last. ``--tiny`` runs the tiny flavour (CPU smoke).
 """
@@ -69,6 +74,7 @@ import pi05_reference as pi05_ref  # noqa: E402
 import pi05_reference_data as pi05_ref_data  # noqa: E402
 from bench_env import git_commit, gpu_name, versions  # noqa: E402
 from bench_profile import profile_steps  # noqa: E402
+from bench_timing import StepClock  # noqa: E402
 
 from longboat.core.device import get_accelerator  # noqa: E402
 
@@ -219,17 +225,19 @@ def flops_per_sample_pi05(cfg: Any, text_len: int) -> float:
 
 
 class Timer:
-    """Collects per-step (data wait, compute) and the window's wall time."""
+    """Per step: the host's wait for the batch and its time to enqueue the step (host
+    clock), and the step's device time (``StepClock``: gaps between device events; steps
+    run back to back, with no device sync between them beyond what a loop does itself)."""
 
-    def __init__(self, acc: Any) -> None:
-        self.acc = acc
+    def __init__(self, acc: Any, *, sync_every_step: bool = False) -> None:
+        self.clock = StepClock(acc, sync_every_step=sync_every_step)
         self.data: list[float] = []
-        self.compute: list[float] = []
-        self.losses: list[float] = []
+        self.host: list[float] = []
+        self.losses: list[Any] = []  # device tensors or floats until the window ends
+        self.device: list[float] = []
 
     def summary(self, batch: int, warmup: int, flops: float, wall: float) -> dict[str, Any]:
-        d, c = self.data[warmup:], self.compute[warmup:]
-        steps = [a + b for a, b in zip(d, c)]
+        d, h, steps = self.data[warmup:], self.host[warmup:], self.device
         sps = batch * len(steps) / wall
         med = statistics.median(steps)
         return {
@@ -237,39 +245,53 @@ class Timer:
             "median_step_s": med,
             "median_samples_per_s": batch / med,
             "data_wait_s": statistics.median(d),
-            "compute_s": statistics.median(c),
-            "data_wait_fraction": sum(d) / max(sum(steps), 1e-12),
+            "host_step_s": statistics.median(h),
+            "data_wait_fraction": sum(d) / max(wall, 1e-12),
             "mfu": sps * flops / PEAK_BF16_FLOPS,
             "timed_steps": len(steps),
             "warmup_steps": warmup,
+            "timing": self.clock.method,
             "losses": self.losses,
         }
 
 
 def _loop(
-    acc: Any, it: Any, step_fn: Any, to_dev: Any, steps: int, warmup: int, deadline: float
+    acc: Any,
+    it: Any,
+    step_fn: Any,
+    to_dev: Any,
+    steps: int,
+    warmup: int,
+    deadline: float,
+    sync_every_step: bool = False,
 ) -> tuple[Timer, float]:
-    timer = Timer(acc)
-    wall_start = None
+    """``step_fn(batch, i)`` returns the step's loss (a float, or a device tensor read after
+    the window: a loop that reads it every step pays that sync inside its own step)."""
+    timer = Timer(acc, sync_every_step=sync_every_step)
+    clock = timer.clock
     for i in range(warmup + steps):
         if i == warmup:
-            acc.synchronize()
-            wall_start = time.perf_counter()
+            clock.start()
         t0 = time.perf_counter()
         batch = next(it)
         t1 = time.perf_counter()
+        if i >= warmup:
+            clock.before_step()
         loss = step_fn(to_dev(batch), i)
-        acc.synchronize()
-        t2 = time.perf_counter()
+        if i >= warmup:
+            clock.mark()
         timer.data.append(t1 - t0)
-        timer.compute.append(t2 - t1)
+        timer.host.append(time.perf_counter() - t1)
         timer.losses.append(loss)
-        if not (loss == loss):  # NaN
-            raise FloatingPointError(f"non-finite loss {loss} at step {i}")
         if time.perf_counter() > deadline and i >= warmup + 2:
             print(f"  time budget reached after {i + 1 - warmup} timed steps", flush=True)
             break
-    wall = time.perf_counter() - (wall_start or time.perf_counter())
+    wall = clock.stop() if len(timer.data) > warmup else 0.0
+    timer.device = clock.step_times() if wall else []
+    timer.losses = [float(x) for x in timer.losses]
+    for i, loss in enumerate(timer.losses):
+        if not (loss == loss):  # NaN
+            raise FloatingPointError(f"non-finite loss {loss} at step {i}")
     return timer, wall
 
 
@@ -327,7 +349,7 @@ def run_reference_pi05(
     try:
         timer, wall = _loop(
             acc, it, step, lambda b: pi05_ref.to_device(b, device), args.steps, args.warmup,
-            deadline,
+            deadline, args.sync_every_step,
         )  # fmt: skip
         _profile(
             acc,
@@ -369,6 +391,7 @@ def run_reference(
             args.steps,
             args.warmup,
             deadline,
+            args.sync_every_step,
         )
         _profile(
             acc,
@@ -461,7 +484,7 @@ def run_longboat(
                 graph, opt, batch, step=i, seed=args.seed, rank_offset=0,
                 device_type=acc.device_type, device_index=device.index or 0, host_sync=False,
             )  # fmt: skip
-            return float(out.loss)
+            return out.loss  # read after the timed window (the product loop logs every N)
 
     def step(batch: dict, i: int) -> float:
         if graphed:
@@ -478,13 +501,14 @@ def run_longboat(
             grad_clip=1.0,
             host_sync=not master,
         )
-        return float(out.loss)  # the loop synchronizes after each step anyway
+        return out.loss  # a device tensor with master weights (no per-step sync)
 
     it = iter(loader)
     try:
         timer, wall = _loop(
-            acc, it, step, lambda b: to_device(b, device), args.steps, args.warmup, deadline
-        )
+            acc, it, step, lambda b: to_device(b, device), args.steps, args.warmup, deadline,
+            args.sync_every_step,
+        )  # fmt: skip
         name = variant if args.model == "groot_n1_6" else f"{args.model}_{variant}"
         _profile(
             acc,
@@ -507,7 +531,7 @@ def table(result: dict[str, Any]) -> str:
     runs = result["runs"]
     base = next((r for r in runs if r["name"] == "reference" and "samples_per_s" in r), None)
     lines = [
-        "| run | samples/s | vs reference | median step (s) | data wait (s) | compute (s) "
+        "| run | samples/s | vs reference | median step (s) | data wait (s) | host step (s) "
         "| data-wait share | MFU | peak mem (GB) | final loss |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -518,7 +542,8 @@ def table(result: dict[str, Any]) -> str:
         ratio = f"{r['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "-"
         lines.append(
             f"| {r['name']} | {r['samples_per_s']:.1f} | {ratio} | {r['median_step_s']:.3f} | "
-            f"{r['data_wait_s']:.3f} | {r['compute_s']:.3f} | {r['data_wait_fraction']:.0%} | "
+            f"{r['data_wait_s']:.3f} | {r.get('host_step_s', r.get('compute_s', 0.0)):.3f} | "
+            f"{r['data_wait_fraction']:.0%} | "
             f"{r['mfu']:.1%} | {r['peak_mem_gb']:.1f} | {r['losses'][-1]:.4f} |"
         )
     return "\n".join(lines)
@@ -541,11 +566,19 @@ def plot(result: dict[str, Any], path: Path) -> None:
     a1.set_ylabel("samples/s (end to end)")
     title = {"groot_n1_6": "GR00T-N1.6", "pi05": "pi0.5"}.get(result["config"]["model"], "VLA")
     a1.set_title(f"{title} {result['config']['flavor']}, batch {result['config']['batch']}")
-    data = [r["data_wait_s"] for r in runs]
-    comp = [r["compute_s"] for r in runs]
-    a2.bar(names, comp, label="compute", color="tab:green")
-    a2.bar(names, data, bottom=comp, label="data wait", color="tab:orange")
-    a2.set_ylabel("median step time split (s)")
+    x = list(range(len(runs)))
+    width = 0.27
+    for k, (key, label, color) in enumerate(
+        (
+            ("median_step_s", "device step", "tab:green"),
+            ("host_step_s", "host: enqueue step", "tab:purple"),
+            ("data_wait_s", "host: wait for batch", "tab:orange"),
+        )
+    ):
+        a2.bar([v + (k - 1) * width for v in x], [r.get(key, 0.0) for r in runs], width,
+               label=label, color=color)  # fmt: skip
+    a2.set_xticks(x, names)
+    a2.set_ylabel("median seconds per step")
     a2.legend()
     fig.suptitle(f"vla_throughput {result['date']} {result['gpu']}")
     fig.tight_layout()
@@ -578,6 +611,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results-dir", type=Path, default=REPO / "benchmarks/results")
     p.add_argument("--time-budget", type=float, default=1e9, help="seconds for the whole run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--sync-every-step",
+        action="store_true",
+        help="synchronize after every timed step (the method of results before 2026-11-30) "
+        "instead of timing back-to-back steps with device events",
+    )
     p.add_argument(
         "--override",
         action="append",

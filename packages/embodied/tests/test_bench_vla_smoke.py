@@ -45,6 +45,9 @@ def test_both_loops_train_two_steps(tmp_path, monkeypatch):
         assert len(run["losses"]) == 2
         assert all(math.isfinite(x) and x > 0 for x in run["losses"]), run["losses"]
         assert run["samples_per_s"] > 0
+        # back-to-back steps timed by events: one device step time per timed step
+        assert run["median_step_s"] > 0 and run["host_step_s"] > 0
+        assert "no per-step sync" in run["timing"]
     # Same model on both sides: trainable counts equal, frozen within 0.5% (the reference's
     # Siglip2 position table must be square: 4x4 vs longboat's 4x6 at tiny shapes, 448
     # parameters; Qwen3 keeps its final norm). At full shapes the gap is 2048 of 1.34B.

@@ -96,3 +96,46 @@ def test_tiny_loss_alignment_matches_hf(tmp_path: Path) -> None:
     # far inside the GPU target of 0.02; the loss must also move (the optimizers step).
     assert result["max_abs_loss_diff"] < 0.005
     assert result["hf_losses"][-1] < result["hf_losses"][0] - 0.05
+
+
+class _HostClockAccelerator:
+    """The CPU accelerator's timing surface, counting synchronize() calls."""
+
+    def __init__(self) -> None:
+        self.syncs = 0
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+
+    def event(self, enable_timing: bool = False):
+        from longboat.core.device.base import HostEvent
+
+        return HostEvent(enable_timing)
+
+
+@pytest.mark.parametrize("sync_every_step", [False, True])
+def test_step_clock_times_each_step_and_syncs_only_at_the_window_ends(
+    sync_every_step: bool,
+) -> None:
+    import time
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from bench_timing import StepClock
+
+    acc = _HostClockAccelerator()
+    clock = StepClock(acc, sync_every_step=sync_every_step)
+    sleeps = [0.02, 0.05, 0.03]
+    clock.start()
+    for s in sleeps:
+        clock.before_step()
+        time.sleep(s)
+        clock.mark()
+    wall = clock.stop()
+    times = clock.step_times()
+    assert len(times) == len(sleeps)
+    for got, want in zip(times, sleeps):
+        # sleep overshoots by scheduler latency; 15 ms covers a loaded 2-core machine
+        assert want <= got < want + 0.015, (got, want)
+    assert sum(sleeps) <= wall < sum(sleeps) + 0.03
+    # back to back: one sync at start and one at stop; otherwise two per step more
+    assert acc.syncs == (2 + 2 * len(sleeps) if sync_every_step else 2)
