@@ -333,6 +333,7 @@ def product_setup(
         precision="bf16",
         device=acc.device(),
         compile_layers=compile_layers,
+        cuda_graph=graphed,
     )
     cfg0 = ts.chunks[0].config
     notes["levers"] = {
@@ -342,18 +343,9 @@ def product_setup(
     }
     if not graphed:
         return ts.step, notes
-    from longboat.core.loop import GraphedStep
-
-    graph = GraphedStep(
-        lambda b: ts.step(b["tokens"], b["labels"]), accelerator=acc, warmup=3, name="llm step"
-    )
-    notes["cuda_graph"] = graph.reason or "whole step as one CUDA graph"
-
-    def graphed_step(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return graph({"tokens": tokens, "labels": labels}).clone()
-
-    graphed_step.keep = (ts, graph)  # type: ignore[attr-defined]
-    return graphed_step, notes
+    step = ts.graphed(acc, warmup=3)
+    notes["cuda_graph"] = step.graph.reason or "whole step as one CUDA graph"
+    return step, notes
 
 
 def mcore_setup(c: dict[str, int], acc: Any) -> tuple[Callable[..., Any], dict[str, Any]]:

@@ -669,3 +669,88 @@ def test_exact_main_weights_only_for_fp32_checkpoints_in_mixed_precision(
     bf16_dir = tmp_path / "bf16"
     AutoModelForCausalLM.from_pretrained(fp32_dir, dtype=torch.bfloat16).save_pretrained(bf16_dir)
     assert not wants_exact_main_weights(bf16_dir, "bf16", lora=False)  # already on the grid
+
+
+# ----------------------------------------------------------------------------- CUDA graph
+
+
+def _graph_ready_worker(rank: int, world: int) -> dict[str, object]:
+    import megatron.core.distributed as mcd
+
+    from longboat.core import device as core_device
+    from longboat.core.config.schema import OptimConfig
+    from longboat.llm.train.train_step import build_train_step
+
+    real_acc = core_device.get_accelerator()
+    inside = {"depth": 0, "ddp_on_side_stream": [], "streams": 0}
+
+    class RecordingAccelerator:
+        """The real accelerator, recording when work is queued on a side stream."""
+
+        def __getattr__(self, name: str):
+            return getattr(real_acc, name)
+
+        def stream(self):
+            inside["streams"] += 1
+            return real_acc.stream()
+
+        def use_stream(self, stream):
+            import contextlib
+
+            @contextlib.contextmanager
+            def ctx():
+                inside["depth"] += 1
+                with real_acc.use_stream(stream):
+                    yield
+                inside["depth"] -= 1
+
+            return ctx()
+
+    class RecordingDDP(mcd.DistributedDataParallel):
+        def __init__(self, *args, **kwargs):
+            inside["ddp_on_side_stream"].append(inside["depth"] > 0)
+            super().__init__(*args, **kwargs)
+
+    core_device.get_accelerator = lambda *a, **k: RecordingAccelerator()
+    mcd.DistributedDataParallel = RecordingDDP
+    cfg = _tiny_cfg()
+    tokens, labels = _batch(cfg, b=2, s=16)
+    losses = {}
+    for graph in (False, True):
+        ps = _init(seed=3)
+        try:
+            ts = build_train_step(
+                cfg, OptimConfig(grad_clip=0.0), precision="fp32", device="cpu", cuda_graph=graph
+            )
+            step = ts.graphed(RecordingAccelerator(), warmup=2) if graph else ts.step
+            losses[graph] = [float(step(tokens, labels)) for _ in range(4)]
+            if graph:
+                reason = step.graph.reason
+            else:
+                try:
+                    ts.graphed(real_acc)
+                    refused = ""
+                except ValueError as exc:
+                    refused = str(exc)
+        finally:
+            ps.destroy()
+    return {
+        "losses": losses,
+        "ddp_on_side_stream": inside["ddp_on_side_stream"],
+        "reason": reason,
+        "refused": refused,
+    }
+
+
+@pytest.mark.multiprocess
+def test_graph_ready_step_builds_ddp_on_a_side_stream_and_trains_the_same() -> None:
+    (out,) = run_multiprocess(_graph_ready_worker, 1)
+    # cuda_graph=False: DDP on the current stream; cuda_graph=True: under a side stream,
+    # where megatron's grad-accumulation nodes must be created for the backward to capture.
+    assert out["ddp_on_side_stream"] == [False, True], out
+    # On CPU GraphedStep runs eagerly (and says why); the step is the same step.
+    assert "no CUDA graphs" in out["reason"], out
+    plain, graphed = out["losses"][False], out["losses"][True]
+    assert plain == graphed, out  # fp32 on CPU, same seed and batch: bitwise
+    assert plain[-1] < plain[0], out  # it trains
+    assert "cuda_graph=True" in out["refused"], out

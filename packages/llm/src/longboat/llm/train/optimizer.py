@@ -10,6 +10,8 @@ and ``ChainedLR`` runs core's LR schedule on every inner torch optimizer.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,11 +30,18 @@ def wrap_and_build(
     *,
     precision: str,
     grad_reduce_in_fp32: bool = True,
+    side_stream: bool = False,
 ) -> tuple[list[torch.nn.Module], Any]:
     """(DDP-wrapped chunks, megatron distributed optimizer) for ``optim`` (an OptimConfig).
 
     ``grad_reduce_in_fp32=False``: a bf16 grad buffer (for ``core.megatron.wgrad``'s
     single-pass gradients, where it holds the same values as an fp32 one).
+    ``side_stream``: construct the DDP wrappers under a side stream of the accelerator, which
+    a step captured as a CUDA graph needs. megatron's DDP creates every parameter's
+    grad-accumulation node in its constructor and keeps it; autograd runs that node on the
+    stream current at its creation, and on the legacy default stream it would make that
+    stream wait on the capturing one during the captured backward, which CUDA refuses
+    ("operation would make the legacy stream depend on a capturing blocking stream").
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -46,12 +55,13 @@ def wrap_and_build(
         use_distributed_optimizer=True,
         overlap_grad_reduce=False,
     )
-    model = [
-        DistributedDataParallel(
-            config=c.config, ddp_config=ddp_cfg, module=c, disable_bucketing=i > 0
-        )
-        for i, c in enumerate(chunks)
-    ]
+    with _construction_stream(side_stream):
+        model = [
+            DistributedDataParallel(
+                config=c.config, ddp_config=ddp_cfg, module=c, disable_bucketing=i > 0
+            )
+            for i, c in enumerate(chunks)
+        ]
     betas = list(optim.betas)
     opt_cfg = OptimizerConfig(
         optimizer=_OPTIMIZERS[optim.name],
@@ -72,6 +82,23 @@ def wrap_and_build(
     if getattr(optim, "fused", True):
         use_fused_torch_adamw(optimizer)  # torch's fused AdamW on CUDA when TE / apex are absent
     return model, optimizer
+
+
+@contextlib.contextmanager
+def _construction_stream(side: bool) -> Iterator[None]:
+    """Run the body under a fresh side stream of the accelerator (``side``), ordered after
+    the current stream's work and followed by it."""
+    if not side:
+        yield
+        return
+    from longboat.core.device import get_accelerator
+
+    acc = get_accelerator()
+    stream = acc.stream()
+    stream.wait_stream(acc.current_stream())
+    with acc.use_stream(stream):
+        yield
+    acc.current_stream().wait_stream(stream)
 
 
 def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:

@@ -48,6 +48,8 @@ class TrainStep:
     device: torch.device
     fused_linear_ce: bool = True
     """Loss through fused linear cross-entropy where it applies (else megatron's logits)."""
+    graph_ready: bool = False
+    """Built with ``cuda_graph=True`` (DDP constructed under a side stream): ``graphed`` works."""
     _positions: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def batch(
@@ -89,6 +91,32 @@ class TrainStep:
 
     __call__ = step
 
+    def graphed(self, accelerator: Any, *, warmup: int = 3) -> Any:
+        """``step`` replayed as one CUDA graph after ``warmup`` eager steps (core's
+        ``GraphedStep``; eager where the accelerator has no graphs). Every call must use the
+        same shapes (``loss_mask`` not supported); returns the loss as a fresh 0-d tensor.
+        Needs ``build_train_step(..., cuda_graph=True)``."""
+        if not self.graph_ready:
+            raise ValueError(
+                "TrainStep.graphed needs a step built with build_train_step(..., "
+                "cuda_graph=True): megatron's DDP must be constructed under a side stream "
+                "for its backward to be capturable"
+            )
+        from longboat.core.loop import GraphedStep
+
+        graph = GraphedStep(
+            lambda b: self.step(b["tokens"], b["labels"]),
+            accelerator=accelerator,
+            warmup=warmup,
+            name="llm train step",
+        )
+
+        def run(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return graph({"tokens": tokens, "labels": labels}).clone()
+
+        run.graph = graph  # type: ignore[attr-defined]
+        return run
+
 
 def build_train_step(
     model_cfg: LLMModelConfig,
@@ -101,6 +129,7 @@ def build_train_step(
     compile_layers: bool = False,
     init_weights: Any = None,
     exact_main_weights: bool = False,
+    cuda_graph: bool = False,
     **model_overrides: Any,
 ) -> TrainStep:
     """Build the model, megatron DDP + optimizer and the step ``longboat-llm train`` runs.
@@ -119,6 +148,8 @@ def build_train_step(
     first steps are below bf16 resolution) round back to where they were, while fp32-weight
     training applies them (measured: ``tools/bench/llm_alignment_probe.py``). Costs an fp32
     copy of the model at build time; a bf16 checkpoint gains nothing from it.
+    ``cuda_graph``: build for ``TrainStep.graphed`` (megatron's DDP constructed under a side
+    stream: see ``train.optimizer.wrap_and_build``).
     ``model_overrides`` go to megatron's ``TransformerConfig`` (as in ``build_model``).
     """
     from longboat.llm.build import build_model
@@ -155,7 +186,7 @@ def build_train_step(
     if compile_layers:
         compile_decoder_layers(chunks)
     model, optimizer = wrap_and_build(
-        chunks, optim, precision=precision, grad_reduce_in_fp32=fp32_grads
+        chunks, optim, precision=precision, grad_reduce_in_fp32=fp32_grads, side_stream=cuda_graph
     )
     if exact_main_weights and init_weights is not None and precision in ("bf16", "fp16"):
         main_weights_from_fp32_init(optimizer, model_cfg, device, init_weights, model_overrides)
@@ -165,6 +196,7 @@ def build_train_step(
         optimizer=optimizer,
         device=device,
         fused_linear_ce=fused_linear_ce,
+        graph_ready=cuda_graph,
     )
 
 
