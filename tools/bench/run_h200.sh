@@ -7,33 +7,36 @@
 # with one GPU), with megatron-core 0.19, hydra, av and liger-kernel importable and
 # PYTHONPATH pointing at packages/*/src. Each step has its own time limit (seconds, env
 # LIMIT_*), so one that overruns leaves the others their time; results are written as
-# each step ends.
+# each step ends. ONLY="llm vla llm_align scaling vla_align pi05" picks steps (default: all
+# but pi05, which WITH_PI05=1 adds), so the set can be split over calls of at most 10 min.
 set -u
+ONLY=${ONLY:-"llm vla llm_align scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")"}
+want() { [[ " $ONLY " == *" $1 "* ]]; }
 RESULTS=${RESULTS:-benchmarks/results}
 mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
 step() { echo "== $1"; shift; "$@" 2>&1 | grep -v -i "userwarning\|warnings.warn\|deprecat\|MimoModelConfig\|Evict LRU"; }
 
-step "llm throughput" timeout "${LIMIT_LLM:-150}" python3 tools/bench/llm_throughput.py \
+want llm && step "llm throughput" timeout "${LIMIT_LLM:-150}" python3 tools/bench/llm_throughput.py \
   --out /tmp/llm_throughput.json --results-dir "$RESULTS" \
   --runs hf_eager,hf_compiled,mcore_local_spec,longboat,hf_liger,longboat_graphed \
   --steps 10 --warmup 3 --time-budget "$(( ${LIMIT_LLM:-150} - 10 ))"
-step "vla throughput" timeout "${LIMIT_VLA:-105}" python3 tools/bench/vla_throughput.py \
+want vla && step "vla throughput" timeout "${LIMIT_VLA:-105}" python3 tools/bench/vla_throughput.py \
   --out /tmp/vla_throughput.json --results-dir "$RESULTS" \
   --runs reference,longboat,longboat_graphed --batch 32 --steps 20 --warmup 5 --workers 12 \
   --embodiments 8 --episodes 6 --episode-length 80 120 --time-budget "$(( ${LIMIT_VLA:-105} - 10 ))"
-step "llm loss alignment" timeout "${LIMIT_LLM_ALIGN:-130}" python3 tools/bench/llm_loss_alignment.py \
+want llm_align && step "llm loss alignment" timeout "${LIMIT_LLM_ALIGN:-130}" python3 tools/bench/llm_loss_alignment.py \
   --out /tmp/llm_loss_alignment.json --results-dir "$RESULTS" --steps 200
-if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+if want scaling && [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
   step "llm scaling" timeout "${LIMIT_SCALING:-140}" python3 tools/bench/llm_scaling.py \
     --results-dir "$RESULTS" --time-budget "$(( ${LIMIT_SCALING:-140} - 20 ))"
 fi
-step "vla loss alignment (master weights)" timeout "${LIMIT_VLA_ALIGN:-45}" \
+want vla_align && step "vla loss alignment (master weights)" timeout "${LIMIT_VLA_ALIGN:-200}" \
   python3 tools/bench/vla_loss_alignment.py --out /tmp/vla_loss_alignment.json \
   --results-dir "$RESULTS" --steps 200 --batch 8 --master-weights \
-  --time-budget "$(( ${LIMIT_VLA_ALIGN:-45} - 15 ))"
+  --time-budget "$(( ${LIMIT_VLA_ALIGN:-200} - 15 ))"
 # pi0.5 against the openpi-style reference (issue 8, second half; not yet run on a GPU):
-if [ "${WITH_PI05:-0}" = "1" ]; then
+if want pi05; then
   step "vla throughput pi05" timeout "${LIMIT_PI05:-300}" python3 tools/bench/vla_throughput.py \
     --out /tmp/vla_pi05.json --model pi05 --batch 32 --steps 10 --warmup 3 --workers 8 \
     --runs reference,longboat_master,longboat_graphed,longboat --results-dir "$RESULTS" \
