@@ -25,6 +25,9 @@ freeing device memory in between:
 - ``longboat_graphed``: ``longboat`` with the whole step replayed as one CUDA graph
   (``longboat.core.loop.GraphedStep``).
 - ``longboat_compiled``: ``longboat`` with each decoder layer ``torch.compile``d.
+- ``longboat_fp32grads`` / ``longboat_localopt``: ``longboat`` with an fp32 grad buffer where
+  it uses a bf16 one, and that plus megatron's non-distributed optimizer (levers measured
+  against the product's choice; see ``LONGBOAT_VARIANTS``).
 - ``hf_liger`` (when ``liger-kernel`` is installed): ``hf_eager`` with
   ``apply_liger_kernel_to_llama`` (RoPE, RMSNorm, SwiGLU, fused linear CE), the strongest
   peer in BENCHMARKS.md; run last since Liger patches transformers' classes process-wide.
@@ -85,12 +88,12 @@ DATE = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
 # longboat_graphed last: a failed CUDA-graph capture leaves the process's CUDA RNG unusable
 # (hf_liger failed after it on 2026-11-29).
 ALL_RUNS = (
-    "hf_eager", "hf_compiled", "mcore_local_spec", "longboat", "longboat_compiled", "hf_liger",
-    "longboat_graphed",
+    "hf_eager", "hf_compiled", "mcore_local_spec", "longboat", "longboat_fp32grads",
+    "longboat_localopt", "longboat_compiled", "hf_liger", "longboat_graphed",
 )  # fmt: skip
 RUN_WEIGHT = {
     "hf_eager": 1.5, "hf_compiled": 4.0, "longboat": 1.5, "longboat_compiled": 2.5,
-    "longboat_graphed": 1.5, "hf_liger": 1.5,
+    "longboat_graphed": 1.5, "hf_liger": 1.5, "longboat_fp32grads": 1.0, "longboat_localopt": 1.0,
 }  # fmt: skip
 
 FULL = dict(
@@ -203,8 +206,15 @@ def init_megatron(acc: Any) -> None:
             world_size=1,
         )
         _OWN_PG.append(True)
+    # The same RNG state for every run of the process: megatron's tracker is re-seeded each
+    # time (initialize seeds it only once) and the caller's CPU seed survives the seeding.
+    cpu_state = torch.random.get_rng_state()
     if parallel_state.current_layout() is None:
         parallel_state.initialize(ParallelConfig(), acc, seed=1234)
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(1234)
+    torch.random.set_rng_state(cpu_state)
 
 
 def teardown_megatron() -> None:
@@ -316,8 +326,20 @@ def product_optim(lr: float = LR, clip: float = 0.0) -> Any:
     )
 
 
+# The product step and the variants measured against it (build_train_step keyword arguments).
+LONGBOAT_VARIANTS: dict[str, dict[str, Any]] = {
+    "longboat": {},
+    "longboat_compiled": {"compile_layers": True},
+    "longboat_graphed": {"cuda_graph": True},
+    # an fp32 grad buffer where the product uses a bf16 one (no cast pass, +1.8 GB)
+    "longboat_fp32grads": {"grad_buffer": "fp32"},
+    # + megatron's non-distributed optimizer (nothing is sharded at DP=1 anyway)
+    "longboat_localopt": {"grad_buffer": "fp32", "distributed_optimizer": False},
+}
+
+
 def product_setup(
-    c: dict[str, int], acc: Any, *, compile_layers: bool, graphed: bool
+    c: dict[str, int], acc: Any, **variant: Any
 ) -> tuple[Callable[..., Any], dict[str, Any]]:
     """The step ``longboat-llm train`` runs (``longboat.llm.train.train_step``): longboat's
     layer spec (SDPA attention, Triton RMSNorm / SwiGLU / fused QKV-split RoPE), weights
@@ -332,16 +354,15 @@ def product_setup(
         product_optim(),
         precision="bf16",
         device=acc.device(),
-        compile_layers=compile_layers,
-        cuda_graph=graphed,
+        **variant,
     )
     cfg0 = ts.chunks[0].config
     notes["levers"] = {
         "gradient_accumulation_fusion": bool(cfg0.gradient_accumulation_fusion),
         "fused_linear_ce": ts.fused_linear_ce,
-        "compile_layers": compile_layers,
+        **variant,
     }
-    if not graphed:
+    if not variant.get("cuda_graph"):
         return ts.step, notes
     step = ts.graphed(acc, warmup=3)
     notes["cuda_graph"] = step.graph.reason or "whole step as one CUDA graph"
@@ -416,10 +437,8 @@ def run_one(name: str, c: dict[str, int], acc: Any, args: argparse.Namespace) ->
         step = hf_setup(c, device, compiled=False, liger=True)
     elif name == "mcore_local_spec":
         step, notes = mcore_setup(c, acc)
-    elif name in ("longboat", "longboat_compiled", "longboat_graphed"):
-        step, notes = product_setup(
-            c, acc, compile_layers=name == "longboat_compiled", graphed=name == "longboat_graphed"
-        )
+    elif name in LONGBOAT_VARIANTS:
+        step, notes = product_setup(c, acc, **LONGBOAT_VARIANTS[name])
     else:
         raise ValueError(f"unknown run {name!r}; use one of {ALL_RUNS}")
     notes["allocated_at_start_gb"] = round(leftover, 3)

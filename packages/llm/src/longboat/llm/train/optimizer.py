@@ -31,6 +31,7 @@ def wrap_and_build(
     precision: str,
     grad_reduce_in_fp32: bool = True,
     side_stream: bool = False,
+    distributed_optimizer: bool = True,
 ) -> tuple[list[torch.nn.Module], Any]:
     """(DDP-wrapped chunks, megatron distributed optimizer) for ``optim`` (an OptimConfig).
 
@@ -42,6 +43,9 @@ def wrap_and_build(
     stream current at its creation, and on the legacy default stream it would make that
     stream wait on the capturing one during the captured backward, which CUDA refuses
     ("operation would make the legacy stream depend on a capturing blocking stream").
+    ``distributed_optimizer=False``: megatron's non-distributed mixed-precision optimizer
+    (every rank holds all main weights and moments; for comparisons at one data-parallel
+    rank, where nothing is sharded anyway).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -52,7 +56,7 @@ def wrap_and_build(
         )
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32,
-        use_distributed_optimizer=True,
+        use_distributed_optimizer=distributed_optimizer,
         overlap_grad_reduce=False,
     )
     with _construction_stream(side_stream):
@@ -76,7 +80,7 @@ def wrap_and_build(
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         params_dtype=_DTYPES[precision],
-        use_distributed_optimizer=True,
+        use_distributed_optimizer=distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_cfg, model)
     if getattr(optim, "fused", True):

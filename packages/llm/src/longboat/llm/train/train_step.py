@@ -130,6 +130,8 @@ def build_train_step(
     init_weights: Any = None,
     exact_main_weights: bool = False,
     cuda_graph: bool = False,
+    grad_buffer: str = "auto",
+    distributed_optimizer: bool = True,
     **model_overrides: Any,
 ) -> TrainStep:
     """Build the model, megatron DDP + optimizer and the step ``longboat-llm train`` runs.
@@ -150,6 +152,10 @@ def build_train_step(
     copy of the model at build time; a bf16 checkpoint gains nothing from it.
     ``cuda_graph``: build for ``TrainStep.graphed`` (megatron's DDP constructed under a side
     stream: see ``train.optimizer.wrap_and_build``).
+    ``grad_buffer``: ``auto`` (bf16 where single-pass gradients hold, else fp32) or ``fp32``
+    (always an fp32 grad buffer: +2 bytes a parameter, no cast pass in the optimizer).
+    ``distributed_optimizer=False``: megatron's non-distributed optimizer (see
+    ``wrap_and_build``; ``exact_main_weights`` needs the distributed one).
     ``model_overrides`` go to megatron's ``TransformerConfig`` (as in ``build_model``).
     """
     from longboat.llm.build import build_model
@@ -168,6 +174,8 @@ def build_train_step(
         )
     # Not under torch.compile: it would have to trace megatron's in-place buffer write in
     # the linears' backward (an attribute tensor on ctx), so the compiled path keeps the hook.
+    if grad_buffer not in ("auto", "fp32"):
+        raise ValueError(f"grad_buffer={grad_buffer!r}: use 'auto' or 'fp32'")
     fusion, fp32_grads = (False, True)
     if wgrad_fusion and not compile_layers:
         fusion, fp32_grads = grad_plan(
@@ -177,6 +185,7 @@ def build_train_step(
             context_parallel=layout.context_parallel,
             pipeline_parallel=layout.pipeline_parallel,
         )
+        fp32_grads = fp32_grads or grad_buffer == "fp32"
     model_overrides.setdefault("gradient_accumulation_fusion", fusion)
     if model_overrides["gradient_accumulation_fusion"]:
         install_wgrad_fusion()  # megatron's apex extension, in torch
@@ -186,7 +195,12 @@ def build_train_step(
     if compile_layers:
         compile_decoder_layers(chunks)
     model, optimizer = wrap_and_build(
-        chunks, optim, precision=precision, grad_reduce_in_fp32=fp32_grads, side_stream=cuda_graph
+        chunks,
+        optim,
+        precision=precision,
+        grad_reduce_in_fp32=fp32_grads,
+        side_stream=cuda_graph,
+        distributed_optimizer=distributed_optimizer,
     )
     if exact_main_weights and init_weights is not None and precision in ("bf16", "fp16"):
         main_weights_from_fp32_init(optimizer, model_cfg, device, init_weights, model_overrides)
