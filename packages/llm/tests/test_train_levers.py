@@ -754,3 +754,61 @@ def test_graph_ready_step_builds_ddp_on_a_side_stream_and_trains_the_same() -> N
     assert plain == graphed, out  # fp32 on CPU, same seed and batch: bitwise
     assert plain[-1] < plain[0], out  # it trains
     assert "cuda_graph=True" in out["refused"], out
+
+
+def _grad_buffer_worker(rank: int, world: int) -> dict[str, object]:
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from longboat.core.config.schema import OptimConfig
+    from longboat.llm.train.train_step import build_train_step
+
+    ps = _init()
+    try:
+        cfg = _tiny_cfg()
+        tokens, labels = _batch(cfg)
+        out: dict[str, object] = {}
+        for name, kw in (
+            ("auto", {}),
+            ("fp32", {"grad_buffer": "fp32"}),
+            ("local", {"grad_buffer": "fp32", "distributed_optimizer": False}),
+        ):
+            model_parallel_cuda_manual_seed(1)
+            torch.manual_seed(1)
+            ts = build_train_step(
+                cfg, OptimConfig(lr=1e-3, grad_clip=0.0), precision="bf16", device="cpu",
+                use_cpu_initialization=True, **kw,
+            )  # fmt: skip
+            (ddp,) = ts.model
+            out[name] = {
+                "grad_dtype": str(ddp.buffers[0].grad_dtype),
+                "optimizer": sorted(
+                    {type(o).__name__ for o in getattr(ts.optimizer, "chained_optimizers", [])}
+                    or {type(ts.optimizer).__name__}
+                ),
+                "losses": [float(ts.step(tokens, labels)) for _ in range(3)],
+            }
+        try:
+            build_train_step(cfg, OptimConfig(), precision="bf16", device="cpu", grad_buffer="x")
+            out["bad"] = ""
+        except ValueError as exc:
+            out["bad"] = str(exc)
+        return out
+    finally:
+        ps.destroy()
+
+
+@pytest.mark.multiprocess
+def test_grad_buffer_and_optimizer_choices_train_alike() -> None:
+    (out,) = run_multiprocess(_grad_buffer_worker, 1)
+    # bf16 at DP=1 with one microbatch: a bf16 buffer by default, fp32 when asked.
+    assert out["auto"]["grad_dtype"] == "torch.bfloat16", out
+    assert out["fp32"]["grad_dtype"] == out["local"]["grad_dtype"] == "torch.float32", out
+    assert out["auto"]["optimizer"] == out["fp32"]["optimizer"] == ["DistributedOptimizer"], out
+    assert "DistributedOptimizer" not in out["local"]["optimizer"], out
+    # Single-pass bf16 grads hold the same values as the fp32 buffer: same curve (bf16 model,
+    # so the tolerance is bf16's; measured equal on CPU), and both optimizers take one update.
+    for name in ("fp32", "local"):
+        for a, b in zip(out["auto"]["losses"], out[name]["losses"]):
+            assert abs(a - b) <= 1e-2, (name, out)
+    assert out["auto"]["losses"][-1] < out["auto"]["losses"][0], out
+    assert "grad_buffer='x'" in out["bad"], out
