@@ -85,6 +85,35 @@ def _inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     return [p.optimizer for p in parts if getattr(p, "optimizer", None) is not None]
 
 
+def capturable_torch_adamw(optimizer: Any, device_types: tuple[str, ...] = ("cuda",)) -> int:
+    """Set megatron's inner torch Adam / AdamW up for a step captured as a CUDA graph.
+
+    A captured step replays the kernels it recorded with the values they read: a Python
+    float ``lr`` would be frozen at its capture-time value, and torch refuses to capture
+    ``step()`` unless the param group is ``capturable``. Each group on ``device_types`` gets
+    ``capturable=True`` and its ``lr`` as a 0-d fp32 tensor on the parameters' device; an LR
+    scheduler then ``fill_``s it in place (no host sync), so every replay reads the current
+    LR. Create the LR scheduler BEFORE calling this: a scheduler created afterwards starts
+    from a device-tensor ``initial_lr`` and reads it on the host at every ``step()``.
+    Returns how many param groups were set up.
+    """
+    done = 0
+    for inner in _inner_optimizers(optimizer):
+        if not isinstance(inner, torch.optim.AdamW | torch.optim.Adam):
+            continue
+        for group in inner.param_groups:
+            params = group["params"]
+            if not params or not all(p.device.type in device_types for p in params):
+                continue
+            group["capturable"] = True
+            if not isinstance(group["lr"], torch.Tensor):
+                group["lr"] = torch.tensor(
+                    float(group["lr"]), dtype=torch.float32, device=params[0].device
+                )
+            done += 1
+    return done
+
+
 def use_fused_torch_adamw(optimizer: Any) -> int:
     """Switch megatron's torch AdamW fallback to torch's fused (single-kernel) AdamW on CUDA.
 

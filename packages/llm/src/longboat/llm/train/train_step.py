@@ -95,7 +95,9 @@ class TrainStep:
         """``step`` replayed as one CUDA graph after ``warmup`` eager steps (core's
         ``GraphedStep``; eager where the accelerator has no graphs). Every call must use the
         same shapes (``loss_mask`` not supported); returns the loss as a fresh 0-d tensor.
-        Needs ``build_train_step(..., cuda_graph=True)``."""
+        Needs ``build_train_step(..., cuda_graph=True)``. The inner AdamW becomes capturable
+        with its LR in a device tensor (``core.megatron.optimizer.capturable_torch_adamw``):
+        build an LR scheduler before calling this, so its updates are in-place fills."""
         if not self.graph_ready:
             raise ValueError(
                 "TrainStep.graphed needs a step built with build_train_step(..., "
@@ -103,7 +105,9 @@ class TrainStep:
                 "for its backward to be capturable"
             )
         from longboat.core.loop import GraphedStep
+        from longboat.core.megatron.optimizer import capturable_torch_adamw
 
+        capturable_torch_adamw(self.optimizer)
         graph = GraphedStep(
             lambda b: self.step(b["tokens"], b["labels"]),
             accelerator=accelerator,
