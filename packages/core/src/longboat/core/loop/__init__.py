@@ -4,13 +4,14 @@ signals, a step-range profiler and a CUDA-graphed step."""
 from longboat.core.loop.cuda_graph import GraphCaptureError, GraphedStep, GraphInputError
 from longboat.core.loop.lr_schedule import SCHEDULES, build_lr_scheduler
 from longboat.core.loop.metrics import MetricsSink
-from longboat.core.loop.nan_guard import NaNGuard, NonFiniteLossError
+from longboat.core.loop.nan_guard import DeferredNaNGuard, NaNGuard, NonFiniteLossError, Verdict
 from longboat.core.loop.profiler import StepProfiler
 from longboat.core.loop.progress import TrainProgress
 from longboat.core.loop.signals import GracefulShutdown
 
 __all__ = [
     "SCHEDULES",
+    "DeferredNaNGuard",
     "GracefulShutdown",
     "GraphCaptureError",
     "GraphInputError",
@@ -20,5 +21,6 @@ __all__ = [
     "NonFiniteLossError",
     "StepProfiler",
     "TrainProgress",
+    "Verdict",
     "build_lr_scheduler",
 ]
