@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LambdaLR
 
+from longboat.core.loop.nan_guard import DeferredNaNGuard, NaNGuard, Verdict
 from longboat.embodied.parallel.master_weights import MasterWeightAdamW
 from longboat.embodied.parallel.optim import clip_grad_norm_
 
@@ -61,8 +63,9 @@ class StepResult:
     """Mean loss over every micro-batch of the global batch (all ranks)."""
     grad_norm: Any
     """Global grad norm before clipping."""
-    stepped: bool
-    """False when the NaN guard skipped the update."""
+    stepped: bool | None
+    """False when the NaN guard skipped the update; None when the verdict comes later
+    (``run_step(..., lagged=...)``: see ``LaggedGuard.last``)."""
     metrics: dict[str, Any]
     """Extra scalars the model returned (averaged over the global batch)."""
 
@@ -194,7 +197,11 @@ class GraphableStep:
     call: ``run_step`` does both (and the NaN guard and the schedule after it).
 
     A non-finite grad norm skips the update on the device (``MasterWeightAdamW``'s
-    ``found_inf``), so a guarded step that was skipped never changed the weights.
+    ``found_inf``: masters, moments and step count untouched), and so does a non-finite
+    (global) loss with ``skip_nonfinite_loss`` (default; the trainer ties it to
+    ``train.nan_guard.enabled``): the step's ``found_inf`` is then exactly the NaN guard's
+    verdict, so a skipped step never changed the weights and ``LaggedGuard`` can leave the
+    host side of the guard for later.
     """
 
     def __init__(
@@ -205,6 +212,7 @@ class GraphableStep:
         precision: str,
         device_type: str,
         grad_clip: float = 0.0,
+        skip_nonfinite_loss: bool = True,
     ) -> None:
         if not isinstance(optimizer, MasterWeightAdamW):
             raise ValueError(
@@ -221,6 +229,7 @@ class GraphableStep:
         self.precision = precision
         self.device_type = device_type
         self.grad_clip = grad_clip
+        self.skip_nonfinite_loss = skip_nonfinite_loss
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         with autocast_context(self.precision, self.device_type):
@@ -237,9 +246,115 @@ class GraphableStep:
             dist.all_reduce(packed, op=dist.ReduceOp.SUM)
             packed = packed / dist.get_world_size()
         grad_norm = self.optimizer.prepare_grads(self.grad_clip)
+        if self.skip_nonfinite_loss:
+            # found_inf (set from the grad norm) |= the loss is not finite: the guard's rule.
+            found_inf = self.optimizer.found_inf
+            torch.logical_or(found_inf, torch.isfinite(packed[0]).logical_not(), out=found_inf)
         self.optimizer.step_on_device()
         self.optimizer.zero_grad()
         return {"loss": packed[0], "grad_norm": grad_norm, **dict(zip(names, packed[1:]))}
+
+
+class DeviceLRSchedule:
+    """A ``LambdaLR``'s learning rates as device tables, indexed by a device count of the
+    optimizer steps taken, so that the lr of the step after a skipped one is right before
+    the host knows about the skip.
+
+    ``load()`` (before a step) copies ``table[position]`` into ``MasterWeightAdamW``'s
+    ``lr_tensors``; ``advance()`` (after it) adds ``1 - found_inf``. The tables hold
+    ``base_lr * lr_lambda(k)`` rounded to fp32 for ``k = 0 .. total_steps``: the values
+    ``sync_hyperparams`` copies from a host ``LambdaLR`` at ``last_epoch = k``, bit for bit.
+    Build it after a resume (it starts at the scheduler's ``last_epoch``).
+    """
+
+    def __init__(self, scheduler: Any, optimizer: MasterWeightAdamW, total_steps: int) -> None:
+        if not isinstance(scheduler, LambdaLR):
+            raise ValueError(
+                "DeviceLRSchedule needs a LambdaLR (what core's build_lr_scheduler returns) to "
+                f"tabulate its lr per step; got {type(scheduler).__name__}. Fix: build the "
+                "schedule with longboat.core.loop.build_lr_scheduler"
+            )
+        self.optimizer = optimizer
+        device = optimizer.found_inf.device
+        n = max(total_steps, scheduler.last_epoch) + 1
+        self.tables = [
+            torch.tensor([base * fn(k) for k in range(n)], dtype=torch.float32, device=device)
+            for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)
+        ]
+        self.position = torch.full((1,), scheduler.last_epoch, dtype=torch.int64, device=device)
+
+    @torch.no_grad()
+    def load(self) -> None:
+        """Each group's lr for the next step, on the device (no host sync)."""
+        for lr, table in zip(self.optimizer.lr_tensors, self.tables):
+            lr.copy_(torch.index_select(table, 0, self.position).reshape(()))
+
+    @torch.no_grad()
+    def advance(self) -> None:
+        """Count the step just run unless it was skipped (``found_inf``), on the device."""
+        self.position.add_(1).sub_(self.optimizer.found_inf.to(torch.int64))
+
+
+class LaggedGuard:
+    """``run_step``'s NaN guard without a per-step host sync (``run_step(..., lagged=...)``).
+
+    The skip itself happens on the device (``GraphableStep`` with ``skip_nonfinite_loss``),
+    the lr comes from a ``DeviceLRSchedule``, and the host side (``NaNGuard`` counters, the
+    abort, the host ``LambdaLR``) runs one step late through core's ``DeferredNaNGuard``:
+    after step n is queued, step n-1's verdict is resolved, and the host scheduler steps for
+    it only when it was not skipped. So:
+
+    - weights, losses, skip counters and the lr of every step (the step right after a skip
+      included: it runs at the same lr as the skipped step, as with the synchronous guard)
+      equal the synchronous guard's;
+    - between two ``flush()`` calls the host scheduler (``get_last_lr``, ``param_groups``'
+      ``lr``) lags by the one unresolved step; ``flush()`` (before a checkpoint, a log line,
+      the end or an interruption) makes it and the counters exact;
+    - ``NonFiniteLossError`` for step n is raised while resolving it, i.e. after step n+1
+      was queued: at most one step later than the synchronous guard.
+    """
+
+    def __init__(
+        self,
+        guard: NaNGuard,
+        optimizer: MasterWeightAdamW,
+        scheduler: Any,
+        *,
+        total_steps: int,
+        accelerator: Any = None,
+    ) -> None:
+        if not guard.cfg.enabled:
+            raise ValueError(
+                "LaggedGuard needs an enabled NaN guard (its device schedule skips with the "
+                "device's found_inf); with train.nan_guard.enabled=false call run_step with "
+                "should_step=None and the scheduler instead"
+            )
+        self.deferred = DeferredNaNGuard(guard, accelerator)
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.lr = DeviceLRSchedule(scheduler, optimizer, total_steps)
+        self.last: Verdict | None = None
+        """The latest resolved verdict."""
+
+    def before_step(self) -> None:
+        self.lr.load()
+
+    def after_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> list[Verdict]:
+        """Advance the device schedule, stage this step, resolve the previous one."""
+        self.lr.advance()
+        self.deferred.submit(step, loss, grad_norm)
+        return self._apply(self.deferred.resolve(keep=1))
+
+    def flush(self) -> list[Verdict]:
+        """Resolve every pending verdict (waits for the last queued step)."""
+        return self._apply(self.deferred.resolve())
+
+    def _apply(self, verdicts: list[Verdict]) -> list[Verdict]:
+        for verdict in verdicts:
+            if verdict.stepped:
+                self.scheduler.step()  # a skipped step does not advance the schedule
+            self.last = verdict
+        return verdicts
 
 
 def run_step(
@@ -255,6 +370,7 @@ def run_step(
     should_step: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
     scheduler: Any = None,
     host_sync: bool = True,
+    lagged: LaggedGuard | None = None,
 ) -> StepResult:
     """One optimizer step through ``step_fn`` (a ``GraphableStep``, or a ``GraphedStep``
     wrapping one), equal to ``train_step`` with one micro-batch.
@@ -264,13 +380,28 @@ def run_step(
     generator's current seed and offset, so it draws what the eager step draws); after it:
     the NaN guard (``should_step``: its one host sync) and the schedule. The outputs are
     cloned (a graph overwrites its static outputs on the next replay).
+
+    With ``lagged`` (instead of ``should_step`` and ``scheduler``) the step has no host sync:
+    the lr comes from the device schedule and the guard's verdict on this step is resolved
+    after the next step is queued (``LaggedGuard``); ``stepped`` is then None.
     """
-    optimizer.sync_hyperparams()
+    if lagged is not None:
+        if should_step is not None or scheduler is not None:
+            raise ValueError(
+                "run_step: pass either lagged= or should_step=/scheduler=, not both (the "
+                "LaggedGuard owns the guard and the scheduler)"
+            )
+        lagged.before_step()
+    else:
+        optimizer.sync_hyperparams()
     with seeded_rng(micro_batch_seed(seed, step, rank_offset), device_type, device_index):
         out = {k: v.clone() for k, v in step_fn(batch).items()}
     loss, grad_norm = out.pop("loss"), out.pop("grad_norm")
-    stepped = True
-    if should_step is not None:
+    stepped: bool | None = True
+    if lagged is not None:
+        lagged.after_step(step, loss, grad_norm)
+        stepped = None
+    elif should_step is not None:
         stepped = should_step(loss, grad_norm)
     if stepped and scheduler is not None:
         scheduler.step()

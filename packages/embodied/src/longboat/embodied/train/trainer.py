@@ -46,7 +46,7 @@ from longboat.embodied.train.export import export_policy
 from longboat.embodied.train.loader import RankMicroBatches, build_loader
 from longboat.embodied.train.plan import BatchLayout, GlobalBatchPlan
 from longboat.embodied.train.policy_batch import PolicyCollator, batch_spec, to_device
-from longboat.embodied.train.step import GraphableStep, run_step, train_step
+from longboat.embodied.train.step import GraphableStep, LaggedGuard, run_step, train_step
 
 log = logging.getLogger(__name__)
 
@@ -161,27 +161,30 @@ def train(cfg: Any) -> TrainResult:
     optimizer = build_optimizer(model, cfg.optim, setup, master_weights=cfg.train.master_weights)
     scheduler = build_lr_scheduler(optimizer, cfg.optim.schedule, cfg.train.steps)
     nan_guard = NaNGuard(cfg.train.nan_guard)
-    graphed = None
-    if cfg.train.cuda_graph:
-        if layout.accum != 1:
-            raise ConfigError(
-                f"captures one micro-batch per step; this layout accumulates {layout.accum}",
-                key="train.cuda_graph",
-                value=True,
-                fix=f"set train.global_batch_size={mbs * dp} or train.cuda_graph=false",
-            )
-        graphed = GraphedStep(
-            GraphableStep(
-                model,
-                optimizer,
-                precision=cfg.train.precision,
-                device_type=accelerator.device_type,
-                grad_clip=cfg.optim.grad_clip,
-            ),
-            accelerator=accelerator,
-            warmup=3,
-            name="embodied train step",
+    if cfg.train.cuda_graph and layout.accum != 1:
+        raise ConfigError(
+            f"captures one micro-batch per step; this layout accumulates {layout.accum}",
+            key="train.cuda_graph",
+            value=True,
+            fix=f"set train.global_batch_size={mbs * dp} or train.cuda_graph=false",
         )
+    # Master weights with one micro-batch a step: the sync-free GraphableStep (graphed or
+    # not); otherwise train_step (synchronous NaN guard).
+    step_fn: Any = None
+    if isinstance(optimizer, MasterWeightAdamW) and layout.accum == 1:
+        step_fn = GraphableStep(
+            model,
+            optimizer,
+            precision=cfg.train.precision,
+            device_type=accelerator.device_type,
+            grad_clip=cfg.optim.grad_clip,
+            # The device skips a non-finite loss exactly when the guard would.
+            skip_nonfinite_loss=cfg.train.nan_guard.enabled,
+        )
+        if cfg.train.cuda_graph:
+            step_fn = GraphedStep(
+                step_fn, accelerator=accelerator, warmup=3, name="embodied train step"
+            )
     position = DataPosition(plan)
     state: dict[str, Any] = {
         "model": model,
@@ -199,6 +202,13 @@ def train(cfg: Any) -> TrainResult:
         # LambdaLR restores its counters but not the optimizer's current LR.
         for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
             group["lr"] = lr
+    # No per-step host sync: the guard's host side runs one step late (after the resume: the
+    # device lr table starts at the restored schedule position).
+    lagged = None
+    if step_fn is not None and cfg.train.nan_guard.enabled:
+        lagged = LaggedGuard(
+            nan_guard, optimizer, scheduler, total_steps=cfg.train.steps, accelerator=accelerator
+        )
     if is_main:
         log.info(
             "embodied %s/%s: %d trainable + %d frozen params, %s on %d rank(s), "
@@ -233,6 +243,19 @@ def train(cfg: Any) -> TrainResult:
     )
     step = start
     pending_losses: list[torch.Tensor] = []  # device losses of steps not yet logged
+    # step_time_s / samples_per_s: wall time over the steps since the last log line, measured
+    # between points where the device is synchronised (log lines, checkpoint saves, which are
+    # not counted), so queued-but-unfinished work is never left out or counted twice.
+    accelerator.synchronize()
+    window = _StepWindow()
+
+    def settle() -> None:
+        """Resolve pending NaN-guard verdicts (waits for the last queued step)."""
+        if lagged is not None:
+            lagged.flush()
+        else:
+            accelerator.synchronize()
+
     with (
         metrics,
         GracefulShutdown() as shutdown,
@@ -245,7 +268,6 @@ def train(cfg: Any) -> TrainResult:
         ) as progress,
     ):
         for step in range(start, cfg.train.steps):
-            t0 = time.perf_counter()
             profiler.step(step + 1)  # steps are numbered from 1, as in metrics.jsonl
             batches = [to_device(next(loader), device) for _ in range(layout.accum)]
             common = dict(
@@ -254,12 +276,19 @@ def train(cfg: Any) -> TrainResult:
                 rank_offset=dp_rank * layout.accum,
                 device_type=accelerator.device_type,
                 device_index=device.index,
-                should_step=nan_guard.check,
-                scheduler=scheduler,
                 host_sync=False,  # losses stay on the device until they are logged
             )
-            if graphed is not None:
-                out = run_step(graphed, optimizer, batches[0], **common)
+            if lagged is not None:
+                out = run_step(step_fn, optimizer, batches[0], lagged=lagged, **common)
+            elif step_fn is not None:
+                out = run_step(
+                    step_fn,
+                    optimizer,
+                    batches[0],
+                    should_step=nan_guard.check,  # disabled: True without reading the loss
+                    scheduler=scheduler,
+                    **common,
+                )
             else:
                 out = train_step(
                     model,
@@ -267,14 +296,19 @@ def train(cfg: Any) -> TrainResult:
                     batches,
                     precision=cfg.train.precision,
                     grad_clip=cfg.optim.grad_clip,
+                    should_step=nan_guard.check,
+                    scheduler=scheduler,
                     **common,
                 )
             done = step + 1
             position.step = done
             result.steps_done = done
             pending_losses.append(out.loss)
-            dt = time.perf_counter() - t0
+            window.steps += 1
             if done % cfg.train.log_every == 0 or done == cfg.train.steps:
+                settle()
+                dt = window.take()
+                stepped = out.stepped if lagged is None else lagged.last.stepped
                 # One device -> host copy for every scalar of the step.
                 names = sorted(out.metrics)
                 host = torch.stack(
@@ -292,18 +326,23 @@ def train(cfg: Any) -> TrainResult:
                         "lr": scheduler.get_last_lr()[0],
                         "step_time_s": dt,
                         "samples_per_s": layout.global_batch / dt,
-                        "skipped_step": not out.stepped,
+                        "skipped_step": not stepped,
                         **dict(zip(names, host[2:])),
                     },
                 )
             else:
                 progress.update(done, items=layout.global_batch)
             if ckpt.should_save(done):
+                settle()  # exact NaN-guard counters and LR schedule in the checkpoint
+                window.pause()
                 state["rng"] = RNGState.capture(accelerator)
                 ckpt.save(done, state)
+                window.resume()
             if shutdown.should_stop():
                 result.interrupted = True
                 break
+        if lagged is not None:
+            lagged.flush()  # the end of training, or an interruption
     result.losses.extend(float(v) for v in pending_losses)  # an interrupted run's tail
     final = result.steps_done
     if cfg.checkpoint.save_on_exit and ckpt.last_saved_step != final and final > start:
@@ -343,6 +382,29 @@ def train(cfg: Any) -> TrainResult:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return result
+
+
+class _StepWindow:
+    """Wall time of the steps since the last log line, paused around checkpoint saves."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self._elapsed = 0.0
+        self._t0 = time.perf_counter()
+
+    def pause(self) -> None:
+        self._elapsed += time.perf_counter() - self._t0
+
+    def resume(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def take(self) -> float:
+        """Mean seconds a step over the window (call with the device synchronised); restarts."""
+        self.pause()
+        mean = self._elapsed / max(self.steps, 1)
+        self.steps, self._elapsed = 0, 0.0
+        self.resume()
+        return mean
 
 
 def _is_zero(optimizer: torch.optim.Optimizer) -> bool:
