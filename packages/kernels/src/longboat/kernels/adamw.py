@@ -17,9 +17,24 @@ Offsets are int64, so one call covers a buffer of more than 2**31 elements.
 Numerics: element-wise math in fp32 with IEEE division and square root; the bias
 corrections ``1 - beta ** step`` in fp64 (as torch does: in fp32, ``1 - 0.999`` alone is off
 by 1e-5 relative).
+
+Split master storage (``master_lo=``): the fp32 master is not stored; it is the bf16 weight
+``hi`` (``master`` then is the bf16 weight buffer, updated in place) plus an int16 buffer
+``lo``, with ``bits(x) = (bits(hi) << 16) + lo`` in int32 arithmetic on the bit patterns:
+exact, for every finite value, +-0, subnormals and +-inf. ``hi`` is ``x`` rounded to bf16 to
+nearest with ties away from zero (not torch's ties to even: at an exact tie that would leave
+``lo = +32768``, which int16 cannot hold), so the masters, and so the whole update, are bit
+for bit those of fp32 storage; the bf16 weight differs from torch's fp32 -> bf16 cast only
+at exact ties (low 16 bits ``0x8000``), by one bf16 ulp. A NaN master becomes the canonical
+NaN (``hi = 0x7FC0``, ``lo = 0``: its payload is lost, it stays NaN). Per element the split
+kernel reads grad, hi, lo and both moments (14 bytes) and writes hi, lo and the moments
+(12): 26 bytes, and the optimizer keeps 2 bytes a parameter less (no fp32 master buffer).
+``split_fp32_`` / ``join_fp32_`` convert between the two storages.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -53,9 +68,17 @@ def adamw_master_step_torch_(
     step: Tensor,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
+    master_lo: Tensor | None = None,
 ) -> None:
     """Pure-torch reference of :func:`adamw_master_step_` (same contract, same fp32 math;
     allocates full-size temporaries, so it is for checks and small buffers)."""
+    if master_lo is not None:
+        adamw_split_master_step_torch_(
+            master, master_lo, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2,
+            eps=eps, weight_decay=weight_decay, step=step, grad_scale=grad_scale,
+            found_inf=found_inf,
+        )  # fmt: skip
+        return
     pow1, pow2 = _bias_correction_powers(step, beta1, beta2)
     step_size = (lr.to(torch.float64) / (1.0 - pow1)).float()
     bc2_sqrt = (1.0 - pow2).sqrt().float()
@@ -83,6 +106,86 @@ def adamw_master_step_torch_(
         param_out.copy_(rounded)
 
 
+def _check_little_endian() -> None:
+    if sys.byteorder != "little":  # pragma: no cover - every supported platform is
+        raise RuntimeError(
+            "split master storage reads int16 halves of fp32 words: little-endian only"
+        )
+
+
+def split_bits_(bits: Tensor, hi: Tensor, lo: Tensor, nan: Tensor | None = None) -> None:
+    """Split the fp32 values whose int32 bit patterns are ``bits`` into ``hi`` (bf16: the
+    value rounded to nearest, ties away from zero) and ``lo`` (int16: the rest), in place.
+
+    Destroys ``bits`` (it is left holding ``bits(hi)``). All flat, contiguous and of one
+    length; ``nan`` an optional bool buffer of that length for the NaN mask (else allocated).
+    Integer operations only, so the result does not depend on how a device converts floats.
+    """
+    _check_little_endian()
+    x = bits.view(torch.float32)
+    if nan is None:
+        nan = torch.isnan(x)
+    else:
+        torch.ne(x, x, out=nan)
+    lo.copy_(bits.view(torch.int16)[0::2])  # the low half, as a signed offset
+    bits.sub_(lo)  # now bits(hi) << 16: the rounding, ties away from zero
+    bits.bitwise_right_shift_(16)
+    hi16 = hi.view(torch.int16)
+    hi16.copy_(bits)
+    # NaN: the canonical quiet NaN (a NaN with a high mantissa would round into the sign).
+    hi16.masked_fill_(nan, 0x7FC0)
+    lo.masked_fill_(nan, 0)
+
+
+def join_bits_(bits: Tensor, hi: Tensor, lo: Tensor) -> Tensor:
+    """``bits`` (int32) := the fp32 bit patterns ``(bits(hi) << 16) + lo``; returns ``bits``
+    viewed as float32 (the exact master values)."""
+    bits.copy_(lo)
+    bits.add_(hi.view(torch.int16), alpha=1 << 16)
+    return bits.view(torch.float32)
+
+
+def split_fp32_(x: Tensor, hi: Tensor, lo: Tensor) -> None:
+    """``hi`` (bf16), ``lo`` (int16) := the split storage of the fp32 values ``x`` (all flat
+    and contiguous; ``x`` is not modified; allocates ``x``-sized temporaries)."""
+    split_bits_(x.detach().reshape(-1).view(torch.int32).clone(), hi, lo)
+
+
+def join_fp32_(hi: Tensor, lo: Tensor, out: Tensor | None = None) -> Tensor:
+    """The fp32 values stored as ``hi`` (bf16) and ``lo`` (int16), bit for bit, into ``out``
+    (fp32, flat, contiguous; allocated when None). Returns it."""
+    if out is None:
+        out = torch.empty(hi.shape, dtype=torch.float32, device=hi.device)
+    return join_bits_(out.view(torch.int32), hi, lo)
+
+
+def adamw_split_master_step_torch_(
+    hi: Tensor,
+    lo: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    *,
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: Tensor,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """Pure-torch reference of :func:`adamw_master_step_` with split storage: join the
+    masters, the fp32 reference update, split them back (a skipped step rewrites the same
+    bits). Allocates full-size temporaries: for checks and small buffers."""
+    master = join_fp32_(hi, lo)
+    adamw_master_step_torch_(
+        master, grad, exp_avg, exp_avg_sq, None, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, step=step, grad_scale=grad_scale, found_inf=found_inf,
+    )  # fmt: skip
+    split_bits_(master.view(torch.int32), hi, lo)
+
+
 @triton.jit
 def _round_to_bf16(x):
     # Round to nearest even on the bits, as torch's fp32 -> bf16 copy does. The GPU's own
@@ -96,11 +199,13 @@ def _round_to_bf16(x):
 
 @triton.jit
 def _adamw_master_kernel(
-    P, G, M, V, OUT, LR, STEP_POW1, STEP_POW2, SCALE, FOUND_INF,
+    P, LO, G, M, V, OUT, LR, STEP_POW1, STEP_POW2, SCALE, FOUND_INF,
     N, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
-    HAS_OUT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
-    BLOCK: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_OUT: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_INF: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
+    # SPLIT: P holds the int16 bits of the bf16 weights (the masters' high halves) and LO
+    # their int16 low halves; the master is (hi << 16) + lo on the int32 bit patterns.
     # int64 before the multiply: buffers of more than 2**31 elements.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     limit = N
@@ -117,7 +222,12 @@ def _adamw_master_kernel(
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_SCALE:
         g = tl.math.div_rn(g, tl.load(SCALE).to(tl.float32))
-    p = tl.load(P + offs, mask=mask, other=0.0)
+    if SPLIT:
+        hi = tl.load(P + offs, mask=mask, other=0).to(tl.int32)
+        lo = tl.load(LO + offs, mask=mask, other=0).to(tl.int32)
+        p = ((hi << 16) + lo).to(tl.float32, bitcast=True)
+    else:
+        p = tl.load(P + offs, mask=mask, other=0.0)
     m = tl.load(M + offs, mask=mask, other=0.0)
     v = tl.load(V + offs, mask=mask, other=0.0)
     p = p * (1.0 - lr * weight_decay)
@@ -125,7 +235,19 @@ def _adamw_master_kernel(
     v = v * beta2 + g * g * one_minus_beta2
     denom = tl.math.div_rn(tl.math.sqrt_rn(v), bc2_sqrt) + eps
     p = p - tl.math.div_rn(step_size * m, denom)
-    tl.store(P + offs, p, mask=mask)
+    if SPLIT:
+        # lo: the low 16 bits as a signed offset; hi: the rest, i.e. the value rounded to
+        # bf16 to nearest, ties away from zero. NaN: the canonical quiet NaN, lo = 0.
+        bits = p.to(tl.int32, bitcast=True)
+        lo = ((bits & 0xFFFF) ^ 0x8000) - 0x8000
+        hi = (bits - lo) >> 16
+        nan = p != p
+        hi = tl.where(nan, 0x7FC0, hi)
+        lo = tl.where(nan, 0, lo)
+        tl.store(P + offs, hi.to(tl.int16), mask=mask)
+        tl.store(LO + offs, lo.to(tl.int16), mask=mask)
+    else:
+        tl.store(P + offs, p, mask=mask)
     tl.store(M + offs, m, mask=mask)
     tl.store(V + offs, v, mask=mask)
     if HAS_OUT:
@@ -156,13 +278,46 @@ def _adamw_master_step_impl(
         return
     pow1, pow2 = _bias_correction_powers(step, beta1, beta2)
     _adamw_master_kernel[(triton.cdiv(n, BLOCK),)](
-        master, grad, exp_avg, exp_avg_sq,
+        master, master,  # LO unused (SPLIT=False)
+        grad, exp_avg, exp_avg_sq,
         param_out if param_out is not None else master,  # unused (HAS_OUT=False)
         lr, pow1, pow2,
         grad_scale if grad_scale is not None else lr,  # unused (HAS_SCALE=False)
         found_inf if found_inf is not None else lr,  # unused (HAS_INF=False)
         n, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, weight_decay,
-        HAS_OUT=param_out is not None, HAS_SCALE=grad_scale is not None,
+        SPLIT=False, HAS_OUT=param_out is not None, HAS_SCALE=grad_scale is not None,
+        HAS_INF=found_inf is not None, BLOCK=BLOCK, num_warps=4,
+    )  # fmt: skip
+
+
+def _adamw_split_master_step_impl(
+    hi: Tensor,
+    lo: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    lr: Tensor,
+    step: Tensor,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    n = hi.numel()
+    if n == 0:
+        return
+    pow1, pow2 = _bias_correction_powers(step, beta1, beta2)
+    hi16 = hi.view(torch.int16)
+    _adamw_master_kernel[(triton.cdiv(n, BLOCK),)](
+        hi16, lo, grad, exp_avg, exp_avg_sq,
+        hi16,  # OUT unused (HAS_OUT=False: hi is the bf16 weight)
+        lr, pow1, pow2,
+        grad_scale if grad_scale is not None else lr,  # unused (HAS_SCALE=False)
+        found_inf if found_inf is not None else lr,  # unused (HAS_INF=False)
+        n, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, weight_decay,
+        SPLIT=True, HAS_OUT=False, HAS_SCALE=grad_scale is not None,
         HAS_INF=found_inf is not None, BLOCK=BLOCK, num_warps=4,
     )  # fmt: skip
 
@@ -191,6 +346,30 @@ def _(
     return None
 
 
+_adamw_split_master_step = torch.library.custom_op(
+    "longboat::adamw_split_master_step", mutates_args=("hi", "lo", "exp_avg", "exp_avg_sq")
+)(_adamw_split_master_step_impl)
+
+
+@_adamw_split_master_step.register_fake
+def _(
+    hi: Tensor,
+    lo: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    lr: Tensor,
+    step: Tensor,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    return None
+
+
 def adamw_master_step_triton_(
     master: Tensor,
     grad: Tensor,
@@ -206,12 +385,22 @@ def adamw_master_step_triton_(
     step: Tensor,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
+    master_lo: Tensor | None = None,
 ) -> None:
     """Triton :func:`adamw_master_step_` (one launch plus two scalar fp64 ``pow``)."""
+    scalars = (float(beta1), float(beta2), float(eps), float(weight_decay))
+    if master_lo is not None:
+        op("adamw_split_master_step", _adamw_split_master_step_impl)(
+            master, master_lo, grad, exp_avg, exp_avg_sq, lr, step, grad_scale, found_inf,
+            *scalars,
+        )  # fmt: skip
+        return
     op("adamw_master_step", _adamw_master_step_impl)(
-        master, grad, exp_avg, exp_avg_sq, param_out, lr, step, grad_scale, found_inf,
-        float(beta1), float(beta2), float(eps), float(weight_decay),
-    )  # fmt: skip
+        master, grad, exp_avg, exp_avg_sq, param_out, lr, step, grad_scale, found_inf, *scalars
+    )
+
+
+_FP32_BUFFERS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def _check(
@@ -221,10 +410,24 @@ def _check(
     exp_avg_sq: Tensor,
     param_out: Tensor | None,
     scalars: dict[str, Tensor | None],
+    master_lo: Tensor | None = None,
 ) -> None:
     buffers = {"master": master, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if param_out is not None:
         buffers["param_out"] = param_out
+    if master_lo is not None:
+        buffers["master_lo"] = master_lo
+        if master.dtype != torch.bfloat16 or master_lo.dtype != torch.int16:
+            raise ValueError(
+                "adamw_master_step_: split storage (master_lo given) needs master = the bf16 "
+                f"weights and master_lo int16, got {master.dtype} and {master_lo.dtype}; pass "
+                "an fp32 master without master_lo otherwise"
+            )
+        if param_out is not None:
+            raise ValueError(
+                "adamw_master_step_: with master_lo (split storage) master is the bf16 weight "
+                "buffer itself; pass param_out=None"
+            )
     for name, t in buffers.items():
         if t.dim() != 1 or not t.is_contiguous() or t.numel() != master.numel():
             raise ValueError(
@@ -236,7 +439,7 @@ def _check(
             raise ValueError(
                 f"adamw_master_step_: {name} is on {t.device}, master on {master.device}"
             )
-    for name in ("master", "exp_avg", "exp_avg_sq"):
+    for name in ("exp_avg", "exp_avg_sq") if master_lo is not None else _FP32_BUFFERS:
         if buffers[name].dtype != torch.float32:
             raise ValueError(
                 f"adamw_master_step_: {name} must be float32, got {buffers[name].dtype}"
@@ -272,10 +475,16 @@ def adamw_master_step_(
     step: Tensor,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
+    master_lo: Tensor | None = None,
     impl: str | None = None,
 ) -> None:
     """One AdamW step on fp32 ``master`` and moments, in place, from ``grad``; writes the
     updated master rounded to ``param_out`` (skipped when it is None).
+
+    ``master_lo`` (int16): split storage (module doc). ``master`` is then the bf16 weight
+    buffer, the masters' high halves, and ``master_lo`` their low halves; both are updated
+    in place (the same master values as fp32 storage, bit for bit) and ``param_out`` must be
+    None.
 
     All buffers are flat, contiguous and of one length; ``master``, ``exp_avg`` and
     ``exp_avg_sq`` fp32, ``grad`` and ``param_out`` bf16, fp16 or fp32. ``lr``, ``step``
@@ -288,8 +497,9 @@ def adamw_master_step_(
     else Triton on CUDA tensors and the torch reference elsewhere).
     """
     scalars = {"lr": lr, "step": step, "grad_scale": grad_scale, "found_inf": found_inf}
-    _check(master, grad, exp_avg, exp_avg_sq, param_out, scalars)
+    _check(master, grad, exp_avg, exp_avg_sq, param_out, scalars, master_lo)
     kwargs = {
+        "master_lo": master_lo,
         "lr": lr,
         "beta1": beta1,
         "beta2": beta2,
