@@ -21,6 +21,25 @@
   masters + two fp32 moments = 16 bytes a parameter), plus one ``CHUNK`` of scratch on the
   slice path.
 
+Master storage (``master_storage``):
+
+- ``"fp32"``: the masters are one flat fp32 buffer (``master``), as above.
+- ``"split"``: no fp32 master buffer. Each fp32 master ``x`` is the bf16 weight ``hi`` (the
+  ``flat_param`` the model computes with) plus an int16 buffer ``master_lo`` (same layout):
+  ``bits(x) = (bits(hi) << 16) + lo`` on the int32 bit patterns, exactly (see
+  ``longboat.kernels.adamw``). ``hi`` is ``x`` rounded to bf16 to nearest with ties away from
+  zero, so ``lo`` fits int16. 14 bytes a parameter instead of 16 (-3.2 GB for 1.62B
+  trainable parameters); the masters and moments are bit for bit those of ``"fp32"`` for the
+  same grads. The bf16 weights differ from ``"fp32"``'s (torch's round-to-nearest-even copy)
+  only where a master's low 16 bits are exactly ``0x8000`` (a tie: one bf16 ulp), so a real
+  run drifts from an fp32-storage run only through those rare weights' effect on the grads.
+  The slice path joins each slice's masters into a second fp32 scratch, runs the same
+  ``torch._fused_adamw_`` call and splits them back (integer ops, O(``CHUNK``) scratch); the
+  one-pass kernel reads and writes hi and lo itself (26 bytes a parameter). Since the bf16
+  weights are the masters' high halves, write the trainable weights only through
+  ``load_state_dict`` (a direct write changes the master to the written value plus the old
+  low half).
+
 Autocast stays on around the forward: ops autocast runs in fp32 (softmax, norms, losses)
 still do; only the per-use casts of fp32 weights to bf16 disappear.
 
@@ -32,7 +51,10 @@ the captured region. ``step`` does both.
 
 The state dict is the standard per-parameter layout (``master``, ``exp_avg``,
 ``exp_avg_sq``, ``step`` per parameter), so core's DCP checkpoints save and reshard it by
-FQN; ``load_state_dict`` copies into the flat buffers (the views stay views).
+FQN; ``load_state_dict`` copies into the flat buffers (the views stay views). Both storages
+write and read the same state dict (fp32 ``master`` entries; with ``"split"`` they are
+joined on the host, so a checkpoint costs no device memory), so a checkpoint of one resumes
+in the other with the same masters and moments.
 """
 
 from __future__ import annotations
@@ -48,14 +70,20 @@ from torch import Tensor, nn
 
 from longboat.kernels import adamw_master_step_
 from longboat.kernels._dispatch import resolve_impl
+from longboat.kernels.adamw import join_bits_, join_fp32_, split_bits_
 
 ALIGN = 64
 """Element alignment of every parameter's offset in the flat buffers."""
 
-CHUNK = 1 << 26
+CHUNK = 1 << 25
 """Elements per slice of the grad norm and of the ``torch._fused_adamw_`` path: the size of
-its fp32 grad scratch (256 MB) and of each fused AdamW call (its index math is 32-bit).
-1.6B trainable parameters take ~25 slices."""
+its fp32 grad scratch (128 MB; ``"split"`` storage adds an fp32 master scratch of the same
+size) and of each fused AdamW call (its index math is 32-bit). 1.6B trainable parameters
+take ~49 slices. Both storages slice alike: on CPU the fused AdamW's results depend on
+where a slice ends (its vectorized loop and scalar tail round differently)."""
+
+MASTER_STORAGES = ("fp32", "split")
+"""``master_storage`` values: a flat fp32 master buffer, or bf16 weights + int16 low halves."""
 
 _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -75,6 +103,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     a GPU; ``LONGBOAT_KERNELS_IMPL=torch`` also keeps it off);
     ``"torch"`` / ``"triton"`` force ``adamw_master_step_`` with that implementation (its
     torch reference allocates full-size temporaries: for checks on small models).
+    ``master_storage``: ``"fp32"`` (a flat fp32 master buffer) or ``"split"`` (the bf16
+    weights plus int16 low halves: the same masters in 2 bytes a parameter less; needs
+    ``param_dtype=torch.bfloat16``), see the module doc.
     """
 
     def __init__(
@@ -87,7 +118,19 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         param_dtype: torch.dtype = torch.bfloat16,
         process_group: Any = None,
         kernel_impl: str | None = None,
+        master_storage: str = "fp32",
     ) -> None:
+        if master_storage not in MASTER_STORAGES:
+            raise ValueError(
+                f"MasterWeightAdamW: master_storage={master_storage!r}; use one of "
+                f"{MASTER_STORAGES}"
+            )
+        if master_storage == "split" and param_dtype != torch.bfloat16:
+            raise ValueError(
+                f"MasterWeightAdamW: master_storage='split' keeps the fp32 masters' high halves "
+                f"in the weights, so they must be bfloat16, got param_dtype={param_dtype}; use "
+                "param_dtype=torch.bfloat16 or master_storage='fp32'"
+            )
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": 0.0}
         super().__init__(groups, defaults)
         params = [p for g in self.param_groups for p in g["params"]]
@@ -108,29 +151,50 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 offsets.append(total)
                 total += _aligned(p.numel())
             self._segments.append((start, total))
+        self._offsets = offsets
         self.param_dtype = param_dtype
-        self.master = torch.zeros(total, dtype=torch.float32, device=device)
-        for p, off in zip(params, offsets):
-            self.master[off : off + p.numel()].copy_(p.detach().reshape(-1))
+        self.master_storage = master_storage
         self.process_group = process_group
-        if self._world_size() > 1:
-            # Identical starting weights on every rank (what DDP's constructor guarantees).
-            dist.broadcast(
-                self.master, src=dist.get_global_rank(self._group(), 0), group=self._group()
-            )
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
-        self.flat_param = self.master.to(param_dtype)
+        split = master_storage == "split"
+        self._master: Tensor | None = None
+        self.master_lo: Tensor | None = None
+        if split:
+            self.flat_param = torch.zeros(total, dtype=param_dtype, device=device)
+            self.master_lo = torch.zeros(total, dtype=torch.int16, device=device)
+            for p, off in zip(params, offsets):
+                n = p.numel()
+                self._split_into(p.detach().reshape(-1), off, off + n)
+            if self._world_size() > 1:
+                # Identical starting weights on every rank (what DDP's constructor guarantees).
+                src = dist.get_global_rank(self._group(), 0)
+                dist.broadcast(self.flat_param, src=src, group=self._group())
+                dist.broadcast(self.master_lo, src=src, group=self._group())
+        else:
+            self._master = torch.zeros(total, dtype=torch.float32, device=device)
+            for p, off in zip(params, offsets):
+                self._master[off : off + p.numel()].copy_(p.detach().reshape(-1))
+            if self._world_size() > 1:
+                dist.broadcast(
+                    self._master, src=dist.get_global_rank(self._group(), 0), group=self._group()
+                )
+            self.flat_param = self._master.to(param_dtype)
+        # The params become views now: their own (fp32) storage is freed before the
+        # moments are allocated.
+        for p, off in zip(params, offsets):
+            p.data = self.flat_param[off : off + p.numel()].view(p.shape)
+        self.exp_avg = torch.zeros(total, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.flat_grad = torch.zeros(total, dtype=param_dtype, device=device)
         self.step_count = torch.zeros((), dtype=torch.float32, device=device)
         self.grad_scale = torch.ones((), dtype=torch.float32, device=device)
         self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        # Per group: (master, bf16 grad, exp_avg, exp_avg_sq) slices of at most CHUNK elements.
+        # Per group: slices of at most CHUNK elements of
+        # (master or None, bf16 grad, exp_avg, exp_avg_sq, bf16 param, master_lo or None).
         self._chunks = [
             [
                 tuple(
-                    buf[a : min(a + CHUNK, end)]
-                    for buf in (self.master, self.flat_grad, self.exp_avg, self.exp_avg_sq)
+                    None if buf is None else buf[a : min(a + CHUNK, end)]
+                    for buf in self._flat_buffers()
                 )
                 for a in range(start, end, CHUNK)
             ]
@@ -142,7 +206,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             kernel_impl is None
             and device.type == "cuda"
             and os.environ.get("LONGBOAT_ADAMW_KERNEL", "0") == "1"
-            and resolve_impl(None, self.master) == "triton"
+            and resolve_impl(None, self.exp_avg) == "triton"
         ):
             kernel_impl = "triton"
         if kernel_impl not in (None, "torch", "triton"):
@@ -150,22 +214,19 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 f"MasterWeightAdamW: kernel_impl={kernel_impl!r}; use None, 'torch' or 'triton'"
             )
         self.kernel_impl = kernel_impl
-        # Per group for the one-pass kernel: (master, bf16 grad, exp_avg, exp_avg_sq, bf16 param).
+        # Per group for the one-pass kernel, the same buffers over the whole segment.
         self._segment_views = [
-            tuple(
-                buf[start:end]
-                for buf in (
-                    self.master,
-                    self.flat_grad,
-                    self.exp_avg,
-                    self.exp_avg_sq,
-                    self.flat_param,
-                )
-            )
+            tuple(None if buf is None else buf[start:end] for buf in self._flat_buffers())
             for start, end in self._segments
         ]
-        scratch = 0 if kernel_impl is not None else min(CHUNK, max(total, 1))
+        slice_path = kernel_impl is None
+        scratch = min(CHUNK, max(total, 1)) if slice_path else 0
+        # fp32 grads of a slice (then, with split storage, its NaN mask), and with split
+        # storage the slice's joined fp32 masters.
         self._scratch = torch.empty(scratch, dtype=torch.float32, device=device)
+        self._master_scratch = torch.empty(
+            scratch if split else 0, dtype=torch.float32, device=device
+        )
         n_slices = sum(len(c) for c in self._chunks)
         self._slice_norms = torch.zeros(max(n_slices, 1), dtype=torch.float32, device=device)
         self.lr_tensors = [
@@ -175,16 +236,57 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         self._views: list[tuple[nn.Parameter, Tensor]] = []
         for p, off in zip(params, offsets):
             n = p.numel()
-            p.data = self.flat_param[off : off + n].view(p.shape)
             grad_view = self.flat_grad[off : off + n].view(p.shape)
             p.grad = grad_view
             self._views.append((p, grad_view))
-            self.state[p] = {
-                "step": self.step_count,
-                "master": self.master[off : off + n].view(p.shape),
-                "exp_avg": self.exp_avg[off : off + n].view(p.shape),
-                "exp_avg_sq": self.exp_avg_sq[off : off + n].view(p.shape),
-            }
+            self.state[p] = {"step": self.step_count}
+            if not split:
+                self.state[p]["master"] = self._master[off : off + n].view(p.shape)
+            self.state[p]["exp_avg"] = self.exp_avg[off : off + n].view(p.shape)
+            self.state[p]["exp_avg_sq"] = self.exp_avg_sq[off : off + n].view(p.shape)
+
+    def _flat_buffers(self) -> tuple[Tensor | None, ...]:
+        return (
+            self._master,
+            self.flat_grad,
+            self.exp_avg,
+            self.exp_avg_sq,
+            self.flat_param,
+            self.master_lo,
+        )
+
+    # ------------------------------------------------------------------ masters
+
+    @property
+    def master(self) -> Tensor:
+        """The flat fp32 master buffer (``master_storage="fp32"`` only)."""
+        if self._master is None:
+            raise AttributeError(
+                "MasterWeightAdamW(master_storage='split') keeps no fp32 master buffer (the "
+                "masters are flat_param + master_lo); use flat_master() for a joined fp32 copy, "
+                "master_params() or state_dict()"
+            )
+        return self._master
+
+    @torch.no_grad()
+    def flat_master(self) -> Tensor:
+        """A new flat fp32 tensor of the master weights (full size, on the device): a copy of
+        ``master``, or with split storage ``flat_param`` and ``master_lo`` joined."""
+        if self._master is not None:
+            return self._master.clone()
+        return join_fp32_(self.flat_param, self.master_lo)
+
+    def _split_into(self, src: Tensor, start: int, end: int) -> None:
+        """Split storage: ``flat_param[start:end]`` / ``master_lo[start:end]`` := the fp32
+        values ``src`` (flat, any float dtype and device; not modified), ``CHUNK`` at a time."""
+        for a in range(0, end - start, CHUNK):
+            piece = src[a : a + CHUNK]
+            bits = torch.empty(piece.numel(), dtype=torch.int32, device=self.flat_param.device)
+            bits.view(torch.float32).copy_(piece)
+            b = start + a
+            split_bits_(
+                bits, self.flat_param[b : b + bits.numel()], self.master_lo[b : b + bits.numel()]
+            )
 
     # ------------------------------------------------------------------ distributed
 
@@ -217,7 +319,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             self.flat_grad.div_(world)
         i = 0
         for chunks in self._chunks:
-            for _, grad, _, _ in chunks:
+            for chunk in chunks:
+                grad = chunk[1]
                 torch.linalg.vector_norm(grad, dtype=torch.float32, out=self._slice_norms[i])
                 i += 1
         norm = torch.linalg.vector_norm(self._slice_norms)
@@ -259,14 +362,14 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     def _kernel_update(self) -> None:
         """One ``adamw_master_step_`` pass per param group (it writes the bf16 weights)."""
         for group, views, lr in zip(self.param_groups, self._segment_views, self.lr_tensors):
-            master, grad, exp_avg, exp_avg_sq, param = views
+            master, grad, exp_avg, exp_avg_sq, param, lo = views
             beta1, beta2 = group["betas"]
             adamw_master_step_(
-                master,
+                param if lo is not None else master,
                 grad,
                 exp_avg,
                 exp_avg_sq,
-                param,
+                None if lo is not None else param,
                 lr=lr,
                 beta1=beta1,
                 beta2=beta2,
@@ -275,16 +378,22 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 step=self.step_count,
                 grad_scale=self.grad_scale,
                 found_inf=self.found_inf,
+                master_lo=lo,
                 impl=self.kernel_impl,
             )
 
     def _slice_update(self) -> None:
         """Grads cast slice by slice into the fp32 scratch, ``torch._fused_adamw_`` per slice,
-        then one master -> bf16 copy."""
+        then one master -> bf16 copy. Split storage: each slice's masters are joined into
+        the master scratch before the same call and split back after it."""
         for group, chunks, lr in zip(self.param_groups, self._chunks, self.lr_tensors):
             beta1, beta2 = group["betas"]
-            for master, grad, exp_avg, exp_avg_sq in chunks:
-                grad32 = self._scratch[: grad.numel()]
+            for master, grad, exp_avg, exp_avg_sq, param, lo in chunks:
+                n = grad.numel()
+                grad32 = self._scratch[:n]
+                if lo is not None:
+                    bits = self._master_scratch[:n].view(torch.int32)
+                    master = join_bits_(bits, param, lo)
                 grad32.copy_(grad)
                 torch._fused_adamw_(
                     [master],
@@ -303,7 +412,11 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                     grad_scale=self.grad_scale,
                     found_inf=self.found_inf,
                 )
-        self.flat_param.copy_(self.master)
+                if lo is not None:
+                    # The grads are spent: their scratch holds the NaN mask.
+                    split_bits_(bits, param, lo, nan=grad32.view(torch.bool)[:n])
+        if self._master is not None:
+            self.flat_param.copy_(self._master)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
@@ -317,20 +430,53 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     @contextmanager
     def master_params(self) -> Iterator[None]:
-        """Inside: every trainable param is its fp32 master weight (a view of ``master``), as
+        """Inside: every trainable param is its fp32 master weight (a view of ``master``; with
+        split storage a joined copy, 4 bytes a parameter allocated for the duration), as
         fp32-weight training would have it, e.g. to export the policy; after: the bf16
         views again. Do not train inside."""
         bf16 = [(p, p.data) for p, _ in self._views]
-        for p, _ in self._views:
-            p.data = self.state[p]["master"]
+        with torch.no_grad():
+            for i, (p, _) in enumerate(self._views):
+                p.data = self._master_of(i, device=p.device)
         try:
             yield
         finally:
             for p, view in bf16:
                 p.data = view
 
+    def _master_of(self, i: int, device: torch.device | str) -> Tensor:
+        """The fp32 master of the ``i``-th trainable param: the view of ``master``, or with
+        split storage joined on ``device`` (the halves are copied there first)."""
+        p = self._views[i][0]
+        if self._master is not None:
+            return self.state[p]["master"]
+        off, n = self._offsets[i], p.numel()
+        hi = self.flat_param[off : off + n].to(device)
+        lo = self.master_lo[off : off + n].to(device)
+        return join_fp32_(hi, lo).view(p.shape)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The standard per-parameter layout (``step``, ``master``, ``exp_avg``,
+        ``exp_avg_sq``); with split storage the ``master`` entries are the joined fp32
+        masters, on the host (no device memory), so both storages save the same values."""
+        sd = super().state_dict()
+        if self._master is None:
+            with torch.no_grad():
+                sd["state"] = {
+                    i: {
+                        "step": s["step"],
+                        "master": self._master_of(i, device="cpu"),
+                        "exp_avg": s["exp_avg"],
+                        "exp_avg_sq": s["exp_avg_sq"],
+                    }
+                    for i, s in sd["state"].items()
+                }
+        return sd
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Copy a ``state_dict()`` (same params, same groups) into the flat buffers."""
+        """Copy a ``state_dict()`` (same params, same groups) into the flat buffers; the
+        fp32 ``master`` entries are split with split storage (either storage's state dict
+        loads into either)."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups) or any(
             len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
@@ -342,12 +488,31 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         saved_ids = [i for g in saved_groups for i in g["params"]]
         with torch.no_grad():
-            for p, idx in zip(params, saved_ids):
+            for i, (p, idx) in enumerate(zip(params, saved_ids)):
                 saved = state_dict["state"][idx]
-                for key in _STATE_KEYS:
+                missing = [k for k in (*_STATE_KEYS, "step") if k not in saved]
+                if missing:
+                    raise ValueError(
+                        f"the optimizer state of parameter {idx} lacks {missing}: it was not "
+                        "saved by MasterWeightAdamW (train.master_weights=true); resume with "
+                        "the optimizer that wrote it"
+                    )
+                if saved["master"].numel() != p.numel():
+                    raise ValueError(
+                        f"the optimizer state of parameter {idx} has {saved['master'].numel()} "
+                        f"master values for a parameter of {p.numel()}; resume with the same "
+                        "model and freezing config"
+                    )
+                for key in ("exp_avg", "exp_avg_sq"):
                     self.state[p][key].copy_(saved[key])
+                if self._master is not None:
+                    self.state[p]["master"].copy_(saved["master"])
+                else:
+                    off = self._offsets[i]
+                    self._split_into(saved["master"].reshape(-1), off, off + p.numel())
                 self.step_count.copy_(saved["step"])
-            self.flat_param.copy_(self.master)
+            if self._master is not None:
+                self.flat_param.copy_(self._master)
         for group, saved in zip(self.param_groups, saved_groups):
             for key, value in saved.items():
                 if key != "params":

@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from longboat.core.config.errors import ConfigError
 from longboat.core.config.schema import OptimConfig
-from longboat.embodied.parallel.master_weights import MasterWeightAdamW
+from longboat.embodied.parallel.master_weights import MASTER_STORAGES, MasterWeightAdamW
 from longboat.embodied.parallel.strategy import ParallelSetup, check_master_weights
 
 # Device types whose torch build ships a fused AdamW kernel.
@@ -30,13 +30,20 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, setup: ParallelSetup, *, master_weights: bool = False
+    model: nn.Module,
+    cfg: OptimConfig,
+    setup: ParallelSetup,
+    *,
+    master_weights: bool = False,
+    master_storage: str = "fp32",
 ) -> torch.optim.Optimizer:
     """AdamW (or SGD) over the trainable params; ZeroRedundancyOptimizer for ``zero1``.
 
     ``master_weights``: ``MasterWeightAdamW`` (see master_weights.py), which turns the
     trainable params into bf16 views of one flat buffer with fp32 master weights in the
     optimizer; pair it with ``parallelize(..., master_weights=True)``.
+    ``master_storage`` (``train.master_weight_storage``): how it stores the masters,
+    ``"fp32"`` or ``"split"`` (the same masters in 2 bytes a parameter less).
     """
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
@@ -54,7 +61,20 @@ def build_optimizer(
                 value=True,
                 fix="set optim.name=adamw or train.master_weights=false",
             )
-        return MasterWeightAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        if master_storage not in MASTER_STORAGES:
+            raise ConfigError(
+                "unknown master-weight storage",
+                key="train.master_weight_storage",
+                value=master_storage,
+                fix=f"use one of {', '.join(MASTER_STORAGES)}",
+            )
+        return MasterWeightAdamW(
+            groups,
+            lr=cfg.lr,
+            betas=tuple(cfg.betas),
+            eps=cfg.eps,
+            master_storage=master_storage,
+        )
     if cfg.name == "adamw":
         cls: type[torch.optim.Optimizer] = torch.optim.AdamW
         kwargs: dict = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps}
