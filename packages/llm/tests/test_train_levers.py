@@ -812,3 +812,117 @@ def test_grad_buffer_and_optimizer_choices_train_alike() -> None:
             assert abs(a - b) <= 1e-2, (name, out)
     assert out["auto"]["losses"][-1] < out["auto"]["losses"][0], out
     assert "grad_buffer='x'" in out["bad"], out
+
+
+# ----------------------------------------------------------------------------- one-pass AdamW
+
+
+def _one_pass_worker(rank: int, world: int) -> dict[str, object]:
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from longboat.core.config.schema import OptimConfig
+    from longboat.core.megatron.optimizer import optimizer_step
+    from longboat.llm.train.optimizer import MegatronOptimizerState, inner_optimizers
+    from longboat.llm.train.step import forward_backward
+    from longboat.llm.train.train_step import build_train_step
+
+    ps = _init()
+    try:
+        cfg = _tiny_cfg()
+        tokens, labels = _batch(cfg, seed=rank)  # each data-parallel rank its own batch
+        losses = {}
+        for one_pass in (False, True):
+            model_parallel_cuda_manual_seed(1)
+            torch.manual_seed(1)
+            ts = build_train_step(
+                cfg, OptimConfig(lr=3e-3, weight_decay=0.1, grad_clip=0.0), precision="bf16",
+                device="cpu", use_cpu_initialization=True, one_pass_adamw=one_pass,
+            )  # fmt: skip
+            losses[one_pass] = [float(ts.step(tokens, labels)) for _ in range(3)]
+        # One update from identical grads and state, both ways: ts (one-pass) has moments.
+        mains = [p for o in inner_optimizers(ts.optimizer) for g in o.param_groups
+                 for p in g["params"]]  # fmt: skip
+        weights = list(ts.chunks[0].parameters())
+        inner = inner_optimizers(ts.optimizer)
+        ts.optimizer.zero_grad()
+        forward_backward(ts.model, [ts.batch(tokens, labels)], fused_ce=True)
+
+        def snapshot():
+            return (
+                [m.detach().clone() for m in mains],
+                [w.detach().clone() for w in weights],
+                [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in o.state[m].items()}
+                 for o in inner for g in o.param_groups for m in g["params"]],
+            )  # fmt: skip
+
+        def restore(snap):
+            ms, ws, states = snap
+            with torch.no_grad():
+                for m, v in zip(mains, ms):
+                    m.copy_(v)
+                for w, v in zip(weights, ws):
+                    w.copy_(v)
+                it = iter(states)
+                for o in inner:
+                    for g in o.param_groups:
+                        for m in g["params"]:
+                            for k, v in next(it).items():
+                                o.state[m][k].copy_(v)
+
+        before = snapshot()
+        optimizer_step(ts.optimizer)  # megatron: cast grads, torch AdamW, copy to the model
+        ref = snapshot()
+        restore(before)
+        assert ts.one_pass.step()
+        got = snapshot()
+        main_rel = max(
+            float((a - b).abs().max()) / max(float(a.abs().max()), 1e-12)
+            for a, b in zip(ref[0], got[0])
+        )
+        moved = max(float((a - b).abs().max()) for a, b in zip(before[0], ref[0]))
+        flips = sum(int((a != b).sum()) for a, b in zip(ref[1], got[1]))
+        total = sum(w.numel() for w in weights)
+        state_rel = max(
+            float((a[k] - b[k]).abs().max()) / max(float(a[k].abs().max()), 1e-30)
+            for a, b in zip(ref[2], got[2]) for k in ("exp_avg", "exp_avg_sq")
+        )  # fmt: skip
+        steps = {float(s["step"]) for s in got[2]}
+        norm_one_pass = float(ts.one_pass.grad_norm())
+        no_main_grads = all(m.grad is None for m in mains)
+        state = MegatronOptimizerState(ts.optimizer).state_dict()["optimizers"][0]["state"]
+        return {
+            "losses": (losses[False], losses[True]),
+            "main_rel": main_rel,
+            "moved": moved,
+            "weight_flips": flips / total,
+            "state_rel": state_rel,
+            "steps": sorted(steps),
+            "grad_norm": norm_one_pass,
+            "no_main_grads": no_main_grads,
+            "state_keys": sorted(next(iter(state.values()))),
+            "checksum": sum(float(w.double().sum()) for w in got[1]),
+        }
+    finally:
+        ps.destroy()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [1, 2])
+def test_one_pass_adamw_is_megatrons_update(world: int) -> None:
+    outs = run_multiprocess(_one_pass_worker, world)
+    for out in outs:
+        ref, got = out["losses"]
+        # Three steps each way on a bf16 model: same curve within bf16 noise.
+        assert all(abs(a - b) <= 2e-2 for a, b in zip(ref, got)), out
+        assert ref[-1] < ref[0], out  # it trains
+        # One update from the same grads and state: the same fp32 arithmetic up to op order.
+        assert out["moved"] > 1e-4, out
+        assert out["main_rel"] <= 1e-6, out
+        assert out["state_rel"] <= 1e-6, out
+        assert out["weight_flips"] <= 1e-3, out  # bf16 copies equal but for rounding ties
+        assert out["steps"] == [4.0], out  # torch AdamW's per-param step counts advance
+        assert out["state_keys"] == ["exp_avg", "exp_avg_sq", "step"], out
+        assert out["grad_norm"] > 0.0 and out["no_main_grads"], out
+    # Each rank updated its own shard; the all-gather (and the flip count above, against
+    # megatron's gathered weights) leaves every rank with the same full weights.
+    assert len({out["checksum"] for out in outs}) == 1, outs

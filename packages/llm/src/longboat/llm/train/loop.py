@@ -230,6 +230,7 @@ def _train(
     from longboat.llm.hf import load_hf
     from longboat.llm.lora import apply_lora
     from longboat.llm.train.data import GlobalBatchSchedule, microbatch
+    from longboat.llm.train.one_pass_adamw import OnePassAdamW
     from longboat.llm.train.optimizer import ChainedLR, MegatronOptimizerState, wrap_and_build
     from longboat.llm.train.step import evaluate, forward_backward
     from longboat.llm.train.train_step import (
@@ -316,6 +317,7 @@ def _train(
             )  # fmt: skip
         total = int(cfg.train.steps)
         lr = ChainedLR(optimizer, cfg.optim.schedule, total)
+        one_pass = OnePassAdamW(optimizer) if bool(cfg.llm.one_pass_adamw) else None
         guard = NaNGuard(cfg.train.nan_guard)
         state: dict[str, Any] = {
             "model": _checkpoint_module(chunks, lora, layout),
@@ -381,9 +383,13 @@ def _train(
                 # The NaN guard decides on the host whether to step: it reads the loss every
                 # step (one device sync); with the guard off the loss is read only when logged.
                 if guard.check(loss_t):
-                    _, grad_norm = optimizer_step(optimizer)
-                    if grad_norm is None and log_now:
-                        grad_norm = optimizer.get_grad_norm()  # grads are kept until zero_grad
+                    if one_pass is not None and one_pass.step():
+                        if log_now:
+                            grad_norm = one_pass.grad_norm()
+                    else:
+                        _, grad_norm = optimizer_step(optimizer)
+                        if grad_norm is None and log_now:
+                            grad_norm = optimizer.get_grad_norm()  # kept until zero_grad
                     lr.step()
                 step += 1
                 state["step"] = step

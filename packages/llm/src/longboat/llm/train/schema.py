@@ -93,6 +93,12 @@ class LLMRunConfig:
     (``longboat.core.megatron.wgrad_fusion``; no per-parameter add pass). With one microbatch per
     step and DP / CP / PP 1 the buffer is bf16 (same gradient values, half the memory),
     otherwise fp32 (the GEMM accumulates its fp32 product). Off with ``train.compile``."""
+    one_pass_adamw: bool = False
+    """The optimizer update as one kernel pass per parameter shard
+    (``longboat.llm.train.one_pass_adamw``): grads read from the grad buffer, main weights and
+    moments updated in place, the bf16 weight written into the param buffer (no fp32 grad
+    copy, no separate main-to-model copy). Same update rule and checkpoint state as
+    megatron's step; steps with gradient clipping or fp16 loss scaling take megatron's step."""
 
 
 @dataclass

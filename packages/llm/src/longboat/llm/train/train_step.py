@@ -50,6 +50,8 @@ class TrainStep:
     """Loss through fused linear cross-entropy where it applies (else megatron's logits)."""
     graph_ready: bool = False
     """Built with ``cuda_graph=True`` (DDP constructed under a side stream): ``graphed`` works."""
+    one_pass: Any = None
+    """``train.one_pass_adamw.OnePassAdamW`` when the update runs as one pass per shard."""
     _positions: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def batch(
@@ -86,7 +88,8 @@ class TrainStep:
             self.device,
             fused_ce=self.fused_linear_ce,
         )
-        optimizer_step(self.optimizer)
+        if self.one_pass is None or not self.one_pass.step():
+            optimizer_step(self.optimizer)
         return loss
 
     __call__ = step
@@ -136,6 +139,7 @@ def build_train_step(
     cuda_graph: bool = False,
     grad_buffer: str = "auto",
     distributed_optimizer: bool = True,
+    one_pass_adamw: bool = False,
     **model_overrides: Any,
 ) -> TrainStep:
     """Build the model, megatron DDP + optimizer and the step ``longboat-llm train`` runs.
@@ -160,9 +164,12 @@ def build_train_step(
     (always an fp32 grad buffer: +2 bytes a parameter, no cast pass in the optimizer).
     ``distributed_optimizer=False``: megatron's non-distributed optimizer (see
     ``wrap_and_build``; ``exact_main_weights`` needs the distributed one).
+    ``one_pass_adamw``: the update as one kernel pass per parameter shard
+    (``train.one_pass_adamw``; as ``llm.one_pass_adamw``), where clipping is off.
     ``model_overrides`` go to megatron's ``TransformerConfig`` (as in ``build_model``).
     """
     from longboat.llm.build import build_model
+    from longboat.llm.train.one_pass_adamw import OnePassAdamW
     from longboat.llm.train.optimizer import wrap_and_build
 
     if device is None:
@@ -215,6 +222,7 @@ def build_train_step(
         device=device,
         fused_linear_ce=fused_linear_ce,
         graph_ready=cuda_graph,
+        one_pass=OnePassAdamW(optimizer) if one_pass_adamw else None,
     )
 
 

@@ -1,0 +1,215 @@
+"""megatron's distributed-optimizer update as one pass per parameter (``llm.one_pass_adamw``).
+
+megatron's ``DistributedOptimizer`` step, without Transformer Engine / apex, is three passes
+over every parameter shard: the grad is cast from the bf16 grad buffer into an fp32 copy
+(``_copy_model_grads_to_main_grads``), torch's AdamW updates the fp32 main weight and the
+moments, and the updated main weight is copied back into the bf16 param buffer
+(``_copy_main_params_to_model_params``), about 40 bytes of memory traffic a parameter.
+``OnePassAdamW`` replaces the three with ``longboat.kernels.adamw_master_step_`` per shard:
+it reads the grad straight from the grad buffer, updates the main weight and moments in place
+and writes the rounded weight into the param buffer (28 bytes a parameter with a bf16 grad
+buffer), then runs the same param all-gather megatron does (skipped at one data-parallel
+rank, where it would copy the buffer onto itself).
+
+The state stays torch AdamW's (``step``, ``exp_avg``, ``exp_avg_sq`` per main param, in the
+inner optimizer's ``state``), so checkpoints are interchangeable with megatron's own step.
+The update rule is ``torch.optim.AdamW``'s (decoupled weight decay, bias correction from the
+step count); the learning rate comes from the param group each step (a device tensor the
+lever keeps filled, or the group's own tensor once ``capturable_torch_adamw`` made it one, so
+a captured CUDA graph reads the current value).
+
+``supported(optimizer)`` says whether an optimizer can take this path: megatron's
+``DistributedOptimizer`` parts around torch ``AdamW`` (no amsgrad / maximize), no fp8 / fp4
+param gather, no megatron-FSDP, no precision-aware optimizer. Gradient clipping and fp16 loss
+scaling are not handled here: ``step`` returns False for them, and the caller takes
+megatron's ``optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from longboat.kernels import adamw_master_step_
+
+
+@dataclass
+class _Shard:
+    main: Tensor
+    """The fp32 main weight (a param of the inner optimizer)."""
+    grad: Tensor
+    """Its gradient: a view of the DDP grad buffer (bf16 or fp32)."""
+    out: Tensor | None
+    """Where the rounded weight goes: a view of the DDP param buffer (None: ``main`` is the
+    model parameter itself, an fp32 parameter)."""
+    group: int
+
+
+def _parts(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _why_not(part: Any) -> str | None:
+    """None when ``part`` can take the one-pass update, else the reason."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not isinstance(part, DistributedOptimizer):
+        return f"{type(part).__name__} is not megatron's DistributedOptimizer"
+    if getattr(part, "is_stub_optimizer", False):
+        return "a stub optimizer (no parameters on this rank)"
+    inner = getattr(part, "optimizer", None)
+    if type(inner) is not torch.optim.AdamW:
+        return f"the inner optimizer is {type(inner).__name__}, not torch.optim.AdamW"
+    cfg, ddp = part.config, part.ddp_config
+    if getattr(cfg, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
+        return "megatron's precision-aware optimizer"
+    if ddp.use_megatron_fsdp or ddp.fp8_param_gather or getattr(ddp, "fp4_param_gather", False):
+        return "megatron-FSDP or a quantized param gather"
+    if getattr(cfg, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        return "MXFP8 param all-gather through the grad buffer"
+    for group in inner.param_groups:
+        if group.get("amsgrad") or group.get("maximize"):
+            return "amsgrad / maximize"
+    return None
+
+
+def supported(optimizer: Any) -> str | None:
+    """None when every part of ``optimizer`` takes the one-pass update, else why not."""
+    for part in _parts(optimizer):
+        reason = _why_not(part)
+        if reason:
+            return reason
+    return None
+
+
+class OnePassAdamW:
+    """The one-pass update for a (chained) megatron distributed optimizer (module doc)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        reason = supported(optimizer)
+        if reason:
+            raise ValueError(
+                f"llm.one_pass_adamw: this optimizer cannot take the one-pass update ({reason}); "
+                "set llm.one_pass_adamw=false"
+            )
+        self.optimizer = optimizer
+        self._plans: list[tuple[Any, list[_Shard], list[Tensor]]] | None = None
+
+    def _plan(self) -> list[tuple[Any, list[_Shard], list[Tensor]]]:
+        plans = []
+        for part in _parts(self.optimizer):
+            inner = part.optimizer
+            group_of = {id(p): g for g, grp in enumerate(inner.param_groups) for p in grp["params"]}
+            shards: list[_Shard] = []
+            pairs = [
+                (model, main, True)
+                for models, mains in zip(
+                    part.model_float16_groups, part.shard_fp32_from_float16_groups
+                )
+                for model, main in zip(models, mains)
+            ] + [
+                (model, main, False)
+                for models, mains in zip(part.model_fp32_groups, part.shard_fp32_groups)
+                for model, main in zip(models, mains)
+            ]
+            for model, main, half in pairs:
+                ranges = part._get_model_param_range_map(model)
+                prange, wrange = ranges["param"], ranges["gbuf_world_in_bucket"]
+                grad = model.main_grad.view(-1)[prange.start : prange.end]
+                out = None
+                if half:
+                    gbuf, _, bucket = part.model_param_gbuf_map[model]
+                    data = part.buffers[gbuf].buckets[bucket].param_data
+                    out = data.view(-1)[wrange.start : wrange.end]
+                shards.append(_Shard(main=main, grad=grad, out=out, group=group_of[id(main)]))
+            lrs = [
+                torch.zeros((), dtype=torch.float32, device=grp["params"][0].device)
+                if grp["params"]
+                else torch.zeros(())
+                for grp in inner.param_groups
+            ]
+            plans.append((part, shards, lrs))
+        return plans
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """One update of every shard; False (nothing done) when clipping or loss scaling is
+        configured, which this path does not implement."""
+        parts = _parts(self.optimizer)
+        if any(float(getattr(p.config, "clip_grad", 0.0) or 0.0) > 0.0 for p in parts) or any(
+            getattr(p, "grad_scaler", None) is not None for p in parts
+        ):
+            return False
+        if self._plans is None:
+            self._plans = self._plan()
+        for part, shards, lrs in self._plans:
+            inner = part.optimizer
+            steps = []
+            for shard in shards:
+                state = inner.state[shard.main]
+                if not state:  # torch AdamW's state layout (fused: step is a device tensor)
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=shard.main.device)
+                    state["exp_avg"] = torch.zeros_like(shard.main)
+                    state["exp_avg_sq"] = torch.zeros_like(shard.main)
+                steps.append(state["step"])
+            if steps:
+                torch._foreach_add_(steps, 1.0)
+            group_lr = []
+            for grp, lr in zip(inner.param_groups, lrs):
+                if isinstance(grp["lr"], Tensor):
+                    group_lr.append(grp["lr"])
+                else:
+                    lr.fill_(float(grp["lr"]))
+                    group_lr.append(lr)
+            for shard in shards:
+                grp = inner.param_groups[shard.group]
+                state = inner.state[shard.main]
+                beta1, beta2 = grp["betas"]
+                adamw_master_step_(
+                    shard.main,
+                    shard.grad,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    shard.out,
+                    lr=group_lr[shard.group],
+                    beta1=float(beta1),
+                    beta2=float(beta2),
+                    eps=float(grp["eps"]),
+                    weight_decay=float(grp["weight_decay"]),
+                    step=state["step"],
+                )
+            self._sync_params(part)
+        return True
+
+    @staticmethod
+    def _sync_params(part: Any) -> None:
+        """megatron's param all-gather after the update (what ``step_with_ready_grads`` does),
+        skipped at one rank (nothing to gather) and under ``overlap_param_gather`` (the next
+        forward gathers)."""
+        if part.ddp_config.overlap_param_gather:
+            return
+        group = getattr(part, "data_parallel_group", None)
+        if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return
+        part.start_param_sync_for_bucket_group_subset()
+
+    def grad_norm(self) -> Any:
+        """The global grad norm of the step just taken (grads stay in the buffer until
+        ``zero_grad``), through megatron's own norm (its duplicate filtering and reduction
+        over ranks): the shards' grads are given to the main params as fp32 for the call and
+        taken back. For log steps only: that is the cast pass the update avoids."""
+        if self._plans is None:
+            self._plans = self._plan()
+        for _, shards, _ in self._plans:
+            for shard in shards:
+                shard.main.grad = shard.grad.float()
+        try:
+            return self.optimizer.get_grad_norm()
+        finally:
+            for _, shards, _ in self._plans:
+                for shard in shards:
+                    shard.main.grad = None
