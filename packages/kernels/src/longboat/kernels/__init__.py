@@ -41,7 +41,14 @@ from longboat.kernels.qkv_rope import (
     split_qkv_rope,
     split_qkv_rope_torch,
 )
-from longboat.kernels.rmsnorm import rms_norm, rms_norm_torch, rms_norm_triton
+from longboat.kernels.rmsnorm import (
+    add_rmsnorm,
+    add_rmsnorm_torch,
+    add_rmsnorm_triton,
+    rms_norm,
+    rms_norm_torch,
+    rms_norm_triton,
+)
 from longboat.kernels.rope import (
     apply_rope,
     apply_rope_,
@@ -62,6 +69,9 @@ __all__ = [
     "adamw_master_step_",
     "adamw_master_step_torch_",
     "adamw_master_step_triton_",
+    "add_rmsnorm",
+    "add_rmsnorm_torch",
+    "add_rmsnorm_triton",
     "apply_rope",
     "apply_rope_",
     "apply_rope_torch",

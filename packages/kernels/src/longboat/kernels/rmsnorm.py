@@ -3,6 +3,13 @@
 ``rms_norm(x, weight, eps, residual=None)`` returns ``y`` or, with a residual,
 ``(y, h)`` where ``h = x + residual`` is the new residual stream (in x's dtype) and
 ``y = h / rms(h) * weight``. Statistics are computed in fp32; ``y`` has x's dtype.
+
+``add_rmsnorm(x, residual, weight, eps)`` is the transformer-layer form of the fused residual:
+it returns ``(normed, new_residual)`` with ``new_residual = x + residual`` kept in the
+*residual's* dtype (an fp32 residual stream, megatron's ``fp32_residual_connection``, stays
+fp32 while ``x`` is bf16) and ``normed`` in x's dtype. Its backward adds the gradient
+arriving at ``new_residual`` (from its later use) into the norm's input gradient in the same
+pass, so neither the forward add nor the backward gradient sum is a kernel of its own.
 """
 
 from __future__ import annotations
@@ -23,6 +30,16 @@ def rms_norm_torch(
     hf = h.float()
     y = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
     return y if residual is None else (y, h)
+
+
+def add_rmsnorm_torch(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6
+) -> tuple[Tensor, Tensor]:
+    """Pure-torch reference of :func:`add_rmsnorm`: ``(normed, x + residual)``."""
+    h = x.to(residual.dtype) + residual  # megatron's bias-dropout-add: x cast to the stream
+    hf = h.float()
+    y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return y.to(x.dtype), h
 
 
 @triton.jit
@@ -214,3 +231,100 @@ def rms_norm(
     if resolve_impl(impl, x, compiled_reference_wins=wins) == "torch":
         return rms_norm_torch(x, weight, eps, residual)
     return rms_norm_triton(x, weight, eps, residual)
+
+
+def _add_rms_norm_fwd_impl(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    n = x.shape[-1]
+    x2, r2 = as_rows(x, n), as_rows(residual, n)
+    m = x2.shape[0]
+    y = torch.empty_like(x2)
+    h = torch.empty(x2.shape, device=x.device, dtype=residual.dtype)
+    rstd = torch.empty(m, device=x.device, dtype=torch.float32)
+    block = next_pow2(n)
+    if m > 0:
+        # The residual kernel: stores h in H's dtype (the stream's), y in Y's (x's).
+        _rms_fwd_kernel[(m,)](
+            x2, r2, weight, y, h, rstd,
+            x2.stride(0), r2.stride(0), y.stride(0), h.stride(0),
+            n, eps, HAS_RES=True, BLOCK=block, num_warps=_warps(block),
+        )  # fmt: skip
+    return y.view(x.shape), h.view(x.shape), rstd
+
+
+_add_rms_norm_fwd = torch.library.custom_op("longboat::add_rms_norm_fwd", mutates_args=())(
+    _add_rms_norm_fwd_impl
+)
+
+
+@_add_rms_norm_fwd.register_fake
+def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float):
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    h = x.new_empty(x.shape, dtype=residual.dtype)
+    return x.new_empty(x.shape), h, x.new_empty(m, dtype=torch.float32)
+
+
+class _AddRMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps):  # type: ignore[override]
+        y, h, rstd = op("add_rms_norm_fwd", _add_rms_norm_fwd_impl)(x, residual, weight, eps)
+        ctx.save_for_backward(h, weight, rstd)
+        ctx.x_dtype = x.dtype
+        ctx.set_materialize_grads(False)
+        return y, h
+
+    @staticmethod
+    def backward(ctx, dy, dh):  # type: ignore[override]
+        h, weight, rstd = ctx.saved_tensors
+        if dy is None:  # normed unused: the add's gradient only
+            if dh is None:
+                return None, None, None, None
+            return (dh if dh.dtype == ctx.x_dtype else dh.to(ctx.x_dtype)), dh, None, None
+        # d(x + residual) = norm backward of dy + the gradient from h's later use, one pass,
+        # written in h's dtype (the residual stream's).
+        dres, dw = op("rms_norm_bwd", _rms_norm_bwd_impl)(dy.contiguous(), h, weight, rstd, dh)
+        dx = dres if dres.dtype == ctx.x_dtype else dres.to(ctx.x_dtype)
+        return dx, dres, dw, None
+
+
+def add_rmsnorm_triton(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6
+) -> tuple[Tensor, Tensor]:
+    """Triton fused residual add + RMSNorm (fwd + bwd), same signature as the reference."""
+    return _AddRMSNormFn.apply(x, residual, weight, eps)
+
+
+def add_rmsnorm(
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    eps: float = 1e-6,
+    *,
+    impl: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(normed, new_residual)``: ``new_residual = x + residual`` in the residual's dtype,
+    ``normed = new_residual / rms(new_residual) * weight`` in x's dtype (fp32 statistics,
+    one rounding).
+
+    The transformer layer's "add the sublayer output to the stream, then normalise for the
+    next sublayer" in one pass each way: forward reads ``x``, ``residual`` and writes
+    ``new_residual``, ``normed``; backward reads ``d normed``, ``new_residual`` and the
+    gradient of ``new_residual``'s later use, and writes the summed input gradient (returned
+    for both ``x`` and ``residual``; cast to x's dtype where the two differ).
+    ``impl``: as :func:`rms_norm`.
+    """
+    if residual.shape != x.shape:
+        raise ValueError(
+            f"add_rmsnorm: residual shape {tuple(residual.shape)} must equal x's shape "
+            f"{tuple(x.shape)}; pass the residual stream the sublayer output is added to"
+        )
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(
+            f"add_rmsnorm: weight shape {tuple(weight.shape)} must equal x's last dim "
+            f"({x.shape[-1]},); pass a weight of the hidden size"
+        )
+    # Under torch.compile the reference goes to Inductor (as rms_norm's fused residual).
+    if resolve_impl(impl, x, residual, compiled_reference_wins=True) == "torch":
+        return add_rmsnorm_torch(x, residual, weight, eps)
+    return add_rmsnorm_triton(x, residual, weight, eps)
