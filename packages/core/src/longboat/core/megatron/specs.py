@@ -3,7 +3,9 @@
 longboat.core may not import longboat.kernels (kernels sits above core), so the
 kernels come in through ``LayerKernels``: the llm / vlm stacks pass
 ``longboat.kernels``' attention dispatch and RMSNorm, and without them the
-pure-torch defaults (SDPA, ``F.rms_norm``) are used.  ``backend="auto"`` picks
+pure-torch defaults (SDPA, ``F.rms_norm``) are used. With ``LayerKernels.add_rms_norm``
+the layer is ``AddNormTransformerLayer``: the attention residual add and the pre-MLP
+norm run as one kernel.  ``backend="auto"`` picks
 megatron's Transformer Engine spec when ``transformer_engine`` imports and the
 accelerator is CUDA, the longboat spec otherwise.
 """
@@ -36,6 +38,13 @@ GLUFn = Callable[[torch.Tensor], torch.Tensor]
 """``fn(x)`` = ``silu(x[..., :n]) * x[..., n:]`` for the packed ``[gate, up]`` fc1 output."""
 RMSNormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 """``fn(x, weight, eps)`` over the last dimension."""
+AddRMSNormFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+]
+"""``fn(x, residual, weight, eps) -> (normed, new_residual)``: ``new_residual = x + residual``
+in the residual's dtype (an fp32 stream stays fp32), ``normed`` its RMSNorm times ``weight`` in
+x's dtype; gradients flow to ``x`` / ``residual`` from both outputs. This is
+``longboat.kernels.rmsnorm.add_rmsnorm``'s contract."""
 RopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """``fn(q, k, cos, sin) -> (q, k)``: rotate ``q`` / ``k`` ``[batch, seq, heads, head_dim]`` (k with
 its own, grouped head count; strided views allowed) by the half-split (NeoX / Llama) rotation,
@@ -89,6 +98,11 @@ class LayerKernels:
     """Core attention (``AttentionFn`` contract)."""
     rms_norm: RMSNormFn = torch_rms_norm
     """RMSNorm of the layer norms and the qk-norms."""
+    add_rms_norm: AddRMSNormFn | None = None
+    """Residual add + RMSNorm in one call (``AddRMSNormFn``): the layer becomes
+    ``AddNormTransformerLayer``, which hands the attention output and the residual to the
+    pre-MLP norm instead of adding them first (megatron's ``self_attn_bda``); None keeps
+    megatron's add, then ``rms_norm``."""
     swiglu: GLUFn | None = None
     """Fused SwiGLU on the packed fc1 output; None keeps megatron's own ``silu(g) * u``.
     When set, the TransformerConfig must have ``use_te_activation_func=True`` (megatron's
@@ -126,6 +140,7 @@ class KernelRMSNorm(torch.nn.Module):
         eps: float = 1e-6,
         *,
         rms_norm: RMSNormFn = torch_rms_norm,
+        add_rms_norm: AddRMSNormFn | None = None,
         **unused: Any,
     ) -> None:
         super().__init__()
@@ -135,13 +150,33 @@ class KernelRMSNorm(torch.nn.Module):
         # megatron reads this to decide whether the grad is TP-reduced in sequence parallel.
         self.weight.sequence_parallel = bool(config.sequence_parallel)
         self._rms_norm = rms_norm
+        self._add_rms_norm = add_rms_norm
+
+    @property
+    def fuses_residual_add(self) -> bool:
+        """Whether ``forward_add`` runs a fused kernel (``add_rms_norm`` was given)."""
+        return self._add_rms_norm is not None
+
+    def _linear_dtype(self, out: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        # The linears' dtype: the stream's, or with an fp32 residual stream
+        # (``fp32_residual_connection``) the params' (as apex's mixed-precision norms do).
+        want = self.config.params_dtype if self.config.fp32_residual_connection else stream.dtype
+        return out if out.dtype == want else out.to(want)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._rms_norm(x, self.weight, self.eps)
-        # The linears' dtype: the input's, or with an fp32 residual stream
-        # (``fp32_residual_connection``) the params' (as apex's mixed-precision norms do).
-        want = self.config.params_dtype if self.config.fp32_residual_connection else x.dtype
-        return out if out.dtype == want else out.to(want)
+        return self._linear_dtype(self._rms_norm(x, self.weight, self.eps), x)
+
+    def forward_add(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)`` in one kernel; the sum in residual's dtype."""
+        if self._add_rms_norm is None:
+            raise RuntimeError(
+                "KernelRMSNorm.forward_add needs an add_rms_norm kernel: build the spec with "
+                "LayerKernels(add_rms_norm=...)"
+            )
+        normed, stream = self._add_rms_norm(x, residual, self.weight, self.eps)
+        return self._linear_dtype(normed, stream), stream
 
 
 class KernelCoreAttention(MegatronModule):
@@ -329,6 +364,127 @@ class KernelSelfAttention(SelfAttention):
         return cos[:seq], sin[:seq]
 
 
+class AddNormTransformerLayer(TransformerLayer):
+    """megatron ``TransformerLayer`` whose attention residual add runs inside the pre-MLP norm.
+
+    megatron adds the attention output to the residual stream (``self_attn_bda``: a kernel
+    forward, and in backward a kernel summing the stream's two gradients), then normalises
+    the sum (``pre_mlp_layernorm``). Here ``forward`` runs the attention half without the
+    add and hands ``(attention output, residual)`` to the norm's ``forward_add`` (one kernel
+    each way, ``AddRMSNormFn``); megatron's own ``_forward_mlp`` then receives
+    ``(normed, new residual)`` through its tuple-returning-norm path and runs unchanged
+    (dense or MoE MLP, MLP recompute, the MLP residual add).
+
+    Cases the fused path does not cover run megatron's layer unchanged: hidden dropout in
+    training, cross-attention, selective recompute or activation offloading of the norms,
+    fused-TP inference, positional arguments after ``hidden_states``. Code that calls
+    ``_forward_attention`` itself (Transformer Engine CUDA-graph capture, the MoE
+    all-to-all overlap schedule) gets megatron's unfused add too.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pending_add: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Whether ``forward`` fuses the attention residual add into the pre-MLP norm.
+        self.fuses_attention_add = self._add_fusable()
+
+    def _add_fusable(self) -> bool:
+        return (
+            bool(getattr(self.pre_mlp_layernorm, "fuses_residual_add", False))
+            and isinstance(self.pre_cross_attn_layernorm, IdentityOp)
+            and isinstance(self.cross_attention, IdentityOp)
+            and not self.recompute_input_layernorm
+            and not self.recompute_pre_mlp_layernorm
+            and not self.offload_attn_norm
+            and not self.offload_mlp_norm
+        )
+
+    def _add_applies(self, args: tuple[Any, ...]) -> bool:
+        from megatron.core.inference.utils import InferenceMode
+
+        if not self.fuses_attention_add or len(args) > 1:
+            return False
+        if self.training and self.hidden_dropout > 0.0:
+            return False  # megatron's bias-dropout-add drops the attention output first
+        return not (InferenceMode.is_active() and self.config.inference_fuse_tp_communication)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        if not self._add_applies(args):
+            return super().forward(*args, **kwargs)
+        if args:
+            kwargs["hidden_states"] = args[0]
+        attention_out, residual, context = self._attention_without_add(**kwargs)
+        self._pending_add = (attention_out, residual)
+        try:
+            output = self._forward_mlp(
+                attention_out,
+                kwargs.get("inference_context"),
+                padding_mask=kwargs.get("padding_mask"),
+                packed_seq_params=kwargs.get("packed_seq_params"),
+            )
+        finally:
+            self._pending_add = None
+        return output, context
+
+    def _attention_without_add(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        context: torch.Tensor | None = None,
+        context_mask: torch.Tensor | None = None,
+        rotary_pos_emb: Any = None,
+        rotary_pos_cos: torch.Tensor | None = None,
+        rotary_pos_sin: torch.Tensor | None = None,
+        rotary_pos_cos_sin: torch.Tensor | None = None,
+        attention_bias: torch.Tensor | None = None,
+        inference_context: Any = None,
+        packed_seq_params: Any = None,
+        sequence_len_offset: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
+        *,
+        inference_params: Any = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """megatron's ``_forward_attention`` up to, not including, the residual add.
+
+        Returns ``(attention output [+ bias], residual, context)``; the identity
+        cross-attention modules (checked at build) pass ``context`` through.
+        """
+        from megatron.core.utils import deprecate_inference_params
+
+        inference_context = deprecate_inference_params(inference_context, inference_params)
+        normed = self.input_layernorm(hidden_states)
+        if isinstance(normed, tuple):
+            normed, residual = normed
+        else:
+            residual = hidden_states
+        if self.config.fp32_residual_connection:
+            residual = residual.float()
+        out, bias = self.self_attention(
+            normed,
+            attention_mask=attention_mask,
+            inference_context=inference_context,
+            rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            rotary_pos_cos_sin=rotary_pos_cos_sin,
+            attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset,
+        )
+        if bias is not None:  # as megatron's bias-dropout-add: the bias added in the stream dtype
+            out = out.to(residual.dtype) + bias.to(residual.dtype)
+        return out, residual, context
+
+    def _forward_pre_mlp_layernorm(self, hidden_states: torch.Tensor) -> Any:
+        pending = self._pending_add
+        if pending is None or pending[0] is not hidden_states:
+            return super()._forward_pre_mlp_layernorm(hidden_states)
+        self._pending_add = None
+        self.mlp_norm_manager = None  # no offloading of the norms (``_add_fusable``)
+        # (normed, x + residual): megatron's _forward_mlp takes the second as its residual.
+        return self.pre_mlp_layernorm.forward_add(*pending)
+
+
 class LongboatSpecProvider(LocalSpecProvider):
     """megatron's local provider with longboat's attention and RMSNorm kernels."""
 
@@ -370,6 +526,10 @@ def resolve_backend(backend: str, device_type: str) -> str:
     return backend
 
 
+def _layer_module(kernels: LayerKernels) -> type:
+    return TransformerLayer if kernels.add_rms_norm is None else AddNormTransformerLayer
+
+
 def _attention_module(kernels: LayerKernels) -> type:
     if kernels.rope is None and kernels.qkv_rope is None:
         return SelfAttention
@@ -389,7 +549,12 @@ def decoder_layer_spec(
     backend: str = "longboat",
     kernels: LayerKernels | None = None,
 ) -> ModuleSpec:
-    """The ``TransformerLayer`` spec of a Llama / Qwen style decoder layer."""
+    """The ``TransformerLayer`` spec of a Llama / Qwen style decoder layer.
+
+    With ``kernels.add_rms_norm`` (longboat backend) the layer is ``AddNormTransformerLayer``
+    and its pre-MLP norm takes the attention residual add (same modules and parameter names,
+    so checkpoints and the HF mapping are unchanged).
+    """
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
@@ -409,6 +574,12 @@ def decoder_layer_spec(
     kernels = kernels or LayerKernels()
     provider = LongboatSpecProvider(kernels)
     norm = provider.layer_norm(rms_norm=True)
+    pre_mlp_norm = norm
+    if kernels.add_rms_norm is not None:  # the norm that takes the attention residual add
+        pre_mlp_norm = ModuleSpec(
+            module=KernelRMSNorm,
+            params={"rms_norm": kernels.rms_norm, "add_rms_norm": kernels.add_rms_norm},
+        )
     mlp = get_mlp_module_spec_for_backend(
         backend=provider,
         num_experts=num_experts or None,
@@ -416,7 +587,7 @@ def decoder_layer_spec(
         use_te_activation_func=provider.kernels.swiglu is not None,
     )
     return ModuleSpec(
-        module=TransformerLayer,
+        module=_layer_module(kernels),
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=ModuleSpec(
@@ -431,7 +602,7 @@ def decoder_layer_spec(
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=norm,
+            pre_mlp_layernorm=pre_mlp_norm,
             mlp=mlp,
             mlp_bda=get_bias_dropout_add,
         ),
