@@ -3,8 +3,8 @@
 core cannot import kernels (kernels sits above core), so the llm stack, which
 depends on both, hands the kernels to the spec: attention through
 ``longboat.kernels.attention`` dispatch (SDPA flash / cuDNN without Transformer
-Engine), RMSNorm, SwiGLU, RoPE and the fused QKV split + RoPE (Triton on CUDA, torch
-reference elsewhere).
+Engine), RMSNorm, the fused attention-residual add + pre-MLP RMSNorm, SwiGLU, RoPE and the
+fused QKV split + RoPE (Triton on CUDA, torch reference elsewhere).
 """
 
 from __future__ import annotations
@@ -34,6 +34,14 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     from longboat.kernels.rmsnorm import rms_norm
 
     return rms_norm(x, weight, eps)  # type: ignore[return-value]
+
+
+def _add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from longboat.kernels.rmsnorm import add_rmsnorm
+
+    return add_rmsnorm(x, residual, weight, eps)
 
 
 def _swiglu(x: torch.Tensor) -> torch.Tensor:
@@ -69,16 +77,23 @@ def _qkv_rope(
 
 
 def longboat_layer_kernels(
-    *, swiglu: bool = True, rope: bool = True, qkv_rope: bool = True
+    *,
+    swiglu: bool = True,
+    rope: bool = True,
+    qkv_rope: bool = True,
+    add_rms_norm: bool = True,
 ) -> LayerKernels:
     """The longboat kernels as a ``LayerKernels`` bundle.
 
     ``rope=False``: megatron's RoPE; ``qkv_rope=False``: megatron's QKV split views followed
     by the RoPE kernel (``qkv_rope`` needs ``rope``: it serves the same rotation).
+    ``add_rms_norm=False``: megatron's attention residual add, then the RMSNorm kernel
+    (instead of ``AddNormTransformerLayer`` with ``longboat.kernels.add_rmsnorm``).
     """
     return LayerKernels(
         attention=_attention,
         rms_norm=_rms_norm,
+        add_rms_norm=_add_rms_norm if add_rms_norm else None,
         swiglu=_swiglu if swiglu else None,
         rope=_rope if rope else None,
         qkv_rope=_qkv_rope if rope and qkv_rope else None,
