@@ -7,10 +7,12 @@
 # with one GPU), with megatron-core 0.19, hydra, av and liger-kernel importable and
 # PYTHONPATH pointing at packages/*/src. Each step has its own time limit (seconds, env
 # LIMIT_*), so one that overruns leaves the others their time; results are written as
-# each step ends. ONLY="llm vla llm_align scaling vla_align pi05" picks steps (default: all
-# but pi05, which WITH_PI05=1 adds), so the set can be split over calls of at most 10 min.
+# each step ends. ONLY="llm vla llm_align scaling vla_scaling vla_align pi05" picks steps
+# (default: all but pi05, which WITH_PI05=1 adds), so the set can be split over calls of at
+# most 10 min. vla_scaling (GR00T DP=2 vs DP=1) gets all three variants with
+# LIMIT_VLA_SCALING=200; at 150 the last (longboat, torch DDP) may be skipped for time.
 set -u
-ONLY=${ONLY:-"llm vla llm_align scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")"}
+ONLY=${ONLY:-"llm vla llm_align scaling vla_scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")"}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 RESULTS=${RESULTS:-benchmarks/results}
 mkdir -p "$RESULTS"
@@ -30,6 +32,13 @@ want llm_align && step "llm loss alignment" timeout "${LIMIT_LLM_ALIGN:-130}" py
 if want scaling && [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
   step "llm scaling" timeout "${LIMIT_SCALING:-140}" python3 tools/bench/llm_scaling.py \
     --results-dir "$RESULTS" --time-budget "$(( ${LIMIT_SCALING:-140} - 20 ))"
+fi
+if want vla_scaling && [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+  step "vla scaling" timeout "${LIMIT_VLA_SCALING:-150}" python3 tools/bench/vla_scaling.py \
+    --out /tmp/vla_scaling.json --results-dir "$RESULTS" \
+    --variants longboat_graphed,longboat_master,longboat --batch 32 --steps 20 --warmup 5 \
+    --workers 8 --embodiments 8 --episodes 6 --episode-length 80 120 \
+    --time-budget "$(( ${LIMIT_VLA_SCALING:-150} - 20 ))"
 fi
 want vla_align && step "vla loss alignment (master weights)" timeout "${LIMIT_VLA_ALIGN:-200}" \
   python3 tools/bench/vla_loss_alignment.py --out /tmp/vla_loss_alignment.json \
