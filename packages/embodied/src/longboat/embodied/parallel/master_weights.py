@@ -166,9 +166,11 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 self._split_into(p.detach().reshape(-1), off, off + n)
             if self._world_size() > 1:
                 # Identical starting weights on every rank (what DDP's constructor guarantees).
+                # As int32 bit patterns: gloo has no bf16 / int16 (the length is a multiple
+                # of ALIGN, so even).
                 src = dist.get_global_rank(self._group(), 0)
-                dist.broadcast(self.flat_param, src=src, group=self._group())
-                dist.broadcast(self.master_lo, src=src, group=self._group())
+                for buf in (self.flat_param, self.master_lo):
+                    dist.broadcast(buf.view(torch.int32), src=src, group=self._group())
         else:
             self._master = torch.zeros(total, dtype=torch.float32, device=device)
             for p, off in zip(params, offsets):

@@ -158,7 +158,13 @@ def train(cfg: Any) -> TrainResult:
         device_ids=[info.local_rank] if accelerator.device_type == "cuda" else None,
         master_weights=cfg.train.master_weights,
     )
-    optimizer = build_optimizer(model, cfg.optim, setup, master_weights=cfg.train.master_weights)
+    optimizer = build_optimizer(
+        model,
+        cfg.optim,
+        setup,
+        master_weights=cfg.train.master_weights,
+        master_storage=cfg.train.master_weight_storage,
+    )
     scheduler = build_lr_scheduler(optimizer, cfg.optim.schedule, cfg.train.steps)
     nan_guard = NaNGuard(cfg.train.nan_guard)
     if cfg.train.cuda_graph and layout.accum != 1:
