@@ -23,10 +23,11 @@ want llm && step "llm throughput" timeout "${LIMIT_LLM:-150}" python3 tools/benc
   --out /tmp/llm_throughput.json --results-dir "$RESULTS" \
   --runs hf_eager,hf_compiled,mcore_local_spec,longboat,longboat_fp32grads,longboat_localopt,longboat_onepass,hf_liger,longboat_graphed,longboat_graphed_onepass \
   --steps 10 --warmup 3 --time-budget "$(( ${LIMIT_LLM:-150} - 10 ))"
-want vla && step "vla throughput" timeout "${LIMIT_VLA:-105}" python3 tools/bench/vla_throughput.py \
+want vla && step "vla throughput" timeout "${LIMIT_VLA:-200}" python3 tools/bench/vla_throughput.py \
   --out /tmp/vla_throughput.json --results-dir "$RESULTS" \
-  --runs reference,longboat,longboat_graphed --batch 32 --steps 20 --warmup 5 --workers 12 \
-  --embodiments 8 --episodes 6 --episode-length 80 120 --time-budget "$(( ${LIMIT_VLA:-105} - 10 ))"
+  --runs reference,longboat_graphed,longboat_graphed_kernel,longboat_graphed_fp32master,longboat \
+  --batch 32 --steps 20 --warmup 5 --workers 12 \
+  --embodiments 8 --episodes 6 --episode-length 80 120 --time-budget "$(( ${LIMIT_VLA:-200} - 10 ))"
 want llm_align && step "llm loss alignment" timeout "${LIMIT_LLM_ALIGN:-130}" python3 tools/bench/llm_loss_alignment.py \
   --out /tmp/llm_loss_alignment.json --results-dir "$RESULTS" --steps 200
 if want scaling && [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then

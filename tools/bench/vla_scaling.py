@@ -25,13 +25,10 @@ loss all-reduce are captured in the graph), ``longboat`` (fp32 trainable weights
 autocast, torch DDP: bucketed grad all-reduce overlapping the backward,
 ``find_unused_parameters=True`` as the product sets it).
 
-``run_longboat`` builds a single-process run (``world_size=1, rank=0``, ``dp_rank=0``,
-``rank_offset=0``) from names it imports at call time; ``as_data_parallel_rank`` rebinds
-exactly those names for the duration of the call (and fails loudly when ``run_longboat``
-stops passing the single-process values it expects). The batches also carry their sample
-indices from the loader to the step, so the result records which samples each rank
-trained on (``same_step_overlap``: samples two ranks both trained on in the same step; 0
-when every rank reads its own shard).
+``run_longboat`` takes the rank and world size and sets those itself; this script passes a
+``RankMicroBatches`` subclass whose batches carry their sample indices from the loader to the
+step, so the result records which samples each rank trained on (``same_step_overlap``:
+samples two ranks both trained on in the same step; 0 when every rank reads its own shard).
 
 Per run: samples/s total (all ranks' samples over the slowest rank's timed wall clock, data
 loading included) and per GPU, the DP=2 / DP=1 ratio of the same variant (2.0 = perfect weak
@@ -58,15 +55,12 @@ Rank 0 writes ``<results-dir>/vla_scaling_<date>.{json,md,png}`` (``_tiny`` suff
 from __future__ import annotations
 
 import argparse
-import contextlib
-import inspect
 import json
 import math
 import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -111,97 +105,6 @@ class TaggedMicroBatches(RankMicroBatches):
         return batch
 
 
-def _rebind(
-    fn: Callable[..., Any],
-    label: str,
-    replace: dict[str, tuple[Any, Any]],
-    calls: dict[str, Any],
-    keep: str | None = None,
-) -> Callable[..., Any]:
-    """``fn`` with each argument ``key`` of ``replace`` changed from ``was`` to ``now``
-    (a RuntimeError when the caller passed something other than ``was``); the argument
-    ``keep`` of the latest call is kept in ``calls[keep]``."""
-    sig = inspect.signature(fn)
-
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        for key, (was, now) in replace.items():
-            if bound.arguments[key] != was:
-                raise RuntimeError(
-                    f"vla_throughput.run_longboat passed {label}({key}={bound.arguments[key]!r})"
-                    f" where vla_scaling expects the single-process value {was!r}; fix: give "
-                    "run_longboat rank / world_size parameters and drop as_data_parallel_rank"
-                )
-            bound.arguments[key] = now
-        calls[label] += 1
-        if keep is not None:
-            calls[keep] = bound.arguments[keep]
-        return fn(*bound.args, **bound.kwargs)
-
-    return wrapped
-
-
-@contextlib.contextmanager
-def as_data_parallel_rank(
-    rank: int, world: int, batch: int, seen: list[list[int]]
-) -> Iterator[dict[str, int]]:
-    """While open, ``vla_throughput.run_longboat`` builds data-parallel rank ``rank`` of
-    ``world`` (per-rank batch ``batch``) instead of its single-process run, and every batch's
-    sample indices are appended to ``seen`` as the step receives it. Yields the call counts
-    of the rebound names and the step's ``optimizer``; on exit checks that each was used."""
-    import longboat.embodied.parallel as par
-    import longboat.embodied.train.loader as loader_mod
-    import longboat.embodied.train.plan as plan_mod
-    import longboat.embodied.train.policy_batch as pb
-    import longboat.embodied.train.step as step_mod
-
-    calls: dict[str, Any] = dict.fromkeys(
-        ("ParallelSetup", "BatchLayout", "RankMicroBatches", "train_step", "run_step"), 0
-    )
-    to_device = pb.to_device
-
-    def recording_to_device(b: dict[str, Any], device: Any) -> dict[str, Any]:
-        seen.append(b.pop(SAMPLE_KEY).tolist())
-        return to_device(b, device)
-
-    patches = [
-        (par, "ParallelSetup",
-         _rebind(par.ParallelSetup, "ParallelSetup",
-                 {"world_size": (1, world), "rank": (0, rank)}, calls)),
-        (plan_mod, "BatchLayout",
-         _rebind(plan_mod.BatchLayout, "BatchLayout",
-                 {"global_batch": (batch, batch * world), "dp_size": (1, world)}, calls)),
-        (loader_mod, "RankMicroBatches",
-         _rebind(TaggedMicroBatches, "RankMicroBatches", {"dp_rank": (0, rank)}, calls)),
-        # One micro-batch a step: rank r's global micro-batch index is r (dp_rank * accum).
-        (step_mod, "train_step",
-         _rebind(step_mod.train_step, "train_step", {"rank_offset": (0, rank)}, calls,
-                 keep="optimizer")),
-        (step_mod, "run_step",
-         _rebind(step_mod.run_step, "run_step", {"rank_offset": (0, rank)}, calls,
-                 keep="optimizer")),
-        (pb, "to_device", recording_to_device),
-    ]  # fmt: skip
-    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
-    for mod, name, new in patches:
-        setattr(mod, name, new)
-    try:
-        yield calls
-    finally:
-        for mod, name, old in saved:
-            setattr(mod, name, old)
-    unused = [k for k in ("ParallelSetup", "BatchLayout", "RankMicroBatches") if not calls[k]]
-    if not (calls["train_step"] or calls["run_step"]):
-        unused.append("train_step / run_step")
-    if unused:
-        raise RuntimeError(
-            f"vla_throughput.run_longboat no longer calls {', '.join(unused)} as vla_scaling "
-            "expects, so the run may not be data parallel; fix: give run_longboat rank / "
-            "world_size parameters and drop as_data_parallel_rank"
-        )
-
-
 # ----------------------------------------------------------------------------- phases
 
 
@@ -222,12 +125,20 @@ def run_phase(
         sync_every_step=False,
     )  # fmt: skip
     seen: list[list[int]] = []
+
+    def record(batch: dict[str, Any]) -> dict[str, Any]:
+        seen.append(batch.pop(SAMPLE_KEY).tolist())
+        return batch
+
+    keep: dict[str, Any] = {}
     t0 = time.perf_counter()
-    with as_data_parallel_rank(rank, world, args.batch, seen) as calls:
-        # No deadline inside the loop: ranks must run the same number of steps.
-        timer, wall, counts = vt.run_longboat(acc, cfg, args.data_dir, vt_args, math.inf, variant)
+    # No deadline inside the loop: ranks must run the same number of steps.
+    timer, wall, counts = vt.run_longboat(
+        acc, cfg, args.data_dir, vt_args, math.inf, variant, rank=rank, world_size=world,
+        micro_batches=TaggedMicroBatches, prepare=record, keep=keep,
+    )  # fmt: skip
     phase_s = time.perf_counter() - t0
-    checksum = params_checksum(calls.pop("optimizer"))
+    checksum = params_checksum(keep["optimizer"])
     out = timer.summary(args.batch, args.warmup, args.flops, wall)
     out.update(
         rank=rank,

@@ -407,27 +407,58 @@ def run_reference(
     return timer, wall, counts
 
 
-LONGBOAT_RUNS = ("longboat", "longboat_master", "longboat_graphed", "longboat_compiled")
+# What each longboat run sets (the trainer's keys): master weights, their storage, the one-pass
+# Triton AdamW (LONGBOAT_ADAMW_KERNEL=1), a CUDA graph, torch.compile of the blocks.
+LONGBOAT_VARIANTS: dict[str, dict[str, Any]] = {
+    "longboat": {},
+    "longboat_compiled": {"compile": True},
+    "longboat_master": {"master": "split"},
+    "longboat_graphed": {"master": "split", "graphed": True},
+    "longboat_graphed_fp32master": {"master": "fp32", "graphed": True},
+    "longboat_graphed_kernel": {"master": "split", "graphed": True, "kernel": True},
+}
+LONGBOAT_RUNS = tuple(LONGBOAT_VARIANTS)
 
 
 def run_longboat(
-    acc: Any, cfg: Any, root: Path, args: argparse.Namespace, deadline: float, variant: str
+    acc: Any,
+    cfg: Any,
+    root: Path,
+    args: argparse.Namespace,
+    deadline: float,
+    variant: str,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    micro_batches: Any = None,
+    prepare: Any = None,
+    keep: dict[str, Any] | None = None,
 ) -> tuple[Timer, float, dict[str, int]]:
-    """The longboat-embodied trainer's model and input pipeline.
+    """The longboat-embodied trainer's model, input pipeline and step loop.
 
-    ``variant``: ``longboat`` (fp32 trainable weights + bf16 autocast, the reference's
-    layout), ``longboat_master`` (``train.master_weights``: bf16 weights as views of one flat
-    buffer, fp32 master weights in the optimizer, no per-use weight casts, sync-free step),
-    ``longboat_graphed`` (``train.cuda_graph``: ``longboat_master`` with the whole step -
-    forward, backward, clip, update - replayed as one CUDA graph; text padded to the fixed
-    maximum so every batch has the same shapes), ``longboat_compiled`` (``longboat`` with
-    every parallel block torch.compile'd)."""
-    compile_blocks = variant == "longboat_compiled"
-    graphed = variant == "longboat_graphed"
-    master = variant in ("longboat_master", "longboat_graphed")
+    ``variant`` (``LONGBOAT_VARIANTS``): ``longboat`` (fp32 trainable weights + bf16
+    autocast, the reference's layout), ``longboat_master`` (``train.master_weights``: bf16
+    weights as views of one flat buffer, master weights in the optimizer in the default
+    ``split`` storage, no per-use weight casts), ``longboat_graphed`` (``train.cuda_graph``:
+    ``longboat_master`` with the whole step - forward, backward, clip, update - replayed as
+    one CUDA graph; text padded to the fixed maximum so every batch has the same shapes),
+    ``longboat_graphed_fp32master`` (its masters in fp32 storage), ``longboat_graphed_kernel``
+    (the one-pass Triton AdamW, ``LONGBOAT_ADAMW_KERNEL=1``), ``longboat_compiled``
+    (``longboat`` with every parallel block torch.compile'd). The master-weight runs step as
+    the trainer does: ``run_step`` with the NaN guard resolved one step late
+    (``LaggedGuard``) and the LR schedule on the device, no per-step host sync.
+
+    ``rank`` / ``world_size``: data-parallel rank of a multi-process run (its process group
+    initialised; vla_scaling.py); ``micro_batches``: the ``RankMicroBatches`` class to use;
+    ``prepare(batch)``: applied to each host batch before it goes to the device; ``keep``:
+    receives the ``optimizer``."""
+    spec = LONGBOAT_VARIANTS[variant]
+    graphed = bool(spec.get("graphed"))
+    master = spec.get("master")
     from torch.utils.data import DataLoader
 
-    from longboat.core.config.schema import OptimConfig
+    from longboat.core.config.schema import LRScheduleConfig, NaNGuardConfig, OptimConfig
+    from longboat.core.loop import NaNGuard, build_lr_scheduler
     from longboat.embodied.config import LeRobotDataConfig
     from longboat.embodied.models import apply_freezing, build_model
     from longboat.embodied.parallel import ParallelSetup, build_optimizer, parallelize
@@ -435,7 +466,7 @@ def run_longboat(
     from longboat.embodied.train.loader import RankMicroBatches
     from longboat.embodied.train.plan import BatchLayout, GlobalBatchPlan
     from longboat.embodied.train.policy_batch import PolicyCollator, batch_spec, to_device
-    from longboat.embodied.train.step import train_step
+    from longboat.embodied.train.step import GraphableStep, LaggedGuard, run_step, train_step
 
     device = acc.device()
     data_cfg = LeRobotDataConfig(path=str(root), video_backend="pyav")
@@ -443,10 +474,11 @@ def run_longboat(
     collate = PolicyCollator(
         batch_spec(args.model, cfg, len(cams), hw), cams, fixed_text_length=graphed
     )
-    plan = GlobalBatchPlan(
-        len(dataset), BatchLayout(args.batch, args.batch, 1), seed=args.seed, shuffle=True
+    layout = BatchLayout(args.batch * world_size, args.batch, world_size)
+    plan = GlobalBatchPlan(len(dataset), layout, seed=args.seed, shuffle=True)
+    micro = (micro_batches or RankMicroBatches)(
+        dataset, plan, collate, dp_rank=rank, seed=args.seed
     )
-    micro = RankMicroBatches(dataset, plan, collate, dp_rank=0, seed=args.seed)
     total = args.warmup + args.steps + args.profile_steps
     loader = DataLoader(
         micro,
@@ -461,64 +493,91 @@ def run_longboat(
         model = build_model(args.model, cfg)
     counts = apply_freezing(model, cfg)
     model.train()
-    setup = ParallelSetup(strategy="ddp", world_size=1, rank=0, device_type=acc.device_type)
-    model = parallelize(model, setup, precision="bf16", master_weights=master)
+    setup = ParallelSetup(
+        strategy="ddp", world_size=world_size, rank=rank, device_type=acc.device_type
+    )
+    device_ids = [device.index or 0] if acc.device_type == "cuda" and world_size > 1 else None
+    model = parallelize(
+        model, setup, precision="bf16", master_weights=bool(master), device_ids=device_ids
+    )
     if args.model == "pi05":  # the reference's (openpi's) AdamW settings
         optim = OptimConfig(lr=2.5e-5, weight_decay=1e-10, betas=[0.9, 0.95], grad_clip=1.0)
     else:
         optim = OptimConfig(lr=1e-4, weight_decay=1e-5, betas=[0.9, 0.999], grad_clip=1.0)
-    opt = build_optimizer(model, optim, setup, master_weights=master)
-    if compile_blocks:
+    optim.schedule = LRScheduleConfig(name="constant")
+    saved_env = os.environ.get("LONGBOAT_ADAMW_KERNEL")
+    os.environ["LONGBOAT_ADAMW_KERNEL"] = "1" if spec.get("kernel") else "0"
+    try:
+        opt = build_optimizer(
+            model, optim, setup, master_weights=bool(master), master_storage=master or "fp32"
+        )
+    finally:
+        if saved_env is None:
+            os.environ.pop("LONGBOAT_ADAMW_KERNEL", None)
+        else:
+            os.environ["LONGBOAT_ADAMW_KERNEL"] = saved_env
+    if keep is not None:
+        keep["optimizer"] = opt
+    if spec.get("compile"):
         for block in model.parallel_blocks():
             block.compile()
+    rank_offset = rank  # one micro-batch a step: rank r trains global micro-batch r
 
-    if graphed:
-        from longboat.core.loop import GraphedStep
-        from longboat.embodied.train.step import GraphableStep, run_step
+    if master:
+        fn: Any = GraphableStep(
+            model, opt, precision="bf16", device_type=acc.device_type, grad_clip=1.0,
+            skip_nonfinite_loss=True,
+        )  # fmt: skip
+        if graphed:
+            from longboat.core.loop import GraphedStep
 
-        fn = GraphableStep(model, opt, precision="bf16", device_type=acc.device_type, grad_clip=1.0)
-        graph = GraphedStep(fn, accelerator=acc, warmup=3, name="vla step")
+            fn = GraphedStep(fn, accelerator=acc, warmup=3, name="vla step")
+        lagged = LaggedGuard(
+            NaNGuard(NaNGuardConfig()), opt, build_lr_scheduler(opt, optim.schedule, total),
+            total_steps=total, accelerator=acc,
+        )  # fmt: skip
 
-        def graph_step(batch: dict, i: int) -> float:
+    def step(batch: dict, i: int) -> Any:
+        if master:
             out = run_step(
-                graph, opt, batch, step=i, seed=args.seed, rank_offset=0,
-                device_type=acc.device_type, device_index=device.index or 0, host_sync=False,
+                fn, opt, batch, step=i, seed=args.seed, rank_offset=rank_offset,
+                device_type=acc.device_type, device_index=device.index or 0, lagged=lagged,
             )  # fmt: skip
             return out.loss  # read after the timed window (the product loop logs every N)
-
-    def step(batch: dict, i: int) -> float:
-        if graphed:
-            return graph_step(batch, i)
         out = train_step(
             model,
             opt,
             [batch],
             step=i,
             seed=args.seed,
-            rank_offset=0,
+            rank_offset=rank_offset,
             device_type=acc.device_type,
             precision="bf16",
             grad_clip=1.0,
-            host_sync=not master,
+            host_sync=True,
         )
-        return out.loss  # a device tensor with master weights (no per-step sync)
+        return out.loss
+
+    def to_dev(b: dict) -> dict:
+        return to_device(prepare(b) if prepare else b, device)
 
     it = iter(loader)
     try:
         timer, wall = _loop(
-            acc, it, step, lambda b: to_device(b, device), args.steps, args.warmup, deadline,
-            args.sync_every_step,
-        )  # fmt: skip
+            acc, it, step, to_dev, args.steps, args.warmup, deadline, args.sync_every_step
+        )
         name = variant if args.model == "groot_n1_6" else f"{args.model}_{variant}"
         _profile(
             acc,
             it,
             step,
-            lambda b: to_device(b, device),
+            to_dev,
             args.profile_steps,
             args.profile_dir and args.profile_dir / f"vla_profile_{name}.txt",
             args.warmup + args.steps,
         )
+        if master:
+            lagged.flush()  # the last verdicts (and a NaN abort) before the results
     finally:
         del it, loader
     return timer, wall, counts
@@ -720,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
             entry.update(timer.summary(args.batch, args.warmup, flops, wall))
             entry["peak_mem_gb"] = acc.memory_stats()["peak_allocated_gb"]
             entry["params"] = counts
-            entry["warmup_s"] = sum(timer.data[: args.warmup]) + sum(timer.compute[: args.warmup])
+            entry["warmup_s"] = sum(timer.data[: args.warmup]) + sum(timer.host[: args.warmup])
         except Exception as exc:
             traceback.print_exc()
             entry["error"] = f"{type(exc).__name__}: {exc}"

@@ -160,29 +160,3 @@ def test_same_step_overlap_and_phases() -> None:
         ("longboat_dp1", "longboat", 1),
         ("longboat_dp2", "longboat", 2),
     ]
-
-
-def test_rank_wrapper_rebinds_and_restores() -> None:
-    """as_data_parallel_rank turns run_longboat's single-process arguments into rank 1 of 2,
-    refuses arguments it does not expect, and puts the product's names back."""
-    bench = _load_bench()
-    import longboat.embodied.parallel as par
-    import longboat.embodied.train.plan as plan_mod
-    import longboat.embodied.train.step as step_mod
-
-    original = (par.ParallelSetup, plan_mod.BatchLayout, step_mod.train_step)
-    seen: list = []
-    with (
-        pytest.raises(RuntimeError, match="no longer calls"),
-        bench.as_data_parallel_rank(1, 2, 4, seen),
-    ):
-        setup = par.ParallelSetup(strategy="ddp", world_size=1, rank=0, device_type="cpu")
-        layout = plan_mod.BatchLayout(4, 4, 1)
-        assert (setup.world_size, setup.rank) == (2, 1)
-        assert (layout.global_batch, layout.micro_batch, layout.dp_size, layout.accum) == (
-            8, 4, 2, 1,
-        )  # fmt: skip
-        with pytest.raises(RuntimeError, match="expects the single-process value 1"):
-            par.ParallelSetup(strategy="ddp", world_size=2, rank=0)
-        # RankMicroBatches and the step were never called: the wrapper says so on exit.
-    assert (par.ParallelSetup, plan_mod.BatchLayout, step_mod.train_step) == original

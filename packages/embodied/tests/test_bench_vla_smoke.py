@@ -41,6 +41,7 @@ def test_both_loops_train_two_steps(tmp_path, monkeypatch):
     runs = {r["name"]: r for r in result["runs"]}
     assert set(runs) == {"reference", "longboat"}
     for run in runs.values():
+        assert "error" not in run, run["error"]
         assert run["timed_steps"] == 2
         assert len(run["losses"]) == 2
         assert all(math.isfinite(x) and x > 0 for x in run["losses"]), run["losses"]
