@@ -284,6 +284,44 @@ def write_results(
     return 0
 
 
+def longboat_stepper(model: Any, optimizer: Any, optim: Any, args: Any, acc: Any) -> Any:
+    """``step(batch_on_device, i) -> float``: longboat's step as the embodied trainer takes it.
+    With ``--master-weights``: ``run_step`` over a ``GraphableStep`` (eager) with the NaN
+    guard resolved one step late and the (constant) LR on the device, master weights in the
+    trainer's default ``split`` storage; otherwise ``train_step`` (autocast)."""
+    from longboat.core.config.schema import LRScheduleConfig, NaNGuardConfig
+    from longboat.core.loop import NaNGuard, build_lr_scheduler
+    from longboat.embodied.train.step import GraphableStep, LaggedGuard, run_step, train_step
+
+    if not args.master_weights:
+
+        def eager(batch: dict, i: int) -> float:
+            out = train_step(
+                model, optimizer, [batch], step=i, seed=args.seed, rank_offset=0,
+                device_type=acc.device_type, precision="bf16", grad_clip=optim.grad_clip,
+            )  # fmt: skip
+            return float(out.loss)
+
+        return eager
+    fn = GraphableStep(
+        model, optimizer, precision="bf16", device_type=acc.device_type,
+        grad_clip=optim.grad_clip, skip_nonfinite_loss=True,
+    )  # fmt: skip
+    schedule = build_lr_scheduler(optimizer, LRScheduleConfig(name="constant"), args.steps)
+    lagged = LaggedGuard(
+        NaNGuard(NaNGuardConfig()), optimizer, schedule, total_steps=args.steps, accelerator=acc
+    )
+
+    def master(batch: dict, i: int) -> float:
+        out = run_step(
+            fn, optimizer, batch, step=i, seed=args.seed, rank_offset=0,
+            device_type=acc.device_type, lagged=lagged,
+        )  # fmt: skip
+        return float(out.loss)
+
+    return master
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -313,7 +351,6 @@ def main(argv: list[str] | None = None) -> int:
     from longboat.core.config.schema import OptimConfig
     from longboat.embodied.models import apply_freezing, build_model, get_config
     from longboat.embodied.parallel import ParallelSetup, build_optimizer, parallelize
-    from longboat.embodied.train.step import train_step
 
     acc = get_accelerator()
     device = acc.device()
@@ -345,10 +382,11 @@ def main(argv: list[str] | None = None) -> int:
     setup = ParallelSetup(strategy="ddp", world_size=1, rank=0, device_type=acc.device_type)
     if args.master_weights:  # the fast path: bf16 weights, fp32 masters in the optimizer
         lb = parallelize(lb, setup, precision="bf16", master_weights=True)
+    lb_optim = OptimConfig(lr=1e-4, weight_decay=1e-5, betas=[0.9, 0.999], grad_clip=1.0)
     lb_opt = build_optimizer(
-        lb, OptimConfig(lr=1e-4, weight_decay=1e-5, betas=[0.9, 0.999]), setup,
-        master_weights=args.master_weights,
-    )  # fmt: skip
+        lb, lb_optim, setup, master_weights=args.master_weights, master_storage="split"
+    )
+    lb_step = longboat_stepper(lb, lb_opt, lb_optim, args, acc)
     rf_opt = ref.build_optimizer(rf, acc.device_type)
     batches = make_batches(cfg, min(args.steps, 16), args.batch, hw, args.seed)
     ref_losses, lb_losses = [], []
@@ -357,18 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         ref_losses.append(
             ref.train_step(rf, rf_opt, reference_batch(b, cfg, device), acc.device_type)
         )
-        out = train_step(
-            lb,
-            lb_opt,
-            [longboat_batch(b, device)],
-            step=step,
-            seed=args.seed,
-            rank_offset=0,
-            device_type=acc.device_type,
-            precision="bf16",
-            grad_clip=1.0,
-        )
-        lb_losses.append(out.loss)
+        lb_losses.append(lb_step(longboat_batch(b, device), step))
         if time.perf_counter() - t_start > args.time_budget:
             print(f"time budget reached after {step + 1} steps", flush=True)
             break
@@ -464,7 +491,6 @@ def _align_pi05(
 
     from longboat.core.config.schema import OptimConfig
     from longboat.embodied.parallel import ParallelSetup, build_optimizer, parallelize
-    from longboat.embodied.train.step import train_step
 
     device = acc.device()
     lb, rf, shapes = build_pi05_pair(cfg, device, args.seed, args.ref_precision)
@@ -472,7 +498,10 @@ def _align_pi05(
     if args.master_weights:
         lb = parallelize(lb, setup, precision="bf16", master_weights=True)
     optim = OptimConfig(lr=args.lr, weight_decay=1e-10, betas=[0.9, 0.95], grad_clip=1.0)
-    lb_opt = build_optimizer(lb, optim, setup, master_weights=args.master_weights)
+    lb_opt = build_optimizer(
+        lb, optim, setup, master_weights=args.master_weights, master_storage="split"
+    )
+    lb_step = longboat_stepper(lb, lb_opt, optim, args, acc)
     rf_opt = pi05_ref.build_optimizer(rf, lr=args.lr)
     batches = make_batches_pi05(cfg, min(args.steps, 16), args.batch, args.seed)
     ref_losses, lb_losses = [], []
@@ -480,11 +509,7 @@ def _align_pi05(
         b = batches[step % len(batches)]
         rb = pi05_ref.to_device(pi05_ref.reference_batch_from_longboat(b, shapes), device)
         ref_losses.append(pi05_ref.train_step(rf, rf_opt, rb, step, lr=args.lr))
-        out = train_step(
-            lb, lb_opt, [{k: v.to(device) for k, v in b.items()}], step=step, seed=args.seed,
-            rank_offset=0, device_type=acc.device_type, precision="bf16", grad_clip=1.0,
-        )  # fmt: skip
-        lb_losses.append(float(out.loss))
+        lb_losses.append(lb_step({k: v.to(device) for k, v in b.items()}, step))
         if time.perf_counter() - t_start > args.time_budget:
             print(f"time budget reached after {step + 1} steps", flush=True)
             break
