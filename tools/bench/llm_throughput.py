@@ -28,7 +28,8 @@ freeing device memory in between:
 - ``longboat_fp32grads`` / ``longboat_localopt``: ``longboat`` with an fp32 grad buffer where
   it uses a bf16 one, and that plus megatron's non-distributed optimizer; ``longboat_onepass``
   / ``longboat_graphed_onepass``: the update as one kernel pass per shard
-  (``llm.one_pass_adamw``). Levers measured against the product's choice (``LONGBOAT_VARIANTS``).
+  (``llm.one_pass_adamw``); ``longboat_no_addnorm``: without the fused residual-add +
+  RMSNorm. Levers measured against the product's choice (``LONGBOAT_VARIANTS``).
 - ``hf_liger`` (when ``liger-kernel`` is installed): ``hf_eager`` with
   ``apply_liger_kernel_to_llama`` (RoPE, RMSNorm, SwiGLU, fused linear CE), the strongest
   peer in BENCHMARKS.md; run last since Liger patches transformers' classes process-wide.
@@ -90,13 +91,13 @@ DATE = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
 # (hf_liger failed after it on 2026-11-29).
 ALL_RUNS = (
     "hf_eager", "hf_compiled", "mcore_local_spec", "longboat", "longboat_fp32grads",
-    "longboat_localopt", "longboat_onepass", "longboat_compiled", "hf_liger", "longboat_graphed",
+    "longboat_localopt", "longboat_onepass", "longboat_no_addnorm", "longboat_compiled", "hf_liger", "longboat_graphed",
     "longboat_graphed_onepass",
 )  # fmt: skip
 RUN_WEIGHT = {
     "hf_eager": 1.5, "hf_compiled": 4.0, "longboat": 1.5, "longboat_compiled": 2.5,
     "longboat_graphed": 1.5, "hf_liger": 1.5, "longboat_fp32grads": 1.0, "longboat_localopt": 1.0,
-    "longboat_onepass": 1.0, "longboat_graphed_onepass": 1.0,
+    "longboat_onepass": 1.0, "longboat_graphed_onepass": 1.0, "longboat_no_addnorm": 1.0,
 }  # fmt: skip
 
 FULL = dict(
@@ -341,6 +342,8 @@ LONGBOAT_VARIANTS: dict[str, dict[str, Any]] = {
     # the update as one kernel pass per shard (llm.one_pass_adamw), eager and graphed
     "longboat_onepass": {"one_pass_adamw": True},
     "longboat_graphed_onepass": {"cuda_graph": True, "one_pass_adamw": True},
+    # without the fused residual-add + RMSNorm (the separate add and norm kernels)
+    "longboat_no_addnorm": {"kernel_options": {"add_rms_norm": False}},
 }
 
 

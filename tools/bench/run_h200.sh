@@ -21,7 +21,7 @@ step() { echo "== $1"; shift; "$@" 2>&1 | grep -v -i "userwarning\|warnings.warn
 
 want llm && step "llm throughput" timeout "${LIMIT_LLM:-150}" python3 tools/bench/llm_throughput.py \
   --out /tmp/llm_throughput.json --results-dir "$RESULTS" \
-  --runs hf_eager,hf_compiled,mcore_local_spec,longboat,longboat_fp32grads,longboat_localopt,longboat_onepass,hf_liger,longboat_graphed,longboat_graphed_onepass \
+  --runs hf_eager,hf_compiled,mcore_local_spec,longboat,longboat_no_addnorm,longboat_fp32grads,longboat_localopt,longboat_onepass,hf_liger,longboat_graphed,longboat_graphed_onepass \
   --steps 10 --warmup 3 --time-budget "$(( ${LIMIT_LLM:-150} - 10 ))"
 want vla && step "vla throughput" timeout "${LIMIT_VLA:-200}" python3 tools/bench/vla_throughput.py \
   --out /tmp/vla_throughput.json --results-dir "$RESULTS" \

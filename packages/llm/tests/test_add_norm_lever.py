@@ -1,7 +1,7 @@
 """The fused attention-residual add + pre-MLP RMSNorm lever (``LayerKernels.add_rms_norm``).
 
 - on by default in the longboat spec (every layer an ``AddNormTransformerLayer`` that fuses),
-  off with ``longboat_layer_kernels(add_rms_norm=False)`` (megatron's ``TransformerLayer``);
+  off with ``kernel_options={"add_rms_norm": False}`` (``build_model`` / ``build_train_step``) (megatron's ``TransformerLayer``);
 - logits of tiny transformers models (Llama, Qwen3 with qk-norm, Qwen3-MoE) loaded into
   the model match transformers with the lever on and off (fp32, 1e-4 as test_hf_parity),
   and on == off;
@@ -31,14 +31,8 @@ FP32_TOL = 2e-5
 
 def _build(cfg, add_rms_norm: bool, **kw):  # type: ignore[no-untyped-def]
     from longboat.llm import build
-    from longboat.llm.layer_kernels import longboat_layer_kernels
 
-    original = build.longboat_layer_kernels
-    build.longboat_layer_kernels = lambda: longboat_layer_kernels(add_rms_norm=add_rms_norm)
-    try:
-        return build.build_model(cfg, **kw)
-    finally:
-        build.longboat_layer_kernels = original
+    return build.build_model(cfg, kernel_options={"add_rms_norm": add_rms_norm}, **kw)
 
 
 def _init(seed: int = 1):  # type: ignore[no-untyped-def]
@@ -106,26 +100,22 @@ def _train_worker(rank: int, world: int, fp32_residual: bool) -> dict[str, objec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from longboat.core.config.schema import OptimConfig
-    from longboat.llm import build
-    from longboat.llm.layer_kernels import longboat_layer_kernels
     from longboat.llm.models import get_family
     from longboat.llm.train.train_step import build_train_step
 
     ps = _init()
-    original = build.longboat_layer_kernels
     try:
         cfg = get_family("llama3").flavor("tiny")
         seq = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
         tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
         out: dict[str, object] = {}
         for on in (True, False):
-            build.longboat_layer_kernels = lambda on=on: longboat_layer_kernels(add_rms_norm=on)
             model_parallel_cuda_manual_seed(1)
             torch.manual_seed(1)
             ts = build_train_step(
                 cfg, OptimConfig(lr=3e-3, weight_decay=0.1, grad_clip=0.0),
                 precision="bf16", device="cpu", use_cpu_initialization=True,
-                fp32_residual_connection=fp32_residual,
+                fp32_residual_connection=fp32_residual, kernel_options={"add_rms_norm": on},
             )  # fmt: skip
             out[f"layers_{on}"] = sorted({type(x).__name__ for x in ts.chunks[0].decoder.layers})
             out[f"loss_{on}"] = [float(ts.step(tokens, labels)) for _ in range(5)]
@@ -134,7 +124,6 @@ def _train_worker(rank: int, world: int, fp32_residual: bool) -> dict[str, objec
         out["weight_diff"] = max(float((w_on[n] - w_off[n]).abs().max()) for n in w_on)
         return out
     finally:
-        build.longboat_layer_kernels = original
         ps.destroy()
 
 
@@ -171,7 +160,6 @@ TRITON_SCRIPT = textwrap.dedent(
     from longboat.core.device import get_accelerator
     from longboat.core.megatron import parallel_state
     from longboat.llm import build
-    from longboat.llm.layer_kernels import longboat_layer_kernels
     from longboat.llm.models import get_family
     import longboat.kernels.rmsnorm as rms_mod
 
@@ -185,8 +173,9 @@ TRITON_SCRIPT = textwrap.dedent(
     cfg = get_family("llama3").flavor("tiny")
     models = {}
     for on in (True, False):
-        build.longboat_layer_kernels = lambda on=on: longboat_layer_kernels(add_rms_norm=on)
-        (models[on],) = build.build_model(cfg, precision=sys.argv[1])
+        (models[on],) = build.build_model(
+            cfg, precision=sys.argv[1], kernel_options={"add_rms_norm": on}
+        )
     models[False].load_state_dict(models[True].state_dict())
     g = torch.Generator().manual_seed(0)
     seq = torch.randint(0, cfg.vocab_size, (2, 9), generator=g)

@@ -20,9 +20,13 @@ def build_model(
     *,
     precision: str = "fp32",
     device_type: str = "cpu",
+    kernel_options: dict[str, bool] | None = None,
     **config_overrides: Any,
 ) -> list[torch.nn.Module]:
     """This rank's model chunks; megatron parallel state must be initialised first.
+
+    ``kernel_options``: switches of ``longboat_layer_kernels`` (e.g. ``{"add_rms_norm":
+    False}``) for the longboat backend, to measure or rule out one kernel.
 
     On CUDA the weights are initialised on the device (``use_cpu_initialization=False``):
     seconds instead of minutes for a 1B model, and no host copy. The values then come from
@@ -39,7 +43,7 @@ def build_model(
         )
     family = get_family(cfg.name)
     backend = resolve_backend(cfg.layer_backend, device_type)
-    kernels = longboat_layer_kernels() if backend == "longboat" else None
+    kernels = longboat_layer_kernels(**(kernel_options or {})) if backend == "longboat" else None
     spec = family.layer_spec(cfg, backend, kernels)
     arch = cfg.to_arch()
     config_overrides.setdefault("use_cpu_initialization", device_type != "cuda")

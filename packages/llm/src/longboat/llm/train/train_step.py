@@ -140,6 +140,7 @@ def build_train_step(
     grad_buffer: str = "auto",
     distributed_optimizer: bool = True,
     one_pass_adamw: bool = False,
+    kernel_options: dict[str, bool] | None = None,
     **model_overrides: Any,
 ) -> TrainStep:
     """Build the model, megatron DDP + optimizer and the step ``longboat-llm train`` runs.
@@ -166,6 +167,7 @@ def build_train_step(
     ``wrap_and_build``; ``exact_main_weights`` needs the distributed one).
     ``one_pass_adamw``: the update as one kernel pass per parameter shard
     (``train.one_pass_adamw``; as ``llm.one_pass_adamw``), where clipping is off.
+    ``kernel_options``: ``build_model``'s switches of the longboat layer kernels.
     ``model_overrides`` go to megatron's ``TransformerConfig`` (as in ``build_model``).
     """
     from longboat.llm.build import build_model
@@ -200,7 +202,13 @@ def build_train_step(
     model_overrides.setdefault("gradient_accumulation_fusion", fusion)
     if model_overrides["gradient_accumulation_fusion"]:
         install_wgrad_fusion()  # megatron's apex extension, in torch
-    chunks = build_model(model_cfg, precision=precision, device_type=device.type, **model_overrides)
+    chunks = build_model(
+        model_cfg,
+        precision=precision,
+        device_type=device.type,
+        kernel_options=kernel_options,
+        **model_overrides,
+    )
     if init_weights is not None:
         init_weights(chunks)
     if compile_layers:
