@@ -7,22 +7,26 @@
 # with one GPU), with megatron-core 0.19, hydra, av and liger-kernel importable and
 # PYTHONPATH pointing at packages/*/src. Each step has its own time limit (seconds, env
 # LIMIT_*), so one that overruns leaves the others their time; results are written as
-# each step ends. ONLY="llm vla llm_align scaling vla_scaling vla_align pi05" picks steps
+# each step ends. ONLY="gpu_tests llm vla llm_align scaling vla_scaling vla_align pi05" picks steps
 # (default: all but pi05, which WITH_PI05=1 adds), so the set can be split over calls of at
 # most 10 min. vla_scaling (GR00T DP=2 vs DP=1) gets all three variants with
 # LIMIT_VLA_SCALING=200; at 150 the last (longboat, torch DDP) may be skipped for time.
 set -u
-ONLY=${ONLY:-"llm vla llm_align scaling vla_scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")"}
+ONLY=${ONLY:-"gpu_tests llm vla llm_align scaling vla_scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")"}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 RESULTS=${RESULTS:-benchmarks/results}
 mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
 step() { echo "== $1"; shift; "$@" 2>&1 | grep -v -i "userwarning\|warnings.warn\|deprecat\|MimoModelConfig\|Evict LRU"; }
 
-want llm && step "llm throughput" timeout "${LIMIT_LLM:-150}" python3 tools/bench/llm_throughput.py \
+# The GPU-marked tests first (Triton kernels compiled for the H200 vs their references, the
+# CUDA-graph and one-pass steps vs eager): the benchmarks below rely on them.
+want gpu_tests && step "gpu tests" timeout "${LIMIT_GPU_TESTS:-240}" python3 -m pytest -q \
+  -p no:cacheprovider --import-mode=importlib -m gpu -rs packages
+want llm && step "llm throughput" timeout "${LIMIT_LLM:-200}" python3 tools/bench/llm_throughput.py \
   --out /tmp/llm_throughput.json --results-dir "$RESULTS" \
   --runs hf_eager,hf_compiled,mcore_local_spec,longboat,longboat_no_addnorm,longboat_fp32grads,longboat_localopt,longboat_onepass,hf_liger,longboat_graphed,longboat_graphed_onepass \
-  --steps 10 --warmup 3 --time-budget "$(( ${LIMIT_LLM:-150} - 10 ))"
+  --steps 10 --warmup 3 --time-budget "$(( ${LIMIT_LLM:-200} - 10 ))"
 want vla && step "vla throughput" timeout "${LIMIT_VLA:-200}" python3 tools/bench/vla_throughput.py \
   --out /tmp/vla_throughput.json --results-dir "$RESULTS" \
   --runs reference,longboat_graphed,longboat_graphed_kernel,longboat_graphed_fp32master,longboat \
