@@ -258,6 +258,45 @@ def _adamw_master_kernel(
         tl.store(OUT + offs, out, mask=mask)
 
 
+def _launch_adamw_master_kernel(
+    p: Tensor,
+    lo: Tensor | None,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    out: Tensor | None,
+    lr: Tensor,
+    step: Tensor,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One launch of ``_adamw_master_kernel`` over ``p``: fp32 masters when ``lo`` is None,
+    else split storage (``p`` the int16 view of the bf16 weights, ``lo`` their low halves);
+    ``out`` (optional) gets the updated master rounded to its dtype."""
+    n = p.numel()
+    if n == 0:
+        return
+    pow1, pow2 = _bias_correction_powers(step, beta1, beta2)
+    _adamw_master_kernel[(triton.cdiv(n, BLOCK),)](
+        p,
+        lo if lo is not None else p,  # unused (SPLIT=False)
+        grad, exp_avg, exp_avg_sq,
+        out if out is not None else p,  # unused (HAS_OUT=False)
+        lr, pow1, pow2,
+        grad_scale if grad_scale is not None else lr,  # unused (HAS_SCALE=False)
+        found_inf if found_inf is not None else lr,  # unused (HAS_INF=False)
+        n, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, weight_decay,
+        SPLIT=lo is not None, HAS_OUT=out is not None, HAS_SCALE=grad_scale is not None,
+        HAS_INF=found_inf is not None, BLOCK=BLOCK, num_warps=4,
+    )  # fmt: skip
+
+
+# The two custom ops' bodies: their signatures are the ops' schemas (names included, for
+# mutates_args), so each keeps its own; the launch is shared.
 def _adamw_master_step_impl(
     master: Tensor,
     grad: Tensor,
@@ -273,20 +312,9 @@ def _adamw_master_step_impl(
     eps: float,
     weight_decay: float,
 ) -> None:
-    n = master.numel()
-    if n == 0:
-        return
-    pow1, pow2 = _bias_correction_powers(step, beta1, beta2)
-    _adamw_master_kernel[(triton.cdiv(n, BLOCK),)](
-        master, master,  # LO unused (SPLIT=False)
-        grad, exp_avg, exp_avg_sq,
-        param_out if param_out is not None else master,  # unused (HAS_OUT=False)
-        lr, pow1, pow2,
-        grad_scale if grad_scale is not None else lr,  # unused (HAS_SCALE=False)
-        found_inf if found_inf is not None else lr,  # unused (HAS_INF=False)
-        n, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, weight_decay,
-        SPLIT=False, HAS_OUT=param_out is not None, HAS_SCALE=grad_scale is not None,
-        HAS_INF=found_inf is not None, BLOCK=BLOCK, num_warps=4,
+    _launch_adamw_master_kernel(
+        master, None, grad, exp_avg, exp_avg_sq, param_out, lr, step, grad_scale, found_inf,
+        beta1, beta2, eps, weight_decay,
     )  # fmt: skip
 
 
@@ -305,69 +333,27 @@ def _adamw_split_master_step_impl(
     eps: float,
     weight_decay: float,
 ) -> None:
-    n = hi.numel()
-    if n == 0:
-        return
-    pow1, pow2 = _bias_correction_powers(step, beta1, beta2)
-    hi16 = hi.view(torch.int16)
-    _adamw_master_kernel[(triton.cdiv(n, BLOCK),)](
-        hi16, lo, grad, exp_avg, exp_avg_sq,
-        hi16,  # OUT unused (HAS_OUT=False: hi is the bf16 weight)
-        lr, pow1, pow2,
-        grad_scale if grad_scale is not None else lr,  # unused (HAS_SCALE=False)
-        found_inf if found_inf is not None else lr,  # unused (HAS_INF=False)
-        n, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, weight_decay,
-        SPLIT=True, HAS_OUT=False, HAS_SCALE=grad_scale is not None,
-        HAS_INF=found_inf is not None, BLOCK=BLOCK, num_warps=4,
+    # No param_out: hi is the bf16 weight.
+    _launch_adamw_master_kernel(
+        hi.view(torch.int16), lo, grad, exp_avg, exp_avg_sq, None, lr, step, grad_scale,
+        found_inf, beta1, beta2, eps, weight_decay,
     )  # fmt: skip
+
+
+def _in_place_only_fake(*args: object) -> None:
+    """Fake impl of both ops: they only write their arguments in place (no outputs)."""
+    return None
 
 
 _adamw_master_step = torch.library.custom_op(
     "longboat::adamw_master_step", mutates_args=("master", "exp_avg", "exp_avg_sq", "param_out")
 )(_adamw_master_step_impl)
-
-
-@_adamw_master_step.register_fake
-def _(
-    master: Tensor,
-    grad: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    param_out: Tensor | None,
-    lr: Tensor,
-    step: Tensor,
-    grad_scale: Tensor | None,
-    found_inf: Tensor | None,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-) -> None:
-    return None
-
+_adamw_master_step.register_fake(_in_place_only_fake)
 
 _adamw_split_master_step = torch.library.custom_op(
     "longboat::adamw_split_master_step", mutates_args=("hi", "lo", "exp_avg", "exp_avg_sq")
 )(_adamw_split_master_step_impl)
-
-
-@_adamw_split_master_step.register_fake
-def _(
-    hi: Tensor,
-    lo: Tensor,
-    grad: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    lr: Tensor,
-    step: Tensor,
-    grad_scale: Tensor | None,
-    found_inf: Tensor | None,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-) -> None:
-    return None
+_adamw_split_master_step.register_fake(_in_place_only_fake)
 
 
 def adamw_master_step_triton_(
