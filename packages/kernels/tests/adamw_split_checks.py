@@ -15,6 +15,7 @@ a 0-d tensor as a multiply by its reciprocal).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -229,28 +230,10 @@ def test_split_kernel_rejects_bad_buffers() -> None:
 
 if DEVICE == "cuda":  # defined only where it can run: a skip would fail the CPU run's check
 
-    def test_split_kernel_replays_in_a_cuda_graph() -> None:
+    def test_split_kernel_replays_in_a_cuda_graph(graph_replay_check: Callable[..., None]) -> None:
         """Captured once, replayed with new lr / step / found_inf: bit for bit the eager
         split kernel with the same values."""
         _, graphed = _states(N, 7)
         _, eager = _states(N, 7)
         grad = torch.randn(N, device=DEVICE).bfloat16()
-        lr, step, found_inf = _scalar(1e-2), _scalar(1.0), _scalar(0.0)
-        warm = {k: v.clone() for k, v in graphed.items()}
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compile the kernel outside the capture
-            _split_call(warm, grad, "triton", lr=lr, step=step, found_inf=found_inf)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            _split_call(graphed, grad, "triton", lr=lr, step=step, found_inf=found_inf)
-        for i, (lr_i, inf_i) in enumerate([(1e-2, 0.0), (3e-2, 1.0), (2e-2, 0.0)]):
-            lr.fill_(lr_i)
-            step.fill_(i + 1.0)
-            found_inf.fill_(inf_i)
-            graph.replay()
-            scalars = {"lr": _scalar(lr_i), "step": _scalar(i + 1.0), "found_inf": _scalar(inf_i)}
-            _split_call(eager, grad, "triton", **scalars)
-            for key in eager:
-                assert torch.equal(graphed[key], eager[key]), f"replay {i}: {key}"
+        graph_replay_check(_split_call, graphed, eager, grad)

@@ -1,38 +1,27 @@
 """Runs ``adamw_split_checks.py`` (split master storage: Triton kernel vs torch reference vs
-the fp32-master update) in a subprocess: on CPU it sets ``TRITON_INTERPRET=1`` before triton
-is imported, which cannot be done inside this already-running interpreter."""
+the fp32-master update) in a subprocess (``run_checks`` in conftest.py: on CPU it sets
+``TRITON_INTERPRET=1`` before triton is imported, which cannot be done inside this
+already-running interpreter)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import torch
 
-CHECKS = Path(__file__).with_name("adamw_split_checks.py")
-REPO = Path(__file__).resolve().parents[3]
+CHECKS = "adamw_split_checks.py"
 
 
-def _run_checks(env_extra: dict[str, str], timeout: int) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "2", **env_extra}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CHECKS)]
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, f"split AdamW checks failed ({' '.join(cmd)}):\n{tail}"
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.split("\n")[-2], tail
-
-
-def test_split_adamw_kernel_matches_reference_in_interpreter() -> None:
-    pytest.importorskip("triton")
-    _run_checks({"TRITON_INTERPRET": "1", "LONGBOAT_KERNEL_TEST_DEVICE": "cpu"}, timeout=300)
+def test_split_adamw_kernel_matches_reference_in_interpreter(
+    run_checks: Callable[[str, str], None],
+) -> None:
+    run_checks(CHECKS, "cpu")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_split_adamw_kernel_matches_reference_on_gpu() -> None:
-    _run_checks({"TRITON_INTERPRET": "0", "LONGBOAT_KERNEL_TEST_DEVICE": "cuda"}, timeout=600)
+def test_split_adamw_kernel_matches_reference_on_gpu(
+    run_checks: Callable[[str, str], None],
+) -> None:
+    run_checks(CHECKS, "cuda")

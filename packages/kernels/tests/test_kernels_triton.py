@@ -1,4 +1,5 @@
-"""Runs ``kernel_checks.py`` (Triton vs torch reference, fwd + bwd) in a subprocess.
+"""Runs ``kernel_checks.py`` (Triton vs torch reference, fwd + bwd) in a subprocess
+(``run_checks`` in conftest.py).
 
 On CPU the subprocess sets ``TRITON_INTERPRET=1`` before triton is imported, which cannot
 be done inside this already-running interpreter. The GPU variant runs the same checks on
@@ -7,35 +8,21 @@ CUDA with the compiled kernels.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import torch
 
-CHECKS = Path(__file__).with_name("kernel_checks.py")
-REPO = Path(__file__).resolve().parents[3]
+CHECKS = "kernel_checks.py"
 
 
-def _run_checks(env_extra: dict[str, str], timeout: int) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "2", **env_extra}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CHECKS)]
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, f"kernel checks failed ({' '.join(cmd)}):\n{tail}"
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.split("\n")[-2], tail
-
-
-def test_triton_kernels_match_reference_in_interpreter() -> None:
-    pytest.importorskip("triton")
-    _run_checks({"TRITON_INTERPRET": "1", "LONGBOAT_KERNEL_TEST_DEVICE": "cpu"}, timeout=300)
+def test_triton_kernels_match_reference_in_interpreter(
+    run_checks: Callable[[str, str], None],
+) -> None:
+    run_checks(CHECKS, "cpu")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_triton_kernels_match_reference_on_gpu() -> None:
-    _run_checks({"TRITON_INTERPRET": "0", "LONGBOAT_KERNEL_TEST_DEVICE": "cuda"}, timeout=600)
+def test_triton_kernels_match_reference_on_gpu(run_checks: Callable[[str, str], None]) -> None:
+    run_checks(CHECKS, "cuda")
