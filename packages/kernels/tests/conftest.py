@@ -4,8 +4,9 @@
 subprocess pytest; on CPU it sets ``TRITON_INTERPRET=1`` before triton is imported, which
 cannot be done inside this already-running interpreter, on CUDA it runs the compiled kernels.
 
-``graph_replay_check``: the CUDA-graph replay check of the AdamW checks files (only called
-where ``LONGBOAT_KERNEL_TEST_DEVICE=cuda``).
+``skipped_step_check`` and ``graph_replay_check``: checks of the AdamW checks files shared by
+the fp32 and the split master storage (the replay check only where
+``LONGBOAT_KERNEL_TEST_DEVICE=cuda``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,39 @@ def _run_checks_file(name: str, device: str) -> None:
 @pytest.fixture
 def run_checks() -> Callable[[str, str], None]:
     return _run_checks_file
+
+
+def _check_skipped_step(
+    call: Callable[..., None],
+    state: dict[str, torch.Tensor],
+    good: torch.Tensor,
+    impl: str,
+    updated: str,
+) -> None:
+    """``call(state, grad, impl, lr=, step=, grad_scale=, found_inf=)`` (an in-place AdamW
+    step of the buffers in ``state``) with ``found_inf`` 1 leaves every buffer bit for bit
+    unchanged, even with a NaN and an inf in the grads; with ``found_inf`` 0 afterwards it
+    updates ``state[updated]`` again."""
+
+    def scalar(value: float) -> torch.Tensor:
+        return torch.tensor(value, device=good.device)
+
+    scalars = {"lr": scalar(1e-2), "step": scalar(1.0), "grad_scale": scalar(2.0)}
+    call(state, good, impl, found_inf=scalar(0.0), **scalars)  # non-zero moments
+    before = {k: v.clone() for k, v in state.items()}
+    bad = good.clone()
+    bad[5], bad[-1] = float("nan"), float("inf")
+    scalars["step"].fill_(2.0)
+    call(state, bad, impl, found_inf=scalar(1.0), **scalars)
+    for key, value in state.items():
+        assert torch.equal(value, before[key]), f"{impl}: {key} changed on a skipped step"
+    call(state, good, impl, found_inf=scalar(0.0), **scalars)
+    assert not torch.equal(state[updated], before[updated]), f"{impl}: no update after"
+
+
+@pytest.fixture
+def skipped_step_check() -> Callable[..., None]:
+    return _check_skipped_step
 
 
 def _check_graph_replay(
