@@ -69,6 +69,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import llm_throughput as lt
+from bench_procs import agree, gather, report_failure, run_workers
 from llm_loss_alignment import lr_at, markov_batches
 
 DATE = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
@@ -181,15 +182,6 @@ class Phase:
                 dist.destroy_process_group()
         gc.collect()
         self.acc.empty_cache()
-
-
-def gather(obj: Any) -> list[Any]:
-    """``obj`` of every rank of the live process group (rank order)."""
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 # ----------------------------------------------------------------------------- phases
@@ -366,9 +358,9 @@ def tp_phase(
 def worker(
     rank: int,
     nprocs: int,
-    ports: dict[str, int],
     decisions: Any,
     barrier: Any,
+    ports: dict[str, int],
     args: argparse.Namespace,
     t_start: float,
     hf_dir: str,
@@ -395,8 +387,10 @@ def worker(
 
     for phase in phases:
         world = 1 if phase in ("dp1", "tp1") else nprocs
+
         # Rank 0 decides whether the phase runs (and the TP step count); others follow.
-        if rank == 0:
+        def decide(phase: str = phase, step_estimate: float = step_estimate) -> dict[str, Any]:
+            nonlocal tp_steps
             left = args.time_budget - (time.time() - t_start) if args.time_budget else math.inf
             steps_cost = (
                 (args.warmup + args.steps) * step_estimate * 1.5
@@ -413,16 +407,14 @@ def worker(
                 reason = f"time budget ({left:.0f}s left)"
             if phase == "tp2" and not result.get("tp1_losses"):
                 reason = "tp1 did not run"
-            decision = {
+            return {
                 "run": reason is None,
                 "reason": reason,
                 "tp_steps": tp_steps,
                 "attention": os.environ.get(ATTENTION_ENV),
             }
-            for _ in range(nprocs - 1):
-                decisions.put(decision)
-        else:
-            decision = decisions.get(timeout=max(60.0, args.time_budget or 600.0))
+
+        decision = agree(rank, nprocs, decisions, decide, max(60.0, args.time_budget or 600.0))
         tp_steps = decision["tp_steps"]
         if rank != 0:
             if decision["attention"] is None:
@@ -692,46 +684,18 @@ def main(argv: list[str] | None = None) -> int:
         "errors": [],
     }  # fmt: skip
     ports = {ph: free_port() for ph in PHASES}
-    import torch.multiprocessing as tmp
-
-    ctx = tmp.get_context("spawn")
-    decisions = ctx.Queue()
-    barrier = ctx.Barrier(args.nprocs)
     hf_dir = tempfile.mkdtemp(prefix="llm_scaling_hf_")
-    procs = [
-        ctx.Process(
-            target=worker,
-            args=(rank, args.nprocs, ports, decisions, barrier, args, t_start, hf_dir, meta),
-        )
-        for rank in range(args.nprocs)
-    ]
     try:
-        for proc in procs:
-            proc.start()
-        deadline = t_start + args.time_budget + 15 if args.time_budget else math.inf
-        for proc in procs:
-            proc.join(timeout=max(0.0, deadline - time.time()) if args.time_budget else None)
-        killed = [i for i, proc in enumerate(procs) if proc.is_alive()]
-        for i in killed:
-            procs[i].kill()  # our own worker, by handle
-            procs[i].join()
+        codes, killed = run_workers(
+            worker, args.nprocs, (ports, args, t_start, hf_dir, meta),
+            time_budget=args.time_budget, t_start=t_start,
+        )  # fmt: skip
     finally:
         shutil.rmtree(hf_dir, ignore_errors=True)
-    codes = [proc.exitcode for proc in procs]
-    if killed or any(code != 0 for code in codes):
-        print(
-            f"workers ended with exit codes {codes}"
-            + (f" (ranks {killed} killed at the time budget)" if killed else ""),
-            flush=True,
-        )
-        written = args.out or (
-            args.results_dir / f"llm_scaling_{DATE}.json" if args.results_dir else None
-        )
-        if written is not None and written.is_file():
-            print("partial results (written after the last finished phase):")
-            print(tables(json.loads(written.read_text())), flush=True)
-        return 1
-    return 0
+    written = args.out or (
+        args.results_dir / f"llm_scaling_{DATE}.json" if args.results_dir else None
+    )
+    return 1 if report_failure(codes, killed, written, tables) else 0
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vla_throughput as vt
+from bench_procs import agree, gather, report_failure, run_workers
 
 from longboat.core.distributed import (
     destroy_distributed,
@@ -257,9 +258,9 @@ def finish(result: dict[str, Any]) -> None:
 def worker(
     rank: int,
     nprocs: int,
-    ports: dict[str, int],
     decisions: Any,
     barrier: Any,
+    ports: dict[str, int],
     args: argparse.Namespace,
     t_start: float,
     meta: dict[str, Any],
@@ -279,13 +280,14 @@ def worker(
     wait_s = max(180.0, args.time_budget or 900.0)
     for name, variant, world in phase_names(args.variants):
         left = args.time_budget - (time.time() - t_start) if args.time_budget else math.inf
-        if rank == 0:
-            need = 1.3 * (last_phase_s or DEFAULT_PHASE_S["tiny" if args.tiny else "full"])
-            reason = f"time budget ({left:.0f}s left, ~{need:.0f}s needed)" if left < need else None
-            for _ in range(nprocs - 1):
-                decisions.put(reason)
-        else:
-            reason = decisions.get(timeout=wait_s)
+        need = 1.3 * (last_phase_s or DEFAULT_PHASE_S["tiny" if args.tiny else "full"])
+        reason = agree(
+            rank, nprocs, decisions,
+            lambda left=left, need=need: (
+                f"time budget ({left:.0f}s left, ~{need:.0f}s needed)" if left < need else None
+            ),
+            wait_s,
+        )  # fmt: skip
         if reason is not None:
             if rank == 0:
                 result["skipped"].append(f"{name}: skipped: {reason}")
@@ -340,15 +342,6 @@ def worker(
         barrier.wait(timeout=wait_s)
     if rank == 0:
         print(header(result) + table(result), flush=True)
-
-
-def gather(obj: Any) -> list[Any]:
-    """``obj`` of every rank of the live process group (rank order)."""
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 # ----------------------------------------------------------------------------- results
@@ -572,39 +565,13 @@ def main(argv: list[str] | None = None) -> int:
         "errors": [],
     }
     ports = {name: find_free_port() for name, _, _ in phase_names(args.variants)}
-    import torch.multiprocessing as tmp
-
-    ctx = tmp.get_context("spawn")
-    decisions = ctx.Queue()
-    barrier = ctx.Barrier(nprocs)
-    procs = [
-        ctx.Process(
-            target=worker, args=(rank, nprocs, ports, decisions, barrier, args, t_start, meta)
-        )
-        for rank in range(nprocs)
-    ]
-    for proc in procs:
-        proc.start()
-    deadline = t_start + args.time_budget + 15 if args.time_budget else math.inf
-    for proc in procs:
-        proc.join(timeout=max(0.0, deadline - time.time()) if args.time_budget else None)
-    killed = [i for i, proc in enumerate(procs) if proc.is_alive()]
-    for i in killed:
-        procs[i].kill()  # our own worker, by handle
-        procs[i].join()
-    codes = [proc.exitcode for proc in procs]
-    if killed or any(code != 0 for code in codes):
-        print(
-            f"workers ended with exit codes {codes}"
-            + (f" (ranks {killed} killed at the time budget)" if killed else ""),
-            flush=True,
-        )
-        written = args.out or results_stem(args.results_dir, DATE, args.tiny).with_suffix(".json")
-        if written.is_file():
-            print("partial results (written after the last finished phase):")
-            print(table(json.loads(written.read_text())), flush=True)
-        return 1
+    codes, killed = run_workers(
+        worker, nprocs, (ports, args, t_start, meta), time_budget=args.time_budget,
+        t_start=t_start,
+    )  # fmt: skip
     written = args.out or results_stem(args.results_dir, DATE, args.tiny).with_suffix(".json")
+    if report_failure(codes, killed, written, table):
+        return 1
     final = json.loads(written.read_text())
     ok = all("samples_per_s" in r for r in final["runs"]) and all(
         c["loss_in_range"] and c["ranks_read_disjoint_shards"] and c["ranks_params_equal"]
