@@ -16,10 +16,13 @@ import torch
 
 REPO = Path(__file__).resolve().parents[3]
 BENCH = REPO / "tools" / "bench"
-pytestmark = pytest.mark.skipif(
-    not (BENCH / "baselines" / "pi05_reference.py").is_file(),
-    reason="tools/ is not part of an installed wheel",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (BENCH / "baselines" / "pi05_reference.py").is_file(),
+        reason="tools/ is not part of an installed wheel",
+    ),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 
 def _load(name: str, path: Path):
@@ -33,14 +36,6 @@ def _load(name: str, path: Path):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 @pytest.fixture(scope="module")

@@ -32,14 +32,7 @@ from longboat.embodied.models.common.image_preprocessing import (
 from longboat.embodied.models.pi05.joint import joint_positions, prefix_lm_mask
 from longboat.embodied.models.pi05.model import discretize_state
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny ops: intra-op threads only add sync overhead (10-20x slower on a busy 2-core box).
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- image preprocessing ----------------------------------------------------------------

@@ -8,14 +8,7 @@ import torch
 from longboat.embodied.models import apply_freezing, build_model
 from longboat.embodied.models.synthetic import synthetic_batch
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny ops: intra-op threads only add sync overhead (10-20x slower on a busy 2-core box).
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(seed: int = 0, **overrides):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from embodied_testkit import SETUP, cpu_train_step, tiny_groot
 from torch import nn
 
 from longboat.core.config.errors import ConfigError
@@ -20,45 +21,21 @@ from longboat.embodied.parallel import (
     parallelize,
     param_groups,
 )
-from longboat.embodied.train.step import train_step
 
-SETUP = ParallelSetup(strategy="ddp", world_size=1, rank=0)
 OPTIM = OptimConfig(lr=1e-3, weight_decay=0.1, betas=[0.9, 0.95], grad_clip=1.0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _groot(master_weights: bool, storage: str = "fp32") -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = build_model("groot_n1_6", "tiny")
-    apply_freezing(model)
-    model = parallelize(model, SETUP, precision="bf16", master_weights=master_weights)
-    return model, build_optimizer(
-        model, OPTIM, SETUP, master_weights=master_weights, master_storage=storage
-    )
+    return tiny_groot(OPTIM, master_weights=master_weights, storage=storage)
 
 
 def _run(model, optimizer, batches, start=0, **kwargs) -> list[tuple[float, float]]:
     out = []
     for step, batch in enumerate(batches, start=start):
-        r = train_step(
-            model,
-            optimizer,
-            [batch],
-            step=step,
-            seed=3,
-            rank_offset=0,
-            device_type="cpu",
-            precision="bf16",
-            grad_clip=OPTIM.grad_clip,
-            **kwargs,
-        )
+        r = cpu_train_step(model, optimizer, batch, step, OPTIM.grad_clip, **kwargs)
         out.append((float(r.loss), float(r.grad_norm)))
     return out
 
@@ -181,17 +158,7 @@ def test_state_dict_round_trip_resumes_exactly():
     assert p.untyped_storage().data_ptr() == opt2.flat_param.untyped_storage().data_ptr()
     second = []
     for step, batch in enumerate(batches[2:], start=2):
-        r = train_step(
-            model2,
-            opt2,
-            [batch],
-            step=step,
-            seed=3,
-            rank_offset=0,
-            device_type="cpu",
-            precision="bf16",
-            grad_clip=OPTIM.grad_clip,
-        )
+        r = cpu_train_step(model2, opt2, batch, step, OPTIM.grad_clip)
         second.append((r.loss, r.grad_norm))
     assert first + second == full
 

@@ -9,63 +9,34 @@ from pathlib import Path
 
 import pytest
 import torch
+from embodied_testkit import cpu_train_step, tiny_groot, tiny_groot_batches
 
 from longboat.core.config.compose import compose_experiment
 from longboat.core.config.errors import ConfigError
 from longboat.core.config.schema import OptimConfig
 from longboat.core.loop.cuda_graph import GraphedStep
-from longboat.embodied.models import apply_freezing, build_model
-from longboat.embodied.models.synthetic import synthetic_batch
-from longboat.embodied.parallel import ParallelSetup, build_optimizer, parallelize
 from longboat.embodied.train.capture_check import capture_hazards, find_capture_hazards
-from longboat.embodied.train.step import GraphableStep, run_step, train_step
+from longboat.embodied.train.step import GraphableStep, run_step
 from longboat.embodied.train.trainer import train
 
-SETUP = ParallelSetup(strategy="ddp", world_size=1, rank=0)
 OPTIM = OptimConfig(lr=1e-3, weight_decay=0.1, betas=[0.9, 0.95], grad_clip=0.2)
 STEPS = 5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _setup():
-    torch.manual_seed(0)
-    model = build_model("groot_n1_6", "tiny")
-    apply_freezing(model)
-    model = parallelize(model, SETUP, precision="bf16", master_weights=True)
-    optimizer = build_optimizer(model, OPTIM, SETUP, master_weights=True)
+    model, optimizer = tiny_groot(OPTIM)
     # A schedule that changes the lr every step: it must reach the device each step.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / STEPS)
     return model, optimizer, scheduler
 
 
-def _batches() -> list[dict[str, torch.Tensor]]:
-    torch.manual_seed(1)
-    model = build_model("groot_n1_6", "tiny")
-    return [synthetic_batch(model, 2) for _ in range(STEPS)]
-
-
 def _eager_reference(batches):
     model, opt, sched = _setup()
     results = [
-        train_step(
-            model,
-            opt,
-            [b],
-            step=i,
-            seed=3,
-            rank_offset=0,
-            device_type="cpu",
-            precision="bf16",
-            grad_clip=OPTIM.grad_clip,
-            scheduler=sched,
-        )
+        cpu_train_step(model, opt, b, i, OPTIM.grad_clip, scheduler=sched)
         for i, b in enumerate(batches)
     ]
     return [(r.loss, r.grad_norm) for r in results], opt.master.clone()
@@ -85,7 +56,7 @@ def _run_factored(batches, wrap=lambda fn, opt: fn):
 
 
 def test_factored_step_equals_train_step():
-    batches = _batches()
+    batches = tiny_groot_batches(STEPS)
     ref, ref_master = _eager_reference(batches)
     got, master, _ = _run_factored(batches)
     assert len({loss for loss, _ in ref}) == STEPS
@@ -97,7 +68,7 @@ def test_factored_step_equals_train_step():
 def test_step_has_no_capture_hazards_after_the_value_check_batches():
     model, opt, _ = _setup()
     fn = GraphableStep(model, opt, precision="bf16", device_type="cpu", grad_clip=OPTIM.grad_clip)
-    batch = _batches()[0]
+    batch = tiny_groot_batches(STEPS)[0]
     first = find_capture_hazards(fn, batch)
     # The first batches validate embodiment ids / placeholder counts on the host (and build
     # the per-device image constants): the detector sees them, so it can fail.
@@ -165,7 +136,7 @@ class _SimulatedGraph:
 
 
 def test_simulated_capture_and_replay_reproduce_the_eager_run():
-    batches = _batches()
+    batches = tiny_groot_batches(STEPS)
     ref, ref_master = _eager_reference(batches)
     backends = []
 

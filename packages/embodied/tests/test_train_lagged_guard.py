@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from embodied_testkit import cpu_train_step, tiny_groot, tiny_groot_batches
 from safetensors.torch import load_file
 from torch.overrides import TorchFunctionMode
 
@@ -22,24 +23,15 @@ from longboat.core.config.compose import compose_experiment
 from longboat.core.config.schema import LRScheduleConfig, NaNGuardConfig, OptimConfig
 from longboat.core.distributed import run_multiprocess
 from longboat.core.loop import NaNGuard, NonFiniteLossError, build_lr_scheduler
-from longboat.embodied.models import apply_freezing, build_model
 from longboat.embodied.models.groot_n1_6.model import GrootN16
-from longboat.embodied.models.synthetic import synthetic_batch
-from longboat.embodied.parallel import ParallelSetup, build_optimizer, parallelize
-from longboat.embodied.train.step import GraphableStep, LaggedGuard, run_step, train_step
+from longboat.embodied.train.step import GraphableStep, LaggedGuard, run_step
 
-SETUP = ParallelSetup(strategy="ddp", world_size=1, rank=0)
 OPTIM = OptimConfig(lr=1e-3, weight_decay=0.1, betas=[0.9, 0.95], grad_clip=0.2)
 STEPS = 7
 NAN, INF = float("nan"), float("inf")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _poison(model, bad: dict[int, str], current_step) -> None:
@@ -60,21 +52,11 @@ def _poison(model, bad: dict[int, str], current_step) -> None:
 
 
 def _setup(bad: dict[int, str], current_step):
-    torch.manual_seed(0)
-    model = build_model("groot_n1_6", "tiny")
-    apply_freezing(model)
-    model = parallelize(model, SETUP, precision="bf16", master_weights=True)
-    optimizer = build_optimizer(model, OPTIM, SETUP, master_weights=True)
+    model, optimizer = tiny_groot(OPTIM)
     # A warm-up over the whole run: the lr changes every step, so a schedule off by one shows.
     sched = build_lr_scheduler(optimizer, LRScheduleConfig(name="cosine", warmup_steps=5), STEPS)
     _poison(model, bad, current_step)
     return model, optimizer, sched
-
-
-def _batches() -> list[dict[str, torch.Tensor]]:
-    torch.manual_seed(1)
-    model = build_model("groot_n1_6", "tiny")
-    return [synthetic_batch(model, 2) for _ in range(STEPS)]
 
 
 def _fp32(x: float) -> float:
@@ -90,18 +72,8 @@ def _sync_run(batches, bad, max_consecutive=5):
     for i, batch in enumerate(batches):
         now[0] = i
         lr = _fp32(sched.get_last_lr()[0])  # the lr this step's update uses
-        r = train_step(
-            model,
-            opt,
-            [batch],
-            step=i,
-            seed=3,
-            rank_offset=0,
-            device_type="cpu",
-            precision="bf16",
-            grad_clip=OPTIM.grad_clip,
-            should_step=guard.check,
-            scheduler=sched,
+        r = cpu_train_step(
+            model, opt, batch, i, OPTIM.grad_clip, should_step=guard.check, scheduler=sched
         )
         rows.append((r.loss, r.grad_norm, r.stepped, lr))
         host.append((guard.state_dict(), sched.last_epoch))
@@ -140,7 +112,7 @@ def _lagged_run(batches, bad, max_consecutive=5, raised_at=None):
 
 
 def test_lagged_guard_equals_the_synchronous_guard_exactly():
-    batches = _batches()
+    batches = tiny_groot_batches(STEPS)
     bad = {2: "nan", 3: "inf", 5: "inf"}  # two in a row, one alone; a loss-only skip
     ref, ref_host, ref_opt = _sync_run(batches, bad)
     assert [stepped for *_, stepped, _ in ref] == [True, True, False, False, True, False, True]
@@ -180,7 +152,7 @@ def test_lagged_guard_equals_the_synchronous_guard_exactly():
 def test_loss_only_skip_needs_the_device_loss_check():
     # Without the loss check (the pre-issue-8 step) a non-finite loss with finite grads still
     # updates the weights: the equality above depends on it.
-    batches = _batches()[:2]
+    batches = tiny_groot_batches(STEPS)[:2]
     now = [0]
     model, opt, _ = _setup({1: "inf"}, lambda: now[0])
     fn = GraphableStep(model, opt, precision="bf16", device_type="cpu", skip_nonfinite_loss=False)
@@ -197,7 +169,7 @@ def test_loss_only_skip_needs_the_device_loss_check():
 
 
 def test_abort_comes_at_most_one_step_later():
-    batches = _batches()
+    batches = tiny_groot_batches(STEPS)
     # max_consecutive=2 reached at step 3: the synchronous guard raises inside step 3, the
     # lagged one while resolving step 3, i.e. inside the call for step 4.
     bad = {2: "nan", 3: "inf"}
@@ -227,7 +199,7 @@ def test_lagged_guard_rejects_a_disabled_guard_and_mixed_arguments():
         run_step(
             fn,
             opt,
-            _batches()[0],
+            tiny_groot_batches(STEPS)[0],
             step=0,
             seed=3,
             rank_offset=0,
