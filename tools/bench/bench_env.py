@@ -10,6 +10,7 @@ import os
 import platform
 import subprocess
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,3 +57,18 @@ def git_commit() -> str:
         return out.stdout.strip() or "unknown"
     except OSError:
         return "unknown"
+
+
+def pyplot(missing: str | None = None) -> Any:
+    """matplotlib's pyplot with the file-only Agg backend, or None (printing ``missing`` if
+    given) where matplotlib is not installed: plots are optional, results are not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        if missing:
+            print(missing, flush=True)
+        return None
+    return plt

@@ -34,7 +34,7 @@ for sub in ("packages/core/src", "packages/kernels/src"):
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_env import git_commit, versions  # noqa: E402
+from bench_env import git_commit, pyplot, versions  # noqa: E402
 from bench_env import gpu_name as _gpu_name  # noqa: E402
 
 from longboat import kernels as K  # noqa: E402
@@ -484,13 +484,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("[kernels bench] matplotlib missing: no PNG", flush=True)
+    plt = pyplot("[kernels bench] matplotlib missing: no PNG")
+    if plt is None:
         return
     names = [r["name"] for r in rows]
     impls = ("eager", "compile", "liger", "longboat")

@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import llm_throughput as lt
+from bench_env import pyplot
 
 from longboat.core.device import get_accelerator
 
@@ -156,12 +157,8 @@ def longboat_losses(
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     a1.plot(result["hf_losses"], label="hf_eager")

@@ -69,6 +69,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import llm_throughput as lt
+from bench_env import pyplot
 from bench_procs import agree, gather, report_failure, run_workers
 from llm_loss_alignment import lr_at, markov_batches
 
@@ -560,12 +561,8 @@ def tables(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     runs = [r for r in result["runs"] if "tokens_per_s" in r]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))

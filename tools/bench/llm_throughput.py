@@ -78,7 +78,7 @@ for sub in ("packages/core/src", "packages/kernels/src", "packages/llm/src"):
         sys.path.insert(0, str(REPO / sub))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_env import git_commit, gpu_name, versions  # noqa: E402
+from bench_env import git_commit, gpu_name, pyplot, versions  # noqa: E402
 from bench_profile import profile_steps  # noqa: E402
 from bench_timing import StepClock  # noqa: E402
 
@@ -524,12 +524,8 @@ def table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     runs = [r for r in result["runs"] if "tokens_per_s" in r]
     if not runs:

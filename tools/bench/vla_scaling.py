@@ -70,6 +70,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vla_throughput as vt
+from bench_env import pyplot
 from bench_procs import agree, gather, report_failure, run_workers
 
 from longboat.core.distributed import (
@@ -397,12 +398,8 @@ def header(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     runs = [r for r in result["runs"] if "samples_per_s" in r]
     if not runs:

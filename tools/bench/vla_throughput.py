@@ -72,7 +72,7 @@ import groot_n1_6_reference as ref  # noqa: E402
 import groot_n1_6_reference_data as ref_data  # noqa: E402
 import pi05_reference as pi05_ref  # noqa: E402
 import pi05_reference_data as pi05_ref_data  # noqa: E402
-from bench_env import git_commit, gpu_name, versions  # noqa: E402
+from bench_env import git_commit, gpu_name, pyplot, versions  # noqa: E402
 from bench_profile import profile_steps  # noqa: E402
 from bench_timing import StepClock  # noqa: E402
 
@@ -609,12 +609,8 @@ def table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     runs = [r for r in result["runs"] if "samples_per_s" in r]
     if not runs:
