@@ -6,6 +6,13 @@ state, model (random init or an HF directory), LoRA, megatron DDP + distributed 
 resume, the loop (forward/backward through megatron's pipeline schedules, gradient
 accumulation to the global batch, NaN guard, LR schedule, metrics, progress, periodic eval
 and checkpoints, SIGTERM/SIGUSR1 -> checkpoint and exit), then the HF export.
+
+The loop reads nothing on the host per step where it can: the microbatches go to the device
+through pinned memory without waiting, the loss is read at log lines, and the NaN guard's
+skip is decided on the device with its host side one step late (``train.lagged_guard``),
+except where megatron's step reads on the host anyway (gradient clipping, fp16 loss scaling)
+or the update cannot skip on the device (``lagged_guard_blocker``): there the guard reads
+the loss every step before the update (the synchronous guard).
 """
 
 from __future__ import annotations
@@ -230,6 +237,7 @@ def _train(
     from longboat.llm.hf import load_hf
     from longboat.llm.lora import apply_lora
     from longboat.llm.train.data import GlobalBatchSchedule, microbatch
+    from longboat.llm.train.lagged_guard import LaggedLossGuard, lagged_guard_blocker
     from longboat.llm.train.one_pass_adamw import OnePassAdamW
     from longboat.llm.train.optimizer import ChainedLR, MegatronOptimizerState, wrap_and_build
     from longboat.llm.train.step import evaluate, forward_backward
@@ -265,6 +273,7 @@ def _train(
         schedule = GlobalBatchSchedule(len(train_rows), gbs, mbs, dp, seed=int(data.seed))
         dp_rank = mps.get_data_parallel_rank()
         device = accelerator.device()
+        cpu = torch.device("cpu")  # microbatches are built here, then sent by _to_device
         doc_attn = bool(data.document_attention)
 
         seed_everything(int(cfg.train.seed), accelerator)
@@ -332,7 +341,20 @@ def _train(
         step = int(state["step"]) if resumed is not None else 0
         result = TrainResult(start_step=step, end_step=step)
         result.resumed_from = ckpt.last_loaded if resumed is not None else None
+        # After the resume: it switches the param groups it loaded to fused AdamW.
+        why_sync = lagged_guard_blocker(
+            optimizer,
+            guard.cfg,
+            one_pass=one_pass is not None,
+            fused=bool(getattr(cfg.optim, "fused", True)),
+        )
+        lagged = LaggedLossGuard(guard, optimizer, lr, accelerator) if why_sync is None else None
         _print_start(console, cfg, model_cfg, layout, precision, schedule, train_rows, result)
+        if guard.cfg.enabled:
+            how = (
+                "reads the loss" if lagged is None else "skips on the device, checked one step late"
+            )
+            console.print(f"NaN guard: {how}{f' every step ({why_sync})' if why_sync else ''}.")
 
         def eval_loss() -> float:
             if eval_rows is None:
@@ -373,16 +395,25 @@ def _train(
             while step < total:
                 prof.step(step + 1)
                 micro = [
-                    microbatch([train_rows[i] for i in rows], device, document_attention=doc_attn)
+                    _to_device(
+                        microbatch([train_rows[i] for i in rows], cpu, document_attention=doc_attn),
+                        device,
+                    )
                     for rows in schedule.rows(step, dp_rank)
                 ]
                 optimizer.zero_grad()
                 loss_t = forward_backward(model, micro, device, fused_ce=fused_ce)
                 log_now = (step + 1) % log_every == 0 or step + 1 == total
                 grad_norm = None
-                # The NaN guard decides on the host whether to step: it reads the loss every
-                # step (one device sync); with the guard off the loss is read only when logged.
-                if guard.check(loss_t):
+                if lagged is not None:
+                    # No host read: the update skips on the device for a non-finite loss;
+                    # the previous step's verdict is resolved here (it steps the LR schedule
+                    # before this update reads it).
+                    lagged.before_update(step, loss_t)
+                    optimizer_step(optimizer)
+                # The synchronous guard reads the loss every step (one device sync); with the
+                # guard off the loss is read only when logged.
+                elif guard.check(loss_t):
                     if one_pass is not None and one_pass.step():
                         if log_now:
                             grad_norm = one_pass.grad_norm()
@@ -395,10 +426,16 @@ def _train(
                 state["step"] = step
                 pending.append(loss_t)
                 row: dict[str, Any] = {}
-                if eval_every and step % eval_every == 0 and step < total:
+                eval_now = bool(eval_every) and step % eval_every == 0 and step < total
+                flush = log_now or eval_now or ckpt.should_save(step) or on_step is not None
+                if lagged is not None and flush:
+                    # Exact counters and LR schedule for the log line, eval, checkpoint.
+                    verdicts = lagged.flush()
+                    if log_now and verdicts and verdicts[-1].stepped:  # this step's
+                        grad_norm = optimizer.get_grad_norm()  # kept until zero_grad
+                if eval_now:
                     row["eval_loss"] = result.eval_losses[step] = eval_loss()
-                flush = log_now or bool(row) or ckpt.should_save(step) or on_step is not None
-                if flush or guard.cfg.enabled:
+                if flush or (guard.cfg.enabled and lagged is None):
                     # One stacked host read for every loss since the last flush.
                     result.losses.extend(torch.stack(pending).tolist())
                     pending.clear()
@@ -425,6 +462,9 @@ def _train(
                 if stop.should_stop():
                     result.stopped_by_signal = stop.signal_name
                     break
+            if lagged is not None:
+                lagged.flush()  # the end or an interruption: before the final save
+                lagged.close()
             if pending:
                 result.losses.extend(torch.stack(pending).tolist())
                 pending.clear()
@@ -460,6 +500,18 @@ def _train(
         return result
     finally:
         mparallel.destroy()
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """A host microbatch on ``device`` without a host sync on CUDA: a copy from pageable memory
+    waits for everything queued on the stream, one from pinned memory does not (the caching
+    host allocator keeps the pinned block until the copy is done)."""
+    if device.type != "cuda":
+        return {k: None if v is None else v.to(device) for k, v in batch.items()}
+    return {
+        k: None if v is None else v.pin_memory().to(device, non_blocking=True)
+        for k, v in batch.items()
+    }
 
 
 def _print_start(

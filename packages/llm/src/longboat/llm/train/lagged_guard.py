@@ -1,0 +1,152 @@
+"""The NaN guard of ``longboat-llm train`` without a host read of the loss every step.
+
+The synchronous guard (core's ``NaNGuard.check``) reads each step's loss on the host before
+deciding whether to run the optimizer step: a full device sync per step, so the host cannot
+queue step n+1 while the device runs step n. ``LaggedLossGuard`` keeps the guard's numbers
+and moves the decision:
+
+- on the device: the inner torch AdamW of megatron's optimizer runs fused (``fused=True``; on
+  CPU too, where torch has a fused AdamW) and reads its ``found_inf`` attribute, which is set
+  to ``not isfinite(loss)`` of the step on the device before the update. torch's fused AdamW
+  skips the update of every parameter and moment and takes the step count back when it is 1
+  (torch's foreach and for-loop AdamW refuse ``found_inf``, hence fused). megatron's
+  ``prepare_grads`` / ``step_with_ready_grads`` change nothing else a skipped step must keep:
+  the grad copy into the main grads is rewritten every step, and the main -> model param copy
+  (and the param all-gather at DP>1) copies the unchanged main weights;
+- on the host, one step late: core's ``DeferredNaNGuard`` stages the loss of step n without
+  waiting, and step n-1's verdict is resolved after step n's forward/backward is queued and
+  before its update is, so the host waits at most for step n-1's forward/backward (the
+  device still has step n-1's update and step n's forward/backward queued). The verdict
+  steps the host LR schedule (``ChainedLR``) only for a step that was not skipped, before
+  step n's update reads the LR: the LR of every update is the synchronous guard's Python
+  float, bit for bit, with no device LR table. The counters and the abort are the guard's:
+  ``NonFiniteLossError`` for step n comes while step n+1 runs, before its update is queued
+  (one forward/backward later than the synchronous guard; the weights at the abort are the
+  same).
+
+``flush()`` resolves the last pending verdict (the loop calls it before a log line, an eval,
+a checkpoint, ``on_step``, the end and after an interruption: those read the counters or the
+LR schedule). The guard judges the loss only, as the loop's synchronous guard does (the
+grad norm is not computed without clipping), so the staged grad norm is a constant 0.
+
+``lagged_guard_blocker`` says where this does not apply; the loop keeps the synchronous guard
+there: gradient clipping (megatron's ``step()`` reads the grad norm on the host anyway) and
+fp16 loss scaling (its ``step()`` reads ``found_inf`` on the host), ``llm.one_pass_adamw``
+(its update does not take ``found_inf`` yet), ``optim.fused=false``, an inner optimizer
+other than torch's Adam / AdamW, or parameters fused AdamW cannot update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from longboat.core.loop.nan_guard import DeferredNaNGuard, NaNGuard, Verdict
+from longboat.llm.train.optimizer import inner_optimizers
+
+
+def lagged_guard_blocker(
+    optimizer: Any, guard_cfg: Any, *, one_pass: bool = False, fused: bool = True
+) -> str | None:
+    """None when the loop can take ``LaggedLossGuard`` with ``optimizer`` (megatron's, chained
+    or not), else why not (the loop then reads the loss every step: the synchronous guard)."""
+    if not guard_cfg.enabled:
+        return "train.nan_guard.enabled=false (no guard)"
+    parts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    if any(float(getattr(p.config, "clip_grad", 0.0) or 0.0) > 0.0 for p in parts):
+        return "optim.grad_clip > 0 (megatron's step() reads the grad norm on the host)"
+    if any(getattr(p, "grad_scaler", None) is not None for p in parts):
+        return "fp16 loss scaling (megatron's step() reads found_inf on the host)"
+    if one_pass:
+        return "llm.one_pass_adamw (its update does not take found_inf yet)"
+    if not fused:
+        return "optim.fused=false (only torch's fused AdamW skips an update on found_inf)"
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    devices = set(_get_fused_kernels_supported_devices())
+    for inner in inner_optimizers(optimizer):
+        if type(inner) not in (torch.optim.AdamW, torch.optim.Adam):
+            return f"the inner optimizer is {type(inner).__name__}, not torch's Adam / AdamW"
+        for group in inner.param_groups:
+            if group.get("differentiable"):
+                return "a differentiable AdamW param group"
+            for p in group["params"]:
+                if p.device.type not in devices or not p.is_floating_point():
+                    return (
+                        f"a {p.dtype} parameter on {p.device.type} (fused AdamW cannot update it)"
+                    )
+    return None
+
+
+class LaggedLossGuard:
+    """The loop's NaN guard with the skip on the device and the host side one step late
+    (module doc). Per step n: ``forward_backward``, then ``before_update(n, loss)``, then the
+    optimizer update (``optimizer_step``); ``flush()`` before anything that reads the counters
+    or the LR schedule. Build it after a resume (it switches the param groups to fused AdamW,
+    which a loaded checkpoint's param groups would otherwise overwrite)."""
+
+    def __init__(
+        self, guard: NaNGuard, optimizer: Any, scheduler: Any, accelerator: Any = None
+    ) -> None:
+        self.deferred = DeferredNaNGuard(guard, accelerator)
+        self.scheduler = scheduler
+        self.inners = inner_optimizers(optimizer)
+        params = [p for o in self.inners for g in o.param_groups for p in g["params"]]
+        device = params[0].device if params else torch.device("cpu")
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        """1.0 when the step being updated has a non-finite loss (torch's fused AdamW then
+        skips it), else 0.0; written on the device by ``before_update``."""
+        self._no_grad_norm = torch.zeros((), dtype=torch.float64, device=device)
+        for inner in self.inners:
+            _use_fused(inner)
+            inner.found_inf = self.found_inf  # read by torch Adam's step()
+        self.last: Verdict | None = None
+        """The latest resolved verdict."""
+
+    @property
+    def pending(self) -> list[int]:
+        """Steps whose verdict is not resolved yet (at most the newest one between flushes)."""
+        return self.deferred.pending
+
+    @torch.no_grad()
+    def before_update(self, step: int, loss: torch.Tensor) -> list[Verdict]:
+        """Set up step ``step``'s update to skip on a non-finite ``loss`` (device op), stage
+        the loss, resolve the previous step's verdict (stepping the LR schedule for it unless
+        it was skipped) and return the verdicts resolved."""
+        bad = torch.isfinite(loss.detach()).logical_not().to(self.found_inf.dtype)
+        self.found_inf.copy_(bad.reshape(()).to(self.found_inf.device))
+        self.deferred.submit(step, loss, self._no_grad_norm)
+        return self._apply(self.deferred.resolve(keep=1))
+
+    def flush(self) -> list[Verdict]:
+        """Resolve every pending verdict (waits for the newest step's loss)."""
+        return self._apply(self.deferred.resolve())
+
+    def close(self) -> None:
+        """Take ``found_inf`` off the inner optimizers (a later plain ``step()`` steps)."""
+        for inner in self.inners:
+            if getattr(inner, "found_inf", None) is self.found_inf:
+                del inner.found_inf
+
+    def _apply(self, verdicts: list[Verdict]) -> list[Verdict]:
+        for verdict in verdicts:
+            if verdict.stepped:
+                self.scheduler.step()  # a skipped step does not advance the schedule
+            self.last = verdict
+        return verdicts
+
+
+def _use_fused(inner: torch.optim.Optimizer) -> None:
+    """Switch every param group of a torch Adam / AdamW to the fused implementation (the one
+    that honours ``found_inf``), with its step counts as fp32 tensors on the param's device
+    (what fused AdamW keeps; a non-fused state from a checkpoint holds them on the CPU)."""
+    for group in inner.param_groups:
+        group["fused"], group["foreach"] = True, False
+        for p in group["params"]:
+            state = inner.state.get(p)
+            if state and "step" in state:
+                step = state["step"]
+                if not isinstance(step, torch.Tensor):
+                    step = torch.tensor(float(step))
+                state["step"] = step.to(dtype=torch.float32, device=p.device)
