@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -85,6 +86,18 @@ def _inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     return [p.optimizer for p in parts if getattr(p, "optimizer", None) is not None]
 
 
+def _torch_adam_groups(optimizer: Any, device_types: tuple[str, ...]) -> Iterator[dict]:
+    """The param groups of megatron's inner torch Adam / AdamW whose parameters are all on
+    ``device_types`` (TE / apex optimizers and empty groups are skipped)."""
+    for inner in _inner_optimizers(optimizer):
+        if not isinstance(inner, torch.optim.AdamW | torch.optim.Adam):
+            continue
+        for group in inner.param_groups:
+            params = group["params"]
+            if params and all(p.device.type in device_types for p in params):
+                yield group
+
+
 def capturable_torch_adamw(optimizer: Any, device_types: tuple[str, ...] = ("cuda",)) -> int:
     """Set megatron's inner torch Adam / AdamW up for a step captured as a CUDA graph.
 
@@ -97,21 +110,13 @@ def capturable_torch_adamw(optimizer: Any, device_types: tuple[str, ...] = ("cud
     from a device-tensor ``initial_lr`` and reads it on the host at every ``step()``.
     Returns how many param groups were set up.
     """
-    done = 0
-    for inner in _inner_optimizers(optimizer):
-        if not isinstance(inner, torch.optim.AdamW | torch.optim.Adam):
-            continue
-        for group in inner.param_groups:
-            params = group["params"]
-            if not params or not all(p.device.type in device_types for p in params):
-                continue
-            group["capturable"] = True
-            if not isinstance(group["lr"], torch.Tensor):
-                group["lr"] = torch.tensor(
-                    float(group["lr"]), dtype=torch.float32, device=params[0].device
-                )
-            done += 1
-    return done
+    groups = list(_torch_adam_groups(optimizer, device_types))
+    for group in groups:
+        group["capturable"] = True
+        if not isinstance(group["lr"], torch.Tensor):
+            device = group["params"][0].device
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+    return len(groups)
 
 
 def use_fused_torch_adamw(optimizer: Any) -> int:
@@ -124,17 +129,13 @@ def use_fused_torch_adamw(optimizer: Any) -> int:
     TE / apex optimizers are left alone. Returns how many param groups were switched.
     """
     switched = 0
-    for inner in _inner_optimizers(optimizer):
-        if not isinstance(inner, torch.optim.AdamW | torch.optim.Adam):
+    for group in _torch_adam_groups(optimizer, ("cuda",)):
+        if not all(p.is_floating_point() for p in group["params"]):
             continue
-        for group in inner.param_groups:
-            params = group["params"]
-            if not params or not all(p.is_cuda and p.is_floating_point() for p in params):
-                continue
-            if group.get("fused") or group.get("capturable"):
-                continue  # already fused, or set up for CUDA-graph capture: megatron's choice
-            group["fused"], group["foreach"] = True, False
-            switched += 1
+        if group.get("fused") or group.get("capturable"):
+            continue  # already fused, or set up for CUDA-graph capture: megatron's choice
+        group["fused"], group["foreach"] = True, False
+        switched += 1
     return switched
 
 
