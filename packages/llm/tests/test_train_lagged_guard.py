@@ -197,6 +197,27 @@ def test_lagged_guard_equals_the_synchronous_guard_exactly(tiny) -> None:
 
 
 @pytest.mark.multiprocess
+def test_one_pass_update_with_clipping_keeps_the_lagged_guard_exactly(tiny) -> None:
+    """llm.one_pass_adamw skips (found_inf) and clips (a device grad norm) on the device, so
+    with clipping on the loop still takes the lagged guard: same numbers as the synchronous
+    guard over the same one-pass update, bit for bit."""
+    extra = ("train.log_every=4", "llm.one_pass_adamw=true", "optim.grad_clip=0.5")
+    sync_run, lagged_run = _overrides(tiny, "op_sync", *extra), _overrides(tiny, "op_lag", *extra)
+    (sync,) = run_multiprocess(_run_worker, 1, sync_run, BAD, {"sync": True})
+    (lagged,) = run_multiprocess(_run_worker, 1, lagged_run, BAD, {})
+    assert sync["updates"] == lagged["updates"] == []  # torch's AdamW never steps
+    assert str(lagged["losses"]) == str(sync["losses"])
+    assert lagged["rows"] == sync["rows"]  # incl. the device-clipped steps' grad norms
+    norms = [r["grad_norm"] for r in lagged["rows"] if "loss" in r]
+    assert all(n is None or (math.isfinite(n) and n > 0) for n in norms), norms
+    assert any(n is not None and n > 0.5 for n in norms), norms  # the clipping engaged
+    assert lagged["counts"] == sync["counts"] == {"consecutive": 1, "total_skipped": 4}
+    _same_tensors(lagged["weights"], sync["weights"])
+    _same_tensors(lagged["states"], sync["states"])
+    assert all(torch.isfinite(w).all() for w in lagged["weights"])
+
+
+@pytest.mark.multiprocess
 def test_abort_comes_one_step_later_with_the_same_weights(tiny) -> None:
     bad = {3: "nan", 4: "nan", 5: "nan", 6: "nan"}
     extra = ("train.log_every=10", "train.nan_guard.max_consecutive=2")
@@ -330,7 +351,9 @@ def test_lagged_guard_blocker_names_why_the_guard_stays_synchronous() -> None:
         "train.nan_guard.enabled=false": lagged_guard_blocker(_fake_optimizer(adamw), off),
         "optim.grad_clip > 0": lagged_guard_blocker(_fake_optimizer(adamw, clip=1.0), on),
         "fp16 loss scaling": lagged_guard_blocker(_fake_optimizer(adamw, scaler=object()), on),
-        "llm.one_pass_adamw": lagged_guard_blocker(_fake_optimizer(adamw), on, one_pass=True),
+        "llm.one_pass_adamw cannot": lagged_guard_blocker(
+            _fake_optimizer(adamw), on, one_pass=SimpleNamespace(handles=lambda: False)
+        ),
         "optim.fused=false": lagged_guard_blocker(_fake_optimizer(adamw), on, fused=False),
         "not torch's Adam / AdamW": lagged_guard_blocker(
             _fake_optimizer(torch.optim.SGD([p], lr=1e-3)), on
@@ -338,6 +361,9 @@ def test_lagged_guard_blocker_names_why_the_guard_stays_synchronous() -> None:
     }
     for want, reason in cases.items():
         assert reason is not None and want in reason, (want, reason)
+    # The one-pass update skips (and clips) on the device itself: clipping keeps it lagged.
+    one_pass = SimpleNamespace(handles=lambda: True)
+    assert lagged_guard_blocker(_fake_optimizer(adamw, clip=1.0), on, one_pass=one_pass) is None
 
 
 def test_fused_adamw_skips_on_found_inf_and_foreach_refuses_it() -> None:

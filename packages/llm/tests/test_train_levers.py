@@ -817,7 +817,7 @@ def test_grad_buffer_and_optimizer_choices_train_alike() -> None:
 # ----------------------------------------------------------------------------- one-pass AdamW
 
 
-def _one_pass_worker(rank: int, world: int) -> dict[str, object]:
+def _one_pass_worker(rank: int, world: int, clip: float = 0.0) -> dict[str, object]:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from longboat.core.config.schema import OptimConfig
@@ -835,7 +835,7 @@ def _one_pass_worker(rank: int, world: int) -> dict[str, object]:
             model_parallel_cuda_manual_seed(1)
             torch.manual_seed(1)
             ts = build_train_step(
-                cfg, OptimConfig(lr=3e-3, weight_decay=0.1, grad_clip=0.0), precision="bf16",
+                cfg, OptimConfig(lr=3e-3, weight_decay=0.1, grad_clip=clip), precision="bf16",
                 device="cpu", use_cpu_initialization=True, one_pass_adamw=one_pass,
             )  # fmt: skip
             losses[one_pass] = [float(ts.step(tokens, labels)) for _ in range(3)]
@@ -847,17 +847,23 @@ def _one_pass_worker(rank: int, world: int) -> dict[str, object]:
         ts.optimizer.zero_grad()
         forward_backward(ts.model, [ts.batch(tokens, labels)], fused_ce=True)
 
+        # megatron clips an fp32 grad buffer (DP=2) in place: the grads are state too.
+        grads = [b.grad_data for chunk in ts.model for b in chunk.buffers]
+
         def snapshot():
             return (
                 [m.detach().clone() for m in mains],
                 [w.detach().clone() for w in weights],
                 [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in o.state[m].items()}
                  for o in inner for g in o.param_groups for m in g["params"]],
+                [g.clone() for g in grads],
             )  # fmt: skip
 
         def restore(snap):
-            ms, ws, states = snap
+            ms, ws, states, gs = snap
             with torch.no_grad():
+                for g, v in zip(grads, gs):
+                    g.copy_(v)
                 for m, v in zip(mains, ms):
                     m.copy_(v)
                 for w, v in zip(weights, ws):
@@ -870,11 +876,22 @@ def _one_pass_worker(rank: int, world: int) -> dict[str, object]:
                                 o.state[m][k].copy_(v)
 
         before = snapshot()
-        optimizer_step(ts.optimizer)  # megatron: cast grads, torch AdamW, copy to the model
+        _, ref_norm = optimizer_step(ts.optimizer)  # megatron: cast, (clip,) AdamW, copy
         ref = snapshot()
         restore(before)
+        skipped = torch.ones((), dtype=torch.float32)
+        assert ts.one_pass.step(found_inf=skipped)  # a skipped update changes nothing
+        unchanged = snapshot()
         assert ts.one_pass.step()
         got = snapshot()
+        skip_ok = all(
+            torch.equal(a, b) for a, b in zip(before[0] + before[1], unchanged[0] + unchanged[1])
+        ) and all(
+            torch.equal(a[k], b[k]) for a, b in zip(before[2], unchanged[2]) for k in a
+        )  # fmt: skip
+        device_norm = (
+            None if ts.one_pass.last_grad_norm is None else float(ts.one_pass.last_grad_norm)
+        )
         main_rel = max(
             float((a - b).abs().max()) / max(float(a.abs().max()), 1e-12)
             for a, b in zip(ref[0], got[0])
@@ -901,15 +918,17 @@ def _one_pass_worker(rank: int, world: int) -> dict[str, object]:
             "no_main_grads": no_main_grads,
             "state_keys": sorted(next(iter(state.values()))),
             "checksum": sum(float(w.double().sum()) for w in got[1]),
+            "skip_ok": skip_ok,
+            "norms": (None if ref_norm is None else float(ref_norm), device_norm),
         }
     finally:
         ps.destroy()
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world", [1, 2])
-def test_one_pass_adamw_is_megatrons_update(world: int) -> None:
-    outs = run_multiprocess(_one_pass_worker, world)
+@pytest.mark.parametrize(("world", "clip"), [(1, 0.0), (2, 0.0), (1, 0.05), (2, 0.05)], ids=str)
+def test_one_pass_adamw_is_megatrons_update(world: int, clip: float) -> None:
+    outs = run_multiprocess(_one_pass_worker, world, clip)
     for out in outs:
         ref, got = out["losses"]
         # Three steps each way on a bf16 model: same curve within bf16 noise.
@@ -923,6 +942,12 @@ def test_one_pass_adamw_is_megatrons_update(world: int) -> None:
         assert out["steps"] == [4.0], out  # torch AdamW's per-param step counts advance
         assert out["state_keys"] == ["exp_avg", "exp_avg_sq", "step"], out
         assert out["grad_norm"] > 0.0 and out["no_main_grads"], out
+        assert out["skip_ok"], out  # found_inf: every buffer and step count unchanged
+        ref_norm, device_norm = out["norms"]
+        if clip:  # clipped on the device with megatron's norm (far above 0.05: it engages)
+            assert ref_norm > 10 * clip and abs(device_norm - ref_norm) <= 1e-5 * ref_norm, out
+        else:
+            assert device_norm is None, out
     # Each rank updated its own shard; the all-gather (and the flip count above, against
     # megatron's gathered weights) leaves every rank with the same full weights.
     assert len({out["checksum"] for out in outs}) == 1, outs

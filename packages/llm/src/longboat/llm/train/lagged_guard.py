@@ -29,11 +29,15 @@ a checkpoint, ``on_step``, the end and after an interruption: those read the cou
 LR schedule). The guard judges the loss only, as the loop's synchronous guard does (the
 grad norm is not computed without clipping), so the staged grad norm is a constant 0.
 
+With ``llm.one_pass_adamw`` the update is ``OnePassAdamW.step(found_inf=...)`` instead, which
+skips on the device itself and clips on the device (no ``.item()`` of the grad norm), so there
+gradient clipping keeps the lagged guard too.
+
 ``lagged_guard_blocker`` says where this does not apply; the loop keeps the synchronous guard
-there: gradient clipping (megatron's ``step()`` reads the grad norm on the host anyway) and
-fp16 loss scaling (its ``step()`` reads ``found_inf`` on the host), ``llm.one_pass_adamw``
-(its update does not take ``found_inf`` yet), ``optim.fused=false``, an inner optimizer
-other than torch's Adam / AdamW, or parameters fused AdamW cannot update.
+there: gradient clipping through megatron's step (its ``step()`` reads the grad norm on the
+host anyway) and fp16 loss scaling (its ``step()`` reads ``found_inf`` on the host),
+``optim.fused=false``, an inner optimizer other than torch's Adam / AdamW, or parameters
+fused AdamW cannot update.
 """
 
 from __future__ import annotations
@@ -47,19 +51,22 @@ from longboat.llm.train.optimizer import inner_optimizers
 
 
 def lagged_guard_blocker(
-    optimizer: Any, guard_cfg: Any, *, one_pass: bool = False, fused: bool = True
+    optimizer: Any, guard_cfg: Any, *, one_pass: Any = None, fused: bool = True
 ) -> str | None:
     """None when the loop can take ``LaggedLossGuard`` with ``optimizer`` (megatron's, chained
-    or not), else why not (the loop then reads the loss every step: the synchronous guard)."""
+    or not; ``one_pass``: the loop's ``OnePassAdamW``, if any), else why not (the loop then
+    reads the loss every step: the synchronous guard)."""
     if not guard_cfg.enabled:
         return "train.nan_guard.enabled=false (no guard)"
+    if one_pass is not None:
+        if one_pass.handles():
+            return None  # it skips (and clips) on the device itself
+        return "llm.one_pass_adamw cannot take this step (fp16 loss scaling or mixed groups)"
     parts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
     if any(float(getattr(p.config, "clip_grad", 0.0) or 0.0) > 0.0 for p in parts):
         return "optim.grad_clip > 0 (megatron's step() reads the grad norm on the host)"
     if any(getattr(p, "grad_scaler", None) is not None for p in parts):
         return "fp16 loss scaling (megatron's step() reads found_inf on the host)"
-    if one_pass:
-        return "llm.one_pass_adamw (its update does not take found_inf yet)"
     if not fused:
         return "optim.fused=false (only torch's fused AdamW skips an update on found_inf)"
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
@@ -87,7 +94,13 @@ class LaggedLossGuard:
     which a loaded checkpoint's param groups would otherwise overwrite)."""
 
     def __init__(
-        self, guard: NaNGuard, optimizer: Any, scheduler: Any, accelerator: Any = None
+        self,
+        guard: NaNGuard,
+        optimizer: Any,
+        scheduler: Any,
+        accelerator: Any = None,
+        *,
+        one_pass: bool = False,
     ) -> None:
         self.deferred = DeferredNaNGuard(guard, accelerator)
         self.scheduler = scheduler
@@ -98,7 +111,7 @@ class LaggedLossGuard:
         """1.0 when the step being updated has a non-finite loss (torch's fused AdamW then
         skips it), else 0.0; written on the device by ``before_update``."""
         self._no_grad_norm = torch.zeros((), dtype=torch.float64, device=device)
-        for inner in self.inners:
+        for inner in self.inners if not one_pass else ():  # one-pass: passed to its step
             _use_fused(inner)
             inner.found_inf = self.found_inf  # read by torch Adam's step()
         self.last: Verdict | None = None

@@ -345,10 +345,14 @@ def _train(
         why_sync = lagged_guard_blocker(
             optimizer,
             guard.cfg,
-            one_pass=one_pass is not None,
+            one_pass=one_pass,
             fused=bool(getattr(cfg.optim, "fused", True)),
         )
-        lagged = LaggedLossGuard(guard, optimizer, lr, accelerator) if why_sync is None else None
+        lagged = None
+        if why_sync is None:
+            lagged = LaggedLossGuard(
+                guard, optimizer, lr, accelerator, one_pass=one_pass is not None
+            )
         _print_start(console, cfg, model_cfg, layout, precision, schedule, train_rows, result)
         if guard.cfg.enabled:
             how = (
@@ -410,13 +414,16 @@ def _train(
                     # the previous step's verdict is resolved here (it steps the LR schedule
                     # before this update reads it).
                     lagged.before_update(step, loss_t)
-                    optimizer_step(optimizer)
+                    if one_pass is not None:
+                        one_pass.step(found_inf=lagged.found_inf)
+                    else:
+                        optimizer_step(optimizer)
                 # The synchronous guard reads the loss every step (one device sync); with the
                 # guard off the loss is read only when logged.
                 elif guard.check(loss_t):
                     if one_pass is not None and one_pass.step():
                         if log_now:
-                            grad_norm = one_pass.grad_norm()
+                            grad_norm = one_pass.logged_grad_norm()
                     else:
                         _, grad_norm = optimizer_step(optimizer)
                         if grad_norm is None and log_now:
@@ -432,7 +439,10 @@ def _train(
                     # Exact counters and LR schedule for the log line, eval, checkpoint.
                     verdicts = lagged.flush()
                     if log_now and verdicts and verdicts[-1].stepped:  # this step's
-                        grad_norm = optimizer.get_grad_norm()  # kept until zero_grad
+                        if one_pass is not None:
+                            grad_norm = one_pass.logged_grad_norm()
+                        else:
+                            grad_norm = optimizer.get_grad_norm()  # kept until zero_grad
                 if eval_now:
                     row["eval_loss"] = result.eval_losses[step] = eval_loss()
                 if flush or (guard.cfg.enabled and lagged is None):

@@ -18,11 +18,20 @@ step count); the learning rate comes from the param group each step (a device te
 lever keeps filled, or the group's own tensor once ``capturable_torch_adamw`` made it one, so
 a captured CUDA graph reads the current value).
 
+Gradient clipping happens on the device: the global grad norm is computed from the shards'
+grads with megatron's own choice of grads (no shared or tensor-parallel duplicate parameter
+counted twice) and reduction group, and the kernel divides the grads by
+``max(1, (norm + 1e-6) / clip)`` (megatron multiplies by the inverse), so a clipped step has
+no host read either (megatron's ``step()`` reads the norm with ``.item()``). ``step(found_inf=)``
+skips the update on the device where that tensor is nonzero (every buffer and the step count
+unchanged), as does a non-finite grad norm when clipping: the NaN guard's skip without a host
+read (``train.lagged_guard``).
+
 ``supported(optimizer)`` says whether an optimizer can take this path: megatron's
 ``DistributedOptimizer`` parts around torch ``AdamW`` (no amsgrad / maximize), no fp8 / fp4
-param gather, no megatron-FSDP, no precision-aware optimizer. Gradient clipping and fp16 loss
-scaling are not handled here: ``step`` returns False for them, and the caller takes
-megatron's ``optimizer.step()``.
+param gather, no megatron-FSDP, no precision-aware optimizer. fp16 loss scaling, and clipping
+over parts with different grad-statistics groups (expert-parallel parts), are not handled:
+``step`` returns False for them, and the caller takes megatron's ``optimizer.step()``.
 """
 
 from __future__ import annotations
@@ -98,6 +107,10 @@ class OnePassAdamW:
             )
         self.optimizer = optimizer
         self._plans: list[tuple[Any, list[_Shard], list[Tensor]]] | None = None
+        self._norm_grads: list[Tensor] | None = None
+        self.last_grad_norm: Tensor | None = None
+        """The global grad norm of the latest clipped step (a device tensor; None without
+        clipping, where the norm is not needed)."""
 
     def _plan(self) -> list[tuple[Any, list[_Shard], list[Tensor]]]:
         plans = []
@@ -135,17 +148,67 @@ class OnePassAdamW:
             plans.append((part, shards, lrs))
         return plans
 
-    @torch.no_grad()
-    def step(self) -> bool:
-        """One update of every shard; False (nothing done) when clipping or loss scaling is
-        configured, which this path does not implement."""
+    def clip(self) -> float:
+        """The configured clipping norm (0: off)."""
+        return max(
+            float(getattr(p.config, "clip_grad", 0.0) or 0.0) for p in _parts(self.optimizer)
+        )
+
+    def handles(self) -> bool:
+        """Whether ``step`` takes this configuration (fp16 loss scaling: no; clipping: where
+        every part reduces its grad statistics over the same group)."""
         parts = _parts(self.optimizer)
-        if any(float(getattr(p.config, "clip_grad", 0.0) or 0.0) > 0.0 for p in parts) or any(
-            getattr(p, "grad_scaler", None) is not None for p in parts
-        ):
+        if any(getattr(p, "grad_scaler", None) is not None for p in parts):
+            return False
+        if self.clip() > 0.0:
+            groups = {id(p.get_grad_stats_parallel_group()) for p in parts}
+            return len(groups) == 1
+        return True
+
+    @torch.no_grad()
+    def device_grad_norm(self) -> Tensor:
+        """The global L2 norm of the grads on the device (megatron's ``get_grad_norm`` without
+        its host read): the shards' grads of params that are neither shared nor tensor-parallel
+        duplicates, summed over the grad-statistics group."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        if self._plans is None:
+            self._plans = self._plan()
+        if self._norm_grads is None:
+            self._norm_grads = [
+                s.grad
+                for _, shards, _ in self._plans
+                for s in shards
+                if param_is_not_shared(s.main) and param_is_not_tensor_parallel_duplicate(s.main)
+            ]
+        part = _parts(self.optimizer)[0]
+        device = self._plans[0][2][0].device
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        if self._norm_grads:
+            norms = torch._foreach_norm(self._norm_grads, 2.0, dtype=torch.float32)
+            total = torch.stack(norms).square().sum()
+        group = part.get_grad_stats_parallel_group()
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+        return total.sqrt()
+
+    @torch.no_grad()
+    def step(self, found_inf: Tensor | None = None) -> bool:
+        """One update of every shard (skipped on the device where ``found_inf`` is nonzero);
+        False (nothing done) where ``handles()`` is False."""
+        if not self.handles():
             return False
         if self._plans is None:
             self._plans = self._plan()
+        grad_scale = None
+        clip = self.clip()
+        if clip > 0.0:
+            norm = self.device_grad_norm()
+            self.last_grad_norm = norm
+            grad_scale = torch.clamp((norm + 1.0e-6) / clip, min=1.0)
+            bad = torch.isfinite(norm).logical_not().float()
+            found_inf = bad if found_inf is None else torch.maximum(found_inf.float(), bad)
         for part, shards, lrs in self._plans:
             inner = part.optimizer
             steps = []
@@ -158,6 +221,9 @@ class OnePassAdamW:
                 steps.append(state["step"])
             if steps:
                 torch._foreach_add_(steps, 1.0)
+                if found_inf is not None:  # a skipped update does not count
+                    skipped = found_inf.reshape(()).to(steps[0])
+                    torch._foreach_sub_(steps, [skipped] * len(steps))
             group_lr = []
             for grp, lr in zip(inner.param_groups, lrs):
                 if isinstance(grp["lr"], Tensor):
@@ -181,6 +247,8 @@ class OnePassAdamW:
                     eps=float(grp["eps"]),
                     weight_decay=float(grp["weight_decay"]),
                     step=state["step"],
+                    grad_scale=grad_scale,
+                    found_inf=found_inf,
                 )
             self._sync_params(part)
         return True
@@ -196,6 +264,11 @@ class OnePassAdamW:
         if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
             return
         part.start_param_sync_for_bucket_group_subset()
+
+    def logged_grad_norm(self) -> Any:
+        """The step's grad norm for a log line: the clipped step's device norm, else
+        ``grad_norm()``."""
+        return self.last_grad_norm if self.last_grad_norm is not None else self.grad_norm()
 
     def grad_norm(self) -> Any:
         """The global grad norm of the step just taken (grads stay in the buffer until
