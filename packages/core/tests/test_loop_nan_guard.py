@@ -160,3 +160,21 @@ def test_deferred_guard_disabled_and_without_accelerator():
         deferred.submit(i, torch.tensor(float("nan")), torch.tensor(float("nan")))
     assert [v.stepped for v in deferred.resolve()] == [True, True, True]
     assert deferred.guard.total_skipped == 0
+
+
+def test_host_reads_records_every_value_read_with_its_caller() -> None:
+    from longboat.core.loop import HostReads
+
+    x = torch.tensor([1.5, 2.0])
+    step = {"n": 0}
+    with HostReads(tag=lambda: step["n"]) as mode:
+        y = x * 2  # no read
+        step["n"] = 1
+        float(y[0])
+        y.tolist()
+        step["n"] = 2
+        bool(y.sum() > 0)
+    assert [(t, name) for t, name, _ in mode.reads] == [
+        (1, "__float__"), (1, "tolist"), (2, "__bool__")
+    ]  # fmt: skip
+    assert all(where.startswith("test_loop_nan_guard.py ") for _, _, where in mode.reads)

@@ -9,20 +9,19 @@ per-step path reads no step value on the host (a per-step sync coming back fails
 from __future__ import annotations
 
 import json
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 from embodied_testkit import cpu_train_step, tiny_groot, tiny_groot_batches
 from safetensors.torch import load_file
-from torch.overrides import TorchFunctionMode
 
 import longboat.embodied.train.trainer as trainer_mod
 from longboat.core.config.compose import compose_experiment
 from longboat.core.config.schema import LRScheduleConfig, NaNGuardConfig, OptimConfig
 from longboat.core.distributed import run_multiprocess
 from longboat.core.loop import NaNGuard, NonFiniteLossError, build_lr_scheduler
+from longboat.core.loop.host_reads import HostReads
 from longboat.embodied.models.groot_n1_6.model import GrootN16
 from longboat.embodied.train.step import GraphableStep, LaggedGuard, run_step
 
@@ -347,35 +346,11 @@ def test_trainer_resume_mid_run_equals_the_uninterrupted_run(tmp_path: Path, mon
     _same_weights(_weights(resumed), _weights(straight))
 
 
-_READS = {"item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__", "__index__"}
-
-
-class _HostReads(TorchFunctionMode):
-    """Records every host read of a tensor (``.item()``, ``float()``, ``bool()``, ``.tolist()``,
-    ``.cpu()``...) with the step the trainer is on and the caller outside torch."""
-
-    def __init__(self, probe: _Probe) -> None:
-        super().__init__()
-        self.probe = probe
-        self.reads: list[tuple[int | None, str, str]] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in _READS or name == "__format__":
-            where = "?"
-            for frame in reversed(traceback.extract_stack()[:-1]):
-                if "/torch/" not in frame.filename and __file__ != frame.filename:
-                    where = f"{Path(frame.filename).name} {frame.name}"
-                    break
-            self.reads.append((self.probe.step, name, where))
-        return func(*args, **(kwargs or {}))
-
-
 def _reads_per_step(tmp_path: Path, monkeypatch, sync: bool) -> dict[int, list[str]]:
     # The model value-checks its first 2 batches on an accelerator (always on CPU): as on GPU.
     monkeypatch.setattr(GrootN16, "_check_values", lambda self: self._value_checks_left > 0)
     probe = _Probe(monkeypatch, {}, sync=sync)
-    mode = _HostReads(probe)
+    mode = HostReads(tag=lambda: probe.step, skip_files=(__file__,))
     with mode:
         _train(tmp_path, "train.log_every=8", "export.enabled=false")
     per_step: dict[int, list[str]] = {}

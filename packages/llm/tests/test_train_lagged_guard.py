@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import json
 import math
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.overrides import TorchFunctionMode
 
 from longboat.core.distributed import run_multiprocess
+from longboat.core.loop.host_reads import HostReads
 from longboat.llm.train.testing import compose, make_tiny_dataset, tiny_overrides
 
 NAN, INF = float("nan"), float("inf")
@@ -276,35 +275,12 @@ def test_ranks_skip_together_and_follow_one_rank(tiny, hf_dirs, layout: str) -> 
 
 # ------------------------------------------------------------------ no per-step host read
 
-_READS = {"item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__", "__index__"}
-
-
-class _HostReads(TorchFunctionMode):
-    """Records every host read of a tensor (``.item()``, ``float()``, ``bool()``,
-    ``.tolist()``, ``.cpu()``...) with the step the loop is on and the caller outside torch."""
-
-    def __init__(self, probe: _Probe) -> None:
-        super().__init__()
-        self.probe = probe
-        self.reads: list[tuple[int | None, str, str]] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in _READS or name == "__format__":
-            where = "?"
-            for frame in reversed(traceback.extract_stack()[:-1]):
-                if "/torch/" not in frame.filename and __file__ != frame.filename:
-                    where = f"{Path(frame.filename).name} {frame.name}"
-                    break
-            self.reads.append((self.probe.step, name, where))
-        return func(*args, **(kwargs or {}))
-
 
 def _reads_worker(rank: int, world: int, overrides: list[str], sync: bool) -> dict:
     from longboat.llm.train.loop import run
 
     probe = _Probe({}, sync=sync, record_updates=False)
-    mode = _HostReads(probe)
+    mode = HostReads(tag=lambda: probe.step, skip_files=(__file__,))
     with mode:
         run(compose(overrides, world_size=world))
     per_step: dict[int, list[str]] = {}

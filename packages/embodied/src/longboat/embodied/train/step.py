@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
-from longboat.core.loop.nan_guard import DeferredNaNGuard, NaNGuard, Verdict
+from longboat.core.loop.nan_guard import NaNGuard, ScheduledDeferredGuard, Verdict
 from longboat.embodied.parallel.master_weights import MasterWeightAdamW
 from longboat.embodied.parallel.optim import clip_grad_norm_
 
@@ -295,7 +295,7 @@ class DeviceLRSchedule:
         self.position.add_(1).sub_(self.optimizer.found_inf.to(torch.int64))
 
 
-class LaggedGuard:
+class LaggedGuard(ScheduledDeferredGuard):
     """``run_step``'s NaN guard without a per-step host sync (``run_step(..., lagged=...)``).
 
     The skip itself happens on the device (``GraphableStep`` with ``skip_nonfinite_loss``),
@@ -329,12 +329,9 @@ class LaggedGuard:
                 "device's found_inf); with train.nan_guard.enabled=false call run_step with "
                 "should_step=None and the scheduler instead"
             )
-        self.deferred = DeferredNaNGuard(guard, accelerator)
+        super().__init__(guard, scheduler, accelerator)
         self.optimizer = optimizer
-        self.scheduler = scheduler
         self.lr = DeviceLRSchedule(scheduler, optimizer, total_steps)
-        self.last: Verdict | None = None
-        """The latest resolved verdict."""
 
     def before_step(self) -> None:
         self.lr.load()
@@ -342,19 +339,7 @@ class LaggedGuard:
     def after_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> list[Verdict]:
         """Advance the device schedule, stage this step, resolve the previous one."""
         self.lr.advance()
-        self.deferred.submit(step, loss, grad_norm)
-        return self._apply(self.deferred.resolve(keep=1))
-
-    def flush(self) -> list[Verdict]:
-        """Resolve every pending verdict (waits for the last queued step)."""
-        return self._apply(self.deferred.resolve())
-
-    def _apply(self, verdicts: list[Verdict]) -> list[Verdict]:
-        for verdict in verdicts:
-            if verdict.stepped:
-                self.scheduler.step()  # a skipped step does not advance the schedule
-            self.last = verdict
-        return verdicts
+        return self.stage(step, loss, grad_norm)
 
 
 def run_step(

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from longboat.core.loop.nan_guard import DeferredNaNGuard, NaNGuard, Verdict
+from longboat.core.loop.nan_guard import NaNGuard, ScheduledDeferredGuard, Verdict
 from longboat.llm.train.optimizer import inner_optimizers
 
 
@@ -86,7 +86,7 @@ def lagged_guard_blocker(
     return None
 
 
-class LaggedLossGuard:
+class LaggedLossGuard(ScheduledDeferredGuard):
     """The loop's NaN guard with the skip on the device and the host side one step late
     (module doc). Per step n: ``forward_backward``, then ``before_update(n, loss)``, then the
     optimizer update (``optimizer_step``); ``flush()`` before anything that reads the counters
@@ -102,8 +102,7 @@ class LaggedLossGuard:
         *,
         one_pass: bool = False,
     ) -> None:
-        self.deferred = DeferredNaNGuard(guard, accelerator)
-        self.scheduler = scheduler
+        super().__init__(guard, scheduler, accelerator)
         self.inners = inner_optimizers(optimizer)
         params = [p for o in self.inners for g in o.param_groups for p in g["params"]]
         device = params[0].device if params else torch.device("cpu")
@@ -114,13 +113,6 @@ class LaggedLossGuard:
         for inner in self.inners if not one_pass else ():  # one-pass: passed to its step
             _use_fused(inner)
             inner.found_inf = self.found_inf  # read by torch Adam's step()
-        self.last: Verdict | None = None
-        """The latest resolved verdict."""
-
-    @property
-    def pending(self) -> list[int]:
-        """Steps whose verdict is not resolved yet (at most the newest one between flushes)."""
-        return self.deferred.pending
 
     @torch.no_grad()
     def before_update(self, step: int, loss: torch.Tensor) -> list[Verdict]:
@@ -129,25 +121,13 @@ class LaggedLossGuard:
         it was skipped) and return the verdicts resolved."""
         bad = torch.isfinite(loss.detach()).logical_not().to(self.found_inf.dtype)
         self.found_inf.copy_(bad.reshape(()).to(self.found_inf.device))
-        self.deferred.submit(step, loss, self._no_grad_norm)
-        return self._apply(self.deferred.resolve(keep=1))
-
-    def flush(self) -> list[Verdict]:
-        """Resolve every pending verdict (waits for the newest step's loss)."""
-        return self._apply(self.deferred.resolve())
+        return self.stage(step, loss, self._no_grad_norm)
 
     def close(self) -> None:
         """Take ``found_inf`` off the inner optimizers (a later plain ``step()`` steps)."""
         for inner in self.inners:
             if getattr(inner, "found_inf", None) is self.found_inf:
                 del inner.found_inf
-
-    def _apply(self, verdicts: list[Verdict]) -> list[Verdict]:
-        for verdict in verdicts:
-            if verdict.stepped:
-                self.scheduler.step()  # a skipped step does not advance the schedule
-            self.last = verdict
-        return verdicts
 
 
 def _use_fused(inner: torch.optim.Optimizer) -> None:
