@@ -14,9 +14,6 @@ On CPU the kernel dispatches to its torch reference except in the interpreter te
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -24,6 +21,7 @@ import pytest
 import torch
 
 from longboat.core.distributed import run_multiprocess
+from longboat.llm.train.testing import run_interpreted
 
 HF_TOL = 1e-4  # max |logits - transformers| in fp32, as test_hf_parity
 FP32_TOL = 2e-5
@@ -146,21 +144,8 @@ def test_training_steps_agree_with_and_without_the_fusion(fp32_residual: bool) -
 # ----------------------------------------------------------------------------- Triton
 
 
-TRITON_SCRIPT = textwrap.dedent(
+TRITON_BODY = textwrap.dedent(
     """
-    import os, socket, sys, warnings
-    warnings.simplefilter("ignore")
-    import torch, torch.distributed as dist
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    from longboat.core.config.schema import ParallelConfig
-    from longboat.core.device import get_accelerator
-    from longboat.core.megatron import parallel_state
-    from longboat.llm import build
-    from longboat.llm.models import get_family
     import longboat.kernels.rmsnorm as rms_mod
 
     launched = {"add": 0}
@@ -169,8 +154,6 @@ TRITON_SCRIPT = textwrap.dedent(
         launched["add"] += 1
         return real(*a)
     rms_mod._AddRMSNormFn.apply = counted
-    parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"), seed=1)
-    cfg = get_family("llama3").flavor("tiny")
     models = {}
     for on in (True, False):
         (models[on],) = build.build_model(
@@ -192,7 +175,6 @@ TRITON_SCRIPT = textwrap.dedent(
     )
     print("RESULT", float(fused), float(ref), grad, scale)
     print("LAUNCHED", launched["add"])
-    parallel_state.destroy()
     """
 )
 
@@ -206,23 +188,9 @@ def test_triton_add_rmsnorm_in_the_model(tmp_path: Path, precision: str) -> None
     so the bound is bf16-sized: loss 2e-3, grads 2^-5 of the largest gradient (measured
     1e-4 and 1%)."""
     pytest.importorskip("triton")
-    script = tmp_path / "add_norm_triton.py"
-    script.write_text(TRITON_SCRIPT)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "LONGBOAT_KERNELS_IMPL": "triton"}
-    env["OMP_NUM_THREADS"] = "1"
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    done = subprocess.run(
-        [sys.executable, str(script), precision],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    lines = [x.split() for x in done.stdout.splitlines() if x.startswith(("RESULT", "LAUNCHED"))]
-    (result,) = [[float(v) for v in x[1:]] for x in lines if x[0] == "RESULT"]
-    (launched,) = [int(x[1]) for x in lines if x[0] == "LAUNCHED"]
+    out = run_interpreted(TRITON_BODY, tmp_path / "add_norm_triton.py", precision)
+    (result,) = [[float(v) for v in x] for x in out["RESULT"]]
+    (launched,) = [int(x[0]) for x in out["LAUNCHED"]]
     from longboat.llm.models import get_family
 
     assert launched == get_family("llama3").flavor("tiny").num_layers, launched

@@ -13,9 +13,6 @@ runs the Triton RoPE and fused CE kernels through Triton's interpreter in a subp
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -23,6 +20,7 @@ import pytest
 import torch
 
 from longboat.core.distributed import run_multiprocess
+from longboat.llm.train.testing import run_interpreted
 
 FP32_TOL = 2e-5  # fp32: the paths differ only in summation order (measured <= 3e-6)
 
@@ -342,22 +340,8 @@ class _Layout:
 # ----------------------------------------------------------------------------- Triton
 
 
-TRITON_SCRIPT = textwrap.dedent(
+TRITON_BODY = textwrap.dedent(
     """
-    import os, socket, warnings
-    warnings.simplefilter("ignore")
-    import torch, torch.distributed as dist
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    from longboat.core.config.schema import ParallelConfig
-    from longboat.core.device import get_accelerator
-    from longboat.core.megatron import parallel_state
-    from longboat.llm import build
-    from longboat.llm.layer_kernels import longboat_layer_kernels
-    from longboat.llm.models import get_family
     from longboat.llm.train.loss import fused_lm_loss
     import longboat.kernels.qkv_rope as qkv_mod
     import longboat.kernels.rope as rope_mod
@@ -373,12 +357,9 @@ TRITON_SCRIPT = textwrap.dedent(
         launched["qkv"] += 1
         return real_qkv(*a)
     qkv_mod._QKVRopeFn.apply = counted_qkv
-    parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"), seed=1)
-    cfg = get_family("llama3").flavor("tiny")
     models = {}
     for name, kw in (("qkv", {}), ("rope", {"qkv_rope": False}), ("plain", {"rope": False})):
-        build.longboat_layer_kernels = lambda kw=kw: longboat_layer_kernels(**kw)
-        (models[name],) = build.build_model(cfg)
+        (models[name],) = build.build_model(cfg, kernel_options=kw)
     for m in ("rope", "plain"):
         models[m].load_state_dict(models["qkv"].state_dict())
     g = torch.Generator().manual_seed(0)
@@ -396,7 +377,6 @@ TRITON_SCRIPT = textwrap.dedent(
         grad = max(float((p.grad - gp[n].grad).abs().max()) for n, p in mp)
         print("RESULT", name, float(fused), float(ref), grad, scale)
     print("LAUNCHED", launched["qkv"], launched["rope"])
-    parallel_state.destroy()
     """
 )
 
@@ -404,19 +384,9 @@ TRITON_SCRIPT = textwrap.dedent(
 # ~6 s on 2 cores: a fresh process importing megatron, every kernel in Triton's interpreter
 def test_triton_levers_in_the_model(tmp_path: Path) -> None:
     pytest.importorskip("triton")
-    script = tmp_path / "triton_levers.py"
-    script.write_text(TRITON_SCRIPT)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "LONGBOAT_KERNELS_IMPL": "triton"}
-    env["OMP_NUM_THREADS"] = "1"
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    done = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    lines = [x.split() for x in done.stdout.splitlines() if x.startswith(("RESULT", "LAUNCHED"))]
-    results = {x[1]: [float(v) for v in x[2:]] for x in lines if x[0] == "RESULT"}
-    (launch,) = [x[1:] for x in lines if x[0] == "LAUNCHED"]
+    out = run_interpreted(TRITON_BODY, tmp_path / "triton_levers.py")
+    results = {x[0]: [float(v) for v in x[1:]] for x in out["RESULT"]}
+    (launch,) = out["LAUNCHED"]
     layers = _tiny_cfg().num_layers
     # Every layer's forward ran the fused QKV kernel in one model and the RoPE kernel in the other.
     assert [int(v) for v in launch] == [layers, layers], launch

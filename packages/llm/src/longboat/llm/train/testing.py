@@ -95,3 +95,56 @@ def compose(overrides: Sequence[str], *, world_size: int | None = None) -> Any:
     from longboat.core.config.compose import compose_experiment
 
     return compose_experiment("quickstart", list(overrides), stack="llm", world_size=world_size)
+
+
+# The start of a script run by ``run_interpreted``: a one-rank gloo group, megatron's parallel
+# state, and ``cfg`` = the tiny llama3 flavour (the body builds models from it).
+_INTERPRETED_PREAMBLE = """\
+import os, socket, sys, warnings
+warnings.simplefilter("ignore")
+import torch, torch.distributed as dist
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+os.environ["MASTER_ADDR"] = "127.0.0.1"
+dist.init_process_group("gloo", rank=0, world_size=1)
+from longboat.core.config.schema import ParallelConfig
+from longboat.core.device import get_accelerator
+from longboat.core.megatron import parallel_state
+from longboat.llm import build
+from longboat.llm.models import get_family
+parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"), seed=1)
+cfg = get_family("llama3").flavor("tiny")
+"""
+
+
+def run_interpreted(
+    body: str, script: Path, *args: str, timeout: float = 300
+) -> dict[str, list[list[str]]]:
+    """Run ``body`` (after a preamble that sets up megatron on one CPU rank and ``cfg``, the
+    tiny llama3) as the file ``script`` in a fresh Python with every longboat kernel in
+    Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before triton is imported, which
+    a running test process cannot do. Returns the output lines that start with an upper-case
+    tag (``RESULT ...``), split on white space, by tag; raises with the output's tail when the
+    script fails."""
+    import os
+    import subprocess
+    import sys
+
+    script.write_text(_INTERPRETED_PREAMBLE + body + "\nparallel_state.destroy()\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "LONGBOAT_KERNELS_IMPL": "triton"}
+    env["OMP_NUM_THREADS"] = "1"
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    done = subprocess.run(
+        [sys.executable, str(script), *args], env=env, capture_output=True, text=True,
+        timeout=timeout, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise AssertionError(f"{script.name} failed:\n{(done.stdout + done.stderr)[-4000:]}")
+    out: dict[str, list[list[str]]] = {}
+    for line in done.stdout.splitlines():
+        words = line.split()
+        if words and words[0].isupper():
+            out.setdefault(words[0], []).append(words[1:])
+    return out
