@@ -269,7 +269,7 @@ def test_one_pass_kernel_update_equals_the_fused_adamw_slices():
         assert float(kernel.step_count) == float(slices.step_count) == [1, 2, 2, 3][step]
     assert (kernel.master - init).abs().max() > 1e-3  # the masters did move
     # Capturable around the kernel launch: no host read, no tensor from Python data.
-    from longboat.embodied.train.capture_check import find_capture_hazards
+    from longboat.core.loop.capture_check import find_capture_hazards
 
     assert find_capture_hazards(kernel.step_on_device) == []
 
@@ -522,7 +522,7 @@ def test_split_storage_rejects_bad_input():
 
 
 def test_split_storage_step_is_capturable():
-    from longboat.embodied.train.capture_check import find_capture_hazards
+    from longboat.core.loop.capture_check import find_capture_hazards
 
     for impl in (None, "torch"):
         (opt,) = _twin_optimizers(("split",), (impl,))

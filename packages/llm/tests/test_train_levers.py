@@ -972,3 +972,47 @@ def test_graphed_and_one_pass_steps_on_cuda() -> None:
     assert ref[-1] < ref[0], out
     for name in ("graphed", "one_pass", "graphed_one_pass"):
         assert all(abs(a - b) <= 2e-2 for a, b in zip(ref, out[name])), (name, out)
+
+
+def _hazards_worker(rank: int, world: int, variant: dict) -> list[tuple[str, str]]:
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from longboat.core.config.schema import OptimConfig
+    from longboat.core.loop.capture_check import capture_hazards
+    from longboat.llm.train.lagged_guard import _use_fused
+    from longboat.llm.train.optimizer import inner_optimizers
+    from longboat.llm.train.train_step import build_train_step
+
+    ps = _init()
+    try:
+        cfg = _tiny_cfg()
+        tokens, labels = _batch(cfg)
+        model_parallel_cuda_manual_seed(1)
+        clip = variant.get("clip", 0.0)
+        ts = build_train_step(
+            cfg, OptimConfig(lr=1e-3, grad_clip=clip), precision="bf16", device="cpu",
+            cuda_graph=True, one_pass_adamw=variant.get("one_pass", False),
+        )  # fmt: skip
+        for inner in inner_optimizers(ts.optimizer):
+            _use_fused(inner)  # the fused AdamW CUDA runs (on CPU it would be foreach)
+        for _ in range(2):  # lazy state (moments, step counts) exists before a capture
+            ts.step(tokens, labels)
+        with capture_hazards() as found:
+            ts.step(tokens, labels)
+        return [(h.op, h.where.split("/")[-1]) for h in found]
+    finally:
+        ps.destroy()
+
+
+@pytest.mark.multiprocess
+def test_the_graphed_llm_step_has_no_capture_hazards() -> None:
+    """What ``TrainStep.graphed`` captures - forward, backward, grad finalisation and the
+    update - reads no device value on the host, builds no tensor from Python data, makes no
+    data-dependent shape and reseeds no RNG (core's capture_check, which sees every aten op on
+    CPU): with megatron's (fused) AdamW step and with the one-pass update, clipped or not.
+    megatron's clipped step is the control: it reads the grad norm on the host."""
+    for variant in ({}, {"one_pass": True}, {"one_pass": True, "clip": 1.0}):
+        (found,) = run_multiprocess(_hazards_worker, 1, variant)
+        assert found == [], (variant, found)
+    (control,) = run_multiprocess(_hazards_worker, 1, {"clip": 1.0})
+    assert any("_local_scalar_dense" in op and "clip_grads" in where for op, where in control)
