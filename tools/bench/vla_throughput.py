@@ -408,7 +408,7 @@ def run_reference(
 
 
 # What each longboat run sets (the trainer's keys): master weights, their storage, the one-pass
-# Triton AdamW (LONGBOAT_ADAMW_KERNEL=1), a CUDA graph, torch.compile of the blocks.
+# Triton AdamW (train.master_weight_update=kernel), a CUDA graph, torch.compile of the blocks.
 LONGBOAT_VARIANTS: dict[str, dict[str, Any]] = {
     "longboat": {},
     "longboat_compiled": {"compile": True},
@@ -443,7 +443,7 @@ def run_longboat(
     ``longboat_master`` with the whole step - forward, backward, clip, update - replayed as
     one CUDA graph; text padded to the fixed maximum so every batch has the same shapes),
     ``longboat_graphed_fp32master`` (its masters in fp32 storage), ``longboat_graphed_kernel``
-    (the one-pass Triton AdamW, ``LONGBOAT_ADAMW_KERNEL=1``), ``longboat_compiled``
+    (the one-pass Triton AdamW, ``train.master_weight_update=kernel``), ``longboat_compiled``
     (``longboat`` with every parallel block torch.compile'd). The master-weight runs step as
     the trainer does: ``run_step`` with the NaN guard resolved one step late
     (``LaggedGuard``) and the LR schedule on the device, no per-step host sync.
@@ -505,17 +505,10 @@ def run_longboat(
     else:
         optim = OptimConfig(lr=1e-4, weight_decay=1e-5, betas=[0.9, 0.999], grad_clip=1.0)
     optim.schedule = LRScheduleConfig(name="constant")
-    saved_env = os.environ.get("LONGBOAT_ADAMW_KERNEL")
-    os.environ["LONGBOAT_ADAMW_KERNEL"] = "1" if spec.get("kernel") else "0"
-    try:
-        opt = build_optimizer(
-            model, optim, setup, master_weights=bool(master), master_storage=master or "fp32"
-        )
-    finally:
-        if saved_env is None:
-            os.environ.pop("LONGBOAT_ADAMW_KERNEL", None)
-        else:
-            os.environ["LONGBOAT_ADAMW_KERNEL"] = saved_env
+    opt = build_optimizer(
+        model, optim, setup, master_weights=bool(master), master_storage=master or "fp32",
+        master_update="kernel" if spec.get("kernel") else "slices",
+    )  # fmt: skip
     if keep is not None:
         keep["optimizer"] = opt
     if spec.get("compile"):

@@ -653,3 +653,24 @@ def test_master_weight_storage_config_key(tmp_path):
             "groot_n1_6_tiny", [*base, "train.master_weight_storage=fp16"], world_size=1
         )
     assert "train.master_weight_storage" in str(err.value) and "split or fp32" in str(err.value)
+
+
+def test_master_weight_update_config_key_and_choice(tmp_path):
+    """train.master_weight_update: slices by default; kernel picks the one-pass Triton update
+    only where Triton runs compiled (CUDA), the slices elsewhere; a bad value names the key."""
+    from longboat.core.config.compose import compose_experiment
+
+    base = [f"output_dir={tmp_path}", "train.master_weights=true", "train.precision=bf16"]
+    cfg = compose_experiment("groot_n1_6_tiny", base, world_size=1)
+    assert cfg.train.master_weight_update == "slices"
+    with pytest.raises(ConfigError) as err:
+        compose_experiment(
+            "groot_n1_6_tiny", [*base, "train.master_weight_update=fused"], world_size=1
+        )
+    assert "train.master_weight_update" in str(err.value) and "slices or kernel" in str(err.value)
+    model = build_model("groot_n1_6", "tiny")
+    apply_freezing(model)
+    with pytest.raises(ConfigError, match=r"train\.master_weight_update"):
+        build_optimizer(model, OPTIM, SETUP, master_weights=True, master_update="fused")
+    opt = build_optimizer(model, OPTIM, SETUP, master_weights=True, master_update="kernel")
+    assert opt.kernel_impl is None  # a model on the CPU: the slices

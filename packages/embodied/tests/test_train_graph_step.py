@@ -14,8 +14,8 @@ from embodied_testkit import cpu_train_step, tiny_groot, tiny_groot_batches
 from longboat.core.config.compose import compose_experiment
 from longboat.core.config.errors import ConfigError
 from longboat.core.config.schema import OptimConfig
-from longboat.core.loop.cuda_graph import GraphedStep
 from longboat.core.loop.capture_check import capture_hazards, find_capture_hazards
+from longboat.core.loop.cuda_graph import GraphedStep
 from longboat.embodied.train.step import GraphableStep, run_step
 from longboat.embodied.train.trainer import train
 

@@ -86,6 +86,12 @@ class EmbodiedTrainConfig(TrainConfig):
     for 1.6B trainable parameters; the bf16 weights round ties away from zero instead of to
     even) or fp32 (a separate fp32 buffer). The optimizer's math and its checkpoints are the
     same for both (a checkpoint of one resumes in the other)."""
+    master_weight_update: str = "slices"
+    """How train.master_weights updates: slices (per 32M-element slice a grad cast into an fp32
+    scratch and torch's fused AdamW, then the master -> bf16 copy) or kernel (one Triton pass per
+    param group reading the bf16 grads and writing masters, moments and bf16 weights: ~26
+    instead of ~85 bytes a parameter with split storage, no scratch; CUDA only, the slices
+    elsewhere; opt-in until it has run on a GPU). Same update rule either way."""
     cuda_graph: bool = False
     """Replay each training step (forward, backward, clip, AdamW update) as one CUDA graph
     (core's ``GraphedStep``, captured after 3 eager steps). Needs train.master_weights=true
@@ -156,6 +162,16 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
             "unknown master-weight storage",
             value=train.get("master_weight_storage"),
             fix="use split or fp32",
+        )
+    if train is not None and train.get("master_weight_update", "slices") not in (
+        "slices",
+        "kernel",
+    ):
+        problems.add(
+            "train.master_weight_update",
+            "unknown master-weight update",
+            value=train.get("master_weight_update"),
+            fix="use slices or kernel",
         )
     if train is not None and train.get("master_weights"):
         strategy = cfg.parallel.get("strategy") if "parallel" in cfg else None

@@ -59,7 +59,6 @@ in the other with the same masters and moments.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -69,7 +68,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from longboat.kernels import adamw_master_step_
-from longboat.kernels._dispatch import resolve_impl
 from longboat.kernels.adamw import join_bits_, join_fp32_, split_bits_
 
 ALIGN = 64
@@ -98,11 +96,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     ``groups``: ``[{"params": [...], "weight_decay": wd}, ...]`` as from ``param_groups``.
     ``process_group``: grads are averaged over it in ``prepare_grads`` (None: the default
     group when one with more than one rank is initialized).
-    ``kernel_impl``: None picks the update: the ``torch._fused_adamw_`` slices, or the
-    one-pass Triton kernel on CUDA when ``LONGBOAT_ADAMW_KERNEL=1`` (opt-in: not yet run on
-    a GPU; ``LONGBOAT_KERNELS_IMPL=torch`` also keeps it off);
-    ``"torch"`` / ``"triton"`` force ``adamw_master_step_`` with that implementation (its
-    torch reference allocates full-size temporaries: for checks on small models).
+    ``kernel_impl``: None, the ``torch._fused_adamw_`` slices; ``"triton"`` / ``"torch"``,
+    one ``adamw_master_step_`` pass per param group in that implementation (the Triton kernel
+    is what ``train.master_weight_update=kernel`` picks on CUDA: opt-in, not yet run on a
+    GPU; the torch reference allocates full-size temporaries: for checks on small models).
     ``master_storage``: ``"fp32"`` (a flat fp32 master buffer) or ``"split"`` (the bf16
     weights plus int16 low halves: the same masters in 2 bytes a parameter less; needs
     ``param_dtype=torch.bfloat16``), see the module doc.
@@ -202,15 +199,6 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             ]
             for start, end in self._segments
         ]
-        # Opt-in until the one-pass kernel has run on a GPU (it was written and checked in
-        # Triton's CPU interpreter only): LONGBOAT_ADAMW_KERNEL=1 turns it on for CUDA.
-        if (
-            kernel_impl is None
-            and device.type == "cuda"
-            and os.environ.get("LONGBOAT_ADAMW_KERNEL", "0") == "1"
-            and resolve_impl(None, self.exp_avg) == "triton"
-        ):
-            kernel_impl = "triton"
         if kernel_impl not in (None, "torch", "triton"):
             raise ValueError(
                 f"MasterWeightAdamW: kernel_impl={kernel_impl!r}; use None, 'torch' or 'triton'"

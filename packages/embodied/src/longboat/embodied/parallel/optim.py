@@ -29,6 +29,20 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+MASTER_UPDATES = ("slices", "kernel")
+
+
+def _master_kernel(update: str, groups: list[dict]) -> str | None:
+    """``MasterWeightAdamW``'s ``kernel_impl`` for ``train.master_weight_update``: the Triton
+    kernel only where it runs compiled (an interpreted kernel is for tests, not training)."""
+    if update != "kernel":
+        return None
+    from longboat.kernels._dispatch import resolve_impl
+
+    first = next(p for g in groups for p in g["params"])
+    return "triton" if first.is_cuda and resolve_impl(None, first) == "triton" else None
+
+
 def build_optimizer(
     model: nn.Module,
     cfg: OptimConfig,
@@ -36,6 +50,7 @@ def build_optimizer(
     *,
     master_weights: bool = False,
     master_storage: str = "fp32",
+    master_update: str = "slices",
 ) -> torch.optim.Optimizer:
     """AdamW (or SGD) over the trainable params; ZeroRedundancyOptimizer for ``zero1``.
 
@@ -44,6 +59,10 @@ def build_optimizer(
     optimizer; pair it with ``parallelize(..., master_weights=True)``.
     ``master_storage`` (``train.master_weight_storage``): how it stores the masters,
     ``"fp32"`` or ``"split"`` (the same masters in 2 bytes a parameter less).
+    ``master_update`` (``train.master_weight_update``): ``"slices"`` (``torch._fused_adamw_``
+    per slice) or ``"kernel"`` (one Triton ``adamw_master_step_`` pass per param group where
+    Triton runs compiled, i.e. on CUDA unless ``LONGBOAT_KERNELS_IMPL=torch``; the slices
+    elsewhere).
     """
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
@@ -61,6 +80,13 @@ def build_optimizer(
                 value=True,
                 fix="set optim.name=adamw or train.master_weights=false",
             )
+        if master_update not in MASTER_UPDATES:
+            raise ConfigError(
+                "unknown master-weight update",
+                key="train.master_weight_update",
+                value=master_update,
+                fix=f"use one of {', '.join(MASTER_UPDATES)}",
+            )
         if master_storage not in MASTER_STORAGES:
             raise ConfigError(
                 "unknown master-weight storage",
@@ -74,6 +100,7 @@ def build_optimizer(
             betas=tuple(cfg.betas),
             eps=cfg.eps,
             master_storage=master_storage,
+            kernel_impl=_master_kernel(master_update, groups),
         )
     if cfg.name == "adamw":
         cls: type[torch.optim.Optimizer] = torch.optim.AdamW

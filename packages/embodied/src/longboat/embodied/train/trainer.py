@@ -164,6 +164,7 @@ def train(cfg: Any) -> TrainResult:
         setup,
         master_weights=cfg.train.master_weights,
         master_storage=cfg.train.master_weight_storage,
+        master_update=cfg.train.master_weight_update,
     )
     scheduler = build_lr_scheduler(optimizer, cfg.optim.schedule, cfg.train.steps)
     nan_guard = NaNGuard(cfg.train.nan_guard)
