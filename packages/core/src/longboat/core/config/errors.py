@@ -118,3 +118,16 @@ class ProblemCollector:
 
 
 __all__ = ["UNSET", "ConfigError", "ConfigProblem", "ProblemCollector"]
+
+
+def require_choice(value: Any, choices: Iterable[Any], *, key: str, what: str) -> None:
+    """Raise ``ConfigError("unknown <what>", key=key, value=value, fix="use one of ...")``
+    unless ``value`` is one of ``choices``."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ConfigError(
+            f"unknown {what}",
+            key=key,
+            value=value,
+            fix=f"use one of {', '.join(str(c) for c in choices)}",
+        )

@@ -8,7 +8,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
-from longboat.core.config.errors import ConfigError
+from longboat.core.config.errors import require_choice
 
 AC_MODES = ("none", "full", "selective")
 
@@ -21,13 +21,9 @@ def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module], mo
     selective mode); ``none`` wraps nothing. Wrapping swaps the block in its
     parent module, so it must run before FSDP sharding and optimizer creation.
     """
-    if mode not in AC_MODES:
-        raise ConfigError(
-            "unknown activation checkpointing mode",
-            key="train.activation_checkpointing",
-            value=mode,
-            fix=f"use one of {', '.join(AC_MODES)}",
-        )
+    require_choice(
+        mode, AC_MODES, key="train.activation_checkpointing", what="activation checkpointing mode"
+    )
     if mode == "none":
         return 0
     chosen = blocks if mode == "full" else blocks[::2]

@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from longboat.core.config.errors import ConfigError
+from longboat.core.config.errors import ConfigError, require_choice
 from longboat.core.config.schema import OptimConfig
 from longboat.embodied.parallel.master_weights import MASTER_STORAGES, MasterWeightAdamW
 from longboat.embodied.parallel.strategy import ParallelSetup, check_master_weights
@@ -80,20 +80,14 @@ def build_optimizer(
                 value=True,
                 fix="set optim.name=adamw or train.master_weights=false",
             )
-        if master_update not in MASTER_UPDATES:
-            raise ConfigError(
-                "unknown master-weight update",
-                key="train.master_weight_update",
-                value=master_update,
-                fix=f"use one of {', '.join(MASTER_UPDATES)}",
-            )
-        if master_storage not in MASTER_STORAGES:
-            raise ConfigError(
-                "unknown master-weight storage",
-                key="train.master_weight_storage",
-                value=master_storage,
-                fix=f"use one of {', '.join(MASTER_STORAGES)}",
-            )
+        require_choice(
+            master_update, MASTER_UPDATES, key="train.master_weight_update",
+            what="master-weight update",
+        )  # fmt: skip
+        require_choice(
+            master_storage, MASTER_STORAGES, key="train.master_weight_storage",
+            what="master-weight storage",
+        )  # fmt: skip
         return MasterWeightAdamW(
             groups,
             lr=cfg.lr,

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.nn.parallel import DistributedDataParallel
 
-from longboat.core.config.errors import ConfigError
+from longboat.core.config.errors import ConfigError, require_choice
 from longboat.embodied.parallel.blocks import block_methods, find_blocks
 from longboat.embodied.parallel.checkpointing import apply_activation_checkpointing
 
@@ -53,13 +53,9 @@ class ParallelSetup:
 
 def validate_setup(setup: ParallelSetup) -> None:
     """Reject impossible layouts with a ConfigError naming the key and the fix."""
-    if setup.strategy not in STRATEGIES:
-        raise ConfigError(
-            "unknown data-parallel strategy",
-            key="parallel.strategy",
-            value=setup.strategy,
-            fix=f"use one of {', '.join(STRATEGIES)}",
-        )
+    require_choice(
+        setup.strategy, STRATEGIES, key="parallel.strategy", what="data-parallel strategy"
+    )
     if setup.replicate < 1 or setup.world_size % setup.replicate:
         raise ConfigError(
             f"must be >= 1 and divide the world size ({setup.world_size})",
