@@ -182,3 +182,19 @@ def test_cuda_graph_training_step_matches_eager() -> None:
     torch.testing.assert_close(torch.tensor(lg), torch.tensor(le), rtol=1e-5, atol=1e-6)
     for a, b in zip(pg, pe):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_capture_check_watches_each_accelerators_rng_seeding() -> None:
+    """core's capture_check flags torch's reseeding and every registered device's own
+    (through ``Accelerator.rng_reseed_functions``), and restores the functions after."""
+    from longboat.core.device.cuda import CUDAAccelerator
+    from longboat.core.loop.capture_check import capture_hazards
+
+    (owner, attr), *_ = CUDAAccelerator.rng_reseed_functions()
+    original = getattr(owner, attr)
+    with capture_hazards() as found:
+        torch.manual_seed(0)  # seeds the device generators too: reported once
+        getattr(owner, attr)(0)
+    assert [h.op for h in found] == ["torch.manual_seed", f"{owner.__name__}.{attr}"]
+    assert all("reseeds an RNG" in h.why for h in found)
+    assert getattr(owner, attr) is original

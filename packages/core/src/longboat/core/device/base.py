@@ -130,6 +130,13 @@ class Accelerator(ABC):
         return HostEvent(enable_timing=enable_timing)
 
     # --- capabilities ------------------------------------------------------------------------
+    @classmethod
+    def rng_reseed_functions(cls) -> list[tuple[Any, str]]:
+        """``(owner, attribute)`` of this device's functions that reseed or reset its RNG
+        generators (what a CUDA-graph-captured step must not call: ``loop.capture_check``
+        watches them). None beyond torch's own by default."""
+        return []
+
     def graph_backend(self) -> Any:
         """What ``longboat.core.loop.GraphedStep`` replays a step with (side streams, a
         host-sync finder, graph capture; see ``cuda.CUDAGraphBackend``), or None where the

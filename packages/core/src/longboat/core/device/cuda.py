@@ -29,6 +29,10 @@ class CUDAAccelerator(Accelerator):
     def is_available(cls) -> bool:
         return torch.cuda.is_available()
 
+    @classmethod
+    def rng_reseed_functions(cls) -> list[tuple[Any, str]]:
+        return [(torch.cuda, name) for name in ("manual_seed", "manual_seed_all", "set_rng_state")]
+
     def device(self, index: int | None = None) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device() if index is None else index)
 

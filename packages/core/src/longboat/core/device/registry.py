@@ -74,6 +74,15 @@ def registered_accelerators() -> list[str]:
         return sorted(_registry)
 
 
+def accelerator_class(name: str) -> type[Accelerator]:
+    """The class registered under ``name`` (without creating it: no device is touched)."""
+    _load_plugins()
+    with _lock:
+        if name not in _registry:
+            raise UnknownAcceleratorError(_unknown_message(name, "accelerator_class"))
+        return _registry[name]
+
+
 def available_accelerators() -> list[str]:
     """Registered names whose runtime and devices are present on this machine."""
     return [name for name in registered_accelerators() if _safe_available(_registry[name])]

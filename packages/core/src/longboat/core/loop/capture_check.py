@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from longboat.core.device.registry import accelerator_class, registered_accelerators
+
 aten = torch.ops.aten
 
 _UNSAFE = {
@@ -80,7 +82,7 @@ def capture_hazards() -> Iterator[list[CaptureHazard]]:
     """Context that collects the hazards of everything run inside it (a list it yields)."""
     found: list[CaptureHazard] = []
     patched = {}
-    depth = [0]  # torch.manual_seed calls torch.cuda.manual_seed_all: report the outer one
+    depth = [0]  # torch.manual_seed seeds the device generators too: report the outer call
 
     def reseed(name: str, original: Callable) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -98,14 +100,9 @@ def capture_hazards() -> Iterator[list[CaptureHazard]]:
 
         return wrapper
 
-    targets = [
-        (torch, "manual_seed"),
-        (torch, "set_rng_state"),
-        (torch.random, "fork_rng"),
-        (torch.cuda, "manual_seed"),
-        (torch.cuda, "manual_seed_all"),
-        (torch.cuda, "set_rng_state"),
-    ]
+    targets = [(torch, "manual_seed"), (torch, "set_rng_state"), (torch.random, "fork_rng")]
+    for name in registered_accelerators():  # each device's own seeding (CUDA's, ...)
+        targets += accelerator_class(name).rng_reseed_functions()
     for owner, attr in targets:
         original = getattr(owner, attr)
         patched[(owner, attr)] = original

@@ -3,7 +3,7 @@
 A read of a device tensor's value on the host (``.item()``, ``float()``, ``bool()``,
 ``.tolist()``, ``.cpu()``, ``.numpy()``...) waits for everything queued before it: one per step
 and the host can no longer run ahead of the device. ``GraphedStep``'s sync finder sees them on
-CUDA only (``torch.cuda.set_sync_debug_mode``); ``HostReads`` records them on every device,
+CUDA only (torch's sync debug mode); ``HostReads`` records them on every device,
 CPU included, so a test on a CPU machine can prove a loop reads nothing per step.
 """
 
