@@ -6,6 +6,7 @@ Shared by every script in tools/bench so their result files describe the run the
 from __future__ import annotations
 
 import importlib.metadata as md
+import json
 import os
 import platform
 import subprocess
@@ -72,3 +73,19 @@ def pyplot(missing: str | None = None) -> Any:
             print(missing, flush=True)
         return None
     return plt
+
+
+def key_values(items: list[str], flag: str) -> dict[str, Any]:
+    """``KEY=VALUE`` command-line items as a dict: each value read as JSON (``3``, ``true``,
+    ``[4, 4]``), else kept as the string; an item without ``=`` stops the script, naming
+    ``flag``."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"{flag} {item!r}: use KEY=VALUE (VALUE as JSON or a plain string)")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out

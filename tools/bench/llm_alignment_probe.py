@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import llm_loss_alignment as la
 import llm_throughput as lt
+from bench_env import key_values
 
 from longboat.core.device import get_accelerator
 
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bf16-init", action="store_true", help="round the HF init to bf16 first")
     p.add_argument("--longboat-option", action="append", default=[], metavar="KEY=JSON")
     args = p.parse_args(argv)
-    options = {k: json.loads(v) for k, _, v in (o.partition("=") for o in args.longboat_option)}
+    options = key_values(args.longboat_option, "--longboat-option")
     batches = la.text_batches(args.steps, MID["micro_batch"], MID["seq"])
     acc = get_accelerator()
     device = acc.device()

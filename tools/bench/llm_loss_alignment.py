@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import llm_throughput as lt
-from bench_env import pyplot
+from bench_env import key_values, pyplot
 
 from longboat.core.device import get_accelerator
 
@@ -259,12 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         result["hf_losses"] = hf_losses(hf, batches, device, args.lr, args.warmup_steps, args.clip)
         del hf
         acc.empty_cache()
-        options = {}
-        for item in args.longboat_option:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise SystemExit(f"--longboat-option {item!r}: use KEY=JSON_VALUE")
-            options[key] = json.loads(value)
+        options = key_values(args.longboat_option, "--longboat-option")
         result["config"]["longboat_options"] = options
         result["longboat_losses"], result["notes"] = longboat_losses(
             Path(tmp), batches, acc, args.lr, args.warmup_steps, args.clip, options

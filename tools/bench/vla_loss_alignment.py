@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "baselines"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import groot_n1_6_reference as ref  # noqa: E402
-from bench_env import git_commit, gpu_name, versions  # noqa: E402
+from bench_env import git_commit, gpu_name, key_values, versions  # noqa: E402
 from vla_throughput import DATE  # noqa: E402
 
 from longboat.core.device import get_accelerator  # noqa: E402
@@ -362,9 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         hw = (56, 56)
     else:
         hw = (252, 252)
-    for item in args.override:
-        key, _, value = item.partition("=")
-        overrides[key] = json.loads(value)
+    overrides.update(key_values(args.override, "--override"))
     cfg = get_config("groot_n1_6", "tiny" if args.tiny else "full", overrides)
     # Both sides get the same normalised pixels: longboat's on-device preprocessing is an
     # identity here (the reference's PIL path runs in its data workers, not in the model).
@@ -470,10 +468,7 @@ def main_pi05(args: argparse.Namespace) -> int:
     acc = get_accelerator()
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    overrides: dict[str, Any] = {}
-    for item in args.override:
-        key, _, value = item.partition("=")
-        overrides[key] = json.loads(value)
+    overrides = key_values(args.override, "--override")
     cfg = get_config("pi05", "tiny" if args.tiny else "full", overrides)
     # Both sides get the same normalised pixels (see the module doc); restored on return.
     original = lb_pi05.preprocess_images

@@ -70,7 +70,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vla_throughput as vt
-from bench_env import pyplot
+from bench_env import key_values, pyplot
 from bench_procs import agree, gather, report_failure, run_workers
 
 from longboat.core.distributed import (
@@ -502,13 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers > 0:
         # As vla_throughput: untimed until the loader's first burst is consumed.
         args.warmup = max(args.warmup, args.workers + 1)
-    args.overrides = {}
-    for item in args.override:
-        key, _, value = item.partition("=")
-        try:
-            args.overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            args.overrides[key] = value
+    args.overrides = key_values(args.override, "--override")
 
     from longboat.embodied.models import get_config
 

@@ -72,7 +72,7 @@ import groot_n1_6_reference as ref  # noqa: E402
 import groot_n1_6_reference_data as ref_data  # noqa: E402
 import pi05_reference as pi05_ref  # noqa: E402
 import pi05_reference_data as pi05_ref_data  # noqa: E402
-from bench_env import git_commit, gpu_name, pyplot, versions  # noqa: E402
+from bench_env import git_commit, gpu_name, key_values, pyplot, versions  # noqa: E402
 from bench_profile import profile_steps  # noqa: E402
 from bench_timing import StepClock  # noqa: E402
 
@@ -685,13 +685,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     flavor = "tiny" if args.tiny else "full"
-    overrides = {}
-    for item in args.override:
-        key, _, value = item.partition("=")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value
+    overrides = key_values(args.override, "--override")
     cfg = get_config(args.model, flavor, overrides)
     hw = (56, 84) if args.tiny else (256, 256)
     runs = (
