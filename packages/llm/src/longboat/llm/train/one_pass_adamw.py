@@ -36,6 +36,7 @@ over parts with different grad-statistics groups (expert-parallel parts), are no
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,13 +107,21 @@ class OnePassAdamW:
                 "set llm.one_pass_adamw=false"
             )
         self.optimizer = optimizer
-        self._plans: list[tuple[Any, list[_Shard], list[Tensor]]] | None = None
-        self._norm_grads: list[Tensor] | None = None
+        parts = _parts(optimizer)
+        self.clip_norm = max(float(getattr(p.config, "clip_grad", 0.0) or 0.0) for p in parts)
+        """The configured clipping norm (0: off)."""
+        self._handles = not any(getattr(p, "grad_scaler", None) is not None for p in parts) and (
+            self.clip_norm == 0.0
+            or len({id(p.get_grad_stats_parallel_group()) for p in parts}) == 1
+        )
         self.last_grad_norm: Tensor | None = None
         """The global grad norm of the latest clipped step (a device tensor; None without
         clipping, where the norm is not needed)."""
 
-    def _plan(self) -> list[tuple[Any, list[_Shard], list[Tensor]]]:
+    @functools.cached_property
+    def plans(self) -> list[tuple[Any, list[_Shard], list[Tensor]]]:
+        """Per optimizer part: the part, its shards, one device LR tensor per param group
+        (built on first use: views of megatron's buffers, which stay in place)."""
         plans = []
         for part in _parts(self.optimizer):
             inner = part.optimizer
@@ -148,45 +157,33 @@ class OnePassAdamW:
             plans.append((part, shards, lrs))
         return plans
 
-    def clip(self) -> float:
-        """The configured clipping norm (0: off)."""
-        return max(
-            float(getattr(p.config, "clip_grad", 0.0) or 0.0) for p in _parts(self.optimizer)
-        )
-
     def handles(self) -> bool:
         """Whether ``step`` takes this configuration (fp16 loss scaling: no; clipping: where
         every part reduces its grad statistics over the same group)."""
-        parts = _parts(self.optimizer)
-        if any(getattr(p, "grad_scaler", None) is not None for p in parts):
-            return False
-        if self.clip() > 0.0:
-            groups = {id(p.get_grad_stats_parallel_group()) for p in parts}
-            return len(groups) == 1
-        return True
+        return self._handles
+
+    @functools.cached_property
+    def norm_grads(self) -> list[Tensor]:
+        """The grads megatron's norm counts: those of params that are neither shared nor
+        tensor-parallel duplicates."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        return [
+            s.grad
+            for _, shards, _ in self.plans
+            for s in shards
+            if param_is_not_shared(s.main) and param_is_not_tensor_parallel_duplicate(s.main)
+        ]
 
     @torch.no_grad()
     def device_grad_norm(self) -> Tensor:
         """The global L2 norm of the grads on the device (megatron's ``get_grad_norm`` without
-        its host read): the shards' grads of params that are neither shared nor tensor-parallel
-        duplicates, summed over the grad-statistics group."""
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-        from megatron.core.transformer.module import param_is_not_shared
-
-        if self._plans is None:
-            self._plans = self._plan()
-        if self._norm_grads is None:
-            self._norm_grads = [
-                s.grad
-                for _, shards, _ in self._plans
-                for s in shards
-                if param_is_not_shared(s.main) and param_is_not_tensor_parallel_duplicate(s.main)
-            ]
-        part = _parts(self.optimizer)[0]
-        device = self._plans[0][2][0].device
-        total = torch.zeros((), dtype=torch.float32, device=device)
-        if self._norm_grads:
-            norms = torch._foreach_norm(self._norm_grads, 2.0, dtype=torch.float32)
+        its host read), summed over the grad-statistics group."""
+        part, _, lrs = self.plans[0]
+        total = torch.zeros((), dtype=torch.float32, device=lrs[0].device)
+        if self.norm_grads:
+            norms = torch._foreach_norm(self.norm_grads, 2.0, dtype=torch.float32)
             total = torch.stack(norms).square().sum()
         group = part.get_grad_stats_parallel_group()
         if dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -197,19 +194,16 @@ class OnePassAdamW:
     def step(self, found_inf: Tensor | None = None) -> bool:
         """One update of every shard (skipped on the device where ``found_inf`` is nonzero);
         False (nothing done) where ``handles()`` is False."""
-        if not self.handles():
+        if not self._handles:
             return False
-        if self._plans is None:
-            self._plans = self._plan()
         grad_scale = None
-        clip = self.clip()
-        if clip > 0.0:
+        if self.clip_norm > 0.0:
             norm = self.device_grad_norm()
             self.last_grad_norm = norm
-            grad_scale = torch.clamp((norm + 1.0e-6) / clip, min=1.0)
+            grad_scale = torch.clamp((norm + 1.0e-6) / self.clip_norm, min=1.0)
             bad = torch.isfinite(norm).logical_not().float()
             found_inf = bad if found_inf is None else torch.maximum(found_inf.float(), bad)
-        for part, shards, lrs in self._plans:
+        for part, shards, lrs in self.plans:
             inner = part.optimizer
             steps = []
             for shard in shards:
@@ -275,14 +269,12 @@ class OnePassAdamW:
         ``zero_grad``), through megatron's own norm (its duplicate filtering and reduction
         over ranks): the shards' grads are given to the main params as fp32 for the call and
         taken back. For log steps only: that is the cast pass the update avoids."""
-        if self._plans is None:
-            self._plans = self._plan()
-        for _, shards, _ in self._plans:
+        for _, shards, _ in self.plans:
             for shard in shards:
                 shard.main.grad = shard.grad.float()
         try:
             return self.optimizer.get_grad_norm()
         finally:
-            for _, shards, _ in self._plans:
+            for _, shards, _ in self.plans:
                 for shard in shards:
                     shard.main.grad = None
