@@ -197,9 +197,14 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, Tensor]:
 
 
 def build_loader(
-    dataset: ReferenceLeRobotDataset, batch_size: int, num_workers: int, seed: int = 0
+    dataset: torch.utils.data.Dataset,
+    batch_size: int,
+    num_workers: int,
+    seed: int = 0,
+    collate_fn: Any = collate,
 ) -> torch.utils.data.DataLoader:
-    """HF Trainer's train dataloader: random sampler, pinned memory, workers, drop_last."""
+    """HF Trainer's train dataloader: random sampler, pinned memory, workers, drop_last
+    (openpi's ``TorchDataLoader`` is the same with its own ``collate_fn``)."""
     g = torch.Generator().manual_seed(seed)
     return torch.utils.data.DataLoader(
         dataset,
@@ -207,7 +212,7 @@ def build_loader(
         shuffle=True,
         generator=g,
         num_workers=num_workers,
-        collate_fn=collate,
+        collate_fn=collate_fn,
         pin_memory=torch.accelerator.is_available(),
         drop_last=True,
         persistent_workers=num_workers > 0,

@@ -28,6 +28,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import groot_n1_6_reference_data as groot_data
 import numpy as np
 import pi05_reference as ref
 import torch
@@ -132,16 +133,4 @@ def build_loader(
     dataset: Pi05ReferenceDataset, batch_size: int, num_workers: int, seed: int = 0
 ) -> torch.utils.data.DataLoader:
     """openpi's ``TorchDataLoader``: shuffled, workers, drop_last (pinned like the others)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.utils.data.DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=True,
-        generator=g,
-        num_workers=num_workers,
-        collate_fn=collate,
-        pin_memory=torch.accelerator.is_available(),
-        drop_last=True,
-        persistent_workers=num_workers > 0,
-        prefetch_factor=2 if num_workers > 0 else None,
-    )
+    return groot_data.build_loader(dataset, batch_size, num_workers, seed, collate_fn=collate)
