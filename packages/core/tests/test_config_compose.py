@@ -163,7 +163,7 @@ def test_unparseable_and_sweep_overrides_are_reported(fake):
         compose_experiment("tiny", ["train.steps=1,2", "=oops", "x=[1,"])
     assert len(info.value.problems) == 3
     assert "cannot parse override" in str(info.value)
-    assert "sweeps are not supported" in str(info.value)
+    assert "is a sweep (train.steps=1,2) Fix: add -m (--multirun)" in str(info.value)
     assert "override has no key" in str(info.value)
 
 

@@ -29,25 +29,30 @@ def _cfg(tmp_path: Path, *extra: str):
     )
 
 
+def _mse(result, step: int) -> float:
+    """The held-out MSE a run measured at ``step``."""
+    return result.eval[step]["eval_mse"]
+
+
 def test_demo_learns_checkpoints_and_resumes(tmp_path: Path) -> None:
     first = run(_cfg(tmp_path, "train.steps=60", "checkpoint.every_steps=20"))
     assert (first.start_step, first.end_step, first.resumed_from) == (0, 60, None)
     assert len(first.losses) == 60
     # 60 steps of 64 samples: held-out MSE falls below 25% of the untrained model's
-    assert first.eval_after < 0.25 * first.eval_before
+    assert _mse(first, 60) < 0.25 * _mse(first, 0)
     head, tail = sum(first.losses[:10]) / 10, sum(first.losses[-10:]) / 10
     assert tail < 0.3 * head
     ckpts = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert ckpts == ["step_00000040", "step_00000060"]  # every 20, keep_last=2
     rows = [json.loads(line) for line in first.metrics_path.read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(5, 61, 5))
-    assert {"loss", "lr", "grad_norm", "skipped_steps"} <= rows[0].keys()
+    assert [r["step"] for r in rows] == [0, *range(5, 61, 5)]  # step 0: the held-out MSE
+    assert {"loss", "lr", "grad_norm", "skipped_steps", "eval_mse"} <= rows[-1].keys()
 
     again = run(_cfg(tmp_path, "train.steps=90", "checkpoint.every_steps=20"))
     assert again.resumed_from == tmp_path / "ckpt" / "step_00000060"
     assert (again.start_step, again.end_step) == (60, 90)
-    assert again.eval_before == first.eval_after  # the resumed weights are the saved ones
-    assert again.eval_after <= first.eval_after
+    assert _mse(again, 60) == _mse(first, 60)  # the resumed weights are the saved ones
+    assert _mse(again, 90) <= _mse(first, 60)
     rows = [json.loads(line) for line in again.metrics_path.read_text().splitlines()]
     assert [r["step"] for r in rows][-3:] == [80, 85, 90]
 
@@ -67,12 +72,12 @@ def test_demo_sigterm_saves_and_resume_matches_uninterrupted_run(tmp_path: Path)
     resumed = run(_cfg(tmp_path / "split", "train.steps=30"))
     assert resumed.start_step == 12 and resumed.end_step == 30
     assert stopped.losses + resumed.losses == full.losses  # exact float equality
-    assert resumed.eval_after == full.eval_after
+    assert _mse(resumed, 30) == _mse(full, 30)
 
 
 def _demo_rank(rank: int, world: int, root: str) -> tuple[int, list[float], float]:
     result = run(_cfg(Path(root), "train.steps=12"))
-    return result.end_step, result.losses, result.eval_after
+    return result.end_step, result.losses, _mse(result, 12)
 
 
 @pytest.mark.multiprocess

@@ -7,21 +7,27 @@ end-to-end experiment. A stack's own command is one line::
     def main(argv=None) -> int:
         return stack_main("llm", argv, train=run_pretrain)
 
-which gives ``longboat-llm train <experiment> [key=value ...]``,
-``longboat-llm config show ...`` and ``longboat-llm config list``. Bad config ->
-the ConfigError text on stderr and exit code 2, never a traceback.
+which gives ``longboat-llm train <experiment> [key=value ...]`` (``--cfg job`` prints the
+resolved config instead, ``-m`` runs a sweep one job after another, ``--debug`` shows
+tracebacks), ``longboat-llm config show ...`` and ``longboat-llm config list``. A problem
+the user can fix (``longboat.core.errors.UserError``: bad config, a damaged checkpoint, a
+broken dataset) prints one message on rank 0 and exits with its code (2 for bad input),
+never a traceback; warnings print as they happen, each once.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from longboat.core.config.errors import ConfigError
+from longboat.core.errors import UserError
 
 EXIT_CONFIG_ERROR = 2
 """Exit code for invalid configuration or command-line input (argparse uses 2 too)."""
@@ -44,6 +50,24 @@ def _add_experiment_args(parser: argparse.ArgumentParser, with_stack: bool) -> N
         type=int,
         default=None,
         help="check the parallel layout against this many processes (default: $WORLD_SIZE)",
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an error instead of its message"
+    )
+
+
+def _add_run_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cfg",
+        choices=("job", "hydra", "all"),
+        default=None,
+        help="print the resolved config (job) and exit instead of training",
+    )
+    parser.add_argument(
+        "-m",
+        "--multirun",
+        action="store_true",
+        help="run one job per combination of swept values (key=a,b), one after another",
     )
 
 
@@ -97,16 +121,90 @@ def run_experiment(
     *,
     stack: str | None = None,
     world_size: int | None = None,
+    multirun: bool = False,
+    print_config: str | None = None,
 ) -> int:
     """Compose + validate ``experiment`` (before any heavy init), then call ``fn(cfg)``.
 
-    Returns ``fn``'s result when it is an int (an exit code), else 0.
+    Returns ``fn``'s result when it is an int (an exit code), its ``exit_code`` attribute
+    when it has one (a ``RunResult``), else 0. ``multirun``: one call per sweep job (in its
+    own run directory), stopping at the first job that fails. ``print_config="job"``:
+    print the resolved config(s) instead of calling ``fn``.
     """
+    from omegaconf import OmegaConf
+
     from longboat.core.config.compose import compose_experiment
 
-    cfg = compose_experiment(experiment, overrides, stack=stack, world_size=world_size)
-    result = fn(cfg)
-    return result if isinstance(result, int) and not isinstance(result, bool) else 0
+    if print_config not in (None, "job"):
+        raise ConfigError(
+            "longboat manages Hydra's own settings; only the job config can be printed",
+            key="--cfg",
+            value=print_config,
+            fix="use --cfg job (or `config show <experiment>`)",
+        )
+    jobs = _sweep_jobs(experiment, overrides, stack, world_size) if multirun else None
+    configs = (
+        [(None, compose_experiment(experiment, overrides, stack=stack, world_size=world_size))]
+        if jobs is None
+        else jobs
+    )
+    code = 0
+    for job, cfg in configs:
+        if job is not None:
+            print(f"== sweep job {job.index + 1}/{len(configs)}: {' '.join(job.swept)} "
+                  f"(output_dir={cfg.output_dir})", flush=True)  # fmt: skip
+        if print_config == "job":
+            sys.stdout.write(OmegaConf.to_yaml(cfg, resolve=True))
+            continue
+        result = fn(cfg)
+        code = _exit_code(result)
+        if code != 0:
+            break
+    return code
+
+
+def _exit_code(result: Any) -> int:
+    if isinstance(result, int) and not isinstance(result, bool):
+        return result
+    code = getattr(result, "exit_code", 0)
+    return code if isinstance(code, int) else 0
+
+
+def _sweep_jobs(
+    experiment: str, overrides: Sequence[str], stack: str | None, world_size: int | None
+) -> list[tuple[Any, Any]]:
+    """Each sweep job with its composed config, in its own ``<output_dir>/multirun/<job>``."""
+    from omegaconf import OmegaConf
+
+    from longboat.core.config.compose import compose_experiment
+    from longboat.core.config.sweep import expand_sweep
+
+    out = []
+    for job in expand_sweep(overrides):
+        base = compose_experiment(
+            experiment, job.overrides, stack=stack, world_size=world_size, validate=False
+        ).output_dir
+        run_dir = f"{base}/multirun/{job.name}"
+        cfg = compose_experiment(
+            experiment,
+            [*job.overrides, f"output_dir={run_dir}"],
+            stack=stack,
+            world_size=world_size,
+        )
+        out.append((job, cfg))
+    for key in ("checkpoint.dir", "logging.dir"):
+        seen: dict[str, int] = {}
+        for job, cfg in out:
+            value = str(OmegaConf.select(cfg, key))
+            if value in seen:
+                raise ConfigError(
+                    f"sweep jobs {seen[value] + 1} and {job.index + 1} would share it",
+                    key=key,
+                    value=value,
+                    fix=f"let {key} follow output_dir (drop its override), or sweep it too",
+                )
+            seen[value] = job.index
+    return out
 
 
 def _stacks() -> int:
@@ -130,7 +228,15 @@ def _demo(args: argparse.Namespace) -> int:
         return 1
     from longboat.core.demo import run  # lazy: pulls in torch
 
-    return run_experiment("demo", args.overrides, run, stack="core", world_size=args.world_size)
+    return run_experiment(
+        "demo",
+        args.overrides,
+        run,
+        stack="core",
+        world_size=args.world_size,
+        multirun=args.multirun,
+        print_config=args.cfg,
+    )
 
 
 def _train(args: argparse.Namespace, stack_name: str | None, train: Any = None) -> int:
@@ -147,7 +253,13 @@ def _train(args: argparse.Namespace, stack_name: str | None, train: Any = None) 
             fix="use the stack's own console script, or set Stack.train",
         )
     return run_experiment(
-        experiment, args.overrides, fn, stack=owner.name, world_size=args.world_size
+        experiment,
+        args.overrides,
+        fn,
+        stack=owner.name,
+        world_size=args.world_size,
+        multirun=args.multirun,
+        print_config=args.cfg,
     )
 
 
@@ -161,22 +273,49 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     return args
 
 
-def _dispatch(run: Callable[[], int], prog: str) -> int:
-    # Warnings (a stack that failed to load, an unchecked model schema) become one
-    # short stderr line each instead of Python's two-line source dump.
-    with warnings.catch_warnings(record=True) as caught:
+def _main_rank() -> bool:
+    """True unless torchrun says this process is not global rank 0."""
+    return os.environ.get("RANK", "0") in ("", "0")
+
+
+@contextmanager
+def _warnings_as_they_happen(prog: str) -> Iterator[None]:
+    """Print each warning once, when it is raised, as ``prog: warning: message`` (rank 0)."""
+    seen: set[str] = set()
+    main = _main_rank()
+
+    def show(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+        text = str(message)
+        if text in seen or not main:
+            return
+        seen.add(text)
+        print(f"{prog}: warning: {text}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():
         warnings.simplefilter("default")
-        error: ConfigError | None = None
+        warnings.showwarning = show
+        yield
+
+
+def _dispatch(run: Callable[[], int], prog: str, *, debug: bool = False) -> int:
+    """Run a command: warnings as they happen; a ``UserError`` as its message and exit code
+    (the traceback with ``--debug``); Ctrl-C outside a training step as exit 130."""
+    with _warnings_as_they_happen(prog):
         try:
-            code = run()
-        except ConfigError as exc:
-            error, code = exc, EXIT_CONFIG_ERROR
-        finally:
-            for w in caught:
-                print(f"{prog}: warning: {w.message}", file=sys.stderr)
-    if error is not None:
-        print(f"{prog}: {error}", file=sys.stderr)
-    return code
+            return run()
+        except UserError as exc:
+            if debug:
+                raise
+            if _main_rank():
+                head = "" if isinstance(exc, ConfigError) else "error: "
+                print(f"{prog}: {head}{exc}", file=sys.stderr, flush=True)
+            return exc.exit_code
+        except KeyboardInterrupt:
+            if debug:
+                raise
+            if _main_rank():
+                print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+            return 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,9 +328,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_commands(sub, with_stack=True)
     train = sub.add_parser("train", help="run an experiment with its stack's train function")
     _add_experiment_args(train, with_stack=True)
+    _add_run_args(train)
     demo = sub.add_parser("demo", help="train core's small demo model end to end on CPU")
     demo.add_argument("overrides", nargs="*", help="overrides of the demo experiment")
     demo.add_argument("--world-size", type=int, default=None, help=argparse.SUPPRESS)
+    demo.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    _add_run_args(demo)
     return parser
 
 
@@ -210,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train(args, args.stack)
         return _demo(args)
 
-    return _dispatch(run, "longboat")
+    return _dispatch(run, "longboat", debug=getattr(args, "debug", False))
 
 
 def stack_main(
@@ -241,6 +383,7 @@ def stack_main(
     sub = parser.add_subparsers(dest="command", required=True)
     train_parser = sub.add_parser("train", help=f"run a {stack_name} experiment")
     _add_experiment_args(train_parser, with_stack=False)
+    _add_run_args(train_parser)
     _add_config_commands(sub, with_stack=False)
     for name, (help_text, _) in (commands or {}).items():
         sub.add_parser(name, help=help_text, add_help=False)  # listed in --help only
@@ -248,7 +391,7 @@ def stack_main(
     if argv and commands and argv[0] in commands:
         # Extra commands own their whole argv (their own flags, their own --help).
         handler = commands[argv[0]][1]
-        return _dispatch(lambda: handler(argv[1:]), prog)
+        return _dispatch(lambda: handler(argv[1:]), prog, debug="--debug" in argv)
     args = _parse(parser, argv)
 
     def run() -> int:
@@ -260,7 +403,7 @@ def stack_main(
             return _config_show(args, stack_name)
         raise AssertionError(f"unhandled command {args.command!r}")  # argparse restricts choices
 
-    return _dispatch(run, prog)
+    return _dispatch(run, prog, debug=getattr(args, "debug", False))
 
 
 __all__ = ["EXIT_CONFIG_ERROR", "build_parser", "main", "run_experiment", "stack_main"]

@@ -13,21 +13,21 @@ schemas) stays cheap.
 
 from __future__ import annotations
 
-import json
 import math
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from longboat.core.config.schema import DataConfig, ModelConfig
+from longboat.core.train.training import Training
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["DemoResult", "MLPConfig", "SyntheticRegressionConfig", "build_mlp", "run"]
+    from longboat.core.train import RunResult, StepOutput, UpdateGate
+
+__all__ = ["MLPConfig", "SyntheticRegressionConfig", "build_mlp", "build_training", "run"]
 
 
 @dataclass
@@ -64,42 +64,6 @@ class SyntheticRegressionConfig(DataConfig):
     """Hidden width of the teacher that defines the target."""
     noise_std: float = 0.05
     """Std of the noise added to the targets (the floor of the achievable MSE is its square)."""
-
-
-@dataclass
-class DemoResult:
-    """What a demo run did (the CLI ignores it; tests read it)."""
-
-    start_step: int
-    """Step the run started from (> 0 when it resumed)."""
-    end_step: int
-    """Last completed step."""
-    resumed_from: Path | None
-    """Checkpoint the run resumed from."""
-    losses: list[float] = field(default_factory=list)
-    """Training loss of every step this run took."""
-    eval_before: float = math.nan
-    """Held-out MSE before this run's first step."""
-    eval_after: float = math.nan
-    """Held-out MSE after its last step."""
-    stopped_by_signal: str | None = None
-    """Name of the signal that stopped the run early, if any."""
-    checkpoint: Path | None = None
-    """The newest checkpoint after the run."""
-    metrics_path: Path | None = None
-    """The metrics JSONL file."""
-    plot_path: Path | None = None
-    """The loss-curve PNG (None without matplotlib)."""
-
-
-def _section(cfg: Any, schema: type) -> Any:
-    """``cfg.model``/``cfg.data`` as ``schema`` instance, whether typed already or plain keys."""
-    from omegaconf import DictConfig, OmegaConf
-
-    if isinstance(cfg, schema):
-        return cfg
-    raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    return schema(**raw)
 
 
 def _check(model: MLPConfig, data: SyntheticRegressionConfig) -> None:
@@ -184,271 +148,132 @@ def _eval_mse(model: nn.Module, data: torch.utils.data.TensorDataset) -> float:
     return mse
 
 
-def _plot(metrics_path: Path, out: Path) -> Path | None:
-    """Loss curve of every step in the JSONL (all runs so far), if matplotlib is installed."""
-    try:
-        import matplotlib
+class DemoTraining(Training):
+    """The demo's run for core's trainer (``longboat.core.train.Training``)."""
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    by_step: dict[int, float] = {}
-    for line in metrics_path.read_text().splitlines():
-        row = json.loads(line)
-        if isinstance(row.get("loss"), (int, float)):
-            by_step[row["step"]] = row["loss"]  # a resumed run may repeat steps: keep the latest
-    if not by_step:
-        return None
-    steps = sorted(by_step)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [by_step[s] for s in steps], lw=1.2)
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("train MSE")
-    ax.set_title("longboat demo: MLP on synthetic regression")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    unit = "samples"
+    resume_keys = ("model.hidden_size", "model.num_layers", "model.in_features")
+
+    def __init__(self, cfg: Any) -> None:
+        import torch
+        from torch.nn.parallel import DistributedDataParallel
+        from torch.utils.data import DataLoader
+
+        from longboat.core.data.sampler import StatefulDistributedSampler
+        from longboat.core.device import get_accelerator
+        from longboat.core.distributed import init_distributed
+        from longboat.core.rng import seed_everything
+
+        self.cfg = cfg
+        self.model_cfg, self.data_cfg = cfg.model, cfg.data
+        _check(self.model_cfg, self.data_cfg)
+        self.accelerator = get_accelerator()
+        self._threads = torch.get_num_threads()
+        if self.accelerator.device_type == "cpu":
+            # A 128-wide MLP gains nothing from intra-op threads, and on a busy machine
+            # OpenMP threads spinning against each other make it 10-20x slower.
+            torch.set_num_threads(1)
+        info = init_distributed(self.accelerator)
+        self.is_main = info.is_main
+        self.device = self.accelerator.device()
+        seed_everything(cfg.train.seed, self.accelerator)
+        train_set, eval_set = synthetic_regression(self.data_cfg)
+        self.eval_set = torch.utils.data.TensorDataset(
+            *(t.to(self.device) for t in eval_set.tensors)
+        )
+        self.sampler = StatefulDistributedSampler(
+            train_set, num_replicas=info.world_size, rank=info.rank, seed=self.data_cfg.seed
+        )
+        self.loader = DataLoader(
+            train_set,
+            batch_size=cfg.train.micro_batch_size,
+            sampler=self.sampler,
+            num_workers=0,  # the sampler position is exact only without prefetching workers
+            # Iterating a DataLoader draws a seed; its own generator keeps that draw off the
+            # global RNG, which would otherwise shift the dropout masks of a resumed run.
+            generator=torch.Generator().manual_seed(cfg.train.seed),
+        )
+        self.net = build_mlp(self.model_cfg).to(self.device)
+        self.model = DistributedDataParallel(self.net) if info.world_size > 1 else self.net
+        self.optimizer = _optimizer(cfg.optim, self.model.parameters())
+        self.items_per_step = cfg.train.micro_batch_size * info.world_size
+        self.world_size = info.world_size
+        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+        self.autocast_dtype = dtypes.get(cfg.train.precision)
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model, "optim": self.optimizer, "sampler": self.sampler}
+
+    def optimizers(self) -> list[Any]:
+        return [self.optimizer]
+
+    def batches(self, start_step: int) -> Iterator[Any]:
+        while True:  # epochs roll over inside the (restored) sampler
+            yield from self.loader
+
+    def after_resume(self, step: int) -> None:
+        self.model.train()
+
+    def step(self, step: int, batch: Any, gate: UpdateGate) -> StepOutput:
+        import torch
+
+        from longboat.core.train import StepOutput
+
+        x, y = (t.to(self.device) for t in batch)
+        dtype = self.autocast_dtype
+        with torch.autocast(
+            self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None
+        ):
+            loss = torch.nn.functional.mse_loss(self.model(x).float(), y)
+        loss.backward()
+        clip = self.cfg.optim.grad_clip
+        grad_norm = (
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip) if clip > 0 else None
+        )
+        if gate.allow(step, loss, grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        epoch = step // max(1, len(self.loader))
+        return StepOutput(loss=loss.detach(), grad_norm=grad_norm, metrics={"epoch": epoch})
+
+    def evaluate(self) -> dict[str, float]:
+        return {"eval_mse": _eval_mse(self.net, self.eval_set)}
+
+    def describe(self) -> list[str]:
+        m = self.model_cfg
+        return [
+            f"Model mlp: {m.num_layers} layers, hidden {m.hidden_size}; data: "
+            f"{self.data_cfg.num_train} samples, batch {self.items_per_step} on "
+            f"{self.world_size} rank(s)."
+        ]
+
+    def report(self, result: RunResult) -> list[str]:
+        lines = [f"Noise floor of the held-out MSE: {self.data_cfg.noise_std**2:.4f}"]
+        done = result.stopped_by_signal is None and result.end_step >= self.cfg.train.steps
+        if result.end_step > result.start_step and done:
+            lines.append(
+                "Run it again to see it resume from the last checkpoint; add "
+                f"train.steps={2 * self.cfg.train.steps} to keep training."
+            )
+        return lines
+
+    def close(self) -> None:
+        import torch
+
+        torch.set_num_threads(self._threads)
 
 
-def run(cfg: Any, *, on_step: Callable[[int], None] | None = None) -> DemoResult:
+def build_training(cfg: Any) -> DemoTraining:
+    """The demo's assembly: model, optimizer, data and step from the typed config."""
+    return DemoTraining(cfg)
+
+
+def run(cfg: Any, *, on_step: Callable[[int], None] | None = None) -> RunResult:
     """Train the demo experiment described by a composed, validated config.
 
-    ``on_step(step)`` is called after every completed step (tests use it to
-    deliver a SIGTERM at a known step).
+    ``on_step(step)`` is called after every completed step (tests use it to deliver a
+    SIGTERM at a known step).
     """
-    model_cfg = _section(cfg.model, MLPConfig)
-    data_cfg = _section(cfg.data, SyntheticRegressionConfig)
-    _check(model_cfg, data_cfg)
+    from longboat.core.train import run_training
 
-    import torch
-
-    from longboat.core.device import get_accelerator
-
-    accelerator = get_accelerator()
-    threads = torch.get_num_threads()
-    if accelerator.device_type == "cpu":
-        # A 128-wide MLP gains nothing from intra-op threads, and on a busy machine
-        # OpenMP threads spinning against each other make it 10-20x slower.
-        torch.set_num_threads(1)
-    try:
-        return _train(cfg, model_cfg, data_cfg, accelerator, on_step)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _train(
-    cfg: Any,
-    model_cfg: MLPConfig,
-    data_cfg: SyntheticRegressionConfig,
-    accelerator: Any,
-    on_step: Callable[[int], None] | None,
-) -> DemoResult:
-    import torch
-    from omegaconf import DictConfig, OmegaConf
-    from rich.console import Console
-    from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data import DataLoader
-
-    from longboat.core.checkpoint import CheckpointManager
-    from longboat.core.data.sampler import StatefulDistributedSampler
-    from longboat.core.distributed import init_distributed
-    from longboat.core.loop import (
-        GracefulShutdown,
-        MetricsSink,
-        NaNGuard,
-        StepProfiler,
-        TrainProgress,
-        build_lr_scheduler,
-    )
-    from longboat.core.rng import RNGState, seed_everything
-
-    info = init_distributed(accelerator)
-    main = info.rank == 0
-    console = Console(quiet=not main)
-    device = accelerator.device()
-    seed_everything(cfg.train.seed, accelerator)
-
-    train_set, eval_set = synthetic_regression(data_cfg)
-    eval_set = torch.utils.data.TensorDataset(*(t.to(device) for t in eval_set.tensors))
-    sampler = StatefulDistributedSampler(
-        train_set, num_replicas=info.world_size, rank=info.rank, seed=data_cfg.seed
-    )
-    loader = DataLoader(
-        train_set,
-        batch_size=cfg.train.micro_batch_size,
-        sampler=sampler,
-        num_workers=0,  # the sampler position is exact only without prefetching workers
-        drop_last=False,
-        # Iterating a DataLoader draws a seed; its own generator keeps that draw off the
-        # global RNG, which would otherwise shift the dropout masks of a resumed run.
-        generator=torch.Generator().manual_seed(cfg.train.seed),
-    )
-
-    net = build_mlp(model_cfg).to(device)
-    model = DistributedDataParallel(net) if info.world_size > 1 else net
-    optim = _optimizer(cfg.optim, model.parameters())
-    total = int(cfg.train.steps)
-    scheduler = build_lr_scheduler(optim, cfg.optim.schedule, total)
-    guard = NaNGuard(cfg.train.nan_guard)
-    state: dict[str, Any] = {
-        "model": model,
-        "optim": optim,
-        "lr_scheduler": scheduler,
-        "sampler": sampler,
-        "nan_guard": guard,
-        "rng": RNGState(accelerator),
-        "step": 0,
-    }
-    config_dict = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
-    ckpt = CheckpointManager(cfg.checkpoint, config_dict)
-    resumed = ckpt.resume(state)
-    step = int(state["step"]) if resumed is not None else 0
-    resumed_path = ckpt.last_loaded if resumed is not None else None
-    if resumed_path is not None:
-        console.print(f"[bold green]Resumed[/] from {resumed_path} (step {step}).")
-    elif str(cfg.checkpoint.resume) == "auto":
-        console.print(f"No checkpoint in {ckpt.dir}: starting fresh.")
-
-    result = DemoResult(start_step=step, end_step=step, resumed_from=resumed_path)
-    result.eval_before = _eval_mse(net, eval_set)
-    if step >= total:
-        console.print(
-            f"Already at train.steps={total}: nothing to train. Continue with "
-            f"[bold]longboat demo train.steps={2 * total}[/] (or start over with "
-            "checkpoint.resume=none)."
-        )
-
-    run_name = str(cfg.logging.run_name)
-    metrics = MetricsSink(
-        cfg.logging.dir, run_name, tensorboard=bool(cfg.logging.tensorboard), enabled=main
-    )
-    precision = str(cfg.train.precision)
-    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    grad_clip = float(cfg.optim.grad_clip)
-    log_every = max(1, int(cfg.train.log_every))
-    batches_per_epoch = len(loader)
-    last_saved = resumed
-    t0 = time.perf_counter()
-
-    def batches() -> Any:
-        while True:  # epochs roll over inside the sampler
-            yield from loader
-
-    model.train()
-    data_iter = batches()
-    with (
-        GracefulShutdown() as stop,
-        StepProfiler(cfg.train.profiler, Path(cfg.logging.dir) / run_name / "profile") as prof,
-        TrainProgress(
-            total, unit="samples", enabled=bool(cfg.logging.progress) and main, initial_step=step
-        ) as progress,
-    ):
-        while step < total:
-            prof.step(step + 1)
-            x, y = (t.to(device) for t in next(data_iter))
-            with torch.autocast(
-                device.type,
-                dtype=autocast_dtype or torch.float32,
-                enabled=autocast_dtype is not None,
-            ):
-                loss = torch.nn.functional.mse_loss(model(x).float(), y)
-            loss.backward()
-            if grad_clip > 0:
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            else:
-                grad_norm = None
-            if guard.check(loss, grad_norm):
-                optim.step()
-                scheduler.step()
-            optim.zero_grad(set_to_none=True)
-            step += 1
-            state["step"] = step
-            loss_value = loss.item()
-            result.losses.append(loss_value)
-            progress.update(step, loss=loss_value, items=x.shape[0] * info.world_size)
-            if step % log_every == 0 or step == total:
-                metrics.log(
-                    step,
-                    {
-                        "loss": loss_value,
-                        "lr": optim.param_groups[0]["lr"],
-                        "grad_norm": grad_norm,
-                        "skipped_steps": guard.total_skipped,
-                        "epoch": (step - 1) // max(1, batches_per_epoch),
-                    },
-                )
-            if on_step is not None:
-                on_step(step)
-            if ckpt.should_save(step):
-                ckpt.save(step, state)
-                last_saved = step
-            if stop.should_stop():
-                result.stopped_by_signal = stop.signal_name
-                break
-    elapsed = time.perf_counter() - t0
-
-    if cfg.checkpoint.save_on_exit and last_saved != step:  # at the end and on SIGTERM/SIGUSR1
-        ckpt.save(step, state)
-        last_saved = step
-    ckpt.close()
-    result.end_step = step
-    result.eval_after = _eval_mse(net, eval_set)
-    result.checkpoint = ckpt.latest() if main else None
-    tensorboard = metrics.tensorboard_enabled
-    metrics.close()
-    result.metrics_path = metrics.jsonl_path
-    if main and result.metrics_path.is_file():
-        result.plot_path = _plot(
-            result.metrics_path, result.metrics_path.with_name("loss_curve.png")
-        )
-    if main:
-        _report(console, result, cfg, ckpt.dir, elapsed, tensorboard, saved=last_saved == step)
-    return result
-
-
-def _report(
-    console: Any,
-    r: DemoResult,
-    cfg: Any,
-    ckpt_dir: Path,
-    elapsed: float,
-    tensorboard: bool,
-    *,
-    saved: bool,
-) -> None:
-    took = r.end_step - r.start_step
-    if r.stopped_by_signal:
-        then = (
-            "checkpoint saved: run the same command again to resume."
-            if saved
-            else "no checkpoint (checkpoint.save_on_exit=false)."
-        )
-        console.print(
-            f"[bold yellow]Stopped by {r.stopped_by_signal}[/] at step {r.end_step}; {then}"
-        )
-    if took > 0:
-        head = sum(r.losses[:10]) / len(r.losses[:10])
-        tail = sum(r.losses[-10:]) / len(r.losses[-10:])
-        console.print(
-            f"Trained steps {r.start_step + 1}..{r.end_step} in {elapsed:.1f}s. "
-            f"Train loss (mean of first/last 10 steps): {head:.4f} -> {tail:.4f}"
-        )
-    console.print(
-        f"Held-out MSE: {r.eval_before:.4f} -> {r.eval_after:.4f} "
-        f"(noise floor {float(cfg.data.noise_std) ** 2:.4f})"
-    )
-    console.print(f"Checkpoints: {ckpt_dir} (latest: {r.checkpoint.name if r.checkpoint else '-'})")
-    console.print(f"Metrics:     {r.metrics_path}")
-    if tensorboard and r.metrics_path is not None:
-        console.print(f"TensorBoard: tensorboard --logdir {r.metrics_path.parent / 'tensorboard'}")
-    if r.plot_path is not None:
-        console.print(f"Loss curve:  {r.plot_path}")
-    if took > 0 and not r.stopped_by_signal and r.end_step >= int(cfg.train.steps):
-        console.print(
-            "Run it again to see it resume from the last checkpoint; add "
-            f"train.steps={2 * int(cfg.train.steps)} to keep training."
-        )
+    return run_training(cfg, build_training, on_step=on_step)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from longboat.core.errors import UserError
+
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
@@ -10,7 +12,7 @@ __all__ = [
 ]
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint could not be saved or loaded."""
 
 

@@ -26,7 +26,7 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from longboat.core.checkpoint.errors import (
     InvalidCheckpointError,
 )
 from longboat.core.checkpoint.manifest import (
+    Manifest,
     build_manifest,
     fsync_dir,
     read_manifest,
@@ -116,9 +117,28 @@ def _jsonable(config: Any) -> dict[str, Any]:
 
 
 def _dcp_failure(what: str, exc: CheckpointException) -> CheckpointError:
-    """DCP raises a BaseException subclass; turn it into a plain error naming the cause."""
-    causes = "; ".join(f"rank {rank}: {err}" for rank, (err, _) in exc.failures.items())
-    return CheckpointError(f"{what} failed: {causes}")
+    """DCP raises a BaseException subclass; turn it into a plain error naming the cause
+    (the first line of the first rank's error, and which ranks failed)."""
+    ranks = sorted(exc.failures)
+    first = str(exc.failures[ranks[0]][0]).strip().splitlines()
+    cause = first[0] if first else type(exc.failures[ranks[0]][0]).__name__
+    where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    return CheckpointError(f"{what} failed on {where}: {cause}")
+
+
+def _checkpoints_in(directory: Path) -> list[tuple[int, Path]]:
+    """Finished checkpoints (readable manifest) in ``directory``, oldest first; no warnings."""
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in sorted(directory.iterdir()):
+        match = _STEP_RE.match(path.name)
+        if match and path.is_dir():
+            try:
+                found.append((read_manifest(path).step, path))
+            except InvalidCheckpointError:
+                continue
+    return found
 
 
 def _dist_on() -> bool:
@@ -405,13 +425,23 @@ class CheckpointManager:
 
     # --- load --------------------------------------------------------------------------
 
-    def resume(self, state: dict[str, Any]) -> int | None:
-        """Load as ``cfg.resume`` says: ``auto`` (latest, if any), ``none``, or a path."""
+    def resume(
+        self, state: dict[str, Any], *, before_load: Callable[[Path, Manifest], None] | None = None
+    ) -> int | None:
+        """Load as ``cfg.resume`` says: ``auto`` (latest, if any), ``none``, or a path.
+
+        ``auto`` falls back to the newest intact checkpoint when a newer one is damaged (a
+        truncated or missing file, a checksum mismatch), with a warning naming both; when
+        every checkpoint is damaged it raises ``CheckpointCorruptError``. An explicit path
+        that is damaged raises ``CheckpointCorruptError`` naming the file and the override
+        that loads the previous checkpoint. ``before_load(path, manifest)`` runs before a
+        checkpoint is read (a compatibility check may raise there).
+        """
         how = str(self.cfg.resume)
         if how == "none":
             return None
         if how == "auto":
-            return self.load(state)
+            return self._resume_latest(state, before_load)
         path = Path(how).expanduser()
         if not path.is_dir():
             raise CheckpointError(
@@ -419,7 +449,65 @@ class CheckpointManager:
                 f"step_XXXXXXXX folder (finished ones in {self.dir}: "
                 f"{[p.name for _, p in self.checkpoints(warn=False)]})"
             )
-        return self.load(state, path)
+        try:
+            if before_load is not None:
+                before_load(path, read_manifest(path))
+            return self.load(state, path)
+        except (CheckpointCorruptError, InvalidCheckpointError) as exc:
+            older = [p for _, p in self.checkpoints(warn=False) if p.name < path.name]
+            older += [p for _, p in _checkpoints_in(path.parent) if p.name < path.name]
+            fix = (
+                f"Fix: restore the file, or load the previous checkpoint with "
+                f"checkpoint.resume={max(older, key=lambda p: p.name)}"
+                if older
+                else "Fix: restore the file, or start over with checkpoint.resume=none"
+            )
+            raise type(exc)(f"{exc}. {fix}") from None
+
+    def _resume_latest(
+        self, state: dict[str, Any], before_load: Callable[[Path, Manifest], None] | None
+    ) -> int | None:
+        found = self.checkpoints() if self._rank() == 0 else None
+        found = [(s, Path(p)) for s, p in self._broadcast([(s, str(p)) for s, p in found or []])]
+        damaged: list[str] = []
+        for i in range(len(found) - 1, -1, -1):
+            path = found[i][1]
+            manifest = read_manifest(path)
+            if before_load is not None:
+                before_load(path, manifest)
+            try:
+                return self.load(state, path)
+            except CheckpointCorruptError as exc:
+                damaged.append(f"{path.name}: {exc}")
+                aside = self._set_aside_damaged(path)
+                if i > 0:
+                    warnings.warn(
+                        f"checkpoint {path} is damaged ({exc}); it is set aside as {aside.name} "
+                        f"and the run resumes from the previous one, {found[i - 1][1]}",
+                        CheckpointWarning,
+                        stacklevel=3,
+                    )
+        if damaged:
+            raise CheckpointCorruptError(
+                f"every checkpoint in {self.dir} is damaged and set aside as <name>.damaged "
+                f"({'; '.join(damaged)}). Fix: restore the files, or start over with "
+                "checkpoint.resume=none"
+            )
+        return None
+
+    def _set_aside_damaged(self, path: Path) -> Path:
+        """Rename a damaged checkpoint to ``<name>.damaged`` (never loaded, never pruned)."""
+        aside = path.with_name(f"{path.name}.damaged")
+        if self._rank() == 0:
+            n = 1
+            while aside.exists():
+                n += 1
+                aside = path.with_name(f"{path.name}.damaged{n}")
+            os.rename(path, aside)
+        aside = Path(self._broadcast(str(aside)))
+        if _dist_on():
+            dist.barrier()
+        return aside
 
     def load(
         self, state: dict[str, Any], path: str | Path | None = None, *, strict: bool = True

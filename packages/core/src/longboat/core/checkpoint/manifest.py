@@ -167,19 +167,17 @@ def verify_files(ckpt_dir: Path, manifest: Manifest, names: list[str] | None = N
         path = ckpt_dir / name
         if not path.is_file():
             raise CheckpointCorruptError(
-                f"checkpoint {ckpt_dir} is missing {name}, which its manifest lists; "
-                "restore the file or load an older checkpoint"
+                f"checkpoint {ckpt_dir} is missing {name}, which its manifest lists"
             )
         size = path.stat().st_size
         if "bytes" in info and size != info["bytes"]:
             raise CheckpointCorruptError(
                 f"checkpoint {ckpt_dir}: {name} has {size} bytes, the manifest says "
-                f"{info['bytes']}; the file is truncated or corrupted: load an older checkpoint"
+                f"{info['bytes']} (the file is truncated or corrupted)"
             )
         digest = file_sha256(path)
         if digest != info["sha256"]:
             raise CheckpointCorruptError(
                 f"checkpoint {ckpt_dir}: checksum mismatch in {name} (sha256 {digest[:16]}..., "
-                f"manifest {info['sha256'][:16]}...); the file is corrupted: load an older "
-                "checkpoint"
+                f"manifest {info['sha256'][:16]}...: the file is corrupted)"
             )

@@ -140,7 +140,11 @@ def _split_overrides(
             problems.add(None, "override has no key", value=text, fix="write key=value")
             continue
         if override.is_sweep_override():
-            problems.add(name, f"sweeps are not supported here ({text})", fix="pass a single value")
+            problems.add(
+                name,
+                f"is a sweep ({text})",
+                fix="add -m (--multirun) to run one job per value, or pass a single value",
+            )
             continue
         if name == "experiment" or name.startswith("hydra"):
             problems.add(

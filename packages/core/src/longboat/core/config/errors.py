@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from longboat.core.errors import UserError
+
 
 class _Unset:
     """Sentinel: a problem that has no single offending value."""
@@ -50,7 +52,7 @@ class ConfigProblem:
         return text
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """Invalid configuration; carries every problem found.
 
     Construct either from one message (optionally with ``key``/``value``/``fix``)::

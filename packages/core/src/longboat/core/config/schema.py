@@ -161,7 +161,8 @@ class CheckpointConfig:
     """Native (DCP) checkpoints."""
 
     dir: str = "outputs/checkpoints"
-    """Directory that holds step_XXXXXXXX checkpoint folders."""
+    """Directory that holds step_XXXXXXXX checkpoint folders (``${output_dir}/checkpoints``
+    in composed experiments)."""
     every_steps: int = 0
     """Save every N steps (0: only at the end and on signals)."""
     keep_last: int = 3
@@ -169,9 +170,10 @@ class CheckpointConfig:
     async_save: bool = False
     """Write checkpoints in the background."""
     resume: str = "auto"
-    """auto (latest valid in dir), none, or a path to a checkpoint folder."""
+    """auto (the latest intact checkpoint in dir), none (start over: the previous run's
+    checkpoints and metrics are set aside), or the path of a checkpoint folder."""
     save_on_exit: bool = True
-    """Save when training ends or on SIGTERM/SIGUSR1."""
+    """Save when training ends and when SIGTERM, SIGUSR1 or Ctrl-C stops it."""
 
 
 @dataclass
@@ -179,7 +181,8 @@ class LoggingConfig:
     """Metrics and progress output."""
 
     dir: str = "outputs/logs"
-    """Where metrics.jsonl (and TensorBoard events) go."""
+    """Where ``<run_name>/`` with metrics.jsonl, TensorBoard events, config.yaml and
+    loss_curve.png goes (``${output_dir}/logs`` in composed experiments)."""
     tensorboard: bool = True
     """Also write TensorBoard events when tensorboard is installed."""
     progress: bool = True
@@ -196,6 +199,9 @@ class ExperimentConfig:
     """Name of the recipe that produced this config."""
     stack: str = "core"
     """The stack that owns this experiment."""
+    output_dir: str = "outputs/${experiment}"
+    """Run directory: checkpoints (``checkpoint.dir``), metrics (``logging.dir``) and exports
+    default to folders under it; a sweep (``--multirun``) gives each job its own."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

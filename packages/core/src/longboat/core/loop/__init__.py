@@ -10,7 +10,6 @@ from longboat.core.loop.nan_guard import (
     DeferredNaNGuard,
     NaNGuard,
     NonFiniteLossError,
-    ScheduledDeferredGuard,
     Verdict,
 )
 from longboat.core.loop.profiler import StepProfiler
@@ -29,7 +28,6 @@ __all__ = [
     "MetricsSink",
     "NaNGuard",
     "NonFiniteLossError",
-    "ScheduledDeferredGuard",
     "StepProfiler",
     "TrainProgress",
     "Verdict",

@@ -35,13 +35,35 @@ def _scalar(value: Any) -> float | None:
     return float(value)
 
 
+def _drop_rows_after(path: Path, step: int) -> None:
+    """Rewrite ``path`` (atomically) without the rows of steps after ``step``."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = []
+    for line in lines:
+        try:
+            row_step = int(json.loads(line).get("step", 0))
+        except (ValueError, AttributeError, TypeError):
+            continue  # a line cut short by a crash
+        if row_step <= step:
+            kept.append(line)
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    tmp.replace(path)
+
+
 class MetricsSink:
     """Writes ``<log_dir>/<run_name>/metrics.jsonl`` and TensorBoard events next to it.
 
     Each JSONL line is ``{"step": int, "time": unix_seconds, <metric>: value, ...}``;
     tensors become numbers, NaN/inf become the strings ``"nan"``/``"inf"``. The file is
-    appended to, so a resumed run continues it. With ``enabled=False`` (non-zero ranks)
-    every call is a no-op.
+    appended to, so a resumed run continues it; with ``start_step`` (the step a run starts
+    from) the rows of later steps, left by a run that died after its last checkpoint, are
+    dropped first (and TensorBoard purges its events past that step), so every step appears
+    once. With ``enabled=False`` (non-zero ranks) every call is a no-op.
     """
 
     def __init__(
@@ -50,6 +72,8 @@ class MetricsSink:
         run_name: str = "run",
         tensorboard: bool = True,
         enabled: bool = True,
+        *,
+        start_step: int | None = None,
     ) -> None:
         self.enabled = enabled
         self.run_dir = Path(log_dir) / run_name
@@ -60,6 +84,8 @@ class MetricsSink:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if start_step is not None:
+            _drop_rows_after(self.jsonl_path, start_step)
         self._file = self.jsonl_path.open("a", encoding="utf-8")
         if tensorboard:
             try:
@@ -67,7 +93,8 @@ class MetricsSink:
             except ImportError:  # optional extra longboat-core[tensorboard]
                 SummaryWriter = None
             if SummaryWriter is not None:
-                self._tb = SummaryWriter(log_dir=str(self.tb_dir))
+                purge = None if start_step is None else start_step + 1
+                self._tb = SummaryWriter(log_dir=str(self.tb_dir), purge_step=purge)
 
     @property
     def tensorboard_enabled(self) -> bool:

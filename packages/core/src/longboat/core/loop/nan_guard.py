@@ -17,10 +17,13 @@ import torch
 import torch.distributed as dist
 
 from longboat.core.config.schema import NaNGuardConfig
+from longboat.core.errors import UserError
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(UserError, RuntimeError):
     """Too many consecutive non-finite steps: the run is diverging."""
+
+    exit_code = 1
 
 
 def _is_finite(value: Any) -> bool:
@@ -188,41 +191,6 @@ class DeferredNaNGuard:
             event.synchronize()
         self.reads += 1
         return host.tolist()
-
-
-class ScheduledDeferredGuard:
-    """``DeferredNaNGuard`` with the run's host LR schedule: every resolved verdict steps
-    ``scheduler`` unless its step was skipped (a skipped step does not advance the schedule,
-    as with the synchronous guard). The base of the stacks' lagged guards, which add how
-    their step skips on the device."""
-
-    def __init__(self, guard: NaNGuard, scheduler: Any, accelerator: Any = None) -> None:
-        self.deferred = DeferredNaNGuard(guard, accelerator)
-        self.scheduler = scheduler
-        self.last: Verdict | None = None
-        """The latest resolved verdict."""
-
-    @property
-    def pending(self) -> list[int]:
-        """Steps whose verdict is not resolved yet."""
-        return self.deferred.pending
-
-    def stage(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> list[Verdict]:
-        """Stage step ``step`` and resolve every older one (waits at most for the previous
-        step); returns the verdicts resolved."""
-        self.deferred.submit(step, loss, grad_norm)
-        return self._apply(self.deferred.resolve(keep=1))
-
-    def flush(self) -> list[Verdict]:
-        """Resolve every pending verdict (waits for the newest staged step)."""
-        return self._apply(self.deferred.resolve())
-
-    def _apply(self, verdicts: list[Verdict]) -> list[Verdict]:
-        for verdict in verdicts:
-            if verdict.stepped:
-                self.scheduler.step()  # a skipped step does not advance the schedule
-            self.last = verdict
-        return verdicts
 
 
 def _show(value: Any) -> str:
