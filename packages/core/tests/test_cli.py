@@ -9,11 +9,11 @@ import uuid
 from pathlib import Path
 
 import pytest
+from fake_stack import write_fake_stack
 from omegaconf import OmegaConf
 
 from longboat.core import cli
 from longboat.core.cli import EXIT_CONFIG_ERROR, main, stack_main
-from longboat.core.config.testing import write_fake_stack
 
 
 @pytest.fixture

@@ -6,11 +6,11 @@ import uuid
 import warnings
 
 import pytest
+from fake_stack import write_fake_stack
 from omegaconf import OmegaConf
 
 from longboat.core.config.compose import compose_experiment, list_experiments, to_dataclass
 from longboat.core.config.errors import ConfigError
-from longboat.core.config.testing import write_fake_stack
 from longboat.core.stack import CORE_STACK, Stack, discover_stacks, get_stack
 
 

@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 FAKE_STACK_MODULE = '''\
-"""A fake longboat stack written by longboat.core.config.testing."""
+"""A fake longboat stack written by the core tests (fake_stack.py)."""
 
 from dataclasses import dataclass
 from pathlib import Path
