@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+
+# The test modules import the helpers of llm_testkit.py / pipeline_testkit.py from this folder
+# (pytest runs with --import-mode=importlib, which puts no test folder on sys.path).
+_HERE = str(Path(__file__).parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 
 FAMILIES = ("llama3", "qwen3", "qwen3_moe")
 

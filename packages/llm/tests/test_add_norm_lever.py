@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from llm_testkit import run_interpreted
 
 from longboat.core.distributed import run_multiprocess
-from longboat.llm.train.testing import run_interpreted
 
 HF_TOL = 1e-4  # max |logits - transformers| in fp32, as test_hf_parity
 FP32_TOL = 2e-5
@@ -47,10 +47,10 @@ def _init(seed: int = 1):  # type: ignore[no-untyped-def]
 
 def _hf_worker(rank: int, world: int, hf_dir: Path, tokens: torch.Tensor) -> dict[str, object]:
     from megatron.core.transformer.transformer_layer import TransformerLayer
+    from pipeline_testkit import forward_logits
 
     from longboat.core.megatron.specs import AddNormTransformerLayer
     from longboat.llm.hf import load_hf, read_hf_config
-    from longboat.llm.pipeline import forward_logits
 
     ps = _init()
     try:

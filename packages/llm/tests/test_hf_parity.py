@@ -23,12 +23,13 @@ def _logits_worker(
     layout: dict[str, int],
     export_dir: Path,
 ) -> torch.Tensor | None:
+    from pipeline_testkit import forward_logits
+
     from longboat.core.config.schema import ParallelConfig
     from longboat.core.device import get_accelerator
     from longboat.core.megatron import parallel_state
     from longboat.llm.build import build_model
     from longboat.llm.hf import load_hf, read_hf_config, save_hf
-    from longboat.llm.pipeline import forward_logits
 
     cfg = read_hf_config(hf_dir)
     parallel_state.initialize(ParallelConfig(**layout), get_accelerator("cpu"))

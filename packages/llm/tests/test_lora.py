@@ -16,13 +16,14 @@ LOGIT_TOL = 1e-5
 def _lora_worker(
     rank: int, world: int, hf_dir: Path, out: Path, tokens: torch.Tensor, layout: dict[str, int]
 ) -> dict[str, object] | None:
+    from pipeline_testkit import forward_logits
+
     from longboat.core.config.schema import ParallelConfig
     from longboat.core.device import get_accelerator
     from longboat.core.megatron import parallel_state
     from longboat.llm.build import build_model
     from longboat.llm.hf import load_hf, read_hf_config
     from longboat.llm.lora import apply_lora, lora_parameters
-    from longboat.llm.pipeline import forward_logits
     from longboat.llm.train.export import export_hf
 
     cfg = read_hf_config(hf_dir)

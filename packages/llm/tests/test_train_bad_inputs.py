@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from llm_testkit import compose, make_tiny_dataset, tiny_overrides
 
 from longboat.core.config.errors import ConfigError
-from longboat.llm.train.testing import compose, make_tiny_dataset, tiny_overrides
 
 
 @pytest.fixture(scope="module")
@@ -20,22 +20,37 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     return data, tok, root
 
 
-def _run(overrides: list[str]) -> None:
-    from longboat.llm.train import loop
+class _Reached(Exception):
+    """Raised where megatron's parallel state would be set up: the checks let the run in."""
+
+
+def _run(overrides: list[str]) -> list[int]:
+    """Start ``longboat-llm train`` with ``overrides``, stopping where the heavy setup would
+    begin (megatron's parallel state, then the model); returns [1] when it got there, []
+    when a check stopped it first."""
+    from longboat.core.megatron import parallel_state
+    from longboat.llm.train import training
 
     calls: list[int] = []
-    real = loop._train
-    loop._train = lambda *a, **k: calls.append(1)  # type: ignore[assignment]
+    real = parallel_state.initialize
+
+    def reached(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        raise _Reached
+
+    parallel_state.initialize = reached  # type: ignore[assignment]
     try:
-        loop.run(compose(overrides))
+        training.train(compose(overrides))
+    except _Reached:
+        pass
     finally:
-        loop._train = real  # type: ignore[assignment]
-    assert not calls, "training started"
+        parallel_state.initialize = real  # type: ignore[assignment]
+    return calls
 
 
 def _expect(overrides: list[str], *needles: str) -> str:
     with pytest.raises(ConfigError) as err:
-        _run(overrides)
+        assert not _run(overrides), "training started"
     text = str(err.value)
     for needle in needles:
         assert needle in text, f"{needle!r} not in: {text}"
@@ -43,17 +58,9 @@ def _expect(overrides: list[str], *needles: str) -> str:
 
 
 def test_valid_inputs_reach_training(tiny: tuple[Path, Path, Path], tmp_path: Path) -> None:
-    from longboat.llm.train import loop
-
     data, tok, _ = tiny
-    calls: list[int] = []
-    real = loop._train
-    loop._train = lambda *a, **k: calls.append(1)  # type: ignore[assignment]
-    try:
-        loop.run(compose(tiny_overrides(data, tok, tmp_path)))
-    finally:
-        loop._train = real  # type: ignore[assignment]
-    assert calls == [1]  # the control: the checks below are what stops the others
+    # The control: the checks below are what stops the others.
+    assert _run(tiny_overrides(data, tok, tmp_path)) == [1]
 
 
 def test_missing_tokenizer_dir(tiny: tuple[Path, Path, Path], tmp_path: Path) -> None:

@@ -54,10 +54,10 @@ def test_split_is_seeded_and_disjoint() -> None:
 
 
 def test_blend_follows_the_weights() -> None:
-    from longboat.llm.train.loop import _train_and_eval_documents
+    from longboat.llm.train.data import train_and_eval_documents
 
     data = SimpleNamespace(eval_fraction=0.1, seed=0, weights=[3.0, 1.0])
-    train, held = _train_and_eval_documents(data, [_Docs(50), _Docs(50, start=1000)])
+    train, held = train_and_eval_documents(data, [_Docs(50), _Docs(50, start=1000)])
     firsts = np.asarray([int(train[i][0]) for i in range(len(train))])
     share = float(np.mean(firsts >= 1000))
     assert abs(share - 0.25) < 0.02, share

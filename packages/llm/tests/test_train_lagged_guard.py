@@ -19,11 +19,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from llm_testkit import compose, make_tiny_dataset, tiny_overrides
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from longboat.core.distributed import run_multiprocess
 from longboat.core.loop.host_reads import HostReads
-from longboat.llm.train.testing import compose, make_tiny_dataset, tiny_overrides
 
 NAN, INF = float("nan"), float("inf")
 # 0-based steps: one in the LR warm-up (2 steps), a NaN and an inf in a row (grads NaN /
@@ -51,9 +51,15 @@ class _Probe:
     the loop's synchronous guard with the same fused AdamW the lagged path switches to."""
 
     def __init__(
-        self, bad: dict[int, str], *, start: int = 0, sync: bool = False, record_updates=True
+        self,
+        bad: dict[int, str],
+        *,
+        start: int = 0,
+        sync: bool = False,
+        record_updates: bool = True,
+        device_lr: bool = False,
     ) -> None:
-        import longboat.core.loop as core_loop
+        import longboat.core.train.trainer as core_trainer
         from longboat.llm.train import lagged_guard, optimizer, step
 
         self.step: int | None = None
@@ -83,14 +89,14 @@ class _Probe:
             probe.built.append(out)
             return out
 
-        class Guard(core_loop.NaNGuard):
+        class Guard(core_trainer.NaNGuard):
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
                 probe.guards.append(self)
 
         step.forward_backward = poisoned
         optimizer.wrap_and_build = build
-        core_loop.NaNGuard = Guard
+        core_trainer.NaNGuard = Guard
         if sync:
             blocker = lagged_guard.lagged_guard_blocker
 
@@ -98,6 +104,10 @@ class _Probe:
                 assert blocker(opt, *args, **kwargs) is None  # the lagged path would apply
                 for inner in optimizer.inner_optimizers(opt):
                     lagged_guard._use_fused(inner)
+                if device_lr:  # the LR in an fp32 tensor, as the CUDA-graph step keeps it
+                    from longboat.core.megatron.optimizer import capturable_torch_adamw
+
+                    capturable_torch_adamw(opt, ("cpu",))
                 return "the synchronous reference"
 
             lagged_guard.lagged_guard_blocker = reference
@@ -128,14 +138,20 @@ def _log_rows(overrides: list[str]) -> list[dict]:
     cfg = compose(overrides)
     path = Path(cfg.logging.dir) / str(cfg.logging.run_name) / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    return [{k: v for k, v in row.items() if k != "time"} for row in rows]
+    timing = ("time", "step_time_s", "tokens_per_s")  # wall-clock values differ run to run
+    return [{k: v for k, v in row.items() if k not in timing} for row in rows]
 
 
 def _run_worker(rank: int, world: int, overrides: list[str], bad, opts: dict) -> dict:
     from longboat.core.loop import NonFiniteLossError
-    from longboat.llm.train.loop import run
+    from longboat.llm.train.training import train as run
 
-    probe = _Probe(bad, start=opts.get("start", 0), sync=opts.get("sync", False))
+    probe = _Probe(
+        bad,
+        start=opts.get("start", 0),
+        sync=opts.get("sync", False),
+        device_lr=opts.get("device_lr", False),
+    )
     error = None
     result = None
     try:
@@ -217,6 +233,27 @@ def test_one_pass_update_with_clipping_keeps_the_lagged_guard_exactly(tiny) -> N
 
 
 @pytest.mark.multiprocess
+def test_cuda_graph_step_equals_the_synchronous_guard_exactly(tiny) -> None:
+    """llm.cuda_graph: the step that is captured on a GPU (run eagerly here: the CPU has no
+    CUDA graphs) skips on the device and takes its LR from a device table indexed by the
+    updates taken. The reference is the synchronous guard with the same fused AdamW reading
+    its LR from an fp32 tensor (the table's precision): the same numbers bit for bit (losses,
+    log lines, counters, weights, optimizer state, every applied update's LR)."""
+    one_micro = ("train.log_every=4", "train.global_batch_size=2")
+    sync_run = _overrides(tiny, "g_sync", *one_micro)
+    graph_run = _overrides(tiny, "g_graph", *one_micro, "llm.cuda_graph=true")
+    (sync,) = run_multiprocess(_run_worker, 1, sync_run, BAD, {"sync": True, "device_lr": True})
+    (graph,) = run_multiprocess(_run_worker, 1, graph_run, BAD, {})
+    assert [skip for _, skip in graph["updates"]] == [float(s in BAD) for s in range(10)]
+    assert str(graph["losses"]) == str(sync["losses"])
+    assert graph["rows"] == sync["rows"]
+    assert _applied_lrs(graph["updates"]) == _applied_lrs(sync["updates"])
+    assert graph["counts"] == sync["counts"] == {"consecutive": 1, "total_skipped": 4}
+    _same_tensors(graph["weights"], sync["weights"])
+    _same_tensors(graph["states"], sync["states"])
+
+
+@pytest.mark.multiprocess
 def test_abort_comes_one_step_later_with_the_same_weights(tiny) -> None:
     bad = {3: "nan", 4: "nan", 5: "nan", 6: "nan"}
     extra = ("train.log_every=10", "train.nan_guard.max_consecutive=2")
@@ -277,7 +314,7 @@ def test_ranks_skip_together_and_follow_one_rank(tiny, hf_dirs, layout: str) -> 
 
 
 def _reads_worker(rank: int, world: int, overrides: list[str], sync: bool) -> dict:
-    from longboat.llm.train.loop import run
+    from longboat.llm.train.training import train as run
 
     probe = _Probe({}, sync=sync, record_updates=False)
     mode = HostReads(tag=lambda: probe.step, skip_files=(__file__,))

@@ -5,15 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from llm_testkit import compose, make_tiny_dataset, tiny_overrides
 
 from longboat.core.distributed import run_multiprocess
-from longboat.llm.train.testing import compose, make_tiny_dataset, tiny_overrides
 
 TOL = 1e-4  # fp32: TP / PP only reorder reductions
 
 
 def _train_worker(rank: int, world: int, overrides: list[str]) -> list[float]:
-    from longboat.llm.train.loop import run
+    from longboat.llm.train.training import train as run
 
     return run(compose(overrides, world_size=world)).losses
 
@@ -86,7 +86,7 @@ def test_bf16_training_tracks_fp32(tiny: tuple[Path, Path, Path, str], tp1_losse
 def _train_metrics_worker(rank: int, world: int, overrides: list[str]) -> tuple[list[float], list]:
     import json
 
-    from longboat.llm.train.loop import run
+    from longboat.llm.train.training import train as run
 
     result = run(compose(overrides, world_size=world))
     rows = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]

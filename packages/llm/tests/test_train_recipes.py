@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from llm_testkit import make_tiny_dataset, make_tiny_sft_dataset, tiny_overrides
 
 from longboat.core.config.compose import compose_experiment
 from longboat.core.distributed import run_multiprocess
 from longboat.llm.stack import STACK
 from longboat.llm.train.checks import check_run, model_config
-from longboat.llm.train.testing import make_tiny_dataset, make_tiny_sft_dataset, tiny_overrides
 
 FAMILIES = ("llama3", "qwen3", "qwen3_moe")
 RECIPES = [f"{f}_{kind}" for f in FAMILIES for kind in ("pretrain", "sft", "lora")]
@@ -47,14 +47,14 @@ def _lora_worker(rank: int, world: int, overrides: list[str]) -> dict[str, objec
     import torch
     from torch.distributed.checkpoint import FileSystemReader
 
-    from longboat.llm.train.loop import run
+    from longboat.llm.train.training import train as run
 
     cfg = compose_experiment("qwen3_lora", overrides, stack="llm", world_size=world)
     result = run(cfg)
     meta = FileSystemReader(str(result.checkpoint)).read_metadata()
     from longboat.core.hf import load_safetensors
 
-    exported = load_safetensors(result.hf_dir)
+    exported = load_safetensors(result.export_dir)
     return {
         "losses": result.losses,
         "keys": sorted(meta.state_dict_metadata),
@@ -100,10 +100,10 @@ def test_lora_recipe_trains_and_saves_adapters_only(
 
 
 def _sft_worker(rank: int, world: int, overrides: list[str]) -> tuple[list[float], float]:
-    from longboat.llm.train.loop import run
+    from longboat.llm.train.training import train as run
 
     result = run(compose_experiment("qwen3_sft", overrides, stack="llm", world_size=world))
-    return result.losses, result.eval_losses[result.end_step]
+    return result.losses, result.eval[result.end_step]["eval_loss"]
 
 
 @pytest.mark.multiprocess

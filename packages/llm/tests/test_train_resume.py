@@ -9,9 +9,9 @@ import signal
 from pathlib import Path
 
 import pytest
+from llm_testkit import compose, make_tiny_dataset, tiny_overrides
 
 from longboat.core.distributed import run_multiprocess
-from longboat.llm.train.testing import compose, make_tiny_dataset, tiny_overrides
 
 STEPS, SAVE_EVERY, KILL_AT = 10, 3, 7
 
@@ -22,11 +22,12 @@ def _overrides(data: Path, tok: Path, out: Path) -> list[str]:
         f"checkpoint.every_steps={SAVE_EVERY}",
         "checkpoint.resume=auto",
         "checkpoint.keep_last=0",
+        "checkpoint.save_on_exit=true",  # a stop signal saves
     ]
 
 
 def _run_worker(rank: int, world: int, overrides: list[str]) -> tuple[int, list[float]]:
-    from longboat.llm.train.loop import run
+    from longboat.llm.train.training import train as run
 
     result = run(compose(overrides))
     return result.start_step, result.losses
@@ -35,7 +36,7 @@ def _run_worker(rank: int, world: int, overrides: list[str]) -> tuple[int, list[
 def _killed_run(overrides: list[str]) -> None:
     import torch
 
-    from longboat.llm.train.loop import run
+    from longboat.llm.train.training import train as run
 
     # A forked child must not use the parent's OpenMP pool (it can hang after fork).
     torch.set_num_threads(1)
@@ -90,14 +91,14 @@ def test_sigkill_then_resume_continues_the_loss_curve(tmp_path: Path) -> None:
 
 
 def _sigterm_worker(rank: int, world: int, overrides: list[str]) -> tuple[str | None, int, bool]:
-    from longboat.llm.train.loop import run
+    from longboat.llm.train.training import train as run
 
     def on_step(step: int) -> None:
         if step == 4:
             os.kill(os.getpid(), signal.SIGTERM)
 
     result = run(compose(overrides), on_step=on_step)
-    return result.stopped_by_signal, result.end_step, result.hf_dir is not None
+    return result.stopped_by_signal, result.end_step, result.export_dir is not None
 
 
 @pytest.mark.multiprocess
@@ -112,7 +113,7 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path: Path) -> None:
 def _stop_at_worker(
     rank: int, world: int, overrides: list[str], stop_at: int
 ) -> tuple[int, list[float]]:
-    from longboat.llm.train.loop import run
+    from longboat.llm.train.training import train as run
 
     def on_step(step: int) -> None:
         if step == stop_at:

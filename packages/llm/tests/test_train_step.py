@@ -31,6 +31,8 @@ def _step_worker(
     distributed_optimizer: bool,
     precision: str = "fp32",
 ) -> tuple[float | None, dict[str, torch.Tensor]]:
+    from pipeline_testkit import train_step
+
     from longboat.core.config.schema import OptimConfig, ParallelConfig
     from longboat.core.device import get_accelerator
     from longboat.core.megatron import parallel_state
@@ -38,7 +40,6 @@ def _step_worker(
     from longboat.core.megatron.optimizer import build_optimizer, wrap_ddp
     from longboat.llm.build import build_model
     from longboat.llm.hf import load_hf, read_hf_config
-    from longboat.llm.pipeline import train_step
 
     cfg = read_hf_config(hf_dir)
     mp = parallel_state.initialize(ParallelConfig(**layout), get_accelerator("cpu"))

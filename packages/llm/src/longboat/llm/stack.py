@@ -22,8 +22,9 @@ STACK = Stack(
     data_schemas={
         "quickstart": "longboat.llm.train.schema:QuickstartDataConfig",
         "prepared": "longboat.llm.train.schema:PreparedDataConfig",
+        "synthetic": "longboat.llm.train.schema:SyntheticTokensDataConfig",
     },
     console_script="longboat-llm",
-    train="longboat.llm.train.loop:run",
+    train="longboat.llm.train.training:train",
     validators=("longboat.llm.validate:validate_llm",),
 )

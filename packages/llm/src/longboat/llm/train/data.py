@@ -55,6 +55,83 @@ class Concat(Sequence):
         return np.concatenate([np.asarray(p.lengths()) for p in self.parts])
 
 
+class SyntheticDocuments(Sequence):
+    """``count`` documents of ``length`` uniformly random token ids in ``[0, vocab_size)``,
+    document ``i`` drawn from ``(seed, i)`` alone (``data=synthetic``: throughput runs and
+    smoke tests that need no corpus)."""
+
+    def __init__(self, count: int, length: int, vocab_size: int, seed: int) -> None:
+        self.count, self.length, self.vocab_size, self.seed = count, length, vocab_size, seed
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> np.ndarray:  # type: ignore[override]
+        if not 0 <= i < self.count:
+            raise IndexError(i)
+        rng = np.random.default_rng([self.seed, i])
+        return rng.integers(0, self.vocab_size, self.length, dtype=np.int64).astype(np.int32)
+
+    def lengths(self) -> np.ndarray:
+        return np.full(self.count, self.length, dtype=np.int64)
+
+
+def open_run_data(data: Any, vocab_size: int, rank: int) -> tuple[list[Any], Path | None]:
+    """The document sources of ``cfg.data`` (one per path) and the tokenizer directory.
+
+    ``quickstart`` prepares its corpus on rank 0 first (the other ranks wait), ``prepared``
+    opens ``data.paths``, ``synthetic`` draws random tokens (no tokenizer). Every source is
+    checked: not empty, token ids inside the model's vocabulary.
+    """
+    import torch.distributed as dist
+
+    from longboat.llm.train.checks import check_documents
+
+    if data.name == "synthetic":
+        docs = SyntheticDocuments(data.num_documents, data.seq_len, vocab_size, data.seed)
+        return [docs], None
+    if data.name == "quickstart":
+        from longboat.llm.quickstart.prepare import prepare_quickstart
+
+        if rank == 0:
+            prepare_quickstart(data)
+        if dist.is_initialized():
+            dist.barrier()
+        # Every rank: rank 0's output is up to date now, so this only returns the paths.
+        token_dir, tokenizer_dir = prepare_quickstart(data, log=lambda *_: None)
+        paths: list[Path] = [token_dir]
+    elif data.name == "prepared":
+        paths = [Path(p) for p in data.paths]
+        tokenizer_dir = Path(data.tokenizer)
+    else:
+        raise ConfigError(
+            "is not a data kind longboat-llm trains on",
+            key="data.name",
+            value=data.name,
+            fix="use data=quickstart, data=prepared or data=synthetic",
+        )
+    parts = []
+    for p in paths:
+        docs = open_documents(p)
+        check_documents(docs, "data.paths", str(p), vocab_size)
+        parts.append(docs)
+    return parts, tokenizer_dir
+
+
+def train_and_eval_documents(data: Any, parts: list[Any]) -> tuple[Any, Any]:
+    """Held-out documents of every source; training documents blended by ``data.weights``."""
+    from longboat.core.data.blend import BlendedDataset
+
+    splits = [split_documents(p, data.eval_fraction, data.seed) for p in parts]
+    train = [s[0] for s in splits]
+    held_out = Concat([s[1] for s in splits])
+    weights = getattr(data, "weights", None)
+    if len(train) == 1 and weights is None:
+        return train[0], held_out
+    w = list(weights) if weights is not None else [float(len(t)) for t in train]
+    return BlendedDataset(train, w, seed=data.seed), held_out
+
+
 def open_documents(path: str | Path) -> Any:
     """A dataset written by ``longboat-llm data prepare`` as packing's document sequence.
 

@@ -17,16 +17,16 @@ and moves the decision:
   waiting, and step n-1's verdict is resolved after step n's forward/backward is queued and
   before its update is, so the host waits at most for step n-1's forward/backward (the
   device still has step n-1's update and step n's forward/backward queued). The verdict
-  steps the host LR schedule (``ChainedLR``) only for a step that was not skipped, before
+  steps the host LR schedule (core's ``RunSchedule``) only for a step that was not skipped, before
   step n's update reads the LR: the LR of every update is the synchronous guard's Python
   float, bit for bit, with no device LR table. The counters and the abort are the guard's:
   ``NonFiniteLossError`` for step n comes while step n+1 runs, before its update is queued
   (one forward/backward later than the synchronous guard; the weights at the abort are the
   same).
 
-``flush()`` resolves the last pending verdict (the loop calls it before a log line, an eval,
-a checkpoint, ``on_step``, the end and after an interruption: those read the counters or the
-LR schedule). The guard judges the loss only, as the loop's synchronous guard does (the
+``flush()`` resolves the last pending verdict (core's trainer calls it before a log line, an
+eval, a checkpoint, an exact callback, the end and after an interruption: those read the
+counters or the LR schedule). The guard judges the loss only, as the loop's synchronous guard does (the
 grad norm is not computed without clipping), so the staged grad norm is a constant 0.
 
 With ``llm.one_pass_adamw`` the update is ``OnePassAdamW.step(found_inf=...)`` instead, which
@@ -46,7 +46,8 @@ from typing import Any
 
 import torch
 
-from longboat.core.loop.nan_guard import NaNGuard, ScheduledDeferredGuard, Verdict
+from longboat.core.loop.nan_guard import NaNGuard
+from longboat.core.train.gate import LaggedUpdateGate
 from longboat.llm.train.optimizer import inner_optimizers
 
 
@@ -86,48 +87,70 @@ def lagged_guard_blocker(
     return None
 
 
-class LaggedLossGuard(ScheduledDeferredGuard):
-    """The loop's NaN guard with the skip on the device and the host side one step late
-    (module doc). Per step n: ``forward_backward``, then ``before_update(n, loss)``, then the
-    optimizer update (``optimizer_step``); ``flush()`` before anything that reads the counters
-    or the LR schedule. Build it after a resume (it switches the param groups to fused AdamW,
-    which a loaded checkpoint's param groups would otherwise overwrite)."""
+class LaggedLossGuard(LaggedUpdateGate):
+    """The update gate with the skip on the device and the host side one step late (module
+    doc). Per step n: ``forward_backward``, then ``allow(n, loss)`` (sets ``found_inf`` on the
+    device, stages the loss, resolves step n-1), then the optimizer update. Build it after a
+    resume (it switches the param groups to fused AdamW, which a loaded checkpoint's param
+    groups would otherwise overwrite)."""
 
     def __init__(
         self,
         guard: NaNGuard,
+        schedule: Any,
         optimizer: Any,
-        scheduler: Any,
         accelerator: Any = None,
         *,
         one_pass: bool = False,
     ) -> None:
-        super().__init__(guard, scheduler, accelerator)
+        super().__init__(guard, schedule, accelerator)
         self.inners = inner_optimizers(optimizer)
-        params = [p for o in self.inners for g in o.param_groups for p in g["params"]]
-        device = params[0].device if params else torch.device("cpu")
-        self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        self.found_inf = device_found_inf(optimizer)
         """1.0 when the step being updated has a non-finite loss (torch's fused AdamW then
-        skips it), else 0.0; written on the device by ``before_update``."""
-        self._no_grad_norm = torch.zeros((), dtype=torch.float64, device=device)
-        for inner in self.inners if not one_pass else ():  # one-pass: passed to its step
-            _use_fused(inner)
-            inner.found_inf = self.found_inf  # read by torch Adam's step()
+        skips it), else 0.0; written on the device by ``allow``."""
+        if not one_pass:  # one-pass: passed to its step
+            install_found_inf(self.inners, self.found_inf)
 
     @torch.no_grad()
-    def before_update(self, step: int, loss: torch.Tensor) -> list[Verdict]:
-        """Set up step ``step``'s update to skip on a non-finite ``loss`` (device op), stage
-        the loss, resolve the previous step's verdict (stepping the LR schedule for it unless
-        it was skipped) and return the verdicts resolved."""
-        bad = torch.isfinite(loss.detach()).logical_not().to(self.found_inf.dtype)
-        self.found_inf.copy_(bad.reshape(()).to(self.found_inf.device))
-        return self.stage(step, loss, self._no_grad_norm)
+    def allow(self, step: int, loss: torch.Tensor, grad_norm: Any = None) -> bool:
+        """Set up step ``step``'s update to skip on a non-finite ``loss`` (device op), stage the
+        loss and resolve the previous step's verdict (stepping the LR schedule for it unless it
+        was skipped); True (the device decides)."""
+        mark_non_finite(self.found_inf, loss)
+        self.stage(step, loss)
+        return True
 
     def close(self) -> None:
         """Take ``found_inf`` off the inner optimizers (a later plain ``step()`` steps)."""
-        for inner in self.inners:
-            if getattr(inner, "found_inf", None) is self.found_inf:
-                del inner.found_inf
+        remove_found_inf(self.inners, self.found_inf)
+
+
+def device_found_inf(optimizer: Any) -> torch.Tensor:
+    """A 0-d fp32 zero on the device of the optimizer's parameters (a skip flag)."""
+    params = [p for o in inner_optimizers(optimizer) for g in o.param_groups for p in g["params"]]
+    device = params[0].device if params else torch.device("cpu")
+    return torch.zeros((), dtype=torch.float32, device=device)
+
+
+@torch.no_grad()
+def mark_non_finite(found_inf: torch.Tensor, loss: torch.Tensor) -> None:
+    """``found_inf = not isfinite(loss)``, on the device."""
+    bad = torch.isfinite(loss.detach()).logical_not().to(found_inf.dtype)
+    found_inf.copy_(bad.reshape(()).to(found_inf.device))
+
+
+def install_found_inf(inners: list[torch.optim.Optimizer], found_inf: torch.Tensor) -> None:
+    """Make each torch Adam / AdamW fused and read ``found_inf`` in its ``step()``."""
+    for inner in inners:
+        _use_fused(inner)
+        inner.found_inf = found_inf  # read by torch Adam's step()
+
+
+def remove_found_inf(inners: list[torch.optim.Optimizer], found_inf: torch.Tensor) -> None:
+    """Undo ``install_found_inf`` (a later plain ``step()`` steps)."""
+    for inner in inners:
+        if getattr(inner, "found_inf", None) is found_inf:
+            del inner.found_inf
 
 
 def _use_fused(inner: torch.optim.Optimizer) -> None:

@@ -4,8 +4,8 @@
 contiguous fp32 buffers, reduce-scattered over data-parallel ranks) and builds the
 ``DistributedOptimizer`` through ``get_megatron_optimizer`` (optimizer state and fp32 main
 weights sharded over DP ranks). ``MegatronOptimizerState`` makes that optimizer checkpointable
-by ``CheckpointManager`` (per-rank: each rank saves its own shard of main weights and moments),
-and ``ChainedLR`` runs core's LR schedule on every inner torch optimizer.
+by ``CheckpointManager`` (per-rank: each rank saves its own shard of main weights and moments);
+core's trainer runs the LR schedule on every inner torch optimizer (``inner_optimizers``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from longboat.core.config.errors import ConfigError
-from longboat.core.loop import build_lr_scheduler
 from longboat.core.megatron.optimizer import use_fused_torch_adamw
 
 _OPTIMIZERS = {"adamw": "adam", "sgd": "sgd"}
@@ -31,7 +30,6 @@ def wrap_and_build(
     precision: str,
     grad_reduce_in_fp32: bool = True,
     side_stream: bool = False,
-    distributed_optimizer: bool = True,
 ) -> tuple[list[torch.nn.Module], Any]:
     """(DDP-wrapped chunks, megatron distributed optimizer) for ``optim`` (an OptimConfig).
 
@@ -43,9 +41,6 @@ def wrap_and_build(
     stream current at its creation, and on the legacy default stream it would make that
     stream wait on the capturing one during the captured backward, which CUDA refuses
     ("operation would make the legacy stream depend on a capturing blocking stream").
-    ``distributed_optimizer=False``: megatron's non-distributed mixed-precision optimizer
-    (every rank holds all main weights and moments; for comparisons at one data-parallel
-    rank, where nothing is sharded anyway).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -56,7 +51,7 @@ def wrap_and_build(
         )
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32,
-        use_distributed_optimizer=distributed_optimizer,
+        use_distributed_optimizer=True,
         overlap_grad_reduce=False,
     )
     with _construction_stream(side_stream):
@@ -80,7 +75,7 @@ def wrap_and_build(
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         params_dtype=_DTYPES[precision],
-        use_distributed_optimizer=distributed_optimizer,
+        use_distributed_optimizer=True,
     )
     optimizer = get_megatron_optimizer(opt_cfg, model)
     if getattr(optim, "fused", True):
@@ -109,30 +104,6 @@ def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     """The torch optimizers inside a (chained) megatron optimizer."""
     parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     return [p.optimizer for p in parts if getattr(p, "optimizer", None) is not None]
-
-
-class ChainedLR:
-    """core's LR schedule (``build_lr_scheduler``) on each inner optimizer, stepped together."""
-
-    def __init__(self, optimizer: Any, schedule: Any, total_steps: int) -> None:
-        self.schedulers = [
-            build_lr_scheduler(o, schedule, total_steps) for o in inner_optimizers(optimizer)
-        ]
-
-    def step(self) -> None:
-        for s in self.schedulers:
-            s.step()
-
-    def get_last_lr(self) -> float:
-        """The current LR of the first param group (all groups share the schedule)."""
-        return float(self.schedulers[0].get_last_lr()[0]) if self.schedulers else 0.0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"schedulers": [s.state_dict() for s in self.schedulers]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for s, sd in zip(self.schedulers, state["schedulers"], strict=True):
-            s.load_state_dict(sd)
 
 
 class MegatronOptimizerState:

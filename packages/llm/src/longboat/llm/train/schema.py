@@ -46,6 +46,22 @@ class PreparedDataConfig(DataConfig):
 
 
 @dataclass
+class SyntheticTokensDataConfig(DataConfig):
+    """Random tokens (uniform over the model's vocabulary): throughput runs and smoke tests
+    without a corpus. No tokenizer, so no generation from the export."""
+
+    name: str = "synthetic"
+    num_documents: int = 4096
+    """Documents of ``seq_len`` tokens each (one packed row apiece)."""
+    seq_len: int = 2048
+    """Tokens per packed training row (must be <= model.max_position_embeddings)."""
+    eval_fraction: float = 0.0
+    """Fraction of documents held out for evaluation (0: no held-out loss)."""
+    document_attention: bool = False
+    """Mask attention between documents packed into one row (one document a row here)."""
+
+
+@dataclass
 class LoRAConfig:
     """Low-rank adapters on the attention and MLP linears."""
 
@@ -73,8 +89,8 @@ class LLMRunConfig:
     """Global batches of the held-out split per evaluation."""
     export_hf: bool = True
     """Write a Hugging Face directory (LoRA merged) when training finishes."""
-    export_dir: str = "outputs/hf"
-    """Where the HF export goes."""
+    export_dir: str | None = None
+    """Where the HF export goes (null: ``<output_dir>/hf``)."""
     generate_prompt: str | None = None
     """After export, load it with transformers and greedily continue this prompt (None: skip)."""
     generate_tokens: int = 40
@@ -93,6 +109,13 @@ class LLMRunConfig:
     (``longboat.core.megatron.wgrad_fusion``; no per-parameter add pass). With one microbatch per
     step and DP / CP / PP 1 the buffer is bf16 (same gradient values, half the memory),
     otherwise fp32 (the GEMM accumulates its fp32 product). Off with ``train.compile``."""
+    cuda_graph: bool = False
+    """Replay each training step (forward, backward, update) as one CUDA graph, captured after
+    3 eager steps: the launch overhead of thousands of small kernels goes away. Needs one
+    microbatch per step, no pipeline parallelism and no host read in the update (gradient
+    clipping only with ``llm.one_pass_adamw``, which clips on the device); the NaN guard then
+    skips on the device and the LR comes from a device table. Where the accelerator has no
+    CUDA graphs the steps run eagerly (the run says so)."""
     one_pass_adamw: bool = False
     """The optimizer update as one kernel pass per parameter shard
     (``longboat.llm.train.one_pass_adamw``): grads read from the grad buffer, main weights and

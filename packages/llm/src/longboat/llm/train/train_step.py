@@ -1,24 +1,18 @@
-"""The training step ``longboat-llm train`` runs, as one object: model, DDP, optimizer, step.
+"""The model, megatron DDP + optimizer and one optimizer step of ``longboat-llm train``.
 
-``build_train_step`` assembles exactly what the train loop (``train.loop``) assembles, with
-every default-on speed lever of the library:
+``build_train_step`` builds the part of a run below the data: the longboat layer spec
+(``build_model``: SDPA flash / cuDNN attention, Triton RMSNorm, SwiGLU and RoPE, weights
+initialised on the device on CUDA), optional initial weights and LoRA adapters, megatron DDP +
+distributed optimizer (``wrap_and_build``) with torch's fused AdamW, in bf16 weight-gradient
+GEMMs that accumulate into megatron's grad buffer (``core.megatron.wgrad_fusion``), the loss
+through fused linear cross-entropy (``train.loss``) wherever it applies, and the update
+(megatron's step without the grad-norm host read when clipping is off, or
+``OnePassAdamW``). ``longboat.llm.train.training.build_training`` (what the command line and
+the benchmarks run) calls it with the values of the run's config.
 
-- the longboat layer spec (``build_model``): SDPA flash / cuDNN attention, Triton RMSNorm,
-  SwiGLU and RoPE (``LayerKernels.rope``), weights initialised on the device on CUDA;
-- megatron DDP + distributed optimizer (``wrap_and_build``) with torch's fused AdamW when
-  neither Transformer Engine nor apex is installed;
-- in bf16, weight-gradient GEMMs that accumulate into megatron's grad buffer
-  (``core.megatron.wgrad_fusion``; with one microbatch and no DP / CP / PP a bf16 buffer: same
-  gradient values, one pass and half the buffer less);
-- the loss through fused linear cross-entropy (``train.loss``, no ``[tokens, vocab]``
-  logits) wherever it applies;
-- forward + backward through megatron's schedule (``train.step.forward_backward``) and an
-  optimizer step without the grad-norm host sync when clipping is off
-  (``core.megatron.optimizer.optimizer_step``).
-
-``TrainStep.step(tokens, labels)`` returns the loss as a device tensor and reads nothing on
-the host, so a caller timing it sees the device time. Benchmarks call this instead of
-assembling the pieces themselves. megatron's parallel state must be initialised first
+``TrainStep.step(tokens, labels)`` is one whole step on one microbatch and reads nothing on
+the host; ``forward_backward`` and ``update`` are its two halves, between which a NaN guard
+decides. megatron's parallel state must be initialised first
 (``longboat.core.megatron.parallel_state.initialize``).
 """
 
@@ -71,6 +65,33 @@ class TrainStep:
             "attention_mask": None,
         }
 
+    def forward_backward(self, microbatches: list[dict[str, Any]]) -> torch.Tensor:
+        """Zero the grads, forward + backward over ``microbatches`` (megatron's schedule),
+        reduce the grads; the step's mean loss as a 0-d device tensor (no host sync)."""
+        from longboat.llm.train.step import forward_backward
+
+        self.optimizer.zero_grad()
+        return forward_backward(
+            self.model, microbatches, self.device, fused_ce=self.fused_linear_ce
+        )
+
+    def update(self, found_inf: torch.Tensor | None = None) -> Any:
+        """The optimizer update of the grads just computed; the grad norm when the update
+        computed one (clipping), else None. ``found_inf`` (nonzero: skip on the device) is
+        passed to ``OnePassAdamW``; megatron's fused AdamW reads its own ``found_inf``."""
+        from longboat.core.megatron.optimizer import optimizer_step
+
+        if self.one_pass is not None and self.one_pass.step(found_inf=found_inf):
+            return self.one_pass.last_grad_norm
+        return optimizer_step(self.optimizer)[1]
+
+    def grad_norm(self) -> Any:
+        """The global grad norm of the step just taken (until the next ``zero_grad``): for log
+        lines, where a norm the update did not compute costs one reduction."""
+        if self.one_pass is not None and self.one_pass.handles():
+            return self.one_pass.logged_grad_norm()
+        return self.optimizer.get_grad_norm()
+
     def step(
         self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -78,18 +99,8 @@ class TrainStep:
 
         Returns the mean token loss as a 0-d device tensor (no host sync).
         """
-        from longboat.core.megatron.optimizer import optimizer_step
-        from longboat.llm.train.step import forward_backward
-
-        self.optimizer.zero_grad()
-        loss = forward_backward(
-            self.model,
-            [self.batch(tokens, labels, loss_mask)],
-            self.device,
-            fused_ce=self.fused_linear_ce,
-        )
-        if self.one_pass is None or not self.one_pass.step():
-            optimizer_step(self.optimizer)
+        loss = self.forward_backward([self.batch(tokens, labels, loss_mask)])
+        self.update()
         return loss
 
     __call__ = step
@@ -131,14 +142,15 @@ def build_train_step(
     *,
     precision: str = "bf16",
     device: torch.device | str | None = None,
+    microbatches: int = 1,
     fused_linear_ce: bool = True,
     wgrad_fusion: bool = True,
     compile_layers: bool = False,
     init_weights: Any = None,
     exact_main_weights: bool = False,
+    lora: Any = None,
+    seed: int = 0,
     cuda_graph: bool = False,
-    grad_buffer: str = "auto",
-    distributed_optimizer: bool = True,
     one_pass_adamw: bool = False,
     kernel_options: dict[str, bool] | None = None,
     **model_overrides: Any,
@@ -146,9 +158,10 @@ def build_train_step(
     """Build the model, megatron DDP + optimizer and the step ``longboat-llm train`` runs.
 
     ``device``: where the model lives (default: the accelerator's device).
-    ``fused_linear_ce`` / ``wgrad_fusion``: as ``llm.fused_linear_ce`` / ``llm.wgrad_fusion``
-    of ``longboat-llm train`` (the step is one microbatch).
-    ``compile_layers``: ``torch.compile`` each decoder layer (what ``train.compile`` does).
+    ``microbatches``: gradient-accumulation microbatches per step (the grad buffer's dtype
+    depends on it). ``fused_linear_ce`` / ``wgrad_fusion``: as ``llm.fused_linear_ce`` /
+    ``llm.wgrad_fusion``. ``compile_layers``: ``torch.compile`` each decoder layer (what
+    ``train.compile`` does).
     ``init_weights``: called with the model chunks after they are built and before the
     optimizer copies them into its fp32 main weights (e.g. ``lambda c: load_hf(c, cfg, dir)``);
     loading weights after ``build_train_step`` would leave the main weights at the random init.
@@ -157,20 +170,18 @@ def build_train_step(
     (built for the purpose, then freed), not from the bf16 model weights. For an fp32
     checkpoint this matters: started on the bf16 grid, small early updates (an LR warm-up's
     first steps are below bf16 resolution) round back to where they were, while fp32-weight
-    training applies them (measured: ``tools/bench/llm_alignment_probe.py``). Costs an fp32
-    copy of the model at build time; a bf16 checkpoint gains nothing from it.
+    training applies them. Costs an fp32 copy of the model at build time.
+    ``lora``: a ``LoRAConfig`` whose adapters go on the linears after ``init_weights``
+    (initialised from ``seed``); only they train.
     ``cuda_graph``: build for ``TrainStep.graphed`` (megatron's DDP constructed under a side
     stream: see ``train.optimizer.wrap_and_build``).
-    ``grad_buffer``: ``auto`` (bf16 where single-pass gradients hold, else fp32) or ``fp32``
-    (always an fp32 grad buffer: +2 bytes a parameter, no cast pass in the optimizer).
-    ``distributed_optimizer=False``: megatron's non-distributed optimizer (see
-    ``wrap_and_build``; ``exact_main_weights`` needs the distributed one).
     ``one_pass_adamw``: the update as one kernel pass per parameter shard
-    (``train.one_pass_adamw``; as ``llm.one_pass_adamw``), where clipping is off.
-    ``kernel_options``: ``build_model``'s switches of the longboat layer kernels.
+    (``train.one_pass_adamw``; as ``llm.one_pass_adamw``).
+    ``kernel_options``: ``build_model``'s switches of the longboat layer kernels (tests).
     ``model_overrides`` go to megatron's ``TransformerConfig`` (as in ``build_model``).
     """
     from longboat.llm.build import build_model
+    from longboat.llm.lora import apply_lora
     from longboat.llm.train.one_pass_adamw import OnePassAdamW
     from longboat.llm.train.optimizer import wrap_and_build
 
@@ -187,18 +198,15 @@ def build_train_step(
         )
     # Not under torch.compile: it would have to trace megatron's in-place buffer write in
     # the linears' backward (an attribute tensor on ctx), so the compiled path keeps the hook.
-    if grad_buffer not in ("auto", "fp32"):
-        raise ValueError(f"grad_buffer={grad_buffer!r}: use 'auto' or 'fp32'")
     fusion, fp32_grads = (False, True)
     if wgrad_fusion and not compile_layers:
         fusion, fp32_grads = grad_plan(
             precision=precision,
-            microbatches=1,
+            microbatches=microbatches,
             data_parallel=layout.data_parallel,
             context_parallel=layout.context_parallel,
             pipeline_parallel=layout.pipeline_parallel,
         )
-        fp32_grads = fp32_grads or grad_buffer == "fp32"
     model_overrides.setdefault("gradient_accumulation_fusion", fusion)
     if model_overrides["gradient_accumulation_fusion"]:
         install_wgrad_fusion()  # megatron's apex extension, in torch
@@ -211,15 +219,12 @@ def build_train_step(
     )
     if init_weights is not None:
         init_weights(chunks)
+    if lora is not None:
+        apply_lora(chunks, rank=lora.rank, alpha=lora.alpha, targets=list(lora.targets), seed=seed)
     if compile_layers:
         compile_decoder_layers(chunks)
     model, optimizer = wrap_and_build(
-        chunks,
-        optim,
-        precision=precision,
-        grad_reduce_in_fp32=fp32_grads,
-        side_stream=cuda_graph,
-        distributed_optimizer=distributed_optimizer,
+        chunks, optim, precision=precision, grad_reduce_in_fp32=fp32_grads, side_stream=cuda_graph
     )
     if exact_main_weights and init_weights is not None and precision in ("bf16", "fp16"):
         main_weights_from_fp32_init(optimizer, model_cfg, device, init_weights, model_overrides)

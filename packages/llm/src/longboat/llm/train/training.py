@@ -1,0 +1,410 @@
+"""``longboat-llm train``: the LLM stack's run on core's trainer.
+
+``build_training(cfg)`` is the stack's one assembly, called by the command line and by the
+benchmarks alike: checks of the config (core validated every key before), the process group
+(a one-rank group when not launched by torchrun: megatron needs one), the data (the
+quickstart prepares its own), megatron's parallel state, then ``build_train_step`` (model,
+initial HF weights, LoRA, megatron DDP + distributed optimizer, the update) and the step's
+levers from the config (``llm.one_pass_adamw``, ``llm.cuda_graph``, ``train.compile``,
+``llm.fused_linear_ce``, ``llm.wgrad_fusion``). ``longboat.core.train.Trainer`` runs the loop.
+
+A step reads nothing on the host where it can: the microbatches go to the device through
+pinned memory without waiting, the loss is read at log lines, and the NaN guard's skip is
+decided on the device with its host side one step late (``train.lagged_guard``), except
+where megatron's step reads on the host anyway (gradient clipping, fp16 loss scaling) or
+the update cannot skip on the device (``lagged_guard_blocker``): there the guard reads the
+loss every step before the update (the synchronous gate).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from longboat.core.config.errors import ConfigError
+from longboat.core.train import RunResult, StepOutput, Training, UpdateGate, run_training
+
+RECOMPUTE: dict[str, dict[str, Any]] = {
+    "none": {},
+    "selective": {"recompute_granularity": "selective"},
+    "full": {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+    },
+}
+"""megatron's recompute settings per ``train.activation_checkpointing``."""
+
+RESUME_KEYS = (
+    "parallel.tensor_parallel",
+    "parallel.pipeline_parallel",
+    "parallel.virtual_pipeline_parallel",
+    "parallel.expert_parallel",
+    "lora.enabled",
+    "lora.rank",
+    "model.num_layers",
+    "model.hidden_size",
+    "model.num_attention_heads",
+    "model.num_query_groups",
+    "model.ffn_hidden_size",
+    "model.vocab_size",
+    "model.num_experts",
+)
+"""What a checkpoint's sharded model and optimizer state depend on."""
+
+
+def quiet_megatron() -> None:
+    """Silence megatron-core's import-time and deprecation chatter (not our users' concern)."""
+    for name in ("megatron", "megatron.core", "torch.utils.cpp_extension"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for module in (
+        r"megatron(\..*)?",
+        r"transformer_engine(\..*)?",
+        r"torch\.utils\.cpp_extension",
+    ):
+        warnings.filterwarnings("ignore", module=module)
+    warnings.filterwarnings("ignore", category=SyntaxWarning)  # escapes in megatron sources
+    warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks.*")
+    warnings.filterwarnings(
+        "ignore", message=r".*\.grad attribute of a Tensor that is not a leaf.*"
+    )
+
+
+def _precision(cfg: Any, accelerator: Any) -> str:
+    if accelerator.device_type == "cpu":
+        return cfg.llm.cpu_precision
+    if cfg.train.precision == "bf16" and not accelerator.supports_bf16:
+        return "fp32"
+    return cfg.train.precision
+
+
+def _own_process_group(accelerator: Any) -> bool:
+    """A world-size-1 group when not launched by torchrun (megatron needs process groups)."""
+    if dist.is_initialized():
+        return False
+    from longboat.core.distributed.multiprocess import find_free_port
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(find_free_port())
+    dist.init_process_group(accelerator.dist_backend, rank=0, world_size=1)
+    return True
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """A host microbatch on ``device`` without a host sync on CUDA: a copy from pageable memory
+    waits for everything queued on the stream, one from pinned memory does not (the caching
+    host allocator keeps the pinned block until the copy is done)."""
+    if device.type != "cuda":
+        return {k: None if v is None else v.to(device) for k, v in batch.items()}
+    return {
+        k: None if v is None else v.pin_memory().to(device, non_blocking=True)
+        for k, v in batch.items()
+    }
+
+
+class LLMTraining(Training):
+    """One ``longboat-llm train`` run, built (see the module doc)."""
+
+    unit = "tokens"
+    resume_keys = RESUME_KEYS
+
+    def __init__(self, cfg: Any) -> None:
+        from longboat.core.device import get_accelerator
+        from longboat.core.distributed import init_distributed
+        from longboat.llm.train.checks import check_run
+
+        quiet_megatron()
+        self.cfg = cfg
+        self.model_cfg = cfg.model
+        check_run(cfg, self.model_cfg)
+        self.accelerator = get_accelerator()
+        self._threads = torch.get_num_threads()
+        if self.accelerator.device_type == "cpu" and cfg.llm.num_threads > 0:
+            torch.set_num_threads(cfg.llm.num_threads)
+        info = init_distributed(self.accelerator)
+        self.is_main = info.is_main
+        self._owns_group = _own_process_group(self.accelerator)
+        self._layout_up = False
+        try:
+            self._build(info.rank)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, rank: int) -> None:
+        from megatron.core import parallel_state as mps
+
+        from longboat.core.data.packing import PackedDataset
+        from longboat.core.megatron import parallel_state as mparallel
+        from longboat.core.rng import seed_everything
+        from longboat.llm.train.data import (
+            GlobalBatchSchedule,
+            open_run_data,
+            train_and_eval_documents,
+        )
+
+        cfg, data = self.cfg, self.cfg.data
+        parts, self.tokenizer_dir = open_run_data(data, self.model_cfg.vocab_size, rank)
+        train_docs, eval_docs = train_and_eval_documents(data, parts)
+        self.train_rows = PackedDataset(train_docs, data.seq_len)
+        self.eval_rows = PackedDataset(eval_docs, data.seq_len) if len(eval_docs) else None
+        self.precision = _precision(cfg, self.accelerator)
+        self.layout = mparallel.initialize(cfg.parallel, self.accelerator, seed=cfg.train.seed)
+        self._layout_up = True
+        dp, mbs = self.layout.data_parallel, cfg.train.micro_batch_size
+        gbs = cfg.train.global_batch_size or mbs * dp
+        if gbs % (mbs * dp):
+            raise ConfigError(
+                f"is not divisible by micro_batch_size x data_parallel = {mbs * dp}",
+                key="train.global_batch_size",
+                value=gbs,
+                fix=f"use a multiple of {mbs * dp}",
+            )
+        self.schedule = GlobalBatchSchedule(len(self.train_rows), gbs, mbs, dp, seed=data.seed)
+        self.items_per_step = gbs * data.seq_len
+        self.dp_rank = mps.get_data_parallel_rank()
+        self.device = self.accelerator.device()
+        seed_everything(cfg.train.seed, self.accelerator)
+        self.step_fn = self._build_step()
+        self.graphed: Any = None
+
+    def _build_step(self) -> Any:
+        from longboat.llm.hf import load_hf
+        from longboat.llm.train.train_step import build_train_step, wants_exact_main_weights
+
+        cfg, init = self.cfg, self.cfg.llm.init_from_hf
+        lora = cfg.lora if cfg.lora.enabled else None
+        return build_train_step(
+            self.model_cfg,
+            cfg.optim,
+            precision=self.precision,
+            device=self.device,
+            microbatches=self.schedule.num_microbatches,
+            fused_linear_ce=cfg.llm.fused_linear_ce,
+            wgrad_fusion=cfg.llm.wgrad_fusion,
+            compile_layers=cfg.train.compile,
+            init_weights=(lambda c: load_hf(c, self.model_cfg, init)) if init else None,
+            exact_main_weights=bool(init)
+            and wants_exact_main_weights(init, self.precision, lora is not None),
+            lora=lora,
+            seed=cfg.train.seed,
+            cuda_graph=cfg.llm.cuda_graph,
+            one_pass_adamw=cfg.llm.one_pass_adamw,
+            **RECOMPUTE[cfg.train.activation_checkpointing],
+        )
+
+    # --- what the trainer needs ----------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        from longboat.llm.train.optimizer import MegatronOptimizerState
+
+        return {
+            "model": self._checkpoint_module(),
+            "optimizer": MegatronOptimizerState(self.step_fn.optimizer),
+        }
+
+    def optimizers(self) -> list[Any]:
+        from longboat.llm.train.optimizer import inner_optimizers
+
+        return inner_optimizers(self.step_fn.optimizer)
+
+    def batches(self, start_step: int) -> Iterator[list[dict[str, Any]]]:
+        """This rank's microbatches of every step, built on the host (CPU tensors)."""
+        from longboat.llm.train.data import microbatch
+
+        cpu, doc_attn = torch.device("cpu"), self.cfg.data.document_attention
+        for step in itertools.count(start_step):
+            yield [
+                microbatch([self.train_rows[i] for i in rows], cpu, document_attention=doc_attn)
+                for rows in self.schedule.rows(step, self.dp_rank)
+            ]
+
+    def make_gate(self, guard: Any, schedule: Any) -> UpdateGate:
+        from longboat.llm.train import lagged_guard
+        from longboat.llm.train.graph_step import GraphedTrainStep, graph_blocker
+
+        cfg, step_fn = self.cfg, self.step_fn
+        self.graph_notice = None
+        if cfg.llm.cuda_graph:
+            why = graph_blocker(cfg, self.schedule.num_microbatches, step_fn)
+            if why is None:
+                self.graphed = GraphedTrainStep(
+                    step_fn,
+                    schedule,
+                    self.accelerator,
+                    total_steps=cfg.train.steps,
+                    skip_non_finite=guard.cfg.enabled,
+                )
+                return self.graphed.gate(guard, schedule, self.accelerator)
+            self.graph_notice = f"llm.cuda_graph: eager steps ({why})."
+        # After the resume: it switches the param groups it loaded to fused AdamW.
+        why_sync = lagged_guard.lagged_guard_blocker(
+            step_fn.optimizer, guard.cfg, one_pass=step_fn.one_pass, fused=cfg.optim.fused
+        )
+        if why_sync is None:
+            return lagged_guard.LaggedLossGuard(
+                guard,
+                schedule,
+                step_fn.optimizer,
+                self.accelerator,
+                one_pass=step_fn.one_pass is not None,
+            )
+        return UpdateGate(guard, schedule, why_sync=why_sync)
+
+    def step(self, step: int, batch: list[dict[str, Any]], gate: UpdateGate) -> StepOutput:
+        micro = [_to_device(b, self.device) for b in batch]
+        if self.graphed is not None:
+            out = self.graphed(micro[0])
+            gate.allow(step, out["loss"])
+            return StepOutput(
+                loss=out["loss"], grad_norm=self._norm_reader(gate, out.get("grad_norm"))
+            )
+        loss = self.step_fn.forward_backward(micro)
+        norm = None
+        if gate.allow(step, loss):
+            norm = self.step_fn.update(found_inf=getattr(gate, "found_inf", None))
+        return StepOutput(loss=loss, grad_norm=self._norm_reader(gate, norm))
+
+    def _norm_reader(self, gate: UpdateGate, norm: Any) -> Callable[[], Any]:
+        """The step's grad norm, read only on log lines (after the gate is flushed): None for
+        a skipped step, else the norm the update computed or one reduction."""
+
+        def read() -> Any:
+            if gate.last is not None and not gate.last.stepped:
+                return None
+            return norm if norm is not None else self.step_fn.grad_norm()
+
+        return read
+
+    def evaluate(self) -> dict[str, float]:
+        from longboat.llm.train.data import GlobalBatchSchedule, microbatch
+        from longboat.llm.train.step import evaluate
+
+        if self.eval_rows is None:
+            return {}
+        s, cfg = self.schedule, self.cfg
+        es = GlobalBatchSchedule(
+            len(self.eval_rows),
+            s.global_batch,
+            s.micro_batch,
+            s.data_parallel,
+            seed=0,
+            shuffle=False,
+        )
+        doc_attn = cfg.data.document_attention
+        micro = [
+            microbatch([self.eval_rows[i] for i in rows], self.device, document_attention=doc_attn)
+            for step in range(max(1, cfg.llm.eval_batches))
+            for rows in es.rows(step, self.dp_rank)
+        ]
+        loss = evaluate(self.step_fn.model, micro, self.device, fused_ce=cfg.llm.fused_linear_ce)
+        return {"eval_loss": loss}
+
+    def export(self) -> Path | None:
+        if not self.cfg.llm.export_hf:
+            return None
+        from longboat.llm.train.export import export_hf
+
+        out = self.cfg.llm.export_dir or f"{self.cfg.output_dir}/hf"
+        return export_hf(self.step_fn.chunks, self.model_cfg, out, tokenizer_dir=self.tokenizer_dir)
+
+    def describe(self) -> list[str]:
+        m, s, lay, rows = self.model_cfg, self.schedule, self.layout, self.train_rows
+        lines = [
+            f"Model {m.name}/{m.flavor}: {m.num_layers} layers, hidden {m.hidden_size}, vocab "
+            f"{m.vocab_size}; {self.precision}; tp={lay.tensor_parallel} "
+            f"pp={lay.pipeline_parallel} dp={lay.data_parallel}. Data: {len(rows)} packed rows "
+            f"of {rows.seq_len} tokens ({rows.fill:.0%} filled); global batch {s.global_batch} = "
+            f"{s.num_microbatches} microbatch(es) x {s.micro_batch} x dp {s.data_parallel}."
+        ]
+        if self.graph_notice:
+            lines.append(self.graph_notice)
+        return lines
+
+    def report(self, result: RunResult) -> list[str]:
+        lines = []
+        if result.export_dir is not None:
+            lines.append(f"HF export:   {result.export_dir}")
+        prompt = self.cfg.llm.generate_prompt
+        if not (self.is_main and result.export_dir is not None and prompt):
+            return lines
+        if self.tokenizer_dir is None:
+            return [*lines, "No generation: this data kind has no tokenizer."]
+        from longboat.llm.train.export import describe_generation, greedy_generate
+
+        penalty = self.cfg.llm.generate_repetition_penalty
+        text = greedy_generate(
+            result.export_dir, prompt, self.cfg.llm.generate_tokens, repetition_penalty=penalty
+        )
+        result.extra["generation"] = text
+        how = f", repetition penalty {penalty}" if penalty != 1.0 else ""
+        return [
+            *lines,
+            f"Greedy generation from the export (transformers{how}):",
+            describe_generation(text, prompt),
+        ]
+
+    def close(self) -> None:
+        if self._layout_up:
+            from longboat.core.megatron import parallel_state as mparallel
+
+            mparallel.destroy()
+            self._layout_up = False
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
+        torch.set_num_threads(self._threads)
+
+    # --- helpers -------------------------------------------------------------------------
+
+    def _checkpoint_module(self) -> torch.nn.Module:
+        """What the checkpoint saves as ``model``.
+
+        Without model parallelism (and without LoRA) the chunk itself, so the checkpoint is a
+        native checkpoint ``longboat-llm convert native-to-hf`` reads. Otherwise a view whose
+        names carry this rank's (tp, pp, ep) coordinates, since every rank holds a different
+        shard under the same megatron names; with LoRA only the adapters (the base comes from
+        ``llm.init_from_hf`` or the seed).
+        """
+        from megatron.core import parallel_state as mps
+
+        chunks, lora, lay = self.step_fn.chunks, self.cfg.lora.enabled, self.layout
+        mp = lay.tensor_parallel * lay.pipeline_parallel * lay.expert_parallel
+        if not lora and len(chunks) == 1 and mp == 1:
+            return chunks[0]
+        prefix = (
+            f"tp{mps.get_tensor_model_parallel_rank()}_pp{mps.get_pipeline_model_parallel_rank()}"
+            f"_ep{mps.get_expert_model_parallel_rank()}"
+        )
+        view = torch.nn.Module()
+        for i, chunk in enumerate(chunks):
+            for name, p in chunk.named_parameters():
+                if lora and not p.requires_grad:
+                    continue
+                view.register_parameter(f"{prefix}__c{i}__{name.replace('.', '__')}", p)
+        return view
+
+
+def build_training(cfg: Any) -> LLMTraining:
+    """The LLM stack's assembly of a run from its typed config (see the module doc)."""
+    return LLMTraining(cfg)
+
+
+def train(cfg: Any, *, on_step: Callable[[int], None] | None = None) -> RunResult:
+    """Train the experiment described by a composed, validated config (the ``train`` command).
+
+    ``on_step(step)`` is called after every completed step with the run's state exact (tests
+    use it to deliver a signal at a known step).
+    """
+    return run_training(cfg, build_training, on_step=on_step)
+
+
+__all__ = ["RECOMPUTE", "LLMTraining", "build_training", "quiet_megatron", "train"]
