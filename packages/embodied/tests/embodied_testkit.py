@@ -1,14 +1,16 @@
 """Helpers shared by the embodied tests (not a test module: no ``test_`` prefix; importable
 because conftest.py puts this folder on ``sys.path``): the tiny GR00T model with its
-optimizer on a one-process CPU setup, its synthetic batches, and ``train_step`` as those
-tests call it."""
+optimizer on a one-process CPU setup, its synthetic batches, ``train_step`` as those tests
+call it, and the update gate of a plain LR schedule."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from longboat.core.config.schema import OptimConfig
+from longboat.core.config.schema import NaNGuardConfig, OptimConfig
+from longboat.core.loop.nan_guard import NaNGuard
+from longboat.core.train.gate import UpdateGate
 from longboat.embodied.models import apply_freezing, build_model
 from longboat.embodied.models.synthetic import synthetic_batch
 from longboat.embodied.parallel import ParallelSetup, build_optimizer, parallelize
@@ -39,17 +41,25 @@ def tiny_groot_batches(count: int) -> list[dict[str, torch.Tensor]]:
     return [synthetic_batch(model, 2) for _ in range(count)]
 
 
+def schedule_gate(schedule) -> UpdateGate:
+    """Core's synchronous gate with the NaN guard off: every update is taken and advances
+    ``schedule`` (anything with ``step()``: a ``LambdaLR``, core's ``RunSchedule``)."""
+    return UpdateGate(NaNGuard(NaNGuardConfig(enabled=False)), schedule)
+
+
 def cpu_train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: dict[str, torch.Tensor],
     step: int,
     grad_clip: float,
+    gate: UpdateGate | None = None,
     **kwargs,
 ) -> StepResult:
-    """``train_step`` on one micro-batch, on CPU in bf16 autocast, seed 3, rank offset 0;
-    ``kwargs`` (``should_step``, ``scheduler``...) pass through."""
-    return train_step(
+    """``train_step`` on one micro-batch, on CPU in bf16 autocast, seed 3, rank offset 0,
+    then ``gate.end_step()`` as core's trainer calls it (the schedule advances when the
+    update was taken); ``kwargs`` pass through."""
+    result = train_step(
         model,
         optimizer,
         [batch],
@@ -59,5 +69,9 @@ def cpu_train_step(
         device_type="cpu",
         precision="bf16",
         grad_clip=grad_clip,
+        gate=gate,
         **kwargs,
     )
+    if gate is not None:
+        gate.end_step()
+    return result

@@ -39,6 +39,57 @@ def test_train_with_bad_override_exits_2_naming_the_key(
     assert not any(tmp_path.iterdir())  # failed before generating or building anything
 
 
+def test_broken_dataset_exits_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "data"
+    (root / "meta").mkdir(parents=True)
+    (root / "meta" / "info.json").write_text("{}")
+    code = main(
+        ["train", "experiment=pi05_tiny", f"output_dir={tmp_path / 'run'}", f"data.path={root}"]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "info.json: unknown codebase_version" in err and "Traceback" not in err
+    assert err.count("\n") == 1
+    assert err.startswith("longboat-embodied: error: ")
+
+
+def _quick(out: Path, *extra: str) -> list[str]:
+    return [
+        "train",
+        "experiment=groot_n1_6_tiny",
+        f"output_dir={out}",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=null",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "data.synthetic.num_episodes=2",
+        "data.synthetic.episode_length=12",
+        *extra,
+    ]
+
+
+def test_train_again_resumes_announcing_changes_and_resume_none_sets_the_run_aside(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    assert main(_quick(out, "train.steps=2")) == 0
+    first = capsys.readouterr().out
+    assert "starting fresh" in first and "Trained steps 1..2" in first
+    assert main(_quick(out, "train.steps=3")) == 0
+    again = capsys.readouterr().out
+    assert f"Resumed from {out / 'checkpoints' / 'step_00000002'} (step 2)" in again
+    assert "train.steps 2 -> 3" in again and "Trained steps 3..3" in again
+    assert main(_quick(out, "train.steps=2", "checkpoint.resume=none")) == 0
+    fresh = capsys.readouterr().out
+    assert "set the previous run aside" in fresh and "Trained steps 1..2" in fresh
+    aside = sorted(p.name for p in out.iterdir() if ".set-aside-" in p.name)
+    assert [name.split(".")[0] for name in aside] == ["checkpoints"]
+    assert any(".set-aside-" in p.name for p in (out / "logs").iterdir())
+    assert (out / "export" / "config.json").is_file()
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_torchrun_two_processes_hsdp(tmp_path: Path) -> None:
@@ -58,6 +109,7 @@ def test_torchrun_two_processes_hsdp(tmp_path: Path) -> None:
             f"output_dir={tmp_path}",
             "train.steps=3",
             "train.micro_batch_size=2",
+            "train.global_batch_size=null",  # micro x dp: one micro-batch a step per rank
             "parallel.strategy=hsdp",
             "parallel.data_parallel_replicate=2",
             "logging.progress=false",

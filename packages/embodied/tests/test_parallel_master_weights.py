@@ -331,6 +331,7 @@ def test_trainer_exports_the_fp32_master_weights(tmp_path):
             f"output_dir={tmp_path}",
             "train.steps=2",
             "train.micro_batch_size=2",
+            "train.global_batch_size=null",  # micro x dp: one micro-batch a step
             "train.precision=bf16",
             "train.master_weights=true",
             "logging.progress=false",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from embodied_testkit import cpu_train_step, tiny_groot, tiny_groot_batches
+from embodied_testkit import cpu_train_step, schedule_gate, tiny_groot, tiny_groot_batches
 
 from longboat.core.config.compose import compose_experiment
 from longboat.core.config.errors import ConfigError
@@ -35,9 +35,9 @@ def _setup():
 
 def _eager_reference(batches):
     model, opt, sched = _setup()
+    gate = schedule_gate(sched)
     results = [
-        cpu_train_step(model, opt, b, i, OPTIM.grad_clip, scheduler=sched)
-        for i, b in enumerate(batches)
+        cpu_train_step(model, opt, b, i, OPTIM.grad_clip, gate=gate) for i, b in enumerate(batches)
     ]
     return [(r.loss, r.grad_norm) for r in results], opt.master.clone()
 
@@ -48,10 +48,13 @@ def _run_factored(batches, wrap=lambda fn, opt: fn):
         GraphableStep(model, opt, precision="bf16", device_type="cpu", grad_clip=OPTIM.grad_clip),
         opt,
     )
-    results = [
-        run_step(fn, opt, b, step=i, seed=3, rank_offset=0, device_type="cpu", scheduler=sched)
-        for i, b in enumerate(batches)
-    ]
+    gate = schedule_gate(sched)
+    results = []
+    for i, b in enumerate(batches):
+        results.append(
+            run_step(fn, opt, b, step=i, seed=3, rank_offset=0, device_type="cpu", gate=gate)
+        )
+        gate.end_step()  # as core's trainer does after each step
     return [(r.loss, r.grad_norm) for r in results], opt.master.clone(), fn
 
 
@@ -156,6 +159,7 @@ def _trainer_overrides(out: Path, *extra: str) -> list[str]:
         f"output_dir={out}",
         "train.steps=3",
         "train.micro_batch_size=2",
+        "train.global_batch_size=null",  # one micro-batch a step
         "train.log_every=2",
         "train.precision=bf16",
         "train.master_weights=true",
@@ -169,17 +173,19 @@ def _trainer_overrides(out: Path, *extra: str) -> list[str]:
     ]
 
 
-def test_trainer_cuda_graph_falls_back_to_the_same_eager_run_on_cpu(tmp_path: Path, caplog):
-    runs = {}
+def test_trainer_cuda_graph_falls_back_to_the_same_eager_run_on_cpu(tmp_path: Path, capsys):
+    runs, said = {}, {}
     for graph in ("false", "true"):
         cfg = compose_experiment(
             "groot_n1_6_tiny",
             _trainer_overrides(tmp_path / graph, f"train.cuda_graph={graph}"),
             world_size=1,
         )
-        with caplog.at_level("INFO"):
-            runs[graph] = train(cfg).losses
-    assert "eager (the cpu accelerator has no CUDA graphs)" in caplog.text
+        runs[graph] = train(cfg).losses
+        said[graph] = capsys.readouterr().out
+    # The start of the run says which step runs and that the graph fell back.
+    assert "train.cuda_graph: eager (the cpu accelerator has no CUDA graphs)" in said["true"]
+    assert "GraphableStep" in said["false"] and "train.cuda_graph" not in said["false"]
     assert len(runs["true"]) == 3
     # The graph run pads the text to the fixed maximum length; masked positions change
     # the matmul shapes only (measured difference 0).
@@ -192,7 +198,12 @@ def test_cuda_graph_config_errors(tmp_path: Path):
     with pytest.raises(ConfigError) as err:
         compose_experiment(
             "groot_n1_6_tiny",
-            [f"output_dir={tmp_path}", "train.cuda_graph=true", "train.global_batch_size=64"],
+            [
+                f"output_dir={tmp_path}",
+                "train.cuda_graph=true",
+                "train.micro_batch_size=16",
+                "train.global_batch_size=64",
+            ],
             world_size=1,
         )
     text = str(err.value)

@@ -1,5 +1,6 @@
-"""The sync-free NaN guard of the master-weight step (``LaggedGuard``): the skip is decided on
-the device, the host side runs one step late. On CPU (where ``GraphedStep`` runs eagerly) a run
+"""The sync-free NaN guard of the master-weight step (``LaggedGuard``, core's
+``LaggedUpdateGate`` with a ``DeviceLRTable``): the skip is decided on the device, the host
+side runs one step late. On CPU (where ``GraphedStep`` runs eagerly) a run
 with non-finite steps must give the synchronous guard's numbers bit for bit: losses, grad
 norms, the lr of every step, skip flags and counters, and the weights; the abort comes at
 most one step later; a resume mid-run continues the uninterrupted run exactly; and the
@@ -16,14 +17,16 @@ import torch
 from embodied_testkit import cpu_train_step, tiny_groot, tiny_groot_batches
 from safetensors.torch import load_file
 
-import longboat.embodied.train.trainer as trainer_mod
+import longboat.embodied.train.training as training_mod
 from longboat.core.config.compose import compose_experiment
 from longboat.core.config.schema import LRScheduleConfig, NaNGuardConfig, OptimConfig
 from longboat.core.distributed import run_multiprocess
-from longboat.core.loop import NaNGuard, NonFiniteLossError, build_lr_scheduler
+from longboat.core.loop import NaNGuard, NonFiniteLossError
 from longboat.core.loop.host_reads import HostReads
+from longboat.core.train import LaggedUpdateGate, RunSchedule, UpdateGate
 from longboat.embodied.models.groot_n1_6.model import GrootN16
-from longboat.embodied.train.step import GraphableStep, LaggedGuard, run_step
+from longboat.embodied.train.step import GraphableStep, LaggedGuard, run_step, train_step
+from longboat.embodied.train.trainer import train
 
 OPTIM = OptimConfig(lr=1e-3, weight_decay=0.1, betas=[0.9, 0.95], grad_clip=0.2)
 STEPS = 7
@@ -53,7 +56,7 @@ def _poison(model, bad: dict[int, str], current_step) -> None:
 def _setup(bad: dict[int, str], current_step):
     model, optimizer = tiny_groot(OPTIM)
     # A warm-up over the whole run: the lr changes every step, so a schedule off by one shows.
-    sched = build_lr_scheduler(optimizer, LRScheduleConfig(name="cosine", warmup_steps=5), STEPS)
+    sched = RunSchedule([optimizer], LRScheduleConfig(name="cosine", warmup_steps=5), STEPS)
     _poison(model, bad, current_step)
     return model, optimizer, sched
 
@@ -63,19 +66,18 @@ def _fp32(x: float) -> float:
 
 
 def _sync_run(batches, bad, max_consecutive=5):
-    """Reference: the eager ``train_step`` with the synchronous ``NaNGuard.check``."""
+    """Reference: the eager ``train_step`` with core's synchronous ``UpdateGate``."""
     now = [0]
     model, opt, sched = _setup(bad, lambda: now[0])
     guard = NaNGuard(NaNGuardConfig(max_consecutive=max_consecutive))
+    gate = UpdateGate(guard, sched)
     rows, host = [], []
     for i, batch in enumerate(batches):
         now[0] = i
-        lr = _fp32(sched.get_last_lr()[0])  # the lr this step's update uses
-        r = cpu_train_step(
-            model, opt, batch, i, OPTIM.grad_clip, should_step=guard.check, scheduler=sched
-        )
+        lr = _fp32(sched.get_last_lr())  # the lr this step's update uses
+        r = cpu_train_step(model, opt, batch, i, OPTIM.grad_clip, gate=gate)
         rows.append((r.loss, r.grad_norm, r.stepped, lr))
-        host.append((guard.state_dict(), sched.last_epoch))
+        host.append((guard.state_dict(), sched.position))
     return rows, host, opt
 
 
@@ -83,7 +85,7 @@ def _lagged_run(batches, bad, max_consecutive=5, raised_at=None):
     now = [0]
     model, opt, sched = _setup(bad, lambda: now[0])
     guard = NaNGuard(NaNGuardConfig(max_consecutive=max_consecutive))
-    lagged = LaggedGuard(guard, opt, sched, total_steps=STEPS)
+    lagged = LaggedGuard(guard, sched, opt, total_steps=STEPS)
     fn = GraphableStep(model, opt, precision="bf16", device_type="cpu", grad_clip=OPTIM.grad_clip)
     outs, host = [], []
     for i, batch in enumerate(batches):
@@ -99,11 +101,12 @@ def _lagged_run(batches, bad, max_consecutive=5, raised_at=None):
             rank_offset=0,
             device_type="cpu",
             host_sync=False,
-            lagged=lagged,
+            gate=lagged,
         )
+        lagged.end_step()  # as core's trainer calls it: nothing for a lagged gate
         assert r.stepped is None  # decided later
         outs.append((r.loss, r.grad_norm, float(opt.lr_tensors[0])))
-        host.append((guard.state_dict(), sched.last_epoch))
+        host.append((guard.state_dict(), sched.position))
     if raised_at is not None:
         raised_at[0] = "flush"
     lagged.flush()
@@ -139,8 +142,8 @@ def test_lagged_guard_equals_the_synchronous_guard_exactly():
             "total_skipped": 3,
         }
     )
-    assert lagged.scheduler.last_epoch == ref_host[-1][1] == 4
-    assert lagged.scheduler.get_last_lr() == [g["lr"] for g in ref_opt.param_groups]
+    assert lagged.schedule.position == ref_host[-1][1] == 4
+    assert lagged.schedule.schedulers[0].get_last_lr() == [g["lr"] for g in ref_opt.param_groups]
     assert lagged.last is not None and lagged.last.step == STEPS - 1 and lagged.last.stepped
     # Weights, moments and step count: skipped updates never landed.
     for name in ("master", "exp_avg", "exp_avg_sq", "flat_param", "step_count"):
@@ -187,25 +190,23 @@ def test_abort_comes_at_most_one_step_later():
     assert where[0] == "flush"
 
 
-def test_lagged_guard_rejects_a_disabled_guard_and_mixed_arguments():
+def test_lagged_guard_rejects_a_disabled_guard_and_the_wrong_steps():
     now = [0]
     model, opt, sched = _setup({}, lambda: now[0])
     with pytest.raises(ValueError, match="enabled NaN guard"):
-        LaggedGuard(NaNGuard(NaNGuardConfig(enabled=False)), opt, sched, total_steps=STEPS)
-    lagged = LaggedGuard(NaNGuard(NaNGuardConfig()), opt, sched, total_steps=STEPS)
+        LaggedGuard(NaNGuard(NaNGuardConfig(enabled=False)), sched, opt, total_steps=STEPS)
+    batch = tiny_groot_batches(STEPS)[0]
+    common = dict(step=0, seed=3, rank_offset=0, device_type="cpu")
+    # The eager step cannot skip on the device: it must not take a gate that always allows.
+    lagged = LaggedGuard(NaNGuard(NaNGuardConfig()), sched, opt, total_steps=STEPS)
+    with pytest.raises(ValueError, match="synchronous UpdateGate"):
+        train_step(model, opt, [batch], precision="bf16", gate=lagged, **common)
+    # A lagged gate without the device lr table the graphable step reads.
     fn = GraphableStep(model, opt, precision="bf16", device_type="cpu")
-    with pytest.raises(ValueError, match="either lagged= or should_step="):
-        run_step(
-            fn,
-            opt,
-            tiny_groot_batches(STEPS)[0],
-            step=0,
-            seed=3,
-            rank_offset=0,
-            device_type="cpu",
-            scheduler=sched,
-            lagged=lagged,
-        )
+    plain = LaggedUpdateGate(NaNGuard(NaNGuardConfig()), sched)
+    with pytest.raises(ValueError, match="must be a LaggedGuard"):
+        run_step(fn, opt, batch, gate=plain, **common)
+    assert float(opt.step_count) == 0  # refused before any update
 
 
 # ------------------------------------------------------------------ the trainer
@@ -216,6 +217,7 @@ def _overrides(out: Path, *extra: str) -> list[str]:
         f"output_dir={out}",
         "train.steps=8",
         "train.micro_batch_size=2",
+        "train.global_batch_size=null",  # one micro-batch a step
         "train.log_every=1",
         "train.precision=bf16",
         "train.master_weights=true",
@@ -230,15 +232,18 @@ def _overrides(out: Path, *extra: str) -> list[str]:
 
 
 class _Probe:
-    """Patches the trainer: tracks the step run_step is on, poisons chosen steps' losses and
-    keeps the NaN guard. ``sync=True`` swaps the lagged guard for the synchronous one (the
-    same GraphableStep with ``should_step=nan_guard.check``): the reference."""
+    """Patches the embodied run: tracks the step run_step is on, poisons chosen steps' losses
+    and keeps the NaN guard and the gate the trainer got. ``sync=True`` swaps the lagged gate
+    for core's synchronous ``UpdateGate`` (the same GraphableStep, the guard reading each
+    step's values on the host): the reference."""
 
     def __init__(self, monkeypatch, bad: dict[int, str], sync: bool = False) -> None:
         self.step: int | None = None
         self.calls = 0
         self.guards: list[NaNGuard] = []
-        original_run_step, original_build = trainer_mod.run_step, trainer_mod.build_model
+        self.gates: list[UpdateGate] = []
+        original_run_step, original_build = training_mod.run_step, training_mod.build_model
+        original_gate = training_mod.EmbodiedTraining.make_gate
 
         def run_step_spy(*args, **kwargs):
             self.step = kwargs["step"]
@@ -250,18 +255,15 @@ class _Probe:
             _poison(model, bad, lambda: self.step)
             return model
 
-        probe = self
+        def make_gate(training, guard, schedule):
+            self.guards.append(guard)
+            gate = UpdateGate(guard, schedule) if sync else original_gate(training, guard, schedule)
+            self.gates.append(gate)
+            return gate
 
-        class Guard(NaNGuard):
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, **kwargs)
-                probe.guards.append(self)
-
-        monkeypatch.setattr(trainer_mod, "run_step", run_step_spy)
-        monkeypatch.setattr(trainer_mod, "build_model", build)
-        monkeypatch.setattr(trainer_mod, "NaNGuard", Guard)
-        if sync:
-            monkeypatch.setattr(trainer_mod, "LaggedGuard", lambda *a, **k: None)
+        monkeypatch.setattr(training_mod, "run_step", run_step_spy)
+        monkeypatch.setattr(training_mod, "build_model", build)
+        monkeypatch.setattr(training_mod.EmbodiedTraining, "make_gate", make_gate)
 
 
 def _metrics(out: Path) -> dict[int, dict]:
@@ -269,13 +271,23 @@ def _metrics(out: Path) -> dict[int, dict]:
     rows = {}
     for line in path.read_text().splitlines():
         row = json.loads(line)
-        rows[row["step"]] = {k: row[k] for k in ("loss", "grad_norm", "lr", "skipped_step")}
+        rows[row["step"]] = {k: row[k] for k in ("loss", "grad_norm", "lr", "skipped_steps")}
     return rows
+
+
+def _skipped(rows: dict[int, dict], before: int = 0) -> list[int]:
+    """The steps whose update was skipped: where the logged count of skipped steps grows."""
+    out, count = [], before
+    for step, row in sorted(rows.items()):
+        if row["skipped_steps"] > count:
+            out.append(step)
+        count = row["skipped_steps"]
+    return out
 
 
 def _train(out: Path, *extra: str):
     cfg = compose_experiment("groot_n1_6_tiny", _overrides(out, *extra), world_size=1)
-    return trainer_mod.train(cfg)
+    return train(cfg)
 
 
 def _weights(out: Path) -> dict[str, torch.Tensor]:
@@ -298,9 +310,11 @@ def test_trainer_lagged_guard_equals_the_synchronous_guard(tmp_path: Path, monke
             probe = _Probe(m, BAD, sync=name == "sync")
             _train(tmp_path / name)
             runs[name] = (_metrics(tmp_path / name), probe.guards[-1].state_dict())
+            assert probe.gates[-1].lagged == (name == "lagged")
+    assert isinstance(probe.gates[-1], LaggedGuard)  # what the run picks by itself
     (sync_rows, sync_counts), (rows, counts) = runs["sync"], runs["lagged"]
-    assert [s for s, r in sorted(rows.items()) if r["skipped_step"]] == [3, 4, 7]
-    assert str(rows) == str(sync_rows)  # losses, grad norms, lr, skip flags: bit for bit
+    assert _skipped(rows) == [3, 4, 7]
+    assert str(rows) == str(sync_rows)  # losses, grad norms, lr, skip counts: bit for bit
     assert counts == sync_counts == {"consecutive": 0, "total_skipped": 3}
     # The schedule did not advance for skipped steps: the lr after step 3 and 4 repeats.
     assert rows[2]["lr"] == rows[3]["lr"] == rows[4]["lr"] != rows[5]["lr"]
@@ -339,7 +353,7 @@ def test_trainer_resume_mid_run_equals_the_uninterrupted_run(tmp_path: Path, mon
             f"data.path={straight / 'dataset'}",
             "train.log_every=2",
         )
-    assert result.resumed_from == 3
+    assert result.start_step == 3 and result.resumed_from == ckpt
     assert probe.guards[-1].state_dict() == {"consecutive": 0, "total_skipped": 2}
     want = {s: r for s, r in _metrics(straight).items() if s > 3}
     assert str(_metrics(resumed)) == str(want)

@@ -33,6 +33,7 @@ def _overfit(tmp_path: Path, experiment: str, steps: int, lr: float, warmup: int
             f"output_dir={tmp_path}",
             f"train.steps={steps}",
             "train.micro_batch_size=8",
+            "train.global_batch_size=8",
             f"optim.lr={lr}",
             f"optim.schedule.warmup_steps={warmup}",
             "optim.schedule.name=constant",

@@ -33,6 +33,7 @@ def _overrides(out: Path, data: Path | None) -> list[str]:
         f"output_dir={out}",
         f"train.steps={STEPS}",
         "train.micro_batch_size=2",
+        "train.global_batch_size=null",  # micro x dp: one micro-batch a step
         "train.log_every=1",
         f"checkpoint.every_steps={KILL_AFTER_CHECKPOINT}",
         "checkpoint.keep_last=0",
@@ -194,6 +195,7 @@ def test_master_weights_resume_continues_the_exact_loss_curve(tmp_path: Path) ->
         )
     finally:
         torch.set_num_threads(threads)
-    assert result.resumed_from == KILL_AFTER_CHECKPOINT
+    assert result.start_step == KILL_AFTER_CHECKPOINT
+    assert result.resumed_from == moved / "checkpoints" / ckpt
     assert len(set(reference)) == STEPS
     assert result.losses == reference[KILL_AFTER_CHECKPOINT:]

@@ -11,6 +11,9 @@ from longboat.core.config.errors import ProblemCollector
 from longboat.core.config.schema import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
 
 MODEL_NAMES = ("groot_n1_6", "pi05")
+MASTER_WEIGHT_STRATEGIES = ("ddp",)
+"""``parallel.strategy`` values that support ``train.master_weights`` (flat bf16 params +
+fp32 masters: the sharded or wrapped params of the others cannot be views of one buffer)."""
 LAYOUTS = ("v2.1", "v3.0")
 VIDEO_BACKENDS = ("pyav", "torchcodec")
 
@@ -73,8 +76,20 @@ class ExportConfig:
 
 @dataclass
 class EmbodiedTrainConfig(TrainConfig):
-    """The embodied training loop (core's fields plus embodied-only switches)."""
+    """The embodied training loop (core's fields plus embodied-only switches).
 
+    ``global_batch_size`` is the samples per optimizer step over all ranks and stays fixed
+    when the data-parallel size changes (null: micro_batch_size x data-parallel size); each
+    rank accumulates global / (micro x dp) micro-batches, and every micro-batch's RNG is
+    seeded from (seed, step, micro-batch index), so any data-parallel size trains the same
+    math.
+    """
+
+    compile: bool = False
+    """``torch.compile`` every parallel block of the policy (``parallel_blocks()``: ViT, LM
+    and DiT / expert blocks; after activation checkpointing and the data-parallel wrapping),
+    compiled on first use; off by default. pi0.5's joint layers run through their
+    ``project_qkv`` / ``finish`` methods, which stay eager."""
     master_weights: bool = False
     """With precision=bf16: store trainable params in bf16 (views of one flat buffer,
     grads in one flat bf16 buffer) with fp32 master weights and Adam moments in the
@@ -95,20 +110,21 @@ class EmbodiedTrainConfig(TrainConfig):
     cuda_graph: bool = False
     """Replay each training step (forward, backward, clip, AdamW update) as one CUDA graph
     (core's ``GraphedStep``, captured after 3 eager steps). Needs train.master_weights=true
-    and no gradient accumulation (global batch = micro batch x data-parallel size); batches
-    are padded to fixed shapes. Falls back to eager steps (logged) on a non-CUDA device."""
+    and no gradient accumulation (global batch = micro batch x data-parallel size, or null);
+    batches are padded to fixed shapes. Falls back to eager steps (logged) on a non-CUDA
+    device."""
 
 
 @dataclass
 class EmbodiedExperimentConfig(ExperimentConfig):
-    """Root config of an embodied experiment."""
+    """Root config of an embodied experiment. Under core's ``output_dir`` (the run
+    directory): ``checkpoints/``, ``logs/``, the generated ``dataset/`` (data.path null) and
+    ``export/``."""
 
     stack: str = "embodied"
     model: PolicyModelConfig = field(default_factory=PolicyModelConfig)
     data: LeRobotDataConfig = field(default_factory=LeRobotDataConfig)
     train: EmbodiedTrainConfig = field(default_factory=EmbodiedTrainConfig)
-    output_dir: str = "outputs/embodied"
-    """Run directory (dataset, checkpoints, logs and export default under it)."""
     export: ExportConfig = field(default_factory=ExportConfig)
     """Policy export."""
 
@@ -142,13 +158,6 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
                 fix=f"use one of {', '.join(LAYOUTS)}",
             )
     train = cfg.get("train")
-    if train is not None and train.get("compile"):
-        problems.add(
-            "train.compile",
-            "torch.compile is not wired into the embodied trainer yet",
-            value=True,
-            fix="set train.compile=false",
-        )
     if train is not None and (train.get("eval_every") or 0) > 0:
         problems.add(
             "train.eval_every",
@@ -175,13 +184,14 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
         )
     if train is not None and train.get("master_weights"):
         strategy = cfg.parallel.get("strategy") if "parallel" in cfg else None
-        if strategy is not None and strategy != "ddp":
+        if strategy is not None and strategy not in MASTER_WEIGHT_STRATEGIES:
             problems.add(
                 "train.master_weights",
                 f"is not supported with parallel.strategy={strategy} (sharded or wrapped params "
                 "cannot be views of one flat buffer)",
                 value=True,
-                fix="set parallel.strategy=ddp or train.master_weights=false",
+                fix=f"set parallel.strategy={' or '.join(MASTER_WEIGHT_STRATEGIES)} or "
+                "train.master_weights=false",
             )
         if train.get("precision") != "bf16":
             problems.add(
@@ -197,29 +207,42 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
                 value=True,
                 fix="set optim.name=adamw or train.master_weights=false",
             )
-    if train is not None and train.get("cuda_graph"):
-        if not train.get("master_weights"):
-            problems.add(
-                "train.cuda_graph",
-                "needs the capturable optimizer step of train.master_weights",
-                value=True,
-                fix="set train.master_weights=true (and train.precision=bf16) or "
-                "train.cuda_graph=false",
-            )
-        gbs, mbs = train.get("global_batch_size"), train.get("micro_batch_size")
-        if gbs is not None and world_size is not None and gbs != mbs * world_size:
-            problems.add(
-                "train.cuda_graph",
-                f"captures one micro-batch per step, but global_batch_size={gbs} is "
-                f"{gbs // max(1, mbs * world_size)} accumulated micro-batches",
-                value=True,
-                fix=f"set train.global_batch_size={mbs * world_size} (or null) or "
-                "train.cuda_graph=false",
-            )
+    if train is not None:
+        check_cuda_graph_layout(train, world_size, problems)
     if train is not None and train.get("precision") == "fp16":
         problems.add(
             "train.precision",
             "fp16 needs loss scaling, which embodied does not implement",
             value="fp16",
             fix="use bf16 or fp32",
+        )
+
+
+def check_cuda_graph_layout(train: Any, dp_size: int | None, problems: ProblemCollector) -> None:
+    """``train.cuda_graph`` needs master weights and one micro-batch a step per rank; ``train``
+    is the composed node or the typed ``EmbodiedTrainConfig``, ``dp_size`` the data-parallel
+    size (embodied: the world size; None: unknown, that part is checked when the run is
+    built)."""
+
+    def get(key: str) -> Any:
+        return train.get(key) if hasattr(train, "get") else getattr(train, key, None)
+
+    if not get("cuda_graph"):
+        return
+    if not get("master_weights"):
+        problems.add(
+            "train.cuda_graph",
+            "needs the capturable optimizer step of train.master_weights",
+            value=True,
+            fix="set train.master_weights=true (and train.precision=bf16) or "
+            "train.cuda_graph=false",
+        )
+    gbs, mbs = get("global_batch_size"), get("micro_batch_size")
+    if gbs is not None and dp_size is not None and gbs != mbs * dp_size:
+        problems.add(
+            "train.cuda_graph",
+            f"captures one micro-batch per step, but global_batch_size={gbs} is "
+            f"{gbs // max(1, mbs * dp_size)} accumulated micro-batches",
+            value=True,
+            fix=f"set train.global_batch_size={mbs * dp_size} (or null) or train.cuda_graph=false",
         )

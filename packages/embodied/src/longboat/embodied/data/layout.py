@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from longboat.core.errors import UserError
+
 V21 = "v2.1"
 V30 = "v3.0"
 SUPPORTED_VERSIONS = (V21, V30)
@@ -48,12 +50,14 @@ DEFAULT_FEATURES: dict[str, dict[str, Any]] = {
 QUANTILES = {"q01": 0.01, "q10": 0.10, "q50": 0.50, "q90": 0.90, "q99": 0.99}
 
 
-class LeRobotFormatError(ValueError):
-    """A LeRobot dataset on disk is malformed; the message names the file and episode."""
+class LeRobotFormatError(UserError, ValueError):
+    """A LeRobot dataset on disk is malformed; the message names the file and episode (the
+    command line prints it and exits 2)."""
 
 
-class VideoDecodeError(RuntimeError):
-    """A frame could not be decoded; the message names the video file, episode and timestamp."""
+class VideoDecodeError(UserError, RuntimeError):
+    """A frame could not be decoded; the message names the video file, episode and timestamp
+    (the command line prints it and exits 2)."""
 
 
 def read_json(path: Path) -> Any:

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from longboat.embodied.data.layout import LeRobotFormatError
+
 MODES = ("identity", "mean_std", "min_max", "q01_q99")
 # LeRobot's NormalizationMode names and GR00T's mode names for the same maps.
 ALIASES = {"quantiles": "q01_q99", "q99": "q01_q99"}
@@ -63,13 +65,13 @@ class Normalizer:
             elif name in stats:
                 key, start, end = name, 0, None
             else:
-                raise ValueError(
+                raise LeRobotFormatError(
                     f"normalization key {name!r} is neither a feature with stats "
                     f"({sorted(stats)}) nor a modality.json group ({sorted(groups)}); "
                     "fix the key or add stats/modality.json"
                 )
             if key not in stats:
-                raise ValueError(
+                raise LeRobotFormatError(
                     f"normalization[{name!r}]: no stats for feature {key!r} in stats.json"
                 )
             st = stats[key]
@@ -90,7 +92,7 @@ class Normalizer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         def get(stat: str) -> torch.Tensor:
             if stat not in st:
-                raise ValueError(
+                raise LeRobotFormatError(
                     f"normalization[{name!r}]={mode!r} needs stats[{key!r}][{stat!r}], which "
                     f"stats.json lacks (has {sorted(st)}); pick another mode or recompute stats"
                 )

@@ -1,6 +1,6 @@
 """Data-parallel strategies (ddp, zero1, fsdp, hsdp), activation checkpointing, optimizer."""
 
-from longboat.embodied.parallel.blocks import find_blocks
+from longboat.embodied.parallel.blocks import compile_blocks, find_blocks
 from longboat.embodied.parallel.checkpointing import AC_MODES, apply_activation_checkpointing
 from longboat.embodied.parallel.master_weights import MasterWeightAdamW
 from longboat.embodied.parallel.optim import build_optimizer, clip_grad_norm_, param_groups
@@ -13,7 +13,6 @@ from longboat.embodied.parallel.strategy import (
     check_master_weights,
     parallelize,
     unwrap,
-    validate_setup,
 )
 
 __all__ = [
@@ -28,9 +27,9 @@ __all__ = [
     "build_optimizer",
     "check_master_weights",
     "clip_grad_norm_",
+    "compile_blocks",
     "find_blocks",
     "parallelize",
     "param_groups",
     "unwrap",
-    "validate_setup",
 ]

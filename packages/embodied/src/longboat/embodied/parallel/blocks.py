@@ -42,3 +42,13 @@ def block_methods(block: nn.Module) -> list[str]:
     if declared is not None:
         return list(declared)
     return [m for m in KNOWN_BLOCK_METHODS if callable(getattr(block, m, None))]
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """``torch.compile`` every block of ``model`` in place (``train.compile``): each block's
+    ``forward`` call is compiled on first use. Run it after ``parallelize`` (the blocks are
+    then the checkpoint wrappers / FSDP modules the model calls); returns how many."""
+    blocks = find_blocks(model)
+    for block in blocks:
+        block.compile()
+    return len(blocks)

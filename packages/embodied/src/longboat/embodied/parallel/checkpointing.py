@@ -9,8 +9,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from longboat.core.config.errors import require_choice
+from longboat.core.config.validate import CHOICES
 
-AC_MODES = ("none", "full", "selective")
+AC_MODES = CHOICES["train.activation_checkpointing"]
+"""``none``, ``full``, ``selective``: core's closed set for the key (checked at compose time)."""
 
 
 def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module], mode: str) -> int:

@@ -4,6 +4,11 @@
 module the training loop calls. The matching optimizer comes from
 ``longboat.embodied.parallel.optim.build_optimizer``, which needs the same
 ``ParallelSetup`` (ZeRO-1 shards the optimizer state, not the module).
+
+The strategy names are core's (``longboat.core.distributed.STRATEGIES``); core's validator
+checks ``parallel.strategy`` and ``parallel.data_parallel_replicate`` when the config is
+composed, and ``resolve_parallel`` resolves them against the world size before
+``ParallelSetup`` is built, so this module does not check them again.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.nn.parallel import DistributedDataParallel
 
-from longboat.core.config.errors import ConfigError, require_choice
+from longboat.core.config.errors import ConfigError
+from longboat.core.distributed import STRATEGIES
+from longboat.embodied.config import MASTER_WEIGHT_STRATEGIES
 from longboat.embodied.parallel.blocks import block_methods, find_blocks
 from longboat.embodied.parallel.checkpointing import apply_activation_checkpointing
 
-STRATEGIES = ("ddp", "zero1", "fsdp", "hsdp")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -51,31 +57,6 @@ class ParallelSetup:
         return self.world_size // self.replicate if self.strategy == "hsdp" else self.world_size
 
 
-def validate_setup(setup: ParallelSetup) -> None:
-    """Reject impossible layouts with a ConfigError naming the key and the fix."""
-    require_choice(
-        setup.strategy, STRATEGIES, key="parallel.strategy", what="data-parallel strategy"
-    )
-    if setup.replicate < 1 or setup.world_size % setup.replicate:
-        raise ConfigError(
-            f"must be >= 1 and divide the world size ({setup.world_size})",
-            key="parallel.data_parallel_replicate",
-            value=setup.replicate,
-            fix=f"pick a divisor of {setup.world_size}",
-        )
-    if setup.strategy != "hsdp" and setup.replicate != 1:
-        raise ConfigError(
-            "replica groups only exist for hsdp",
-            key="parallel.data_parallel_replicate",
-            value=setup.replicate,
-            fix="set parallel.strategy=hsdp or parallel.data_parallel_replicate=1",
-        )
-
-
-MASTER_WEIGHT_STRATEGIES = ("ddp",)
-"""Strategies that support ``train.master_weights`` (flat bf16 params + fp32 masters)."""
-
-
 def check_master_weights(strategy: str) -> None:
     """ConfigError unless ``strategy`` supports master weights (any world size: the
     sharded strategies keep their own parameter storage)."""
@@ -85,7 +66,8 @@ def check_master_weights(strategy: str) -> None:
             "or wrapped, so they cannot be views of one flat buffer)",
             key="train.master_weights",
             value=True,
-            fix="set parallel.strategy=ddp or train.master_weights=false",
+            fix=f"set parallel.strategy={' or '.join(MASTER_WEIGHT_STRATEGIES)} or "
+            "train.master_weights=false",
         )
 
 
@@ -128,7 +110,6 @@ def parallelize(
     ``find_unused_parameters`` (DDP/ZeRO-1) costs one autograd-graph walk per step;
     turn it off only for policies whose every trainable parameter is used every step.
     """
-    validate_setup(setup)
     if master_weights:
         check_master_weights(setup.strategy)
         if precision != "bf16":
@@ -153,6 +134,8 @@ def parallelize(
             # for their grads. Frozen params are never hooked, so they cost nothing.
             find_unused_parameters=find_unused_parameters,
         )
+    if setup.strategy not in ("fsdp", "hsdp"):
+        raise ValueError(f"unknown data-parallel strategy {setup.strategy!r}: one of {STRATEGIES}")
     mesh = build_mesh(setup)
     mp_policy = MixedPrecisionPolicy()
     if precision in ("bf16", "fp16"):

@@ -1,7 +1,9 @@
 """Embodied training: ``trainer.train(cfg)`` and its parts.
 
-- ``trainer``: compose -> validate -> build -> train -> checkpoint -> export.
-- ``step``: one optimizer step over accumulated micro-batches (world-size invariant).
+- ``trainer``: ``train(cfg)``, the embodied run on core's trainer (``longboat.core.train``).
+- ``training``: ``build_training(cfg)``, the one assembly of a run (``EmbodiedTraining``).
+- ``step``: one optimizer step over accumulated micro-batches (world-size invariant), the
+  sync-free ``GraphableStep`` and its ``LaggedGuard``.
 - ``plan`` / ``loader``: which samples each rank trains on at each step.
 - ``datasets``: the run's LeRobot dataset (synthetic on first use).
 - ``policy_batch``: LeRobot samples -> policy batch.

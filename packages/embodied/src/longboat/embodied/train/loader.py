@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,6 +51,16 @@ class RankMicroBatches(Dataset):
             return self.collate([self.samples[i] for i in indices])
 
 
+def ignore_sigint(worker_id: int) -> None:
+    """``worker_init_fn`` of the loader: workers ignore SIGINT.
+
+    A terminal's Ctrl-C reaches every process of the foreground group: the trainer takes it
+    as "stop at the step boundary and save", but a worker would die of it (KeyboardInterrupt)
+    and the step waiting for its batch would fail instead. The main process still stops the
+    workers when it ends (a second Ctrl-C there exits at once)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def build_loader(
     data: RankMicroBatches,
     *,
@@ -60,7 +71,8 @@ def build_loader(
 ) -> DataLoader:
     """Loader over micro-batches of steps ``start_step .. total_steps-1`` (in order).
 
-    ``pin_memory`` (for GPU training) lets the host-to-device copies run asynchronously."""
+    ``pin_memory`` (for GPU training) lets the host-to-device copies run asynchronously;
+    workers ignore SIGINT (``ignore_sigint``)."""
     accum = data.plan.layout.accum
     return DataLoader(
         data,
@@ -70,4 +82,5 @@ def build_loader(
         pin_memory=pin_memory,
         persistent_workers=False,
         prefetch_factor=2 if num_workers > 0 else None,
+        worker_init_fn=ignore_sigint if num_workers > 0 else None,
     )

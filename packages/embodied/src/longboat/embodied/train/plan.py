@@ -6,7 +6,8 @@ The global sample stream is the concatenation of per-epoch orders of core's
 the ``m``-th slice of ``micro_batch`` of them, and data-parallel rank ``r`` owns
 micro-batches ``r*accum .. r*accum+accum-1``. Because nothing depends on how far
 an iterator ran, resume (at any world size, with any number of loader workers
-prefetching) only needs the step number.
+prefetching) only needs the step number (the trainer's checkpointed ``step``) and the
+identity of the order (``DataPosition``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from longboat.core.checkpoint.errors import CheckpointError
 from longboat.core.data.sampler import StatefulDistributedSampler
 
 
@@ -32,6 +34,13 @@ class BatchLayout:
     def accum(self) -> int:
         """Gradient-accumulation micro-batches per rank and step."""
         return self.global_batch // (self.micro_batch * self.dp_size)
+
+
+def batch_layout(global_batch_size: int | None, micro_batch_size: int, dp_size: int) -> BatchLayout:
+    """The layout of ``train.global_batch_size`` (samples per optimizer step over all ranks,
+    fixed when the data-parallel size changes; None: ``micro_batch_size x dp_size``), as in
+    the LLM stack. Core's validator has checked that it divides into micro-batches."""
+    return BatchLayout(global_batch_size or micro_batch_size * dp_size, micro_batch_size, dp_size)
 
 
 class GlobalBatchPlan:
@@ -85,3 +94,41 @@ class GlobalBatchPlan:
             "num_samples": self.num_samples,
             "global_batch": self.layout.global_batch,
         }
+
+
+IDENTITY_KEYS = {
+    "seed": "data.seed",
+    "shuffle": "data.shuffle",
+    "num_samples": "the dataset (data.path, data.synthetic.*)",
+    "global_batch": "train.global_batch_size",
+}
+"""What fixes the sample order, and the config that sets each."""
+
+
+class DataPosition:
+    """The data entry of a checkpoint: the identity of the sample order.
+
+    The trainer checkpoints the step; the plan maps a step to its samples, so the position
+    is the step itself. What this saves is what makes the order the same: a checkpoint of
+    another order (seed, shuffle, dataset size or global batch) is refused naming every key
+    that differs and the fix, instead of resuming on other samples.
+    """
+
+    def __init__(self, plan: GlobalBatchPlan) -> None:
+        self.plan = plan
+
+    def state_dict(self) -> dict[str, Any]:
+        order = self.plan.state_dict(0)
+        return {key: order[key] for key in IDENTITY_KEYS}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = self.state_dict()
+        bad = [key for key in IDENTITY_KEYS if key in state and state[key] != mine[key]]
+        if not bad:
+            return
+        pairs = ", ".join(f"{key}={state[key]!r} (this run: {mine[key]!r})" for key in bad)
+        where = ", ".join(IDENTITY_KEYS[key] for key in bad)
+        raise CheckpointError(
+            f"the checkpoint's data order has {pairs}. Fix: resume with the same {where}, "
+            "or start over with checkpoint.resume=none"
+        )

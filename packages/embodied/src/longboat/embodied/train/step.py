@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim.lr_scheduler import LambdaLR
 
-from longboat.core.loop.nan_guard import NaNGuard, ScheduledDeferredGuard, Verdict
+from longboat.core.loop.nan_guard import NaNGuard
+from longboat.core.train.gate import LaggedUpdateGate, UpdateGate
+from longboat.core.train.schedule import DeviceLRTable
 from longboat.embodied.parallel.master_weights import MasterWeightAdamW
 from longboat.embodied.parallel.optim import clip_grad_norm_
 
@@ -65,7 +66,7 @@ class StepResult:
     """Global grad norm before clipping."""
     stepped: bool | None
     """False when the NaN guard skipped the update; None when the verdict comes later
-    (``run_step(..., lagged=...)``: see ``LaggedGuard.last``)."""
+    (``run_step(..., gate=LaggedGuard(...))``: see ``LaggedGuard.last``)."""
     metrics: dict[str, Any]
     """Extra scalars the model returned (averaged over the global batch)."""
 
@@ -125,8 +126,7 @@ def train_step(
     device_index: int | None = None,
     precision: str = "fp32",
     grad_clip: float = 0.0,
-    should_step: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
-    scheduler: Any = None,
+    gate: UpdateGate | None = None,
     host_sync: bool = True,
 ) -> StepResult:
     """Forward/backward ``micro_batches`` (this rank's share), then one optimizer step.
@@ -134,11 +134,19 @@ def train_step(
     ``rank_offset`` is the global index of this rank's first micro-batch
     (``dp_rank * accum``); ``device_index`` is this process's device (None on CPU).
     ``model(batch)`` must return a dict with a scalar
-    ``loss``; other scalar entries are averaged and reported. ``should_step``
-    (the NaN guard) sees the global loss and grad norm and may veto the update; it is
-    the step's only host sync when ``host_sync=False`` (then the result holds device
-    tensors, see ``StepResult``).
+    ``loss``; other scalar entries are averaged and reported. ``gate`` (core's synchronous
+    ``UpdateGate``: the NaN guard) sees the global loss and grad norm and may veto the
+    update; it is the step's only host sync when ``host_sync=False`` (then the result holds
+    device tensors, see ``StepResult``). The LR schedule is the gate's to advance
+    (``gate.end_step()``, which core's trainer calls after the step): a skipped update does
+    not advance it. Without a gate every update is applied.
     """
+    if gate is not None and gate.lagged:
+        raise ValueError(
+            "train_step takes a synchronous UpdateGate: its optimizer cannot skip a "
+            "non-finite update on the device, so it must know the verdict before updating. "
+            "Fix: run a lagged gate through run_step with a GraphableStep"
+        )
     accum = len(micro_batches)
     # float64 sums on the host's CPU runs (exact across world sizes); fp32 on devices.
     acc_dtype = torch.float64 if device_type == "cpu" else torch.float32
@@ -169,13 +177,11 @@ def train_step(
         packed = packed / dist.get_world_size()
     grad_norm = clip_and_measure(model, optimizer, grad_clip)
     stepped = True
-    if should_step is not None:
+    if gate is not None:
         # On the device: the guard may all-reduce its verdict (NCCL needs device tensors).
-        stepped = should_step(packed[0], grad_norm.detach())
+        stepped = gate.allow(step, packed[0], grad_norm.detach())
     if stepped:
         optimizer.step()
-        if scheduler is not None:  # a skipped step does not advance the schedule either
-            scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     if not host_sync:
         metrics_t = {k: packed[j + 1] for j, k in enumerate(names)}
@@ -193,8 +199,8 @@ class GraphableStep:
     ``MasterWeightAdamW`` update and the zeroing of the flat grad buffer, with no host sync
     (once the model's first value-check batches are past), no data-dependent shape, no
     host->device copy and no RNG seeding: the function ``GraphedStep`` captures as one CUDA
-    graph. The caller seeds the RNG and copies the scheduler's lr to the device around each
-    call: ``run_step`` does both (and the NaN guard and the schedule after it).
+    graph. The caller seeds the RNG and puts the step's lr on the device around each call:
+    ``run_step`` does both (and hands the step's values to the update gate after it).
 
     A non-finite grad norm skips the update on the device (``MasterWeightAdamW``'s
     ``found_inf``: masters, moments and step count untouched), and so does a non-finite
@@ -255,61 +261,24 @@ class GraphableStep:
         return {"loss": packed[0], "grad_norm": grad_norm, **dict(zip(names, packed[1:]))}
 
 
-class DeviceLRSchedule:
-    """A ``LambdaLR``'s learning rates as device tables, indexed by a device count of the
-    optimizer steps taken, so that the lr of the step after a skipped one is right before
-    the host knows about the skip.
-
-    ``load()`` (before a step) copies ``table[position]`` into ``MasterWeightAdamW``'s
-    ``lr_tensors``; ``advance()`` (after it) adds ``1 - found_inf``. The tables hold
-    ``base_lr * lr_lambda(k)`` rounded to fp32 for ``k = 0 .. total_steps``: the values
-    ``sync_hyperparams`` copies from a host ``LambdaLR`` at ``last_epoch = k``, bit for bit.
-    Build it after a resume (it starts at the scheduler's ``last_epoch``).
-    """
-
-    def __init__(self, scheduler: Any, optimizer: MasterWeightAdamW, total_steps: int) -> None:
-        if not isinstance(scheduler, LambdaLR):
-            raise ValueError(
-                "DeviceLRSchedule needs a LambdaLR (what core's build_lr_scheduler returns) to "
-                f"tabulate its lr per step; got {type(scheduler).__name__}. Fix: build the "
-                "schedule with longboat.core.loop.build_lr_scheduler"
-            )
-        self.optimizer = optimizer
-        device = optimizer.found_inf.device
-        n = max(total_steps, scheduler.last_epoch) + 1
-        self.tables = [
-            torch.tensor([base * fn(k) for k in range(n)], dtype=torch.float32, device=device)
-            for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)
-        ]
-        self.position = torch.full((1,), scheduler.last_epoch, dtype=torch.int64, device=device)
-
-    @torch.no_grad()
-    def load(self) -> None:
-        """Each group's lr for the next step, on the device (no host sync)."""
-        for lr, table in zip(self.optimizer.lr_tensors, self.tables):
-            lr.copy_(torch.index_select(table, 0, self.position).reshape(()))
-
-    @torch.no_grad()
-    def advance(self) -> None:
-        """Count the step just run unless it was skipped (``found_inf``), on the device."""
-        self.position.add_(1).sub_(self.optimizer.found_inf.to(torch.int64))
-
-
-class LaggedGuard(ScheduledDeferredGuard):
-    """``run_step``'s NaN guard without a per-step host sync (``run_step(..., lagged=...)``).
+class LaggedGuard(LaggedUpdateGate):
+    """The update gate of the master-weight step without a per-step host sync
+    (``run_step(..., gate=LaggedGuard(...))``; core's trainer gets it from
+    ``EmbodiedTraining.make_gate``).
 
     The skip itself happens on the device (``GraphableStep`` with ``skip_nonfinite_loss``),
-    the lr comes from a ``DeviceLRSchedule``, and the host side (``NaNGuard`` counters, the
-    abort, the host ``LambdaLR``) runs one step late through core's ``DeferredNaNGuard``:
-    after step n is queued, step n-1's verdict is resolved, and the host scheduler steps for
-    it only when it was not skipped. So:
+    the lr comes from a core ``DeviceLRTable`` over the run schedule's ``LambdaLR`` (indexed
+    by a device count of the updates taken, advanced by ``1 - found_inf``), and the host side
+    (``NaNGuard`` counters, the abort, the host schedule) runs one step late through core's
+    ``LaggedUpdateGate``: after step n is queued, step n-1's verdict is resolved, and the host
+    schedule steps for it only when it was not skipped. So:
 
     - weights, losses, skip counters and the lr of every step (the step right after a skip
       included: it runs at the same lr as the skipped step, as with the synchronous guard)
       equal the synchronous guard's;
-    - between two ``flush()`` calls the host scheduler (``get_last_lr``, ``param_groups``'
+    - between two ``flush()`` calls the host schedule (``get_last_lr``, ``param_groups``'
       ``lr``) lags by the one unresolved step; ``flush()`` (before a checkpoint, a log line,
-      the end or an interruption) makes it and the counters exact;
+      the end or an interruption: the trainer calls it) makes it and the counters exact;
     - ``NonFiniteLossError`` for step n is raised while resolving it, i.e. after step n+1
       was queued: at most one step later than the synchronous guard.
     """
@@ -317,8 +286,8 @@ class LaggedGuard(ScheduledDeferredGuard):
     def __init__(
         self,
         guard: NaNGuard,
+        schedule: Any,
         optimizer: MasterWeightAdamW,
-        scheduler: Any,
         *,
         total_steps: int,
         accelerator: Any = None,
@@ -326,20 +295,31 @@ class LaggedGuard(ScheduledDeferredGuard):
         if not guard.cfg.enabled:
             raise ValueError(
                 "LaggedGuard needs an enabled NaN guard (its device schedule skips with the "
-                "device's found_inf); with train.nan_guard.enabled=false call run_step with "
-                "should_step=None and the scheduler instead"
+                "device's found_inf); with train.nan_guard.enabled=false run the step with "
+                "core's synchronous UpdateGate instead"
             )
-        super().__init__(guard, scheduler, accelerator)
+        schedulers = getattr(schedule, "schedulers", None)
+        if not schedulers or len(schedulers) != 1:
+            raise ValueError(
+                "LaggedGuard needs core's RunSchedule over the one MasterWeightAdamW "
+                f"(longboat.core.train.RunSchedule([optimizer], ...)); got "
+                f"{type(schedule).__name__}"
+            )
+        super().__init__(guard, schedule, accelerator)
         self.optimizer = optimizer
-        self.lr = DeviceLRSchedule(scheduler, optimizer, total_steps)
+        self.lr = DeviceLRTable(
+            schedulers[0], optimizer.lr_tensors, optimizer.found_inf, total_steps
+        )
 
     def before_step(self) -> None:
+        """This step's lr into the optimizer's lr tensors, on the device."""
         self.lr.load()
 
-    def after_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> list[Verdict]:
-        """Advance the device schedule, stage this step, resolve the previous one."""
+    def allow(self, step: int, loss: Any, grad_norm: Any = None) -> bool:
+        """After the step: count its update on the device (unless ``found_inf`` skipped it),
+        stage its values and resolve the older verdicts; True (the device decided)."""
         self.lr.advance()
-        return self.stage(step, loss, grad_norm)
+        return super().allow(step, loss, grad_norm)
 
 
 def run_step(
@@ -352,44 +332,42 @@ def run_step(
     rank_offset: int,
     device_type: str,
     device_index: int | None = None,
-    should_step: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
-    scheduler: Any = None,
+    gate: UpdateGate | None = None,
     host_sync: bool = True,
-    lagged: LaggedGuard | None = None,
 ) -> StepResult:
     """One optimizer step through ``step_fn`` (a ``GraphableStep``, or a ``GraphedStep``
     wrapping one), equal to ``train_step`` with one micro-batch.
 
-    Outside the (captured) function: the scheduler's lr goes to the device, the RNG is
-    seeded for micro-batch ``rank_offset`` of ``step`` (a CUDA graph replays from the
-    generator's current seed and offset, so it draws what the eager step draws); after it:
-    the NaN guard (``should_step``: its one host sync) and the schedule. The outputs are
-    cloned (a graph overwrites its static outputs on the next replay).
+    Outside the (captured) function: the step's lr goes to the device, the RNG is seeded for
+    micro-batch ``rank_offset`` of ``step`` (a CUDA graph replays from the generator's
+    current seed and offset, so it draws what the eager step draws); after it, the gate sees
+    the step's loss and grad norm. The outputs are cloned (a graph overwrites its static
+    outputs on the next replay).
 
-    With ``lagged`` (instead of ``should_step`` and ``scheduler``) the step has no host sync:
-    the lr comes from the device schedule and the guard's verdict on this step is resolved
-    after the next step is queued (``LaggedGuard``); ``stepped`` is then None.
+    ``gate``: core's synchronous ``UpdateGate`` (the lr is copied from the host param groups;
+    ``allow`` reads the values: the step's one host sync; the update was already skipped on
+    the device when they are not finite) or a ``LaggedGuard`` (no host sync: the lr comes
+    from its device table and its verdict on this step is resolved after the next step is
+    queued; ``stepped`` is then None). The schedule is the gate's (``gate.end_step()``, which
+    core's trainer calls). Without a gate: the host lr, every update counted as taken.
     """
-    if lagged is not None:
-        if should_step is not None or scheduler is not None:
+    lagged = gate is not None and gate.lagged
+    if lagged:
+        if not isinstance(gate, LaggedGuard):
             raise ValueError(
-                "run_step: pass either lagged= or should_step=/scheduler=, not both (the "
-                "LaggedGuard owns the guard and the scheduler)"
+                f"run_step: a lagged gate must be a LaggedGuard (it holds the device lr table "
+                f"the step reads); got {type(gate).__name__}"
             )
-        lagged.before_step()
+        gate.before_step()
     else:
         optimizer.sync_hyperparams()
     with seeded_rng(micro_batch_seed(seed, step, rank_offset), device_type, device_index):
         out = {k: v.clone() for k, v in step_fn(batch).items()}
     loss, grad_norm = out.pop("loss"), out.pop("grad_norm")
     stepped: bool | None = True
-    if lagged is not None:
-        lagged.after_step(step, loss, grad_norm)
-        stepped = None
-    elif should_step is not None:
-        stepped = should_step(loss, grad_norm)
-    if stepped and scheduler is not None:
-        scheduler.step()
+    if gate is not None:
+        allowed = gate.allow(step, loss, grad_norm)
+        stepped = None if lagged else allowed
     if not host_sync:
         return StepResult(loss=loss, grad_norm=grad_norm, stepped=stepped, metrics=out)
     names = sorted(out)

@@ -1,0 +1,370 @@
+"""The embodied run for core's trainer: ``build_training(cfg)`` -> ``EmbodiedTraining``.
+
+``build_training`` is the one assembly of an embodied run from the typed config; the command
+line (``longboat-embodied train``) and the benchmarks both call it, so every speed lever is a
+config key read here:
+
+- data: the LeRobot dataset (``data.path``; null: the synthetic one, generated once into
+  ``<output_dir>/dataset``), the ``PolicyCollator``, the ``GlobalBatchPlan`` of
+  ``train.global_batch_size`` and this rank's ``RankMicroBatches`` loader
+  (``data.num_workers``), rebuilt from any start step;
+- the policy: ``model.*`` (the same initial weights on every rank), frozen as configured,
+  ``parallelize``d (``parallel.strategy``, ``train.activation_checkpointing``,
+  ``train.master_weights``), its blocks compiled (``train.compile``), and its optimizer
+  (``optim.*``, ``train.master_weight_storage``, ``train.master_weight_update``);
+- the step: with master weights and one micro-batch a step, the sync-free ``GraphableStep``
+  (replayed as one CUDA graph with ``train.cuda_graph``) under ``LaggedGuard``; otherwise
+  ``train_step`` (gradient accumulation) under core's synchronous gate.
+
+Core's ``Trainer`` owns everything around the steps (resume, signals, metrics, the LR schedule,
+the NaN guard's counters, checkpoints, the profiler, the export call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from longboat.core.config.errors import ProblemCollector
+from longboat.core.device import get_accelerator
+from longboat.core.distributed import init_distributed, resolve_parallel
+from longboat.core.loop.cuda_graph import GraphedStep
+from longboat.core.loop.nan_guard import NaNGuard
+from longboat.core.train.gate import UpdateGate
+from longboat.core.train.trainer import typed_config
+from longboat.core.train.training import StepOutput, Training
+from longboat.embodied.config import EmbodiedExperimentConfig, check_cuda_graph_layout
+from longboat.embodied.models import apply_freezing, build_model, get_config
+from longboat.embodied.parallel import (
+    MasterWeightAdamW,
+    ParallelSetup,
+    ZeroShardState,
+    build_optimizer,
+    compile_blocks,
+    parallelize,
+    unwrap,
+)
+from longboat.embodied.train.datasets import ensure_synthetic, open_dataset
+from longboat.embodied.train.export import export_policy
+from longboat.embodied.train.loader import RankMicroBatches, build_loader
+from longboat.embodied.train.plan import BatchLayout, DataPosition, GlobalBatchPlan, batch_layout
+from longboat.embodied.train.policy_batch import PolicyCollator, batch_spec, to_device
+from longboat.embodied.train.step import GraphableStep, LaggedGuard, run_step, train_step
+
+CUDA_GRAPH_WARMUP = 3
+"""Eager steps before ``train.cuda_graph`` captures the step."""
+
+
+@dataclass
+class RunData:
+    """The run's dataset and how its samples become this rank's micro-batches."""
+
+    root: Path
+    """The LeRobot root trained on (``data.path`` or the generated synthetic dataset)."""
+    dataset: Dataset
+    cameras: list[str]
+    image_hw: tuple[int, int]
+    collate: PolicyCollator
+    plan: GlobalBatchPlan
+
+
+def model_overrides(cfg: EmbodiedExperimentConfig) -> dict[str, Any]:
+    """``model.overrides`` as the family config gets them."""
+    overrides = dict(cfg.model.overrides)
+    # fp32 runs keep frozen weights in fp32 too (the bf16 split is the reference's
+    # mixed-precision layout; without autocast it would only cost accuracy).
+    if cfg.train.precision == "fp32":
+        overrides.setdefault("frozen_dtype", "float32")
+    return overrides
+
+
+def open_run_data(
+    cfg: EmbodiedExperimentConfig, model_cfg: Any, layout: BatchLayout, is_main: bool
+) -> RunData:
+    """The dataset (synthetic on first use when ``data.path`` is null), its collator and the
+    global batch plan."""
+    root = (
+        Path(cfg.data.path)
+        if cfg.data.path
+        else ensure_synthetic(cfg.data, cfg.model.name, model_cfg, Path(cfg.output_dir), is_main)
+    )
+    dataset, cameras, image_hw = open_dataset(cfg.data, root, model_cfg.action_horizon)
+    collate = PolicyCollator(
+        batch_spec(cfg.model.name, model_cfg, len(cameras), image_hw),
+        cameras,
+        fixed_text_length=cfg.train.cuda_graph,  # one set of shapes for the graph
+    )
+    plan = GlobalBatchPlan(len(dataset), layout, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    return RunData(root, dataset, cameras, image_hw, collate, plan)
+
+
+def build_policy(
+    cfg: EmbodiedExperimentConfig,
+    model_cfg: Any,
+    setup: ParallelSetup,
+    accelerator: Any,
+    device: Any,
+) -> tuple[nn.Module, dict[str, int]]:
+    """The policy on its device: frozen as configured, parallelized, its blocks compiled
+    (``train.compile``); and its trainable / frozen parameter counts."""
+    torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
+    model = build_model(cfg.model.name, model_cfg)
+    counts = apply_freezing(model, model_cfg)
+    model.to(device)
+    model = parallelize(
+        model,
+        setup,
+        precision=cfg.train.precision,
+        activation_checkpointing=cfg.train.activation_checkpointing,
+        device_ids=[device.index] if accelerator.device_type == "cuda" else None,
+        master_weights=cfg.train.master_weights,
+    )
+    if cfg.train.compile:
+        counts["compiled_blocks"] = compile_blocks(unwrap(model))
+    return model, counts
+
+
+def build_step_fn(
+    cfg: EmbodiedExperimentConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    layout: BatchLayout,
+    accelerator: Any,
+) -> Any:
+    """The sync-free step of master weights with one micro-batch a step (``GraphableStep``,
+    graphed with ``train.cuda_graph``); None: the run steps through ``train_step``."""
+    problems = ProblemCollector()
+    check_cuda_graph_layout(cfg.train, layout.dp_size, problems)  # the resolved dp size
+    problems.raise_if_any()
+    if not isinstance(optimizer, MasterWeightAdamW) or layout.accum != 1:
+        return None
+    step_fn: Any = GraphableStep(
+        model,
+        optimizer,
+        precision=cfg.train.precision,
+        device_type=accelerator.device_type,
+        grad_clip=cfg.optim.grad_clip,
+        # The device skips a non-finite loss exactly when the guard would.
+        skip_nonfinite_loss=cfg.train.nan_guard.enabled,
+    )
+    if cfg.train.cuda_graph:
+        step_fn = GraphedStep(
+            step_fn, accelerator=accelerator, warmup=CUDA_GRAPH_WARMUP, name="embodied train step"
+        )
+    return step_fn
+
+
+class EmbodiedTraining(Training):
+    """An embodied run for core's ``Trainer`` (module doc); ``build_training`` builds it."""
+
+    unit = "samples"
+    resume_keys = ("model.name", "model.flavor")
+
+    def __init__(self, cfg: EmbodiedExperimentConfig) -> None:
+        self.cfg = cfg
+        self.accelerator = get_accelerator()
+        info = init_distributed(self.accelerator)
+        self.is_main = info.is_main
+        self.rank = info.rank  # embodied is data parallel only: dp rank == global rank
+        self.device = self.accelerator.device(info.local_rank)
+        parallel = resolve_parallel(cfg.parallel, info.world_size)
+        t = cfg.train
+        self.layout = batch_layout(t.global_batch_size, t.micro_batch_size, parallel.data_parallel)
+        self.items_per_step = self.layout.global_batch
+        self.overrides = model_overrides(cfg)
+        self.model_cfg = get_config(cfg.model.name, cfg.model.flavor, self.overrides)
+        self.data = open_run_data(cfg, self.model_cfg, self.layout, self.is_main)
+        self.position = DataPosition(self.data.plan)
+        self.setup = ParallelSetup(
+            strategy=parallel.strategy,
+            world_size=info.world_size,
+            rank=info.rank,
+            replicate=parallel.data_parallel_replicate,
+            device_type=self.accelerator.device_type,
+        )
+        self.model, self.counts = build_policy(
+            cfg, self.model_cfg, self.setup, self.accelerator, self.device
+        )
+        self.optimizer = build_optimizer(
+            self.model,
+            cfg.optim,
+            self.setup,
+            master_weights=t.master_weights,
+            master_storage=t.master_weight_storage,
+            master_update=t.master_weight_update,
+        )
+        self.step_fn = build_step_fn(cfg, self.model, self.optimizer, self.layout, self.accelerator)
+        self.steps_done = 0
+
+    # --- what the trainer checkpoints and schedules ----------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer: Any = self.optimizer
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            optimizer = ZeroShardState(optimizer)  # each rank's partition
+        return {"model": self.model, "optimizer": optimizer, "data": self.position}
+
+    def optimizers(self) -> list[Any]:
+        return [self.optimizer]
+
+    def make_gate(self, guard: NaNGuard, schedule: Any) -> UpdateGate:
+        """``LaggedGuard`` for the sync-free step (no host read per step), else core's
+        synchronous gate."""
+        if self.step_fn is not None and guard.cfg.enabled:
+            return LaggedGuard(
+                guard,
+                schedule,
+                self.optimizer,
+                total_steps=self.cfg.train.steps,
+                accelerator=self.accelerator,
+            )
+        why = None
+        if self.step_fn is None and not isinstance(self.optimizer, MasterWeightAdamW):
+            why = "the eager step needs the verdict before its update; bf16 with "
+            why += "train.master_weights=true skips on the device"
+        elif self.step_fn is None:
+            why = f"gradient accumulation ({self.layout.accum} micro-batches a step) runs the "
+            why += "eager step"
+        return UpdateGate(guard, schedule, why_sync=why)
+
+    def after_resume(self, step: int) -> None:
+        self.steps_done = step
+
+    # --- the steps ---------------------------------------------------------------------------
+
+    def batches(self, start_step: int) -> Iterator[list[dict[str, Any]]]:
+        """This rank's ``accum`` micro-batches of every step from ``start_step`` on, on the
+        device. The loader (and its workers) starts at once, so batches load while the
+        trainer sets up."""
+        if start_step >= self.cfg.train.steps:
+            return iter(())  # resumed at train.steps: nothing to load
+        data = self.data
+        micro = RankMicroBatches(
+            data.dataset, data.plan, data.collate, dp_rank=self.rank, seed=self.cfg.train.seed
+        )
+        loader = build_loader(
+            micro,
+            start_step=start_step,
+            total_steps=self.cfg.train.steps,
+            num_workers=self.cfg.data.num_workers,
+            pin_memory=self.accelerator.device_type == "cuda",
+        )
+        return self._device_batches(iter(loader), self.cfg.train.steps - start_step)
+
+    def _device_batches(self, it: Iterator[Any], steps: int) -> Iterator[list[dict[str, Any]]]:
+        for _ in range(steps):
+            yield [to_device(next(it), self.device) for _ in range(self.layout.accum)]
+
+    def step(self, step: int, batch: list[dict[str, Any]], gate: UpdateGate) -> StepOutput:
+        """One optimizer step on this rank's micro-batches; reads nothing on the host under
+        ``LaggedGuard``."""
+        common: dict[str, Any] = dict(
+            step=step,
+            seed=self.cfg.train.seed,
+            rank_offset=self.rank * self.layout.accum,
+            device_type=self.accelerator.device_type,
+            device_index=self.device.index,
+            gate=gate,
+            host_sync=False,  # losses stay on the device until the trainer logs them
+        )
+        if self.step_fn is not None:
+            out = run_step(self.step_fn, self.optimizer, batch[0], **common)
+        else:
+            out = train_step(
+                self.model,
+                self.optimizer,
+                batch,
+                precision=self.cfg.train.precision,
+                grad_clip=self.cfg.optim.grad_clip,
+                **common,
+            )
+        self.steps_done = step + 1
+        return StepOutput(loss=out.loss, grad_norm=out.grad_norm, metrics=out.metrics)
+
+    # --- the end -----------------------------------------------------------------------------
+
+    def export(self) -> Path | None:
+        """``model.safetensors`` + ``config.json`` (``export.dir``, default
+        ``<output_dir>/export``); with master weights, the fp32 masters (the trained values),
+        not their bf16 copy. Every rank takes part (the weights are gathered)."""
+        cfg = self.cfg
+        if not cfg.export.enabled:
+            return None
+        out = Path(cfg.export.dir) if cfg.export.dir else Path(cfg.output_dir) / "export"
+        masters = (
+            self.optimizer.master_params()
+            if isinstance(self.optimizer, MasterWeightAdamW)
+            else contextlib.nullcontext()
+        )
+        with masters:
+            export_policy(
+                self.model,
+                out,
+                model_name=cfg.model.name,
+                flavor=cfg.model.flavor,
+                overrides=self.overrides,
+                model_cfg=self.model_cfg,
+                extra={
+                    "trained_steps": self.steps_done,
+                    "experiment": cfg.experiment,
+                    "cameras": self.data.cameras,
+                    "image_hw": list(self.data.image_hw),
+                },
+            )
+        return out
+
+    def describe(self) -> list[str]:
+        cfg, layout, counts = self.cfg, self.layout, self.counts
+        h, w = self.data.image_hw
+        how = "train_step" if self.step_fn is None else "GraphableStep (master weights)"
+        if isinstance(self.step_fn, GraphedStep):
+            graph = self.step_fn.reason and f"eager ({self.step_fn.reason})"
+            how += f", train.cuda_graph: {graph or f'captured after {CUDA_GRAPH_WARMUP} steps'}"
+        compiled = counts.get("compiled_blocks")
+        return [
+            f"Policy {cfg.model.name}/{cfg.model.flavor}: {counts['trainable']:,} trainable + "
+            f"{counts['frozen']:,} frozen params, {cfg.train.precision}"
+            + (f", {compiled} blocks torch.compile'd" if compiled else "")
+            + f"; step: {how}.",
+            f"Data: {self.data.root} ({len(self.data.dataset)} samples, cameras "
+            f"{', '.join(self.data.cameras)}, {h}x{w}); global batch {layout.global_batch} = "
+            f"{layout.micro_batch} micro x {layout.dp_size} dp x {layout.accum} accum, "
+            f"{self.setup.strategy} on {self.setup.world_size} rank(s).",
+        ]
+
+    def report(self, result: Any) -> list[str]:
+        if result.export_dir is None:
+            return []
+        return [f"Policy:      {result.export_dir} (load_exported_policy)"]
+
+
+def build_training(cfg: Any) -> EmbodiedTraining:
+    """The embodied run of a composed, validated config (a DictConfig or the typed
+    ``EmbodiedExperimentConfig``): what ``longboat-embodied train`` and the benchmarks run."""
+    cfg = typed_config(cfg)
+    if not isinstance(cfg, EmbodiedExperimentConfig):
+        raise TypeError(
+            "build_training needs an EmbodiedExperimentConfig (compose one with "
+            f"longboat.core.config.compose.compose_experiment), got {type(cfg).__name__}"
+        )
+    return EmbodiedTraining(cfg)
+
+
+__all__ = [
+    "EmbodiedTraining",
+    "RunData",
+    "build_policy",
+    "build_step_fn",
+    "build_training",
+    "model_overrides",
+    "open_run_data",
+]
