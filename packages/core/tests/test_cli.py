@@ -148,3 +148,89 @@ def test_demo_without_the_demo_module_says_so(monkeypatch, capsys):
     )
     assert main(["demo"]) == 1
     assert "longboat.core.demo" in capsys.readouterr().err
+
+
+def test_cfg_job_prints_the_resolved_config_without_training(site, capsys):
+    calls = []
+    code = stack_main("fake", ["train", "tiny", "--cfg", "job", "optim.lr=0.5"], train=calls.append)
+    assert code == 0 and calls == []
+    shown = OmegaConf.create(capsys.readouterr().out)
+    assert shown.optim.lr == 0.5 and shown.experiment == "tiny"
+    assert stack_main("fake", ["train", "tiny", "--cfg", "hydra"], train=calls.append) == 2
+    assert "--cfg job" in capsys.readouterr().err
+
+
+def test_multirun_runs_each_job_in_its_own_output_dir(site, capsys):
+    seen = []
+    code = stack_main(
+        "fake",
+        ["train", "tiny", "-m", "optim.lr=0.1,0.2", "train.steps=3,4", "output_dir=/tmp/sweep"],
+        train=lambda cfg: seen.append((cfg.optim.lr, cfg.train.steps, cfg.checkpoint.dir)),
+    )
+    assert code == 0
+    assert [(lr, steps) for lr, steps, _ in seen] == [(0.1, 3), (0.1, 4), (0.2, 3), (0.2, 4)]
+    dirs = [d for _, _, d in seen]
+    assert dirs[0] == "/tmp/sweep/multirun/0_optim.lr-0.1_train.steps-3/checkpoints"
+    assert len(set(dirs)) == 4
+    out = capsys.readouterr().out
+    assert "sweep job 1/4: optim.lr=0.1 train.steps=3" in out
+    # Without -m a sweep is an error that names the flag; a failing job stops the sweep.
+    assert stack_main("fake", ["train", "tiny", "optim.lr=0.1,0.2"], train=seen.append) == 2
+    assert "add -m (--multirun)" in capsys.readouterr().err
+    codes = iter([0, 3, 0])
+    ran = []
+    code = stack_main(
+        "fake",
+        ["train", "tiny", "-m", "train.steps=1,2,3"],
+        train=lambda cfg: ran.append(cfg.train.steps) or next(codes),
+    )
+    assert (code, ran) == (3, [1, 2])
+
+
+def test_multirun_refuses_jobs_that_would_share_a_checkpoint_dir(site, capsys):
+    code = stack_main(
+        "fake",
+        ["train", "tiny", "-m", "optim.lr=0.1,0.2", "checkpoint.dir=/tmp/one"],
+        train=lambda cfg: 0,
+    )
+    assert code == 2
+    assert "checkpoint.dir='/tmp/one': sweep jobs 1 and 2 would share it" in capsys.readouterr().err
+
+
+def test_warnings_print_when_they_happen_once_each(site, capsys):
+    import warnings
+
+    seen_during = []
+
+    def train(cfg):
+        warnings.warn("first thing", stacklevel=1)
+        warnings.warn("first thing", stacklevel=1)  # the same message: printed once
+        seen_during.append(capsys.readouterr().err)  # before train returns
+        return 0
+
+    assert stack_main("fake", ["train", "tiny"], train=train) == 0
+    assert seen_during == ["longboat-fake: warning: first thing\n"]
+
+
+def test_user_errors_exit_with_their_code_and_debug_shows_the_traceback(site, capsys):
+    from longboat.core.checkpoint import CheckpointError
+
+    def train(cfg):
+        raise CheckpointError("checkpoint /x is damaged. Fix: checkpoint.resume=/y")
+
+    assert stack_main("fake", ["train", "tiny"], train=train) == 2
+    err = capsys.readouterr().err
+    assert err == "longboat-fake: error: checkpoint /x is damaged. Fix: checkpoint.resume=/y\n"
+    with pytest.raises(CheckpointError):
+        stack_main("fake", ["train", "tiny", "--debug"], train=train)
+
+
+def test_other_ranks_stay_quiet_on_user_errors(site, capsys, monkeypatch):
+    from longboat.core.checkpoint import CheckpointError
+
+    def train(cfg):
+        raise CheckpointError("damaged")
+
+    monkeypatch.setenv("RANK", "1")
+    assert stack_main("fake", ["train", "tiny"], train=train) == 2
+    assert capsys.readouterr().err == ""

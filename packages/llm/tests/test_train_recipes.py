@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 from llm_testkit import make_tiny_dataset, make_tiny_sft_dataset, tiny_overrides
+from omegaconf import OmegaConf
 
 from longboat.core.config.compose import compose_experiment
 from longboat.core.distributed import run_multiprocess
 from longboat.llm.stack import STACK
-from longboat.llm.train.checks import check_run, model_config
+from longboat.llm.train.checks import check_run
 
 FAMILIES = ("llama3", "qwen3", "qwen3_moe")
 RECIPES = [f"{f}_{kind}" for f in FAMILIES for kind in ("pretrain", "sft", "lora")]
@@ -23,9 +24,9 @@ def test_every_family_has_pretrain_sft_lora_and_quickstart() -> None:
 @pytest.mark.parametrize("name", [*RECIPES, "quickstart"])
 def test_recipe_composes_and_validates(name: str, tmp_path: Path) -> None:
     world = 1 if name == "quickstart" else 8  # the recipes are laid out for one 8-GPU node
-    cfg = compose_experiment(name, [], stack="llm", world_size=world)
+    cfg = OmegaConf.to_object(compose_experiment(name, [], stack="llm", world_size=world))
     assert cfg.stack == "llm" and cfg.experiment == name
-    model = model_config(cfg)
+    model = cfg.model
     assert model.name == name.rsplit("_", 1)[0] or name == "quickstart"
     # The llm run checks that need no files (sequence length vs model, LoRA rank).
     cfg.llm.init_from_hf = None

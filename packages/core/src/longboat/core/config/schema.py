@@ -16,6 +16,15 @@ from typing import Any
 
 from omegaconf import MISSING
 
+PARALLEL_STRATEGIES = ("ddp", "zero1", "fsdp", "hsdp")
+"""``parallel.strategy``: the data-parallel strategies of torch-native stacks."""
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""``train.precision``."""
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+"""``train.activation_checkpointing``."""
+LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
+"""``optim.schedule.name``."""
+
 
 @dataclass
 class ModelConfig:

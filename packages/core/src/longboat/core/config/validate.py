@@ -18,6 +18,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from longboat.core.config.errors import ConfigError, ConfigProblem, ProblemCollector
+from longboat.core.config.schema import (
+    ACTIVATION_CHECKPOINTING,
+    LR_SCHEDULES,
+    PARALLEL_STRATEGIES,
+    PRECISIONS,
+)
 
 HEAD_KEYS = ("num_attention_heads", "num_heads", "n_heads")
 KV_HEAD_KEYS = ("num_key_value_heads", "num_query_groups", "num_kv_heads", "n_kv_heads")
@@ -25,10 +31,10 @@ LAYER_KEYS = ("num_layers", "num_hidden_layers", "n_layers")
 EXPERT_KEYS = ("num_experts", "num_moe_experts", "n_routed_experts")
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "parallel.strategy": ("ddp", "zero1", "fsdp", "hsdp"),
-    "train.precision": ("fp32", "bf16", "fp16"),
-    "train.activation_checkpointing": ("none", "full", "selective"),
-    "optim.schedule.name": ("constant", "linear", "cosine", "wsd"),
+    "parallel.strategy": PARALLEL_STRATEGIES,
+    "train.precision": PRECISIONS,
+    "train.activation_checkpointing": ACTIVATION_CHECKPOINTING,
+    "optim.schedule.name": LR_SCHEDULES,
 }
 """String fields whose values are a closed set."""
 
@@ -281,6 +287,21 @@ def _as_dictconfig(cfg: Any) -> DictConfig:
     raise TypeError(f"validate() needs a DictConfig, dataclass or mapping, got {type(cfg)!r}")
 
 
+def check_parallel(parallel: Any, world_size: int) -> int:
+    """The data-parallel size of ``parallel`` (a ``ParallelConfig``) at ``world_size``, after
+    the same layout checks ``validate`` runs (one ``ConfigError`` listing every problem)."""
+    p = ProblemCollector()
+    if not isinstance(world_size, int) or world_size < 1:
+        p.add(None, "world size must be >= 1", value=world_size)
+        p.raise_if_any()
+    node = OmegaConf.create({"parallel": dataclasses.asdict(parallel)})
+    _check_scalars(node, p)
+    dp = _check_parallel(node, world_size, p)
+    p.raise_if_any()
+    assert dp is not None  # every problem that leaves it unknown was raised above
+    return dp
+
+
 def collect_problems(
     cfg: Any, world_size: int | None = None, *, stacks: Mapping[str, Any] | None = None
 ) -> list[ConfigProblem]:
@@ -324,4 +345,4 @@ def validate(cfg: Any, world_size: int | None = None) -> None:
         raise ConfigError(problems)
 
 
-__all__ = ["collect_problems", "resolve_world_size", "validate"]
+__all__ = ["CHOICES", "check_parallel", "collect_problems", "resolve_world_size", "validate"]

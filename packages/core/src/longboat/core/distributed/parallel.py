@@ -6,113 +6,25 @@ import dataclasses
 import weakref
 from typing import TYPE_CHECKING
 
-from longboat.core.config.errors import ProblemCollector
-from longboat.core.config.schema import ParallelConfig
+from longboat.core.config.schema import PARALLEL_STRATEGIES, ParallelConfig
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-STRATEGIES = ("ddp", "zero1", "fsdp", "hsdp")
+STRATEGIES = PARALLEL_STRATEGIES
 """Valid ``parallel.strategy`` values for torch-native stacks."""
-
-_SIZE_KEYS = (
-    "tensor_parallel",
-    "pipeline_parallel",
-    "context_parallel",
-    "expert_parallel",
-    "data_parallel_replicate",
-)
 
 
 def resolve_parallel(parallel: ParallelConfig, world_size: int) -> ParallelConfig:
-    """A copy of ``parallel`` with ``data_parallel`` resolved and every size checked.
+    """A copy of ``parallel`` with ``data_parallel`` resolved for ``world_size``.
 
-    Raises one ``ConfigError`` listing every problem (key, value and fix):
-    world_size != tp * pp * cp * dp, sizes < 1, EP not dividing dp * cp,
-    HSDP replicas not dividing dp, unknown strategy, virtual stages without PP.
+    The layout is checked by the same rules the config validator applies at compose time
+    (``longboat.core.config.validate.check_parallel``): one ``ConfigError`` listing every
+    problem (key, value and fix), for a world size the composed config may not have known.
     """
-    problems = ProblemCollector()
-    if not isinstance(world_size, int) or world_size < 1:
-        problems.add("world_size", "must be a positive int", value=world_size)
-        problems.raise_if_any()
-    for key in _SIZE_KEYS:
-        value = getattr(parallel, key)
-        if not isinstance(value, int) or value < 1:
-            problems.add(
-                f"parallel.{key}", "must be an int >= 1", value=value, fix="use 1 to disable"
-            )
-    problems.raise_if_any()
+    from longboat.core.config.validate import check_parallel
 
-    tp, pp, cp = parallel.tensor_parallel, parallel.pipeline_parallel, parallel.context_parallel
-    model_parallel = tp * pp * cp
-    dp = parallel.data_parallel
-    if dp == -1:
-        if world_size % model_parallel:
-            problems.add(
-                "parallel",
-                f"world size {world_size} is not divisible by tensor_parallel * pipeline_parallel"
-                f" * context_parallel = {tp} * {pp} * {cp} = {model_parallel}",
-                fix=f"launch a multiple of {model_parallel} processes or shrink tp/pp/cp",
-            )
-            problems.raise_if_any()
-        dp = world_size // model_parallel
-    elif not isinstance(dp, int) or dp < 1:
-        problems.add("parallel.data_parallel", "must be -1 (auto) or an int >= 1", value=dp)
-        problems.raise_if_any()
-    elif model_parallel * dp != world_size:
-        problems.add(
-            "parallel.data_parallel",
-            f"tp * pp * cp * dp = {tp} * {pp} * {cp} * {dp} = {model_parallel * dp} "
-            f"but the world size is {world_size}",
-            value=dp,
-            fix=f"set parallel.data_parallel=-1 to infer it, or launch {model_parallel * dp} processes",
-        )
-        problems.raise_if_any()
-
-    ep, tp = parallel.expert_parallel, parallel.tensor_parallel
-    # megatron-core (expert tensor parallel 1) carves EP groups out of the tp x dp x cp ranks.
-    if (tp * dp * cp) % ep:
-        problems.add(
-            "parallel.expert_parallel",
-            f"must divide tensor * data * context parallel = {tp} * {dp} * {cp} = {tp * dp * cp}",
-            value=ep,
-            fix="pick an expert_parallel that divides tp * dp * cp",
-        )
-    replicate = parallel.data_parallel_replicate
-    if dp % replicate:
-        problems.add(
-            "parallel.data_parallel_replicate",
-            f"must divide data_parallel={dp}",
-            value=replicate,
-            fix="choose replicas so dp = replicate * shard",
-        )
-    if parallel.strategy not in STRATEGIES:
-        problems.add(
-            "parallel.strategy",
-            "unknown data-parallel strategy",
-            value=parallel.strategy,
-            fix=f"use one of {', '.join(STRATEGIES)}",
-        )
-    elif replicate > 1 and parallel.strategy != "hsdp":
-        problems.add(
-            "parallel.data_parallel_replicate",
-            f"replicas > 1 need parallel.strategy=hsdp (got {parallel.strategy!r})",
-            value=replicate,
-            fix="set parallel.strategy=hsdp or parallel.data_parallel_replicate=1",
-        )
-    vpp = parallel.virtual_pipeline_parallel
-    if vpp is not None:
-        if not isinstance(vpp, int) or vpp < 1:
-            problems.add("parallel.virtual_pipeline_parallel", "must be None or >= 1", value=vpp)
-        elif vpp > 1 and pp == 1:
-            problems.add(
-                "parallel.virtual_pipeline_parallel",
-                "interleaved stages need pipeline_parallel > 1",
-                value=vpp,
-                fix="set parallel.virtual_pipeline_parallel=null or raise pipeline_parallel",
-            )
-    problems.raise_if_any()
-    return dataclasses.replace(parallel, data_parallel=dp)
+    return dataclasses.replace(parallel, data_parallel=check_parallel(parallel, world_size))
 
 
 def mesh_shape(

@@ -23,9 +23,9 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from longboat.core.config.errors import ProblemCollector
-from longboat.core.config.schema import LRScheduleConfig
+from longboat.core.config.schema import LR_SCHEDULES, LRScheduleConfig
 
-SCHEDULES = ("constant", "linear", "cosine", "wsd")
+SCHEDULES = LR_SCHEDULES
 """Valid ``optim.schedule.name`` values."""
 
 _KEY = "optim.schedule"

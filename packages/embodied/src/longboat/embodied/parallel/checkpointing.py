@@ -9,9 +9,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from longboat.core.config.errors import require_choice
-from longboat.core.config.validate import CHOICES
+from longboat.core.config.schema import ACTIVATION_CHECKPOINTING
 
-AC_MODES = CHOICES["train.activation_checkpointing"]
+AC_MODES = ACTIVATION_CHECKPOINTING
 """``none``, ``full``, ``selective``: core's closed set for the key (checked at compose time)."""
 
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
-
-from omegaconf import DictConfig, OmegaConf
 
 from longboat.core.config.errors import ConfigError
 from longboat.llm.config import LLMModelConfig
@@ -14,24 +11,10 @@ from longboat.llm.config import LLMModelConfig
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def section(cfg: Any) -> dict[str, Any]:
-    """A config section as a plain dict."""
-    if isinstance(cfg, DictConfig):
-        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-    if dataclasses.is_dataclass(cfg):
-        return dataclasses.asdict(cfg)  # type: ignore[arg-type]
-    return dict(cfg)
-
-
-def model_config(cfg: Any) -> LLMModelConfig:
-    """``cfg.model`` as an ``LLMModelConfig``."""
-    return LLMModelConfig.from_mapping(section(cfg.model))
-
-
 def check_run(cfg: Any, model: LLMModelConfig) -> None:
     """Cross-section checks: sequence length, vocabulary, tokenizer, init dir, LoRA."""
     data = cfg.data
-    seq_len = int(data.seq_len)
+    seq_len = data.seq_len
     if seq_len > model.max_position_embeddings:
         raise ConfigError(
             f"is above the model's maximum sequence length "
@@ -43,12 +26,12 @@ def check_run(cfg: Any, model: LLMModelConfig) -> None:
         )
     if seq_len < 2:
         raise ConfigError("must be >= 2", key="data.seq_len", value=seq_len)
-    if data.name == "quickstart" and int(data.vocab_size) > model.vocab_size:
+    if data.name == "quickstart" and data.vocab_size > model.vocab_size:
         raise ConfigError(
             f"is larger than model.vocab_size={model.vocab_size}",
             key="data.vocab_size",
-            value=int(data.vocab_size),
-            fix=f"set model.vocab_size>={int(data.vocab_size)}",
+            value=data.vocab_size,
+            fix=f"set model.vocab_size>={data.vocab_size}",
         )
     if data.name == "prepared":
         check_tokenizer_dir(data.tokenizer)
@@ -75,8 +58,8 @@ def check_run(cfg: Any, model: LLMModelConfig) -> None:
         from longboat.llm.hf import check_matches_flavor, read_hf_config
 
         check_matches_flavor(model, read_hf_config(init), f"{init}/config.json")
-    if cfg.lora.enabled and int(cfg.lora.rank) < 1:
-        raise ConfigError("must be >= 1", key="lora.rank", value=int(cfg.lora.rank))
+    if cfg.lora.enabled and cfg.lora.rank < 1:
+        raise ConfigError("must be >= 1", key="lora.rank", value=cfg.lora.rank)
 
 
 def check_tokenizer_dir(path: str | None) -> Path:
