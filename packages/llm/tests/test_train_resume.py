@@ -140,3 +140,62 @@ def test_resume_is_exact_under_model_parallelism(layout: str, tmp_path: Path) ->
     for (start, losses), (_, ref_losses) in zip(resumed, ref, strict=True):
         assert start == 4
         assert losses == ref_losses[4:], "resumed losses differ from the uninterrupted run"
+
+
+def _lr_worker(rank: int, world: int, overrides: list[str]) -> tuple[int, list[float], dict]:
+    """Run, recording the LR of every update of megatron's inner AdamW (what it really used)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from longboat.llm.train.training import train as run
+
+    used: list[float] = []
+    handle = register_optimizer_step_pre_hook(
+        lambda opt, args, kwargs: used.append(float(opt.param_groups[0]["lr"]))
+    )
+    try:
+        result = run(compose(overrides))
+    finally:
+        handle.remove()
+    return result.start_step, used, result.changed
+
+
+@pytest.mark.multiprocess
+def test_resume_with_new_steps_and_lr_follows_the_new_schedule(tmp_path: Path) -> None:
+    """A finished 6-step run resumed with train.steps=10 optim.lr=2e-2 min_lr_ratio=0.5: the
+    updates 7..10 use the new schedule at positions 6..9 (what an uninterrupted 10-step run
+    with those settings uses there), not the checkpoint's LR."""
+    data, tok = make_tiny_dataset(tmp_path / "data")
+    base = [*tiny_overrides(data, tok, tmp_path / "run", steps=6), "checkpoint.resume=auto",
+            "checkpoint.save_on_exit=true"]  # fmt: skip
+    start, first, _ = run_multiprocess(_lr_worker, 1, base)[0]
+    assert start == 0 and len(first) == 6
+    new = ["train.steps=10", "optim.lr=0.02", "optim.schedule.min_lr_ratio=0.5"]
+    start, resumed, changed = run_multiprocess(_lr_worker, 1, [*base, *new])[0]
+    assert start == 6 and len(resumed) == 4
+    assert changed["train.steps"] == (6, 10) and changed["optim.lr"] == (0.01, 0.02)
+    fresh = [*tiny_overrides(data, tok, tmp_path / "fresh", steps=10), *new]
+    _, straight, _ = run_multiprocess(_lr_worker, 1, fresh)[0]
+    assert resumed == straight[6:]
+    assert resumed[-1] > 0.02 * 0.5 and first[-1] < resumed[0]
+
+
+def _layout_worker(rank: int, world: int, overrides: list[str]) -> str:
+    from longboat.core.checkpoint import CheckpointError
+    from longboat.llm.train.training import train as run
+
+    try:
+        run(compose(overrides, world_size=world))
+    except CheckpointError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.multiprocess
+def test_a_changed_parallel_layout_is_named_not_a_dcp_traceback(tmp_path: Path) -> None:
+    data, tok = make_tiny_dataset(tmp_path / "data")
+    base = [*_overrides(data, tok, tmp_path / "run")]
+    run_multiprocess(_stop_at_worker, 2, [*base, "parallel.tensor_parallel=2"], 0)
+    messages = run_multiprocess(_layout_worker, 2, [*base, "train.steps=12"])
+    for msg in messages:
+        assert "parallel.tensor_parallel=2 (this run: 1)" in msg, msg
+        assert "checkpoint.resume=none" in msg and "Missing key" not in msg
