@@ -5,7 +5,7 @@ and a DDP hook then adds it into the layer's fp32 ``main_grad`` slice of the gra
 more pass over every weight (read bf16 + read fp32 + write fp32, 10 bytes a parameter) and a
 bf16 gradient allocated per layer. megatron can instead let the GEMM accumulate into
 ``main_grad`` itself (``TransformerConfig.gradient_accumulation_fusion``), but only through
-apex's ``fused_weight_gradient_mlp_cuda`` extension, which is not installed here.
+apex's ``fused_weight_gradient_mlp_cuda`` extension, which longboat does not require.
 
 :func:`install_wgrad_fusion` gives megatron a stand-in for that extension built on torch:
 
