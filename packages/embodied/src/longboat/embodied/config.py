@@ -106,7 +106,7 @@ class EmbodiedTrainConfig(TrainConfig):
     scratch and torch's fused AdamW, then the master -> bf16 copy) or kernel (one Triton pass per
     param group reading the bf16 grads and writing masters, moments and bf16 weights: ~26
     instead of ~85 bytes a parameter with split storage, no scratch; CUDA only, the slices
-    elsewhere; opt-in until it has run on a GPU). Same update rule either way."""
+    elsewhere; opt-in). Same update rule either way."""
     cuda_graph: bool = False
     """Replay each training step (forward, backward, clip, AdamW update) as one CUDA graph
     (core's ``GraphedStep``, captured after 3 eager steps). Needs train.master_weights=true

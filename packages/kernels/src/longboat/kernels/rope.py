@@ -232,7 +232,7 @@ def apply_rope(
         raise ValueError(
             f"apply_rope: rotary_dim {2 * cos.shape[-1]} exceeds head_dim {q.shape[-1]}"
         )
-    # Inductor ties (0.171 ms both on H200) and can fuse the rotation into neighbours.
+    # Inductor ties (benchmarks/notes/kernels.md) and can fuse the rotation into neighbours.
     if resolve_impl(impl, q, compiled_reference_wins=True) == "torch":
         return apply_rope_torch(q, k, cos, sin, position_ids)
     return apply_rope_triton(q, k, cos, sin, position_ids)

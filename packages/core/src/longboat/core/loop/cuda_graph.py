@@ -36,7 +36,7 @@ captured) ``GraphCaptureError`` says so: the capture ran the step's Python side 
 kernels, so gradients and optimizer state can no longer be trusted and the run must restart
 (from its last checkpoint) with the graph off; this happens at step ``warmup + 1``. Restart
 the process, too: torch leaves the CUDA generator of a failed capture unusable ("Offset
-increment outside graph capture" on the next random op, seen on an H200).
+increment outside graph capture" on the next random op).
 """
 
 from __future__ import annotations

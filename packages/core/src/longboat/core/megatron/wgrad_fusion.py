@@ -11,7 +11,7 @@ apex's ``fused_weight_gradient_mlp_cuda`` extension, which longboat does not req
 
 - fp32 ``main_grad``: ``addmm`` with bf16 inputs and fp32 output (``out_dtype``), accumulated
   in place (cuBLAS ``C = A B + C``): the product is never rounded to bf16, so the gradient is
-  at least as precise as before (measured H200: one GEMM instead of a GEMM + an add pass);
+  at least as precise as before (one GEMM instead of a GEMM + an add pass);
 - bf16 / fp16 ``main_grad``: ``addmm_`` in that dtype;
 - where ``addmm`` has no ``out_dtype`` (CPU), the product is formed in fp32 and added:
   the same values, one extra pass.

@@ -98,8 +98,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     group when one with more than one rank is initialized).
     ``kernel_impl``: None, the ``torch._fused_adamw_`` slices; ``"triton"`` / ``"torch"``,
     one ``adamw_master_step_`` pass per param group in that implementation (the Triton kernel
-    is what ``train.master_weight_update=kernel`` picks on CUDA: opt-in, not yet run on a
-    GPU; the torch reference allocates full-size temporaries: for checks on small models).
+    is what ``train.master_weight_update=kernel`` picks on CUDA; the torch reference allocates full-size temporaries: for checks on small models).
     ``master_storage``: ``"fp32"`` (a flat fp32 master buffer) or ``"split"`` (the bf16
     weights plus int16 low halves: the same masters in 2 bytes a parameter less; needs
     ``param_dtype=torch.bfloat16``), see the module doc.

@@ -58,18 +58,18 @@ def lagged_guard_blocker(
     or not; ``one_pass``: the loop's ``OnePassAdamW``, if any), else why not (the loop then
     reads the loss every step: the synchronous guard)."""
     if not guard_cfg.enabled:
-        return "train.nan_guard.enabled=false (no guard)"
+        return "train.nan_guard.enabled=false: no guard"
     if one_pass is not None:
         if one_pass.handles():
             return None  # it skips (and clips) on the device itself
-        return "llm.one_pass_adamw cannot take this step (fp16 loss scaling or mixed groups)"
+        return "llm.one_pass_adamw cannot take this step: fp16 loss scaling or mixed groups"
     parts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
     if any(float(getattr(p.config, "clip_grad", 0.0) or 0.0) > 0.0 for p in parts):
-        return "optim.grad_clip > 0 (megatron's step() reads the grad norm on the host)"
+        return "optim.grad_clip > 0: megatron's step() reads the grad norm on the host"
     if any(getattr(p, "grad_scaler", None) is not None for p in parts):
-        return "fp16 loss scaling (megatron's step() reads found_inf on the host)"
+        return "fp16 loss scaling: megatron's step() reads found_inf on the host"
     if not fused:
-        return "optim.fused=false (only torch's fused AdamW skips an update on found_inf)"
+        return "optim.fused=false: only torch's fused AdamW skips an update on found_inf"
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
     devices = set(_get_fused_kernels_supported_devices())
