@@ -5,7 +5,7 @@ installs from the committed ``uv.lock`` with uv, so local runs and CI see the
 same versions.
 
     uv run nox -s tests            # every package's default test run
-    uv run nox -s "tests(core)"    # one package
+    uv run nox -s "tests(core)"    # one package ("tests(tools)": the benchmark scripts)
     uv run nox -s build isolation  # wheels + sdists, then each wheel alone
     uv run nox -s gpu              # GPU tests and benchmarks (needs CUDA)
 """
@@ -34,6 +34,8 @@ PACKAGES = {
     "embodied": "longboat-embodied",
     "xpu-plugin": "longboat-xpu-plugin",
 }
+TEST_DIRS = {name: ROOT / "packages" / name / "tests" for name in PACKAGES}
+TEST_DIRS["tools"] = ROOT / "tools"  # the benchmark scripts at --tiny shapes, the launch tests
 DIST = ROOT / "dist"
 TEST_ENV = ROOT / ".nox" / "test-env"
 
@@ -74,7 +76,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def imports(session: nox.Session) -> None:
-    """import-linter: the package boundaries of ARCHITECTURE.md."""
+    """import-linter: the package boundaries of docs/ARCHITECTURE.md."""
     _sync(session)
     session.run("lint-imports")
 
@@ -104,11 +106,11 @@ def _test_env(session: nox.Session) -> pathlib.Path:
 
 
 @nox.session(venv_backend="none")
-@nox.parametrize("package", list(PACKAGES))
+@nox.parametrize("package", list(TEST_DIRS), ids=list(TEST_DIRS))
 def tests(session: nox.Session, package: str) -> None:
-    """One package's default test run (no slow or GPU tests)."""
+    """One package's default test run (no slow or GPU tests; tools: tools/*/tests)."""
     bin_dir = _test_env(session)
-    tests_dir = ROOT / "packages" / package / "tests"
+    tests_dir = TEST_DIRS[package]
     args = session.posargs or ["-m", "not slow and not gpu"]
     session.run(
         str(bin_dir / "pytest"),
@@ -122,11 +124,12 @@ def tests(session: nox.Session, package: str) -> None:
 
 @nox.session(venv_backend="none")
 def slow(session: nox.Session) -> None:
-    """The slow tests of every package (multi-process at world size 4, long runs)."""
+    """The slow tests of every package and tool (world size 4, two simulated nodes, long runs)."""
     bin_dir = _test_env(session)
     session.run(
         str(bin_dir / "pytest"),
         "packages",
+        "tools",
         "-m",
         "slow and not gpu",
         *session.posargs,
@@ -141,7 +144,9 @@ def gpu(session: nox.Session) -> None:
     probe = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
     if subprocess.run([str(bin_dir / "python"), "-c", probe], check=False).returncode != 0:
         session.skip("no CUDA device on this machine")
-    session.run(str(bin_dir / "pytest"), "packages", "-m", "gpu", *session.posargs, external=True)
+    session.run(
+        str(bin_dir / "pytest"), "packages", "tools", "-m", "gpu", *session.posargs, external=True
+    )
 
 
 @nox.session

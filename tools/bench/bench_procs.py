@@ -1,86 +1,60 @@
-"""One-worker-per-device plumbing shared by the scaling benchmarks (llm_scaling, vla_scaling).
+"""The phases of the scaling benchmarks (llm_scaling, vla_scaling), each in its own processes.
 
-The parent spawns ``nprocs`` workers, each ``worker(rank, nprocs, decisions, barrier, *extra)``,
-and kills them at the time budget (+ 15 s of grace); the workers walk the same list of phases,
-rank 0 decides for all of them whether a phase runs (``agree``: a decision passed through a
-queue, so every rank takes the same branch and none waits in a collective alone), and
-``gather`` collects a value from every rank of a phase's process group.
+``run_phases`` runs every ``(name, world)`` phase as ``world`` processes through core's
+``run_multiprocess``: torchrun's variables and the process group are set up before the phase
+function runs, so the stack's ``build_training`` joins that group (gloo and forked workers on
+CPU, NCCL and spawned workers on GPUs, where no CUDA state may be inherited). A phase is
+skipped when less than 1.3 x the last phase's time is left of the budget, a failed phase is
+recorded, and the results are rewritten after each phase.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import time
+import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 
-def agree[T](rank: int, nprocs: int, decisions: Any, decide: Callable[[], T], timeout: float) -> T:
-    """Rank 0 runs ``decide()`` and hands the result to every other rank; all return it."""
-    if rank == 0:
-        decision = decide()
-        for _ in range(nprocs - 1):
-            decisions.put(decision)
-        return decision
-    return decisions.get(timeout=timeout)
-
-
-def gather(obj: Any) -> list[Any]:
-    """``obj`` of every rank of the live process group (rank order)."""
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def run_workers(
-    worker: Callable[..., None],
-    nprocs: int,
+def run_phases(
+    phases: list[tuple[str, int]],
+    fn: Callable[..., dict[str, Any]],
     extra: tuple[Any, ...],
+    summarize: Callable[[str, int, list[dict[str, Any]]], dict[str, Any]],
+    result: dict[str, Any],
+    write: Callable[[], None],
     *,
+    cpu: bool,
     time_budget: float,
     t_start: float,
-) -> tuple[list[int | None], list[int]]:
-    """Spawn the workers (``spawn`` start method) and wait for them, killing those still
-    running 15 s after the budget (``time_budget`` seconds from ``t_start``; 0: no limit).
-    Returns (exit codes, killed ranks)."""
-    import torch.multiprocessing as tmp
+    phase_s: float,
+) -> None:
+    """``fn(rank, world, name, *extra)`` on every rank of each phase, then
+    ``summarize(name, world, per_rank)`` into ``result["runs"]``; ``phase_s``: the time a
+    phase is assumed to take before one was measured."""
+    from longboat.core.distributed.multiprocess import run_multiprocess
 
-    ctx = tmp.get_context("spawn")
-    decisions = ctx.Queue()
-    barrier = ctx.Barrier(nprocs)
-    procs = [
-        ctx.Process(target=worker, args=(rank, nprocs, decisions, barrier, *extra))
-        for rank in range(nprocs)
-    ]
-    for proc in procs:
-        proc.start()
-    deadline = t_start + time_budget + 15 if time_budget else math.inf
-    for proc in procs:
-        proc.join(timeout=max(0.0, deadline - time.time()) if time_budget else None)
-    killed = [i for i, proc in enumerate(procs) if proc.is_alive()]
-    for i in killed:
-        procs[i].kill()  # our own worker, by handle
-        procs[i].join()
-    return [proc.exitcode for proc in procs], killed
-
-
-def report_failure(
-    codes: list[int | None], killed: list[int], written: Path | None, table: Callable
-) -> bool:
-    """Print what went wrong (and the partial results file's table, written after the last
-    finished phase); True when a worker failed or was killed."""
-    if not killed and all(code == 0 for code in codes):
-        return False
-    print(
-        f"workers ended with exit codes {codes}"
-        + (f" (ranks {killed} killed at the time budget)" if killed else ""),
-        flush=True,
-    )
-    if written is not None and written.is_file():
-        print("partial results (written after the last finished phase):")
-        print(table(json.loads(written.read_text())), flush=True)
-    return True
+    last: float | None = None
+    for name, world in phases:
+        left = time_budget - (time.time() - t_start) if time_budget else 3600.0
+        if time_budget and left < 1.3 * (last or phase_s):
+            result["skipped"].append(f"{name}: skipped: time budget ({left:.0f}s left)")
+            print(f"== {name}: skipped ({left:.0f}s left)", flush=True)
+            continue
+        print(f"== {name} ({world} process(es))", flush=True)
+        t0 = time.time()
+        try:
+            per_rank = run_multiprocess(
+                fn, world, name, *extra, backend="gloo" if cpu else "nccl", timeout=left,
+                start_method="fork" if cpu else "spawn",
+            )  # fmt: skip
+            entry = summarize(name, world, per_rank)
+        except Exception as exc:
+            traceback.print_exc()
+            entry = {"name": name, "gpus": world, "error": f"{type(exc).__name__}: {exc}"}
+            result["errors"].append(f"{name}: {entry['error'][-2000:]}")
+            print(entry["error"], flush=True)
+        last = time.time() - t0
+        result["runs"].append(entry)
+        result["wall_s"] = time.time() - t_start
+        write()

@@ -1,7 +1,7 @@
 """Where a training step's time goes: a torch.profiler window summarised for a person.
 
-Shared by the benchmark scripts in tools/bench. ``profile_steps`` runs a few steps under
-``torch.profiler`` and writes two things:
+Shared by the benchmark scripts in tools/bench. A ``ProfileWindow`` (a baseline's loop:
+``profile_steps``; a longboat run: ``ProfileCallback`` on the trainer) writes two things:
 
 - the usual op table (self device time, or CPU time without a GPU);
 - a per-step summary: wall time, device busy time (the union of kernel intervals, so
@@ -92,49 +92,81 @@ def summary_text(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+class ProfileWindow:
+    """torch.profiler over a window of steps: ``start()``, the steps, ``stop(steps)`` writes
+    the op table and the per-step summary to ``out`` and returns the summary."""
+
+    def __init__(self, acc: Any, out: Path, title: str = "", row_limit: int = 70) -> None:
+        self.acc, self.out, self.title, self.row_limit = acc, out, title, row_limit
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if self.acc.device_type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        self.acc.synchronize()
+        self.prof = profile(activities=activities)
+        self.prof.__enter__()
+        self.t0 = time.perf_counter()
+
+    def stop(self, steps: int) -> dict[str, Any] | None:
+        self.acc.synchronize()
+        wall = time.perf_counter() - self.t0
+        self.prof.__exit__(None, None, None)
+        kernels = []
+        for ev in self.prof.events():
+            dev = getattr(ev, "device_type", None)
+            # Kernels only: annotations ("Optimizer.step#AdamW.step", "ProfilerStep#3") also
+            # show up as device ranges and would count their kernels twice.
+            if "#" in ev.name or ev.name.startswith("ProfilerStep"):
+                continue
+            if dev is not None and "CUDA" in str(dev) and ev.time_range.elapsed_us() > 0:
+                start, dur = float(ev.time_range.start), float(ev.time_range.elapsed_us())
+                kernels.append((ev.name, start, dur))
+        summary = summarize(kernels, steps, wall) if kernels else None
+        key = "self_cuda_time_total" if self.acc.device_type == "cuda" else "self_cpu_time_total"
+        table = self.prof.key_averages().table(
+            sort_by=key, row_limit=self.row_limit, max_name_column_width=70
+        )
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        body = (summary_text(summary) + "\n\n") if summary else ""
+        self.out.write_text(
+            f"{self.title}\n{steps} profiled steps (profiler overhead included in wall)\n"
+            f"{body}sorted by {key}\n{table}"
+        )
+        print(f"  profile: {self.out}", flush=True)
+        if summary:
+            print(summary_text(summary), flush=True)
+        return summary
+
+
 def profile_steps(
-    acc: Any,
-    run_step: Callable[[int], Any],
-    steps: int,
-    out: Path | None,
-    *,
-    title: str = "",
-    row_limit: int = 70,
+    acc: Any, run_step: Callable[[int], Any], steps: int, out: Path | None, *, title: str = ""
 ) -> dict[str, Any] | None:
-    """Run ``run_step(i)`` for ``steps`` steps under torch.profiler; write the op table and
-    the per-step summary to ``out`` (a text file); return the summary (None when skipped)."""
+    """Run ``run_step(i)`` for ``steps`` steps in a ``ProfileWindow`` (None when skipped)."""
     if steps <= 0 or out is None:
         return None
-    from torch.profiler import ProfilerActivity, profile
+    window = ProfileWindow(acc, out, title)
+    window.start()
+    for i in range(steps):
+        run_step(i)
+    return window.stop(steps)
 
-    activities = [ProfilerActivity.CPU]
-    if acc.device_type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    acc.synchronize()
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        for i in range(steps):
-            run_step(i)
-        acc.synchronize()
-        wall = time.perf_counter() - t0
-    kernels = []
-    for ev in prof.events():
-        dev = getattr(ev, "device_type", None)
-        # Kernels only: user annotations ("Optimizer.step#AdamW.step", "ProfilerStep#3") also
-        # show up as device ranges and would count their kernels twice.
-        if "#" in ev.name or ev.name.startswith("ProfilerStep"):
-            continue
-        if dev is not None and "CUDA" in str(dev) and ev.time_range.elapsed_us() > 0:
-            kernels.append((ev.name, float(ev.time_range.start), float(ev.time_range.elapsed_us())))
-    summary = summarize(kernels, steps, wall) if kernels else None
-    key = "self_cuda_time_total" if acc.device_type == "cuda" else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=key, row_limit=row_limit, max_name_column_width=70)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    head = f"{title}\n" if title else ""
-    body = (summary_text(summary) + "\n\n") if summary else ""
-    out.write_text(f"{head}{steps} profiled steps (profiler overhead included in wall)\n{body}"
-                   f"sorted by {key}\n{table}")  # fmt: skip
-    print(f"  profile: {out}", flush=True)
-    if summary:
-        print(summary_text(summary), flush=True)
-    return summary
+
+class ProfileCallback:
+    """A ``Trainer`` callback profiling steps ``first + 1 .. first + steps``; the summary lands
+    in ``summary``."""
+
+    exact = False
+
+    def __init__(self, acc: Any, first: int, steps: int, out: Path, title: str = "") -> None:
+        self.first, self.steps = first, steps
+        self.window = ProfileWindow(acc, out, title)
+        self.summary: dict[str, Any] | None = None
+
+    def on_step_end(self, trainer: Any, step: int, out: Any) -> None:
+        if step == self.first:
+            self.window.start()
+        elif step == self.first + self.steps:
+            self.summary = self.window.stop(self.steps)

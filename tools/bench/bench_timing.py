@@ -1,68 +1,50 @@
 """Step times of a training loop that runs steps back to back, as a real loop does.
 
 A loop that synchronises the device after every step serialises the host and the device:
-whatever the host does between steps (the next batch, host-to-device copies, RNG seeding,
-the launches before the first kernel) leaves the device idle, although a training loop
-that reads its loss only at log points hides that work behind the device's previous step.
-``StepClock`` times steps without that per-step sync: it records a device event after
-each step is enqueued, and a step's time is the gap between consecutive events on the
-device's timeline. Where the host falls behind (a step that reads a value on the host, as
-an HF-Trainer-style loop's per-step ``loss.item()`` does, or a slow input pipeline) the
-device idles and the gap shows it; where the host keeps ahead, the gap is the device time.
+whatever the host does between steps (the next batch, host-to-device copies, the launches
+before the first kernel) leaves the device idle, although a training loop that reads its loss
+only at log lines hides that work behind the device's previous step. ``StepClock`` records a
+device event after each step is enqueued; a step's time is the gap between consecutive events
+on the device's timeline. Where the host falls behind (a loop that reads a value every step,
+as an HF-Trainer-style ``loss.item()`` does, or a slow input pipeline) the device idles and
+the gap shows it; where the host keeps ahead, the gap is the device time.
 
-``sync_every_step=True`` gives the previous method (synchronise before and after every
-step, host wall time per step) for comparisons with older result files.
+The longboat runs are timed by ``StepTimer``, a callback on core's ``Trainer``; a baseline's
+own loop by ``time_loop``. Both report the same numbers (``summary``).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from longboat.core.train import Callback
+
+METHOD = "steps back to back, device events between steps (no per-step sync)"
 
 
 class StepClock:
-    """Marks step boundaries on the device's stream; ``step_times()`` reads them afterwards.
+    """``start()`` before the first timed step (one device sync), ``mark()`` after each timed
+    step is enqueued (no sync), ``stop()`` after the last (one sync; returns the window's wall
+    seconds); ``step_times()`` reads the event gaps afterwards."""
 
-    ``start()`` before the first timed step (one device sync), ``mark()`` after each timed
-    step is enqueued (no sync), ``stop()`` after the last one (one device sync; returns the
-    window's wall time in seconds).
-    """
-
-    def __init__(self, acc: Any, *, sync_every_step: bool = False) -> None:
+    def __init__(self, acc: Any) -> None:
         self.acc = acc
-        self.sync_every_step = sync_every_step
         self._events: list[Any] = []
-        self._host: list[float] = []
         self._t0: float | None = None
         self._wall: float | None = None
-
-    @property
-    def method(self) -> str:
-        if self.sync_every_step:
-            return "device synchronize before and after every step (host wall time)"
-        return "steps back to back, device events between steps (no per-step sync)"
 
     def start(self) -> None:
         self.acc.synchronize()
         self._t0 = time.perf_counter()
-        self._host = [self._t0]
         self._events = [self._record()]
 
-    def before_step(self) -> None:
-        """Call right before a timed step (a device sync in ``sync_every_step`` mode)."""
-        if self.sync_every_step:
-            self.acc.synchronize()
-            self._host.append(time.perf_counter())
-
     def mark(self) -> None:
-        """Call right after a timed step was enqueued."""
         if self._t0 is None:
             raise RuntimeError("StepClock.mark() before start()")
-        if self.sync_every_step:
-            self.acc.synchronize()
-            self._host.append(time.perf_counter())
-        else:
-            self._events.append(self._record())
+        self._events.append(self._record())
 
     def stop(self) -> float:
         if self._t0 is None:
@@ -72,16 +54,105 @@ class StepClock:
         return self._wall
 
     def step_times(self) -> list[float]:
-        """Seconds per timed step (call after ``stop()``)."""
+        """Seconds per timed step (after ``stop()``)."""
         if self._wall is None:
             raise RuntimeError("StepClock.step_times() before stop()")
-        if self.sync_every_step:
-            # host stamps: start, then (before, after) per step
-            stamps = self._host[1:]
-            return [b - a for a, b in zip(stamps[0::2], stamps[1::2])]
         return [a.elapsed_time(b) / 1000.0 for a, b in zip(self._events, self._events[1:])]
 
     def _record(self) -> Any:
         event = self.acc.event(enable_timing=True)
         event.record()
         return event
+
+
+class Timing:
+    """What a timed window measured: device step times, the window's wall clock, and per
+    step the host's wait for the batch and its whole loop iteration."""
+
+    def __init__(self, acc: Any) -> None:
+        self.clock = StepClock(acc)
+        self.step_times: list[float] = []
+        self.window_s = 0.0
+        self.data_wait: list[float] = []
+        self.host: list[float] = []
+
+    def summary(self, items_per_step: float) -> dict[str, Any]:
+        med = statistics.median(self.step_times)
+        return {
+            "median_step_s": med,
+            "items_per_s": items_per_step / med,
+            "window_items_per_s": items_per_step * len(self.step_times) / self.window_s,
+            "step_times_s": self.step_times,
+            "window_s": self.window_s,
+            "data_wait_s": statistics.median(self.data_wait) if self.data_wait else None,
+            "host_step_s": statistics.median(self.host) if self.host else None,
+            "timed_steps": len(self.step_times),
+            "timing": METHOD,
+        }
+
+
+class StepTimer(Callback):
+    """Times steps ``warmup + 1 .. warmup + steps`` of a ``Trainer.fit`` (``warmup >= 1``:
+    the clock starts when warm-up step ``warmup`` is queued)."""
+
+    exact = False
+
+    def __init__(self, acc: Any, warmup: int, steps: int) -> None:
+        if warmup < 1:
+            raise ValueError("StepTimer needs warmup >= 1 (the clock starts after a step)")
+        self.warmup, self.steps = warmup, steps
+        self.timing = Timing(acc)
+        self.data_wait: list[float] = []
+        """Filled by ``timed_batches``: the host's wait for each step's batch."""
+        self._last = 0.0
+
+    def on_step_end(self, trainer: Any, step: int, out: Any) -> None:
+        t, now = self.timing, time.perf_counter()
+        if self.warmup < step <= self.warmup + self.steps:
+            t.clock.mark()
+            t.host.append(now - self._last)
+            t.data_wait.append(self.data_wait[step - 1])
+            if step == self.warmup + self.steps:
+                t.window_s = t.clock.stop()
+                t.step_times = t.clock.step_times()
+        elif step == self.warmup:
+            t.clock.start()
+        self._last = time.perf_counter()
+
+    def timed_batches(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches`` with the wait for each recorded in ``data_wait``."""
+        while True:
+            t0 = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.data_wait.append(time.perf_counter() - t0)
+            yield batch
+
+
+def time_loop(
+    acc: Any,
+    batches: Iterator[Any],
+    step: Callable[[Any, int], Any],
+    warmup: int,
+    steps: int,
+) -> tuple[Timing, list[float]]:
+    """A baseline's own loop: ``step(next(batches), i)`` for ``warmup + steps`` steps, the
+    last ``steps`` timed; returns the timing and every step's loss (a device tensor or a
+    float per step, read after the window)."""
+    timing, losses = Timing(acc), []
+    for i in range(warmup + steps):
+        if i == warmup:
+            timing.clock.start()
+        t0 = time.perf_counter()
+        batch = next(batches)
+        t1 = time.perf_counter()
+        losses.append(step(batch, i))
+        if i >= warmup:
+            timing.clock.mark()
+            timing.data_wait.append(t1 - t0)
+            timing.host.append(time.perf_counter() - t0)
+    timing.window_s = timing.clock.stop()
+    timing.step_times = timing.clock.step_times()
+    return timing, [float(x) for x in losses]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import math
 import sys
 import time
@@ -28,16 +27,13 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[2]
-for sub in ("packages/core/src", "packages/kernels/src"):
-    if str(REPO / sub) not in sys.path:
-        sys.path.insert(0, str(REPO / sub))
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_env import git_commit, pyplot, versions  # noqa: E402
+from bench_env import git_commit, versions, write_results  # noqa: E402
 from bench_env import gpu_name as _gpu_name  # noqa: E402
 
 from longboat import kernels as K  # noqa: E402
+from longboat.core.device import get_accelerator  # noqa: E402
 
 Fn = Callable[..., Any]
 
@@ -45,43 +41,23 @@ Fn = Callable[..., Any]
 # --------------------------------------------------------------------------- device helpers
 
 
-def _accelerator() -> Any:
-    try:
-        from longboat.core.device import get_accelerator
-
-        return get_accelerator()
-    except Exception:  # core.device absent or broken: fall back to torch.accelerator
-        return None
-
-
-ACC = _accelerator()
+ACC = get_accelerator()
 
 
 def synchronize() -> None:
-    if ACC is not None:
-        ACC.synchronize()
-    elif torch.accelerator.is_available():
-        torch.accelerator.synchronize()
+    ACC.synchronize()
 
 
 def reset_peak() -> None:
-    if ACC is not None:
-        ACC.reset_peak_memory_stats()
-    elif torch.accelerator.is_available():
-        torch.accelerator.reset_peak_memory_stats()
+    ACC.reset_peak_memory_stats()
 
 
 def mem_gb() -> tuple[float, float]:
     """(allocated, peak allocated) in GB on the accelerator; zeros on CPU."""
-    if ACC is not None and ACC.device_type != "cpu":
-        s = ACC.memory_stats()
-        return s["allocated_gb"], s["peak_allocated_gb"]
-    if torch.accelerator.is_available():
-        return (
-            torch.accelerator.memory_allocated() / 2**30,
-            torch.accelerator.max_memory_allocated() / 2**30,
-        )
-    return 0.0, 0.0
+    if ACC.device_type == "cpu":
+        return 0.0, 0.0
+    s = ACC.memory_stats()
+    return s["allocated_gb"], s["peak_allocated_gb"]
 
 
 def bench_graph_ms(fn: Fn, rep_ms: int) -> float | None:
@@ -384,8 +360,7 @@ def run_case(case: Case, a: argparse.Namespace) -> None:
             case.results[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             print(f"[kernels bench] {case.name}/{name} failed: {exc!r}", flush=True)
         del inputs, extra, grads
-        if ACC is not None:
-            ACC.empty_cache()
+        ACC.empty_cache()
         print(f"[kernels bench] {case.name}/{name}: {case.results[name]}", flush=True)
 
 
@@ -483,27 +458,23 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    plt = pyplot("[kernels bench] matplotlib missing: no PNG")
-    if plt is None:
-        return
-    names = [r["name"] for r in rows]
-    impls = ("eager", "compile", "liger", "longboat")
-    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(rows)), 4.5))
-    width = 0.2
-    for i, impl in enumerate(impls):
-        vals = [
-            (r["eager_ms"] / r[f"{impl}_ms"]) if r.get(f"{impl}_ms") and r["eager_ms"] else 0
-            for r in rows
-        ]
-        ax.bar([j + (i - 1.5) * width for j in range(len(rows))], vals, width, label=impl)
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks(range(len(rows)), names, rotation=20, ha="right")
-    ax.set_ylabel("speedup over torch eager (fwd+bwd)")
-    ax.set_title("longboat kernels vs torch eager / torch.compile / Liger")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def plot(rows: list[dict[str, Any]]) -> Any:
+    def draw(plt: Any) -> Any:
+        impls = ("eager", "compile", "liger", "longboat")
+        fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(rows)), 4.5))
+        for i, impl in enumerate(impls):
+            vals = [(r["eager_ms"] / r[f"{impl}_ms"]) if r.get(f"{impl}_ms") and r["eager_ms"]
+                    else 0 for r in rows]  # fmt: skip
+            ax.bar([j + (i - 1.5) * 0.2 for j in range(len(rows))], vals, 0.2, label=impl)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(range(len(rows)), [r["name"] for r in rows], rotation=20, ha="right")
+        ax.set_ylabel("speedup over torch eager (fwd+bwd)")
+        ax.set_title("longboat kernels vs torch eager / torch.compile / Liger")
+        ax.legend()
+        fig.tight_layout()
+        return fig
+
+    return draw
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -563,13 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     result = {**meta, "runs": rows}
     table = markdown(rows, meta)
-    a.results_dir.mkdir(parents=True, exist_ok=True)
-    stem = a.results_dir / f"kernels_{a.date}"
-    for path in {a.out, stem.with_suffix(".json")}:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(table)
-    plot(rows, stem.with_suffix(".png"))
+    write_results(result, out=a.out, results_dir=a.results_dir, stem=f"kernels_{a.date}",
+                  table=table, plot=plot(rows))  # fmt: skip
     print(table, flush=True)
     return 0
 

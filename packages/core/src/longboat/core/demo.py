@@ -264,8 +264,10 @@ class DemoTraining(Training):
 
 
 def build_training(cfg: Any) -> DemoTraining:
-    """The demo's assembly: model, optimizer, data and step from the typed config."""
-    return DemoTraining(cfg)
+    """The demo's assembly: model, optimizer, data and step from a composed config."""
+    from longboat.core.train import typed_config
+
+    return DemoTraining(typed_config(cfg))
 
 
 def run(cfg: Any, *, on_step: Callable[[int], None] | None = None) -> RunResult:

@@ -30,7 +30,14 @@ import torch
 import torch.distributed as dist
 
 from longboat.core.config.errors import ConfigError
-from longboat.core.train import RunResult, StepOutput, Training, UpdateGate, run_training
+from longboat.core.train import (
+    RunResult,
+    StepOutput,
+    Training,
+    UpdateGate,
+    run_training,
+    typed_config,
+)
 
 RECOMPUTE: dict[str, dict[str, Any]] = {
     "none": {},
@@ -394,8 +401,9 @@ class LLMTraining(Training):
 
 
 def build_training(cfg: Any) -> LLMTraining:
-    """The LLM stack's assembly of a run from its typed config (see the module doc)."""
-    return LLMTraining(cfg)
+    """The LLM stack's assembly of a run from a composed config (a DictConfig, converted
+    once, or the typed ``LLMExperimentConfig``; see the module doc)."""
+    return LLMTraining(typed_config(cfg))
 
 
 def train(cfg: Any, *, on_step: Callable[[int], None] | None = None) -> RunResult:

@@ -1,0 +1,268 @@
+"""The LLM baselines: Hugging Face transformers Llama as the HF Trainer trains it, and upstream
+megatron-core ``GPTModel`` with megatron's own local layer spec.
+
+Both read the model shape and the optimizer settings from the composed longboat config
+(``cfg.model``: an ``LLMModelConfig``; ``cfg.optim``), so every run of a benchmark trains the
+same shapes with the same hyperparameters; nothing else of longboat is used, except
+``longboat.core.megatron.parallel_state`` to set up megatron's process groups (below).
+
+``HFStep`` (runs ``hf_eager``, ``hf_compiled``, ``hf_liger``): ``LlamaForCausalLM`` (SDPA
+attention, random init with ``initializer_range = model.init_std``), fp32 weights under bf16
+autocast (HF Trainer ``bf16=True``), ``torch.optim.AdamW(fused=True)`` with weight decay on
+matrices only (the Trainer exempts biases and norms), ``clip_grad_norm_`` at
+``optim.grad_clip`` (the Trainer's ``max_grad_norm``, 1.0 by default); ``compiled``: the
+whole model ``torch.compile``d; ``liger``: ``apply_liger_kernel_to_llama`` (RoPE, RMSNorm,
+SwiGLU, fused linear cross-entropy). How it differs from a user's HF Trainer run:
+
+1. No ``Trainer`` object: its per-step host work (logging every ``logging_steps``, the
+   callbacks) is left out, which only favours the baseline; ``loss.item()`` is not read
+   every step (the Trainer reads it at logging steps).
+2. The LR follows ``lr_factor`` (the product config's warm-up + decay) when given (loss
+   alignment), else it is constant (throughput: the scheduler's step costs no device time).
+3. The loss alignment passes ``shift_labels`` (the product's targets, -100 where its
+   ``loss_mask`` is 0) instead of ``labels=input_ids``: the same positions and mean.
+
+``McoreStep`` (run ``mcore_local_spec``): ``GPTModel`` + ``get_gpt_layer_local_spec``
+(no Transformer Engine: unfused attention, torch norms), bf16 params, megatron DDP (fp32
+grad buffer) and ``get_megatron_optimizer`` (fp32 main weights, clipping at
+``optim.grad_clip``), the loss from ``GPTModel(labels=...)``. Differences from upstream:
+megatron without TE / apex falls back to torch's AdamW with ``foreach``; its param groups are
+switched to ``fused=True`` (what TE's fused Adam gives megatron users). The process groups
+come from ``longboat.core.megatron.parallel_state.initialize`` (megatron's
+``initialize_model_parallel`` + ``model_parallel_cuda_manual_seed``, and megatron's per-call
+TP-group lookup answered without its deprecation warning; on CPU it also routes megatron's
+``torch.cuda`` calls to the host, since megatron has no CPU path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def param_count(m: Any) -> int:
+    """Parameters of the Llama-style model ``m`` (an ``LLMModelConfig``)."""
+    h, hd = m.hidden_size, m.head_dim
+    attn = h * m.num_attention_heads * hd * 2 + 2 * h * m.num_query_groups * hd
+    layer = attn + 3 * h * m.ffn_hidden_size + 2 * h
+    return (1 if m.tie_embeddings else 2) * m.vocab_size * h + m.num_layers * layer + h
+
+
+def flops_per_token(m: Any, seq: int) -> float:
+    """6 N + 6 L s d_attn: N = every parameter (embedding and head included); attention's
+    QK^T and AV, 2 * 2 * s * d_attn per token per layer forward, x3 for forward + backward,
+    /2 for the causal mask; d_attn = heads * head_dim."""
+    return 6.0 * param_count(m) + 6.0 * m.num_layers * seq * m.num_attention_heads * m.head_dim
+
+
+def lr_factor(schedule: Any, total_steps: int) -> Callable[[int], float]:
+    """The multiplier of ``optim.lr`` at update ``s`` (``optim.schedule``: linear warm-up
+    ``(s + 1) / W``, then constant / linear / cosine to ``min_lr_ratio`` over the rest)."""
+    w, m, name = schedule.warmup_steps, schedule.min_lr_ratio, schedule.name
+    decay = schedule.decay_steps or max(1, total_steps - w)
+    if name not in ("constant", "linear", "cosine"):
+        raise ValueError(f"optim.schedule.name={name}: the reference knows constant/linear/cosine")
+
+    def f(s: int) -> float:
+        if s < w:
+            return (s + 1) / w
+        p = min(1.0, (s - w) / decay)
+        if name == "constant":
+            return 1.0
+        if name == "linear":
+            return 1.0 - (1.0 - m) * p
+        return m + (1.0 - m) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+    return f
+
+
+def hf_llama(m: Any, device: torch.device) -> torch.nn.Module:
+    """``LlamaForCausalLM`` with the shapes of ``m``, in train mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_query_groups,
+        head_dim=m.head_dim,
+        max_position_embeddings=m.max_position_embeddings,
+        rope_theta=m.rope_theta,
+        rms_norm_eps=m.norm_eps,
+        tie_word_embeddings=m.tie_embeddings,
+        attention_bias=m.attention_bias,
+        initializer_range=m.init_std,
+        use_cache=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    with device:
+        model = LlamaForCausalLM(cfg)
+    return model.train()
+
+
+class HFStep:
+    """One HF-Trainer-style step: ``step(tokens, shift_labels=None, i=0) -> loss``."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optim: Any,
+        device: torch.device,
+        *,
+        compiled: bool = False,
+        liger: bool = False,
+        autocast: bool = True,
+        lr_factor: Callable[[int], float] | None = None,
+    ) -> None:
+        if liger:
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+            apply_liger_kernel_to_llama(model=model)
+        self.forward_module = type(model).forward.__module__  # liger's when it is patched
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        rest = [p for p in model.parameters() if p.dim() < 2]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay}, {"params": rest, "weight_decay": 0.0}],
+            lr=optim.lr,
+            betas=tuple(optim.betas),
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+            fused=device.type == "cuda",
+        )
+        self.model, self.device, self.autocast = model, device, autocast
+        self.forward = torch.compile(model) if compiled else model
+        self.clip, self.lr, self.factor = optim.grad_clip, optim.lr, lr_factor
+
+    def __call__(self, tokens: torch.Tensor, shift_labels: Any = None, i: int = 0) -> Any:
+        if self.factor is not None:
+            for group in self.opt.param_groups:
+                group["lr"] = self.lr * self.factor(i)
+        kwargs = {} if shift_labels is None else {"shift_labels": shift_labels}
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            loss = self.forward(input_ids=tokens, labels=tokens, **kwargs).loss
+        loss.backward()
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+@contextlib.contextmanager
+def megatron_state(acc: Any, seed: int = 1234) -> Iterator[None]:
+    """A one-rank process group (when none is up) and megatron's parallel state."""
+    import torch.distributed as dist
+
+    from longboat.core.config.schema import ParallelConfig
+    from longboat.core.distributed.multiprocess import find_free_port
+    from longboat.core.megatron import parallel_state
+
+    own = not dist.is_initialized()
+    if own:
+        acc.set_device(0)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(find_free_port())
+        dist.init_process_group(acc.dist_backend, rank=0, world_size=1)
+    try:
+        parallel_state.initialize(ParallelConfig(), acc, seed=seed)
+        yield
+    finally:
+        if parallel_state.current_layout() is not None:
+            parallel_state.destroy()
+        if own and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class McoreStep:
+    """megatron-core's own ``GPTModel`` step: ``step(tokens, labels) -> loss`` (inside
+    ``megatron_state``)."""
+
+    def __init__(self, m: Any, optim: Any, device: torch.device) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_model import GPTModel
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        tcfg = TransformerConfig(
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            ffn_hidden_size=m.ffn_hidden_size,
+            num_attention_heads=m.num_attention_heads,
+            num_query_groups=m.num_query_groups,
+            kv_channels=m.head_dim,
+            normalization="RMSNorm",
+            layernorm_epsilon=m.norm_eps,
+            add_bias_linear=False,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            bias_activation_fusion=False,
+            masked_softmax_fusion=False,
+            bias_dropout_fusion=False,
+            apply_rope_fusion=False,
+            persist_layer_norm=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            init_method_std=m.init_std,
+            params_dtype=torch.bfloat16,
+            bf16=True,
+            pipeline_dtype=torch.bfloat16,
+            use_cpu_initialization=device.type != "cuda",  # on the GPU: seconds, not minutes
+            gradient_accumulation_fusion=False,  # needs TE / apex
+        )
+        model = GPTModel(
+            config=tcfg,
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            vocab_size=m.vocab_size,
+            max_sequence_length=m.max_position_embeddings,
+            share_embeddings_and_output_weights=m.tie_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(m.rope_theta),
+        ).to(device)
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+        self.ddp = DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=model)
+        self.opt = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=optim.lr,
+                weight_decay=optim.weight_decay,
+                adam_beta1=float(optim.betas[0]),
+                adam_beta2=float(optim.betas[1]),
+                adam_eps=optim.eps,
+                clip_grad=optim.grad_clip,
+                bf16=True,
+                params_dtype=torch.bfloat16,
+            ),
+            [self.ddp],
+        )
+        if device.type == "cuda":
+            for inner in getattr(self.opt, "chained_optimizers", None) or [self.opt]:
+                for group in inner.optimizer.param_groups:
+                    group["fused"], group["foreach"] = True, False
+        self.positions: dict[tuple[int, int], torch.Tensor] = {}
+        self.device = device
+
+    def __call__(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from megatron.core.distributed import finalize_model_grads
+
+        b, s = tokens.shape
+        if (b, s) not in self.positions:
+            self.positions[b, s] = torch.arange(s, device=self.device).expand(b, -1)
+        self.ddp.zero_grad_buffer()
+        self.opt.zero_grad()
+        loss = self.ddp(tokens, self.positions[b, s], None, labels=labels).float().mean()
+        loss.backward()
+        finalize_model_grads([self.ddp])
+        self.opt.step()
+        return loss.detach()

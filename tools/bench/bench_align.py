@@ -1,0 +1,89 @@
+"""Loss alignment judged against the baseline's own noise band (BENCHMARKS.md).
+
+The band is the baseline run against itself with one harmless perturbation (the alignment
+scripts reverse the sample order inside every batch: the same samples, another reduction
+order). longboat passes when its max and mean per-step loss difference to the baseline are
+<= ``FACTOR`` x the band's, and its mean signed difference over the last ``TAIL`` steps shows
+no bias: at most ``BIAS`` x its mean absolute difference there (a curve that stays on one side
+fails), unless the band itself leans as far (``FACTOR`` x the band's signed mean).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from bench_env import fmt, md_table
+
+FACTOR = 1.5
+TAIL = 100
+BIAS = 0.5
+
+
+def differences(a: list[float], b: list[float], relative: bool) -> list[float]:
+    """Signed per-step ``a - b`` (``relative``: over ``|b|``)."""
+    return [(x - y) / (abs(y) if relative else 1.0) for x, y in zip(a, b)]
+
+
+def judge(
+    candidate: list[float], reference: list[float], perturbed: list[float], *, relative: bool
+) -> dict[str, Any]:
+    """The verdict of ``candidate`` against ``reference`` within the band of ``perturbed``."""
+    d = differences(candidate, reference, relative)
+    signed_band = differences(perturbed, reference, relative)
+    band = [abs(x) for x in signed_band]
+    tail = min(TAIL, max(1, len(d) // 2))
+    out = {
+        "max_diff": max(map(abs, d)),
+        "mean_diff": statistics.fmean(map(abs, d)),
+        "band_max_diff": max(band),
+        "band_mean_diff": statistics.fmean(band),
+        "tail_steps": tail,
+        "tail_mean_signed_diff": statistics.fmean(d[-tail:]),
+        "tail_mean_diff": statistics.fmean(map(abs, d[-tail:])),
+        "band_tail_mean_signed_diff": statistics.fmean(signed_band[-tail:]),
+        "factor": FACTOR,
+        "relative": relative,
+    }
+    out["within_max"] = out["max_diff"] <= FACTOR * out["band_max_diff"]
+    out["within_mean"] = out["mean_diff"] <= FACTOR * out["band_mean_diff"]
+    lean = max(BIAS * out["tail_mean_diff"], FACTOR * abs(out["band_tail_mean_signed_diff"]))
+    out["no_bias"] = abs(out["tail_mean_signed_diff"]) <= lean
+    out["passes"] = out["within_max"] and out["within_mean"] and out["no_bias"]
+    return out
+
+
+def table(result: dict[str, Any], name: str = "longboat") -> str:
+    v, curves = result["verdict"], {r["name"]: r["losses"] for r in result["runs"]}
+    spec = ".3%" if v["relative"] else ".2e"
+    header = ["steps", "first loss (ref / longboat)", "last loss (ref / longboat)",
+              "max diff (band)", "mean diff (band)", f"signed mean, last {v['tail_steps']}",
+              "verdict"]  # fmt: skip
+    ref, lb = curves["reference"], curves[name]
+    row = [str(len(lb)), f"{ref[0]:.4f} / {lb[0]:.4f}", f"{ref[-1]:.4f} / {lb[-1]:.4f}",
+           f"{fmt(v['max_diff'], spec)} ({fmt(v['band_max_diff'], spec)})",
+           f"{fmt(v['mean_diff'], spec)} ({fmt(v['band_mean_diff'], spec)})",
+           fmt(v["tail_mean_signed_diff"], spec),
+           "inside the band" if v["passes"] else "OUTSIDE the band"]  # fmt: skip
+    return md_table(header, [row])
+
+
+def plot(result: dict[str, Any], title: str, ylabel: str = "loss") -> Any:
+    def draw(plt: Any) -> Any:
+        curves = {r["name"]: r["losses"] for r in result["runs"]}
+        ref = curves["reference"]
+        relative = result["verdict"]["relative"]
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+        for name, losses in curves.items():
+            a1.plot(losses, label=name, ls="--" if name != "reference" else "-")
+            if name != "reference":
+                a2.plot(differences(losses, ref, relative), label=f"{name} - reference")
+        a1.set(xlabel="step", ylabel=ylabel)
+        a2.set(xlabel="step", ylabel="relative difference" if relative else "difference")
+        a1.legend()
+        a2.legend()
+        fig.suptitle(title)
+        fig.tight_layout()
+        return fig
+
+    return draw

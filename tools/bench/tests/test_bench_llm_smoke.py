@@ -1,0 +1,161 @@
+"""tools/bench/llm_throughput.py and llm_loss_alignment.py at tiny shapes on CPU, and the
+timing, results and noise-band helpers they share."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from bench_testkit import run_script
+
+FULL_MODEL = SimpleNamespace(
+    vocab_size=32000, hidden_size=2048, num_layers=16, num_attention_heads=16,
+    num_query_groups=8, head_dim=128, ffn_hidden_size=5632, tie_embeddings=False,
+)  # fmt: skip
+
+
+def test_flop_accounting_reproduces_the_anchors() -> None:
+    import llm_reference as ref
+    from bench_env import PEAK_BF16_FLOPS
+
+    # BENCHMARKS.md: 886M parameters; HF eager 62.6k tokens/s = 36.2% MFU, longboat 99.0k = 57.2%.
+    assert ref.param_count(FULL_MODEL) == pytest.approx(886e6, rel=1e-3)
+    for tokens_per_s, mfu in ((62.6e3, 0.362), (99.0e3, 0.572), (34.5e3, 0.199)):
+        got = tokens_per_s * ref.flops_per_token(FULL_MODEL, 2048) / PEAK_BF16_FLOPS
+        assert got == pytest.approx(mfu, abs=0.001)
+
+
+def test_every_run_is_the_cli_assembly_or_a_baseline(tmp_path: Path) -> None:
+    """The longboat runs (the CLI's defaults, two variants) and two baselines train 2 timed
+    steps; the graphed and one-pass variants run the same math on CPU (eager steps, the same
+    update rule), so their losses equal the default run's."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "llm.json"
+    runs = "hf_eager,mcore_local_spec,longboat,longboat_graphed,longboat_onepass"
+    stdout = run_script(
+        "llm_throughput.py",
+        [
+            "--out",
+            str(out),
+            "--tiny",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--runs",
+            runs,
+            "--results-dir",
+            str(tmp_path),
+        ],
+    )
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "llm_throughput"
+    by_name = {r["name"]: r for r in result["runs"]}
+    assert list(by_name) == runs.split(",")
+    for name, r in by_name.items():
+        assert "error" not in r, (name, r.get("error"))
+        assert r["tokens_per_s"] > 0 and r["timed_steps"] == len(r["step_times_s"]) == 2
+        assert r["peak_mem_gb"] > 0 and 0 < r["mfu"] < 1
+        # Random init on random tokens: cross-entropy near ln(vocab) (uniform prediction).
+        assert all(math.isfinite(x) and abs(x - math.log(256)) < 0.3 for x in r["losses"]), r
+    lb = by_name["longboat"]
+    assert len(lb["losses"]) == 4  # warm-up, 2 timed, the last (logged) step
+    assert (
+        lb["losses"]
+        == by_name["longboat_graphed"]["losses"]
+        == by_name["longboat_onepass"]["losses"]
+    )
+    assert lb["levers"]["fused_linear_ce"] is True
+    assert by_name["longboat_onepass"]["levers"]["one_pass_adamw"] is True
+    assert result["config"]["variants"]["longboat"] == []
+    stem = tmp_path / f"llm_throughput_{result['date']}"
+    assert json.loads(stem.with_suffix(".json").read_text()) == result
+    assert stem.with_suffix(".md").read_text().count("| longboat |") == 1
+    assert stem.with_suffix(".png").stat().st_size > 0
+    assert stdout.rstrip().splitlines()[-1].startswith("| longboat_onepass |")
+
+
+def test_a_failing_run_is_recorded_not_raised(tmp_path: Path) -> None:
+    import llm_throughput
+
+    out = tmp_path / "llm.json"
+    assert llm_throughput.main(["--out", str(out), "--tiny", "--steps", "1", "--runs", "nope"]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["name"] == "nope" and "unknown run" in run["error"]
+
+
+def test_tiny_loss_alignment_matches_hf(tmp_path: Path, quickstart_dir: Path) -> None:
+    """Same HF weights, the very batches of the built run: on CPU (fp32 on both sides) the
+    curves agree to 1e-3; the loss falls (warm-up 2 instead of the quickstart's 20)."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "align.json"
+    run_script("llm_loss_alignment.py", ["--out", str(out), "--tiny", "--steps", "8",
+               "--data-dir", str(quickstart_dir), "--results-dir", str(tmp_path),
+               "--override", "optim.schedule.warmup_steps=2"])  # fmt: skip
+    result = json.loads(out.read_text())
+    curves = {r["name"]: r["losses"] for r in result["runs"]}
+    assert list(curves) == ["reference", "reference_perturbed", "longboat"]
+    assert all(len(c) == 8 for c in curves.values())
+    assert result["max_abs_loss_diff"] < 1e-3
+    assert curves["reference"][-1] < curves["reference"][0] - 0.1
+    assert curves["longboat"][0] == pytest.approx(curves["reference"][0], abs=1e-4)
+    assert set(result["verdict"]) >= {"max_diff", "band_max_diff", "no_bias", "passes"}
+    assert (tmp_path / f"llm_loss_alignment_{result['date']}.png").stat().st_size > 0
+
+
+def test_noise_band_verdict() -> None:
+    import bench_align
+
+    ref = [2.0, 1.8, 1.6, 1.5]
+    band = [2.0, 1.81, 1.59, 1.51]  # |diff| 0, .01, .01, .01
+    ok = bench_align.judge([2.0, 1.79, 1.61, 1.49], ref, band, relative=False)
+    assert ok["passes"] and ok["max_diff"] == pytest.approx(0.01)
+    assert ok["tail_steps"] == 2 and ok["tail_mean_signed_diff"] == pytest.approx(0.0)
+    # within the band at every step, but always above the reference: a bias
+    biased = bench_align.judge([2.0, 1.81, 1.61, 1.51], ref, band, relative=False)
+    assert biased["within_max"] and biased["within_mean"] and not biased["no_bias"]
+    far = bench_align.judge([2.0, 1.9, 1.6, 1.5], ref, band, relative=True)
+    assert not far["within_max"] and far["max_diff"] == pytest.approx(0.1 / 1.8)
+
+
+class _HostClock:
+    """The CPU accelerator's timing surface, counting synchronize() calls."""
+
+    def __init__(self) -> None:
+        self.syncs = 0
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+
+    def event(self, enable_timing: bool = False):
+        from longboat.core.device.base import HostEvent
+
+        return HostEvent(enable_timing)
+
+
+def test_step_timer_times_trainer_steps_with_two_syncs() -> None:
+    """As a Trainer callback: warm-up step 1 untimed, steps 2-4 timed by the gaps between
+    events, the batch waits recorded, one sync at each end of the window."""
+    from bench_timing import StepTimer
+
+    acc = _HostClock()
+    timer = StepTimer(acc, warmup=1, steps=3)
+    batches = timer.timed_batches(iter(range(5)))
+    sleeps = [0.01, 0.02, 0.05, 0.03, 0.01]
+    for step, s in enumerate(sleeps, start=1):
+        next(batches)
+        time.sleep(s)
+        timer.on_step_end(None, step, None)
+    t = timer.timing
+    assert len(t.step_times) == len(t.host) == len(t.data_wait) == 3
+    for got, want in zip(t.step_times, sleeps[1:4]):
+        assert want <= got < want + 0.015, (got, want)  # scheduler latency on a busy box
+    assert sum(sleeps[1:4]) <= t.window_s < sum(sleeps[1:4]) + 0.03
+    assert acc.syncs == 2
+    s = t.summary(items_per_step=100)
+    assert s["median_step_s"] == pytest.approx(sorted(t.step_times)[1])
+    assert s["items_per_s"] == pytest.approx(100 / s["median_step_s"])
