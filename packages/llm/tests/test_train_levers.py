@@ -947,7 +947,10 @@ def _cuda_levers_worker(rank: int, world: int) -> dict[str, object]:
 def test_graphed_and_one_pass_steps_on_cuda() -> None:
     """The whole step as one CUDA graph (megatron DDP built under a side stream, capturable
     AdamW) and the one-pass Triton update train like the eager step (bf16, 6 steps)."""
-    (out,) = run_multiprocess(_cuda_levers_worker, 1, backend="nccl", timeout=300)
+    # spawn: the test process may have initialised CUDA already, which a fork cannot inherit
+    (out,) = run_multiprocess(
+        _cuda_levers_worker, 1, backend="nccl", timeout=300, start_method="spawn"
+    )
     for name in ("graphed", "graphed_one_pass"):
         reason, replays = out[f"{name}_graph"]
         assert reason is None and replays >= 4, out  # captured after 2 eager steps
