@@ -10,10 +10,28 @@ recorded, and the results are rewritten after each phase.
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import os
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+import torch
+
+
+def preflight(parser: argparse.ArgumentParser, args: argparse.Namespace, module: str) -> None:
+    """A scaling run's checks: somewhere to write, two CUDA devices or ``--tiny`` (then gloo
+    workers forked from this process, which imports ``module``, the stack, once for them)."""
+    if args.out is None and args.results_dir is None:
+        parser.error("give --out and/or --results-dir (where the results go)")
+    if not args.tiny and (not torch.cuda.is_available() or torch.cuda.device_count() < 2):
+        parser.error("needs 2 CUDA devices (use --tiny for the CPU smoke)")
+    if args.tiny:
+        os.environ["LONGBOAT_ACCELERATOR"] = "cpu"
+        torch.set_num_threads(1)  # no OpenMP pool for the forked workers to inherit
+        importlib.import_module(module)
 
 
 def run_phases(

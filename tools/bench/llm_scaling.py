@@ -25,8 +25,6 @@ prints the tables last.
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
 import shutil
 import sys
 import tempfile
@@ -51,7 +49,7 @@ from bench_env import (  # noqa: E402
     result_meta,
     write_results,
 )
-from bench_procs import run_phases  # noqa: E402
+from bench_procs import preflight, run_phases  # noqa: E402
 from bench_train import compose, train_timed  # noqa: E402
 
 DP_SCALING_TARGET = 1.9
@@ -172,14 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, default=la.CACHE, help="the quickstart corpus cache")
     args = p.parse_args(argv)
     t_start = time.time()
-    if args.out is None and args.results_dir is None:
-        p.error("give --out and/or --results-dir (where the results go)")
-    if not args.tiny and (not torch.cuda.is_available() or torch.cuda.device_count() < 2):
-        p.error("needs 2 CUDA devices (use --tiny for the CPU smoke)")
-    if args.tiny:  # gloo workers forked from this process, sharing its imports
-        os.environ["LONGBOAT_ACCELERATOR"] = "cpu"
-        torch.set_num_threads(1)  # no OpenMP pool to inherit
-        importlib.import_module("longboat.llm.train.training")
+    preflight(p, args, "longboat.llm.train.training")
     args.shape = dict(lt.TINY if args.tiny else lt.FULL)
     args.tp_shape = la.shape(args.tiny)
     model = compose("llm", lt.EXPERIMENT, lt.overrides(args.shape), "unused").model

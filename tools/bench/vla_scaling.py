@@ -30,9 +30,7 @@ phase in its own processes (``bench_procs``); it writes ``<results-dir>/vla_scal
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -53,7 +51,7 @@ from bench_env import (
     result_meta,
     write_results,
 )
-from bench_procs import run_phases
+from bench_procs import preflight, run_phases
 
 MODEL = "groot_n1_6"
 VARIANTS = ("longboat_graphed", "longboat_master", "longboat")
@@ -202,13 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     from longboat.embodied.models import get_config
 
-    if args.out is None and args.results_dir is None:
-        p.error("give --out and/or --results-dir (where the results go)")
-    if not args.tiny and (not torch.cuda.is_available() or torch.cuda.device_count() < 2):
-        p.error("needs 2 CUDA devices (use --tiny for the CPU smoke)")
-    if args.tiny:  # gloo workers forked from this process, sharing its imports
-        os.environ["LONGBOAT_ACCELERATOR"] = "cpu"
-        importlib.import_module("longboat.embodied.train.training")
+    preflight(p, args, "longboat.embodied.train.training")
     args.variants = (args.variants or ("longboat_master" if args.tiny else ",".join(VARIANTS))).split(",")  # fmt: skip
     if bad := [v for v in args.variants if v not in VARIANTS]:
         p.error(f"--variants: unknown {bad}; use {', '.join(VARIANTS)}")
