@@ -11,12 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-
 from longboat.core.config.errors import ConfigError, ConfigProblem
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# torch is imported where a TransformerConfig is built: composing and validating a config
+# (``DecoderArch.validate``) must stay free of it.
+_PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass(kw_only=True)
@@ -167,11 +166,14 @@ def to_transformer_config(
     arch.validate_parallel(
         tp=tensor_parallel, pp=pipeline_parallel, ep=expert_parallel, vpp=virtual_pipeline_parallel
     )
-    if precision not in _DTYPES:
+    import torch
+    import torch.nn.functional as F
+
+    if precision not in _PRECISIONS:
         raise ConfigError(
-            f"train.precision={precision!r}: expected one of {sorted(_DTYPES)}. Fix: pick one."
+            f"train.precision={precision!r}: expected one of {sorted(_PRECISIONS)}. Fix: pick one."
         )
-    dtype = _DTYPES[precision]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     kwargs: dict[str, Any] = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
