@@ -194,6 +194,56 @@ def _isolation_check(session: nox.Session, dist_name: str, wheel: pathlib.Path) 
             session.error(f"installing {dist_name} pulled megatron-core")
 
 
+def _stub_wheel(folder: pathlib.Path, name: str, version: str) -> pathlib.Path:
+    """A minimal wheel that installs the distribution ``name`` at ``version`` (a stand-in for
+    a build of it this machine cannot download)."""
+    import base64
+    import hashlib
+    import zipfile
+
+    info = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": f"__version__ = {version!r}\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: noxfile\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    wheel = folder / f"{name}-{version}-py3-none-any.whl"
+    records = []
+    with zipfile.ZipFile(wheel, "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+            records.append(f"{path},sha256={digest.decode()},{len(text)}")
+        z.writestr(f"{info}/RECORD", "\n".join([*records, f"{info}/RECORD,,"]) + "\n")
+    return wheel
+
+
+@nox.session
+def cpu_install(session: nox.Session) -> None:
+    """The CPU-only install path of the READMEs: with a CPU build of torch installed first
+    (``pip install torch --index-url https://download.pytorch.org/whl/cpu``), installing the
+    stacks keeps it (no CUDA torch, no nvidia-* wheels). Resolves against the package index
+    with a stand-in ``torch 2.11.0+cpu``."""
+    if not DIST.exists():
+        session.error("dist/ is empty: run `nox -s build cpu_install`")
+    wheels = [sorted(DIST.glob(f"{d.replace('-', '_')}-*.whl"))[-1] for d in PACKAGES.values()]
+    with tempfile.TemporaryDirectory(prefix="cpu-install-") as tmp:
+        venv = pathlib.Path(tmp) / "venv"
+        session.run("uv", "venv", "--quiet", "-p", sys.executable, str(venv), external=True)
+        py = str(venv / "bin" / "python")
+        torch_cpu = _stub_wheel(pathlib.Path(tmp), "torch", "2.11.0+cpu")
+        session.run("uv", "pip", "install", "--quiet", "-p", py, str(torch_cpu), external=True)
+        plan = session.run(
+            "uv", "pip", "install", "--dry-run", "-p", py, "--find-links", str(DIST),
+            *[str(w) for w in wheels], external=True, silent=True,
+        )  # fmt: skip
+        planned = [line.split()[1] for line in str(plan).splitlines() if line[:3] in (" + ", " - ")]
+        bad = [p for p in planned if p.split("=")[0].split("@")[0] == "torch" or "nvidia" in p]
+        if bad:
+            session.error(f"installing the stacks next to a CPU torch would change it: {bad}")
+        session.log(f"a CPU torch stays: {len(planned)} other distributions would be installed")
+
+
 @nox.session
 def isolation(session: nox.Session) -> None:
     """Each built wheel alone, with only its declared dependencies, in a fresh venv."""

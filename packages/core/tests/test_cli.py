@@ -234,3 +234,12 @@ def test_other_ranks_stay_quiet_on_user_errors(site, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     assert stack_main("fake", ["train", "tiny"], train=train) == 2
     assert capsys.readouterr().err == ""
+
+
+def test_models_lists_every_installed_stacks_model_options(site, capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "core:\n  model=mlp  mlp tiny" in out
+    assert "fake:\n  model=gpt  gpt -" in out
+    assert stack_main("fake", ["models"]) == 0
+    assert capsys.readouterr().out == "fake:\n  model=gpt  gpt -\n"

@@ -207,6 +207,58 @@ def _sweep_jobs(
     return out
 
 
+def _models(only: str | None) -> int:
+    """``model=<option>``, family and flavor of each model of the installed stacks."""
+    from longboat.core.stack import discover_stacks
+
+    for name, stack in discover_stacks().items():
+        if only is not None and name != only:
+            continue
+        rows = stack.models()
+        if not rows:
+            continue
+        print(f"{name}:")
+        width = max(len(option) for option, _, _ in rows) + len("model=")
+        for option, family, flavor in rows:
+            print(f"  {'model=' + option:<{width}}  {family} {flavor}")
+    return 0
+
+
+def _version_text(only: str | None = None) -> str:
+    """Versions of longboat's installed distributions (``only``: that stack's and core's)."""
+    import importlib.metadata as md
+
+    from longboat.core.stack import discover_stacks
+
+    names = ["longboat-core"]
+    for name, stack in discover_stacks().items():
+        if stack.distribution and stack.distribution not in names and only in (None, name):
+            names.append(stack.distribution)
+    parts = []
+    for dist in names:
+        try:
+            parts.append(f"{dist} {md.version(dist)}")
+        except md.PackageNotFoundError:
+            parts.append(f"{dist} (not installed as a distribution)")
+    return ", ".join(parts)
+
+
+class _Version(argparse.Action):
+    """``--version``: resolved when used (discovering stacks is not free)."""
+
+    def __init__(self, option_strings: Any, dest: str, only: str | None = None, **kw: Any):
+        super().__init__(option_strings, dest, nargs=0, help="print the installed versions", **kw)
+        self.only = only
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        print(_version_text(self.only))
+        parser.exit()
+
+
+def _examples(lines: Sequence[str]) -> str | None:
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines) if lines else None
+
+
 def _stacks() -> int:
     from longboat.core.stack import discover_stacks
 
@@ -320,11 +372,18 @@ def _dispatch(run: Callable[[], int], prog: str, *, debug: bool = False) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``longboat`` umbrella parser."""
+    from longboat.core.stack import CORE_STACK
+
     parser = argparse.ArgumentParser(
-        prog="longboat", description="longboat: train LLMs, VLMs, diffusion and VLA models."
+        prog="longboat",
+        description="longboat: train LLMs, VLMs, diffusion and VLA models.",
+        epilog=_examples(CORE_STACK.examples),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("stacks", help="list the installed stacks")
+    sub.add_parser("models", help="list the model families and flavors of the installed stacks")
     _add_config_commands(sub, with_stack=True)
     train = sub.add_parser("train", help="run an experiment with its stack's train function")
     _add_experiment_args(train, with_stack=True)
@@ -344,6 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def run() -> int:
         if args.command == "stacks":
             return _stacks()
+        if args.command == "models":
+            return _models(None)
         if args.command == "config":
             if args.config_command == "list":
                 return _config_list(None)
@@ -379,12 +440,24 @@ def stack_main(
         return code
     stack = found[0]
     prog = prog or stack.console_script or f"longboat-{stack_name}"
-    parser = argparse.ArgumentParser(prog=prog, description=stack.description)
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=stack.description,
+        epilog=_examples(stack.examples),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action=_Version, only=stack_name)
     sub = parser.add_subparsers(dest="command", required=True)
-    train_parser = sub.add_parser("train", help=f"run a {stack_name} experiment")
+    train_parser = sub.add_parser(
+        "train",
+        help=f"run a {stack_name} experiment",
+        epilog=_examples(stack.examples),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_experiment_args(train_parser, with_stack=False)
     _add_run_args(train_parser)
     _add_config_commands(sub, with_stack=False)
+    sub.add_parser("models", help=f"list the {stack_name} model families and flavors")
     for name, (help_text, _) in (commands or {}).items():
         sub.add_parser(name, help=help_text, add_help=False)  # listed in --help only
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -397,6 +470,8 @@ def stack_main(
     def run() -> int:
         if args.command == "train":
             return _train(args, stack_name, train)
+        if args.command == "models":
+            return _models(stack_name)
         if args.command == "config":
             if args.config_command == "list":
                 return _config_list(stack_name)

@@ -74,6 +74,14 @@ class Stack:
     """Function that runs an experiment from a validated config (``train`` subcommand)."""
     validators: tuple[Callable[..., None] | Ref, ...] = ()
     """Extra cross-field checks ``fn(cfg, world_size, problems: ProblemCollector)``."""
+    config_hooks: tuple[Callable[..., None] | Ref, ...] = ()
+    """Functions ``fn(composed: dict, given: set[str], problems)`` run on the composed config
+    before it is typed: they may fill keys the command line did not set (``given`` holds
+    the keys and groups it did set, e.g. ``model.hidden_size`` or ``model``)."""
+    examples: tuple[str, ...] = ()
+    """Command lines shown at the end of the stack command's ``--help``."""
+    distribution: str | None = None
+    """The distribution that installs the stack (``longboat-llm``), for ``--version``."""
 
     def conf_path(self) -> Path | None:
         """The config directory on disk, or None when the stack ships no configs."""
@@ -123,6 +131,20 @@ class Stack:
         ref = self.data_schemas.get(data_name)
         return None if ref is None else resolve_ref(ref)
 
+    def models(self) -> list[tuple[str, str, str]]:
+        """``(option, family, flavor)`` of every option of the stack's ``model`` group (what
+        ``model=<option>`` selects), read from the YAML files."""
+        conf = self.conf_path()
+        if conf is None or not (conf / "model").is_dir():
+            return []
+        from omegaconf import OmegaConf
+
+        out = []
+        for path in sorted((conf / "model").glob("*.yaml")):
+            node = OmegaConf.load(path)
+            out.append((path.stem, str(node.get("name", "?")), str(node.get("flavor", "-"))))
+        return out
+
     def resolve_train(self) -> Callable[[Any], Any] | None:
         """The train function, imported if given as a reference."""
         return resolve_ref(self.train) if self.train is not None else None
@@ -136,6 +158,12 @@ CORE_STACK = Stack(
     data_schemas={"synthetic_regression": "longboat.core.demo:SyntheticRegressionConfig"},
     console_script="longboat",
     train="longboat.core.demo:run",
+    examples=(
+        "longboat demo                                  # train, checkpoint, resume an MLP on CPU",
+        "longboat config show demo optim.lr=3e-3        # the resolved config",
+        "longboat models                                # model families of the installed stacks",
+    ),
+    distribution="longboat-core",
 )
 """Core registers itself as the built-in stack ``core``."""
 

@@ -23,4 +23,10 @@ STACK = Stack(
     console_script="longboat-embodied",
     train="longboat.embodied.train.trainer:train",
     validators=("longboat.embodied.config:validate_embodied",),
+    examples=(
+        "longboat-embodied train experiment=groot_n1_6_tiny             # GR00T-N1.6 tiny, synthetic data",
+        "longboat-embodied train experiment=pi05_tiny data.path=/data/my_lerobot_set",
+        "torchrun --nproc-per-node 8 -m longboat.embodied.cli train experiment=groot_n1_6_tiny parallel.strategy=fsdp",
+    ),
+    distribution="longboat-embodied",
 )

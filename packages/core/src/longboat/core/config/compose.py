@@ -26,7 +26,7 @@ from longboat.core.config.errors import ConfigError, ProblemCollector
 from longboat.core.config.schema import ExperimentConfig
 from longboat.core.config.suggest import close_matches, did_you_mean
 from longboat.core.config.typecheck import merge_checked, missing_keys, to_plain, unresolvable
-from longboat.core.stack import Stack, discover_stacks, get_stack
+from longboat.core.stack import Stack, discover_stacks, get_stack, resolve_ref
 
 GROUPS = ("model", "data", "parallel", "optim", "train", "checkpoint", "logging", "experiment")
 """The config groups every stack may contribute options to."""
@@ -308,6 +308,69 @@ def _typed_root(
     return typed
 
 
+def _flat(node: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if isinstance(value, Mapping) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _first_file(dirs: Sequence[Path], rel: str) -> Path | None:
+    return next((d / rel for d in dirs if (d / rel).is_file()), None)
+
+
+def _chosen_groups_win(
+    composed: dict[str, Any], experiment: str, group_overrides: list[str], dirs: Sequence[Path]
+) -> None:
+    """A group option chosen on the command line (``model=qwen3_0_6b``) is used as it is: the
+    experiment's own keys in that group, which Hydra would lay over it, are dropped (the
+    option's value, or the schema default, applies) with a warning naming them."""
+    exp_file = _first_file(dirs, f"experiment/{experiment}.yaml")
+    if exp_file is None:
+        return
+    exp = OmegaConf.to_container(OmegaConf.load(exp_file), resolve=False)
+    for text in group_overrides:
+        group, _, option = text.lstrip("+").partition("=")
+        section = exp.get(group) if isinstance(exp, dict) else None
+        if "/" in group or not option or not isinstance(section, Mapping) or not section:
+            continue
+        opt_file = _first_file(dirs, f"{group}/{option}.yaml")
+        chosen = _flat(OmegaConf.to_container(OmegaConf.load(opt_file))) if opt_file else {}
+        target = composed.get(group)
+        if not isinstance(target, dict):
+            continue
+        dropped = []
+        for key in _flat(section):
+            *parents, leaf = key.split(".")
+            holder: Any = target
+            for part in parents:
+                holder = holder.get(part) if isinstance(holder, dict) else None
+            if not isinstance(holder, dict) or leaf not in holder:
+                continue
+            if key in chosen:
+                holder[leaf] = chosen[key]
+            else:
+                del holder[leaf]
+            dropped.append(key)
+        if dropped:
+            warnings.warn(
+                f"{group}={option} replaces the {group} settings of experiment {experiment} "
+                f"({', '.join(f'{group}.{k}' for k in dropped)}): the command line's choice "
+                f"wins; set {group}.<key>=<value> to change one of them",
+                stacklevel=3,
+            )
+
+
+def _given_keys(group_overrides: list[str], key_overrides: Sequence[Any]) -> set[str]:
+    """Every key and group the command line set (``model.hidden_size``, ``model``)."""
+    given = {text.lstrip("+~").partition("=")[0] for text in group_overrides}
+    given |= {o.key_or_group for o in key_overrides}
+    return given
+
+
 def compose_experiment(
     experiment: str,
     overrides: Sequence[str] = (),
@@ -341,7 +404,11 @@ def compose_experiment(
             value=experiment,
             fix=f"start experiment/{experiment}.yaml with the line '# @package _global_'",
         )
+    _chosen_groups_win(composed, experiment, group_overrides, dirs)
     composed = _apply_key_overrides(composed, key_overrides, problems)
+    given = _given_keys(group_overrides, key_overrides)
+    for hook in owner.config_hooks:
+        resolve_ref(hook)(composed, given, problems)
     composed.pop("experiment", None)
     composed.pop("stack", None)
 

@@ -7,8 +7,9 @@ and every missing, unexpected or mis-shaped tensor is reported in one error.
 
 Saving: TP shards are all-gathered inside each TP group; one owner rank per
 tensor (TP rank 0 of data-parallel replica 0, or expert-data-parallel rank 0 for
-experts) writes its tensors to its own ``model-rankNNNNN.safetensors``; rank 0
-writes ``model.safetensors.index.json``, so no rank ever holds the whole model.
+experts) writes its tensors to its own shard, named as ``transformers`` names them
+(``model.safetensors`` when one rank owns everything, else ``model-00001-of-0000N.safetensors``
+plus ``model.safetensors.index.json``), so no rank ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -177,7 +178,8 @@ def load_hf_weights(
     return len(slots)
 
 
-def _is_owner(slot: Slot) -> bool:
+def is_owner(slot: Slot) -> bool:
+    """Whether this rank writes the HF tensors of ``slot`` (one owner per tensor)."""
     from megatron.core import parallel_state as mps
 
     if slot.kind.startswith("expert"):
@@ -210,7 +212,7 @@ def gather_hf_state_dict(
         else:
             shards = [torch.empty_like(local) for _ in range(coords.tp_size)]
             dist.all_gather(shards, local, group=tp_group)
-        if _is_owner(slot):
+        if is_owner(slot):
             out.update({k: v.clone() for k, v in unshard_to_hf(slot, shards, arch).items()})
     return out
 
@@ -226,18 +228,28 @@ def save_hf_weights(
     out_dir = Path(out_dir)
     state = gather_hf_state_dict(chunks, arch, prefix=prefix)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fname = f"model-rank{rank:05d}.safetensors"
+    has_state: list[Any] = [bool(state)]
+    if dist.is_initialized():
+        has_state = [None] * dist.get_world_size()
+        dist.all_gather_object(has_state, bool(state))
+    writers = [r for r, has in enumerate(has_state) if has]
+    if rank == 0:  # weights of an earlier export in this folder must not mix with these
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for old in out_dir.glob("model*.safetensors*"):
+            old.unlink()
+    if dist.is_initialized():
+        dist.barrier()
+    n = len(writers)
+    fname = "model.safetensors"
+    if n > 1 and state:
+        fname = f"model-{writers.index(rank) + 1:05d}-of-{n:05d}.safetensors"
     if state:
         save_file(state, str(out_dir / fname), metadata={"format": "pt"})
-    local_map = {k: fname for k in state}
-    local_bytes = sum(t.numel() * t.element_size() for t in state.values())
-    gathered: list[Any] = [None] * world
+    local = ({k: fname for k in state}, sum(t.numel() * t.element_size() for t in state.values()))
+    gathered: list[Any] = [local]
     if dist.is_initialized():
-        dist.all_gather_object(gathered, (local_map, local_bytes))
-    else:
-        gathered = [(local_map, local_bytes)]
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
     if rank == 0:
         weight_map: dict[str, str] = {}
         for m, _ in gathered:
@@ -245,13 +257,14 @@ def save_hf_weights(
         missing = sorted(set(expected_hf_shapes(arch, prefix=prefix)) - set(weight_map))
         if missing:
             raise RuntimeError(f"export is missing tensors: {missing}")
-        index = {
-            "metadata": {"total_size": sum(b for _, b in gathered)},
-            "weight_map": dict(sorted(weight_map.items())),
-        }
-        tmp = out_dir / "model.safetensors.index.json.tmp"
-        tmp.write_text(json.dumps(index, indent=2))
-        os.replace(tmp, out_dir / "model.safetensors.index.json")
+        if n > 1:
+            index = {
+                "metadata": {"total_size": sum(b for _, b in gathered)},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
+            tmp = out_dir / "model.safetensors.index.json.tmp"
+            tmp.write_text(json.dumps(index, indent=2))
+            os.replace(tmp, out_dir / "model.safetensors.index.json")
     if dist.is_initialized():
         dist.barrier()
     return out_dir
