@@ -15,6 +15,8 @@ _HERE = str(Path(__file__).parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
+from llm_testkit import make_hf_dir  # noqa: E402
+
 FAMILIES = ("llama3", "qwen3", "qwen3_moe")
 
 
@@ -29,25 +31,6 @@ def _warm_megatron() -> None:
         import transformers  # noqa: F401
 
         import longboat.llm.build  # noqa: F401
-
-
-def make_hf_dir(family: str, out: Path, *, seed: int = 0) -> Path:
-    """Save a randomly initialised tiny HF model of ``family`` to ``out``."""
-    from transformers import AutoModelForCausalLM
-
-    from longboat.llm.models import get_family
-
-    fam = get_family(family)
-    hf_config = fam.to_hf_config(fam.flavor("tiny"))
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config)
-    # Random (not default-init) norm weights, so a swapped or skipped norm shows in the logits.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="session")

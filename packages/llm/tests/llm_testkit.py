@@ -148,3 +148,49 @@ def run_interpreted(
         if words and words[0].isupper():
             out.setdefault(words[0], []).append(words[1:])
     return out
+
+
+def make_hf_checkpoint(
+    root: Path, family: str = "qwen3", *, records: int = 80
+) -> tuple[Path, Path]:
+    """(tiny HF checkpoint dir with its tokenizer, chat JSONL file): what a user fine-tunes."""
+    import shutil
+
+    from longboat.llm.data.tiny_tokenizer import train_tiny_tokenizer
+
+    chats = [
+        [
+            {"role": "user", "content": f"count from {i % 7} please"},
+            {"role": "assistant", "content": " ".join(str((i % 7) + k) for k in range(4))},
+        ]
+        for i in range(records)
+    ]
+    root.mkdir(parents=True, exist_ok=True)
+    jsonl = root / "chats.jsonl"
+    jsonl.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    ckpt = make_hf_dir(family, root / f"{family}-tiny")
+    texts = [m["content"] for c in chats for m in c]
+    tok = Path(train_tiny_tokenizer(texts, root / "tokenizer", vocab_size=256))
+    for f in tok.iterdir():
+        shutil.copy(f, ckpt / f.name)
+    return ckpt, jsonl
+
+
+def make_hf_dir(family: str, out: Path, *, seed: int = 0) -> Path:
+    """Save a randomly initialised tiny HF model of ``family`` to ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from longboat.llm.models import get_family
+
+    fam = get_family(family)
+    hf_config = fam.to_hf_config(fam.flavor("tiny"))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config)
+    # Random (not default-init) norm weights, so a swapped or skipped norm shows in the logits.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(out)
+    return out

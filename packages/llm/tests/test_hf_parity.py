@@ -85,8 +85,14 @@ def test_logits_match_transformers(
     # Saving back from this layout reproduces the source tensors bit for bit.
     source = load_file(str(hf_dirs[family] / "model.safetensors"))
     saved: dict[str, torch.Tensor] = {}
-    for f in sorted(export.glob("model-rank*.safetensors")):
-        saved.update(load_file(str(f)))
+    files = sorted(f.name for f in export.glob("model*.safetensors"))
+    n = len(files)  # transformers' names: one file, or n numbered shards with an index
+    assert files == (["model.safetensors"] if n == 1 else [
+        f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)
+    ]), files  # fmt: skip
+    assert (export / "model.safetensors.index.json").is_file() == (n > 1)
+    for f in files:
+        saved.update(load_file(str(export / f)))
     assert sorted(saved) == sorted(source)
     changed = [n for n in source if not torch.equal(source[n], saved[n])]
     assert not changed, f"{family} {layout}: export differs in {changed}"

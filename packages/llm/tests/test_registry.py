@@ -123,3 +123,17 @@ def test_validator_reports_bad_parallel_sizes() -> None:
 
 def test_default_model_config_is_llama3_tiny_shape() -> None:
     assert LLMModelConfig().to_arch().num_layers == 2
+
+
+def test_declared_transformers_range_is_the_one_the_export_is_read_by() -> None:
+    """The export writes transformers 5.x's config layout (rope_parameters), which 4.x reads
+    wrongly: the install must not allow 4.x."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+
+    (req,) = [
+        Requirement(r) for r in md.requires("longboat-llm") or [] if r.startswith("transformers")
+    ]
+    assert not req.specifier.contains("4.57.0") and req.specifier.contains("5.17.0")
+    assert req.specifier.contains(md.version("transformers"))

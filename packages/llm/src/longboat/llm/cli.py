@@ -30,6 +30,10 @@ def build_convert_parser() -> argparse.ArgumentParser:
     parser.add_argument("dst", help="output directory")
     parser.add_argument("--model", help="expected model family (checked against config.json)")
     parser.add_argument("--flavor", help="expected flavor (checked against config.json)")
+    parser.add_argument(
+        "--tokenizer",
+        help="native-to-hf: tokenizer dir to ship with the export (default: the training run's)",
+    )
     return parser
 
 
@@ -53,7 +57,7 @@ def convert_main(argv: Sequence[str] | None = None) -> int:
         else:
             with _progress_bar() as bar:
                 task = bar.add_task(f"native -> HF ({args.src})", total=1)
-                path = convert.native_to_hf(args.src, args.dst)
+                path = convert.native_to_hf(args.src, args.dst, tokenizer=args.tokenizer)
                 bar.update(task, completed=1)
             print(f"wrote Hugging Face directory {path}")
     except (ValueError, FileNotFoundError) as exc:

@@ -62,6 +62,27 @@ class LLMModelConfig(ModelConfig):
         """The config from a composed ``model`` section (keys of other schemas ignored)."""
         return cls(**{f.name: raw[f.name] for f in fields(cls) if f.name in raw})
 
+    def architecture(self) -> dict[str, Any]:
+        """The fields a checkpoint's weights fix (``ARCH_FIELDS``) with their values."""
+        return {name: getattr(self, name) for name in ARCH_FIELDS}
+
     def to_arch(self) -> DecoderArch:
         """The backend-neutral architecture core.megatron builds from (the shared fields)."""
         return DecoderArch(**{f.name: getattr(self, f.name) for f in fields(DecoderArch)})
+
+
+ARCH_FIELDS = tuple(
+    f.name
+    for f in fields(LLMModelConfig)
+    if f.name
+    not in (
+        "name",
+        "flavor",
+        "layer_backend",
+        "init_std",
+        "max_position_embeddings",
+        "moe_aux_loss_coeff",
+    )
+)
+"""The fields that describe the architecture: what a checkpoint's weights fix (the others
+may differ from the checkpoint's: layer backend, init, rotary table length, aux-loss weight)."""

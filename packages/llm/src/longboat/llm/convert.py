@@ -109,17 +109,47 @@ def native_config(path: str | Path) -> LLMModelConfig:
     return LLMModelConfig(**{k: v for k, v in model.items() if k in names})
 
 
-def native_to_hf(native: str | Path, out_dir: str | Path) -> Path:
-    """Convert a native checkpoint (folder or checkpoint root) into an HF directory."""
+def run_sources(path: str | Path) -> tuple[Path | None, Path | None]:
+    """``(tokenizer dir, source HF dir)`` of the training run that wrote a native checkpoint
+    (from its manifest's config: ``data.tokenizer``, the quickstart's tokenizer,
+    ``llm.init_from_hf``), each None when unknown or gone."""
+    from longboat.core.checkpoint import read_manifest
+    from longboat.llm.train.checks import TOKENIZER_FILES
+
+    config = read_manifest(_resolve_native(Path(path))).config
+    data, llm = config.get("data") or {}, config.get("llm") or {}
+    source = Path(llm["init_from_hf"]) if llm.get("init_from_hf") else None
+    candidates = [data.get("tokenizer"), data.get("out_dir") and f"{data['out_dir']}/tokenizer"]
+    candidates.append(source)
+    tokenizer = next(
+        (
+            Path(c)
+            for c in candidates
+            if c and any((Path(c) / name).is_file() for name in TOKENIZER_FILES)
+        ),
+        None,
+    )
+    return tokenizer, source if source is not None and source.is_dir() else None
+
+
+def native_to_hf(
+    native: str | Path, out_dir: str | Path, *, tokenizer: str | Path | None = None
+) -> Path:
+    """Convert a native checkpoint (folder or checkpoint root) into an HF directory, with the
+    tokenizer (``tokenizer``, default: the training run's) and its special tokens."""
     from longboat.core.checkpoint import CheckpointManager
+    from longboat.llm.train.export import write_generation_files
 
     path = _resolve_native(Path(native))
     cfg = native_config(path)
+    run_tokenizer, source = run_sources(path)
     with single_process_megatron():
         chunks = build_model(cfg)
         manager = CheckpointManager(_checkpoint_cfg(path.parent))
         manager.load({"model": chunks[0]}, path)
-        return save_hf(chunks, cfg, out_dir)
+        out = save_hf(chunks, cfg, out_dir)
+    write_generation_files(out, tokenizer or run_tokenizer, source)
+    return out
 
 
 def describe(cfg: LLMModelConfig) -> dict[str, Any]:

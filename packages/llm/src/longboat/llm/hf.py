@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -12,23 +11,8 @@ import torch.distributed as dist
 
 from longboat.core.config.errors import ConfigError
 from longboat.core.megatron.hf_io import load_hf_weights, save_hf_weights
-from longboat.llm.config import LLMModelConfig
+from longboat.llm.config import ARCH_FIELDS, LLMModelConfig
 from longboat.llm.models.registry import family_for_hf_config, get_family
-
-# Fields that describe the architecture (what must agree between flavor and checkpoint).
-_ARCH_FIELDS = tuple(
-    f.name
-    for f in dataclasses.fields(LLMModelConfig)
-    if f.name
-    not in (
-        "name",
-        "flavor",
-        "layer_backend",
-        "init_std",
-        "max_position_embeddings",
-        "moe_aux_loss_coeff",
-    )
-)
 
 
 def read_hf_config(hf_dir: str | Path) -> LLMModelConfig:
@@ -45,7 +29,7 @@ def check_matches_flavor(cfg: LLMModelConfig, hf_cfg: LLMModelConfig, source: st
     diffs = []
     if cfg.name != hf_cfg.name:
         diffs.append(f"model.name={cfg.name!r} but {source} is a {hf_cfg.name!r} checkpoint")
-    for name in _ARCH_FIELDS:
+    for name in ARCH_FIELDS:
         a, b = getattr(cfg, name), getattr(hf_cfg, name)
         if a != b:
             diffs.append(f"model.{name}={a!r} but {source} has {b!r}")
@@ -53,8 +37,8 @@ def check_matches_flavor(cfg: LLMModelConfig, hf_cfg: LLMModelConfig, source: st
         raise ConfigError(
             f"model flavor {cfg.name}/{cfg.flavor} does not match {source}:\n  "
             + "\n  ".join(diffs)
-            + "\nFix: choose the flavor of this checkpoint or omit model.flavor to take it "
-            "from config.json."
+            + "\nFix: drop the model.* overrides (and model=<option>): with "
+            "llm.init_from_hf the architecture comes from config.json."
         )
 
 

@@ -27,4 +27,11 @@ STACK = Stack(
     console_script="longboat-llm",
     train="longboat.llm.train.training:train",
     validators=("longboat.llm.validate:validate_llm",),
+    config_hooks=("longboat.llm.validate:model_from_checkpoint",),
+    examples=(
+        "longboat-llm train experiment=quickstart                       # tiny LLM, end to end on CPU",
+        "longboat-llm train experiment=sft llm.init_from_hf=checkpoints/Qwen3-0.6B data.paths=[chats.jsonl]",
+        "torchrun --nproc-per-node 8 -m longboat.llm.cli train experiment=llama3_pretrain",
+    ),
+    distribution="longboat-llm",
 )

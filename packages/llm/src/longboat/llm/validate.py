@@ -10,7 +10,17 @@ FAMILIES = ("llama3", "qwen3", "qwen3_moe")
 
 
 def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
-    """Model shape vs parallel sizes (TP divides heads, PP divides layers, EP divides experts)."""
+    """Model shape vs parallel sizes (TP divides heads, PP divides layers, EP divides experts);
+    ``data.format``."""
+    data = cfg.get("data") if hasattr(cfg, "get") else None
+    if data is not None and data.get("name") == "prepared":
+        from longboat.core.config.errors import require_choice
+        from longboat.llm.train.schema import DATA_FORMATS
+
+        try:
+            require_choice(data.get("format"), DATA_FORMATS, key="data.format", what="data format")
+        except ConfigError as exc:
+            problems.extend(exc)
     model = cfg.get("model") if hasattr(cfg, "get") else None
     if model is None or model.get("name") not in FAMILIES:
         return
@@ -31,3 +41,71 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
             # core's generic validator already checks TP vs heads and PP vs layers.
             if not any(k in problem.message for k in ("num_attention_heads", "num_layers")):
                 problems.add(problem.key, problem.message, value=problem.value, fix=problem.fix)
+
+
+def model_from_checkpoint(composed: dict[str, Any], given: set[str], problems: Any) -> None:
+    """With ``llm.init_from_hf``, the model is the checkpoint's: its ``config.json`` gives the
+    family and every architecture field (whatever the experiment's model group says), and a
+    field the command line set (``model.<field>=`` or ``model=<option>``) must agree with it.
+    The other model keys (``layer_backend``, ``init_std``, ...) keep their values; the rotary
+    table length and the aux-loss weight follow the checkpoint unless given."""
+    import json
+    from pathlib import Path
+
+    init = (composed.get("llm") or {}).get("init_from_hf")
+    path = Path(str(init)) / "config.json" if init else None
+    if path is None or not path.is_file():
+        return  # none, or a missing one: the run's checks name it
+    from longboat.llm.config import ARCH_FIELDS
+    from longboat.llm.models.registry import family_for_hf_config
+
+    try:
+        hf = json.loads(path.read_text())
+        ckpt = family_for_hf_config(hf).from_hf_config(hf)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            problems.add(
+                "llm.init_from_hf", f"{path}: {problem.message}", value=str(init), fix=problem.fix
+            )
+        return
+    except ValueError as exc:  # not JSON
+        problems.add("llm.init_from_hf", f"{path} is not valid JSON: {exc}", value=str(init))
+        return
+    model = composed.setdefault("model", {})
+    whole_group = "model" in given
+    for name in ("name", *ARCH_FIELDS):
+        theirs = getattr(ckpt, name)
+        if (whole_group or f"model.{name}" in given) and model.get(name) != theirs:
+            fix = f"drop model.{name}=... from the command line to fine-tune this checkpoint"
+            if whole_group:
+                fix = "drop model=<option> from the command line: config.json is the model"
+            problems.add(
+                f"model.{name}",
+                f"conflicts with {path} ({name}={theirs!r}): the weights fix the architecture",
+                value=model.get(name),
+                fix=fix,
+            )
+        model[name] = theirs
+    for name in ("max_position_embeddings", "moe_aux_loss_coeff"):
+        if f"model.{name}" not in given:
+            model[name] = getattr(ckpt, name)
+    model["flavor"] = "hf"
+    _data_from_checkpoint(composed, given, Path(str(init)), ckpt.max_position_embeddings)
+
+
+def _data_from_checkpoint(
+    composed: dict[str, Any], given: set[str], init: Any, max_positions: int
+) -> None:
+    """The tokenizer of a ``prepared`` run is the checkpoint's (when it ships one and the
+    command line names none), and rows are no longer than the checkpoint's positions unless
+    the command line says so."""
+    from longboat.llm.train.checks import TOKENIZER_FILES
+
+    data = composed.get("data")
+    if not isinstance(data, dict) or data.get("name") != "prepared":
+        return
+    if "data.tokenizer" not in given and any((init / n).is_file() for n in TOKENIZER_FILES):
+        data["tokenizer"] = str(init)
+    seq = data.get("seq_len")
+    if "data.seq_len" not in given and isinstance(seq, int) and seq > max_positions:
+        data["seq_len"] = max_positions

@@ -27,6 +27,9 @@ class ModelFamily:
     """Model config -> a ``transformers`` config object (``save_pretrained`` writes it)."""
     layer_spec: Callable[..., Any]
     """``layer_spec(cfg, backend, kernels)`` -> megatron ``ModuleSpec`` of one decoder layer."""
+    hf_architectures: tuple[str, ...] = ()
+    """HF ``architectures`` class names of this family (used when ``model_type`` is absent
+    or unknown)."""
     hf_prefix: str = "model."
     """Prefix of the decoder tensors in the HF state dict."""
     notes: dict[str, str] = field(default_factory=dict)
@@ -72,16 +75,20 @@ def list_families() -> list[str]:
 
 
 def family_for_hf_config(hf_config: dict[str, Any]) -> ModelFamily:
-    """The family whose ``hf_model_types`` contains ``hf_config['model_type']``."""
+    """The family of an HF ``config.json``: by ``model_type``, else by ``architectures``."""
     _load_builtin()
     model_type = hf_config.get("model_type")
     for fam in _FAMILIES.values():
         if model_type in fam.hf_model_types:
             return fam
+    archs = set(hf_config.get("architectures") or ())
+    for fam in _FAMILIES.values():
+        if archs & set(fam.hf_architectures):
+            return fam
     known = sorted(t for f in _FAMILIES.values() for t in f.hf_model_types)
     raise ConfigError(
-        f"config.json model_type={model_type!r} is not supported. Fix: use a checkpoint of "
-        f"one of {known}."
+        f"config.json model_type={model_type!r} is not supported (architectures: {sorted(archs)})",
+        fix=f"use a checkpoint of one of {known}",
     )
 
 

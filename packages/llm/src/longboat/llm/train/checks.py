@@ -58,8 +58,29 @@ def check_run(cfg: Any, model: LLMModelConfig) -> None:
         from longboat.llm.hf import check_matches_flavor, read_hf_config
 
         check_matches_flavor(model, read_hf_config(init), f"{init}/config.json")
+    export = cfg.llm.export_dir or f"{cfg.output_dir}/hf"
+    if init is not None and cfg.llm.export_hf and Path(export).resolve() == Path(init).resolve():
+        raise ConfigError(
+            "is the checkpoint the run starts from: exporting would overwrite its weights",
+            key="llm.export_dir",
+            value=export,
+            fix="choose another llm.export_dir (null: <output_dir>/hf)",
+        )
     if cfg.lora.enabled and cfg.lora.rank < 1:
         raise ConfigError("must be >= 1", key="lora.rank", value=cfg.lora.rank)
+    start = cfg.lora.init_from
+    if start is not None and not (Path(start) / "adapter_config.json").is_file():
+        raise ConfigError(
+            f"{Path(start) / 'adapter_config.json'} not found",
+            key="lora.init_from",
+            value=start,
+            fix="point at a PEFT adapter directory, or null to start the adapters fresh",
+        )
+    if start is not None and not cfg.lora.enabled:
+        raise ConfigError(
+            "is set but lora.enabled=false", key="lora.init_from", value=start,
+            fix="set lora.enabled=true to continue training the adapter",
+        )  # fmt: skip
 
 
 def check_tokenizer_dir(path: str | None) -> Path:

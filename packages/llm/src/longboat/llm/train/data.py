@@ -101,8 +101,8 @@ def open_run_data(data: Any, vocab_size: int, rank: int) -> tuple[list[Any], Pat
         token_dir, tokenizer_dir = prepare_quickstart(data, log=lambda *_: None)
         paths: list[Path] = [token_dir]
     elif data.name == "prepared":
-        paths = [Path(p) for p in data.paths]
         tokenizer_dir = Path(data.tokenizer)
+        paths = [_prepared(Path(p), data, tokenizer_dir, rank) for p in data.paths]
     else:
         raise ConfigError(
             "is not a data kind longboat-llm trains on",
@@ -116,6 +116,37 @@ def open_run_data(data: Any, vocab_size: int, rank: int) -> tuple[list[Any], Pat
         check_documents(docs, "data.paths", str(p), vocab_size)
         parts.append(docs)
     return parts, tokenizer_dir
+
+
+def _prepared(path: Path, data: Any, tokenizer: Path, rank: int) -> Path:
+    """``path`` itself for a prepared dataset; a raw file or folder is prepared into the cache
+    first (rank 0 builds, the others wait and reuse it)."""
+    import torch.distributed as dist
+
+    from longboat.llm.data.raw import is_raw_input, prepared_path
+
+    if not path.exists():
+        raise ConfigError(
+            f"{path} does not exist",
+            key="data.paths",
+            value=str(path),
+            fix="point at a JSONL / Parquet file or folder, a datasets folder, or a dataset "
+            "`longboat-llm data prepare` wrote",
+        )
+    if not is_raw_input(path):
+        return path
+    kw = {"cache_dir": data.cache_dir, "format": data.format}
+    error = None
+    if rank == 0:
+        try:
+            prepared_path(path, tokenizer, **kw)
+        except (ValueError, FileNotFoundError, FileExistsError) as exc:
+            error = exc
+    if dist.is_initialized():
+        dist.barrier()
+    if error is not None:
+        raise ConfigError(str(error), key="data.paths", value=str(path)) from None
+    return prepared_path(path, tokenizer, **kw, log=lambda *_: None, progress=False)
 
 
 def train_and_eval_documents(data: Any, parts: list[Any]) -> tuple[Any, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,22 +19,64 @@ def export_hf(
     out_dir: str | Path,
     *,
     tokenizer_dir: str | Path | None = None,
+    source_dir: str | Path | None = None,
 ) -> Path:
     """Merge any LoRA adapters into the base weights and write an HF directory (collective).
 
-    The tokenizer, when given, is saved next to the weights so ``transformers`` loads both
-    from one folder.
+    Besides the weights and ``config.json``: the tokenizer (when given) and the special
+    tokens ``generate()`` stops and pads with, in ``config.json`` and
+    ``generation_config.json`` (the source checkpoint's generation config when it has one,
+    else the tokenizer's BOS / EOS / PAD), so ``transformers`` loads one folder and
+    generates the way the source model did.
     """
     merge_lora(chunks)
     out = save_hf(chunks, cfg, out_dir)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0 and tokenizer_dir is not None:
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out))
+    if rank == 0:
+        write_generation_files(out, tokenizer_dir, source_dir)
     if dist.is_initialized():
         dist.barrier()
     return out
+
+
+_SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def write_generation_files(
+    out: Path, tokenizer_dir: str | Path | None, source_dir: str | Path | None
+) -> None:
+    """Copy the tokenizer into ``out`` and write the special token ids into its
+    ``config.json`` and ``generation_config.json`` (see ``export_hf``)."""
+    import json
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    ids: dict[str, Any] = {}
+    if tokenizer_dir is not None:
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        tok.save_pretrained(str(out))
+        ids = {k: getattr(tok, k, None) for k in _SPECIAL}
+    generation = None
+    if source_dir is not None and (Path(source_dir) / "generation_config.json").is_file():
+        generation = GenerationConfig.from_pretrained(str(source_dir))
+        ids.update(
+            {
+                k: getattr(generation, k)
+                for k in _SPECIAL
+                if getattr(generation, k, None) is not None
+            }
+        )
+    ids = {k: v for k, v in ids.items() if v is not None}
+    if not ids and generation is None:
+        return
+    config_file = out / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(ids)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    generation = generation or GenerationConfig()
+    for key, value in ids.items():
+        setattr(generation, key, value)
+    generation.save_pretrained(str(out))
 
 
 def greedy_generate(

@@ -26,17 +26,29 @@ class QuickstartDataConfig(DataConfig):
     """Mask attention between documents packed into one row (block-diagonal causal)."""
 
 
+DATA_FORMATS = ("auto", "pretrain", "sft")
+"""``data.format`` of raw inputs: auto (chat ``messages`` records are sft)."""
+
+
 @dataclass
 class PreparedDataConfig(DataConfig):
     """Token datasets written by ``longboat-llm data prepare`` (or the quickstart layout)."""
 
     name: str = "prepared"
     paths: list[str] = field(default_factory=list)
-    """Prepared dataset prefixes or folders, one per source."""
+    """One entry per source: a dataset ``longboat-llm data prepare`` wrote, or a raw JSONL /
+    Parquet file or folder or ``datasets`` folder, tokenised on first use into
+    ``data.cache_dir`` and reused while it is unchanged."""
+    format: str = "auto"
+    """What raw inputs hold: auto (records with chat ``messages`` are sft: loss on the
+    assistant's tokens; others pretrain text), pretrain or sft."""
+    cache_dir: str | None = None
+    """Where raw inputs are prepared (null: ``~/.cache/longboat/datasets``)."""
     weights: list[float] | None = None
     """Blend weight per path (None: proportional to size)."""
     tokenizer: str | None = None
-    """Hugging Face tokenizer directory (saved with the HF export)."""
+    """Hugging Face tokenizer directory (saved with the HF export; null with
+    ``llm.init_from_hf``: the checkpoint's)."""
     seq_len: int = 2048
     """Tokens per packed training row (must be <= model.max_position_embeddings)."""
     eval_fraction: float = 0.01
@@ -75,6 +87,9 @@ class LoRAConfig:
         default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
     )
     """Names of the megatron linears that get adapters (attention: qkv/proj, MLP: fc1/fc2)."""
+    init_from: str | None = None
+    """A PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) to
+    start the adapters from, e.g. one an earlier run exported (null: B = 0, A random)."""
 
 
 @dataclass
@@ -90,7 +105,10 @@ class LLMRunConfig:
     export_hf: bool = True
     """Write a Hugging Face directory (LoRA merged) when training finishes."""
     export_dir: str | None = None
-    """Where the HF export goes (null: ``<output_dir>/hf``)."""
+    """Where the HF export goes (null: ``<output_dir>/hf``); with LoRA the adapters merged."""
+    export_adapter_dir: str | None = None
+    """With LoRA: where the adapters go as a PEFT adapter for the base checkpoint (null:
+    ``<output_dir>/hf_adapter``)."""
     generate_prompt: str | None = None
     """After export, load it with transformers and greedily continue this prompt (None: skip)."""
     generate_tokens: int = 40

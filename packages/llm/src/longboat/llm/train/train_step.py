@@ -221,6 +221,10 @@ def build_train_step(
         init_weights(chunks)
     if lora is not None:
         apply_lora(chunks, rank=lora.rank, alpha=lora.alpha, targets=list(lora.targets), seed=seed)
+        if getattr(lora, "init_from", None):
+            from longboat.llm.peft import load_peft
+
+            load_peft(chunks, model_cfg, lora.init_from)
     if compile_layers:
         compile_decoder_layers(chunks)
     model, optimizer = wrap_and_build(

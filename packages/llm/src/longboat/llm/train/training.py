@@ -320,8 +320,26 @@ class LLMTraining(Training):
             return None
         from longboat.llm.train.export import export_hf
 
-        out = self.cfg.llm.export_dir or f"{self.cfg.output_dir}/hf"
-        return export_hf(self.step_fn.chunks, self.model_cfg, out, tokenizer_dir=self.tokenizer_dir)
+        cfg = self.cfg
+        if cfg.lora.enabled:  # the adapters on their own, before export_hf merges them
+            from longboat.llm.peft import save_peft
+
+            self.adapter_dir = save_peft(
+                self.step_fn.chunks,
+                self.model_cfg,
+                cfg.llm.export_adapter_dir or f"{cfg.output_dir}/hf_adapter",
+                rank=cfg.lora.rank,
+                alpha=cfg.lora.alpha,
+                base_model=cfg.llm.init_from_hf,
+            )
+        out = cfg.llm.export_dir or f"{cfg.output_dir}/hf"
+        return export_hf(
+            self.step_fn.chunks,
+            self.model_cfg,
+            out,
+            tokenizer_dir=self.tokenizer_dir,
+            source_dir=self.cfg.llm.init_from_hf,
+        )
 
     def describe(self) -> list[str]:
         m, s, lay, rows = self.model_cfg, self.schedule, self.layout, self.train_rows
@@ -340,6 +358,8 @@ class LLMTraining(Training):
         lines = []
         if result.export_dir is not None:
             lines.append(f"HF export:   {result.export_dir}")
+        if getattr(self, "adapter_dir", None) is not None:
+            lines.append(f"PEFT adapter: {self.adapter_dir} (peft.PeftModel.from_pretrained)")
         prompt = self.cfg.llm.generate_prompt
         if not (self.is_main and result.export_dir is not None and prompt):
             return lines

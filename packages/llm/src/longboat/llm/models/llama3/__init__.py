@@ -12,6 +12,7 @@ def llama3() -> ModelFamily:
         name="llama3",
         flavors=FLAVORS,
         hf_model_types=("llama",),
+        hf_architectures=("LlamaForCausalLM",),
         from_hf_config=hf.from_hf_config,
         to_hf_config=hf.to_hf_config,
         layer_spec=layer_spec,

@@ -12,6 +12,7 @@ def qwen3() -> ModelFamily:
         name="qwen3",
         flavors=FLAVORS,
         hf_model_types=("qwen3",),
+        hf_architectures=("Qwen3ForCausalLM",),
         from_hf_config=hf.from_hf_config,
         to_hf_config=hf.to_hf_config,
         layer_spec=layer_spec,

@@ -12,6 +12,7 @@ def qwen3_moe() -> ModelFamily:
         name="qwen3_moe",
         flavors=FLAVORS,
         hf_model_types=("qwen3_moe",),
+        hf_architectures=("Qwen3MoeForCausalLM",),
         from_hf_config=hf.from_hf_config,
         to_hf_config=hf.to_hf_config,
         layer_spec=layer_spec,
