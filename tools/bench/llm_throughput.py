@@ -80,23 +80,21 @@ TINY = dict(
 VARIANTS: dict[str, list[str]] = {
     "longboat": [],
     "longboat_compiled": ["train.compile=true"],
-    "longboat_graphed": ["llm.cuda_graph=true"],
-    "longboat_onepass": ["llm.one_pass_adamw=true"],
-    "longboat_graphed_onepass": ["llm.cuda_graph=true", "llm.one_pass_adamw=true"],
+    "longboat_no_graph": ["llm.cuda_graph=false"],
+    "longboat_megatron_step": ["llm.cuda_graph=false", "llm.one_pass_adamw=false"],
 }
 """Config keys each longboat run adds to the CLI's defaults."""
-# hf_liger after the HF runs (it patches transformers process-wide); the graphed runs last (a
-# failed capture can leave the process's CUDA RNG unusable).
+# hf_liger after the HF runs (it patches transformers process-wide); the graphed runs (the
+# default ``longboat``) last (a failed capture can leave the process's CUDA RNG unusable).
 ALL_RUNS = (
     "hf_eager",
     "hf_compiled",
     "mcore_local_spec",
-    "longboat",
-    "longboat_onepass",
+    "longboat_megatron_step",
+    "longboat_no_graph",
     "longboat_compiled",
     "hf_liger",
-    "longboat_graphed",
-    "longboat_graphed_onepass",
+    "longboat",
 )
 RUN_WEIGHT = {"hf_compiled": 4.0, "longboat_compiled": 2.5, "hf_eager": 1.5, "longboat": 1.5}
 
@@ -128,7 +126,7 @@ def run_longboat_variant(name: str, c: dict[str, int], acc: Any, args: Any) -> d
         fusion = step.chunks[0].config.gradient_accumulation_fusion
         levers = {
             "gradient_accumulation_fusion": bool(fusion),
-            "cuda_graph": training.graphed is not None,
+            "cuda_graph": training.graphed is not None and training.graphed.graph.active,
             "fused_linear_ce": bool(step.fused_linear_ce),
             "one_pass_adamw": step.one_pass is not None,
         }

@@ -13,7 +13,8 @@
 #
 # Run names (each script's docstring has the detail): `longboat` is always the CLI's defaults
 # for the model; `longboat_<variant>` adds config keys (llm_throughput.VARIANTS:
-# compiled = train.compile, graphed = llm.cuda_graph, onepass = llm.one_pass_adamw;
+# compiled = train.compile, no_graph = llm.cuda_graph=false, megatron_step = that and
+# llm.one_pass_adamw=false;
 # vla_throughput.VARIANTS: compiled = train.compile, master = train.master_weights,
 # graphed = + train.cuda_graph, graphed_fp32master = + train.master_weight_storage=fp32,
 # graphed_kernel = + train.master_weight_update=kernel).
@@ -32,7 +33,7 @@ want gpu_tests && step "gpu tests" timeout "${LIMIT_GPU_TESTS:-240}" python3 -m 
   -p no:cacheprovider --import-mode=importlib -m gpu -rs packages
 want llm && step "llm throughput" timeout "${LIMIT_LLM:-240}" python3 tools/bench/llm_throughput.py \
   --out /tmp/llm_throughput.json --results-dir "$RESULTS" \
-  --runs hf_eager,hf_compiled,mcore_local_spec,longboat,longboat_onepass,longboat_compiled,hf_liger,longboat_graphed,longboat_graphed_onepass \
+  --runs hf_eager,hf_compiled,mcore_local_spec,longboat_megatron_step,longboat_no_graph,longboat_compiled,hf_liger,longboat \
   --steps 10 --warmup 3 --time-budget "$(( ${LIMIT_LLM:-240} - 10 ))"
 want vla && step "vla throughput" timeout "${LIMIT_VLA:-240}" python3 tools/bench/vla_throughput.py \
   --out /tmp/vla_throughput.json --results-dir "$RESULTS" \

@@ -113,6 +113,21 @@ def test_a_host_sync_is_found_before_capture_and_named() -> None:
     assert len(done) == 2 and backend.captures == 0  # the step ran; nothing was captured
 
 
+def test_a_host_sync_can_fall_back_to_eager_steps_with_a_warning() -> None:
+    backend = RecordingBackend()
+    backend.syncs = ["model.py:12: called a synchronizing CUDA operation"]
+    outs = []
+    step = GraphedStep(
+        lambda b: b["x"] * 2, accelerator=CPU, warmup=2, backend=backend, eager_on_sync=True
+    )
+    outs.append(step({"x": torch.ones(1)}))
+    with pytest.warns(UserWarning, match=r"eager steps from here on.*model\.py:12"):
+        outs.append(step({"x": torch.full((1,), 2.0)}))  # the warm-up step's own output
+    outs.append(step({"x": torch.full((1,), 3.0)}))
+    assert [float(o) for o in outs] == [2.0, 4.0, 6.0]
+    assert not step.active and backend.captures == 0 and "host sync" in step.reason
+
+
 def test_failed_capture_stops_with_a_clear_error() -> None:
     step = GraphedStep(
         lambda b: b["x"] + 1, accelerator=CPU, warmup=1, backend=RecordingBackend(fail=True)

@@ -39,8 +39,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
 
 
 def _overrides(tiny: tuple[Path, Path, Path], name: str, *extra: str) -> list[str]:
+    """megatron's step (one-pass update and CUDA graph off) unless ``extra`` turns them on."""
     data, tok, root = tiny
-    return [*tiny_overrides(data, tok, root / name), "optim.grad_clip=0.0", *extra]
+    given = {e.split("=")[0] for e in extra}
+    levers = [f"{k}=false" for k in ("llm.one_pass_adamw", "llm.cuda_graph") if k not in given]
+    return [*tiny_overrides(data, tok, root / name), "optim.grad_clip=0.0", *levers, *extra]
 
 
 class _Probe:

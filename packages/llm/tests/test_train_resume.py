@@ -165,15 +165,17 @@ def test_resume_with_new_steps_and_lr_follows_the_new_schedule(tmp_path: Path) -
     updates 7..10 use the new schedule at positions 6..9 (what an uninterrupted 10-step run
     with those settings uses there), not the checkpoint's LR."""
     data, tok = make_tiny_dataset(tmp_path / "data")
+    # megatron's step, whose inner AdamW.step() the worker's hook sees (the one-pass update
+    # reads the same param-group LR without calling it).
     base = [*tiny_overrides(data, tok, tmp_path / "run", steps=6), "checkpoint.resume=auto",
-            "checkpoint.save_on_exit=true"]  # fmt: skip
+            "checkpoint.save_on_exit=true", "llm.one_pass_adamw=false"]  # fmt: skip
     start, first, _ = run_multiprocess(_lr_worker, 1, base)[0]
     assert start == 0 and len(first) == 6
     new = ["train.steps=10", "optim.lr=0.02", "optim.schedule.min_lr_ratio=0.5"]
     start, resumed, changed = run_multiprocess(_lr_worker, 1, [*base, *new])[0]
     assert start == 6 and len(resumed) == 4
     assert changed["train.steps"] == (6, 10) and changed["optim.lr"] == (0.01, 0.02)
-    fresh = [*tiny_overrides(data, tok, tmp_path / "fresh", steps=10), *new]
+    fresh = [*tiny_overrides(data, tok, tmp_path / "fresh", steps=10), *new, base[-1]]
     _, straight, _ = run_multiprocess(_lr_worker, 1, fresh)[0]
     assert resumed == straight[6:]
     assert resumed[-1] > 0.02 * 0.5 and first[-1] < resumed[0]

@@ -31,11 +31,11 @@ def test_flop_accounting_reproduces_the_anchors() -> None:
 
 def test_every_run_is_the_cli_assembly_or_a_baseline(tmp_path: Path) -> None:
     """The longboat runs (the CLI's defaults, two variants) and two baselines train 2 timed
-    steps; the graphed and one-pass variants run the same math on CPU (eager steps, the same
-    update rule), so their losses equal the default run's."""
+    steps; the default (graphed, one-pass) and the variants without them run the same math on
+    CPU (eager steps, the same update rule), so their losses are equal."""
     pytest.importorskip("megatron.core")
     out = tmp_path / "llm.json"
-    runs = "hf_eager,mcore_local_spec,longboat,longboat_graphed,longboat_onepass"
+    runs = "hf_eager,mcore_local_spec,longboat_megatron_step,longboat_no_graph,longboat"
     stdout = run_script(
         "llm_throughput.py",
         [
@@ -66,17 +66,18 @@ def test_every_run_is_the_cli_assembly_or_a_baseline(tmp_path: Path) -> None:
     assert len(lb["losses"]) == 4  # warm-up, 2 timed, the last (logged) step
     assert (
         lb["losses"]
-        == by_name["longboat_graphed"]["losses"]
-        == by_name["longboat_onepass"]["losses"]
+        == by_name["longboat_no_graph"]["losses"]
+        == by_name["longboat_megatron_step"]["losses"]
     )
     assert lb["levers"]["fused_linear_ce"] is True
-    assert by_name["longboat_onepass"]["levers"]["one_pass_adamw"] is True
+    assert lb["levers"]["one_pass_adamw"] is True and lb["levers"]["cuda_graph"] is False  # CPU
+    assert by_name["longboat_megatron_step"]["levers"]["one_pass_adamw"] is False
     assert result["config"]["variants"]["longboat"] == []
     stem = tmp_path / f"llm_throughput_{result['date']}"
     assert json.loads(stem.with_suffix(".json").read_text()) == result
     assert stem.with_suffix(".md").read_text().count("| longboat |") == 1
     assert stem.with_suffix(".png").stat().st_size > 0
-    assert stdout.rstrip().splitlines()[-1].startswith("| longboat_onepass |")
+    assert stdout.rstrip().splitlines()[-1].startswith("| longboat |")
 
 
 def test_a_failing_run_is_recorded_not_raised(tmp_path: Path) -> None:

@@ -12,7 +12,8 @@ name -> tensor, ``outputs`` any nest of tensors). Every call runs exactly one re
    optimizer's moments and cuDNN/cuBLAS workspaces gets allocated there, outside the graph);
    the last of them runs under CUDA's sync-debug mode ("warn") and, if the step
    synchronised with the host anywhere, raises ``GraphCaptureError`` listing where (that
-   step is complete; only the capture is refused);
+   step is complete; only the capture is refused), or, with ``eager_on_sync=True``, warns
+   once and runs every later call eagerly;
 2. the next call copies its inputs into static buffers, records ``fn`` into a graph, and
    replays the graph once for that same batch;
 3. later calls copy their inputs into the static buffers and replay.
@@ -42,6 +43,7 @@ increment outside graph capture" on the next random op).
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -93,6 +95,7 @@ class GraphedStep:
         enabled: bool = True,
         name: str = "train step",
         backend: Any = None,
+        eager_on_sync: bool = False,
     ) -> None:
         # ``backend``: side streams + capture; default: ``accelerator.graph_backend()``.
         if warmup < 1:
@@ -100,6 +103,7 @@ class GraphedStep:
                 f"GraphedStep warmup={warmup}: use >= 1 (lazy state must exist before capture)"
             )
         self.fn = fn
+        self.eager_on_sync = eager_on_sync
         self.warmup = warmup
         self.name = name
         self.calls = 0
@@ -143,6 +147,14 @@ class GraphedStep:
             out, syncs = self._backend.run_and_find_syncs(lambda: self.fn(inputs))
             if syncs:
                 self.reason = f"{len(syncs)} host sync(s) in the step"
+                if self.eager_on_sync:
+                    warnings.warn(
+                        f"{self.name}: eager steps from here on: the step synchronises with "
+                        f"the host, which a CUDA graph cannot record (first at "
+                        f"{syncs[0]})",
+                        stacklevel=2,
+                    )
+                    return out
                 raise GraphCaptureError(
                     f"{self.name}: the step synchronises with the host, which a CUDA graph cannot "
                     f"record (step {self.calls} ran eagerly and is complete). Where:\n  "

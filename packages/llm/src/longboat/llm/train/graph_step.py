@@ -87,7 +87,11 @@ class GraphedTrainStep:
             for s in schedule.schedulers
         ]
         self.graph = GraphedStep(
-            self._step, accelerator=accelerator, warmup=3, name="llm train step"
+            self._step,
+            accelerator=accelerator,
+            warmup=3,
+            name="llm.cuda_graph",
+            eager_on_sync=True,
         )
 
     def _step(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -46,6 +46,8 @@ class TrainStep:
     """Built with ``cuda_graph=True`` (DDP constructed under a side stream): ``graphed`` works."""
     one_pass: Any = None
     """``train.one_pass_adamw.OnePassAdamW`` when the update runs as one pass per shard."""
+    one_pass_blocker: str | None = None
+    """Why the one-pass update was asked for (``"auto"``) but does not apply, if so."""
     _positions: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def batch(
@@ -151,7 +153,7 @@ def build_train_step(
     lora: Any = None,
     seed: int = 0,
     cuda_graph: bool = False,
-    one_pass_adamw: bool = False,
+    one_pass_adamw: bool | str = False,
     kernel_options: dict[str, bool] | None = None,
     **model_overrides: Any,
 ) -> TrainStep:
@@ -176,13 +178,16 @@ def build_train_step(
     ``cuda_graph``: build for ``TrainStep.graphed`` (megatron's DDP constructed under a side
     stream: see ``train.optimizer.wrap_and_build``).
     ``one_pass_adamw``: the update as one kernel pass per parameter shard
-    (``train.one_pass_adamw``; as ``llm.one_pass_adamw``).
+    (``train.one_pass_adamw``); True requires it (an error where the optimizer cannot take
+    it), ``"auto"`` (what ``llm.one_pass_adamw=true`` means) uses it where it applies and
+    records why not in ``TrainStep.one_pass_blocker``.
     ``kernel_options``: ``build_model``'s switches of the longboat layer kernels (tests).
     ``model_overrides`` go to megatron's ``TransformerConfig`` (as in ``build_model``).
     """
     from longboat.llm.build import build_model
     from longboat.llm.lora import apply_lora
     from longboat.llm.train.one_pass_adamw import OnePassAdamW
+    from longboat.llm.train.one_pass_adamw import supported as one_pass_supported
     from longboat.llm.train.optimizer import wrap_and_build
 
     if device is None:
@@ -232,6 +237,7 @@ def build_train_step(
     )
     if exact_main_weights and init_weights is not None and precision in ("bf16", "fp16"):
         main_weights_from_fp32_init(optimizer, model_cfg, device, init_weights, model_overrides)
+    blocker = one_pass_supported(optimizer) if one_pass_adamw == "auto" else None
     return TrainStep(
         chunks=chunks,
         model=model,
@@ -239,7 +245,8 @@ def build_train_step(
         device=device,
         fused_linear_ce=fused_linear_ce,
         graph_ready=cuda_graph,
-        one_pass=OnePassAdamW(optimizer) if one_pass_adamw else None,
+        one_pass=OnePassAdamW(optimizer) if one_pass_adamw and blocker is None else None,
+        one_pass_blocker=blocker,
     )
 
 

@@ -204,7 +204,7 @@ class LLMTraining(Training):
             lora=lora,
             seed=cfg.train.seed,
             cuda_graph=cfg.llm.cuda_graph,
-            one_pass_adamw=cfg.llm.one_pass_adamw,
+            one_pass_adamw="auto" if cfg.llm.one_pass_adamw else False,
             **RECOMPUTE[cfg.train.activation_checkpointing],
         )
 
@@ -350,6 +350,8 @@ class LLMTraining(Training):
             f"of {rows.seq_len} tokens ({rows.fill:.0%} filled); global batch {s.global_batch} = "
             f"{s.num_microbatches} microbatch(es) x {s.micro_batch} x dp {s.data_parallel}."
         ]
+        if self.step_fn.one_pass_blocker:
+            lines.append(f"llm.one_pass_adamw: megatron's step ({self.step_fn.one_pass_blocker}).")
         if self.graph_notice:
             lines.append(self.graph_notice)
         return lines
