@@ -111,6 +111,26 @@ def test_every_checkpoint_damaged_stops_the_run(tmp_path: Path) -> None:
         run(_cfg(out, "train.steps=20"))
 
 
+def test_a_finished_run_started_again_says_so_and_exits_0(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "run"
+    assert main(["demo", *_overrides(out, "train.steps=10")]) == 0
+    capsys.readouterr()
+    latest = out / "checkpoints" / "step_00000010"
+    for steps in (10, 4):  # the same train.steps, and fewer than the checkpoint's step
+        assert main(["demo", *_overrides(out, f"train.steps={steps}")]) == 0
+        lines = [
+            line for line in capsys.readouterr().out.splitlines() if "already finished" in line
+        ]
+        assert lines == [
+            f"Run already finished at step 10 (checkpoint {latest}): nothing to train; raise "
+            "train.steps above 10 to train further (e.g. train.steps=20), or "
+            "checkpoint.resume=none to start over."
+        ]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000010"]
+
+
 def test_explicit_damaged_resume_exits_2_naming_the_file_and_the_previous(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -59,7 +59,15 @@ class LeRobotDataConfig(DataConfig):
     shuffle: bool = True
     """Shuffle the sample order (deterministic in data.seed, resumable)."""
     skip_bad_samples: bool = False
-    """Skip (and count) samples that fail to decode instead of failing the run."""
+    """Skip (and count) samples that fail to decode, and frames whose values lie far outside
+    the dataset's stats.json range (a corrupt file), instead of failing the run."""
+    cameras: list[str] | None = None
+    """Camera keys the policy sees, in this order (e.g. [observation.images.front,
+    observation.images.wrist]); null: every camera of the dataset in info.json order. An
+    unknown key fails before the model is built."""
+    verify: bool = False
+    """Scan the dataset at startup: every data file reads in full, every video opens and
+    holds the frames of its episodes; prints a summary and fails listing every problem."""
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
     """Settings of the generated dataset (used only when path is null)."""
 

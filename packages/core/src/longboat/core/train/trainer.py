@@ -384,9 +384,11 @@ class Trainer:
         say(self.gate.describe())
         total = cfg.train.steps
         if r.start_step >= total:
+            done = r.start_step
             say(
-                f"Already at train.steps={total}: nothing to train (add train.steps={2 * total}"
-                " to continue, or checkpoint.resume=none to start over)."
+                f"Run already finished at step {done} (checkpoint {r.resumed_from}): nothing "
+                f"to train; raise train.steps above {done} to train further (e.g. "
+                f"train.steps={2 * done}), or checkpoint.resume=none to start over."
             )
 
     def _print_end(self) -> None:

@@ -8,7 +8,8 @@ Public API (documented in packages/embodied/README.md, "Data"):
 - :class:`MultiLeRobotDataset` (one dataset per embodiment) and :func:`pad_collate`
 - :class:`Normalizer`, :class:`EpisodeAwareSampler`
 - video backends :class:`PyAVDecoder`, :class:`TorchCodecDecoder`
-- errors :class:`LeRobotFormatError`, :class:`VideoDecodeError`
+- errors :class:`LeRobotFormatError`, :class:`VideoDecodeError`; the startup scan
+  :func:`verify_dataset` (:class:`VerifyReport`)
 """
 
 from longboat.embodied.data.dataset import LeRobotDataset, delta_indices
@@ -24,6 +25,7 @@ from longboat.embodied.data.synthetic import (
     synthetic_state,
     write_synthetic_dataset,
 )
+from longboat.embodied.data.verify import VerifyReport, verify_dataset
 from longboat.embodied.data.video_decode import PyAVDecoder, TorchCodecDecoder
 
 __all__ = [
@@ -37,11 +39,13 @@ __all__ = [
     "Normalizer",
     "PyAVDecoder",
     "TorchCodecDecoder",
+    "VerifyReport",
     "VideoDecodeError",
     "delta_indices",
     "pad_collate",
     "synthetic_action",
     "synthetic_frame",
     "synthetic_state",
+    "verify_dataset",
     "write_synthetic_dataset",
 ]

@@ -9,12 +9,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
-from longboat.embodied.data.layout import LeRobotFormatError, VideoDecodeError
+from longboat.embodied.data.layout import (
+    DEFAULT_FEATURES,
+    STATS_PATH,
+    LeRobotFormatError,
+    VideoDecodeError,
+    read_parquet,
+    read_parquet_schema,
+)
 from longboat.embodied.data.metadata import EpisodeMeta, LeRobotMetadata
 from longboat.embodied.data.normalize import Normalizer
+from longboat.embodied.data.range_check import FAR_OUTSIDE_FACTOR, far_outside_stats
 from longboat.embodied.data.video_decode import DecoderCache, DecoderFactory, resolve_backend
 
 log = logging.getLogger(__name__)
@@ -70,7 +77,9 @@ class LeRobotDataset(torch.utils.data.Dataset):
         ``normalization`` is a :class:`Normalizer` or ``{key_or_group: mode}`` built from the
         dataset's stats.json / modality.json; ``camera_keys`` selects cameras (default all);
         ``embodiment_id`` overrides/sets the id when the dataset has no ``embodiment_id``
-        column; ``skip_bad_samples`` turns a failed decode into a skip counted in
+        column. Values far outside stats.json's range (``range_check``: a corrupt file) fail
+        here naming file, episode, frame and feature; ``skip_bad_samples`` instead skips such
+        frames (``self.bad_frames`` of them) and failed decodes, counting each skip in
         ``self.skipped``.
         """
         if image_dtype not in ("float32", "uint8"):
@@ -113,6 +122,9 @@ class LeRobotDataset(torch.utils.data.Dataset):
         )
         self._check_timestamps()
         self._check_video_files()
+        self._bad_rows = self._check_values()
+        self.bad_frames = int(self._bad_rows.sum())
+        """Frames with values far outside stats.json (skipped; 0 unless skip_bad_samples)."""
         self.embodiment_id = embodiment_id
         if isinstance(normalization, Normalizer) or normalization is None:
             self.normalizer = normalization
@@ -144,7 +156,8 @@ class LeRobotDataset(torch.utils.data.Dataset):
             ep_names = ", ".join(str(e.index) for e in eps[:5])
             if not path.is_file():
                 raise LeRobotFormatError(f"{path}: data file missing (episode {ep_names})")
-            names = pq.read_schema(path).names
+            where = f"episode {ep_names}"
+            names = read_parquet_schema(path, where).names
             missing = [k for k in self.column_keys if k not in names]
             if missing:
                 raise LeRobotFormatError(
@@ -157,8 +170,13 @@ class LeRobotDataset(torch.utils.data.Dataset):
                     f"{path}: columns {extra} are missing from {self.meta.info_path} features "
                     f"(episode {ep_names}); add them to info.json or drop them"
                 )
-            table = pq.read_table(path, columns=self._read_keys)
-            cols = {k: _column_to_numpy(table.column(k)) for k in self.column_keys}
+            table = read_parquet(path, where, columns=self._read_keys)
+            try:
+                cols = {k: _column_to_numpy(table.column(k)) for k in self.column_keys}
+            except (ValueError, TypeError) as exc:  # e.g. ragged lists after corruption
+                raise LeRobotFormatError(
+                    f"{path}: columns cannot be read as arrays ({where}): {exc}"
+                ) from exc
             cols.update({k: _image_bytes(table.column(k), path) for k in self.image_keys})
             ep_col = cols["episode_index"]
             for ep in eps:
@@ -204,6 +222,60 @@ class LeRobotDataset(torch.utils.data.Dataset):
                         f"{span.to_timestamp:.6f}s (timestamps beyond the episode)"
                     )
 
+    def _check_values(self) -> np.ndarray:
+        """Rows with a task_index outside meta/tasks or a value far outside stats.json (once,
+        vectorised); they fail the dataset unless ``skip_bad_samples``."""
+        keys = [k for k in self.column_keys if k not in DEFAULT_FEATURES]
+        bad, found = far_outside_stats(self._columns, self.meta.stats, keys)
+        problems = [
+            (
+                v.row,
+                f"{v.key}[{v.dim}] = {v.value:.6g} is far outside the dataset's range "
+                f"[{v.low:.6g}, {v.high:.6g}] in {self.root / STATS_PATH} (more than "
+                f"{FAR_OUTSIDE_FACTOR:g}x the range beyond it; {v.rows} frame(s) like it)",
+            )
+            for v in found
+        ]
+        tasks = self._columns["task_index"].reshape(-1)
+        bad_task = (tasks < 0) | (tasks >= len(self.meta.tasks))
+        if bad_task.any():
+            bad |= bad_task
+            row = int(np.flatnonzero(bad_task)[0])
+            problems.append(
+                (
+                    row,
+                    f"task_index = {int(tasks[row])} is not among the "
+                    f"{len(self.meta.tasks)} tasks of the dataset's task table "
+                    f"({int(bad_task.sum())} frame(s) like it)",
+                )
+            )
+        if not problems:
+            return bad
+        lines = []
+        for row, what in sorted(problems):
+            ep_i = int(self._row_episode[row])
+            ep = self.episodes[ep_i]
+            frame = row - int(self._ep_start[ep_i])
+            lines.append(f"{ep.data_path}: episode {ep.index}, frame {frame}: {what}")
+        if not self.skip_bad_samples:
+            raise LeRobotFormatError(
+                "; ".join(lines) + ". The file is likely corrupt: copy or export it again, or "
+                "skip such frames with skip_bad_samples (data.skip_bad_samples=true)"
+            )
+        log.warning("skipping %d frame(s) with bad values: %s", int(bad.sum()), "; ".join(lines))
+        return bad
+
+    def _reads_bad_row(self, pos: int) -> bool:
+        """Whether sample ``pos`` reads a bad row (its own or one of its delta rows)."""
+        if self._bad_rows[pos]:
+            return True
+        ep_i = int(self._row_episode[pos])
+        start, length = int(self._ep_start[ep_i]), self.episodes[ep_i].length
+        return any(
+            self._bad_rows[start + self._delta_rows(pos - start, length, offsets)[0]].any()
+            for offsets in self._deltas.values()
+        )
+
     def _check_video_files(self) -> None:
         missing: dict[Path, list[str]] = {}
         for ep in self.episodes:
@@ -246,6 +318,9 @@ class LeRobotDataset(torch.utils.data.Dataset):
         idx %= n
         for attempt in range(n):
             pos = (idx + attempt) % n
+            if self.bad_frames and self._reads_bad_row(pos):
+                self.skipped += 1
+                continue
             try:
                 return self._get(pos)
             except (VideoDecodeError, OSError) as exc:
@@ -253,7 +328,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
                     raise
                 self.skipped += 1
                 log.warning("skipping sample %d: %s", pos, exc)
-        raise VideoDecodeError(f"{self.root}: every sample failed to decode")
+        raise VideoDecodeError(f"{self.root}: every sample failed to decode or has bad values")
 
     def _get(self, pos: int) -> dict[str, Any]:
         ep_i = int(self._row_episode[pos])

@@ -66,8 +66,40 @@ def read_json(path: Path) -> Any:
         raise LeRobotFormatError(f"{path}: file not found (is the dataset root correct?)")
     try:
         return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise LeRobotFormatError(f"{path}: invalid JSON ({exc})") from exc
+
+
+def _parquet_error(path: Path, where: str, exc: Exception) -> LeRobotFormatError:
+    return LeRobotFormatError(
+        f"{path}: unreadable parquet ({where}): {str(exc).strip().splitlines()[0]}; the file "
+        "is truncated or corrupt: copy or export it again"
+    )
+
+
+def read_parquet_schema(path: Path, where: str) -> Any:
+    """``pyarrow.parquet.read_schema``; a truncated or corrupt file raises
+    ``LeRobotFormatError`` naming it and ``where`` (e.g. ``"episode 3"``)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_schema(path)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise _parquet_error(path, where, exc) from exc
+
+
+def read_parquet(path: Path, where: str, columns: list[str] | None = None) -> Any:
+    """``pyarrow.parquet.read_table`` (all columns or ``columns``); a truncated or corrupt file
+    (bad footer, page header, compressed page) raises ``LeRobotFormatError`` naming it and
+    ``where``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path, columns=columns)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise _parquet_error(path, where, exc) from exc
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

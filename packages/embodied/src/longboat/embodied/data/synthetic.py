@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -210,13 +211,12 @@ class _Episode:
 def _features(
     spec: EmbodimentSpec,
     video_keys: list[str],
-    image_size: tuple[int, int],
+    sizes: dict[str, tuple[int, int]],
     fps: int,
     layout: str,
     gop: int,
     crf: int,
 ) -> dict[str, dict[str, Any]]:
-    height, width = image_size
     feats: dict[str, dict[str, Any]] = {
         STATE_KEY: {
             "dtype": "float32",
@@ -230,6 +230,7 @@ def _features(
         },
     }
     for key in video_keys:
+        height, width = sizes[key]
         info: dict[str, Any] = {
             "video.height": height,
             "video.width": width,
@@ -285,6 +286,7 @@ def write_synthetic_dataset(
     fps: int = 10,
     cameras: tuple[str, ...] = ("front", "wrist"),
     image_size: tuple[int, int] = (24, 32),
+    camera_sizes: Mapping[str, tuple[int, int]] | None = None,
     embodiments: tuple[EmbodimentSpec, ...] = (
         EmbodimentSpec(name="arm6", state_dim=6, action_dim=5),
     ),
@@ -298,8 +300,9 @@ def write_synthetic_dataset(
     """Write one synthetic LeRobot dataset per embodiment; return their roots.
 
     ``episode_length`` is an inclusive (min, max) range drawn per episode from ``seed``;
-    ``image_size`` is (height, width), both even; ``episodes_per_file`` (v3.0 only) splits
-    data and videos into several files (default: all episodes in file-000).
+    ``image_size`` is (height, width), both even, of every camera not in ``camera_sizes``
+    (camera name -> (height, width)); ``episodes_per_file`` (v3.0 only) splits data and
+    videos into several files (default: all episodes in file-000).
     """
     if layout not in (V21, V30):
         raise ValueError(f"layout={layout!r} is not supported; use 'v2.1' or 'v3.0'")
@@ -310,6 +313,10 @@ def write_synthetic_dataset(
         raise ValueError("num_episodes, tasks and embodiments must all be non-empty")
     if episodes_per_file is not None and layout != V30:
         raise ValueError("episodes_per_file applies to layout='v3.0' only; drop it for v2.1")
+    unknown = sorted(set(camera_sizes or {}) - set(cameras))
+    if unknown:
+        raise ValueError(f"camera_sizes names cameras {unknown} not in cameras={cameras}")
+    sizes = {cam: tuple((camera_sizes or {}).get(cam, image_size)) for cam in cameras}
     root = Path(root)
     roots = []
     for emb_id, spec in enumerate(embodiments):
@@ -325,7 +332,7 @@ def write_synthetic_dataset(
             tasks=list(tasks),
             fps=fps,
             cameras=cameras,
-            image_size=image_size,
+            sizes=sizes,
             crf=crf,
             gop=gop,
             episodes_per_file=episodes_per_file or num_episodes,
@@ -346,14 +353,15 @@ def _write_one(
     tasks: list[str],
     fps: int,
     cameras: tuple[str, ...],
-    image_size: tuple[int, int],
+    sizes: dict[str, tuple[int, int]],
     crf: int,
     gop: int,
     episodes_per_file: int,
     robot_type: str,
 ) -> None:
     video_keys = [f"observation.images.{cam}" for cam in cameras]
-    features = _features(spec, video_keys, image_size, fps, layout, gop, crf)
+    key_sizes = {f"observation.images.{cam}": hw for cam, hw in sizes.items()}
+    features = _features(spec, video_keys, key_sizes, fps, layout, gop, crf)
     # Task indices follow first appearance, as LeRobot assigns them while recording.
     used_tasks: list[str] = []
     episodes: list[_Episode] = []
@@ -374,7 +382,7 @@ def _write_one(
             "task_index": np.full(length, used_tasks.index(task), np.int64),
         }
         frames = {
-            key: synthetic_frame(ep, t, cam, *image_size) for cam, key in enumerate(video_keys)
+            key: synthetic_frame(ep, t, cam, *key_sizes[key]) for cam, key in enumerate(video_keys)
         }
         stats = {}
         for key in features:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +16,11 @@ from longboat.embodied.config import LeRobotDataConfig
 from longboat.embodied.data import (
     EmbodimentSpec,
     LeRobotDataset,
+    LeRobotFormatError,
     LeRobotMetadata,
     write_synthetic_dataset,
 )
+from longboat.embodied.data.verify import VerifyReport, verify_dataset
 from longboat.embodied.train.policy_batch import ACTION_KEY, STATE_KEY
 
 _DONE = ".longboat_complete"
@@ -79,17 +83,150 @@ def ensure_synthetic(
     return root
 
 
+@dataclass
+class OpenedDataset:
+    """The training dataset of a run and what was found while opening it."""
+
+    dataset: Dataset
+    """Every sub-dataset (one per embodiment) concatenated."""
+    cameras: list[str]
+    """Camera keys in batch order (``data.cameras``, or every camera in dataset order)."""
+    camera_sizes: dict[str, list[tuple[int, int]]]
+    """(height, width) of each camera, one entry per sub-dataset (from info.json)."""
+    bad_frames: int = 0
+    """Frames skipped for values far outside stats.json (``data.skip_bad_samples``)."""
+    verify: VerifyReport | None = None
+    """The ``data.verify`` scan (None when off)."""
+
+    @property
+    def distinct_sizes(self) -> list[tuple[int, int]]:
+        """The different camera frame sizes, first seen first."""
+        return list(dict.fromkeys(hw for sizes in self.camera_sizes.values() for hw in sizes))
+
+
+def camera_hw(meta: LeRobotMetadata, key: str) -> tuple[int, int]:
+    """(height, width) of camera ``key`` from its info.json shape ([H, W, C] or [C, H, W])."""
+    ft = meta.features[key]
+    shape, names = ft["shape"], ft.get("names") or []
+    if len(shape) != 3:
+        raise LeRobotFormatError(
+            f"{meta.info_path}: camera {key!r} has shape {shape}; expected [height, width, "
+            "channels] (or [channels, height, width] with names)"
+        )
+    if names[:1] == ["channels"]:
+        return int(shape[1]), int(shape[2])
+    return int(shape[0]), int(shape[1])
+
+
+def select_cameras(meta: LeRobotMetadata, wanted: list[str] | None) -> list[str]:
+    """``data.cameras`` checked against the dataset (null: every camera in dataset order)."""
+    available = meta.video_keys + meta.image_keys
+    if wanted is None:
+        return available
+    unknown = [k for k in wanted if k not in available]
+    if unknown or len(set(wanted)) != len(wanted) or not wanted:
+        what = (
+            f"names cameras {unknown} that {meta.root} does not have"
+            if unknown
+            else "must name at least one camera, each once"
+        )
+        raise ConfigError(
+            f"{what} (the dataset's cameras: {available})",
+            key="data.cameras",
+            value=list(wanted),
+            fix=f"pick from {available}, e.g. data.cameras=[{','.join(available)}], or set "
+            "data.cameras=null for all",
+        )
+    return list(wanted)
+
+
+def check_dims(meta: LeRobotMetadata, limits: Mapping[str, tuple[str, int]]) -> None:
+    """State / action widths of the dataset against the model's (``feature_limits``): a
+    ConfigError naming the feature, its width and the model key to raise."""
+    for feature, (model_key, limit) in limits.items():
+        ft = meta.features.get(feature)
+        if ft is None:
+            raise LeRobotFormatError(
+                f"{meta.info_path}: no {feature!r} feature (features: {sorted(meta.features)}); "
+                f"the policies train on {STATE_KEY!r} and {ACTION_KEY!r}"
+            )
+        if len(ft["shape"]) != 1:
+            raise LeRobotFormatError(
+                f"{meta.info_path}: {feature!r} has shape {ft['shape']}; expected [dims]"
+            )
+        dims = int(ft["shape"][0])
+        if dims > limit:
+            raise ConfigError(
+                f"{feature} of {meta.root} has {dims} dims, more than the model's "
+                f"{model_key}={limit}",
+                key=f"model.overrides.{model_key}",
+                value=limit,
+                fix=f"set model.overrides.{model_key}={dims} (or larger)",
+            )
+
+
+def _verify(metas: list[LeRobotMetadata], cameras: list[str], is_main: bool) -> VerifyReport:
+    """The ``data.verify`` scan of every sub-dataset, on rank 0 (the other ranks get its
+    report, so every rank fails or goes on together)."""
+    report = VerifyReport()
+    if is_main:
+        for meta in metas:
+            report.merge(
+                verify_dataset(meta, video_keys=[k for k in cameras if k in meta.video_keys])
+            )
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [report]
+        dist.broadcast_object_list(box, src=0)
+        report = box[0]
+    return report
+
+
 def open_dataset(
-    data: LeRobotDataConfig, root: Path, horizon: int
-) -> tuple[Dataset, list[str], tuple[int, int]]:
-    """The training dataset (concatenated over embodiments), its camera keys and frame size.
+    data: LeRobotDataConfig,
+    root: Path,
+    horizon: int,
+    *,
+    limits: Mapping[str, tuple[str, int]] | None = None,
+    max_cameras: int | None = None,
+    is_main: bool = True,
+) -> OpenedDataset:
+    """The training dataset (concatenated over embodiments), checked before any model is
+    built: cameras (``data.cameras``), state/action widths against ``limits``
+    (``feature_limits``), at most ``max_cameras`` cameras, every file with ``data.verify``.
 
     Each sample carries an action chunk of ``horizon`` steps (``delta_timestamps``) with
     ``action_is_pad``; state and action are min-max normalised to [-1, 1] from the stats.
     """
+    roots = dataset_roots(root)
+    metas = [LeRobotMetadata.load(r) for r in roots]
+    cams = select_cameras(metas[0], data.cameras)
+    for meta in metas[1:]:
+        theirs = select_cameras(meta, data.cameras)
+        if theirs != cams:
+            raise ConfigError(
+                f"sub-datasets disagree on cameras: {metas[0].root} has {cams}, {meta.root} "
+                f"has {theirs}",
+                key="data.path",
+                value=str(root),
+                fix="train on datasets with the same camera keys, or pick shared ones with "
+                "data.cameras",
+            )
+    if max_cameras is not None and len(cams) > max_cameras:
+        raise ConfigError(
+            f"selects {len(cams)} cameras ({cams}) but the model takes {max_cameras}",
+            key="data.cameras",
+            value=data.cameras,
+            fix=f"pick {max_cameras} with data.cameras=[...], or raise "
+            f"model.overrides.num_cameras={len(cams)}",
+        )
+    for meta in metas:
+        check_dims(meta, limits or {})
+    sizes = {key: [camera_hw(meta, key) for meta in metas] for key in cams}
+    report = _verify(metas, cams, is_main) if data.verify else None
+    if report is not None:
+        report.raise_if_problems()
     parts: list[LeRobotDataset] = []
-    for emb_id, ds_root in enumerate(dataset_roots(root)):
-        meta = LeRobotMetadata.load(ds_root)
+    for emb_id, (ds_root, meta) in enumerate(zip(roots, metas, strict=True)):
         fps = meta.fps
         has_column = "embodiment_id" in meta.features
         parts.append(
@@ -97,27 +234,17 @@ def open_dataset(
                 ds_root,
                 delta_timestamps={ACTION_KEY: [k / fps for k in range(horizon)]},
                 video_backend=data.video_backend,
+                camera_keys=cams,
                 normalization={STATE_KEY: "min_max", ACTION_KEY: "min_max"},
                 skip_bad_samples=data.skip_bad_samples,
                 embodiment_id=None if has_column else emb_id,
             )
         )
-    cams = parts[0].camera_keys
-    for p in parts[1:]:
-        if p.camera_keys != cams:
-            raise ConfigError(
-                f"sub-datasets disagree on cameras: {parts[0].root} has {cams}, {p.root} has "
-                f"{p.camera_keys}",
-                key="data.path",
-                value=str(root),
-                fix="train on datasets with the same camera keys",
-            )
-    shape = parts[0].meta.features[cams[0]]["shape"]
-    names = parts[0].meta.features[cams[0]].get("names") or []
-    hw = (
-        (int(shape[0]), int(shape[1]))
-        if names[:1] != ["channels"]
-        else (int(shape[1]), int(shape[2]))
-    )
     dataset: Dataset = parts[0] if len(parts) == 1 else ConcatDataset(parts)
-    return dataset, cams, hw
+    return OpenedDataset(
+        dataset,
+        cams,
+        sizes,
+        bad_frames=sum(p.bad_frames for p in parts),
+        verify=report,
+    )

@@ -1,8 +1,10 @@
 """LeRobot samples -> the batch dict a policy's ``forward`` takes (GR00T N1.6, pi0.5).
 
-Both policies take ``images [B, n_cams, 3, H, W]``, ``input_ids``/``attention_mask``,
-padded ``state``/``state_mask`` and ``action``/``action_mask`` (``action_mask``
-combines the ``action_is_pad`` steps of ``delta_timestamps`` with the padded dims);
+Both policies take ``images [B, n_cams, 3, H, W]`` (cameras of different sizes resized
+to the model's image size first: ``PolicyBatchSpec.resize_cameras``),
+``input_ids``/``attention_mask``, padded ``state``/``state_mask`` and
+``action``/``action_mask`` (``action_mask`` combines the ``action_is_pad`` steps of
+``delta_timestamps`` with the padded dims);
 GR00T also takes ``embodiment_id`` and pi0.5 an ``image_mask`` for missing cameras.
 
 Task strings are tokenised with ``ByteTokenizer``, a deterministic byte-level
@@ -17,6 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+
+from longboat.embodied.models.common.image_preprocessing import resize_with_pad
 
 STATE_KEY = "observation.state"
 ACTION_KEY = "action"
@@ -54,12 +59,39 @@ class PolicyBatchSpec:
     """Emit ``embodiment_id`` (category-specific layers)."""
     with_image_mask: bool
     """Emit ``image_mask`` (pi0.5)."""
+    image_size: tuple[int, int] = (0, 0)
+    """The model's image size (``input_image_size()`` of its config)."""
+    pad_to_size: bool = False
+    """Resize to ``image_size`` keeping the aspect ratio with black padding (openpi's
+    ``resize_with_pad``, pi0.5); False: a plain bilinear resize (GR00T)."""
+    resize_cameras: bool = False
+    """Resize every frame not at ``image_size`` (the cameras differ in size). False: frames
+    go to the model as read (its own preprocessing resizes them), unless a batch's frames
+    differ in size after all."""
+
+
+def feature_limits(model_name: str, cfg: Any) -> dict[str, tuple[str, int]]:
+    """``{feature: (model config key, width)}``: the widest state and action a policy takes."""
+    action_key = "max_action_dim" if model_name == "groot_n1_6" else "action_dim"
+    return {
+        STATE_KEY: ("max_state_dim", int(cfg.max_state_dim)),
+        ACTION_KEY: (action_key, int(getattr(cfg, action_key))),
+    }
 
 
 def batch_spec(
-    model_name: str, cfg: Any, num_cameras: int, image_hw: tuple[int, int]
+    model_name: str,
+    cfg: Any,
+    num_cameras: int,
+    image_hw: tuple[int, int],
+    *,
+    resize_cameras: bool = False,
 ) -> PolicyBatchSpec:
-    """The ``PolicyBatchSpec`` of a built policy config (groot_n1_6 or pi05)."""
+    """The ``PolicyBatchSpec`` of a built policy config (groot_n1_6 or pi05); ``image_hw`` is
+    the frame size batches carry (the model's ``input_image_size()`` with
+    ``resize_cameras``)."""
+    if resize_cameras:
+        image_hw = tuple(cfg.input_image_size())
     if model_name == "groot_n1_6":
         image_tokens = num_cameras * cfg.tokens_per_image(*image_hw)
         text = max(4, min(32, cfg.max_seq_len - image_tokens))
@@ -72,6 +104,9 @@ def batch_spec(
             num_cameras=None,
             with_embodiment=True,
             with_image_mask=False,
+            image_size=tuple(cfg.input_image_size()),
+            pad_to_size=False,
+            resize_cameras=resize_cameras,
         )
     if model_name == "pi05":
         text = max(4, min(32, cfg.max_token_len - cfg.max_state_dim))
@@ -84,6 +119,9 @@ def batch_spec(
             num_cameras=getattr(cfg, "num_cameras", None),
             with_embodiment=False,
             with_image_mask=True,
+            image_size=tuple(cfg.input_image_size()),
+            pad_to_size=True,
+            resize_cameras=resize_cameras,
         )
     raise ValueError(f"no batch spec for model.name={model_name!r}; use groot_n1_6 or pi05")
 
@@ -98,6 +136,28 @@ def _pad_last(x: torch.Tensor, size: int, what: str) -> tuple[torch.Tensor, torc
     pad = x.new_zeros(*x.shape[:-1], size - d)
     mask = torch.cat([torch.ones(d, dtype=torch.bool), torch.zeros(size - d, dtype=torch.bool)])
     return torch.cat([x, pad], dim=-1), mask
+
+
+def fit_frames(frames: torch.Tensor, spec: PolicyBatchSpec) -> torch.Tensor:
+    """[..., 3, H, W] float frames -> [..., 3, *spec.image_size] (``pad_to_size``: aspect kept,
+    black padding; else a plain bilinear resize with antialiasing)."""
+    size = tuple(spec.image_size)
+    if tuple(frames.shape[-2:]) == size:
+        return frames
+    if min(size) < 1:
+        raise ValueError(
+            f"camera frames of different sizes ({tuple(frames.shape)}) need "
+            "PolicyBatchSpec.image_size (batch_spec sets it from the model config)"
+        )
+    lead = frames.shape[:-3]
+    flat = frames.reshape(-1, *frames.shape[-3:])
+    if spec.pad_to_size:
+        if size[0] != size[1]:
+            raise ValueError(f"pad_to_size needs a square image_size, got {size}")
+        out = resize_with_pad(flat, size[0])
+    else:
+        out = F.interpolate(flat, size=size, mode="bilinear", antialias=True, align_corners=False)
+    return out.reshape(*lead, *out.shape[-3:])
 
 
 class PolicyCollator:
@@ -138,6 +198,8 @@ class PolicyCollator:
             actions.append(action)
             action_masks.append(step_ok[:, None] & dmask[None, :])
             frames = [s[k].float() for k in self.camera_keys]
+            if spec.resize_cameras or len({f.shape for f in frames}) > 1:
+                frames = [fit_frames(f, spec) for f in frames]
             present = [True] * len(frames)
             if spec.num_cameras is not None:
                 while len(frames) < spec.num_cameras:
@@ -153,6 +215,8 @@ class PolicyCollator:
         for row, tokens in enumerate(ids):
             input_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
             attention[row, : len(tokens)] = True
+        if len({im.shape for im in images}) > 1:  # samples of sub-datasets of other sizes
+            images = [fit_frames(im, spec) for im in images]
         batch = {
             "images": torch.stack(images),
             "input_ids": input_ids,

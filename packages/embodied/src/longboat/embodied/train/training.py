@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,12 @@ from longboat.embodied.train.datasets import ensure_synthetic, open_dataset
 from longboat.embodied.train.export import export_policy
 from longboat.embodied.train.loader import RankMicroBatches, build_loader
 from longboat.embodied.train.plan import BatchLayout, DataPosition, GlobalBatchPlan, batch_layout
-from longboat.embodied.train.policy_batch import PolicyCollator, batch_spec, to_device
+from longboat.embodied.train.policy_batch import (
+    PolicyCollator,
+    batch_spec,
+    feature_limits,
+    to_device,
+)
 from longboat.embodied.train.step import GraphableStep, LaggedGuard, run_step, train_step
 
 CUDA_GRAPH_WARMUP = 3
@@ -71,8 +76,18 @@ class RunData:
     dataset: Dataset
     cameras: list[str]
     image_hw: tuple[int, int]
+    """The frame size of the batches: the cameras' own when they share one, else the model's
+    image size (``resized``)."""
     collate: PolicyCollator
     plan: GlobalBatchPlan
+    camera_sizes: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    """(height, width) of each camera in the dataset, one per sub-dataset."""
+    resized: bool = False
+    """The cameras differ in size: the collator resizes each to the model's image size."""
+    bad_frames: int = 0
+    """Frames skipped for values far outside stats.json (``data.skip_bad_samples``)."""
+    verify_summary: str | None = None
+    """The ``data.verify`` scan's summary line (None when off)."""
 
 
 def model_overrides(cfg: EmbodiedExperimentConfig) -> dict[str, Any]:
@@ -95,14 +110,40 @@ def open_run_data(
         if cfg.data.path
         else ensure_synthetic(cfg.data, cfg.model.name, model_cfg, Path(cfg.output_dir), is_main)
     )
-    dataset, cameras, image_hw = open_dataset(cfg.data, root, model_cfg.action_horizon)
+    opened = open_dataset(
+        cfg.data,
+        root,
+        model_cfg.action_horizon,
+        limits=feature_limits(cfg.model.name, model_cfg),
+        max_cameras=getattr(model_cfg, "num_cameras", None),
+        is_main=is_main,
+    )
+    sizes = opened.distinct_sizes
+    resized = len(sizes) > 1
+    spec = batch_spec(
+        cfg.model.name, model_cfg, len(opened.cameras), sizes[0], resize_cameras=resized
+    )
     collate = PolicyCollator(
-        batch_spec(cfg.model.name, model_cfg, len(cameras), image_hw),
-        cameras,
+        spec,
+        opened.cameras,
         fixed_text_length=cfg.train.cuda_graph,  # one set of shapes for the graph
     )
-    plan = GlobalBatchPlan(len(dataset), layout, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    return RunData(root, dataset, cameras, image_hw, collate, plan)
+    image_hw = spec.image_size if resized else sizes[0]
+    plan = GlobalBatchPlan(
+        len(opened.dataset), layout, seed=cfg.data.seed, shuffle=cfg.data.shuffle
+    )
+    return RunData(
+        root,
+        opened.dataset,
+        opened.cameras,
+        tuple(image_hw),
+        collate,
+        plan,
+        camera_sizes=opened.camera_sizes,
+        resized=resized,
+        bad_frames=opened.bad_frames,
+        verify_summary=opened.verify.summary() if opened.verify is not None else None,
+    )
 
 
 def build_policy(
@@ -330,16 +371,34 @@ class EmbodiedTraining(Training):
             graph = self.step_fn.reason and f"eager ({self.step_fn.reason})"
             how += f", train.cuda_graph: {graph or f'captured after {CUDA_GRAPH_WARMUP} steps'}"
         compiled = counts.get("compiled_blocks")
-        return [
+        data = self.data
+        if data.resized:
+            each = ", ".join(
+                f"{cam.rsplit('.', 1)[-1]} {'/'.join(f'{a}x{b}' for a, b in sizes)}"
+                for cam, sizes in data.camera_sizes.items()
+            )
+            fit = "resized with padding" if data.collate.spec.pad_to_size else "resized"
+            frames = f"{each}; each {fit} to the model's {h}x{w}"
+        else:
+            frames = f"{h}x{w}"
+        lines = [
             f"Policy {cfg.model.name}/{cfg.model.flavor}: {counts['trainable']:,} trainable + "
             f"{counts['frozen']:,} frozen params, {cfg.train.precision}"
             + (f", {compiled} blocks torch.compile'd" if compiled else "")
             + f"; step: {how}.",
-            f"Data: {self.data.root} ({len(self.data.dataset)} samples, cameras "
-            f"{', '.join(self.data.cameras)}, {h}x{w}); global batch {layout.global_batch} = "
+            f"Data: {data.root} ({len(data.dataset)} samples, cameras "
+            f"{', '.join(data.cameras)}, {frames}); global batch {layout.global_batch} = "
             f"{layout.micro_batch} micro x {layout.dp_size} dp x {layout.accum} accum, "
             f"{self.setup.strategy} on {self.setup.world_size} rank(s).",
         ]
+        if data.bad_frames:
+            lines.append(
+                f"Data: skipping {data.bad_frames} frame(s) with values far outside "
+                "meta/stats.json (data.skip_bad_samples=true; the warning names them)."
+            )
+        if data.verify_summary:
+            lines.append(data.verify_summary)
+        return lines
 
     def report(self, result: Any) -> list[str]:
         if result.export_dir is None:

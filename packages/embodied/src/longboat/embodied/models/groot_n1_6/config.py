@@ -102,6 +102,17 @@ class GrootN16Config:
                 f"{self.llm.vocab_size}"
             )
 
+    def input_image_size(self) -> tuple[int, int]:
+        """(height, width) the model's image size: cameras of different sizes are each resized
+        to it before batching (plain bilinear resize, as GR00T's processor resizes every view
+        to one size). The aspect of the ViT's position grid with the shorter side
+        ``image.resize_shortest`` (full: 256x256, cropped to 252; tiny: 56x84)."""
+        gh, gw = self.vision.pos_grid
+        short = self.image.resize_shortest
+        if short is None:
+            return gh * self.vision.patch_size, gw * self.vision.patch_size
+        return round(short * gh / min(gh, gw)), round(short * gw / min(gh, gw))
+
     def tokens_per_image(self, height: int, width: int) -> int:
         """LM tokens one camera frame of (height, width) becomes after preprocessing."""
         oh, ow = self.image.output_size(height, width)

@@ -87,6 +87,15 @@ class Pi05Config:
                 f"max_token_len={self.max_token_len}"
             )
 
+    def input_image_size(self) -> tuple[int, int]:
+        """(height, width) the model's square image size (``image.pad_to_square``: 224 full,
+        56 tiny): cameras of different sizes are each resized to it before batching with
+        openpi's ``resize_with_pad`` (aspect kept, black padding)."""
+        side = self.image.pad_to_square or self.image.resize_shortest
+        if side is None:
+            side = self.vision.pos_grid[0] * self.vision.patch_size
+        return side, side
+
     @property
     def bin_offset(self) -> int:
         """Token id of state bin 0."""
