@@ -217,3 +217,22 @@ def test_the_run_writes_its_config_and_loss_curve(tmp_path: Path) -> None:
     assert saved.optim.lr == 0.02 and saved.train.steps == 12 and saved.output_dir == str(tmp_path)
     assert result.plot_path == result.metrics_path.with_name("loss_curve.png")
     assert result.plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_progress_line_has_a_loss_from_the_first_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Without a per-step host read (guard off), the first step is still read: its progress
+    line shows a loss, not ``loss -``."""
+    cfg = compose_experiment(
+        "demo",
+        [f"output_dir={tmp_path}", "logging.tensorboard=false", "logging.progress=true",
+         "train.steps=5", "train.log_every=100", "train.nan_guard.enabled=false"],
+        stack="core",
+    )  # fmt: skip
+    capsys.readouterr()
+    run(cfg)
+    captured = capsys.readouterr()
+    first = [ln for ln in (captured.out + captured.err).splitlines() if "step 1/5" in ln]
+    assert first and "loss -" not in first[-1], first
+    assert float(first[-1].split("loss ")[1].split()[0]) > 0

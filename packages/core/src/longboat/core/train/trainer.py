@@ -224,6 +224,7 @@ class Trainer:
         read_every_step = not gate.lagged and self.guard.cfg.enabled  # already synced
         pending: list[Any] = []  # step losses not yet read on the host
         window = StepWindow()
+        first = self.step + 1  # read exactly, so the progress line has a loss from the start
         batches = iter(t.batches(self.step))
         with (
             GracefulShutdown(STOP_SIGNALS) as stop,
@@ -246,15 +247,17 @@ class Trainer:
                 log_now = step % log_every == 0 or step == total
                 eval_now = (eval_every > 0 and step % eval_every == 0) or step == total
                 save_now = self.ckpt.should_save(step)
-                exact = log_now or eval_now or save_now or exact_callbacks
+                exact = log_now or eval_now or save_now or exact_callbacks or step == first
                 if exact:
                     gate.flush()  # exact counters and LR schedule from here on
                 if exact or read_every_step:
                     r.losses.extend(_read_losses(pending))
                     pending.clear()
                     progress.update(step, loss=r.losses[-1], items=t.items_per_step)
-                else:
-                    progress.update(step, items=t.items_per_step)
+                else:  # a lagged gate has the previous step's loss on the host already
+                    last = gate.last if gate.lagged else None
+                    loss = None if last is None else last.loss
+                    progress.update(step, loss=loss, items=t.items_per_step)
                 row: dict[str, Any] = {}
                 if eval_now:
                     window.pause()
