@@ -271,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
         "same math on both sides)",
     )
     p.add_argument("--master-weights", action="store_true", help="longboat with train.master_weights")  # fmt: skip
+    p.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated vla_throughput.VARIANTS to align in one process against one "
+        "reference curve (default: longboat, or longboat_master with --master-weights)",
+    )
     p.add_argument("--results-dir", type=Path, default=REPO / "benchmarks/results")
     vt.add_data_args(p)
     p.set_defaults(embodiments=2, episodes=4, episode_length=[24, 32])
@@ -287,27 +293,37 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cudnn.allow_tf32 = True
     cfg = get_config(args.model, "tiny" if args.tiny else "full", args.overrides)
     root = vt.dataset_for(args, cfg, (56, 56) if args.tiny else (256, 256))
-    name = "longboat_master" if args.master_weights else "longboat"
-    ov = [*vt.longboat_overrides(args, root), *optim, *vt.VARIANTS[name]]
+    names = (args.variants or ("longboat_master" if args.master_weights else "longboat")).split(",")
+    unknown = [n for n in names if n not in vt.VARIANTS]
+    if unknown:
+        p.error(f"--variants: {unknown} are not in {sorted(vt.VARIANTS)}")
+    name = names[0]
     seen: dict[str, Any] = {}
 
     def prepare(training: Any) -> None:
-        g = torch.Generator().manual_seed(args.seed)
-        it = training.batches(0)
-        batches = [with_draws(next(it)[0], training.model_cfg, args.model, g)
-                   for _ in range(min(DISTINCT, args.steps))]  # fmt: skip
-        seen.update(batches=batches, reference=Reference(args, training, training.device))
+        if "batches" not in seen:  # the first variant's batches and weights, for every run
+            g = torch.Generator().manual_seed(args.seed)
+            it = training.batches(0)
+            batches = [with_draws(next(it)[0], training.model_cfg, args.model, g)
+                       for _ in range(min(DISTINCT, args.steps))]  # fmt: skip
+            seen.update(batches=batches, reference=Reference(args, training, training.device))
+        batches = seen["batches"]
         training.batches = lambda start: ([batches[i % len(batches)]] for i in range(start, 10**9))
 
-    r = train_timed("embodied", vt.EXPERIMENT[args.model], ov, acc, warmup=1,
-                    steps=args.steps - 2, prepare=prepare)  # fmt: skip
+    losses = {}
+    for variant in names:
+        ov = [*vt.longboat_overrides(args, root), *optim, *vt.VARIANTS[variant]]
+        r = train_timed("embodied", vt.EXPERIMENT[args.model], ov, acc, warmup=1,
+                        steps=args.steps - 2, prepare=prepare)  # fmt: skip
+        losses[variant] = r["losses"]
     rf = seen["reference"]
     curves = {"reference": rf.losses(seen["batches"], args.steps, reverse=False),
               "reference_perturbed": rf.losses(seen["batches"], args.steps, reverse=True),
-              name: r["losses"]}  # fmt: skip
+              **losses}  # fmt: skip
     config = {"model": args.model, "flavor": "tiny" if args.tiny else "full", "batch": args.batch,
               "steps": args.steps, "precision": args.precision, "longboat_overrides": ov,
               "master_weights": args.master_weights, "distinct_batches": len(seen["batches"]),
+              "variants": {n: vt.VARIANTS[n] for n in names},
               "perturbation": "samples of every batch in reverse order"}  # fmt: skip
     if args.model == "pi05":
         config.update(reference_precision=args.ref_precision, lr=args.lr)
@@ -315,18 +331,27 @@ def main(argv: list[str] | None = None) -> int:
         "vla_loss_alignment", acc.device_type != "cpu", ("transformers", "av", "triton"), config
     )
     result["runs"] = [{"name": k, "model": args.model, "losses": v} for k, v in curves.items()]
-    result["verdict"] = v = bench_align.judge(
-        curves[name], curves["reference"], curves["reference_perturbed"], relative=True
-    )
+    verdicts = {
+        n: bench_align.judge(
+            curves[n], curves["reference"], curves["reference_perturbed"], relative=True
+        )
+        for n in names
+    }
+    result["verdict"] = v = verdicts[name]
+    result["verdicts"] = verdicts
     result["max_rel_loss_diff"] = v["max_diff"]
-    result["first_step_rel_diff"] = abs(curves[name][0] / curves["reference"][0] - 1)
+    first = {n: abs(curves[n][0] / curves["reference"][0] - 1) for n in names}
+    result["first_step_rel_diff"], result["first_step_rel_diffs"] = first[name], first
     tag = (
         ("_pi05" if args.model == "pi05" else "")
         + ("_tiny" if args.tiny else "")
-        + ("_master" if args.master_weights else "")
+        + ("_master" if args.master_weights and not args.variants else "")
+        + ("_variants" if len(names) > 1 else "")
     )
     title = f"vla_loss_alignment {args.model} {result['date']} (max rel diff {v['max_diff']:.2%})"
-    table = bench_align.table(result, name)
+    table = "\n".join(
+        f"{n}:\n" + bench_align.table({**result, "verdict": verdicts[n]}, n) for n in names
+    )
     write_results(result, out=args.out, results_dir=args.results_dir,
                   stem=f"vla_loss_alignment_{result['date']}{tag}", table=table,
                   plot=bench_align.plot(result, title, "flow-matching loss"))  # fmt: skip

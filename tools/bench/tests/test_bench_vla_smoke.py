@@ -117,3 +117,23 @@ def test_loss_alignment_tiny(tmp_path: Path, master: bool) -> None:
     assert result["max_rel_loss_diff"] < 2e-4, result
     assert result["config"]["master_weights"] is master
     assert len(set(curves["reference"])) == 4  # the batches differ step to step
+
+
+def test_loss_alignment_of_several_variants_against_one_reference(tmp_path: Path) -> None:
+    """``--variants``: each longboat variant trains on the same batches from the same weights
+    and is judged against the one reference curve."""
+    import vla_loss_alignment
+
+    out = tmp_path / "align.json"
+    args = ["--out", str(out), "--tiny", "--steps", "4", "--batch", "2", *DATA,
+            "--data-dir", str(tmp_path / "ds"), "--results-dir", str(tmp_path),
+            "--variants", "longboat,longboat_master"]  # fmt: skip
+    assert vla_loss_alignment.main(args) == 0
+    result = json.loads(out.read_text())
+    curves = {r["name"]: r["losses"] for r in result["runs"]}
+    assert list(curves) == ["reference", "reference_perturbed", "longboat", "longboat_master"]
+    assert set(result["verdicts"]) == {"longboat", "longboat_master"}
+    for name in ("longboat", "longboat_master"):
+        assert result["verdicts"][name]["max_diff"] < 2e-4, (name, result["verdicts"][name])
+        assert result["first_step_rel_diffs"][name] < 2e-5
+    assert (tmp_path / f"vla_loss_alignment_{result['date']}_tiny_variants.md").is_file()
