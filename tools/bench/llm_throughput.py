@@ -174,6 +174,8 @@ def run_baseline(name: str, cfg: Any, c: dict[str, int], acc: Any, args: Any) ->
         batches = [(s[:, :-1].to(device), s[:, 1:].to(device)) for s in seqs]
         cycle = (batches[i % 4] for i in range(10**9))
         timing, losses = time_loop(acc, cycle, lambda b, i: run(*b), args.warmup, args.steps)
+        if isinstance(step, ref.HFStep):
+            notes["logits_materialised"] = step.logits_materialised
         out = args.profile_dir and args.profile_dir / f"llm_profile_{name}.txt"
         summary = profile_steps(acc, lambda i: run(*batches[i % 4]), args.profile_steps, out)
         if summary:
@@ -278,7 +280,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def write() -> None:
         stem = f"llm_throughput_{result['date']}"
-        note = f"config: {json.dumps(config)}"
+        note = f"config: {json.dumps(config)}" + "".join(
+            f"\n\n{r['name']}: forward from `{r['notes']['forward']}`, "
+            + ("[tokens, vocab] logits materialised" if r["notes"].get("logits_materialised")
+               else "no [tokens, vocab] logits (fused linear cross-entropy)")
+            + (" (Liger: RoPE, RMSNorm, SwiGLU, fused linear CE)" if r["name"] == "hf_liger" else "")
+            for r in result["runs"]
+            if "forward" in r.get("notes", {})
+        )  # fmt: skip
         write_results(result, out=args.out, results_dir=args.results_dir, stem=stem,
                       table=table(result), plot=plot(result), note=note)  # fmt: skip
 

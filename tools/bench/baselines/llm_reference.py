@@ -126,7 +126,11 @@ class HFStep:
             from liger_kernel.transformers import apply_liger_kernel_to_llama
 
             apply_liger_kernel_to_llama(model=model)
-        self.forward_module = type(model).forward.__module__  # liger's when it is patched
+        # Liger patches the instance's forward (not the class's) when given the model.
+        self.forward_module = getattr(model.forward, "__func__", model.forward).__module__
+        self.logits_materialised: bool | None = None
+        """Whether the forward returned ``[tokens, vocab]`` logits (Liger's fused linear
+        cross-entropy returns none in training with labels); set by the first step."""
         decay = [p for p in model.parameters() if p.dim() >= 2]
         rest = [p for p in model.parameters() if p.dim() < 2]
         self.opt = torch.optim.AdamW(
@@ -147,7 +151,11 @@ class HFStep:
                 group["lr"] = self.lr * self.factor(i)
         kwargs = {} if shift_labels is None else {"shift_labels": shift_labels}
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            loss = self.forward(input_ids=tokens, labels=tokens, **kwargs).loss
+            out = self.forward(input_ids=tokens, labels=tokens, **kwargs)
+        if self.logits_materialised is None:
+            self.logits_materialised = out.logits is not None
+        loss = out.loss
+        del out  # the logits must not outlive the forward (as when only .loss is kept)
         loss.backward()
         if self.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)

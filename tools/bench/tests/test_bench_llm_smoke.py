@@ -70,12 +70,16 @@ def test_every_run_is_the_cli_assembly_or_a_baseline(tmp_path: Path) -> None:
         == by_name["longboat_megatron_step"]["losses"]
     )
     assert lb["levers"]["fused_linear_ce"] is True
+    assert by_name["hf_eager"]["notes"]["logits_materialised"] is True
+    assert by_name["hf_eager"]["notes"]["forward"].startswith("transformers.")
     assert lb["levers"]["one_pass_adamw"] is True and lb["levers"]["cuda_graph"] is False  # CPU
     assert by_name["longboat_megatron_step"]["levers"]["one_pass_adamw"] is False
     assert result["config"]["variants"]["longboat"] == []
     stem = tmp_path / f"llm_throughput_{result['date']}"
     assert json.loads(stem.with_suffix(".json").read_text()) == result
-    assert stem.with_suffix(".md").read_text().count("| longboat |") == 1
+    md = stem.with_suffix(".md").read_text()
+    assert md.count("| longboat |") == 1 and "hf_eager: forward from" in md
+    assert "[tokens, vocab] logits materialised" in md
     assert stem.with_suffix(".png").stat().st_size > 0
     assert stdout.rstrip().splitlines()[-1].startswith("| longboat |")
 
