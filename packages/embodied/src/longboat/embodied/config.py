@@ -68,6 +68,17 @@ class LeRobotDataConfig(DataConfig):
     verify: bool = False
     """Scan the dataset at startup: every data file reads in full, every video opens and
     holds the frames of its episodes; prints a summary and fails listing every problem."""
+    eval_episodes: Any = None
+    """Held-out episodes, excluded from training and evaluated at ``train.eval_every`` steps
+    (and at the start and end of the run): a list of episode indices (held out of every
+    sub-dataset that has them), or a fraction in (0, 1), the last ``round(f * n)`` (at least
+    one) of the n episodes of each sub-dataset by episode index (0.1: the last 10%). null: no
+    held-out set, no evaluation. An index no sub-dataset has, or a held-out set that leaves a
+    sub-dataset no training episode, fails before the model is built."""
+    eval_batches: int = 4
+    """Batches of train.micro_batch_size samples one evaluation runs, spread evenly over the
+    held-out frames (fewer when the held-out set is smaller); the same samples, noise and
+    flow-matching times at every evaluation, at any data-parallel size and after a resume."""
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
     """Settings of the generated dataset (used only when path is null)."""
 
@@ -165,13 +176,17 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
                 value=synthetic.get("layout"),
                 fix=f"use one of {', '.join(LAYOUTS)}",
             )
+    eval_episodes = None if data is None else data.get("eval_episodes")
+    if data is not None:
+        check_eval_keys(eval_episodes, data.get("eval_batches", 4), problems)
     train = cfg.get("train")
-    if train is not None and (train.get("eval_every") or 0) > 0:
+    if train is not None and (train.get("eval_every") or 0) > 0 and eval_episodes is None:
         problems.add(
             "train.eval_every",
-            "the embodied trainer has no evaluation loop yet",
+            "evaluates held-out episodes, but data.eval_episodes is null (no held-out set)",
             value=train.get("eval_every"),
-            fix="set train.eval_every=0 and evaluate the exported policy (export/)",
+            fix="hold episodes out with data.eval_episodes=0.1 (the last 10%) or "
+            "data.eval_episodes=[0,1], or set train.eval_every=0",
         )
     if train is not None and train.get("master_weight_storage", "split") not in ("split", "fp32"):
         problems.add(
@@ -223,6 +238,48 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
             "fp16 needs loss scaling, which embodied does not implement",
             value="fp16",
             fix="use bf16 or fp32",
+        )
+
+
+def check_eval_keys(eval_episodes: Any, eval_batches: Any, problems: ProblemCollector) -> None:
+    """The shape of ``data.eval_episodes`` (null, a fraction in (0, 1) or a non-empty list of
+    distinct episode indices >= 0) and ``data.eval_batches`` (>= 1); whether the indices exist
+    is checked when the dataset's metadata is read (``datasets.held_out_episodes``)."""
+    value = eval_episodes
+    if hasattr(value, "__iter__") and not isinstance(value, str):
+        value = list(value)
+    if isinstance(value, list):
+        bad = [e for e in value if isinstance(e, bool) or not isinstance(e, int) or e < 0]
+        if bad or not value or len(set(value)) != len(value):
+            what = (
+                f"holds {bad}, not episode indices (integers >= 0)"
+                if bad
+                else "must list at least one episode, each once"
+            )
+            problems.add(
+                "data.eval_episodes",
+                what,
+                value=value,
+                fix="list episode indices, e.g. data.eval_episodes=[0,5], or give a fraction "
+                "such as data.eval_episodes=0.1, or null for no held-out set",
+            )
+    elif value is not None and (
+        isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1
+    ):
+        problems.add(
+            "data.eval_episodes",
+            "must be a fraction in (0, 1) of each sub-dataset's episodes, a list of episode "
+            "indices, or null",
+            value=value,
+            fix="e.g. data.eval_episodes=0.1 (the last 10% of episodes) or "
+            f"data.eval_episodes=[{value if isinstance(value, int) and value >= 0 else 0}]",
+        )
+    if isinstance(eval_batches, bool) or not isinstance(eval_batches, int) or eval_batches < 1:
+        problems.add(
+            "data.eval_batches",
+            "must be a positive number of batches",
+            value=eval_batches,
+            fix="set data.eval_batches=4 (or any integer >= 1)",
         )
 
 

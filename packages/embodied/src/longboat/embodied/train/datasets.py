@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,12 +83,52 @@ def ensure_synthetic(
     return root
 
 
+def held_out_episodes(spec: Any, metas: list[LeRobotMetadata]) -> list[list[int]]:
+    """The episode indices ``data.eval_episodes`` holds out of each sub-dataset (empty lists
+    when it is null): a fraction f holds out the last ``max(1, round(f * n))`` of a
+    sub-dataset's n episodes (by episode index); a list, the listed episodes of every
+    sub-dataset that has them. A ConfigError when an index is in no sub-dataset or a
+    sub-dataset keeps no training episode."""
+    if spec is None:
+        return [[] for _ in metas]
+    indices = [sorted(ep.index for ep in meta.episodes) for meta in metas]
+    if isinstance(spec, int | float) and not isinstance(spec, bool):
+        held = [have[len(have) - max(1, round(spec * len(have))) :] for have in indices]
+    else:
+        wanted = [int(e) for e in spec]
+        unknown = [e for e in wanted if not any(e in have for have in indices)]
+        if unknown:
+            where = ", ".join(
+                f"{meta.root}: {have[0]}..{have[-1]}" if have else f"{meta.root}: none"
+                for meta, have in zip(metas, indices, strict=True)
+            )
+            raise ConfigError(
+                f"names episodes {unknown} that the dataset does not have (episodes {where})",
+                key="data.eval_episodes",
+                value=wanted,
+                fix="list episodes the dataset has, e.g. "
+                f"data.eval_episodes=[{indices[0][-1] if indices[0] else 0}], or give a "
+                "fraction such as data.eval_episodes=0.1",
+            )
+        held = [[e for e in have if e in wanted] for have in indices]
+    for meta, have, out in zip(metas, indices, held, strict=True):
+        if len(out) >= len(have):
+            raise ConfigError(
+                f"holds out all {len(have)} episodes of {meta.root}, leaving none to train on",
+                key="data.eval_episodes",
+                value=spec if not isinstance(spec, list | tuple) else list(spec),
+                fix="hold out fewer episodes (a smaller fraction, e.g. data.eval_episodes=0.1, "
+                "or fewer indices), or set data.eval_episodes=null",
+            )
+    return held
+
+
 @dataclass
 class OpenedDataset:
     """The training dataset of a run and what was found while opening it."""
 
     dataset: Dataset
-    """Every sub-dataset (one per embodiment) concatenated."""
+    """Every sub-dataset (one per embodiment) concatenated, less the held-out episodes."""
     cameras: list[str]
     """Camera keys in batch order (``data.cameras``, or every camera in dataset order)."""
     camera_sizes: dict[str, list[tuple[int, int]]]
@@ -97,6 +137,11 @@ class OpenedDataset:
     """Frames skipped for values far outside stats.json (``data.skip_bad_samples``)."""
     verify: VerifyReport | None = None
     """The ``data.verify`` scan (None when off)."""
+    eval_dataset: Dataset | None = None
+    """The held-out episodes (``data.eval_episodes``) of every sub-dataset, concatenated;
+    None without a held-out set."""
+    held_out: list[list[int]] = field(default_factory=list)
+    """The held-out episode indices of each sub-dataset (in ``dataset_roots`` order)."""
 
     @property
     def distinct_sizes(self) -> list[tuple[int, int]]:
@@ -190,9 +235,10 @@ def open_dataset(
     max_cameras: int | None = None,
     is_main: bool = True,
 ) -> OpenedDataset:
-    """The training dataset (concatenated over embodiments), checked before any model is
-    built: cameras (``data.cameras``), state/action widths against ``limits``
-    (``feature_limits``), at most ``max_cameras`` cameras, every file with ``data.verify``.
+    """The training dataset (concatenated over embodiments, less the held-out episodes of
+    ``data.eval_episodes``, which form ``eval_dataset``), checked before any model is built:
+    cameras (``data.cameras``), state/action widths against ``limits`` (``feature_limits``),
+    at most ``max_cameras`` cameras, the held-out set, every file with ``data.verify``.
 
     Each sample carries an action chunk of ``horizon`` steps (``delta_timestamps``) with
     ``action_is_pad``; state and action are min-max normalised to [-1, 1] from the stats.
@@ -222,29 +268,36 @@ def open_dataset(
     for meta in metas:
         check_dims(meta, limits or {})
     sizes = {key: [camera_hw(meta, key) for meta in metas] for key in cams}
+    held = held_out_episodes(data.eval_episodes, metas)
     report = _verify(metas, cams, is_main) if data.verify else None
     if report is not None:
         report.raise_if_problems()
     parts: list[LeRobotDataset] = []
-    for emb_id, (ds_root, meta) in enumerate(zip(roots, metas, strict=True)):
-        fps = meta.fps
-        has_column = "embodiment_id" in meta.features
-        parts.append(
-            LeRobotDataset(
-                ds_root,
-                delta_timestamps={ACTION_KEY: [k / fps for k in range(horizon)]},
-                video_backend=data.video_backend,
-                camera_keys=cams,
-                normalization={STATE_KEY: "min_max", ACTION_KEY: "min_max"},
-                skip_bad_samples=data.skip_bad_samples,
-                embodiment_id=None if has_column else emb_id,
-            )
+    eval_parts: list[LeRobotDataset] = []
+    for emb_id, (ds_root, meta, out) in enumerate(zip(roots, metas, held, strict=True)):
+        part = dict(
+            delta_timestamps={ACTION_KEY: [k / meta.fps for k in range(horizon)]},
+            video_backend=data.video_backend,
+            camera_keys=cams,
+            normalization={STATE_KEY: "min_max", ACTION_KEY: "min_max"},
+            skip_bad_samples=data.skip_bad_samples,
+            embodiment_id=None if "embodiment_id" in meta.features else emb_id,
         )
-    dataset: Dataset = parts[0] if len(parts) == 1 else ConcatDataset(parts)
+        # Both parts normalise with the whole dataset's stats.json, as the policy will.
+        keep = [ep.index for ep in meta.episodes if ep.index not in out] if out else None
+        parts.append(LeRobotDataset(ds_root, episodes=keep, **part))
+        if out:
+            eval_parts.append(LeRobotDataset(ds_root, episodes=out, **part))
     return OpenedDataset(
-        dataset,
+        _concat(parts),
         cams,
         sizes,
-        bad_frames=sum(p.bad_frames for p in parts),
+        bad_frames=sum(p.bad_frames for p in parts + eval_parts),
         verify=report,
+        eval_dataset=_concat(eval_parts) if eval_parts else None,
+        held_out=held,
     )
+
+
+def _concat(parts: list[LeRobotDataset]) -> Dataset:
+    return parts[0] if len(parts) == 1 else ConcatDataset(parts)

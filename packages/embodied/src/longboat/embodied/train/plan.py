@@ -99,8 +99,9 @@ class GlobalBatchPlan:
 IDENTITY_KEYS = {
     "seed": "data.seed",
     "shuffle": "data.shuffle",
-    "num_samples": "the dataset (data.path, data.synthetic.*)",
+    "num_samples": "the dataset (data.path, data.synthetic.*, data.eval_episodes)",
     "global_batch": "train.global_batch_size",
+    "held_out": "data.eval_episodes",
 }
 """What fixes the sample order, and the config that sets each."""
 
@@ -110,15 +111,19 @@ class DataPosition:
 
     The trainer checkpoints the step; the plan maps a step to its samples, so the position
     is the step itself. What this saves is what makes the order the same: a checkpoint of
-    another order (seed, shuffle, dataset size or global batch) is refused naming every key
+    another order (seed, shuffle, dataset size, global batch or held-out episodes; a
+    checkpoint from before the held-out set was recorded is not checked for it) is refused naming every key
     that differs and the fix, instead of resuming on other samples.
     """
 
-    def __init__(self, plan: GlobalBatchPlan) -> None:
+    def __init__(self, plan: GlobalBatchPlan, held_out: list[list[int]] | None = None) -> None:
+        """``held_out``: the episodes ``data.eval_episodes`` keeps out of each sub-dataset
+        (another held-out set is another order, even at the same sample count)."""
         self.plan = plan
+        self.held_out = [list(map(int, h)) for h in held_out or []]
 
     def state_dict(self) -> dict[str, Any]:
-        order = self.plan.state_dict(0)
+        order = {**self.plan.state_dict(0), "held_out": self.held_out}
         return {key: order[key] for key in IDENTITY_KEYS}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

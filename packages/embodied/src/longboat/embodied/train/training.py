@@ -52,6 +52,7 @@ from longboat.embodied.parallel import (
     unwrap,
 )
 from longboat.embodied.train.datasets import ensure_synthetic, open_dataset
+from longboat.embodied.train.evaluate import HeldOutEval
 from longboat.embodied.train.export import export_policy
 from longboat.embodied.train.loader import RankMicroBatches, build_loader
 from longboat.embodied.train.plan import BatchLayout, DataPosition, GlobalBatchPlan, batch_layout
@@ -88,6 +89,10 @@ class RunData:
     """Frames skipped for values far outside stats.json (``data.skip_bad_samples``)."""
     verify_summary: str | None = None
     """The ``data.verify`` scan's summary line (None when off)."""
+    eval_dataset: Dataset | None = None
+    """The held-out episodes (``data.eval_episodes``); None: no held-out set."""
+    held_out: list[list[int]] = field(default_factory=list)
+    """The held-out episode indices of each sub-dataset."""
 
 
 def model_overrides(cfg: EmbodiedExperimentConfig) -> dict[str, Any]:
@@ -143,6 +148,8 @@ def open_run_data(
         resized=resized,
         bad_frames=opened.bad_frames,
         verify_summary=opened.verify.summary() if opened.verify is not None else None,
+        eval_dataset=opened.eval_dataset,
+        held_out=opened.held_out,
     )
 
 
@@ -222,7 +229,7 @@ class EmbodiedTraining(Training):
         self.overrides = model_overrides(cfg)
         self.model_cfg = get_config(cfg.model.name, cfg.model.flavor, self.overrides)
         self.data = open_run_data(cfg, self.model_cfg, self.layout, self.is_main)
-        self.position = DataPosition(self.data.plan)
+        self.position = DataPosition(self.data.plan, self.data.held_out)
         self.setup = ParallelSetup(
             strategy=parallel.strategy,
             world_size=info.world_size,
@@ -243,6 +250,19 @@ class EmbodiedTraining(Training):
         )
         self.step_fn = build_step_fn(cfg, self.model, self.optimizer, self.layout, self.accelerator)
         self.steps_done = 0
+        self.held_out_eval = None
+        if self.data.eval_dataset is not None:
+            self.held_out_eval = HeldOutEval(
+                self.data.eval_dataset,
+                self.data.collate,
+                max_batches=cfg.data.eval_batches,
+                micro_batch=t.micro_batch_size,
+                seed=t.seed,
+                precision=t.precision,
+                device=self.device,
+                rank=self.rank,
+                world_size=info.world_size,
+            )
 
     # --- what the trainer checkpoints and schedules ----------------------------------------
 
@@ -331,6 +351,13 @@ class EmbodiedTraining(Training):
         self.steps_done = step + 1
         return StepOutput(loss=out.loss, grad_norm=out.grad_norm, metrics=out.metrics)
 
+    def evaluate(self) -> dict[str, float]:
+        """``eval_loss`` and ``eval_action_mse`` on the held-out episodes (``HeldOutEval``);
+        empty without ``data.eval_episodes``."""
+        if self.held_out_eval is None:
+            return {}
+        return self.held_out_eval.run(self.model)
+
     # --- the end -----------------------------------------------------------------------------
 
     def export(self) -> Path | None:
@@ -391,6 +418,16 @@ class EmbodiedTraining(Training):
             f"{layout.micro_batch} micro x {layout.dp_size} dp x {layout.accum} accum, "
             f"{self.setup.strategy} on {self.setup.world_size} rank(s).",
         ]
+        if self.held_out_eval is not None:
+            held = "; ".join(f"{', '.join(map(str, eps))}" for eps in data.held_out if eps)
+            ev = self.held_out_eval
+            every = cfg.train.eval_every
+            when = f"every {every} steps, " if every > 0 else ""
+            lines.append(
+                f"Held out (data.eval_episodes): episodes {held} ({len(ev.dataset)} samples); "
+                f"evaluated {when}at the start and the end on {len(ev.batches)} batch(es), "
+                f"{ev.num_samples} samples (eval_loss, eval_action_mse)."
+            )
         if data.bad_frames:
             lines.append(
                 f"Data: skipping {data.bad_frames} frame(s) with values far outside "
