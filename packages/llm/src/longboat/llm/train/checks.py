@@ -47,13 +47,8 @@ def check_run(cfg: Any, model: LLMModelConfig) -> None:
                 fix="give one weight per data.paths entry, or null",
             )
     init = cfg.llm.init_from_hf
-    if init is not None and not (Path(init) / "config.json").is_file():
-        raise ConfigError(
-            f"{Path(init) / 'config.json'} not found",
-            key="llm.init_from_hf",
-            value=init,
-            fix="point at a Hugging Face model directory, or null for random init",
-        )
+    _require_file(init, "config.json", "llm.init_from_hf",
+                  "point at a Hugging Face model directory, or null for random init")  # fmt: skip
     if init is not None:
         from longboat.llm.hf import check_matches_flavor, read_hf_config
 
@@ -69,18 +64,19 @@ def check_run(cfg: Any, model: LLMModelConfig) -> None:
     if cfg.lora.enabled and cfg.lora.rank < 1:
         raise ConfigError("must be >= 1", key="lora.rank", value=cfg.lora.rank)
     start = cfg.lora.init_from
-    if start is not None and not (Path(start) / "adapter_config.json").is_file():
-        raise ConfigError(
-            f"{Path(start) / 'adapter_config.json'} not found",
-            key="lora.init_from",
-            value=start,
-            fix="point at a PEFT adapter directory, or null to start the adapters fresh",
-        )
+    _require_file(start, "adapter_config.json", "lora.init_from",
+                  "point at a PEFT adapter directory, or null to start the adapters fresh")  # fmt: skip
     if start is not None and not cfg.lora.enabled:
         raise ConfigError(
             "is set but lora.enabled=false", key="lora.init_from", value=start,
             fix="set lora.enabled=true to continue training the adapter",
         )  # fmt: skip
+
+
+def _require_file(folder: str | None, name: str, key: str, fix: str) -> None:
+    """``folder/name`` exists when ``folder`` (the value of ``key``) is set."""
+    if folder is not None and not (Path(folder) / name).is_file():
+        raise ConfigError(f"{Path(folder) / name} not found", key=key, value=folder, fix=fix)
 
 
 def check_tokenizer_dir(path: str | None) -> Path:
