@@ -8,6 +8,7 @@ same versions.
     uv run nox -s "tests(core)"    # one package ("tests(tools)": the benchmark scripts)
     uv run nox -s build isolation  # wheels + sdists, then each wheel alone
     uv run nox -s gpu              # GPU tests and benchmarks (needs CUDA)
+    uv run nox -s build lerobot_parity  # pi0.5 against lerobot 0.6.1 in its own venv
 """
 
 from __future__ import annotations
@@ -242,6 +243,47 @@ def cpu_install(session: nox.Session) -> None:
         if bad:
             session.error(f"installing the stacks next to a CPU torch would change it: {bad}")
         session.log(f"a CPU torch stays: {len(planned)} other distributions would be installed")
+
+
+LEROBOT_PIN = "lerobot[pi]==0.6.1"
+LEROBOT_TESTS = ROOT / "packages" / "embodied" / "tests" / "lerobot_parity"
+
+
+@nox.session(venv_backend="none")
+def lerobot_parity(session: nox.Session) -> None:
+    """pi0.5 against LeRobot's own implementation (not a default session). lerobot 0.6.1
+    pins torch<2.12, numpy<2.3 and transformers<5.6, so it cannot join the workspace lock:
+    a fresh venv gets lerobot[pi]==0.6.1 with its pins (torch 2.11 from the package index,
+    a large first download) and the built longboat-core / -kernels / -embodied wheels from
+    dist/ (`nox -s build lerobot_parity`), then runs tests/lerobot_parity on the CPU."""
+    stems = ("longboat_core", "longboat_kernels", "longboat_embodied")
+    wheels = [sorted(DIST.glob(f"{stem}-*.whl")) for stem in stems]
+    if not all(wheels):
+        session.error("dist/ has no longboat wheels: run `nox -s build lerobot_parity`")
+    with tempfile.TemporaryDirectory(prefix="lerobot-parity-") as tmp:
+        venv = pathlib.Path(tmp) / "venv"
+        session.run("uv", "venv", "--quiet", "-p", sys.executable, str(venv), external=True)
+        py = str(venv / "bin" / "python")
+        # One resolution: lerobot's pins win where the wheels' ranges allow (they do today:
+        # the wheels ask torch>=2.6, numpy>=1.26); the wheels come from dist/, not the index.
+        session.run(
+            "uv", "pip", "install", "--quiet", "-p", py, "--find-links", str(DIST),
+            LEROBOT_PIN, *[str(w[-1]) for w in wheels], "pytest", "pytest-timeout",
+            external=True,
+        )  # fmt: skip
+        session.run(
+            py, "-c", "import lerobot, torch, transformers; print('lerobot', "
+            "lerobot.__version__, 'torch', torch.__version__, 'transformers', "
+            "transformers.__version__)", external=True,
+        )  # fmt: skip
+        # From a scratch directory, so the tests import the installed wheels, not the tree.
+        session.chdir(tmp)
+        session.run(
+            py, "-m", "pytest", str(LEROBOT_TESTS), "-q", "-p", "no:cacheprovider",
+            "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT), *session.posargs,
+            env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "HF_HUB_OFFLINE": "1"},
+            external=True,
+        )  # fmt: skip
 
 
 @nox.session

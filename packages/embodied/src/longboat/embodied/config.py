@@ -28,6 +28,10 @@ class PolicyModelConfig(ModelConfig):
     """Flavor of the family (tiny, full)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Dotted-key overrides of the family config, e.g. {"dit.dropout": 0.0}."""
+    init_from: str | None = None
+    """A LeRobot policy directory (config.json + model.safetensors, e.g. lerobot/pi05_base)
+    to start from: its config.json gives the architecture (model.flavor is not used) and its
+    weights the initial values (pi05 only)."""
 
 
 @dataclass

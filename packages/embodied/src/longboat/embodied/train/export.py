@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from longboat.embodied.models import build_model, get_config
+from longboat.embodied.models.init_from import config_from_dict
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -67,7 +68,10 @@ def load_exported_policy(path: str | Path, device: str | torch.device = "cpu") -
             f"{path / CONFIG_NAME} is not a longboat-embodied export (format "
             f"{config.get('format')!r}, expected {EXPORT_FORMAT!r})"
         )
-    cfg = get_config(config["model_name"], config["flavor"], config.get("overrides") or {})
+    if config.get("init_from"):  # the architecture came from a LeRobot config.json
+        cfg = config_from_dict(config["model_name"], config["config"])
+    else:
+        cfg = get_config(config["model_name"], config["flavor"], config.get("overrides") or {})
     model = build_model(config["model_name"], cfg)
     weights = load_file(str(path / WEIGHTS_NAME), device=str(device))
     model.load_state_dict(weights, strict=True, assign=True)

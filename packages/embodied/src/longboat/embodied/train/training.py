@@ -41,7 +41,8 @@ from longboat.core.train.gate import UpdateGate
 from longboat.core.train.trainer import typed_config
 from longboat.core.train.training import StepOutput, Training
 from longboat.embodied.config import EmbodiedExperimentConfig, check_cuda_graph_layout
-from longboat.embodied.models import apply_freezing, build_model, get_config
+from longboat.embodied.models import apply_freezing, build_model
+from longboat.embodied.models.init_from import load_initial_weights, resolve_model_config
 from longboat.embodied.parallel import (
     MasterWeightAdamW,
     ParallelSetup,
@@ -164,6 +165,8 @@ def build_policy(
     (``train.compile``); and its trainable / frozen parameter counts."""
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
     model = build_model(cfg.model.name, model_cfg)
+    if cfg.model.init_from:
+        load_initial_weights(model, cfg.model.name, cfg.model.init_from)
     counts = apply_freezing(model, model_cfg)
     model.to(device)
     model = parallelize(
@@ -227,7 +230,9 @@ class EmbodiedTraining(Training):
         self.layout = batch_layout(t.global_batch_size, t.micro_batch_size, parallel.data_parallel)
         self.items_per_step = self.layout.global_batch
         self.overrides = model_overrides(cfg)
-        self.model_cfg = get_config(cfg.model.name, cfg.model.flavor, self.overrides)
+        self.model_cfg = resolve_model_config(
+            cfg.model.name, cfg.model.flavor, self.overrides, cfg.model.init_from
+        )
         self.data = open_run_data(cfg, self.model_cfg, self.layout, self.is_main)
         self.position = DataPosition(self.data.plan, self.data.held_out)
         self.setup = ParallelSetup(
@@ -386,6 +391,7 @@ class EmbodiedTraining(Training):
                     "experiment": cfg.experiment,
                     "cameras": self.data.cameras,
                     "image_hw": list(self.data.image_hw),
+                    "init_from": cfg.model.init_from,
                 },
             )
         return out

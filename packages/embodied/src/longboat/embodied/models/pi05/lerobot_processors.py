@@ -1,0 +1,136 @@
+"""LeRobot's pi0.5 processor files, so ``make_pre_post_processors(cfg, pretrained_path=dir)``
+(LeRobot's evaluation tools) normalise observations and unnormalise actions with the
+statistics the policy was trained on.
+
+Written: ``policy_preprocessor.json`` (rename, batch, relative-actions off, normaliser,
+pi0.5's state-into-prompt step, the PaliGemma tokenizer, device) and
+``policy_postprocessor.json`` (unnormaliser, absolute-actions off, device), each
+normaliser's statistics in ``policy_{pre,post}processor_step_<i>_<name>.safetensors`` as
+``<feature>.<stat>`` float32 tensors. The tokenizer step names
+``google/paligemma-3b-pt-224``, which LeRobot fetches from the Hub when it loads it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from longboat.core.config.errors import ConfigError
+
+TOKENIZER = "google/paligemma-3b-pt-224"
+STATS = ("mean", "std", "min", "max", "q01", "q99")
+NEEDED = {"MEAN_STD": ("mean", "std"), "MIN_MAX": ("min", "max"), "QUANTILES": ("q01", "q99")}
+"""The statistics each LeRobot normalisation mode reads."""
+
+
+def _stats_tensors(
+    stats: Mapping[str, Mapping[str, Any]],
+    features: Mapping[str, Any],
+    norm_map: Mapping[str, str],
+) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    problems = []
+    for key, feat in features.items():
+        if feat.get("type") not in ("STATE", "ACTION"):
+            continue
+        width = int(feat["shape"][0])
+        if key not in stats:
+            problems.append(f"no statistics for {key!r}")
+            continue
+        mode = norm_map.get(feat["type"], "IDENTITY")
+        for stat in STATS:
+            if stat not in stats[key]:
+                if stat in NEEDED.get(mode, ()):
+                    problems.append(f"{key!r} has no {stat!r} ({feat['type']} is {mode})")
+                continue
+            t = torch.as_tensor(stats[key][stat], dtype=torch.float32).flatten()
+            if t.numel() != width:
+                problems.append(f"{key}.{stat} has {t.numel()} values, the feature {width}")
+                continue
+            out[f"{key}.{stat}"] = t.contiguous()
+    if problems:
+        raise ConfigError("normaliser statistics do not fit the policy: " + "; ".join(problems))
+    return out
+
+
+def save_lerobot_processors(
+    directory: str | Path,
+    lerobot_cfg: Mapping[str, Any],
+    stats: Mapping[str, Mapping[str, Any]],
+    *,
+    device: str = "cpu",
+) -> list[Path]:
+    """Write LeRobot's pre/post-processor files for a pi0.5 ``lerobot_cfg`` (the dict that
+    ``lerobot_config_for`` returns) with ``stats`` ({feature: {mean, std, min, max, q01,
+    q99}}, e.g. a dataset's ``meta/stats.json``; each feature needs the two its
+    ``normalization_mapping`` mode reads, the others are kept when given). Returns the
+    files written."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    inputs = dict(lerobot_cfg["input_features"])
+    outputs = dict(lerobot_cfg["output_features"])
+    norm_map = dict(lerobot_cfg.get("normalization_mapping") or {})
+    tensors = _stats_tensors(stats, {**inputs, **outputs}, norm_map)
+    device_step = {
+        "registry_name": "device_processor",
+        "config": {"device": device, "float_dtype": None},
+    }
+    pre_state = "policy_preprocessor_step_3_normalizer_processor.safetensors"
+    post_state = "policy_postprocessor_step_0_unnormalizer_processor.safetensors"
+    pre = {
+        "name": "policy_preprocessor",
+        "steps": [
+            {"registry_name": "rename_observations_processor", "config": {"rename_map": {}}},
+            {"registry_name": "to_batch_processor", "config": {}},
+            {
+                "registry_name": "relative_actions_processor",
+                "config": {"enabled": False, "exclude_joints": ["gripper"], "action_names": None},
+            },
+            {
+                "registry_name": "normalizer_processor",
+                "config": {"eps": 1e-8, "features": {**inputs, **outputs}, "norm_map": norm_map},
+                "state_file": pre_state,
+            },
+            {
+                "registry_name": "pi05_prepare_state_tokenizer_processor_step",
+                "config": {"max_state_dim": int(lerobot_cfg["max_state_dim"])},
+            },
+            {
+                "registry_name": "tokenizer_processor",
+                "config": {
+                    "max_length": int(lerobot_cfg["tokenizer_max_length"]),
+                    "task_key": "task",
+                    "padding_side": "right",
+                    "padding": "max_length",
+                    "truncation": True,
+                    "tokenizer_name": TOKENIZER,
+                },
+            },
+            device_step,
+        ],
+    }
+    post = {
+        "name": "policy_postprocessor",
+        "steps": [
+            {
+                "registry_name": "unnormalizer_processor",
+                "config": {"eps": 1e-8, "features": outputs, "norm_map": norm_map},
+                "state_file": post_state,
+            },
+            {"registry_name": "absolute_actions_processor", "config": {"enabled": False}},
+            device_step,
+        ],
+    }
+    written = []
+    for name, body in (("policy_preprocessor.json", pre), ("policy_postprocessor.json", post)):
+        (directory / name).write_text(json.dumps(body, indent=2) + "\n")
+        written.append(directory / name)
+    for name in (pre_state, post_state):
+        save_file(tensors, str(directory / name))
+        written.append(directory / name)
+    return written
