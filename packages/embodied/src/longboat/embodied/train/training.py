@@ -425,7 +425,10 @@ class EmbodiedTraining(Training):
             f"{self.setup.strategy} on {self.setup.world_size} rank(s).",
         ]
         if self.held_out_eval is not None:
-            held = "; ".join(f"{', '.join(map(str, eps))}" for eps in data.held_out if eps)
+            parts = [", ".join(map(str, eps)) or "none" for eps in data.held_out]
+            held = parts[0] if len(parts) == 1 else " / ".join(parts) + " (per sub-dataset)"
+            if len(parts) > 1 and len(set(parts)) == 1:
+                held = f"{parts[0]} of each of the {len(parts)} sub-datasets"
             ev = self.held_out_eval
             every = cfg.train.eval_every
             when = f"every {every} steps, " if every > 0 else ""
