@@ -21,6 +21,7 @@ from longboat.core.train import Trainer
 from longboat.embodied.cli import main
 from longboat.embodied.data import EmbodimentSpec, LeRobotFormatError, write_synthetic_dataset
 from longboat.embodied.data.synthetic import synthetic_state
+from longboat.embodied.models import get_config
 from longboat.embodied.models.common.image_preprocessing import resize_with_pad
 from longboat.embodied.train import training as training_module
 from longboat.embodied.train.plan import batch_layout
@@ -101,7 +102,7 @@ def test_one_camera_size_reaches_the_model_as_read(tmp_path: Path) -> None:
         tmp_path / "ds", num_episodes=2, episode_length=(12, 12), image_size=(48, 64)
     )
     cfg = _compose("groot_n1_6", tmp_path / "run", root)
-    model_cfg = training_module.get_config("groot_n1_6", "tiny", {})
+    model_cfg = get_config("groot_n1_6", "tiny", {})
     data = open_run_data(training_module.typed_config(cfg), model_cfg, batch_layout(2, 2, 1), True)
     assert not data.resized and data.image_hw == (48, 64)  # the model's own resize does it
     sample = data.dataset[0]
@@ -220,7 +221,7 @@ def test_per_frame_task_strings_reach_the_batch(tmp_path: Path) -> None:
     i = table.schema.get_field_index("task_index")
     pq.write_table(table.set_column(i, "task_index", pa.array(per_frame, pa.int64())), path)
     cfg = training_module.typed_config(_compose("pi05", tmp_path / "run", root))
-    model_cfg = training_module.get_config("pi05", "tiny", {})
+    model_cfg = get_config("pi05", "tiny", {})
     data = open_run_data(cfg, model_cfg, batch_layout(2, 2, 1), True)
     spec = data.collate.spec
     tokenizer = ByteTokenizer(spec.vocab_limit)
