@@ -28,13 +28,9 @@ PEAK_BF16_FLOPS = 989e12
 
 def gpu_name() -> str:
     """The first GPU's name from nvidia-smi, or "cpu" where there is none."""
+    cmd = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
         return out.stdout.strip().splitlines()[0] if out.returncode == 0 else "cpu"
     except (OSError, IndexError, subprocess.TimeoutExpired):
         return "cpu"
@@ -98,9 +94,6 @@ def key_values(items: list[str], flag: str) -> dict[str, Any]:
     return out
 
 
-# ----------------------------------------------------------------------------- results
-
-
 def fmt(value: Any, spec: str = ".3f", scale: float = 1.0, suffix: str = "") -> str:
     """``value * scale`` formatted, or "-" when missing."""
     if value is None:
@@ -154,8 +147,7 @@ def write_results(
     note: str = "",
     plot: Callable[[Any], Any] | None = None,
 ) -> None:
-    """``out`` (JSON) and ``<results_dir>/<stem>.{json,md,png}``; ``plot(pyplot)`` returns
-    the figure."""
+    """``out`` (JSON), ``<results_dir>/<stem>.{json,md,png}``; ``plot(pyplot)`` makes the figure."""
     text = json.dumps(result, indent=2) + "\n"
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -176,9 +168,6 @@ def write_results(
         if fig:  # None or an empty selection: no chart
             fig.savefig(base.with_suffix(".png"), dpi=110)
             plt.close(fig)
-
-
-# ----------------------------------------------------------------------------- driver
 
 
 class RunTimeout(Exception):

@@ -1,11 +1,11 @@
 """The phases of the scaling benchmarks (llm_scaling, vla_scaling), each in its own processes.
 
-``run_phases`` runs every ``(name, world)`` phase as ``world`` processes through core's
-``run_multiprocess``: torchrun's variables and the process group are set up before the phase
-function runs, so the stack's ``build_training`` joins that group (gloo and forked workers on
-CPU, NCCL and spawned workers on GPUs, where no CUDA state may be inherited). A phase is
-skipped when less than 1.3 x the last phase's time is left of the budget, a failed phase is
-recorded, and the results are rewritten after each phase.
+``run_phases`` runs each ``(name, world)`` phase as ``world`` processes through core's
+``run_multiprocess``, with torchrun's variables and the process group set up first, so the
+stack's ``build_training`` joins that group (gloo and forked workers on CPU; NCCL and spawned
+workers on GPUs, where no CUDA state may be inherited). A phase is skipped when less than 1.3 x
+the last phase's time is left of the budget; a failed phase is recorded; the results are
+rewritten after each phase.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Where a training step's time goes: a torch.profiler window summarised for a person.
 
-Shared by the benchmark scripts in tools/bench. A ``ProfileWindow`` (a baseline's loop:
-``profile_steps``; a longboat run: ``ProfileCallback`` on the trainer) writes two things:
-
-- the usual op table (self device time, or CPU time without a GPU);
-- a per-step summary: wall time, device busy time (the union of kernel intervals, so
-  overlapping streams count once), the idle share (wall minus busy: host launch overhead and
-  syncs), and device time by kernel category (GEMM, attention, Triton, optimizer, copies and
-  casts, other elementwise / reductions, communication).
-
-The categories come from kernel names, so they are a reading aid, not an exact accounting.
+A ``ProfileWindow`` (a baseline's loop: ``profile_steps``; a longboat run: ``ProfileCallback``)
+writes the usual op table (self device time, or CPU time without a GPU) and a per-step summary:
+wall time, device busy time (the union of kernel intervals: overlapping streams count once), the
+idle share (wall minus busy: launch overhead and syncs), and device time by kernel category
+(GEMM, attention, Triton, optimizer, copies and casts, other elementwise / reductions,
+communication). The categories come from kernel names: a reading aid, not an exact accounting.
 """
 
 from __future__ import annotations
@@ -23,10 +19,7 @@ from typing import Any
 CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("communication", re.compile(r"nccl|allreduce|all_gather|reduce_scatter", re.I)),
     ("attention", re.compile(r"flash|fmha|sdpa|attention|attn", re.I)),
-    (
-        "gemm",
-        re.compile(r"nvjet|gemm|cutlass|cublas|sm90_xmma|wgmma|_mm_|matmul|splitk", re.I),
-    ),
+    ("gemm", re.compile(r"nvjet|gemm|cutlass|cublas|sm90_xmma|wgmma|_mm_|matmul|splitk", re.I)),
     ("optimizer", re.compile(r"adam|multi_tensor_apply|foreach", re.I)),
     ("copy/cast", re.compile(r"copy|cast|convert|memcpy|to_copy|catarray|cat_", re.I)),
     ("memset", re.compile(r"memset|fill", re.I)),
@@ -36,8 +29,7 @@ CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
 
 
 def categorize(kernel_name: str) -> str:
-    """Category of one kernel by its name; Triton kernels (``triton_`` or ``_kernel`` names
-    that match nothing else) are their own category."""
+    """A kernel's category by name; other ``triton*`` / ``*_kernel`` names are "triton"."""
     for cat, pat in CATEGORIES:
         if pat.search(kernel_name):
             return cat
@@ -155,8 +147,7 @@ def profile_steps(
 
 
 class ProfileCallback:
-    """A ``Trainer`` callback profiling steps ``first + 1 .. first + steps``; the summary lands
-    in ``summary``."""
+    """A ``Trainer`` callback profiling steps ``first + 1 .. first + steps`` into ``summary``."""
 
     exact = False
 

@@ -1,16 +1,13 @@
 """Step times of a training loop that runs steps back to back, as a real loop does.
 
-A loop that synchronises the device after every step serialises the host and the device:
-whatever the host does between steps (the next batch, host-to-device copies, the launches
-before the first kernel) leaves the device idle, although a training loop that reads its loss
-only at log lines hides that work behind the device's previous step. ``StepClock`` records a
-device event after each step is enqueued; a step's time is the gap between consecutive events
-on the device's timeline. Where the host falls behind (a loop that reads a value every step,
-as an HF-Trainer-style ``loss.item()`` does, or a slow input pipeline) the device idles and
-the gap shows it; where the host keeps ahead, the gap is the device time.
-
-The longboat runs are timed by ``StepTimer``, a callback on core's ``Trainer``; a baseline's
-own loop by ``time_loop``. Both report the same numbers (``summary``).
+Syncing the device after every step serialises host and device: whatever the host does between
+steps (the next batch, copies, launches) leaves the device idle, although a loop that reads its
+loss only at log lines hides that work behind the previous step. ``StepClock`` records a device
+event after each step is enqueued; a step's time is the gap between consecutive events on the
+device's timeline. Where the host falls behind (a value read every step, as an HF-Trainer-style
+``loss.item()``, or a slow input pipeline) the gap shows the idle device; where it keeps ahead,
+the gap is the device time. Longboat runs are timed by ``StepTimer`` (a ``Trainer`` callback), a
+baseline's own loop by ``time_loop``; both report the same numbers (``summary``).
 """
 
 from __future__ import annotations
@@ -66,8 +63,7 @@ class StepClock:
 
 
 class Timing:
-    """What a timed window measured: device step times, the window's wall clock, and per
-    step the host's wait for the batch and its whole loop iteration."""
+    """A timed window: device step times, wall clock, per-step host batch wait and iteration."""
 
     def __init__(self, acc: Any) -> None:
         self.clock = StepClock(acc)
@@ -132,11 +128,7 @@ class StepTimer(Callback):
 
 
 def time_loop(
-    acc: Any,
-    batches: Iterator[Any],
-    step: Callable[[Any, int], Any],
-    warmup: int,
-    steps: int,
+    acc: Any, batches: Iterator[Any], step: Callable[[Any, int], Any], warmup: int, steps: int
 ) -> tuple[Timing, list[float]]:
     """A baseline's own loop: ``step(next(batches), i)`` for ``warmup + steps`` steps, the
     last ``steps`` timed; returns the timing and every step's loss (a device tensor or a

@@ -2,9 +2,9 @@
 
 ``compose`` is the CLI's config (``compose_experiment``) plus the benchmark's overrides;
 ``train_timed`` hands it to the stack's ``build_training`` and core's ``Trainer`` with a
-``StepTimer`` callback. A benchmark run writes nothing it does not need: its run directory
-is a temporary folder, no progress bar, TensorBoard, checkpoint or export, and its only log
-line is after the last (untimed) step, since a log line synchronises the device.
+``StepTimer``. A run writes nothing it does not need (a temporary run directory; no progress bar,
+TensorBoard, checkpoint or export) and logs once, after the last (untimed) step, since a log line
+synchronises the device.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ EXPORT_OFF = {"llm": "llm.export_hf=false", "embodied": "export.enabled=false"}
 
 
 def compose(stack: str, experiment: str, overrides: Sequence[str], output_dir: str) -> Any:
-    """The typed config ``longboat-<stack> train experiment=<experiment> <overrides>`` runs,
-    in ``output_dir`` and writing nothing else."""
+    """The typed config of ``longboat-<stack> train experiment=<experiment> <overrides>``."""
     from longboat.core.config.compose import compose_experiment
     from longboat.core.train import typed_config
 
@@ -76,15 +75,11 @@ def train_timed(
     prepare: Callable[[Any], None] | None = None,
     probe: Callable[[Any], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """``build_training(compose(...))`` run by ``Trainer`` for ``warmup + steps + 1`` steps
-    (steps ``warmup+1 .. warmup+steps`` timed), plus ``profile_steps`` profiled ones when
-    ``profile_out`` is given (``bench_profile``).
-
-    ``prepare(training)`` runs after the build (the loss alignments feed the reference the
-    same weights there), ``probe(training)`` after the run, before the training is closed
-    (its dict joins the result). Returns the ``Timing``, losses, peak memory, build time,
-    the built run's ``items_per_step`` and ``notes`` (what the trainer printed, the
-    profile)."""
+    """``build_training(compose(...))`` run by ``Trainer`` for ``warmup + steps + 1`` steps (steps
+    ``warmup+1 .. warmup+steps`` timed), plus ``profile_steps`` profiled ones into ``profile_out``.
+    ``prepare(training)`` runs after the build (the loss alignments take the weights there),
+    ``probe(training)`` after the run (its dict joins the result). Returns the ``Timing``, losses,
+    peak memory, build time, ``items_per_step`` and ``notes`` (the trainer's output, the profile)."""
     from longboat.core.train import Trainer
 
     warmup = max(1, warmup)

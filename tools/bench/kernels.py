@@ -38,18 +38,7 @@ from longboat.core.device import get_accelerator  # noqa: E402
 Fn = Callable[..., Any]
 
 
-# --------------------------------------------------------------------------- device helpers
-
-
 ACC = get_accelerator()
-
-
-def synchronize() -> None:
-    ACC.synchronize()
-
-
-def reset_peak() -> None:
-    ACC.reset_peak_memory_stats()
 
 
 def mem_gb() -> tuple[float, float]:
@@ -86,16 +75,13 @@ def bench_ms(fn: Fn, rep_ms: int) -> float:
     from triton.testing import do_bench
 
     fn()
-    synchronize()
+    ACC.synchronize()
     t0 = time.perf_counter()
     fn()
-    synchronize()
+    ACC.synchronize()
     est = (time.perf_counter() - t0) * 1e3
     rep = max(rep_ms, int(12 * est))  # do_bench repeats ~rep/est times: keep >= 10 runs
     return float(do_bench(fn, warmup=max(25, int(3 * est)), rep=rep, return_mode="median"))
-
-
-# --------------------------------------------------------------------------- cases
 
 
 @dataclass
@@ -151,6 +137,7 @@ def build_cases(a: argparse.Namespace, liger: dict[str, Any] | None) -> list[Cas
         return (torch.randn(*shape, device=dev) * scale).to(dt_).requires_grad_(grad)
 
     cases: list[Case] = []
+    mh = f"{m}x{h}"
 
     def rms_hf(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # HF LlamaRMSNorm
         xf = x.float()
@@ -159,86 +146,52 @@ def build_cases(a: argparse.Namespace, liger: dict[str, Any] | None) -> list[Cas
     impls = {"eager": rms_hf, "longboat": lambda x, w: K.rms_norm(x, w, 1e-6, impl="triton")}
     if liger:
         impls["liger"] = lambda x, w: liger["rms"].apply(x, w, 1e-6, 0.0, "llama", False)
-    cases.append(
-        Case("rmsnorm", f"{m}x{h}", lambda: ([rnd(m, h), rnd(h)], []), impls, 5 * m * h * e)
-    )
+    cases.append(Case("rmsnorm", mh, lambda: ([rnd(m, h), rnd(h)], []), impls, 5 * m * h * e))
 
     def rms_res_eager(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor):  # type: ignore[no-untyped-def]
         hs = x + r
         return rms_hf(hs, w), hs
 
-    cases.append(
-        Case(
-            "rmsnorm_residual",
-            f"{m}x{h}",
-            lambda: ([rnd(m, h), rnd(m, h), rnd(h)], []),
-            {
-                "eager": rms_res_eager,
-                "longboat": lambda x, r, w: K.rms_norm(x, w, 1e-6, r, impl="triton"),
-            },
-            8 * m * h * e,
-            notes="no Liger equivalent (fused residual add)",
-        )
-    )
+    impls = {
+        "eager": rms_res_eager,
+        "longboat": lambda x, r, w: K.rms_norm(x, w, 1e-6, r, impl="triton"),
+    }
+    make = lambda: ([rnd(m, h), rnd(m, h), rnd(h)], [])  # noqa: E731
+    notes = "no Liger equivalent (fused residual add)"
+    cases.append(Case("rmsnorm_residual", mh, make, impls, 8 * m * h * e, notes=notes))
 
-    ln_impls = {
+    impls = {
         "eager": lambda x, w, b: F.layer_norm(x, (h,), w, b, 1e-5),
         "longboat": lambda x, w, b: K.layer_norm(x, w, b, 1e-5, impl="triton"),
     }
     if liger:
-        ln_impls["liger"] = lambda x, w, b: liger["ln"].apply(x, w, b, 1e-5)
-    cases.append(
-        Case(
-            "layernorm",
-            f"{m}x{h}",
-            lambda: ([rnd(m, h), rnd(h), rnd(h)], []),
-            ln_impls,
-            5 * m * h * e,
-        )
-    )
+        impls["liger"] = lambda x, w, b: liger["ln"].apply(x, w, b, 1e-5)
+    make = lambda: ([rnd(m, h), rnd(h), rnd(h)], [])  # noqa: E731
+    cases.append(Case("layernorm", mh, make, impls, 5 * m * h * e))
 
     b_ada = max(1, m // a.seq)
 
     def ada_eager(x: torch.Tensor, sc: torch.Tensor, sh: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (h,), eps=1e-6) * (1 + sc[:, None]) + sh[:, None]
 
-    cases.append(
-        Case(
-            "adaln",
-            f"{b_ada}x{a.seq}x{h}",
-            lambda: ([rnd(b_ada, a.seq, h), rnd(b_ada, h, scale=0.1), rnd(b_ada, h)], []),
-            {
-                "eager": ada_eager,
-                "longboat": lambda x, sc, sh: K.ada_layer_norm(x, sc, sh, 1e-6, impl="triton"),
-            },
-            5 * b_ada * a.seq * h * e,
-            notes="no Liger equivalent",
-        )
-    )
+    impls = {
+        "eager": ada_eager,
+        "longboat": lambda x, sc, sh: K.ada_layer_norm(x, sc, sh, 1e-6, impl="triton"),
+    }
+    make = lambda: ([rnd(b_ada, a.seq, h), rnd(b_ada, h, scale=0.1), rnd(b_ada, h)], [])  # noqa: E731
+    shape, moved = f"{b_ada}x{a.seq}x{h}", 5 * b_ada * a.seq * h * e
+    cases.append(Case("adaln", shape, make, impls, moved, notes="no Liger equivalent"))
 
-    for act in ("swiglu", "geglu"):
-        if act == "swiglu":
-            eager = lambda g, u: F.silu(g) * u  # noqa: E731
-            ours = lambda g, u: K.swiglu(g, u, impl="triton")  # noqa: E731
-        else:
-            eager = lambda g, u: F.gelu(g, approximate="tanh") * u  # noqa: E731
-            ours = lambda g, u: K.geglu(g, u, impl="triton")  # noqa: E731
-        impls = {"eager": eager, "longboat": ours}
+    gated = {
+        "swiglu": (lambda g, u: F.silu(g) * u, K.swiglu),
+        "geglu": (lambda g, u: F.gelu(g, approximate="tanh") * u, K.geglu),
+    }
+    for act, (eager, kernel) in gated.items():
+        impls = {"eager": eager, "longboat": lambda g, u, k=kernel: k(g, u, impl="triton")}
         if liger:
-            impls["liger"] = (
-                (lambda g, u: liger["swiglu"].apply(g, u))
-                if act == "swiglu"
-                else (lambda g, u: liger["geglu"].apply(g, u))
-            )
-        cases.append(
-            Case(
-                act,
-                f"{m}x{inter}",
-                lambda: ([rnd(m, inter), rnd(m, inter)], []),
-                impls,
-                8 * m * inter * e,
-            )
-        )
+            impls["liger"] = lambda g, u, fn=liger[act]: fn.apply(g, u)
+        make = lambda: ([rnd(m, inter), rnd(m, inter)], [])  # noqa: E731
+        cases.append(Case(act, f"{m}x{inter}", make, impls, 8 * m * inter * e))
 
     bsz, seq = max(1, m // a.seq), a.seq
     hq, hk, hd = a.heads, a.kv_heads, a.head_dim
@@ -255,23 +208,17 @@ def build_cases(a: argparse.Namespace, liger: dict[str, Any] | None) -> list[Cas
 
         return q * c + rot(q) * s, k * c + rot(k) * s
 
-    rope_impls = {
+    impls = {
         "eager": rope_eager,
         "longboat": lambda q, k: K.apply_rope(q, k, cos_h, sin_h, impl="triton"),
     }
     if liger:
-        rope_impls["liger"] = lambda q, k: liger["rope"].apply(
+        impls["liger"] = lambda q, k: liger["rope"].apply(
             q.transpose(1, 2), k.transpose(1, 2), cos_f[None], sin_f[None]
         )
-    cases.append(
-        Case(
-            "rope",
-            f"q {bsz}x{seq}x{hq}x{hd}, k {hk} heads",
-            lambda: ([rnd(bsz, seq, hq, hd), rnd(bsz, seq, hk, hd)], []),
-            rope_impls,
-            4 * bsz * seq * (hq + hk) * hd * e,
-        )
-    )
+    make = lambda: ([rnd(bsz, seq, hq, hd), rnd(bsz, seq, hk, hd)], [])  # noqa: E731
+    shape, moved = f"q {bsz}x{seq}x{hq}x{hd}, k {hk} heads", 4 * bsz * seq * (hq + hk) * hd * e
+    cases.append(Case("rope", shape, make, impls, moved))
 
     for vocab in a.vocabs:
 
@@ -289,21 +236,12 @@ def build_cases(a: argparse.Namespace, liger: dict[str, Any] | None) -> list[Cas
         }
         if liger:
             impls["liger"] = lambda x, w, t: _first(liger["flce"].apply(x, w, t))
+        shape, flops = f"{m}x{h} @ {vocab}x{h}", 3 * 2.0 * m * vocab * h
+        notes = "compute-bound; targets: peak <= 1/4 of unfused, time <= unfused"
         cases.append(
-            Case(
-                f"fused_linear_ce_v{vocab}",
-                f"{m}x{h} @ {vocab}x{h}",
-                make,
-                impls,
-                None,
-                flops=3 * 2.0 * m * vocab * h,
-                notes="compute-bound; targets: peak <= 1/4 of unfused, time <= unfused",
-            )
+            Case(f"fused_linear_ce_v{vocab}", shape, make, impls, flops=flops, notes=notes)
         )
     return [c for c in cases if not a.only or c.name in a.only]
-
-
-# --------------------------------------------------------------------------- running
 
 
 def run_case(case: Case, a: argparse.Namespace) -> None:
@@ -334,7 +272,7 @@ def run_case(case: Case, a: argparse.Namespace) -> None:
         try:
             t0 = time.perf_counter()
             step()  # compile / JIT here, outside the timing
-            synchronize()
+            ACC.synchronize()
             warm_s = time.perf_counter() - t0
             wall_ms = bench_ms(step, a.rep_ms)
             memory_bound = case.bytes_moved is not None
@@ -342,11 +280,11 @@ def run_case(case: Case, a: argparse.Namespace) -> None:
             fwd_ms = None
             if memory_bound:
                 fwd_ms = bench_graph_ms(fwd, a.rep_ms) or bench_ms(fwd, a.rep_ms)
-            synchronize()
+            ACC.synchronize()
             base, _ = mem_gb()
-            reset_peak()
+            ACC.reset_peak_memory_stats()
             step()
-            synchronize()
+            ACC.synchronize()
             _, peak = mem_gb()
             case.results[name] = {
                 "ms": graph_ms if graph_ms is not None else wall_ms,

@@ -3,22 +3,20 @@
     python tools/bench/llm_loss_alignment.py --out results.json [--tiny] [--steps 200]
         [--micro-batch 4] [--seq 2048] [--results-dir DIR] [--override KEY=VALUE ...]
 
-A seeded ``transformers.LlamaForCausalLM`` of llm_throughput's shape (fp32) is saved with
-``save_pretrained``; longboat starts from it (``llm.init_from_hf``) and the reference loads
-it again, so both start from the same weights.
+A seeded fp32 ``transformers.LlamaForCausalLM`` of llm_throughput's shape is saved with
+``save_pretrained``; longboat starts from it (``llm.init_from_hf``), the reference loads it again.
 
 - ``longboat``: ``longboat-llm train experiment=quickstart`` with llm_throughput's shape and
-  batch, ``--steps`` steps, its own data (``data=quickstart``: longboat's shipped text under a
-  BPE of at most 1024 ids, packed rows of ``--seq`` tokens; ``data.document_attention=false``
-  so both models see plain causal attention) and the CLI's defaults for the rest (optimizer,
-  LR schedule, clipping, precision), plus any ``--override``: ``build_training`` + ``Trainer``.
-- ``reference``: ``hf_eager`` (``baselines/llm_reference.HFStep``: fp32 weights + bf16
-  autocast where longboat trains in bf16, AdamW with the config's settings, its LR schedule
-  and clipping) fed the very same batches, read from the built run (``training.batches(0)``),
-  its loss over the same targets (``shift_labels`` = longboat's labels where its loss mask
-  keeps them).
-- ``reference_perturbed``: the reference again with the rows of every batch in reverse
-  order: the noise band (``bench_align``).
+  batch, ``--steps`` steps, its own data (``data=quickstart``: the shipped text under a BPE of at
+  most 1024 ids, packed rows of ``--seq`` tokens; ``data.document_attention=false``: plain causal
+  attention on both sides), the CLI's defaults for the rest (optimizer, LR schedule, clipping,
+  precision) plus any ``--override``: ``build_training`` + ``Trainer``.
+- ``reference``: ``hf_eager`` (``llm_reference.HFStep``: fp32 weights + bf16 autocast where
+  longboat trains in bf16, AdamW with the config's settings, LR schedule and clipping) on the very
+  batches of the built run (``training.batches(0)``), its loss over the same targets
+  (``shift_labels`` = longboat's labels where its loss mask keeps them).
+- ``reference_perturbed``: the reference with every batch's rows reversed: the noise band
+  (``bench_align``).
 
 Writes ``max_abs_loss_diff``, the verdict and the curves to ``--out`` and
 ``<results-dir>/llm_loss_alignment_<date>.{json,md,png}``; prints the table last.
@@ -132,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
               "overrides": ov[:-1], "precision": seen["precision"],
               "reference_autocast_bf16": bf16, "optim": lt._plain(r["cfg"].optim),
               "perturbation": "rows of every batch in reverse order"}  # fmt: skip
-    result = result_meta("llm_loss_alignment", acc.device_type != "cpu",
-                         ("transformers", "triton", "megatron-core"), config)  # fmt: skip
+    result = result_meta("llm_loss_alignment", acc.device_type != "cpu", lt.PEERS, config)
     result["runs"] = [{"name": k, "losses": v} for k, v in curves.items()]
     result["verdict"] = bench_align.judge(
         curves["longboat"], curves["reference"], curves["reference_perturbed"], relative=False

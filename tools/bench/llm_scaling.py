@@ -3,23 +3,20 @@
     python tools/bench/llm_scaling.py --results-dir DIR [--out results.json] [--tiny]
         [--steps 20] [--warmup 5] [--tp-steps 50] [--time-budget S]
 
-Every phase is ``longboat-llm train`` (``build_training`` + ``Trainer``) in its own processes,
-one per GPU, with torchrun's variables and the process group set up (``bench_procs``: NCCL;
-gloo on CPU with ``--tiny``), so the parallelism is the product's own:
+Every phase is ``longboat-llm train`` (``build_training`` + ``Trainer``) in its own processes, one
+per GPU, with torchrun's variables and the process group set up (``bench_procs``; gloo on CPU
+with ``--tiny``), so the parallelism is the product's own:
 
-1. ``dp1`` / ``dp2``: llm_throughput's ``longboat`` run (its shape, random tokens) on one
-   rank, then two; each rank its own micro-batch 8 (weak scaling: ``train.global_batch_size``
-   doubles), megatron DDP + distributed optimizer as the CLI sets them up.
-2. ``tp1`` / ``tp2``: llm_loss_alignment's ``longboat`` run (``llm.init_from_hf``: one
-   seeded HF Llama saved by the parent; the quickstart text) at
-   ``parallel.tensor_parallel=1`` and ``2``, ``--tp-steps`` steps on the same batches;
-   reports max and mean |loss_TP2 - loss_TP1| per step (TP=2 takes megatron's
+1. ``dp1`` / ``dp2``: llm_throughput's ``longboat`` run on one rank, then two, each its own
+   micro-batch 8 (weak scaling), megatron DDP + distributed optimizer as the CLI sets them up.
+2. ``tp1`` / ``tp2``: llm_loss_alignment's ``longboat`` run (one seeded HF Llama saved by the
+   parent; the quickstart text) at ``parallel.tensor_parallel=1`` and ``2`` for ``--tp-steps``
+   steps on the same batches: max and mean |loss_TP2 - loss_TP1| per step (TP=2 takes megatron's
    vocab-parallel cross-entropy where TP=1 fuses it, the product's choice).
 
-Per throughput run: rank 0's median device step (``bench_timing``), tokens/s total and per
-GPU, MFU per GPU (llm_throughput's FLOP count), peak memory of every rank. Writes
-``<results-dir>/llm_scaling_<date>.{json,md,png}`` (and ``--out``) after every phase and
-prints the tables last.
+Per throughput run: rank 0's median device step, tokens/s total and per GPU, MFU per GPU, every
+rank's peak memory. Writes ``<results-dir>/llm_scaling_<date>.{json,md,png}`` (and ``--out``)
+after every phase.
 """
 
 from __future__ import annotations
@@ -37,18 +34,11 @@ import torch
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH / "baselines")]
 
+import bench_env as env  # noqa: E402
 import llm_loss_alignment as la  # noqa: E402
 import llm_reference as ref  # noqa: E402
 import llm_throughput as lt  # noqa: E402
-from bench_env import (  # noqa: E402
-    PEAK_BF16_FLOPS,
-    bar_chart,
-    failed_row,
-    fmt,
-    md_table,
-    result_meta,
-    write_results,
-)
+from bench_env import failed_row, fmt, md_table  # noqa: E402
 from bench_procs import preflight, run_phases  # noqa: E402
 from bench_train import compose, train_timed  # noqa: E402
 
@@ -139,21 +129,13 @@ def write(result: dict[str, Any], args: Any) -> None:
     cfg = result["config"]
     title = (f"llm_scaling {result['date']} {result['gpu']}: {cfg['params'] / 1e6:.1f}M params, "
              f"micro-batch {cfg['micro_batch']}/GPU")  # fmt: skip
-    write_results(
-        result,
-        out=args.out,
-        results_dir=args.results_dir,
-        stem=f"llm_scaling_{result['date']}",
-        table=table(result),
-        plot=lambda plt: (
-            runs
-            and bar_chart(
-                plt,
-                title,
-                [r["name"] for r in runs],
-                [([r["tokens_per_s"] / 1e3 for r in runs], "tokens/s total (thousands)")],
-            )
-        ),
+    names = [r["name"] for r in runs]
+    panels = [([r["tokens_per_s"] / 1e3 for r in runs], "tokens/s total (thousands)")]
+    stem = f"llm_scaling_{result['date']}"
+    plot = lambda plt: runs and env.bar_chart(plt, title, names, panels)  # noqa: E731
+    md = table(result)
+    env.write_results(
+        result, out=args.out, results_dir=args.results_dir, stem=stem, table=md, plot=plot
     )
 
 
@@ -179,11 +161,9 @@ def main(argv: list[str] | None = None) -> int:
               "params": ref.param_count(model), "dp_overrides": lt.overrides(args.shape, 2),
               "steps": args.steps, "warmup": args.warmup, "tp_steps": args.tp_steps,
               "tp_shape": args.tp_shape, "backend": "gloo (cpu)" if args.tiny else "nccl",
-              "flops_per_token": args.flops, "peak_flops": PEAK_BF16_FLOPS,
+              "flops_per_token": args.flops, "peak_flops": env.PEAK_BF16_FLOPS,
               "time_budget_s": args.time_budget}  # fmt: skip
-    result = result_meta(
-        "llm_scaling", not args.tiny, ("transformers", "triton", "megatron-core"), config
-    )
+    result = env.result_meta("llm_scaling", not args.tiny, lt.PEERS, config)
     result.update(gpus=2, tp={"data": "quickstart text (llm_loss_alignment)"},
                   dp_scaling_target=DP_SCALING_TARGET, skipped=[], errors=[])  # fmt: skip
     args.hf_dir = tempfile.mkdtemp(prefix="llm_scaling_hf_")

@@ -5,28 +5,25 @@
         [--time-budget S] [--profile-steps N --profile-dir DIR]
 
 Model (BENCHMARKS.md): Llama-style, 886M parameters (hidden 2048, 16 layers, 16 heads / 8 KV,
-head_dim 128, SwiGLU 5632, vocab 32000, untied head), seq 2048, micro-batch 8 (``--tiny``:
-a CPU-sized shape), one device, random init, random tokens. Runs, in turn:
+head_dim 128, SwiGLU 5632, vocab 32000, untied head), seq 2048, micro-batch 8 (``--tiny``: a
+CPU-sized shape), one device, random init, random tokens. Runs, in turn:
 
-- ``longboat``: ``longboat-llm train experiment=quickstart`` with only the benchmark's
-  shape (``model=llama3_tiny`` + ``model.*``), batch, step count and ``data=synthetic``
-  (``overrides``): the stack's ``build_training`` run by core's ``Trainer``, the CLI's
-  defaults for every lever (bf16, AdamW with clipping at 1.0, fused linear CE, wgrad fusion,
-  the NaN guard, ...).
-- ``longboat_<variant>``: the same plus the config keys of ``VARIANTS``.
-- ``hf_eager`` / ``hf_compiled`` / ``hf_liger`` and ``mcore_local_spec``: the baselines'
-  own code (``baselines/llm_reference.py``, which lists how each differs from its
-  upstream), with the longboat config's shapes and optimizer settings. ``hf_liger`` runs
-  when ``liger-kernel`` is installed, after the others (Liger patches transformers' classes
-  process-wide).
+- ``longboat``: ``longboat-llm train experiment=quickstart`` with only the benchmark's shape
+  (``model=llama3_tiny`` + ``model.*``), batch, step count and ``data=synthetic``
+  (``overrides``): the stack's ``build_training`` run by core's ``Trainer``, the CLI's defaults
+  for every lever (bf16, AdamW clipped at 1.0, fused linear CE, wgrad fusion, the NaN guard, ...).
+  ``longboat_<variant>``: the same plus the config keys of ``VARIANTS``.
+- ``hf_eager`` / ``hf_compiled`` / ``hf_liger`` and ``mcore_local_spec``: the baselines' own code
+  (``baselines/llm_reference.py``, which lists how each differs from upstream) with the longboat
+  config's shapes and optimizer settings. ``hf_liger`` runs when ``liger-kernel`` is installed,
+  after the others (Liger patches transformers' classes process-wide).
 
-Per run: median step time over ``--steps`` timed steps after ``--warmup``
-(``bench_timing``: steps back to back, device events between them), tokens/s, the
-window's wall-clock tokens/s, MFU = tokens/s x FLOPs/token / 989 TFLOP/s
-(``llm_reference.flops_per_token``: 6 N + 6 L s d_attn), and peak device memory (reset
-before the build: weights, grads and optimizer state count). A failed run (or one over its
-share of ``--time-budget``) records its error; the others still run. Writes ``--out`` and ``<results-dir>/llm_throughput_<date>.
-{json,md,png}``; prints the table last.
+Per run: median step time over ``--steps`` timed steps after ``--warmup`` (``bench_timing``:
+steps back to back, device events between them), tokens/s, the window's wall-clock tokens/s,
+MFU = tokens/s x FLOPs/token / 989 TFLOP/s (``llm_reference.flops_per_token``: 6 N + 6 L s
+d_attn), peak device memory (reset before the build: weights, grads and optimizer state count).
+A failed run (or one over its share of ``--time-budget``) records its error; the others still
+run. Writes ``--out`` and ``<results-dir>/llm_throughput_<date>.{json,md,png}``; prints the table.
 """
 
 from __future__ import annotations
@@ -46,18 +43,9 @@ import torch
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH / "baselines")]
 
+import bench_env as env  # noqa: E402
 import llm_reference as ref  # noqa: E402
-from bench_env import (  # noqa: E402
-    PEAK_BF16_FLOPS,
-    bar_chart,
-    failed_row,
-    fmt,
-    free_memory,
-    md_table,
-    result_meta,
-    run_all,
-    write_results,
-)
+from bench_env import failed_row, fmt, md_table  # noqa: E402
 from bench_profile import profile_steps  # noqa: E402
 from bench_timing import time_loop  # noqa: E402
 from bench_train import compose, train_timed  # noqa: E402
@@ -96,12 +84,13 @@ ALL_RUNS = (
     "hf_liger",
     "longboat",
 )
+PEERS = ("transformers", "triton", "megatron-core")
+"""The distributions whose versions the result records."""
 RUN_WEIGHT = {"hf_compiled": 4.0, "longboat_compiled": 2.5, "hf_eager": 1.5, "longboat": 1.5}
 
 
 def shape_overrides(c: dict[str, int], world: int = 1) -> list[str]:
-    """The benchmark's model shape and batch (``micro_batch`` per data-parallel rank) on top of
-    the experiment."""
+    """The benchmark's model shape and batch (``micro_batch`` per data-parallel rank)."""
     return [
         "model=llama3_tiny", f"model.vocab_size={c['vocab']}", f"model.hidden_size={c['hidden']}",
         f"model.num_layers={c['layers']}", f"model.num_attention_heads={c['heads']}",
@@ -149,14 +138,13 @@ def run_longboat_variant(name: str, c: dict[str, int], acc: Any, args: Any) -> d
 def run_baseline(name: str, cfg: Any, c: dict[str, int], acc: Any, args: Any) -> dict[str, Any]:
     """A baseline's own loop on 4 rotating batches of random tokens."""
     device = acc.device()
-    leftover = free_memory(acc)
+    leftover = env.free_memory(acc)
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     notes: dict[str, Any] = {}
     with ref.megatron_state(acc) if name == "mcore_local_spec" else contextlib.nullcontext():
         if name == "mcore_local_spec":
-            step = ref.McoreStep(cfg.model, cfg.optim, device)
-            run = step
+            step = run = ref.McoreStep(cfg.model, cfg.optim, device)
         elif name in ("hf_eager", "hf_compiled", "hf_liger"):
             model = ref.hf_llama(cfg.model, device)
             step = ref.HFStep(
@@ -192,7 +180,7 @@ def entry(name: str, r: dict[str, Any], flops: float) -> dict[str, Any]:
     return {
         "name": name,
         "tokens_per_s": tokens_per_s,
-        "mfu": tokens_per_s * flops / PEAK_BF16_FLOPS,
+        "mfu": tokens_per_s * flops / env.PEAK_BF16_FLOPS,
         "peak_mem_gb": r.pop("peak_mem_gb"),
         "window_tokens_per_s": s.pop("window_items_per_s"),
         **s,
@@ -223,7 +211,7 @@ def plot(result: dict[str, Any]) -> Any:
     cfg = result["config"]
     title = (f"llm_throughput {result['date']} {result['gpu']}: {cfg['params'] / 1e6:.0f}M "
              f"params, seq {cfg['seq']}, micro-batch {cfg['micro_batch']}")  # fmt: skip
-    return lambda plt: runs and bar_chart(
+    return lambda plt: runs and env.bar_chart(
         plt, title, [r["name"] for r in runs],
         [([r["tokens_per_s"] / 1e3 for r in runs], "tokens/s (thousands)"),
          ([r["peak_mem_gb"] for r in runs], "peak memory (GB)")],
@@ -267,11 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "flops_per_token": flops,
         "flops_formula": "6*N + 6*L*seq*heads*head_dim",
-        "peak_flops": PEAK_BF16_FLOPS,
+        "peak_flops": env.PEAK_BF16_FLOPS,
     }
-    result = result_meta(
-        "llm_throughput", on_gpu, ("transformers", "triton", "megatron-core"), config
-    )
+    result = env.result_meta("llm_throughput", on_gpu, PEERS, config)
 
     def run_one(name: str) -> dict[str, Any]:
         if name in VARIANTS:
@@ -288,10 +274,10 @@ def main(argv: list[str] | None = None) -> int:
             for r in result["runs"]
             if "forward" in r.get("notes", {})
         )  # fmt: skip
-        write_results(result, out=args.out, results_dir=args.results_dir, stem=stem,
+        env.write_results(result, out=args.out, results_dir=args.results_dir, stem=stem,
                       table=table(result), plot=plot(result), note=note)  # fmt: skip
 
-    run_all(runs, run_one, result, write, time_budget=args.time_budget, weights=RUN_WEIGHT,
+    env.run_all(runs, run_one, result, write, time_budget=args.time_budget, weights=RUN_WEIGHT,
             describe=lambda r: f"{r['tokens_per_s']:.0f} tokens/s, peak {r['peak_mem_gb']:.1f} GB, "
             f"build {r['build_s']:.1f}s")  # fmt: skip
     write()

@@ -4,34 +4,29 @@ initial weights, on the same batches with the same flow-matching draws.
     python tools/bench/vla_loss_alignment.py --out results.json [--model groot_n1_6|pi05]
         [--steps 200] [--batch 8] [--tiny] [--master-weights] [--results-dir DIR]
 
-- ``longboat``: ``longboat-embodied train experiment=<model>_tiny`` (``model=<model>`` at
-  full shapes) on a synthetic LeRobot dataset (vla_throughput's ``make_dataset``, square
-  frames), bf16 (``--precision fp32`` with pi0.5's ``--ref-precision float32``: the same math on
-  both sides), batch ``--batch``, with the reference's optimizer recipe (GR00T: AdamW
-  1e-4, betas 0.9/0.999, weight decay 1e-5; pi0.5: openpi's AdamW at a constant ``--lr``,
-  betas 0.9/0.95, weight decay 1e-10; clip 1.0, constant LR) and the model overrides below;
-  ``--master-weights`` adds ``train.master_weights=true`` (run ``longboat_master``):
-  ``build_training`` + ``Trainer``.
-- ``reference``: the baseline's model and step (``baselines/``); its weights are copied from
-  the model longboat built (``transfer_weights``: GR00T's fused ViT qkv split into q/k/v, the
-  conv patch embedding as Siglip2's linear over (p, p, 3) patches, the projector's input
-  channels from ``F.pixel_unshuffle`` order to Eagle's ``pixel_shuffle`` order; pi0.5:
-  ``pi05_reference.transfer_weights``; with master weights the fp32 masters), and it trains
-  on the very batches longboat trains on, read from the built run (``training.batches(0)``):
-  the first ``DISTINCT`` steps' batches, cycled.
-- ``reference_perturbed``: the reference with the samples of every batch in reverse order,
-  the noise band (``bench_align``).
+- ``longboat``: ``longboat-embodied train experiment=<model>_tiny`` (``model=<model>`` at full
+  shapes) on vla_throughput's synthetic dataset (square frames), bf16 (``--precision fp32`` with
+  pi0.5's ``--ref-precision float32``: the same math on both sides), batch ``--batch``, the
+  reference's optimizer recipe (GR00T: AdamW 1e-4, betas 0.9/0.999, wd 1e-5; pi0.5: openpi's
+  AdamW at a constant ``--lr``, betas 0.9/0.95, wd 1e-10; clip 1.0, constant LR) and the model
+  overrides below; ``--master-weights`` adds ``train.master_weights=true`` (``longboat_master``).
+- ``reference``: the baseline's model and step (``baselines/``), its weights copied from the model
+  longboat built (``transfer_weights``: GR00T's fused ViT qkv split into q/k/v, the conv patch
+  embedding as Siglip2's linear over (p, p, 3) patches, the projector's input channels from
+  ``F.pixel_unshuffle`` to Eagle's ``pixel_shuffle`` order; pi0.5:
+  ``pi05_reference.transfer_weights``; with master weights the fp32 masters), trained on the very
+  batches longboat trains on (``training.batches(0)``): the first ``DISTINCT``, cycled.
+- ``reference_perturbed``: the reference with every batch's samples reversed: the noise band
+  (``bench_align``).
 
-What makes the two computations comparable: each batch carries flow-matching ``noise`` and
-``time`` drawn here (both models read them from the batch instead of drawing); the image
-crop is off (``image.crop_fraction=1.0``), so longboat's on-device preprocessing is
-deterministic and the reference gets the very pixels it computes (``preprocess_images`` of
-the batch, as Siglip2 patches for GR00T); DiT dropout is 0 (masks cannot match across
-implementations); GR00T's ViT position table is square (``vision.pos_grid`` 4x4 at tiny
-shapes; 18x18 at full). pi0.5's reference runs with its augmentation off, ``--ref-precision``
-(openpi: bfloat16 weights with fp32 norms), the prompt = text ids + state bins padded to
-``max_token_len``, and longboat's batch without its action mask (openpi averages the loss
-over every padded dim).
+What makes them comparable: each batch carries flow-matching ``noise`` and ``time`` drawn here
+(both models read them instead of drawing); the image crop is off (``image.crop_fraction=1.0``),
+so longboat's on-device preprocessing is deterministic and the reference gets its very pixels
+(``preprocess_images``, as Siglip2 patches for GR00T); DiT dropout is 0 (masks cannot match
+across implementations); GR00T's ViT position table is square (``vision.pos_grid`` 4x4 tiny,
+18x18 full). pi0.5's reference runs without augmentation at ``--ref-precision`` (openpi: bf16
+weights, fp32 norms), the prompt = text ids + state bins padded to ``max_token_len``, and
+longboat's batch without its action mask (openpi averages the loss over every padded dim).
 """
 
 from __future__ import annotations
@@ -87,10 +82,8 @@ def transfer_weights(lb: Any, rf: Any, cfg: Any) -> None:
 
     v, bb = "backbone.vision_model.", lb.backbone
     patch = bb.vision.patch_embed
-    put(
-        v + "embeddings.patch_embedding.weight",
-        patch.weight.permute(0, 2, 3, 1).reshape(cfg.vision.hidden_size, -1),
-    )
+    linear = patch.weight.permute(0, 2, 3, 1).reshape(cfg.vision.hidden_size, -1)  # (p, p, 3)
+    put(v + "embeddings.patch_embedding.weight", linear)
     put(v + "embeddings.patch_embedding.bias", patch.bias)
     put(v + "embeddings.position_embedding.weight", bb.vision.pos_embed)
     for i, blk in enumerate(bb.vision.blocks):
@@ -150,8 +143,7 @@ def transfer_weights(lb: Any, rf: Any, cfg: Any) -> None:
 
 
 def groot_reference_batch(b: dict, pixels: torch.Tensor, cfg: Any) -> dict:
-    """The GR00T reference's view of a longboat batch: the preprocessed pixels as Siglip2
-    patches, image placeholder tokens before the prompt."""
+    """The GR00T reference's view of a longboat batch: Siglip2 patches, placeholders + prompt."""
     p, (bsz, cams) = cfg.vision.patch_size, pixels.shape[:2]
     gh, gw = pixels.shape[-2] // p, pixels.shape[-1] // p
     flat = pixels.flatten(0, 1).reshape(-1, 3, gh, p, gw, p).permute(0, 2, 4, 3, 5, 1)
@@ -257,26 +249,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=2.5e-5, help="pi05: the constant lr of both loops")
-    p.add_argument(
-        "--ref-precision",
-        default="bfloat16",
-        choices=["bfloat16", "float32"],
-        help="pi05: the reference's weights (openpi trains in bfloat16)",
-    )
-    p.add_argument(
-        "--precision",
-        default="bf16",
-        choices=["bf16", "fp32"],
-        help="longboat's train.precision (pi05 fp32 + --ref-precision float32: the "
-        "same math on both sides)",
-    )
+    p.add_argument("--ref-precision", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="pi05: the reference's weights (openpi trains in bfloat16)")  # fmt: skip
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
+                   help="longboat's train.precision (pi05 fp32 + --ref-precision float32: the "
+                   "same math on both sides)")  # fmt: skip
     p.add_argument("--master-weights", action="store_true", help="longboat with train.master_weights")  # fmt: skip
-    p.add_argument(
-        "--variants",
-        default=None,
-        help="comma-separated vla_throughput.VARIANTS to align in one process against one "
-        "reference curve (default: longboat, or longboat_master with --master-weights)",
-    )
+    p.add_argument("--variants", default=None,
+                   help="comma-separated vla_throughput.VARIANTS to align in one process against "
+                   "one reference curve (default: longboat, or longboat_master with "
+                   "--master-weights)")  # fmt: skip
     p.add_argument("--results-dir", type=Path, default=REPO / "benchmarks/results")
     vt.add_data_args(p)
     p.set_defaults(embodiments=2, episodes=4, episode_length=[24, 32])
@@ -289,8 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     from longboat.embodied.models import get_config
 
     acc = get_accelerator()
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     cfg = get_config(args.model, "tiny" if args.tiny else "full", args.overrides)
     root = vt.dataset_for(args, cfg, (56, 56) if args.tiny else (256, 256))
     names = (args.variants or ("longboat_master" if args.master_weights else "longboat")).split(",")
@@ -327,31 +308,24 @@ def main(argv: list[str] | None = None) -> int:
               "perturbation": "samples of every batch in reverse order"}  # fmt: skip
     if args.model == "pi05":
         config.update(reference_precision=args.ref_precision, lr=args.lr)
-    result = result_meta(
-        "vla_loss_alignment", acc.device_type != "cpu", ("transformers", "av", "triton"), config
-    )
+    result = result_meta("vla_loss_alignment", acc.device_type != "cpu", vt.PEERS, config)
     result["runs"] = [{"name": k, "model": args.model, "losses": v} for k, v in curves.items()]
-    verdicts = {
-        n: bench_align.judge(
-            curves[n], curves["reference"], curves["reference_perturbed"], relative=True
-        )
-        for n in names
-    }
+    band = (curves["reference"], curves["reference_perturbed"])
+    verdicts = {n: bench_align.judge(curves[n], *band, relative=True) for n in names}
     result["verdict"] = v = verdicts[name]
     result["verdicts"] = verdicts
     result["max_rel_loss_diff"] = v["max_diff"]
     first = {n: abs(curves[n][0] / curves["reference"][0] - 1) for n in names}
     result["first_step_rel_diff"], result["first_step_rel_diffs"] = first[name], first
-    tag = (
-        ("_pi05" if args.model == "pi05" else "")
-        + ("_tiny" if args.tiny else "")
-        + ("_master" if args.master_weights and not args.variants else "")
-        + ("_variants" if len(names) > 1 else "")
+    tag = ("_pi05" if args.model == "pi05" else "") + ("_tiny" if args.tiny else "")
+    tag += ("_master" if args.master_weights and not args.variants else "") + (
+        "_variants" if len(names) > 1 else ""
     )
     title = f"vla_loss_alignment {args.model} {result['date']} (max rel diff {v['max_diff']:.2%})"
-    table = "\n".join(
-        f"{n}:\n" + bench_align.table({**result, "verdict": verdicts[n]}, n) for n in names
-    )
+    tables = [
+        f"{n}:\n" + bench_align.table({**result, "verdict": vd}, n) for n, vd in verdicts.items()
+    ]
+    table = "\n".join(tables)
     write_results(result, out=args.out, results_dir=args.results_dir,
                   stem=f"vla_loss_alignment_{result['date']}{tag}", table=table,
                   plot=bench_align.plot(result, title, "flow-matching loss"))  # fmt: skip

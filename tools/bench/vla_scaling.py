@@ -4,27 +4,20 @@
         [--warmup 5] [--batch 32] [--workers 8] [--time-budget S]
         [--variants longboat_graphed,longboat_master,longboat]
 
-Each variant is vla_throughput's longboat run (``longboat-embodied train`` through
-``build_training`` + ``Trainer``, the variant's keys of ``vla_throughput.VARIANTS``) at:
+Each variant is vla_throughput's longboat run (``build_training`` + ``Trainer`` with the keys of
+``vla_throughput.VARIANTS``) as ``<variant>_dp1`` (one process) and ``<variant>_dp2`` (one process
+per GPU; NCCL, gloo on CPU with ``--tiny``), each rank with batch ``--batch``. Each worker sets
+torchrun's variables and ``build_training`` joins the group: the data parallelism is the
+product's own (each rank its shard of every global batch, its own draws, the strategy's
+gradient reduction).
 
-1. ``<variant>_dp1``: one process on GPU 0.
-2. ``<variant>_dp2``: two processes, one per GPU (NCCL; gloo on CPU with ``--tiny``), each
-   with the same per-GPU batch ``--batch`` (weak scaling: ``train.global_batch_size`` is 2 x
-   ``--batch``); each worker sets torchrun's variables and ``build_training`` joins the
-   process group, so the data parallelism is the product's own (each rank its shard of
-   every global batch, its own flow-matching draws, the strategy's gradient reduction).
-
-Per run: samples/s total (the global batch over the slowest rank's timed wall clock, data
-loading included) and per GPU, the DP=2 / DP=1 ratio of the same variant (2.0 = linear),
-rank 0's median device step, host step and batch wait (``bench_timing``), peak memory of every
-rank, MFU per GPU (vla_throughput's FLOP count). Checks: DP=2's step-0 loss (the mean over
-both ranks) is finite and within ``LOSS_RANGE`` of DP=1's; the ranks read disjoint samples in
-every step (from the run's ``GlobalBatchPlan``), rank 0 of DP=2 DP=1's first ones; after the
-run every rank holds the same weights (float64 sum and sum of squares, compared exactly).
-
-The parent writes the dataset (vla_throughput's, reused from ``--data-dir``) and runs each
-phase in its own processes (``bench_procs``); it writes ``<results-dir>/vla_scaling_<date>
-[_tiny].{json,md,png}`` and ``--out`` after every phase and prints the table last.
+Per run: samples/s total (the global batch over the slowest rank's timed wall clock) and per GPU,
+the DP=2 / DP=1 ratio (2.0 = linear), rank 0's median device step, host step and batch wait,
+every rank's peak memory, MFU per GPU. Checks: DP=2's step-0 loss (mean over the ranks) is finite
+and within ``LOSS_RANGE`` of DP=1's; the ranks read disjoint samples every step (the run's
+``GlobalBatchPlan``), rank 0 of DP=2 DP=1's first ones; every rank ends with the same weights
+(float64 sum and sum of squares, compared exactly). Writes
+``<results-dir>/vla_scaling_<date>[_tiny].{json,md,png}`` and ``--out`` after every phase.
 """
 
 from __future__ import annotations
@@ -40,17 +33,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_env as env
 import vla_throughput as vt
-from bench_env import (
-    PEAK_BF16_FLOPS,
-    bar_chart,
-    failed_row,
-    fmt,
-    key_values,
-    md_table,
-    result_meta,
-    write_results,
-)
+from bench_env import failed_row, fmt, md_table
 from bench_procs import preflight, run_phases
 
 MODEL = "groot_n1_6"
@@ -180,8 +165,12 @@ def write(result: dict[str, Any], args: Any) -> None:
     panels = [([r["samples_per_s"] for r in runs], "samples/s total"),
               ([r["median_step_s"] for r in runs], "median device step, rank 0 (s)")]  # fmt: skip
     stem = f"vla_scaling_{result['date']}{'_tiny' if args.tiny else ''}"
-    write_results(result, out=args.out, results_dir=args.results_dir, stem=stem, table=table(result),
-                  plot=lambda plt: runs and bar_chart(plt, title, [r["name"] for r in runs], panels))  # fmt: skip
+    names = [r["name"] for r in runs]
+    plot = lambda plt: runs and env.bar_chart(plt, title, names, panels)  # noqa: E731
+    md = table(result)
+    env.write_results(
+        result, out=args.out, results_dir=args.results_dir, stem=stem, table=md, plot=plot
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args.workers = (0 if args.tiny else 8) if args.workers is None else args.workers
     args.warmup = max(args.warmup, args.workers + 1, 1)  # as vla_throughput
     args.model, args.profile_steps, args.profile_dir = MODEL, 0, None
-    args.overrides = key_values(args.override, "--override")
+    args.overrides = env.key_values(args.override, "--override")
     flavor, hw = ("tiny", (56, 84)) if args.tiny else ("full", (256, 256))
     cfg = get_config(MODEL, flavor, args.overrides)
     args.flops = vt.flops_per_sample(cfg, 2, hw, text_len=vt.TEXT_LEN)
@@ -218,9 +207,9 @@ def main(argv: list[str] | None = None) -> int:
               "batch_per_gpu": args.batch, "steps": args.steps, "warmup": args.warmup,
               "workers": args.workers, "precision": "bf16", "image_hw": list(hw),
               "backend": "gloo (cpu)" if args.tiny else "nccl", "flops_per_sample": args.flops,
-              "peak_flops": PEAK_BF16_FLOPS, "loss_range": LOSS_RANGE,
+              "peak_flops": env.PEAK_BF16_FLOPS, "loss_range": LOSS_RANGE,
               "time_budget_s": args.time_budget}  # fmt: skip
-    result = result_meta("vla_scaling", not args.tiny, ("transformers", "av", "triton"), config)
+    result = env.result_meta("vla_scaling", not args.tiny, vt.PEERS, config)
     result.update(gpus=2, skipped=[], errors=[])
     run_phases(phases(args.variants), run_phase, (args,), summarize, result, lambda: write(result, args),
                cpu=args.tiny, time_budget=args.time_budget, t_start=t_start,

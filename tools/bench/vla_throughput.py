@@ -4,34 +4,32 @@
         [--batch 32] [--steps 20] [--warmup 5] [--workers 8] [--tiny] [--runs ...]
         [--results-dir DIR] [--time-budget S] [--override KEY=JSON ...]
 
-Every run trains the same shapes (longboat's ``full`` config, ``tiny`` with ``--tiny``) on
-the same synthetic LeRobot v2.1 dataset (``make_dataset``: several embodiments, 2 cameras,
-256x256 at full shapes), random init, bf16, the same batch size and loader worker count:
+Every run trains the same shapes (longboat's ``full`` config; ``tiny`` with ``--tiny``) on the
+same synthetic LeRobot v2.1 dataset (``make_dataset``: several embodiments, 2 cameras, 256x256 at
+full shapes), random init, bf16, the same batch size and loader worker count:
 
-- ``reference``: ``baselines/groot_n1_6_reference.py`` (transformers modules, whole-episode
-  decode + PIL + processor in DataLoader workers, eager, HF-Trainer step) or, with
-  ``--model pi05``, ``baselines/pi05_reference.py`` (openpi's PyTorch training: bf16 weights
-  with fp32 norms, gradient checkpointing, eager attention with a 4D mask, the prompt padded
-  to ``max_token_len``, on-device augmentation, per-sample decode + PIL in the workers). Each
-  file lists how it differs from the official code.
-- ``longboat``: ``longboat-embodied train experiment=<model>_tiny`` with only the
-  benchmark's model size (``model=<model>``), ``train.precision=bf16``, the batch, the steps
-  and the data (``data.path``, ``data.num_workers``): the stack's ``build_training`` run by
-  core's ``Trainer``, the CLI's defaults for every lever.
-- ``longboat_<variant>``: the same plus the config keys of ``VARIANTS``.
+- ``reference``: ``baselines/groot_n1_6_reference.py`` (transformers modules, whole-episode decode
+  + PIL + processor in DataLoader workers, eager, HF-Trainer step) or, with ``--model pi05``,
+  ``baselines/pi05_reference.py`` (openpi's PyTorch training: bf16 weights with fp32 norms,
+  gradient checkpointing, eager attention with a 4D mask, the prompt padded to ``max_token_len``,
+  on-device augmentation, per-sample decode + PIL in the workers). Each file lists how it differs
+  from the official code.
+- ``longboat``: ``longboat-embodied train experiment=<model>_tiny`` with only the benchmark's model
+  size (``model=<model>``), ``train.precision=bf16``, batch, steps and data (``data.path``,
+  ``data.num_workers``): the stack's ``build_training`` run by core's ``Trainer``, the CLI's
+  defaults for every lever. ``longboat_<variant>``: the same plus the keys of ``VARIANTS``.
 
-pi0.5: the reference pads every prompt to ``max_token_len`` (200: a 968-token prefix) as
-openpi does, longboat pads text to the batch's longest; ``--override max_token_len=64``
-shrinks the reference's padding to see how much of the ratio that is. The two loops' losses
-are not comparable: openpi averages over every padded action dim, longboat masks them.
+pi0.5: the reference pads every prompt to ``max_token_len`` (200: a 968-token prefix) as openpi
+does, longboat to the batch's longest text; ``--override max_token_len=64`` shows how much of the
+ratio that is. The losses are not comparable: openpi averages over every padded action dim,
+longboat masks them.
 
-Per run: samples/s over the timed window's wall clock (data loading included), the median
-device step time (``bench_timing``: steps back to back, device events between them; a loop
-that reads its loss every step, as the reference's ``loss.item()`` does, pays that sync in
-its step), the host's median wait for a batch and its median loop iteration, peak device
-memory, MFU from an analytic count of the useful FLOPs (the reference's discarded LM head
-not counted) against 989 TFLOP/s. A run over its share of ``--time-budget`` fails alone.
-Writes ``<results-dir>/vla_throughput_<date>[_pi05][_tiny]
+Per run: samples/s over the timed window's wall clock (data loading included), the median device
+step (``bench_timing``: steps back to back, device events between them; a loop reading its loss
+every step, as the reference's ``loss.item()``, pays that sync in its step), the host's median
+batch wait and loop iteration, peak device memory, MFU from an analytic count of the useful FLOPs
+(the reference's discarded LM head not counted) against 989 TFLOP/s. A run over its share of
+``--time-budget`` fails alone. Writes ``<results-dir>/vla_throughput_<date>[_pi05][_tiny]
 .{json,md,png}`` and ``--out``; prints the table last.
 """
 
@@ -50,23 +48,12 @@ import torch
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH / "baselines")]
 
+import bench_env as env  # noqa: E402
 import groot_n1_6_reference as groot_ref  # noqa: E402
 import groot_n1_6_reference_data as groot_data  # noqa: E402
 import pi05_reference as pi05_ref  # noqa: E402
 import pi05_reference_data as pi05_data  # noqa: E402
-from bench_env import (  # noqa: E402
-    PEAK_BF16_FLOPS,
-    REPO,
-    bar_chart,
-    failed_row,
-    fmt,
-    free_memory,
-    key_values,
-    md_table,
-    result_meta,
-    run_all,
-    write_results,
-)
+from bench_env import failed_row, fmt, md_table  # noqa: E402
 from bench_profile import profile_steps  # noqa: E402
 from bench_timing import time_loop  # noqa: E402
 from bench_train import model_overrides, train_timed  # noqa: E402
@@ -82,10 +69,9 @@ VARIANTS: dict[str, list[str]] = {
     "longboat_graphed_kernel": [*GRAPHED, "train.master_weight_update=kernel"],
 }
 """Config keys each longboat run adds to the CLI's defaults."""
+PEERS = ("transformers", "av", "triton")
+"""The distributions whose versions the result records."""
 TEXT_LEN = 24  # prompt tokens the FLOP counts assume
-
-
-# ----------------------------------------------------------------------------- dataset
 
 
 def _write_one_embodiment(job: tuple[str, int, int, int, int, int, int, tuple[int, int]]) -> str:
@@ -116,8 +102,7 @@ def make_dataset(
     root: Path, *, embodiments: int, episodes: int, length: tuple[int, int],
     hw: tuple[int, int], max_state: int, max_action: int,
 ) -> list[Path]:  # fmt: skip
-    """Write (once) ``embodiments`` LeRobot v2.1 datasets under ``root`` (one per embodiment,
-    what ``data.path=root`` trains on), in parallel; returns their roots."""
+    """Write (once, in parallel) one LeRobot v2.1 dataset per embodiment under ``root``."""
     roots = [root / f"robot{e}" for e in range(embodiments)]
     done = root / ".complete"
     if done.exists():
@@ -143,9 +128,6 @@ def dataset_for(args: Any, cfg: Any, hw: tuple[int, int]) -> Path:
                  length=tuple(args.episode_length), hw=hw, max_state=cfg.max_state_dim,
                  max_action=max_action)  # fmt: skip
     return root
-
-
-# ----------------------------------------------------------------------------- FLOPs
 
 
 def flops_per_sample(cfg: Any, n_cams: int, image_hw: tuple[int, int], text_len: int) -> float:
@@ -207,15 +189,10 @@ def flops_per_sample_pi05(cfg: Any, text_len: int) -> float:
     return float(3 * (vit + layers + 2 * s * (2 * a * we) + 2 * 2 * we * we))
 
 
-# ----------------------------------------------------------------------------- runs
-
-
 def longboat_overrides(args: Any, root: Path, world: int = 1) -> list[str]:
     """The benchmark's model size, precision, batch (per rank) and data on the experiment."""
-    model, precision = (
-        args.model + ("_tiny" if args.tiny else ""),
-        getattr(args, "precision", "bf16"),
-    )
+    model = args.model + ("_tiny" if args.tiny else "")
+    precision = getattr(args, "precision", "bf16")
     return [f"model={model}", f"train.precision={precision}", f"train.micro_batch_size={args.batch}",
             f"train.global_batch_size={args.batch * world}", f"data.path={root}",
             f"data.num_workers={args.workers}", *model_overrides(args.overrides)]  # fmt: skip
@@ -244,7 +221,7 @@ def forever(loader: Any) -> Iterator[Any]:
 def run_reference(args: Any, cfg: Any, roots: list[Path], acc: Any) -> dict[str, Any]:
     """The reference's own loop (``baselines/``) on the dataset's embodiment roots."""
     device = acc.device()
-    leftover = free_memory(acc)
+    leftover = env.free_memory(acc)
     torch.manual_seed(args.seed)
     if args.model == "pi05":
         shapes = pi05_ref.RefShapes.from_pi05_config(cfg)
@@ -259,9 +236,7 @@ def run_reference(args: Any, cfg: Any, roots: list[Path], acc: Any) -> dict[str,
     else:
         shapes = groot_ref.RefShapes.from_groot_config(cfg)
         model = groot_ref.build_reference(shapes, device)
-        counts = {"trainable": 0, "frozen": 0}
-        for p in model.parameters():
-            counts["trainable" if p.requires_grad else "frozen"] += p.numel()
+        counts = {k: n for k, n in pi05_ref.parameter_counts(model).items() if k != "total"}
         opt = groot_ref.build_optimizer(model, acc.device_type)
         dataset = groot_data.ReferenceLeRobotDataset(roots, shapes)
         loader = groot_data.build_loader(dataset, args.batch, args.workers, seed=args.seed)
@@ -291,7 +266,7 @@ def entry(name: str, model: str, r: dict[str, Any], flops: float) -> dict[str, A
         raise FloatingPointError(f"non-finite loss in {losses}")
     wait = sum(timing.data_wait) / max(timing.window_s, 1e-12)
     return {"name": name, "model": model, "samples_per_s": sps,
-            "median_samples_per_s": s.pop("items_per_s"), "mfu": sps * flops / PEAK_BF16_FLOPS,
+            "median_samples_per_s": s.pop("items_per_s"), "mfu": sps * flops / env.PEAK_BF16_FLOPS,
             "data_wait_fraction": wait, **s, **r}  # fmt: skip
 
 
@@ -319,7 +294,7 @@ def plot(result: dict[str, Any]) -> Any:
     title = (f"vla_throughput {result['date']} {result['gpu']}: {cfg['model']} {cfg['flavor']}, "
              f"batch {cfg['batch']}")  # fmt: skip
     names = [r["name"] for r in runs]
-    return lambda plt: runs and bar_chart(plt, title, names, [
+    return lambda plt: runs and env.bar_chart(plt, title, names, [
         ([r["samples_per_s"] for r in runs], "samples/s (end to end)"),
         ([r["median_step_s"] for r in runs], "median device step (s)"),
         ([r["host_step_s"] for r in runs], "median host step (s)"),
@@ -349,21 +324,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", default=None, help=f"comma list of reference,{','.join(VARIANTS)}")
     p.add_argument("--profile-steps", type=int, default=0, help="profile N more steps per run")
     p.add_argument("--profile-dir", type=Path, default=None)
-    p.add_argument("--results-dir", type=Path, default=REPO / "benchmarks/results")
+    p.add_argument("--results-dir", type=Path, default=env.REPO / "benchmarks/results")
     p.add_argument("--time-budget", type=float, default=0, help="seconds for all runs (0: none)")
     add_data_args(p)
     args = p.parse_args(argv)
     # Untimed until the loader's first burst (every worker's first batch at once) is consumed:
     # timing from a full queue overstates a data-bound loop.
     args.warmup = max(args.warmup, args.workers + 1, 1)
-    args.overrides = key_values(args.override, "--override")
+    args.overrides = env.key_values(args.override, "--override")
     from longboat.core.device import get_accelerator
     from longboat.embodied.models import get_config
 
     acc = get_accelerator()
     on_gpu = acc.device_type != "cpu"
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     flavor = "tiny" if args.tiny else "full"
     cfg = get_config(args.model, flavor, args.overrides)
     hw = (56, 84) if args.tiny else (256, 256)
@@ -381,10 +355,10 @@ def main(argv: list[str] | None = None) -> int:
               "warmup": args.warmup, "workers": args.workers, "precision": "bf16",
               "image_hw": list(hw), "cameras": 2, "embodiments": args.embodiments,
               "episodes_per_embodiment": args.episodes, "episode_length": args.episode_length,
-              "layout": "v2.1", "flops_per_sample": flops, "peak_flops": PEAK_BF16_FLOPS}  # fmt: skip
+              "layout": "v2.1", "flops_per_sample": flops, "peak_flops": env.PEAK_BF16_FLOPS}  # fmt: skip
     if args.model == "pi05":  # the dataset's 2 cameras + 1 masked slot
         config["model_cameras"] = cfg.num_cameras
-    result = result_meta("vla_throughput", on_gpu, ("transformers", "av", "triton"), config)
+    result = env.result_meta("vla_throughput", on_gpu, PEERS, config)
     tag = ("_pi05" if args.model == "pi05" else "") + ("_tiny" if args.tiny else "")
     stem = f"vla_throughput_{result['date']}{tag}"
 
@@ -396,11 +370,11 @@ def main(argv: list[str] | None = None) -> int:
         return entry(name, args.model, run_longboat_variant(name, args, root, acc), flops)
 
     def write() -> None:
-        write_results(result, out=args.out, results_dir=args.results_dir, stem=stem,
+        env.write_results(result, out=args.out, results_dir=args.results_dir, stem=stem,
                       table=table(result), plot=plot(result), note=f"config: {config}")  # fmt: skip
 
     say = lambda r: f"{r['samples_per_s']:.1f} samples/s, peak {r['peak_mem_gb']:.1f} GB"  # noqa: E731
-    run_all(runs, run_one, result, write, time_budget=args.time_budget, describe=say)
+    env.run_all(runs, run_one, result, write, time_budget=args.time_budget, describe=say)
     write()
     print(f"\nvla_throughput {result['date']} {result['gpu']} commit {result['commit']} "
           f"({flavor}, batch {args.batch}, {args.workers} workers)")  # fmt: skip

@@ -1,49 +1,44 @@
-"""Reference GR00T-N1.6 training loop: how the official Isaac-GR00T N1.6 code trains, rebuilt
-from the libraries it uses, as the baseline of ``tools/bench/vla_throughput.py``.
+"""Reference GR00T-N1.6 training loop: the official Isaac-GR00T N1.6 training rebuilt from the
+libraries it uses, as the baseline of ``tools/bench/vla_throughput.py``.
 
-Model: the Eagle backbone from ``transformers`` modules built with ``_from_config`` (a
-``Siglip2VisionModel`` with the N1.6 tower shapes, Eagle's pixel-shuffle ``mlp1``, and a
-``Qwen3ForCausalLM`` with the layers above ``select_layer`` dropped, run with
-``output_hidden_states=True`` so the tied LM head runs and its logits are thrown away), then
-the flow-matching action head: ``vlln``, category-specific (per-sample weight gather + bmm)
-state/action encoders and decoder, and the alternating self / text-cross / image-cross DiT
-written as diffusers' ``BasicTransformerBlock`` (``norm_type="ada_norm"``) computes it.
-Loop (``train_step``): HF-Trainer style -- bf16 autocast, TF32, fused AdamW (lr 1e-4, wd 1e-5),
-grad clip 1.0 via ``clip_grad_norm_``, ``loss.item()`` every step, no torch.compile. The input
-pipeline (per-sample whole-episode decode, PIL augmentation, processor) is in
-``groot_n1_6_reference_data.py``.
+Model: the Eagle backbone from ``transformers`` modules via ``_from_config`` (``Siglip2VisionModel``
+with N1.6's tower shapes, Eagle's pixel-shuffle ``mlp1``, ``Qwen3ForCausalLM`` without the layers
+above ``select_layer``, run with ``output_hidden_states=True`` so the tied LM head runs and its
+logits are thrown away), then the flow-matching action head: ``vlln``, category-specific
+(per-sample weight gather + bmm) state/action encoders and decoder, and the alternating self /
+text-cross / image-cross DiT as diffusers' ``BasicTransformerBlock(norm_type="ada_norm")``.
+Loop (``train_step``): HF-Trainer style: bf16 autocast, TF32, fused AdamW (lr 1e-4, wd 1e-5),
+``clip_grad_norm_(1.0)``, ``loss.item()`` every step, no torch.compile. The input pipeline
+(per-sample whole-episode decode, PIL augmentation, processor) is ``groot_n1_6_reference_data.py``.
 
 Every way this differs from the official code, and why:
 
-1. The DiT is plain torch modules that compute what diffusers' ``Attention`` (with
-   ``AttnProcessor2_0``: SDPA, boolean key mask repeated per head), ``FeedForward``
-   (``gelu-approximate``) and ``Timesteps`` + ``TimestepEmbedding`` compute, not diffusers'
-   classes: diffusers is not installed in this workspace nor on the GPU image, and the
-   benchmark does not add it as a dependency. The ops, shapes and launch pattern are the same
-   (one q/k/v/out Linear each, one SDPA per block, separate dropout/GELU/Linear launches).
-2. Random initialisation, no hub checkpoint (nothing can be downloaded here). Shapes are
-   N1.6's (EMBODIED_MODELS.md). Throughput does not depend on the weights' values.
-3. The Qwen3 LM is built with ``select_layer`` layers instead of building 28 and popping
-   the top 12 (same kept layers, same compute; saves init time and memory only).
-4. No Eagle chat template / Qwen tokenizer (no hub tokenizer here): the prompt is the
-   task string through the same byte-level stand-in tokenizer longboat's collator uses,
-   after the image placeholders, so both loops see the same number of tokens. The official
-   template adds ~20 tokens per sample, which would only slow the reference.
-5. ``attn_implementation="sdpa"`` instead of ``flash_attention_2``: flash-attn is not on the
-   GPU image (BENCHMARKS.md). SDPA's flash/cuDNN kernels are comparable at these lengths.
+1. The DiT is plain torch computing what diffusers' ``Attention`` (``AttnProcessor2_0``: SDPA,
+   boolean key mask repeated per head), ``FeedForward`` (``gelu-approximate``) and ``Timesteps``
+   + ``TimestepEmbedding`` compute: diffusers is neither in this workspace nor on the GPU image,
+   and the benchmark does not add it. Same ops, shapes and launches (one q/k/v/out Linear each,
+   one SDPA per block, separate dropout/GELU/Linear launches).
+2. Random init, no hub checkpoint (nothing can be downloaded here); N1.6's shapes
+   (EMBODIED_MODELS.md). Throughput does not depend on the weights' values.
+3. Qwen3 is built with ``select_layer`` layers instead of 28 with the top 12 popped (same kept
+   layers and compute; saves init time and memory only).
+4. No Eagle chat template / Qwen tokenizer (none on the hub here): the prompt is the task string
+   through longboat's byte-level stand-in, after the image placeholders, so both loops see the
+   same token count. The official template adds ~20 tokens per sample (only slower).
+5. ``attn_implementation="sdpa"``, not ``flash_attention_2``: flash-attn is not on the GPU image
+   (BENCHMARKS.md); SDPA's flash/cuDNN kernels are comparable at these lengths.
 6. No DeepSpeed / DDP wrapper: one GPU, so DDP would only add its reducer hooks.
-7. No future/"target vision" tokens in the DiT sequence ([state, actions] only) -- N1.6 as
-   described in EMBODIED_MODELS.md; N1.5 had 32 extra learned tokens.
-8. Single-GPU step only (no gradient accumulation, no LR schedule step cost beyond a
-   constant LR), which the HF Trainer adds at negligible cost per step.
-9. The vision tower's ``head`` (attention pooling) is off (``vision_use_head=False``), as in
+7. No future/"target vision" tokens in the DiT sequence ([state, actions] only): N1.6 as in
+   EMBODIED_MODELS.md (N1.5 had 32 extra learned tokens).
+8. Single-GPU step only: no gradient accumulation, constant LR (the HF Trainer's schedule step
+   costs next to nothing).
+9. The vision tower's attention-pooling ``head`` is off (``vision_use_head=False``), as in
    Eagle, which reads ``last_hidden_state``.
-10. A batch may carry ``noise`` and ``time`` (the flow-matching draws); only
-    ``vla_loss_alignment.py`` uses this, to feed both loops identical draws. Otherwise noise
-    comes from ``torch.randn`` on the device and t from a CPU ``Beta(1.5, 1)`` copied over,
-    as in GR00T.
-11. The loader's worker count is a benchmark argument (the same for both loops), not the
-    2 workers EMBODIED_MODELS.md describes; more workers only help the reference.
+10. A batch may carry ``noise`` and ``time`` (the flow-matching draws): only
+    ``vla_loss_alignment.py`` uses this, to feed both loops identical draws. Otherwise noise is
+    ``torch.randn`` on the device and t a CPU ``Beta(1.5, 1)`` copied over, as in GR00T.
+11. The loader's worker count is a benchmark argument (both loops), not EMBODIED_MODELS.md's 2
+    workers; more workers only help the reference.
 """
 
 from __future__ import annotations
@@ -54,94 +49,57 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from config_fields import from_cfg, read_shapes
 from torch import Tensor, nn
 
 
 @dataclass(frozen=True, kw_only=True)
 class RefShapes:
-    """Every shape of the reference model (full N1.6 or the tiny CPU flavour)."""
+    """Every shape of the reference model (full N1.6 or the tiny CPU flavour), read from a
+    ``longboat.embodied`` GrootN16Config so both loops run exactly the same model sizes."""
 
-    vit_hidden: int
-    vit_layers: int
-    vit_heads: int
-    vit_mlp: int
-    patch: int
+    vit_hidden: int = from_cfg("vision.hidden_size")
+    vit_layers: int = from_cfg("vision.num_layers")
+    vit_heads: int = from_cfg("vision.num_heads")
+    vit_mlp: int = from_cfg("vision.intermediate_size")
+    patch: int = from_cfg("vision.patch_size")
     vit_pos_side: int  # Siglip2 position table is vit_pos_side x vit_pos_side, resized per image
-    llm_hidden: int
-    llm_layers_kept: int  # select_layer
-    llm_heads: int
-    llm_kv_heads: int
-    llm_head_dim: int
-    llm_mlp: int
-    vocab: int
-    rope_theta: float
-    image_token_id: int
-    dit_layers: int
-    dit_heads: int
-    dit_head_dim: int
-    dit_out: int
-    dit_dropout: float
-    attend_text_every_n_blocks: int = 2
-    num_embodiments: int
-    max_state_dim: int
-    max_action_dim: int
-    horizon: int
-    state_hidden: int
-    decoder_hidden: int
-    max_seq_len: int
-    timestep_buckets: int = 1000
-    tune_top_llm_layers: int
-    resize_shortest: int
-    crop_fraction: float
-    multiple_of: int
+    llm_hidden: int = from_cfg("llm.hidden_size")
+    llm_layers_kept: int = from_cfg("select_layer")
+    llm_heads: int = from_cfg("llm.num_heads")
+    llm_kv_heads: int = from_cfg("llm.num_kv_heads")
+    llm_head_dim: int = from_cfg("llm.head_dim")
+    llm_mlp: int = from_cfg("llm.intermediate_size")
+    vocab: int = from_cfg("llm.vocab_size")
+    rope_theta: float = from_cfg("llm.rope_theta")
+    image_token_id: int = from_cfg("image_token_id")
+    dit_layers: int = from_cfg("dit.num_layers")
+    dit_heads: int = from_cfg("dit.num_heads")
+    dit_head_dim: int = from_cfg("dit.head_dim")
+    dit_out: int = from_cfg("dit.output_dim")
+    dit_dropout: float = from_cfg("dit.dropout")
+    attend_text_every_n_blocks: int = from_cfg("dit.attend_text_every_n_blocks", default=2)
+    num_embodiments: int = from_cfg("num_embodiments")
+    max_state_dim: int = from_cfg("max_state_dim")
+    max_action_dim: int = from_cfg("max_action_dim")
+    horizon: int = from_cfg("action_horizon")
+    state_hidden: int = from_cfg("state_hidden")
+    decoder_hidden: int = from_cfg("action_decoder_hidden")
+    max_seq_len: int = from_cfg("max_seq_len")
+    timestep_buckets: int = from_cfg("num_timestep_buckets", default=1000)
+    tune_top_llm_layers: int = from_cfg("tune_top_llm_layers")
+    resize_shortest: int = from_cfg("image.resize_shortest")
+    crop_fraction: float = from_cfg("image.crop_fraction")
+    multiple_of: int = from_cfg("image.multiple_of")
 
     @classmethod
     def from_groot_config(cls, cfg: Any) -> RefShapes:
-        """Shapes from a ``longboat.embodied`` GrootN16Config (duck-typed), so both loops of
-        the benchmark run exactly the same model sizes."""
         side = math.isqrt(cfg.vision.pos_grid[0] * cfg.vision.pos_grid[1])
-        return cls(
-            vit_hidden=cfg.vision.hidden_size,
-            vit_layers=cfg.vision.num_layers,
-            vit_heads=cfg.vision.num_heads,
-            vit_mlp=cfg.vision.intermediate_size,
-            patch=cfg.vision.patch_size,
-            vit_pos_side=max(1, side),
-            llm_hidden=cfg.llm.hidden_size,
-            llm_layers_kept=cfg.select_layer,
-            llm_heads=cfg.llm.num_heads,
-            llm_kv_heads=cfg.llm.num_kv_heads,
-            llm_head_dim=cfg.llm.head_dim,
-            llm_mlp=cfg.llm.intermediate_size,
-            vocab=cfg.llm.vocab_size,
-            rope_theta=cfg.llm.rope_theta,
-            image_token_id=cfg.image_token_id,
-            dit_layers=cfg.dit.num_layers,
-            dit_heads=cfg.dit.num_heads,
-            dit_head_dim=cfg.dit.head_dim,
-            dit_out=cfg.dit.output_dim,
-            dit_dropout=cfg.dit.dropout,
-            attend_text_every_n_blocks=cfg.dit.attend_text_every_n_blocks,
-            num_embodiments=cfg.num_embodiments,
-            max_state_dim=cfg.max_state_dim,
-            max_action_dim=cfg.max_action_dim,
-            horizon=cfg.action_horizon,
-            state_hidden=cfg.state_hidden,
-            decoder_hidden=cfg.action_decoder_hidden,
-            max_seq_len=cfg.max_seq_len,
-            timestep_buckets=cfg.num_timestep_buckets,
-            tune_top_llm_layers=cfg.tune_top_llm_layers,
-            resize_shortest=cfg.image.resize_shortest,
-            crop_fraction=cfg.image.crop_fraction,
-            multiple_of=cfg.image.multiple_of,
-        )
+        return read_shapes(cls, cfg, vit_pos_side=max(1, side))
 
     @property
     def dit_inner(self) -> int:
         return self.dit_heads * self.dit_head_dim
-
-
-# ------------------------------------------------------------------------------ backbone
 
 
 def eagle_pixel_shuffle(x: Tensor, scale_factor: float = 0.5) -> Tensor:
@@ -206,9 +164,7 @@ class EagleBackboneRef(nn.Module):
             spatial_shapes=batch["spatial_shapes"],
         ).last_hidden_state  # [N, gh*gw, D]
         n, _, d = vit.shape
-        gh, gw = (
-            int(v) for v in batch["spatial_shapes"][0].tolist()
-        )  # host sync, as Eagle's reshape
+        gh, gw = (int(v) for v in batch["spatial_shapes"][0].tolist())  # host sync, as Eagle
         vit = eagle_pixel_shuffle(vit.reshape(n, gh, gw, d), 0.5).reshape(n, -1, d * 4)
         vit_embeds = self.mlp1(vit)
         input_ids = batch["input_ids"]
@@ -217,15 +173,10 @@ class EagleBackboneRef(nn.Module):
         embeds = embeds.clone()
         embeds[selected] = vit_embeds.reshape(-1, embeds.shape[-1]).to(embeds.dtype)
         out = self.language_model(
-            inputs_embeds=embeds,
-            attention_mask=batch["attention_mask"],
-            output_hidden_states=True,
+            inputs_embeds=embeds, attention_mask=batch["attention_mask"], output_hidden_states=True
         )
         # out.logits ([B, L, vocab]) is computed and discarded, as in the official code.
         return out.hidden_states[-1], batch["attention_mask"], selected
-
-
-# ------------------------------------------------------------------------------ action head
 
 
 class CategorySpecificLinear(nn.Module):
@@ -478,8 +429,7 @@ class GR00TN16Reference(nn.Module):
 
 
 def apply_reference_freezing(model: GR00TN16Reference, s: RefShapes) -> dict[str, int]:
-    """N1.6 defaults: ViT + mlp1 frozen, LM frozen except the top ``tune_top_llm_layers``
-    kept layers, action head trained; trainable fp32, frozen bf16."""
+    """N1.6: ViT, mlp1 and LM frozen (bf16) but the top ``tune_top_llm_layers``; the rest fp32."""
     model.requires_grad_(True)
     bb = model.backbone
     bb.vision_model.requires_grad_(False)
@@ -530,8 +480,7 @@ def train_step(
     device_type: str,
     bf16: bool = True,
 ) -> float:
-    """One HF-Trainer-style step: autocast forward, backward, clip 1.0, step, zero_grad;
-    returns ``loss.item()`` (the Trainer's per-step host sync for logging)."""
+    """One HF-Trainer-style step (autocast, clip 1.0); returns ``loss.item()``, a host sync."""
     autocast = torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=bf16)
     with autocast:
         loss = model(batch)

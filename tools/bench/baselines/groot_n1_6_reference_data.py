@@ -1,19 +1,17 @@
-"""Reference GR00T-N1.6 input pipeline: what the official loader does per sample, in
-DataLoader workers.
+"""Reference GR00T-N1.6 input pipeline: the official loader's per-sample work, in DataLoader
+workers.
 
-Per sample (``ReferenceLeRobotDataset.__getitem__``): read the episode's parquet (only the
-current trajectory is cached, as GR00T's ``LeRobotSingleDataset`` does), min-max normalise
-state and action from ``meta/stats.json``, decode the *whole* episode video of every camera
-with PyAV and keep one frame (the known waste of the official video path), then per frame
-the PIL augmentation (resize shortest side, random crop of ``crop_fraction``, resize back,
-resize to multiples of ``multiple_of``) and the processor work (to float, normalise with
-mean/std 0.5, Siglip2 patchify to ``[patches, p*p*3]``), and the prompt tokens: image
-placeholders followed by the task string. ``collate`` pads and stacks.
+Per sample (``ReferenceLeRobotDataset.__getitem__``): the episode's parquet (only the current
+trajectory cached, as GR00T's ``LeRobotSingleDataset``), min-max normalised state and action
+(``meta/stats.json``), the *whole* episode video of every camera decoded with PyAV to keep one
+frame (the official video path's known waste), then per frame the PIL augmentation (resize
+shortest side, random crop of ``crop_fraction``, resize back, resize to multiples of
+``multiple_of``) and the processor (to float, mean/std 0.5, Siglip2 patches ``[patches, p*p*3]``),
+and the prompt: image placeholders, then the task string. ``collate`` pads and stacks.
 
-Differences from the official loader (see also ``groot_n1_6_reference.py``): reads the LeRobot
-v2.1 layout only (what GR00T reads); no chat template / Qwen tokenizer (the byte-level
-stand-in longboat's collator uses, so both loops see the same tokens); the video is decoded
-with PyAV (GR00T's ``torchvision_av`` backend also goes through PyAV/FFmpeg).
+Differences from the official loader (see also ``groot_n1_6_reference.py``): LeRobot v2.1 only
+(what GR00T reads); no chat template / Qwen tokenizer (longboat's byte-level stand-in, so both
+loops see the same tokens); PyAV decoding (GR00T's ``torchvision_av`` also goes through PyAV).
 """
 
 from __future__ import annotations
@@ -173,6 +171,9 @@ class ReferenceLeRobotDataset(torch.utils.data.Dataset):
         }
 
 
+STACKED = ("state", "action", "action_mask", "embodiment_id")
+
+
 def collate(samples: list[dict[str, Any]]) -> dict[str, Tensor]:
     """Stack cameras into the ViT batch, right-pad the prompts."""
     length = max(len(s["input_ids"]) for s in samples)
@@ -189,10 +190,7 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, Tensor]:
         "spatial_shapes": torch.cat([s["spatial_shapes"] for s in samples]),
         "input_ids": input_ids,
         "attention_mask": attention,
-        "state": torch.stack([s["state"] for s in samples]),
-        "action": torch.stack([s["action"] for s in samples]),
-        "action_mask": torch.stack([s["action_mask"] for s in samples]),
-        "embodiment_id": torch.stack([s["embodiment_id"] for s in samples]),
+        **{k: torch.stack([s[k] for s in samples]) for k in STACKED},
     }
 
 
@@ -203,8 +201,7 @@ def build_loader(
     seed: int = 0,
     collate_fn: Any = collate,
 ) -> torch.utils.data.DataLoader:
-    """HF Trainer's train dataloader: random sampler, pinned memory, workers, drop_last
-    (openpi's ``TorchDataLoader`` is the same with its own ``collate_fn``)."""
+    """HF Trainer's loader (shuffled, pinned, workers, drop_last); openpi's differs by collate."""
     g = torch.Generator().manual_seed(seed)
     return torch.utils.data.DataLoader(
         dataset,

@@ -1,37 +1,35 @@
 """The LLM baselines: Hugging Face transformers Llama as the HF Trainer trains it, and upstream
 megatron-core ``GPTModel`` with megatron's own local layer spec.
 
-Both read the model shape and the optimizer settings from the composed longboat config
-(``cfg.model``: an ``LLMModelConfig``; ``cfg.optim``), so every run of a benchmark trains the
-same shapes with the same hyperparameters; nothing else of longboat is used, except
-``longboat.core.megatron.parallel_state`` to set up megatron's process groups (below).
+Both read the model shape and optimizer settings from the composed longboat config (``cfg.model``,
+an ``LLMModelConfig``; ``cfg.optim``), so every run trains the same shapes with the same
+hyperparameters; nothing else of longboat is used except ``longboat.core.megatron.parallel_state``
+for megatron's process groups.
 
-``HFStep`` (runs ``hf_eager``, ``hf_compiled``, ``hf_liger``): ``LlamaForCausalLM`` (SDPA
-attention, random init with ``initializer_range = model.init_std``), fp32 weights under bf16
-autocast (HF Trainer ``bf16=True``), ``torch.optim.AdamW(fused=True)`` with weight decay on
-matrices only (the Trainer exempts biases and norms), ``clip_grad_norm_`` at
-``optim.grad_clip`` (the Trainer's ``max_grad_norm``, 1.0 by default); ``compiled``: the
-whole model ``torch.compile``d; ``liger``: ``apply_liger_kernel_to_llama`` (RoPE, RMSNorm,
-SwiGLU, fused linear cross-entropy). How it differs from a user's HF Trainer run:
+``HFStep`` (``hf_eager``, ``hf_compiled``, ``hf_liger``): ``LlamaForCausalLM`` (SDPA, random init
+with ``initializer_range = model.init_std``), fp32 weights under bf16 autocast (Trainer
+``bf16=True``), ``torch.optim.AdamW(fused=True)`` decaying matrices only (the Trainer exempts
+biases and norms), ``clip_grad_norm_`` at ``optim.grad_clip`` (``max_grad_norm``); ``compiled``:
+the whole model ``torch.compile``d; ``liger``: ``apply_liger_kernel_to_llama`` (RoPE, RMSNorm,
+SwiGLU, fused linear CE). How it differs from a user's HF Trainer run:
 
-1. No ``Trainer`` object: its per-step host work (logging every ``logging_steps``, the
-   callbacks) is left out, which only favours the baseline; ``loss.item()`` is not read
-   every step (the Trainer reads it at logging steps).
-2. The LR follows ``lr_factor`` (the product config's warm-up + decay) when given (loss
-   alignment), else it is constant (throughput: the scheduler's step costs no device time).
+1. No ``Trainer`` object: its per-step host work (logging, callbacks) is left out, which only
+   favours the baseline; ``loss.item()`` is not read every step (the Trainer reads it at logging
+   steps).
+2. The LR follows ``lr_factor`` (the product's warm-up + decay) when given (loss alignment), else
+   it is constant (throughput: the scheduler's step costs no device time).
 3. The loss alignment passes ``shift_labels`` (the product's targets, -100 where its
    ``loss_mask`` is 0) instead of ``labels=input_ids``: the same positions and mean.
 
-``McoreStep`` (run ``mcore_local_spec``): ``GPTModel`` + ``get_gpt_layer_local_spec``
-(no Transformer Engine: unfused attention, torch norms), bf16 params, megatron DDP (fp32
-grad buffer) and ``get_megatron_optimizer`` (fp32 main weights, clipping at
-``optim.grad_clip``), the loss from ``GPTModel(labels=...)``. Differences from upstream:
-megatron without TE / apex falls back to torch's AdamW with ``foreach``; its param groups are
-switched to ``fused=True`` (what TE's fused Adam gives megatron users). The process groups
-come from ``longboat.core.megatron.parallel_state.initialize`` (megatron's
-``initialize_model_parallel`` + ``model_parallel_cuda_manual_seed``, and megatron's per-call
-TP-group lookup answered without its deprecation warning; on CPU it also routes megatron's
-``torch.cuda`` calls to the host, since megatron has no CPU path).
+``McoreStep`` (``mcore_local_spec``): ``GPTModel`` + ``get_gpt_layer_local_spec`` (no Transformer
+Engine: unfused attention, torch norms), bf16 params, megatron DDP (fp32 grad buffer) and
+``get_megatron_optimizer`` (fp32 main weights, clipping at ``optim.grad_clip``), the loss from
+``GPTModel(labels=...)``. Differences from upstream: without TE / apex megatron falls back to
+torch's AdamW with ``foreach``; its param groups are switched to ``fused=True`` (what TE's fused
+Adam gives megatron users). The process groups come from ``parallel_state.initialize``
+(megatron's ``initialize_model_parallel`` + ``model_parallel_cuda_manual_seed``, its per-call
+TP-group lookup answered without the deprecation warning; on CPU megatron's ``torch.cuda`` calls
+go to the host, since megatron has no CPU path).
 """
 
 from __future__ import annotations
@@ -190,14 +188,10 @@ def megatron_state(acc: Any, seed: int = 1234) -> Iterator[None]:
 
 
 class McoreStep:
-    """megatron-core's own ``GPTModel`` step: ``step(tokens, labels) -> loss`` (inside
-    ``megatron_state``)."""
+    """megatron-core's ``GPTModel`` step (inside ``megatron_state``): ``step(tokens, labels)``."""
 
     def __init__(self, m: Any, optim: Any, device: torch.device) -> None:
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-        )
+        from megatron.core import distributed as mcore_dist
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.models.gpt.gpt_model import GPTModel
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -238,8 +232,8 @@ class McoreStep:
             position_embedding_type="rope",
             rotary_base=int(m.rope_theta),
         ).to(device)
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
-        self.ddp = DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=model)
+        ddp_cfg = mcore_dist.DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+        self.ddp = mcore_dist.DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=model)
         self.opt = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",

@@ -1,88 +1,65 @@
-"""Reference pi0.5 training loop: how openpi's PyTorch training (``scripts/train_pytorch.py`` +
-``models_pytorch/pi0_pytorch.py`` + ``models_pytorch/gemma_pytorch.py``) runs pi0.5, rebuilt
-from the libraries it uses, as the ``--model pi05`` baseline of ``tools/bench/vla_throughput.py``.
+"""Reference pi0.5 training loop: openpi's PyTorch training (``scripts/train_pytorch.py``,
+``models_pytorch/pi0_pytorch.py``, ``gemma_pytorch.py``) rebuilt from the libraries it uses, as
+the ``--model pi05`` baseline of ``tools/bench/vla_throughput.py``.
 
-Model (``Pi05Reference``): a ``SiglipVisionModel`` (So400m/14 shapes, no pooling head) and
-PaliGemma's linear ``multi_modal_projector``, a Gemma ``GemmaModel`` (the PaliGemma language
-model) and a second ``GemmaModel`` as the action expert (its embedding table removed, its
-RMSNorms replaced by adaRMSNorms), all built with ``_from_config``. Per layer, as openpi's
-``compute_layer_complete``: each expert runs its own input norm and q/k/v projections, the
-[prefix, suffix] sequences are concatenated, rotated with Gemma's rotary tables
-(``apply_rotary_pos_emb``) and attend once through transformers' Gemma
-``eager_attention_forward`` under a materialised additive 4D mask (0 / -2.3819763e38 from the
-prefix-LM 2D mask); each expert applies its own ``o_proj``, (gated) residual, post-attention
-norm, MLP and (gated) residual. Every layer runs under ``torch.utils.checkpoint``
-(``use_reentrant=False, preserve_rng_state=False``), as do the image / language embeddings,
-the action / time projections, the final norms and the whole joint pass (openpi's
-``_apply_checkpoint``: gradient checkpointing is always on in its training script).
-Precision as ``to_bfloat16_for_selected_params("bfloat16")``: the VLM + expert in bf16 except
-the patch embedding, the position table and every ``input_layernorm`` /
-``post_attention_layernorm`` / final ``norm`` (fp32); ``action_in_proj``, ``action_out_proj``,
-``time_mlp_in`` / ``time_mlp_out`` stay fp32 (they live outside ``paligemma_with_expert``).
-No autocast. Flow matching: t = Beta(1.5, 1) * 0.999 + 0.001 sampled on the device,
-x_t = t * noise + (1 - t) * action, u_t = noise - action, loss =
-``F.mse_loss(u_t, v_t, reduction="none").mean()`` over every (step, dim) of the 32-wide
-padded chunk. In training, images get openpi's on-device augmentation
-(``preprocess_observation_pytorch``): base camera crop 95% + resize back + rotation in
-[-5, 5] degrees (with the ``abs(angle) > 0.1`` host check), every camera brightness /
-contrast / saturation jitter, one draw per camera per batch.
-Loop (``train_step``): AdamW(betas (0.9, 0.95), eps 1e-8, weight decay 1e-10) over all
-parameters (torch's default foreach implementation, moments in the parameters' dtype, so bf16
-for the bf16 weights), per-step lr from openpi's cosine schedule (warm-up 1000 steps to 2.5e-5,
-decay to 2.5e-6 over 30k), ``clip_grad_norm_(1.0)``, ``loss.item()`` and the grad norm read
-every step (its logging), no torch.compile (openpi only compiles ``sample_actions``), TF32
-for fp32 matmuls (``PI0Pytorch`` sets float32 matmul precision "high"; the benchmark turns
-TF32 on for every run).
+Model (``Pi05Reference``): ``SiglipVisionModel`` (So400m/14, no pooling head), the linear
+``multi_modal_projector``, a Gemma LM and a Gemma action expert (``GemmaModel``s via
+``_from_config``). Per layer, as ``compute_layer_complete``: each expert's own norm and q/k/v,
+[prefix, suffix] concatenated, rotated and attended once (Gemma's ``eager_attention_forward``
+under an additive 4D mask, 0 / -2.3819763e38), each expert's own o_proj, (gated) residuals,
+norm and MLP. Layers, embeddings, projections, final norms and the joint pass run under
+``torch.utils.checkpoint`` (``_apply_checkpoint``: always on in openpi's training). Precision as
+``to_bfloat16_for_selected_params("bfloat16")``: bf16 except the patch embedding, position table
+and every norm; the action / time projections stay fp32; no autocast. Flow matching: t =
+Beta(1.5, 1) * 0.999 + 0.001 on the device, loss = MSE(noise - action, v_t) averaged over every
+(step, dim) of the 32-wide padded chunk. Training images get openpi's on-device augmentation
+(base camera: 95% crop, resize back, rotation in [-5, 5] degrees with the ``abs(angle) > 0.1``
+host check; every camera: brightness / contrast / saturation; one draw per camera per batch).
+Loop (``train_step``): AdamW(betas (0.9, 0.95), eps 1e-8, wd 1e-10) over all parameters (torch's
+foreach default, moments in the parameters' dtype), openpi's cosine lr (warm-up 1000 steps to
+2.5e-5, decay to 2.5e-6 over 30k), ``clip_grad_norm_(1.0)``, ``loss.item()`` and the grad norm
+read every step, no torch.compile (openpi compiles only ``sample_actions``), TF32 on.
 
 Every way this differs from the official code, and why:
 
-1. Random initialisation, no hub checkpoint (nothing can be downloaded here); shapes are
-   pi0.5's (EMBODIED_MODELS.md) or the tiny flavour, read from longboat's ``Pi05Config`` by
-   ``RefShapes.from_pi05_config`` so both loops of the benchmark train the same model.
-2. openpi patches transformers 4.53 (``transformers_replace``) to give ``GemmaRMSNorm`` an
-   adaRMS mode and ``_gated_residual``; stock transformers 5.x has neither, so the expert's
-   norms are ``AdaRMSNormRef`` here (fp32 statistics, zero-initialised ``dense`` -> scale,
-   shift, gate, as the patched norm computes) and the gated residuals are written inline.
-3. Only the pieces of PaliGemma openpi's training uses are built: ``SiglipVisionModel`` +
-   the projector Linear + the Gemma ``GemmaModel``, not ``PaliGemmaForConditionalGeneration``
-   (its tied ``lm_head`` is never called in training and adds no parameters). The action
-   expert is a ``GemmaModel``, not a ``GemmaForCausalLM``: openpi's expert keeps an unused
-   untied ``lm_head`` (257152 x 1024 = 263M parameters, 0.5 GB in bf16, never touched by the
-   step: no grad, so AdamW skips it); it is left out here and in the parameter counts.
+1. Random init, no hub checkpoint (nothing can be downloaded here); pi0.5's shapes
+   (EMBODIED_MODELS.md) or the tiny flavour, read from longboat's ``Pi05Config`` by
+   ``RefShapes.from_pi05_config`` so both loops train the same model.
+2. openpi patches transformers 4.53 (``transformers_replace``) for an adaRMS ``GemmaRMSNorm``
+   and ``_gated_residual``; stock transformers 5.x has neither, so the expert's norms are
+   ``AdaRMSNormRef`` (fp32 statistics, zero-initialised ``dense`` -> scale, shift, gate, as the
+   patched norm) and the gated residuals are inline.
+3. Only the PaliGemma pieces openpi's training uses, not ``PaliGemmaForConditionalGeneration``
+   (its tied ``lm_head`` is never called in training, no extra parameters). The expert is a
+   ``GemmaModel``: openpi's ``GemmaForCausalLM`` keeps an unused untied ``lm_head`` (257152 x
+   1024 = 263M parameters, 0.5 GB bf16, no grad, so AdamW skips it), left out here and in the
+   parameter counts.
 4. transformers 5.x's Gemma embedding scales by sqrt(hidden) itself; openpi (4.53, unscaled
-   ``nn.Embedding``) multiplies by sqrt(hidden) after the lookup. Here the lookup is
-   ``F.embedding`` on the table followed by the same explicit multiply, so the embedding is
-   scaled once, as in openpi.
-5. The vision tower's embeddings are fp32 (patch embedding and position table kept fp32) and
-   its encoder bf16; the embeddings' output is cast to the encoder's dtype (a forward hook),
-   which stock torch needs for the bf16 LayerNorm (openpi's patched SigLIP handles it).
-6. No SentencePiece tokenizer (no hub files here): the prompt is the task string through the
-   byte-level stand-in longboat's collator uses (capped at the same number of text tokens),
-   followed by one token per real state dim (the 256-bin discretisation, ids at the top of
-   the vocab, as longboat), padded to ``max_token_len`` (200 at full shapes) like openpi's
-   ``TokenizePrompt``. openpi spells the bins as decimal text ("State: 12 250 ...;\\nAction: "),
-   several tokens per dim, so its prompts are longer; the padded length (what the model
-   computes on) is the same 200.
-7. Digitised state bins are clipped to [0, 255] (openpi's ``np.digitize - 1`` gives -1 / 256
-   for values outside [-1, 1]; longboat clips, and the reference must see the same tokens).
-8. ``sincos`` time embedding in fp32 (openpi computes the periods in fp64 on the device, then
-   casts to fp32): differs by ~1e-7 relative.
-9. No DDP wrapper on one GPU (it would only add its reducer hooks), no EMA, no checkpoint
-   saving, no wandb; the lr schedule is computed per step as openpi does.
-10. A batch may carry ``noise`` and ``time`` (the flow-matching draws); only the loss-alignment
-    code uses this, to feed both loops identical draws. ``augment=False`` (loss alignment
-    only) skips the on-device image augmentation so both loops see the same pixels.
-11. The data path (``pi05_reference_data.py``) decodes each needed frame per sample with PyAV
-    (LeRobot's ``pyav`` backend: seek to the keyframe, decode up to the timestamp) in
+   ``nn.Embedding``) multiplies after the lookup. Here: ``F.embedding`` on the table, then the
+   same explicit multiply, so it is scaled once, as in openpi.
+5. The vision embeddings are fp32 and its encoder bf16; a forward hook casts the embeddings'
+   output to the encoder's dtype, which stock torch needs for the bf16 LayerNorm (openpi's
+   patched SigLIP handles it).
+6. No SentencePiece tokenizer (no hub files): the prompt is the task string through longboat's
+   byte-level stand-in (capped at the same text length), then one token per real state dim
+   (256 bins, ids at the top of the vocab, as longboat), padded to ``max_token_len`` (200 at
+   full shapes) like ``TokenizePrompt``. openpi spells the bins as decimal text, several tokens
+   per dim, so its prompts are longer; the padded length the model computes on is the same.
+7. State bins are clipped to [0, 255] (openpi's ``np.digitize - 1`` gives -1 / 256 outside
+   [-1, 1]; longboat clips, and the reference must see the same tokens).
+8. ``sincos`` time embedding in fp32 (openpi: periods in fp64, cast to fp32): ~1e-7 relative.
+9. No DDP wrapper on one GPU (only its reducer hooks), no EMA, checkpoints or wandb.
+10. A batch may carry ``noise`` and ``time`` (the flow-matching draws): only the loss
+    alignment uses this, to feed both loops identical draws; its ``augment=False`` skips the
+    image augmentation so both loops see the same pixels.
+11. The data path (``pi05_reference_data.py``) decodes each frame per sample with PyAV in
     DataLoader workers; the worker count is a benchmark argument, the same for both loops.
 
-Parameter counts vs longboat's ``Pi05`` (same shapes): the reference has one extra tensor,
-the language model's final ``norm`` (``llm.hidden_size`` values: 2048 at full shapes, 64 tiny;
-openpi computes it on the prefix output and discards the result; longboat never computes it).
-Everything else maps one to one (``transfer_weights``). Trainable counts differ by the
-last LM layer's q_proj / o_proj / post-attention norm / MLP (109M at full shapes), which
-longboat freezes because they cannot reach the loss; the reference keeps them trainable, as
-openpi does, but they never get a gradient.
+Parameter counts vs longboat's ``Pi05`` (same shapes): one extra tensor, the LM's final ``norm``
+(``llm.hidden_size`` values; openpi computes it on the prefix and discards it, longboat never
+does); the rest maps one to one (``transfer_weights``). Trainable counts differ by the last LM
+layer's q_proj / o_proj / post-attention norm / MLP (109M at full shapes): longboat freezes them
+(they cannot reach the loss); the reference keeps them trainable, as openpi, with no gradient.
 """
 
 from __future__ import annotations
@@ -94,6 +71,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from config_fields import from_cfg, read_shapes
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -105,34 +83,34 @@ MASK_MIN = -2.3819763e38
 class RefShapes:
     """Every shape of the reference pi0.5 (full or the tiny CPU flavour)."""
 
-    vit_hidden: int
-    vit_layers: int
-    vit_heads: int
-    vit_mlp: int
-    patch: int
-    image_size: int  # square input (openpi's resize_with_pad target, 224)
-    vit_eps: float = 1e-6
-    llm_hidden: int
-    llm_layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    llm_mlp: int
-    vocab: int
-    expert_hidden: int
-    expert_mlp: int
-    rope_theta: float = 10000.0
-    rms_eps: float = 1e-6
-    num_cameras: int = 3
-    action_dim: int
-    max_state_dim: int
-    horizon: int
-    num_state_bins: int = 256
-    bin_offset: int
-    max_token_len: int
+    vit_hidden: int = from_cfg("vision.hidden_size")
+    vit_layers: int = from_cfg("vision.num_layers")
+    vit_heads: int = from_cfg("vision.num_heads")
+    vit_mlp: int = from_cfg("vision.intermediate_size")
+    patch: int = from_cfg("vision.patch_size")
+    image_size: int = from_cfg("image.pad_to_square")  # openpi's resize_with_pad target, 224
+    vit_eps: float = from_cfg("vision.layer_norm_eps", default=1e-6)
+    llm_hidden: int = from_cfg("llm.hidden_size")
+    llm_layers: int = from_cfg("llm.num_layers")
+    heads: int = from_cfg("llm.num_heads")
+    kv_heads: int = from_cfg("llm.num_kv_heads")
+    head_dim: int = from_cfg("llm.head_dim")
+    llm_mlp: int = from_cfg("llm.intermediate_size")
+    vocab: int = from_cfg("llm.vocab_size")
+    expert_hidden: int = from_cfg("expert.hidden_size")
+    expert_mlp: int = from_cfg("expert.intermediate_size")
+    rope_theta: float = from_cfg("llm.rope_theta", default=10000.0)
+    rms_eps: float = from_cfg("llm.rms_eps", default=1e-6)
+    num_cameras: int = from_cfg("num_cameras", default=3)
+    action_dim: int = from_cfg("action_dim")
+    max_state_dim: int = from_cfg("max_state_dim")
+    horizon: int = from_cfg("action_horizon")
+    num_state_bins: int = from_cfg("num_state_bins", default=256)
+    bin_offset: int = from_cfg("bin_offset")
+    max_token_len: int = from_cfg("max_token_len")
     max_text_tokens: int
-    time_min_period: float = 4e-3
-    time_max_period: float = 4.0
+    time_min_period: float = from_cfg("time_min_period", default=4e-3)
+    time_max_period: float = from_cfg("time_max_period", default=4.0)
 
     @classmethod
     def from_pi05_config(cls, cfg: Any) -> RefShapes:
@@ -148,43 +126,12 @@ class RefShapes:
             )
         if cfg.llm.rope_theta != cfg.expert.rope_theta:
             raise ValueError("both experts must share the RoPE base (one rotary table)")
-        return cls(
-            vit_hidden=cfg.vision.hidden_size,
-            vit_layers=cfg.vision.num_layers,
-            vit_heads=cfg.vision.num_heads,
-            vit_mlp=cfg.vision.intermediate_size,
-            patch=cfg.vision.patch_size,
-            image_size=size,
-            vit_eps=cfg.vision.layer_norm_eps,
-            llm_hidden=cfg.llm.hidden_size,
-            llm_layers=cfg.llm.num_layers,
-            heads=cfg.llm.num_heads,
-            kv_heads=cfg.llm.num_kv_heads,
-            head_dim=cfg.llm.head_dim,
-            llm_mlp=cfg.llm.intermediate_size,
-            vocab=cfg.llm.vocab_size,
-            expert_hidden=cfg.expert.hidden_size,
-            expert_mlp=cfg.expert.intermediate_size,
-            rope_theta=cfg.llm.rope_theta,
-            rms_eps=cfg.llm.rms_eps,
-            num_cameras=cfg.num_cameras,
-            action_dim=cfg.action_dim,
-            max_state_dim=cfg.max_state_dim,
-            horizon=cfg.action_horizon,
-            num_state_bins=cfg.num_state_bins,
-            bin_offset=cfg.bin_offset,
-            max_token_len=cfg.max_token_len,
-            max_text_tokens=max(4, min(32, cfg.max_token_len - cfg.max_state_dim)),
-            time_min_period=cfg.time_min_period,
-            time_max_period=cfg.time_max_period,
-        )
+        text = max(4, min(32, cfg.max_token_len - cfg.max_state_dim))
+        return read_shapes(cls, cfg, max_text_tokens=text)
 
     @property
     def tokens_per_image(self) -> int:
         return (self.image_size // self.patch) ** 2
-
-
-# ------------------------------------------------------------------------------ pieces
 
 
 class AdaRMSNormRef(nn.Module):
@@ -215,6 +162,13 @@ def _norm(norm: nn.Module, x: Tensor, cond: Tensor | None) -> tuple[Tensor, Tens
     return norm(x), None
 
 
+def checkpointed(on: bool, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, under openpi's ``torch.utils.checkpoint`` when ``on``."""
+    if on:
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+    return fn(*args)
+
+
 def _gated_residual(x: Tensor, y: Tensor, gate: Tensor | None) -> Tensor:
     return x + y if gate is None else x + y * gate
 
@@ -233,9 +187,6 @@ def prefix_lm_2d_mask(pad_masks: Tensor, ar_masks: Tensor) -> Tensor:
     cum = torch.cumsum(ar_masks, dim=1)
     att = cum[:, None, :] <= cum[:, :, None]
     return att & (pad_masks[:, None, :] & pad_masks[:, :, None])
-
-
-# ------------------------------------------------------------------------------ model
 
 
 class PaliGemmaWithExpertRef(nn.Module):
@@ -325,12 +276,7 @@ class PaliGemmaWithExpertRef(nn.Module):
         return F.embedding(tokens, self.language_model.embed_tokens.weight)
 
     def _layer(
-        self,
-        i: int,
-        embeds: list[Tensor],
-        mask: Tensor,
-        position_ids: Tensor,
-        cond: Tensor,
+        self, i: int, embeds: list[Tensor], mask: Tensor, position_ids: Tensor, cond: Tensor
     ) -> list[Tensor]:
         """One joint layer (openpi's ``compute_layer_complete``)."""
         layers = [self.language_model.layers[i], self.gemma_expert.layers[i]]
@@ -369,13 +315,7 @@ class PaliGemmaWithExpertRef(nn.Module):
     ) -> list[Tensor]:
         """Joint pass over [prefix, suffix]; returns both final-normed outputs."""
         for i in range(self.s.llm_layers):
-            if ckpt:
-                embeds = checkpoint(
-                    self._layer, i, embeds, mask, position_ids, cond,
-                    use_reentrant=False, preserve_rng_state=False,
-                )  # fmt: skip
-            else:
-                embeds = self._layer(i, embeds, mask, position_ids, cond)
+            embeds = checkpointed(ckpt, self._layer, i, embeds, mask, position_ids, cond)
 
         def final_norms(embeds: list[Tensor], cond: Tensor) -> list[Tensor]:
             return [
@@ -383,11 +323,7 @@ class PaliGemmaWithExpertRef(nn.Module):
                 _norm(self.gemma_expert.norm, embeds[1], cond)[0],
             ]
 
-        if ckpt:
-            return checkpoint(
-                final_norms, embeds, cond, use_reentrant=False, preserve_rng_state=False
-            )
-        return final_norms(embeds, cond)
+        return checkpointed(ckpt, final_norms, embeds, cond)
 
 
 def _mlp_input(layer: nn.Module, h: Tensor) -> Tensor:
@@ -454,9 +390,7 @@ class Pi05Reference(nn.Module):
         self.paligemma_with_expert.to_bfloat16_for_selected_params(precision)
 
     def _ckpt(self, fn: Any, *args: Any) -> Any:
-        if self.gradient_checkpointing and self.training:
-            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
-        return fn(*args)
+        return checkpointed(self.gradient_checkpointing and self.training, fn, *args)
 
     def _images(self, batch: dict[str, Tensor]) -> list[Tensor]:
         """[B, C, H, W, 3] uint8 (the loader's layout) or [B, C, 3, H, W] float in [-1, 1]
@@ -543,9 +477,6 @@ class Pi05Reference(nn.Module):
         return F.mse_loss(u_t, v_t, reduction="none")
 
 
-# ------------------------------------------------------------------------------ building
-
-
 def build_reference(
     s: RefShapes, device: torch.device | str, precision: str = "bfloat16"
 ) -> Pi05Reference:
@@ -608,14 +539,10 @@ def train_step(
     return float(loss.item())
 
 
-# ------------------------------------------------------------------------------ transfer
-
-
 @torch.no_grad()
 def transfer_weights(lb: nn.Module, rf: Pi05Reference) -> None:
-    """Copy every weight of longboat's ``Pi05`` into the reference (call before
-    ``set_precision`` / freezing; both fp32). The reference's extra LM final norm keeps its
-    identity init (its output is discarded)."""
+    """Copy longboat's ``Pi05`` weights into the reference (both fp32, before ``set_precision``);
+    the reference's extra LM final norm keeps its identity init (its output is discarded)."""
     pwe = rf.paligemma_with_expert
     copied: set[int] = set()
 
@@ -625,9 +552,12 @@ def transfer_weights(lb: nn.Module, rf: Pi05Reference) -> None:
         dst.copy_(src)
         copied.add(id(dst))
 
+    def put_linear(dst: nn.Module, src: nn.Module) -> None:
+        put(dst.weight, src.weight)
+        put(dst.bias, src.bias)
+
     vm, v = pwe.vision_model, lb.vision
-    put(vm.embeddings.patch_embedding.weight, v.patch_embed.weight)
-    put(vm.embeddings.patch_embedding.bias, v.patch_embed.bias)
+    put_linear(vm.embeddings.patch_embedding, v.patch_embed)
     put(vm.embeddings.position_embedding.weight, v.pos_embed)
     for blk, layer in zip(v.blocks, vm.encoder.layers, strict=True):
         qkv_w, qkv_b = blk.qkv.weight.chunk(3, 0), blk.qkv.bias.chunk(3, 0)
@@ -642,12 +572,9 @@ def transfer_weights(lb: nn.Module, rf: Pi05Reference) -> None:
             (blk.fc2, layer.mlp.fc2),
         )
         for src, dst in pairs:
-            put(dst.weight, src.weight)
-            put(dst.bias, src.bias)
-    put(vm.post_layernorm.weight, v.post_layernorm.weight)
-    put(vm.post_layernorm.bias, v.post_layernorm.bias)
-    put(pwe.multi_modal_projector.weight, lb.projector.weight)
-    put(pwe.multi_modal_projector.bias, lb.projector.bias)
+            put_linear(dst, src)
+    put_linear(vm.post_layernorm, v.post_layernorm)
+    put_linear(pwe.multi_modal_projector, lb.projector)
     put(pwe.language_model.embed_tokens.weight, lb.embed_tokens.weight)
     for jl, lm_l, ex_l in zip(
         lb.joint.layers, pwe.language_model.layers, pwe.gemma_expert.layers, strict=True
@@ -663,20 +590,14 @@ def transfer_weights(lb: nn.Module, rf: Pi05Reference) -> None:
             (jl.expert.input_norm, ex_l.input_layernorm),
             (jl.expert.post_attention_norm, ex_l.post_attention_layernorm),
         ):
-            put(dst.dense.weight, src.modulation.weight)
-            put(dst.dense.bias, src.modulation.bias)
-    put(pwe.gemma_expert.norm.dense.weight, lb.expert_norm.modulation.weight)
-    put(pwe.gemma_expert.norm.dense.bias, lb.expert_norm.modulation.bias)
+            put_linear(dst.dense, src.modulation)
+    put_linear(pwe.gemma_expert.norm.dense, lb.expert_norm.modulation)
     for n in ("action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out"):
-        put(getattr(rf, n).weight, getattr(lb, n).weight)
-        put(getattr(rf, n).bias, getattr(lb, n).bias)
+        put_linear(getattr(rf, n), getattr(lb, n))
     extra = {id(pwe.language_model.norm.weight)}
     missing = [n for n, p in rf.named_parameters() if id(p) not in copied | extra]
     if missing:
         raise KeyError(f"reference parameters not transferred: {missing[:8]}")
-
-
-# ------------------------------------------------------------------------------ batches
 
 
 def discretize_state(state: np.ndarray, num_bins: int) -> np.ndarray:
@@ -688,8 +609,7 @@ def discretize_state(state: np.ndarray, num_bins: int) -> np.ndarray:
 def tokenize_prompt(
     text_ids: list[int], state: np.ndarray, s: RefShapes
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Prompt tokens = text ids + one id per real state dim, padded to ``max_token_len``
-    (openpi's ``TokenizePrompt(discrete_state_input=True)``, see difference 6)."""
+    """openpi's ``TokenizePrompt(discrete_state_input=True)``, as difference 6 describes."""
     ids = list(text_ids[: s.max_text_tokens])
     ids += [int(b) + s.bin_offset for b in discretize_state(state, s.num_state_bins)]
     ids = ids[: s.max_token_len]
@@ -701,8 +621,7 @@ def tokenize_prompt(
 
 
 def reference_batch_from_longboat(batch: dict[str, Tensor], s: RefShapes) -> dict[str, Tensor]:
-    """The reference's view of one longboat ``Pi05`` batch (same images, prompt tokens, state
-    bins, actions, draws): valid text ids then valid state bins, padded to max_token_len."""
+    """The reference's view of a longboat ``Pi05`` batch: the same pixels, tokens and draws."""
     b = batch["input_ids"].shape[0]
     tokens = np.zeros((b, s.max_token_len), np.int64)
     mask = np.zeros((b, s.max_token_len), bool)

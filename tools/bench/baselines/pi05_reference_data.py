@@ -1,25 +1,22 @@
-"""Reference pi0.5 input pipeline: what openpi's PyTorch data loader does per sample, in
-DataLoader workers (LeRobot dataset -> data transforms -> model transforms -> collate).
+"""Reference pi0.5 input pipeline: openpi's PyTorch data loader per sample, in DataLoader workers
+(LeRobot dataset -> data transforms -> model transforms -> collate).
 
 Per sample (``Pi05ReferenceDataset.__getitem__``): the episode's parquet row and action chunk
-(the trajectory cache and LeRobot v2.1 reading of ``groot_n1_6_reference_data``, imported, not
-copied), every camera's frame decoded on its own with PyAV (LeRobot's ``pyav`` backend: open
-the file, seek to the keyframe before the timestamp, decode forward to the frame), quantile
-normalisation of state and action (pi0.5 uses q01/q99 -> [-1, 1]), openpi's
-``ResizeImages(224, 224)`` (PIL ``resize_with_pad``: bilinear resize of the longer side, black
-padding) on uint8 HWC frames, missing cameras as zero images with a False mask (openpi's
-LIBERO/DROID inputs fill a missing wrist camera the same way), ``TokenizePrompt`` with the
-discretised state (``pi05_reference.tokenize_prompt``, padded to ``max_token_len``) and
-``PadStatesAndActions`` to ``action_dim``. ``collate`` stacks (every entry has a fixed shape).
+(``groot_n1_6_reference_data``'s trajectory cache and v2.1 reading, imported), every camera's
+frame decoded alone with PyAV (LeRobot's ``pyav`` backend: open, seek to the keyframe before the
+timestamp, decode forward to the frame), q01/q99 quantile normalisation of state and action to
+[-1, 1], openpi's ``ResizeImages(224, 224)`` (PIL ``resize_with_pad``: bilinear resize of the
+longer side, black padding) on uint8 HWC frames, missing cameras as zero images with a False mask
+(as openpi's LIBERO/DROID inputs fill a missing wrist camera), ``TokenizePrompt`` with the
+discretised state (``pi05_reference.tokenize_prompt``) and ``PadStatesAndActions`` to
+``action_dim``. ``collate`` stacks (every entry has a fixed shape).
 
-Differences from openpi's loader besides those in ``pi05_reference.py``: LeRobot v2.1 layout
-only; no repack / robot-specific input transform (the synthetic dataset already has openpi's
-key layout: one state vector, one action vector, RGB cameras); ``action_is_pad`` is ignored,
-as openpi does (LeRobot clamps the chunk at the episode end); frames are decoded straight to
-uint8 HWC, where LeRobot returns float32 CHW in [0, 1] and openpi's input transform converts
-each one back to uint8 HWC (two extra per-frame copies the reference is spared); the
-episode's parquet is read once per trajectory (GR00T reference's cache) instead of LeRobot's
-arrow-backed rows.
+Differences from openpi's loader besides ``pi05_reference.py``'s: LeRobot v2.1 only; no repack /
+robot-specific input transform (the synthetic dataset has openpi's key layout: one state, one
+action vector, RGB cameras); ``action_is_pad`` is ignored, as openpi does (LeRobot clamps the
+chunk at the episode end); frames are decoded straight to uint8 HWC, where LeRobot returns float32
+CHW in [0, 1] and openpi converts each back (two per-frame copies the reference is spared); the
+episode's parquet is read once per trajectory instead of LeRobot's arrow-backed rows.
 """
 
 from __future__ import annotations
@@ -37,8 +34,7 @@ from torch import Tensor
 
 
 def resize_with_pad(frame: np.ndarray, size: int) -> np.ndarray:
-    """openpi's ``image_tools.resize_with_pad`` (PIL, bilinear): uint8 [H, W, 3] ->
-    [size, size, 3], aspect kept, centred, zero padding."""
+    """openpi's ``image_tools.resize_with_pad``: PIL bilinear, aspect kept, centred, zero pad."""
     from PIL import Image
 
     h, w = frame.shape[:2]
@@ -54,8 +50,7 @@ def resize_with_pad(frame: np.ndarray, size: int) -> np.ndarray:
 
 
 def decode_frame(path: Path, timestamp: float, tolerance: float = 1e-4) -> np.ndarray:
-    """LeRobot's PyAV path for one timestamp: seek to the keyframe before it, decode forward
-    until the frame at (or just past) the timestamp."""
+    """LeRobot's PyAV path: seek to the keyframe before ``timestamp``, decode up to its frame."""
     import av
 
     with av.open(str(path)) as container:
