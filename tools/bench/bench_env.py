@@ -79,9 +79,8 @@ def result_meta(
 
 
 def key_values(items: list[str], flag: str) -> dict[str, Any]:
-    """``KEY=VALUE`` command-line items as a dict: each value read as JSON (``3``, ``true``,
-    ``[4, 4]``), else kept as the string; an item without ``=`` stops the script, naming
-    ``flag``."""
+    """``KEY=VALUE`` items as a dict, each value read as JSON (``3``, ``true``, ``[4, 4]``) or kept
+    as the string; an item without ``=`` stops the script, naming ``flag``."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")

@@ -47,9 +47,8 @@ def run_phases(
     t_start: float,
     phase_s: float,
 ) -> None:
-    """``fn(rank, world, name, *extra)`` on every rank of each phase, then
-    ``summarize(name, world, per_rank)`` into ``result["runs"]``; ``phase_s``: the time a
-    phase is assumed to take before one was measured."""
+    """``fn(rank, world, name, *extra)`` on every rank of each phase, ``summarize(name, world,
+    per_rank)`` into ``result["runs"]``; ``phase_s``: a phase's assumed time before one ran."""
     from longboat.core.distributed.multiprocess import run_multiprocess
 
     last: float | None = None

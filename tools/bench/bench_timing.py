@@ -130,9 +130,8 @@ class StepTimer(Callback):
 def time_loop(
     acc: Any, batches: Iterator[Any], step: Callable[[Any, int], Any], warmup: int, steps: int
 ) -> tuple[Timing, list[float]]:
-    """A baseline's own loop: ``step(next(batches), i)`` for ``warmup + steps`` steps, the
-    last ``steps`` timed; returns the timing and every step's loss (a device tensor or a
-    float per step, read after the window)."""
+    """A baseline's own loop: ``step(next(batches), i)`` for ``warmup + steps`` steps, the last
+    ``steps`` timed; returns the timing and every step's loss (read after the window)."""
     timing, losses = Timing(acc), []
     for i in range(warmup + steps):
         if i == warmup:

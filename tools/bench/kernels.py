@@ -100,9 +100,7 @@ class Case:
 
 def _liger() -> dict[str, Any] | None:
     try:
-        from liger_kernel.ops.fused_linear_cross_entropy import (
-            LigerFusedLinearCrossEntropyFunction,
-        )
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
         from liger_kernel.ops.geglu import LigerGELUMulFunction
         from liger_kernel.ops.layer_norm import LigerLayerNormFunction
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction

@@ -135,9 +135,8 @@ class RefShapes:
 
 
 class AdaRMSNormRef(nn.Module):
-    """What openpi's patched ``GemmaRMSNorm(use_adarms=True)`` computes: fp32 RMS statistics,
-    ``dense(cond)`` -> (scale, shift, gate), ``x * (1 + scale) + shift`` in fp32, returned in
-    the input dtype with the gate for the residual."""
+    """openpi's patched ``GemmaRMSNorm(use_adarms=True)``: fp32 RMS, ``dense(cond)`` -> (scale,
+    shift, gate), ``x * (1 + scale) + shift`` in fp32; returns it in x's dtype and the gate."""
 
     def __init__(self, dim: int, cond_dim: int, eps: float) -> None:
         super().__init__()
