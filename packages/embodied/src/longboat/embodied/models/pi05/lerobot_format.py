@@ -31,6 +31,7 @@ from longboat.core.config.errors import ConfigError
 from longboat.embodied.models.common.image_preprocessing import ImagePreprocessConfig
 from longboat.embodied.models.common.lm import DecoderConfig
 from longboat.embodied.models.common.vit import ViTConfig, siglip_so400m
+from longboat.embodied.models.pi05 import config as pi05_config
 from longboat.embodied.models.pi05.config import Pi05Config
 
 CONFIG_NAME = "config.json"
@@ -51,14 +52,8 @@ TINY_VOCAB = 1024
 
 
 def _tiny_vision() -> ViTConfig:
-    return ViTConfig(
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        intermediate_size=128,
-        patch_size=14,
-        pos_grid=(4, 4),
-    )
+    """The tiny flavor's vision tower."""
+    return pi05_config.tiny().vision
 
 
 def _decoder(variant: str, vocab: int) -> DecoderConfig:
