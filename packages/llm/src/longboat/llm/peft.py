@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from longboat.core.megatron.hf_io import _coords, is_owner
+from longboat.core.megatron.hf_io import is_owner, rank_coords, tp_shards
 from longboat.core.megatron.hf_mapping import (
     RankCoords,
     Slot,
@@ -64,17 +64,6 @@ def _module_key(hf_weight: str) -> str:
     return hf_weight.removesuffix(".weight")
 
 
-def _tp_gather(t: torch.Tensor, dim: int, coords: RankCoords) -> list[torch.Tensor]:
-    """Every tensor-parallel rank's shard of ``t`` (split along ``dim``), in rank order."""
-    if coords.tp_size == 1:
-        return [t]
-    from megatron.core import parallel_state as mps
-
-    parts = [torch.empty_like(t) for _ in range(coords.tp_size)]
-    dist.all_gather(parts, t.contiguous(), group=mps.get_tensor_model_parallel_group())
-    return parts
-
-
 @torch.no_grad()
 def save_peft(
     chunks: list[torch.nn.Module],
@@ -91,16 +80,16 @@ def save_peft(
     from longboat.llm.models.registry import get_family
 
     prefix = get_family(cfg.name).hf_prefix
-    coords = _coords()
+    coords = rank_coords()
     tensors: dict[str, torch.Tensor] = {}
     ranks: dict[str, int] = {}
     scales: dict[str, float] = {}
     for module, slot in _adapted(chunks, cfg, coords, prefix):
         a, b = module.lora_A.detach().float(), module.lora_B.detach().float()
         if slot.kind in _ROW_KINDS:
-            a_full, bs = torch.cat(_tp_gather(a, 1, coords), 1), {slot.hf_names[0]: b}
+            a_full, bs = torch.cat(tp_shards(a, coords), 1), {slot.hf_names[0]: b}
         else:  # experts are not split over tensor-parallel ranks
-            shards = [b] if slot.kind.startswith("expert") else _tp_gather(b, 0, coords)
+            shards = [b] if slot.kind.startswith("expert") else tp_shards(b, coords)
             a_full, bs = a, unshard_to_hf(slot, shards, cfg.to_arch())
         if not is_owner(slot):
             continue
@@ -181,7 +170,7 @@ def load_peft(chunks: list[torch.nn.Module], cfg: LLMModelConfig, adapter_dir: s
     patterns = config.get("rank_pattern") or {}
     alphas = config.get("alpha_pattern") or {}
     prefix = get_family(cfg.name).hf_prefix
-    arch, coords = cfg.to_arch(), _coords()
+    arch, coords = cfg.to_arch(), rank_coords()
     count = 0
     for module, slot in _adapted(chunks, cfg, coords, prefix):
         keys = [_module_key(n) for n in slot.hf_names]

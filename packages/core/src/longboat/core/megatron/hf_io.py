@@ -69,7 +69,8 @@ def hf_weight_index(hf_dir: str | Path) -> dict[str, Path]:
     )
 
 
-def _coords() -> RankCoords:
+def rank_coords() -> RankCoords:
+    """This rank's tensor- and expert-parallel coordinates (megatron's parallel state)."""
     from megatron.core import parallel_state as mps
 
     return RankCoords(
@@ -143,7 +144,7 @@ def load_hf_weights(
     ``progress`` (optional) is called with ``(done, total)`` after each tensor.
     """
     index = check_hf_checkpoint(hf_dir, arch, prefix=prefix)
-    coords = _coords()
+    coords = rank_coords()
     slots = list(_named_slots(chunks, arch, coords, prefix))
     problems: list[str] = []
     with ExitStack() as stack:
@@ -191,6 +192,18 @@ def is_owner(slot: Slot) -> bool:
 
 
 @torch.no_grad()
+def tp_shards(local: torch.Tensor, coords: RankCoords) -> list[torch.Tensor]:
+    """Every tensor-parallel rank's ``local`` tensor, in rank order (collective over the TP
+    group; ``[local]`` at TP 1)."""
+    if coords.tp_size == 1:
+        return [local]
+    from megatron.core import parallel_state as mps
+
+    shards = [torch.empty_like(local) for _ in range(coords.tp_size)]
+    dist.all_gather(shards, local.contiguous(), group=mps.get_tensor_model_parallel_group())
+    return shards
+
+
 def gather_hf_state_dict(
     chunks: list[torch.nn.Module], arch: DecoderArch, *, prefix: str = "model."
 ) -> dict[str, torch.Tensor]:
@@ -198,20 +211,16 @@ def gather_hf_state_dict(
 
     Collective over the TP group: every rank of the world must call it.
     """
-    from megatron.core import parallel_state as mps
-
-    coords = _coords()
-    tp_group = mps.get_tensor_model_parallel_group()
+    coords = rank_coords()
     out: dict[str, torch.Tensor] = {}
     for name, param, slot in _named_slots(chunks, arch, coords, prefix):
         if name == "output_layer.weight" and arch.tie_embeddings:
             continue  # the embedding owner writes the tied tensor
         local = param.detach().contiguous()
-        if slot.kind in ("replicated",) or slot.kind.startswith("expert") or coords.tp_size == 1:
+        if slot.kind == "replicated" or slot.kind.startswith("expert"):
             shards = [local]
         else:
-            shards = [torch.empty_like(local) for _ in range(coords.tp_size)]
-            dist.all_gather(shards, local, group=tp_group)
+            shards = tp_shards(local, coords)
         if is_owner(slot):
             out.update({k: v.clone() for k, v in unshard_to_hf(slot, shards, arch).items()})
     return out
