@@ -1,9 +1,12 @@
 """Helpers shared by the embodied tests (not a test module: no ``test_`` prefix; importable
 because conftest.py puts this folder on ``sys.path``): the tiny GR00T model with its
 optimizer on a one-process CPU setup, its synthetic batches, ``train_step`` as those tests
-call it, and the update gate of a plain LR schedule."""
+call it, the update gate of a plain LR schedule, and a run's metrics rows."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -17,6 +20,12 @@ from longboat.embodied.parallel import ParallelSetup, build_optimizer, paralleli
 from longboat.embodied.train.step import StepResult, train_step
 
 SETUP = ParallelSetup(strategy="ddp", world_size=1, rank=0)
+
+
+def read_metrics(out: Path, run: str) -> list[dict]:
+    """The rows of ``<out>/logs/<run>/metrics.jsonl``."""
+    path = out / "logs" / run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def tiny_groot(

@@ -6,12 +6,12 @@ changes."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from embodied_testkit import read_metrics
 
 from longboat.core.checkpoint import CheckpointError
 from longboat.core.config.compose import compose_experiment
@@ -41,11 +41,6 @@ def _overrides(out: Path, *extra: str) -> list[str]:
         "export.enabled=false",
         *extra,
     ]
-
-
-def _metrics(out: Path, run: str) -> list[dict]:
-    path = out / "logs" / run / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.mark.parametrize(
@@ -206,7 +201,7 @@ def test_eval_metrics_are_logged_at_eval_steps_and_reproduced_after_resume(
 
     first = train(cfg(4))
     assert sorted(first.eval) == [0, 2, 4]
-    rows = {r["step"]: r for r in _metrics(tmp_path, cfg(4).logging.run_name)}
+    rows = {r["step"]: r for r in read_metrics(tmp_path, cfg(4).logging.run_name)}
     for step in (0, 2, 4):
         assert rows[step]["eval_loss"] == first.eval[step]["eval_loss"]
         assert rows[step]["eval_action_mse"] == first.eval[step]["eval_action_mse"]

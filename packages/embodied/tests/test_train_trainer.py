@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from embodied_testkit import read_metrics
 from safetensors.torch import load_file
 
 from longboat.core.checkpoint import CheckpointError
@@ -40,11 +41,6 @@ def _overrides(out: Path, *extra: str) -> list[str]:
         "data.synthetic.episode_length=12",
         *extra,
     ]
-
-
-def _metrics(out: Path, run: str) -> list[dict]:
-    path = out / "logs" / run / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_bad_config_fails_before_heavy_init(tmp_path: Path) -> None:
@@ -163,7 +159,7 @@ def test_bf16_autocast_run_is_finite(tmp_path: Path) -> None:
     )
     result = train(cfg)
     assert len(result.losses) == 2 and all(torch.isfinite(torch.tensor(result.losses)))
-    assert [m["step"] for m in _metrics(tmp_path, "groot_n1_6_tiny")] == [1, 2]
+    assert [m["step"] for m in read_metrics(tmp_path, "groot_n1_6_tiny")] == [1, 2]
     trace = tmp_path / "logs" / "groot_n1_6_tiny" / "profile" / "trace_steps1-1_rank0.json"
     assert "ProfilerStep#1" in trace.read_text()
 
