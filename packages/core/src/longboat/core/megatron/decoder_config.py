@@ -62,6 +62,10 @@ class DecoderArch:
     """Load-balancing loss weight (HF ``router_aux_loss_coef``)."""
     init_std: float = 0.02
     """Std of the normal weight init (HF ``initializer_range``)."""
+    mrope_section: list[int] | None = None
+    """Multimodal rotary (Qwen2-VL / Qwen2.5-VL M-RoPE): how many of the ``head_dim // 2``
+    rotary frequencies follow the temporal, height and width position (HF
+    ``rope_scaling.mrope_section``); None: plain 1D rotary."""
 
     def validate(self, *, prefix: str = "model") -> None:
         """Raise ``ConfigError`` for inconsistent shapes, naming each key."""
@@ -90,6 +94,13 @@ class DecoderArch:
         if self.num_experts and not 0 < self.moe_topk <= self.num_experts:
             problems.append(
                 f"{prefix}.moe_topk={self.moe_topk}: must be in 1..num_experts={self.num_experts}"
+            )
+        if self.mrope_section is not None and (
+            len(self.mrope_section) != 3 or sum(self.mrope_section) * 2 != self.head_dim
+        ):
+            problems.append(
+                f"{prefix}.mrope_section={list(self.mrope_section)!r}: must be three sizes "
+                f"(temporal, height, width) summing to head_dim/2={self.head_dim // 2}"
             )
         if problems:
             raise ConfigError("; ".join(problems))
@@ -213,6 +224,8 @@ def to_transformer_config(
         gradient_accumulation_fusion=False,
         deallocate_pipeline_outputs=False,
     )
+    if arch.mrope_section is not None:
+        kwargs["mrope_section"] = list(arch.mrope_section)
     if arch.num_experts:
         kwargs.update(
             num_moe_experts=arch.num_experts,

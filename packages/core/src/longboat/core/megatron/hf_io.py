@@ -101,9 +101,16 @@ def _named_slots(
 
 
 def check_hf_checkpoint(
-    hf_dir: str | Path, arch: DecoderArch, *, prefix: str = "model."
+    hf_dir: str | Path,
+    arch: DecoderArch,
+    *,
+    prefix: str = "model.",
+    other_prefixes: tuple[str, ...] = (),
 ) -> dict[str, Path]:
-    """Raise ``HFCheckpointMismatch`` naming every missing / unexpected / mis-shaped tensor."""
+    """Raise ``HFCheckpointMismatch`` naming every missing / unexpected / mis-shaped tensor.
+
+    ``other_prefixes``: tensors of the checkpoint's other components (a VLM's ``visual.``),
+    which another loader reads; they are not unexpected here."""
     index = hf_weight_index(hf_dir)
     expected = expected_hf_shapes(arch, prefix=prefix)
     problems: list[str] = []
@@ -111,7 +118,8 @@ def check_hf_checkpoint(
         problems.append(f"missing: {name} (expected shape {list(expected[name])})")
     for name in sorted(set(index) - set(expected)):
         tied_head = arch.tie_embeddings and name == "lm_head.weight"
-        if not tied_head and not name.endswith(_IGNORED_SUFFIXES):
+        other = name.startswith(other_prefixes) if other_prefixes else False
+        if not tied_head and not other and not name.endswith(_IGNORED_SUFFIXES):
             problems.append(f"unexpected: {name}")
     with ExitStack() as stack:
         handles: dict[Path, Any] = {}
@@ -137,13 +145,15 @@ def load_hf_weights(
     hf_dir: str | Path,
     *,
     prefix: str = "model.",
+    other_prefixes: tuple[str, ...] = (),
     progress: Any = None,
 ) -> int:
     """Copy an HF checkpoint into this rank's megatron chunks; returns tensors loaded.
 
-    ``progress`` (optional) is called with ``(done, total)`` after each tensor.
+    ``progress`` (optional) is called with ``(done, total)`` after each tensor;
+    ``other_prefixes`` as in ``check_hf_checkpoint``.
     """
-    index = check_hf_checkpoint(hf_dir, arch, prefix=prefix)
+    index = check_hf_checkpoint(hf_dir, arch, prefix=prefix, other_prefixes=other_prefixes)
     coords = rank_coords()
     slots = list(_named_slots(chunks, arch, coords, prefix))
     problems: list[str] = []

@@ -37,7 +37,7 @@ def build_decoder_model(
             post_process=mps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             parallel_output=parallel_output,
             share_embeddings_and_output_weights=arch.tie_embeddings,
-            position_embedding_type="rope",
+            position_embedding_type="rope" if arch.mrope_section is None else "mrope",
             rotary_base=int(arch.rope_theta),
             rope_scaling=arch.rope_scaling_factor is not None,
             rope_scaling_factor=arch.rope_scaling_factor or 8.0,

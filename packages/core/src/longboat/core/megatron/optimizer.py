@@ -81,15 +81,62 @@ def build_optimizer(
     return optimizer
 
 
-def _inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a (chained) megatron optimizer."""
     parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     return [p.optimizer for p in parts if getattr(p, "optimizer", None) is not None]
+
+
+class MegatronOptimizerState:
+    """This rank's shard of the distributed optimizer as a ``state_dict`` (saved per rank).
+
+    Holds the fp32 main weights (in bf16 training they differ from the model's bf16 weights)
+    and the inner optimizer's moments, step counts and param groups (the live LR).
+    """
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        out = []
+        for opt in inner_optimizers(self.optimizer):
+            params = [p for g in opt.param_groups for p in g["params"]]
+            sd = opt.state_dict()
+            out.append(
+                {
+                    "main": [p.detach().clone() for p in params],
+                    "state": sd["state"],
+                    # The live LR sits in the param groups (schedulers only set it on step()).
+                    "param_groups": sd["param_groups"],
+                }
+            )
+        return {"optimizers": out}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state["optimizers"]
+        opts = inner_optimizers(self.optimizer)
+        if len(saved) != len(opts):
+            raise ValueError(
+                f"the checkpoint holds {len(saved)} optimizer shard(s), this run has "
+                f"{len(opts)}: resume with the same parallel layout and model"
+            )
+        with torch.no_grad():
+            for opt, part in zip(opts, saved, strict=True):
+                params = [p for g in opt.param_groups for p in g["params"]]
+                if len(params) != len(part["main"]):
+                    raise ValueError("optimizer shard layout differs from the checkpoint's")
+                for p, value in zip(params, part["main"], strict=True):
+                    p.copy_(value)
+                sd = opt.state_dict()
+                sd["state"] = part["state"]
+                sd["param_groups"] = part["param_groups"]
+                opt.load_state_dict(sd)
 
 
 def _torch_adam_groups(optimizer: Any, device_types: tuple[str, ...]) -> Iterator[dict]:
     """The param groups of megatron's inner torch Adam / AdamW whose parameters are all on
     ``device_types`` (TE / apex optimizers and empty groups are skipped)."""
-    for inner in _inner_optimizers(optimizer):
+    for inner in inner_optimizers(optimizer):
         if not isinstance(inner, torch.optim.AdamW | torch.optim.Adam):
             continue
         for group in inner.param_groups:

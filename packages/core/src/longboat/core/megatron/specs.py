@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
@@ -30,93 +27,17 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-AttentionFn = Callable[..., torch.Tensor]
-"""``fn(q, k, v, *, causal, scale, mask=None)`` on ``[batch, seq, heads, head_dim]`` (k/v may have
-fewer, grouped heads); ``mask`` is bool, True where attention is allowed. This is
-``longboat.kernels.attention.attention``'s contract."""
-GLUFn = Callable[[torch.Tensor], torch.Tensor]
-"""``fn(x)`` = ``silu(x[..., :n]) * x[..., n:]`` for the packed ``[gate, up]`` fc1 output."""
-RMSNormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-"""``fn(x, weight, eps)`` over the last dimension."""
-AddRMSNormFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
-]
-"""``fn(x, residual, weight, eps) -> (normed, new_residual)``: ``new_residual = x + residual``
-in the residual's dtype (an fp32 stream stays fp32), ``normed`` its RMSNorm times ``weight`` in
-x's dtype; gradients flow to ``x`` / ``residual`` from both outputs. This is
-``longboat.kernels.rmsnorm.add_rmsnorm``'s contract."""
-RopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-"""``fn(q, k, cos, sin) -> (q, k)``: rotate ``q`` / ``k`` ``[batch, seq, heads, head_dim]`` (k with
-its own, grouped head count; strided views allowed) by the half-split (NeoX / Llama) rotation,
-``cos`` / ``sin`` ``[seq, rotary_dim // 2]`` fp32, channels past ``rotary_dim`` passed through.
-This is ``longboat.kernels.rope.apply_rope``'s contract (positions ``0..seq-1``)."""
-QKVRopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-"""``fn(mixed, groups, q_per_group, cos, sin) -> (q, k, v)``: split megatron's fused QKV output
-``mixed`` ``[s, b, groups * (q_per_group + 2) * head_dim]`` (each group's query heads, then its
-key head, then its value head) into ``q`` ``[s, b, groups * q_per_group, head_dim]`` and ``k``,
-``v`` ``[s, b, groups, head_dim]``, rotating q and k as ``RopeFn`` does (positions ``0..s-1``)."""
-
-
-def sdpa_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float,
-    mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Reference attention: torch SDPA (flash / cuDNN / math chosen by torch)."""
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # -> [b, h, s, d]
-    if mask is not None and causal:
-        causal_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)
-        mask = mask & causal_mask.tril()
-    out = F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=mask,
-        is_causal=causal and mask is None,
-        scale=scale,
-        enable_gqa=k.shape[1] != q.shape[1],
-    )
-    return out.transpose(1, 2)
-
-
-def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Reference RMSNorm, computed in fp32 like Hugging Face's Llama / Qwen."""
-    dtype = x.dtype
-    y = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
-    return weight * y.to(dtype)
-
-
-@dataclass(frozen=True)
-class LayerKernels:
-    """The compute kernels a longboat layer spec plugs into megatron's modules."""
-
-    attention: AttentionFn = sdpa_attention
-    """Core attention (``AttentionFn`` contract)."""
-    rms_norm: RMSNormFn = torch_rms_norm
-    """RMSNorm of the layer norms and the qk-norms."""
-    add_rms_norm: AddRMSNormFn | None = None
-    """Residual add + RMSNorm in one call (``AddRMSNormFn``): the layer becomes
-    ``AddNormTransformerLayer``, which hands the attention output and the residual to the
-    pre-MLP norm instead of adding them first (megatron's ``self_attn_bda``); None keeps
-    megatron's add, then ``rms_norm``."""
-    swiglu: GLUFn | None = None
-    """Fused SwiGLU on the packed fc1 output; None keeps megatron's own ``silu(g) * u``.
-    When set, the TransformerConfig must have ``use_te_activation_func=True`` (megatron's
-    switch for "the spec supplies the activation module"); ``to_transformer_config`` does
-    that given ``kernel_activation=True``."""
-    rope: RopeFn | None = None
-    """Rotary embedding of q and k in one call (``RopeFn`` contract); None keeps megatron's own
-    ``apply_rotary_pos_emb`` (two calls, cos/sin recomputed and cast to the activation dtype)."""
-    qkv_rope: QKVRopeFn | None = None
-    """QKV split + rotation in one call (``QKVRopeFn``), used instead of megatron's split views
-    and ``rope`` where the layer allows it (no qk-norm between split and rotation, no gated
-    attention, KV groups >= TP size); None: split, then ``rope``."""
-    name: str = "torch"
-    """Label for logs."""
+from longboat.core.layer_kernels import (
+    AddRMSNormFn,
+    AttentionFn,
+    GLUFn,
+    LayerKernels,
+    QKVRopeFn,
+    RMSNormFn,
+    RopeFn,
+    sdpa_attention,
+    torch_rms_norm,
+)
 
 
 class KernelGLU(torch.nn.Module):
@@ -295,6 +216,9 @@ class KernelSelfAttention(SelfAttention):
             q_emb, k_emb = rotary_pos_emb
             if q_emb is not k_emb:
                 return False
+            rotary_pos_emb = q_emb
+        if rotary_pos_emb.dim() == 4 and rotary_pos_emb.shape[1] != 1:
+            return False  # per-sample angles (M-RoPE over a batch): megatron's rotation
         return not (
             cfg.rotary_interleaved
             or getattr(cfg, "apply_rope_fusion", False)

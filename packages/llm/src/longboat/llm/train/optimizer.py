@@ -17,7 +17,11 @@ from typing import Any
 import torch
 
 from longboat.core.config.errors import ConfigError
-from longboat.core.megatron.optimizer import use_fused_torch_adamw
+from longboat.core.megatron.optimizer import (
+    MegatronOptimizerState,
+    inner_optimizers,
+    use_fused_torch_adamw,
+)
 
 _OPTIMIZERS = {"adamw": "adam", "sgd": "sgd"}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -100,53 +104,4 @@ def _construction_stream(side: bool) -> Iterator[None]:
     acc.current_stream().wait_stream(stream)
 
 
-def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """The torch optimizers inside a (chained) megatron optimizer."""
-    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return [p.optimizer for p in parts if getattr(p, "optimizer", None) is not None]
-
-
-class MegatronOptimizerState:
-    """This rank's shard of the distributed optimizer as a ``state_dict`` (saved per rank).
-
-    Holds the fp32 main weights (in bf16 training they differ from the model's bf16 weights)
-    and the inner optimizer's moments, step counts and param groups (the live LR).
-    """
-
-    def __init__(self, optimizer: Any) -> None:
-        self.optimizer = optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        out = []
-        for opt in inner_optimizers(self.optimizer):
-            params = [p for g in opt.param_groups for p in g["params"]]
-            sd = opt.state_dict()
-            out.append(
-                {
-                    "main": [p.detach().clone() for p in params],
-                    "state": sd["state"],
-                    # The live LR sits in the param groups (schedulers only set it on step()).
-                    "param_groups": sd["param_groups"],
-                }
-            )
-        return {"optimizers": out}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state["optimizers"]
-        opts = inner_optimizers(self.optimizer)
-        if len(saved) != len(opts):
-            raise ValueError(
-                f"the checkpoint holds {len(saved)} optimizer shard(s), this run has "
-                f"{len(opts)}: resume with the same parallel layout and model"
-            )
-        with torch.no_grad():
-            for opt, part in zip(opts, saved, strict=True):
-                params = [p for g in opt.param_groups for p in g["params"]]
-                if len(params) != len(part["main"]):
-                    raise ValueError("optimizer shard layout differs from the checkpoint's")
-                for p, value in zip(params, part["main"], strict=True):
-                    p.copy_(value)
-                sd = opt.state_dict()
-                sd["state"] = part["state"]
-                sd["param_groups"] = part["param_groups"]
-                opt.load_state_dict(sd)
+__all__ = ["MegatronOptimizerState", "inner_optimizers", "wrap_and_build"]

@@ -19,9 +19,7 @@ loss every step before the update (the synchronous gate).
 from __future__ import annotations
 
 import itertools
-import logging
 import os
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from longboat.core.config.errors import ConfigError
+from longboat.core.megatron.quiet import quiet_megatron
 from longboat.core.train import (
     RunResult,
     StepOutput,
@@ -66,23 +65,6 @@ RESUME_KEYS = (
     "model.num_experts",
 )
 """What a checkpoint's sharded model and optimizer state depend on."""
-
-
-def quiet_megatron() -> None:
-    """Silence megatron-core's import-time and deprecation chatter (not our users' concern)."""
-    for name in ("megatron", "megatron.core", "torch.utils.cpp_extension"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    for module in (
-        r"megatron(\..*)?",
-        r"transformer_engine(\..*)?",
-        r"torch\.utils\.cpp_extension",
-    ):
-        warnings.filterwarnings("ignore", module=module)
-    warnings.filterwarnings("ignore", category=SyntaxWarning)  # escapes in megatron sources
-    warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks.*")
-    warnings.filterwarnings(
-        "ignore", message=r".*\.grad attribute of a Tensor that is not a leaf.*"
-    )
 
 
 def _precision(cfg: Any, accelerator: Any) -> str:

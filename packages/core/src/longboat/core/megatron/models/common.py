@@ -1,10 +1,11 @@
-"""HF config.json reading shared by the families (transformers 4.x and 5.x layouts)."""
+"""What the decoder families share: HF config.json reading (transformers 4.x and 5.x
+layouts) and the Llama-style layer spec."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from longboat.llm.config import LLMModelConfig
+from longboat.core.megatron.models.config import DecoderModelConfig
 
 if TYPE_CHECKING:
     from longboat.core.megatron.specs import LayerKernels
@@ -41,7 +42,7 @@ def rope_from_hf(hf: dict[str, Any], source: str = "config.json") -> tuple[float
     return theta, float(params["factor"])
 
 
-def rope_to_hf(cfg: LLMModelConfig) -> dict[str, Any]:
+def rope_to_hf(cfg: DecoderModelConfig) -> dict[str, Any]:
     """HF ``rope_parameters`` for ``cfg``."""
     if cfg.rope_scaling_factor is None:
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}
@@ -87,7 +88,7 @@ def common_from_hf(hf: dict[str, Any], name: str, source: str) -> dict[str, Any]
     )
 
 
-def common_to_hf(cfg: LLMModelConfig) -> dict[str, Any]:
+def common_to_hf(cfg: DecoderModelConfig) -> dict[str, Any]:
     """HF config kwargs shared by the families."""
     return dict(
         vocab_size=cfg.vocab_size,
@@ -108,7 +109,7 @@ def common_to_hf(cfg: LLMModelConfig) -> dict[str, Any]:
 
 
 def dense_layer_spec(
-    cfg: LLMModelConfig, backend: str = "longboat", kernels: LayerKernels | None = None
+    cfg: DecoderModelConfig, backend: str = "longboat", kernels: LayerKernels | None = None
 ) -> Any:
     """Decoder layer spec for any family in this package (qk-norm / MoE read from cfg)."""
     from longboat.core.megatron.specs import decoder_layer_spec

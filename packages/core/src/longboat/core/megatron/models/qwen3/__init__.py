@@ -1,9 +1,8 @@
 """Qwen3 dense (GQA, qk-norm, decoupled head_dim)."""
 
-from longboat.llm.models.qwen3 import hf
-from longboat.llm.models.qwen3.config import FLAVORS
-from longboat.llm.models.qwen3.spec import layer_spec
-from longboat.llm.models.registry import ModelFamily, register_family
+from longboat.core.megatron.models.qwen3 import hf
+from longboat.core.megatron.models.qwen3.flavors import FLAVORS
+from longboat.core.megatron.models.registry import ModelFamily, register_family
 
 
 @register_family
@@ -15,5 +14,4 @@ def qwen3() -> ModelFamily:
         hf_architectures=("Qwen3ForCausalLM",),
         from_hf_config=hf.from_hf_config,
         to_hf_config=hf.to_hf_config,
-        layer_spec=layer_spec,
     )

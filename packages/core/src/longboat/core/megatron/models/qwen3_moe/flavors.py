@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from longboat.llm.config import LLMModelConfig
+from longboat.core.megatron.models.config import DecoderModelConfig
 
-FLAVORS: dict[str, LLMModelConfig] = {
-    "tiny": LLMModelConfig(
+FLAVORS: dict[str, DecoderModelConfig] = {
+    "tiny": DecoderModelConfig(
         name="qwen3_moe",
         flavor="tiny",
         vocab_size=256,
@@ -25,7 +25,7 @@ FLAVORS: dict[str, LLMModelConfig] = {
         moe_norm_topk_prob=True,
         moe_aux_loss_coeff=0.0,
     ),
-    "30b_a3b": LLMModelConfig(
+    "30b_a3b": DecoderModelConfig(
         name="qwen3_moe",
         flavor="30b_a3b",
         vocab_size=151936,

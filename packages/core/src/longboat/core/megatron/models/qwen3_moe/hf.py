@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from longboat.core.config.errors import ConfigError
-from longboat.llm.config import LLMModelConfig
-from longboat.llm.models._hf_common import common_from_hf, common_to_hf
+from longboat.core.megatron.models.common import common_from_hf, common_to_hf
+from longboat.core.megatron.models.config import DecoderModelConfig
 
 
-def from_hf_config(hf: dict[str, Any]) -> LLMModelConfig:
+def from_hf_config(hf: dict[str, Any]) -> DecoderModelConfig:
     """Model config from a Qwen3-MoE ``config.json`` dict (every layer sparse)."""
     problems = []
     if hf.get("mlp_only_layers"):
@@ -23,7 +23,7 @@ def from_hf_config(hf: dict[str, Any]) -> LLMModelConfig:
             + ". longboat's Qwen3-MoE makes every layer an MoE layer."
         )
     experts = hf.get("num_experts", hf.get("num_local_experts"))
-    return LLMModelConfig(
+    return DecoderModelConfig(
         **common_from_hf(hf, "qwen3_moe", "config.json"),
         qk_norm=True,
         num_experts=int(experts),
@@ -34,7 +34,7 @@ def from_hf_config(hf: dict[str, Any]) -> LLMModelConfig:
     )
 
 
-def to_hf_config(cfg: LLMModelConfig) -> Any:
+def to_hf_config(cfg: DecoderModelConfig) -> Any:
     """``transformers.Qwen3MoeConfig`` for ``cfg``."""
     from transformers import Qwen3MoeConfig
 

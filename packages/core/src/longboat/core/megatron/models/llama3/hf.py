@@ -5,18 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 from longboat.core.config.errors import ConfigError
-from longboat.llm.config import LLMModelConfig
-from longboat.llm.models._hf_common import common_from_hf, common_to_hf
+from longboat.core.megatron.models.common import common_from_hf, common_to_hf
+from longboat.core.megatron.models.config import DecoderModelConfig
 
 
-def from_hf_config(hf: dict[str, Any]) -> LLMModelConfig:
+def from_hf_config(hf: dict[str, Any]) -> DecoderModelConfig:
     """Model config from a Llama ``config.json`` dict."""
     if hf.get("mlp_bias"):
         raise ConfigError("config.json: mlp_bias=true is not supported for llama3.")
-    return LLMModelConfig(**common_from_hf(hf, "llama3", "config.json"))
+    return DecoderModelConfig(**common_from_hf(hf, "llama3", "config.json"))
 
 
-def to_hf_config(cfg: LLMModelConfig) -> Any:
+def to_hf_config(cfg: DecoderModelConfig) -> Any:
     """``transformers.LlamaConfig`` for ``cfg``."""
     from transformers import LlamaConfig
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from longboat.llm.config import LLMModelConfig
+from longboat.core.megatron.models.config import DecoderModelConfig
 
 _QWEN3 = dict(
     name="qwen3",
@@ -14,8 +14,8 @@ _QWEN3 = dict(
     max_position_embeddings=40960,
 )
 
-FLAVORS: dict[str, LLMModelConfig] = {
-    "tiny": LLMModelConfig(
+FLAVORS: dict[str, DecoderModelConfig] = {
+    "tiny": DecoderModelConfig(
         **{**_QWEN3, "vocab_size": 256, "head_dim": 16, "max_position_embeddings": 256},
         flavor="tiny",
         hidden_size=64,
@@ -25,7 +25,7 @@ FLAVORS: dict[str, LLMModelConfig] = {
         ffn_hidden_size=128,
         tie_embeddings=True,
     ),
-    "0.6b": LLMModelConfig(
+    "0.6b": DecoderModelConfig(
         **_QWEN3,
         flavor="0.6b",
         hidden_size=1024,
@@ -35,7 +35,7 @@ FLAVORS: dict[str, LLMModelConfig] = {
         ffn_hidden_size=3072,
         tie_embeddings=True,
     ),
-    "1.7b": LLMModelConfig(
+    "1.7b": DecoderModelConfig(
         **_QWEN3,
         flavor="1.7b",
         hidden_size=2048,
@@ -45,7 +45,7 @@ FLAVORS: dict[str, LLMModelConfig] = {
         ffn_hidden_size=6144,
         tie_embeddings=True,
     ),
-    "8b": LLMModelConfig(
+    "8b": DecoderModelConfig(
         **_QWEN3,
         flavor="8b",
         hidden_size=4096,
@@ -55,7 +55,7 @@ FLAVORS: dict[str, LLMModelConfig] = {
         ffn_hidden_size=12288,
         tie_embeddings=False,
     ),
-    "32b": LLMModelConfig(
+    "32b": DecoderModelConfig(
         **_QWEN3,
         flavor="32b",
         hidden_size=5120,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from longboat.llm.config import LLMModelConfig
+from longboat.core.megatron.models.config import DecoderModelConfig
 
 _LLAMA3 = dict(name="llama3", norm_eps=1e-5, rope_theta=500000.0)
 
-FLAVORS: dict[str, LLMModelConfig] = {
-    "tiny": LLMModelConfig(
+FLAVORS: dict[str, DecoderModelConfig] = {
+    "tiny": DecoderModelConfig(
         flavor="tiny",
         vocab_size=256,
         hidden_size=64,
@@ -19,7 +19,7 @@ FLAVORS: dict[str, LLMModelConfig] = {
         max_position_embeddings=256,
         **_LLAMA3,
     ),
-    "1b": LLMModelConfig(
+    "1b": DecoderModelConfig(
         flavor="1b",
         vocab_size=128256,
         hidden_size=2048,
@@ -33,7 +33,7 @@ FLAVORS: dict[str, LLMModelConfig] = {
         tie_embeddings=True,
         **_LLAMA3,
     ),
-    "8b": LLMModelConfig(
+    "8b": DecoderModelConfig(
         flavor="8b",
         vocab_size=128256,
         hidden_size=4096,
@@ -46,7 +46,7 @@ FLAVORS: dict[str, LLMModelConfig] = {
         rope_scaling_factor=8.0,
         **_LLAMA3,
     ),
-    "70b": LLMModelConfig(
+    "70b": DecoderModelConfig(
         flavor="70b",
         vocab_size=128256,
         hidden_size=8192,

@@ -1,9 +1,8 @@
 """Llama 3 (dense, GQA, Llama-3 rotary scaling)."""
 
-from longboat.llm.models.llama3 import hf
-from longboat.llm.models.llama3.config import FLAVORS
-from longboat.llm.models.llama3.spec import layer_spec
-from longboat.llm.models.registry import ModelFamily, register_family
+from longboat.core.megatron.models.llama3 import hf
+from longboat.core.megatron.models.llama3.flavors import FLAVORS
+from longboat.core.megatron.models.registry import ModelFamily, register_family
 
 
 @register_family
@@ -15,5 +14,4 @@ def llama3() -> ModelFamily:
         hf_architectures=("LlamaForCausalLM",),
         from_hf_config=hf.from_hf_config,
         to_hf_config=hf.to_hf_config,
-        layer_spec=layer_spec,
     )

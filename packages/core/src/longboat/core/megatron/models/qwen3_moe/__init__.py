@@ -1,9 +1,8 @@
 """Qwen3-MoE (qk-norm attention, routed experts, no shared expert)."""
 
-from longboat.llm.models.qwen3_moe import hf
-from longboat.llm.models.qwen3_moe.config import FLAVORS
-from longboat.llm.models.qwen3_moe.spec import layer_spec
-from longboat.llm.models.registry import ModelFamily, register_family
+from longboat.core.megatron.models.qwen3_moe import hf
+from longboat.core.megatron.models.qwen3_moe.flavors import FLAVORS
+from longboat.core.megatron.models.registry import ModelFamily, register_family
 
 
 @register_family
@@ -15,5 +14,4 @@ def qwen3_moe() -> ModelFamily:
         hf_architectures=("Qwen3MoeForCausalLM",),
         from_hf_config=hf.from_hf_config,
         to_hf_config=hf.to_hf_config,
-        layer_spec=layer_spec,
     )

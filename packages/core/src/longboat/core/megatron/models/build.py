@@ -1,0 +1,64 @@
+"""Build a decoder family's megatron model chunks for this rank from a ``DecoderModelConfig``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from longboat.core.layer_kernels import LayerKernels
+from longboat.core.megatron.decoder_config import to_transformer_config
+from longboat.core.megatron.model import build_decoder_model
+from longboat.core.megatron.models.config import DecoderModelConfig
+from longboat.core.megatron.models.registry import get_family
+from longboat.core.megatron.parallel_state import current_layout
+from longboat.core.megatron.specs import resolve_backend
+
+
+def build_decoder(
+    cfg: DecoderModelConfig,
+    *,
+    kernels: LayerKernels | None = None,
+    precision: str = "fp32",
+    device_type: str = "cpu",
+    layout: Any = None,
+    transformer_config: Callable[..., Any] = to_transformer_config,
+    **config_overrides: Any,
+) -> list[torch.nn.Module]:
+    """This rank's model chunks; megatron parallel state must be initialised first.
+
+    ``kernels`` (e.g. ``longboat.kernels.layers.longboat_layer_kernels()``) are used when
+    ``cfg.layer_backend`` resolves to the longboat spec; without them its torch references.
+    On CUDA the weights are initialised on the device (``use_cpu_initialization=False``):
+    the values then come from megatron's device RNG tracker, so they are not bit-identical
+    to a CPU init with the same seed; pass ``use_cpu_initialization=True`` for the CPU init.
+    ``layout``: the parallel layout (default: megatron's current one); ``transformer_config``:
+    what turns the architecture and layout into megatron's config (``to_transformer_config``).
+    """
+    layout = layout if layout is not None else current_layout()
+    if layout is None:
+        raise RuntimeError(
+            "building a megatron model needs megatron's parallel state: call "
+            "longboat.core.megatron.parallel_state.initialize(parallel, accelerator) first."
+        )
+    family = get_family(cfg.name)
+    backend = resolve_backend(cfg.layer_backend, device_type)
+    kernels = kernels if backend == "longboat" else None
+    spec = family.layer_spec(cfg, backend, kernels)
+    arch = cfg.to_arch()
+    config_overrides.setdefault("use_cpu_initialization", device_type != "cuda")
+    tcfg = transformer_config(
+        arch,
+        tensor_parallel=layout.tensor_parallel,
+        pipeline_parallel=layout.pipeline_parallel,
+        virtual_pipeline_parallel=layout.virtual_pipeline_parallel,
+        context_parallel=layout.context_parallel,
+        expert_parallel=layout.expert_parallel,
+        precision=precision,
+        kernel_activation=kernels is not None and kernels.swiglu is not None,
+        **config_overrides,
+    )
+    chunks = build_decoder_model(arch, tcfg, spec)
+    device = torch.device(device_type)
+    return [c.to(device) for c in chunks]
