@@ -245,15 +245,16 @@ def cpu_install(session: nox.Session) -> None:
         session.log(f"a CPU torch stays: {len(planned)} other distributions would be installed")
 
 
-LEROBOT_PIN = "lerobot[pi]==0.6.1"
+LEROBOT_PIN = "lerobot[pi,groot]==0.6.1"
 LEROBOT_TESTS = ROOT / "packages" / "embodied" / "tests" / "lerobot_parity"
 
 
 @nox.session(venv_backend="none")
 def lerobot_parity(session: nox.Session) -> None:
-    """pi0.5 against LeRobot's own implementation (not a default session). lerobot 0.6.1
-    pins torch<2.12, numpy<2.3 and transformers<5.6, so it cannot join the workspace lock:
-    a fresh venv gets lerobot[pi]==0.6.1 with its pins (torch 2.11 from the package index,
+    """pi0.5 and GR00T against LeRobot's own implementations (not a default session).
+    lerobot 0.6.1 pins torch<2.12, numpy<2.3 and transformers<5.6, so it cannot join the
+    workspace lock: a fresh venv gets lerobot[pi,groot]==0.6.1 (groot: diffusers, peft,
+    dm-tree, timm, decord; no flash-attn) with its pins (torch 2.11 from the package index,
     a large first download) and the built longboat-core / -kernels / -embodied wheels from
     dist/ (`nox -s build lerobot_parity`), then runs tests/lerobot_parity on the CPU."""
     stems = ("longboat_core", "longboat_kernels", "longboat_embodied")

@@ -156,8 +156,8 @@ def test_bad_lerobot_configs_are_config_errors(tmp_path: Path, change: dict, nee
 def test_init_from_needs_a_policy_directory_and_pi05(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=re.escape("config.json does not exist")):
         resolve_model_config("pi05", "tiny", {}, str(tmp_path))
-    with pytest.raises(ConfigError, match=re.escape("pi05 only, not model.name='groot_n1_6'")):
-        resolve_model_config("groot_n1_6", "tiny", {}, str(tmp_path))
+    with pytest.raises(ConfigError, match=re.escape("groot_n1_6 only, not model.name='act'")):
+        resolve_model_config("act", "tiny", {}, str(tmp_path))
 
 
 def test_processor_files_carry_the_stats(tmp_path: Path) -> None:

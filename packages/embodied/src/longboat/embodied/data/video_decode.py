@@ -96,7 +96,10 @@ class PyAVDecoder:
                 return None
             first = False
             if any(abs(ts - w) <= tolerance_s for w in wanted):
-                rgb = self._reformatter.reformat(frame, format="rgb24", threads=1)
+                try:
+                    rgb = self._reformatter.reformat(frame, format="rgb24", threads=1)
+                except TypeError:  # PyAV < 16: no threads argument, swscale's default of one
+                    rgb = self._reformatter.reformat(frame, format="rgb24")
                 found[ts] = rgb.to_ndarray()
             if ts >= last:
                 break

@@ -105,7 +105,20 @@ class GrootN16(nn.Module):
     def _condition(self, batch: dict[str, Tensor], generator: torch.Generator | None):
         feats, valid, is_image = self.backbone(batch, generator, self._check_values())
         self._value_checks_left = max(0, self._value_checks_left - 1)
-        cond = self.action_head.condition(feats, valid, is_image)
+        return self.condition_on_features(feats, valid, is_image, batch, generator)
+
+    def condition_on_features(
+        self,
+        features: Tensor,
+        valid: Tensor,
+        is_image: Tensor,
+        batch: dict[str, Tensor],
+        generator: torch.Generator | None = None,
+    ):
+        """The action head's conditioning from given backbone features [B, L, D_llm] (valid /
+        image masks [B, L]) and ``batch``'s state and embodiment ids: (cond, state token).
+        ``forward`` and ``predict_action`` get the features from the backbone."""
+        cond = self.action_head.condition(features, valid, is_image)
         state = zero_padding(batch["state"].float(), batch.get("state_mask"), "state_mask")
         state_tok = self.action_head.encode_state(state, batch["embodiment_id"], generator)
         return cond, state_tok
@@ -116,6 +129,16 @@ class GrootN16(nn.Module):
         """Flow-matching training loss. Returns {"loss", "pred_velocity", "target_velocity"}."""
         self._check(batch, need_action=True)
         cond, state_tok = self._condition(batch, generator)
+        return self.flow_matching_loss(cond, state_tok, batch, generator)
+
+    def flow_matching_loss(
+        self,
+        cond,
+        state_tok: Tensor,
+        batch: dict[str, Tensor],
+        generator: torch.Generator | None = None,
+    ) -> dict[str, Tensor]:
+        """The loss of ``forward`` for a given conditioning (``condition_on_features``)."""
         action, mask, noise, t = training_draw(
             batch,
             generator,
@@ -148,7 +171,27 @@ class GrootN16(nn.Module):
         (t: 0 -> 1). The backbone runs once."""
         self._check(batch, need_action=False)
         cond, state_tok = self._condition(batch, generator)
-        ids = batch["embodiment_id"]
+        return self.sample_actions(
+            cond,
+            state_tok,
+            batch["embodiment_id"],
+            num_steps=num_steps,
+            generator=generator,
+            noise=noise,
+        )
+
+    @torch.no_grad()
+    def sample_actions(
+        self,
+        cond,
+        state_tok: Tensor,
+        ids: Tensor,
+        *,
+        num_steps: int | None = None,
+        generator: torch.Generator | None = None,
+        noise: Tensor | None = None,
+    ) -> Tensor:
+        """``predict_action`` for a given conditioning (``condition_on_features``)."""
         b = ids.shape[0]
         shape = (b, self.cfg.action_horizon, self.cfg.max_action_dim)
         if noise is None:
