@@ -32,6 +32,7 @@ PACKAGES = {
     "core": "longboat-core",
     "kernels": "longboat-kernels",
     "llm": "longboat-llm",
+    "vlm": "longboat-vlm",
     "embodied": "longboat-embodied",
     "xpu-plugin": "longboat-xpu-plugin",
 }
@@ -164,6 +165,7 @@ def _isolation_check(session: nox.Session, dist_name: str, wheel: pathlib.Path) 
         "longboat-core": "longboat.core",
         "longboat-kernels": "longboat.kernels",
         "longboat-llm": "longboat.llm",
+        "longboat-vlm": "longboat.vlm",
         "longboat-embodied": "longboat.embodied",
         "longboat-xpu-plugin": "longboat.xpu",
     }[dist_name]
@@ -191,7 +193,7 @@ def _isolation_check(session: nox.Session, dist_name: str, wheel: pathlib.Path) 
             for forbidden in ("megatron-core", "transformer-engine"):
                 if forbidden in installed:
                     session.error(f"installing longboat-embodied pulled {forbidden}")
-        if dist_name != "longboat-llm" and "megatron-core" in installed:
+        if dist_name not in ("longboat-llm", "longboat-vlm") and "megatron-core" in installed:
             session.error(f"installing {dist_name} pulled megatron-core")
 
 

@@ -97,6 +97,8 @@ def test_clean_tree_passes(tmp_path: pathlib.Path) -> None:
         ("longboat.core", "import longboat.llm", "core imports no stack"),
         ("longboat.kernels", "import longboat.embodied", "kernels imports only core"),
         ("longboat.llm", "import longboat.embodied", "stacks are independent of one another"),
+        ("longboat.vlm", "import longboat.llm", "stacks are independent of one another"),
+        ("longboat.core.megatron", "import longboat.vlm", "core imports no stack"),
         ("longboat.embodied", "import megatron.core", "embodied never imports megatron"),
         ("longboat.core.config", "import megatron.core", "only longboat.core.megatron may"),
     ],

@@ -1,0 +1,1 @@
+"""longboat-vlm: vision-language models on megatron-core."""

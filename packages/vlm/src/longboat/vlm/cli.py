@@ -1,0 +1,17 @@
+"""``longboat-vlm``: ``train`` / ``config`` (core's stack CLI)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``longboat-vlm``."""
+    from longboat.core.cli import stack_main
+
+    return stack_main("vlm", argv)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""Qwen2.5-VL: the ViT (``vision.py``) + core's ``qwen2`` decoder with M-RoPE.
+
+``Qwen25VLConfig`` holds the two parts and the placeholder token ids; ``read_hf_config``
+fills it from a ``Qwen2_5_VLForConditionalGeneration`` ``config.json``; ``build_qwen2_5_vl``
+builds this rank's model (megatron parallel state first); ``load_hf`` / ``save_hf`` read and
+write the Hugging Face directory layout (``model.*`` decoder, ``visual.*`` tower,
+``lm_head``), which ``transformers`` loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from longboat.core.config.errors import ConfigError
+from longboat.core.megatron.models import DecoderModelConfig, get_family
+from longboat.vlm.models.mrope import mrope_position_ids
+from longboat.vlm.models.qwen2_5_vl.vision_config import Qwen25VisionConfig
+from longboat.vlm.models.vlm import VisionLanguageModel
+
+HF_MODEL_TYPE = "qwen2_5_vl"
+
+
+@dataclass
+class Qwen25VLConfig:
+    """A Qwen2.5-VL model: decoder, vision tower and the special token ids."""
+
+    language: DecoderModelConfig
+    """The ``qwen2`` decoder (``mrope_section`` set)."""
+    vision: Qwen25VisionConfig
+    """The ViT with its patch merger (``out_hidden_size`` = the decoder's width)."""
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+    tokens_per_second: int = 2
+    """Temporal M-RoPE step per second of video (HF ``vision_config.tokens_per_second``)."""
+
+    def architecture(self) -> dict[str, Any]:
+        """What a checkpoint's weights and config fix (the flavor name and init excluded)."""
+        fields = dataclasses.asdict(self)
+        fields["language"] = self.language.architecture()
+        return fields
+
+    def validate(self) -> None:
+        """Raise ``ConfigError`` naming each joint that does not fit."""
+        self.language.to_arch().validate(prefix="model.language")
+        problems = []
+        if self.vision.out_hidden_size != self.language.hidden_size:
+            problems.append(
+                f"model.vision.out_hidden_size={self.vision.out_hidden_size} must equal "
+                f"model.language.hidden_size={self.language.hidden_size} (the merger feeds "
+                "the decoder)"
+            )
+        if self.language.mrope_section is None:
+            problems.append("model.language.mrope_section: required (Qwen2.5-VL uses M-RoPE)")
+        vocab = self.language.vocab_size
+        for key in ("image_token_id", "video_token_id", "vision_start_token_id"):
+            value = getattr(self, key)
+            if not 0 <= value < vocab:
+                problems.append(f"model.{key}={value}: outside the vocabulary (size {vocab})")
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+
+def _config_dict(source: str | Path | dict[str, Any]) -> tuple[dict[str, Any], str]:
+    if isinstance(source, dict):
+        return source, "config.json"
+    path = Path(source) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: not found", fix="point at a Hugging Face Qwen2.5-VL directory")
+    return json.loads(path.read_text()), str(path)
+
+
+def read_hf_config(source: str | Path | dict[str, Any]) -> Qwen25VLConfig:
+    """The config of a Qwen2.5-VL ``config.json`` (a directory or the parsed dict)."""
+    hf, where = _config_dict(source)
+    if hf.get("model_type") != HF_MODEL_TYPE:
+        raise ConfigError(
+            f"{where}: model_type={hf.get('model_type')!r} is not {HF_MODEL_TYPE!r}",
+            fix="point at a Qwen2_5_VLForConditionalGeneration checkpoint",
+        )
+    text = dict(hf.get("text_config") or {})
+    if not text:  # transformers 4.x kept the decoder fields at the top level
+        text = {k: v for k, v in hf.items() if k != "vision_config"}
+    text["model_type"] = "qwen2_5_vl_text"
+    tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    text["tie_word_embeddings"] = bool(tie)
+    language = get_family("qwen2").from_hf_config(text)
+    vision_hf = dict(hf.get("vision_config") or {})
+    cfg = Qwen25VLConfig(
+        language=language,
+        vision=Qwen25VisionConfig.from_hf(vision_hf),
+        image_token_id=int(hf.get("image_token_id", 151655)),
+        video_token_id=int(hf.get("video_token_id", 151656)),
+        vision_start_token_id=int(hf.get("vision_start_token_id", 151652)),
+        vision_end_token_id=int(hf.get("vision_end_token_id", 151653)),
+        tokens_per_second=int(vision_hf.get("tokens_per_second", 2)),
+    )
+    cfg.validate()
+    return cfg
+
+
+def to_hf_config(cfg: Qwen25VLConfig) -> Any:
+    """``transformers.Qwen2_5_VLConfig`` for ``cfg``."""
+    from transformers import Qwen2_5_VLConfig
+
+    lang = cfg.language
+    text = get_family("qwen2").to_hf_config(dataclasses.replace(lang, mrope_section=None))
+    text_dict = {
+        k: v
+        for k, v in text.to_dict().items()
+        if k not in ("architectures", "model_type", "transformers_version", "tie_word_embeddings")
+    }
+    text_dict["rope_parameters"] = {
+        **text_dict["rope_parameters"],
+        "mrope_section": list(lang.mrope_section or []),
+    }
+    vision = {**cfg.vision.to_hf(), "tokens_per_second": cfg.tokens_per_second}
+    return Qwen2_5_VLConfig(
+        text_config=text_dict,
+        vision_config=vision,
+        image_token_id=cfg.image_token_id,
+        video_token_id=cfg.video_token_id,
+        vision_start_token_id=cfg.vision_start_token_id,
+        vision_end_token_id=cfg.vision_end_token_id,
+        tie_word_embeddings=lang.tie_embeddings,
+        architectures=["Qwen2_5_VLForConditionalGeneration"],
+    )
+
+
+def build_qwen2_5_vl(
+    cfg: Qwen25VLConfig,
+    *,
+    precision: str = "fp32",
+    device_type: str = "cpu",
+    kernels: Any = None,
+) -> VisionLanguageModel:
+    """This rank's Qwen2.5-VL (one pipeline stage; megatron parallel state initialised)."""
+    from longboat.core.megatron.models.build import build_decoder
+    from longboat.vlm.models.qwen2_5_vl.vision import Qwen25VisionModel
+
+    cfg.validate()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    chunks = build_decoder(
+        cfg.language, kernels=kernels, precision=precision, device_type=device_type
+    )
+    if len(chunks) != 1:
+        raise ConfigError("parallel.virtual_pipeline_parallel: not supported by longboat-vlm yet")
+    vision = Qwen25VisionModel(cfg.vision, params_dtype=dtype, kernels=kernels)
+    position_ids = partial(
+        mrope_position_ids,
+        image_token_id=cfg.image_token_id,
+        video_token_id=cfg.video_token_id,
+        spatial_merge_size=cfg.vision.spatial_merge_size,
+        tokens_per_second=cfg.tokens_per_second,
+    )
+    model = VisionLanguageModel(
+        vision.to(torch.device(device_type)),
+        chunks[0],
+        image_token_id=cfg.image_token_id,
+        video_token_id=cfg.video_token_id,
+        position_ids=position_ids,
+    )
+    return model
+
+
+def _diff(want: dict[str, Any], found: dict[str, Any], prefix: str = "model") -> list[str]:
+    out = []
+    for key in sorted(set(want) | set(found)):
+        a, b = want.get(key), found.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _diff(a, b, f"{prefix}.{key}")
+        elif a != b:
+            out.append(f"{prefix}.{key}={a!r} but the checkpoint has {b!r}")
+    return out
+
+
+_DECODER_PREFIXES = ("model.language_model.", "model.")
+"""Where a checkpoint keeps the decoder: transformers 5's in-memory names, then the file
+layout every released Qwen2.5-VL checkpoint (and ``save_pretrained``) uses."""
+
+
+def _decoder_prefix(names: set[str]) -> str:
+    for prefix in _DECODER_PREFIXES:
+        if f"{prefix}embed_tokens.weight" in names:
+            return prefix
+    return "model."
+
+
+@torch.no_grad()
+def load_hf(model: VisionLanguageModel, cfg: Qwen25VLConfig, hf_dir: str | Path) -> int:
+    """Load a Hugging Face Qwen2.5-VL directory into this rank's model after checking that
+    its config describes ``cfg``; returns the number of tensors read. A checkpoint that does
+    not fit raises naming every missing, unexpected and wrongly shaped tensor."""
+    from safetensors import safe_open
+
+    from longboat.core.megatron.hf_io import hf_weight_index, load_hf_weights, rank_coords
+    from longboat.vlm.models.qwen2_5_vl.vision_hf import (
+        HF_PREFIXES,
+        shard_vision_state_dict,
+        vision_from_hf,
+    )
+
+    found, want = read_hf_config(hf_dir).architecture(), cfg.architecture()
+    if found != want:
+        diffs = _diff(want, found)
+        raise ConfigError(
+            f"{hf_dir}/config.json describes a different model than the one built: "
+            + "; ".join(diffs),
+            fix="build the model from read_hf_config(<dir>) (model.init_from_hf reads it)",
+        )
+    index = hf_weight_index(hf_dir)
+    prefix = _decoder_prefix(set(index))
+    n = load_hf_weights(
+        [model.language], cfg.language.to_arch(), hf_dir, prefix=prefix, other_prefixes=HF_PREFIXES
+    )
+    visual: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, path in index.items():
+        if name.startswith(HF_PREFIXES):
+            by_file.setdefault(path, []).append(name)
+    for path, names in by_file.items():
+        with safe_open(str(path), "pt") as f:
+            visual.update({name: f.get_tensor(name) for name in names})
+    ours = vision_from_hf(visual, cfg.vision)
+    coords = rank_coords()
+    if coords.tp_size > 1:
+        ours = shard_vision_state_dict(ours, coords.tp_rank, coords.tp_size)
+    model.vision.load_state_dict(ours, strict=False)
+    missing = [
+        k for k in model.vision.state_dict() if k not in ours and not k.endswith("_extra_state")
+    ]
+    if missing:
+        raise ConfigError(f"{hf_dir}: the vision tower has no tensors for {missing}")
+    return n + len(ours)
+
+
+def save_hf(model: VisionLanguageModel, cfg: Qwen25VLConfig, out_dir: str | Path) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` in the layout ``transformers`` loads
+    (collective over the world; vision tower at tensor parallel 1)."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from longboat.core.megatron.hf_io import gather_hf_state_dict, rank_coords
+    from longboat.vlm.models.qwen2_5_vl.vision_hf import vision_to_hf
+
+    if rank_coords().tp_size > 1:
+        raise ConfigError("exporting a tensor-parallel Qwen2.5-VL is not supported yet")
+    out_dir = Path(out_dir)
+    state = gather_hf_state_dict([model.language], cfg.language.to_arch(), prefix="model.")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        vision = {
+            k: v.detach()
+            for k, v in model.vision.state_dict().items()
+            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
+        }
+        state |= vision_to_hf(vision, cfg.vision, prefix="visual.")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for old in out_dir.glob("model*.safetensors*"):
+            old.unlink()
+        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        hf_config = to_hf_config(cfg)
+        hf_config.dtype = "float32"
+        hf_config.save_pretrained(out_dir)
+    if dist.is_initialized():
+        dist.barrier()
+    return out_dir
+
+
+def _flavors() -> dict[str, Qwen25VLConfig]:
+    from longboat.vlm.models.qwen2_5_vl.vision_config import vision_flavor
+
+    qwen2 = get_family("qwen2")
+    tiny_language = dataclasses.replace(
+        qwen2.flavor("tiny"), vocab_size=384, mrope_section=[2, 3, 3]
+    )
+    return {
+        "tiny": Qwen25VLConfig(
+            language=tiny_language,
+            vision=vision_flavor("tiny").replace(out_hidden_size=tiny_language.hidden_size),
+            image_token_id=310,
+            video_token_id=311,
+            vision_start_token_id=312,
+            vision_end_token_id=313,
+        ),
+        "3b": Qwen25VLConfig(language=qwen2.flavor("vl_3b"), vision=vision_flavor("3b")),
+        "7b": Qwen25VLConfig(language=qwen2.flavor("vl_7b"), vision=vision_flavor("7b")),
+    }
+
+
+def flavor(name: str) -> Qwen25VLConfig:
+    """Qwen2.5-VL flavor ``name``: ``tiny`` (CPU tests), ``3b``, ``7b`` (as released)."""
+    flavors = _flavors()
+    if name not in flavors:
+        raise ConfigError(
+            f"model.flavor={name!r}: Qwen2.5-VL has flavors {sorted(flavors)}",
+            fix="pick one of them",
+        )
+    return flavors[name]

@@ -1,0 +1,158 @@
+"""A vision-language model: a vision tower whose merged patch embeddings replace the image and
+video placeholder tokens of a megatron decoder's input, with M-RoPE position ids.
+
+The vision tower is any module ``vision(pixel_values, grid_thw) -> [merged_tokens, hidden]``
+whose output width is the decoder's ``hidden_size`` (a projector, when the family has one,
+is part of the tower). The decoder is megatron-core's ``GPTModel`` built by core from a
+decoder family (``longboat.core.megatron.models``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+
+
+class PlaceholderMismatch(ValueError):
+    """The number of image / video placeholder tokens differs from the tower's output rows."""
+
+
+class VisionLanguageModel(MegatronModule):
+    """``vision`` + ``language`` (a megatron ``GPTModel``) with placeholder-token merging; a
+    megatron module (the decoder's config), so megatron's DDP and optimizer wrap it whole."""
+
+    def __init__(
+        self,
+        vision: torch.nn.Module,
+        language: torch.nn.Module,
+        *,
+        image_token_id: int,
+        video_token_id: int,
+        position_ids: Callable[..., torch.Tensor],
+    ) -> None:
+        super().__init__(config=language.config)
+        self.vision = vision
+        self.language = language
+        self.image_token_id = image_token_id
+        self.video_token_id = video_token_id
+        self._position_ids = position_ids
+
+    def position_ids(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        image_grid_thw: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        seconds_per_grid: Sequence[float] | None = None,
+        cu_seqlens: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """``[3, batch, seq]`` M-RoPE position ids of ``input_ids``."""
+        return self._position_ids(
+            input_ids,
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw,
+            seconds_per_grid=seconds_per_grid,
+            cu_seqlens=cu_seqlens,
+        )
+
+    def _scatter(
+        self,
+        embeds: torch.Tensor,
+        input_ids: torch.Tensor,
+        token_id: int,
+        features: torch.Tensor,
+        what: str,
+    ) -> torch.Tensor:
+        mask = input_ids == token_id
+        n = int(mask.sum())
+        if n != features.shape[0]:
+            raise PlaceholderMismatch(
+                f"{n} {what} placeholder tokens (id {token_id}) in input_ids but the vision "
+                f"tower produced {features.shape[0]} {what} embeddings: the placeholders must "
+                "come from the processor's grid (one token per merged patch)"
+            )
+        return embeds.masked_scatter(mask.unsqueeze(-1), features.to(embeds.dtype))
+
+    def embed(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Decoder input ``[seq, batch, hidden]``: token embeddings with vision embeddings in
+        the placeholder positions."""
+        embeds = self.language.embedding(input_ids=input_ids, position_ids=None)
+        embeds = embeds.transpose(0, 1)  # [b, s, h]
+        if pixel_values is not None:
+            feats = self.vision(pixel_values, image_grid_thw)
+            embeds = self._scatter(embeds, input_ids, self.image_token_id, feats, "image")
+        elif bool((input_ids == self.image_token_id).any()):
+            raise PlaceholderMismatch("input_ids hold image placeholder tokens but no pixel_values")
+        if pixel_values_videos is not None:
+            feats = self.vision(pixel_values_videos, video_grid_thw)
+            embeds = self._scatter(embeds, input_ids, self.video_token_id, feats, "video")
+        elif bool((input_ids == self.video_token_id).any()):
+            raise PlaceholderMismatch(
+                "input_ids hold video placeholder tokens but no pixel_values_videos"
+            )
+        return embeds.transpose(0, 1).contiguous()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        cu_seqlens: Sequence[int] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Logits ``[batch, seq, vocab]`` (this TP rank's vocabulary shard unless the decoder
+        gathers), or with ``labels`` megatron's per-token loss ``[batch, seq]``.
+
+        ``cu_seqlens`` (one packed row): position ids restart per sample and attention stays
+        inside each sample (a block-diagonal causal mask).
+        """
+        decoder_input = self.embed(
+            input_ids,
+            pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw,
+            pixel_values_videos=pixel_values_videos,
+            video_grid_thw=video_grid_thw,
+        )
+        if position_ids is None:
+            position_ids = self.position_ids(
+                input_ids,
+                image_grid_thw=image_grid_thw,
+                video_grid_thw=video_grid_thw,
+                cu_seqlens=cu_seqlens,
+            )
+        if attention_mask is None and cu_seqlens is not None:
+            attention_mask = packed_attention_mask(cu_seqlens, input_ids.device)
+        return self.language(
+            input_ids,
+            position_ids,
+            attention_mask,
+            decoder_input=decoder_input,
+            labels=labels,
+            **kwargs,
+        )
+
+
+def packed_attention_mask(cu_seqlens: Sequence[int], device: torch.device) -> torch.Tensor:
+    """megatron attention mask ``[1, 1, s, s]`` (True = blocked) that keeps each packed sample's
+    tokens to themselves; the decoder's causal mask is applied on top."""
+    bounds = torch.as_tensor(cu_seqlens, device=device).long()
+    s = int(bounds[-1])
+    sample = torch.bucketize(torch.arange(s, device=device), bounds[1:], right=True)
+    return (sample[:, None] != sample[None, :])[None, None]

@@ -1,0 +1,29 @@
+"""The vlm stack as core sees it (entry point ``longboat.stacks: vlm``).
+
+Heavy parts are ``"module:attr"`` references, so listing stacks imports no megatron.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from longboat.core.stack import Stack
+
+STACK = Stack(
+    name="vlm",
+    description="Vision-language models on megatron-core (Qwen2.5-VL) with HF conversion.",
+    config_dir=Path(__file__).with_name("conf"),
+    model_schemas={"qwen2_5_vl": "longboat.vlm.train.schema:VLMModelConfig"},
+    root_schema="longboat.vlm.train.schema:VLMExperimentConfig",
+    data_schemas={
+        "conversations": "longboat.vlm.train.schema:ConversationsDataConfig",
+        "shapes": "longboat.vlm.train.schema:ShapesDataConfig",
+    },
+    console_script="longboat-vlm",
+    train="longboat.vlm.train.training:train",
+    examples=(
+        "longboat-vlm train experiment=quickstart                       # tiny VLM, end to end on CPU",
+        "longboat-vlm train experiment=sft model.init_from_hf=checkpoints/Qwen2.5-VL-3B-Instruct data.paths=[llava.jsonl]",
+    ),
+    distribution="longboat-vlm",
+)

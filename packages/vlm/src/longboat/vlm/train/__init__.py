@@ -1,0 +1,1 @@
+"""longboat-vlm training."""

@@ -1,0 +1,249 @@
+"""The data of a ``longboat-vlm train`` run: conversations -> encoded samples -> packed rows.
+
+``open_run_data(cfg, model_cfg)`` reads the conversations (``data.paths``; the quickstart
+generates its own set and tokenizer first), encodes them with the tokenizer's chat template
+and a vision processor that matches the model (patch, temporal patch and merge sizes from
+the vision tower; ``data.min_pixels`` / ``data.max_pixels``), holds out
+``data.eval_fraction`` of the samples (seeded), and packs both splits into rows of
+``data.seq_len`` tokens. Problems are found here, before the model is built: a missing or
+corrupt image names its row, file and field (or is skipped and counted with
+``data.skip_bad_samples=true``), vision token ids that the tokenizer does not have are
+named, and so is a tokenizer larger than the model's vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from longboat.core.config.errors import ConfigError
+
+
+@dataclass
+class RunData:
+    """The run's packed splits and what the export needs to process inputs again."""
+
+    train: Any
+    """``PackedMultimodalDataset`` of the training rows."""
+    eval: Any
+    """Held-out rows (None without held-out samples)."""
+    model_cfg: Any
+    """The model config, with the token ids the tokenizer gives."""
+    tokenizer: Any
+    processor_config: Any
+    eval_conversations: list[Any] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def save_processing(self, out_dir: str | Path) -> None:
+        """The tokenizer and ``preprocessor_config.json`` next to an exported model."""
+        out = Path(out_dir)
+        self.tokenizer.save_pretrained(out)
+        p = self.processor_config
+        (out / "preprocessor_config.json").write_text(
+            json.dumps(
+                {
+                    "image_processor_type": "Qwen2VLImageProcessor",
+                    "patch_size": p.patch_size,
+                    "temporal_patch_size": p.temporal_patch_size,
+                    "merge_size": p.merge_size,
+                    "min_pixels": p.min_pixels,
+                    "max_pixels": p.max_pixels,
+                    "size": {"shortest_edge": p.min_pixels, "longest_edge": p.max_pixels},
+                    "image_mean": list(p.image_mean),
+                    "image_std": list(p.image_std),
+                    "rescale_factor": p.rescale_factor,
+                    "do_resize": True,
+                    "do_rescale": True,
+                    "do_normalize": True,
+                    "do_convert_rgb": True,
+                },
+                indent=2,
+            )
+        )
+
+
+def _with_token_ids(model_cfg: Any, tokens: Any, vocab: int, source: str) -> Any:
+    """``model_cfg`` with the tokenizer's vision token ids; errors when they do not fit."""
+    ids = dict(
+        image_token_id=tokens.image_pad_id,
+        video_token_id=tokens.video_pad_id,
+        vision_start_token_id=tokens.vision_start_id,
+        vision_end_token_id=tokens.vision_end_id,
+    )
+    limit = model_cfg.language.vocab_size
+    if vocab > limit:
+        raise ConfigError(
+            f"the tokenizer {source} has {vocab} tokens but the model's vocabulary is {limit}",
+            key="data.tokenizer",
+            fix="use the checkpoint's own tokenizer, or a model with a larger vocabulary",
+        )
+    return dataclasses.replace(model_cfg, **ids)
+
+
+def _processor(cfg: Any, model_cfg: Any) -> Any:
+    from longboat.vlm.data.processor import QwenVisionProcessor, VisionProcessorConfig
+
+    v = model_cfg.vision
+    pcfg = VisionProcessorConfig(
+        patch_size=v.patch_size,
+        temporal_patch_size=v.temporal_patch_size,
+        merge_size=v.spatial_merge_size,
+        min_pixels=cfg.data.min_pixels,
+        max_pixels=cfg.data.max_pixels,
+    )
+    return QwenVisionProcessor(pcfg)
+
+
+def _split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    order = np.random.default_rng(seed).permutation(n).tolist()
+    k = round(n * fraction) if n > 1 else 0
+    k = min(max(k, 1 if fraction > 0 and n > 1 else 0), n - 1)
+    return sorted(order[k:]), sorted(order[:k])
+
+
+def open_run_data(cfg: Any, model_cfg: Any) -> RunData:
+    """Read, encode and pack the run's data (see the module doc)."""
+    from longboat.vlm.data.conversations import read_conversations
+    from longboat.vlm.data.encoding import SampleEncoder, encode_conversations, load_tokenizer
+    from longboat.vlm.data.packing import PackedMultimodalDataset
+
+    data = cfg.data
+    notes: list[str] = []
+    if data.name == "shapes":
+        from longboat.vlm.train.shapes import prepare_shapes
+
+        train_files, eval_files, tokenizer_dir = prepare_shapes(data, seed=cfg.train.seed)
+        paths = [str(p) for p in train_files]
+        eval_paths = [str(p) for p in eval_files]
+    else:
+        if not data.paths:
+            raise ConfigError(
+                "no conversation files given",
+                key="data.paths",
+                fix="data.paths=[file.jsonl, ...] (LLaVA / ShareGPT JSON, JSONL or Parquet)",
+            )
+        paths, eval_paths = list(data.paths), []
+        tokenizer_dir = data.tokenizer or cfg.model.init_from_hf
+        if tokenizer_dir is None:
+            raise ConfigError(
+                "no tokenizer",
+                key="data.tokenizer",
+                fix="give a tokenizer directory (or model.init_from_hf, whose tokenizer is used)",
+            )
+    tokenizer = load_tokenizer(tokenizer_dir)
+    processor = _processor(cfg, model_cfg)
+    encoder = SampleEncoder(tokenizer, processor)
+    model_cfg = _with_token_ids(model_cfg, encoder.tokens, len(tokenizer), str(tokenizer_dir))
+
+    def encode(files: list[str]) -> tuple[list[Any], list[Any]]:
+        convs = [c for f in files for c in read_conversations(f, root=data.root)]
+        samples, report = encode_conversations(
+            convs,
+            encoder,
+            max_len=data.seq_len,
+            skip_bad_samples=data.skip_bad_samples,
+        )
+        if report.skipped_bad_media:
+            notes.append(
+                f"data.skip_bad_samples: skipped {report.skipped_bad_media} sample(s) with "
+                f"unreadable media, e.g. {report.bad[0] if report.bad else '?'}"
+            )
+        return convs, samples
+
+    convs, samples = encode(paths)
+    if eval_paths:
+        eval_convs, eval_samples = encode(eval_paths)
+    else:
+        keep, held = _split(len(samples), data.eval_fraction, data.seed)
+        eval_samples = [samples[i] for i in held]
+        samples = [samples[i] for i in keep]
+        held_at = {s.where for s in eval_samples}
+        eval_convs = [c for c in convs if c.where in held_at]
+    pad = tokenizer.pad_token_id
+    if pad is None:
+        pad = tokenizer.eos_token_id
+    kw = dict(seq_len=data.seq_len, pad_id=int(pad), tokens_per_second=model_cfg.tokens_per_second)
+    train = PackedMultimodalDataset(samples, encoder, **kw)
+    held_rows = PackedMultimodalDataset(eval_samples, encoder, **kw) if eval_samples else None
+    return RunData(
+        train=train,
+        eval=held_rows,
+        model_cfg=model_cfg,
+        tokenizer=tokenizer,
+        processor_config=processor.config,
+        eval_conversations=eval_convs,
+        notes=notes,
+    )
+
+
+def _prompt(conv: Any) -> tuple[list[dict[str, str]], str]:
+    """The first user turn of ``conv`` (with its image) and the answer it expects."""
+    messages = list(conv.messages)
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    first = users[0]
+    answer = next(m["content"] for m in messages[first + 1 :] if m["role"] == "assistant")
+    return messages[: first + 1], answer.strip()
+
+
+def answer_held_out(export_dir: str | Path, data: RunData, n: int) -> tuple[int, int, str]:
+    """Ask the export (loaded with ``transformers``) the first question of ``n`` held-out
+    conversations, greedily; returns ``(right, asked, one example line)``."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from longboat.vlm.data.encoding import SampleEncoder, _expand
+    from longboat.vlm.data.media import load_image
+    from longboat.vlm.data.processor import QwenVisionProcessor
+    from longboat.vlm.models.mrope import token_types
+
+    convs = [c for c in data.eval_conversations if c.images][:n]
+    if not convs:
+        return 0, 0, ""
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(export_dir)).eval()
+    processor = QwenVisionProcessor(data.processor_config)
+    tok = data.tokenizer
+    encoder = SampleEncoder(tok, processor)
+    cfg, right, example = data.model_cfg, 0, ""
+    markup = encoder.tokens.markup("image")
+    for conv in convs:
+        messages, want = _prompt(conv)
+        image = load_image(conv.images[0], conv.where)
+        pixels = processor.preprocess_images([image])
+        text = tok.apply_chat_template(
+            [
+                {"role": m["role"], "content": m["content"].replace("<image>", markup)}
+                for m in messages
+            ],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        ids = np.asarray(tok(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+        merged = int(pixels["image_grid_thw"].prod()) // data.processor_config.merge_size**2
+        ids, _ = _expand(ids, np.zeros_like(ids, dtype=np.uint8), cfg.image_token_id, [merged],
+                         "image", conv.where)  # fmt: skip
+        input_ids = torch.from_numpy(ids)[None]
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                mm_token_type_ids=token_types(
+                    input_ids, cfg.image_token_id, cfg.video_token_id
+                ).int(),
+                pixel_values=pixels["pixel_values"],
+                image_grid_thw=pixels["image_grid_thw"],
+                max_new_tokens=12,
+                do_sample=False,
+                eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+                pad_token_id=tok.pad_token_id,
+            )
+        got = tok.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True).strip()
+        right += int(got == want)
+        if not example:
+            question = messages[-1]["content"].replace("<image>", "").strip()
+            example = f"  e.g. {question!r} -> {got!r} (expected {want!r})"
+    return right, len(convs), example

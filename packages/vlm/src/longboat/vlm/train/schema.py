@@ -1,0 +1,96 @@
+"""Typed config of VLM training runs: the model, the data kinds and the run settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from longboat.core.config.schema import DataConfig, ExperimentConfig, ModelConfig
+
+
+@dataclass
+class VLMModelConfig(ModelConfig):
+    """A vision-language model: a family and flavor, or a Hugging Face directory."""
+
+    name: str = "qwen2_5_vl"
+    flavor: str = "tiny"
+    """``tiny`` (CPU tests), ``3b``, ``7b``; ignored with ``init_from_hf`` (the checkpoint's
+    config.json gives the architecture)."""
+    init_from_hf: str | None = None
+    """A Hugging Face ``Qwen2_5_VLForConditionalGeneration`` directory to start from."""
+    freeze: list[str] = field(default_factory=list)
+    """Components that do not train: any of ``vision`` (the ViT blocks), ``projector`` (the
+    patch merger), ``language`` (the decoder)."""
+    layer_backend: str = "auto"
+    """Decoder layers: auto (Transformer Engine on CUDA when installed, else longboat
+    kernels), longboat, te, local."""
+
+
+@dataclass
+class ConversationsDataConfig(DataConfig):
+    """LLaVA / ShareGPT conversations (JSON, JSONL or Parquet) with images and videos."""
+
+    name: str = "conversations"
+    paths: list[str] = field(default_factory=list)
+    """Conversation files or folders of them."""
+    root: str | None = None
+    """Where relative image / video paths start (default: each file's folder)."""
+    tokenizer: str | None = None
+    """Tokenizer directory with a chat template (default: ``model.init_from_hf``)."""
+    seq_len: int = 2048
+    """Tokens per packed row."""
+    eval_fraction: float = 0.02
+    """Fraction of samples held out for evaluation."""
+    skip_bad_samples: bool = False
+    """Skip (and count) samples whose image or video is missing or unreadable instead of
+    stopping with an error naming it."""
+    min_pixels: int = 3136
+    """Smallest image area after resizing (pixels)."""
+    max_pixels: int = 1003520
+    """Largest image area after resizing (pixels)."""
+    seed: int = 1234
+    """Order of the rows."""
+
+
+@dataclass
+class ShapesDataConfig(ConversationsDataConfig):
+    """The quickstart's generated set: coloured shapes with questions about them."""
+
+    name: str = "shapes"
+    out_dir: str = "outputs/quickstart_vlm/data"
+    """Where images, conversations and the tokenizer are written (reused when present)."""
+    num_train: int = 600
+    num_eval: int = 60
+    image_size: int = 56
+    """Side of the square images (pixels)."""
+    seq_len: int = 512
+    min_pixels: int = 3136
+    max_pixels: int = 3136
+
+
+@dataclass
+class VLMRunConfig:
+    """VLM-specific run settings."""
+
+    cpu_precision: str = "fp32"
+    """Precision used instead of train.precision on CPU."""
+    eval_batches: int = 2
+    """Microbatches of the held-out split per evaluation."""
+    export_hf: bool = True
+    """Write a Hugging Face directory when training finishes."""
+    export_dir: str | None = None
+    """Where the export goes (null: ``<output_dir>/hf``)."""
+    answer_eval_samples: int = 0
+    """After export, answer this many held-out questions with ``transformers`` from the
+    export and report how many it gets right (0: skip)."""
+    num_threads: int = 0
+    """torch intra-op threads on CPU (0: leave torch's default)."""
+
+
+@dataclass
+class VLMExperimentConfig(ExperimentConfig):
+    """Root config of ``longboat-vlm train``."""
+
+    stack: str = "vlm"
+    model: VLMModelConfig = field(default_factory=VLMModelConfig)
+    vlm: VLMRunConfig = field(default_factory=VLMRunConfig)
+    """VLM run settings (export, eval)."""

@@ -1,0 +1,147 @@
+"""One VLM optimizer step on megatron's DDP + distributed optimizer.
+
+``VLMTrainStep`` wraps a ``VisionLanguageModel`` (vision tower + megatron decoder) in
+megatron's ``DistributedDataParallel`` and builds the distributed optimizer (fp32 main
+weights and moments sharded over data-parallel ranks); frozen components
+(``model.vision.freeze``, ``model.projector.freeze``, ``model.language.freeze``) get no
+gradient and no optimizer state. The loss is the mean over every loss-masked token of the
+global batch (all microbatches, all data-parallel ranks), so a packed row of many short
+samples weighs its tokens like a row of one long sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from longboat.core.config.errors import ConfigError
+
+COMPONENTS = ("vision", "projector", "language")
+"""What ``freeze`` names: the ViT blocks, its projector (Qwen2.5-VL: the patch merger), the
+decoder."""
+
+
+def component_params(model: Any, component: str) -> list[torch.nn.Parameter]:
+    """The parameters of one component of a ``VisionLanguageModel``."""
+    if component == "language":
+        return list(model.language.parameters())
+    merger = getattr(model.vision, "merger", None)
+    merger_ids = {id(p) for p in merger.parameters()} if merger is not None else set()
+    if component == "projector":
+        return [p for p in model.vision.parameters() if id(p) in merger_ids]
+    if component == "vision":
+        return [p for p in model.vision.parameters() if id(p) not in merger_ids]
+    raise ConfigError(f"unknown component {component!r}", fix=f"use one of {list(COMPONENTS)}")
+
+
+def freeze(model: Any, components: Sequence[str]) -> int:
+    """Turn off gradients of ``components``; returns the number of frozen parameters."""
+    n = 0
+    for component in components:
+        for p in component_params(model, component):
+            p.requires_grad_(False)
+            n += p.numel()
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(
+            "every component is frozen: nothing would train",
+            fix="unfreeze at least one of model.vision / model.projector / model.language",
+        )
+    return n
+
+
+MODEL_INPUTS = (
+    "input_ids",
+    "position_ids",
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "cu_seqlens",
+)
+
+
+class VLMTrainStep:
+    """Forward / backward over a step's microbatches, then the distributed optimizer's update."""
+
+    def __init__(
+        self, model: Any, optim: Any, *, precision: str, frozen: Sequence[str] = ()
+    ) -> None:
+        from longboat.core.megatron.optimizer import build_optimizer, wrap_ddp
+
+        self.model = model
+        self.frozen_params = freeze(model, frozen) if frozen else 0
+        (self.ddp,) = wrap_ddp([model], distributed_optimizer=True)
+        self.optimizer = build_optimizer(
+            [self.ddp], optim, precision=precision, distributed_optimizer=True
+        )
+        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
+            precision
+        ]
+
+    def _inputs(self, mb: dict[str, Any]) -> dict[str, Any]:
+        out = {k: mb[k] for k in MODEL_INPUTS if mb.get(k) is not None}
+        for key in ("pixel_values", "pixel_values_videos"):
+            if key in out:
+                out[key] = out[key].to(self.dtype)
+        return out
+
+    def loss(self, mb: dict[str, Any], denominator: torch.Tensor) -> torch.Tensor:
+        """Sum of this microbatch's masked token losses over ``denominator``."""
+        per_token = self.ddp(**self._inputs(mb), labels=mb["labels"].clamp(min=0))
+        mask = mb["loss_mask"].to(per_token.dtype)
+        return (per_token.float() * mask.float()).sum() / denominator
+
+    def forward_backward(self, microbatches: list[dict[str, Any]]) -> torch.Tensor:
+        """Backward of the global-token-mean loss; returns it (a 0-d tensor, all ranks equal)."""
+        from megatron.core import parallel_state as mps
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        tokens = torch.tensor(
+            float(sum(float(mb["loss_mask"].sum()) for mb in microbatches)), dtype=torch.float64
+        )
+        dp_group = mps.get_data_parallel_group_gloo()
+        dp = mps.get_data_parallel_world_size()
+        if dp > 1:
+            dist.all_reduce(tokens, group=dp_group)
+        # megatron's DDP averages gradients over DP ranks: scale each rank's sum by dp.
+        denominator = (tokens.clamp(min=1.0) / dp).float()
+        total = torch.zeros((), dtype=torch.float32)
+        for mb in microbatches:
+            loss = self.loss(mb, denominator.to(mb["input_ids"].device))
+            loss.backward()
+            total = total.to(loss.device) + loss.detach()
+        self.ddp.finish_grad_sync()
+        if dp > 1:
+            reduced = total.detach().cpu()
+            dist.all_reduce(reduced, group=dp_group)
+            total = (reduced / dp).to(total.device)
+        return total
+
+    def update(self) -> Any:
+        """The optimizer step; returns the grad norm when the step computed one."""
+        from longboat.core.megatron.optimizer import optimizer_step
+
+        _, norm = optimizer_step(self.optimizer)
+        return norm
+
+    def grad_norm(self) -> Any:
+        return self.optimizer.get_grad_norm()
+
+    @torch.no_grad()
+    def evaluate(self, microbatches: list[dict[str, Any]]) -> float:
+        """Mean masked token loss of ``microbatches`` (this rank's; the caller reduces)."""
+        self.model.eval()
+        try:
+            num = den = 0.0
+            for mb in microbatches:
+                per_token = self.model(**self._inputs(mb), labels=mb["labels"].clamp(min=0))
+                mask = mb["loss_mask"].float()
+                num += float((per_token.float() * mask).sum())
+                den += float(mask.sum())
+            return num / max(den, 1.0)
+        finally:
+            self.model.train()

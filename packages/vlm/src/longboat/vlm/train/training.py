@@ -1,0 +1,320 @@
+"""``longboat-vlm train``: the VLM stack's run on core's trainer.
+
+``build_training(cfg)`` is the stack's one assembly (the command line and benchmarks call
+it): the process group (a one-rank group when not launched by torchrun), the data
+(conversations read, encoded with the tokenizer's chat template and the model's vision
+processor, packed into rows of ``data.seq_len`` tokens; the quickstart generates its own),
+megatron's parallel state, the model (from its flavor or ``model.init_from_hf``), and the
+step on megatron's DDP + distributed optimizer (``VLMTrainStep``). The rows of every step
+are a pure function of the step (seeded per-epoch permutations), so a resumed run sees
+exactly the rows the uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from longboat.core.config.errors import ConfigError
+from longboat.core.train import (
+    RunResult,
+    StepOutput,
+    Training,
+    UpdateGate,
+    run_training,
+    typed_config,
+)
+
+RESUME_KEYS = (
+    "parallel.tensor_parallel",
+    "parallel.pipeline_parallel",
+    "model.name",
+    "model.flavor",
+    "model.init_from_hf",
+    "model.freeze",
+    "data.seq_len",
+)
+"""What a checkpoint's sharded model and optimizer state depend on."""
+
+
+def _precision(cfg: Any, accelerator: Any) -> str:
+    if accelerator.device_type == "cpu":
+        return cfg.vlm.cpu_precision
+    if cfg.train.precision == "bf16" and not accelerator.supports_bf16:
+        return "fp32"
+    return cfg.train.precision
+
+
+def _own_process_group(accelerator: Any) -> bool:
+    if dist.is_initialized():
+        return False
+    from longboat.core.distributed.multiprocess import find_free_port
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(find_free_port())
+    dist.init_process_group(accelerator.dist_backend, rank=0, world_size=1)
+    return True
+
+
+def model_config(cfg: Any) -> Any:
+    """The ``Qwen25VLConfig`` of the run: the checkpoint's with ``model.init_from_hf``, else
+    the flavor's (with the quickstart's token ids)."""
+    from longboat.vlm.models.qwen2_5_vl.model import flavor, read_hf_config
+
+    if cfg.model.name != "qwen2_5_vl":
+        raise ConfigError(
+            "unknown VLM family", key="model.name", value=cfg.model.name, fix="use qwen2_5_vl"
+        )
+    if cfg.model.init_from_hf:
+        return read_hf_config(cfg.model.init_from_hf)
+    return flavor(cfg.model.flavor)
+
+
+def _row_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng(seed + epoch).permutation(num_rows)
+
+
+def rows_of_step(step: int, num_rows: int, global_batch: int, seed: int) -> list[int]:
+    """The global batch of ``step``: ``global_batch`` row indices from seeded per-epoch
+    permutations laid end to end (a pure function of the step, for exact resume)."""
+    out = []
+    for k in range(step * global_batch, (step + 1) * global_batch):
+        epoch, pos = divmod(k, num_rows)
+        out.append(int(_row_order(num_rows, seed, epoch)[pos]))
+    return out
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        for k, v in batch.items()
+    }
+
+
+class VLMTraining(Training):
+    """One ``longboat-vlm train`` run, built (see the module doc)."""
+
+    unit = "tokens"
+    resume_keys = RESUME_KEYS
+
+    def __init__(self, cfg: Any) -> None:
+        from longboat.core.device import get_accelerator
+        from longboat.core.distributed import init_distributed
+        from longboat.core.megatron.quiet import quiet_megatron
+
+        quiet_megatron()
+        self.cfg = cfg
+        self.accelerator = get_accelerator()
+        self._threads = torch.get_num_threads()
+        if self.accelerator.device_type == "cpu" and cfg.vlm.num_threads > 0:
+            torch.set_num_threads(cfg.vlm.num_threads)
+        if cfg.train.micro_batch_size != 1:
+            raise ConfigError(
+                "a VLM microbatch is one packed row",
+                key="train.micro_batch_size",
+                value=cfg.train.micro_batch_size,
+                fix="set it to 1 and pack more tokens per row with data.seq_len",
+            )
+        info = init_distributed(self.accelerator)
+        self.is_main = info.is_main
+        self._owns_group = _own_process_group(self.accelerator)
+        self._layout_up = False
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        from megatron.core import parallel_state as mps
+
+        from longboat.core.megatron import parallel_state as mparallel
+        from longboat.core.rng import seed_everything
+        from longboat.vlm.train.data import open_run_data
+
+        cfg = self.cfg
+        self.model_cfg = model_config(cfg)
+        self.data = open_run_data(cfg, self.model_cfg)
+        self.model_cfg = self.data.model_cfg
+        self.precision = _precision(cfg, self.accelerator)
+        self.layout = mparallel.initialize(cfg.parallel, self.accelerator, seed=cfg.train.seed)
+        self._layout_up = True
+        dp = self.layout.data_parallel
+        gbs = cfg.train.global_batch_size or dp
+        if gbs % dp:
+            raise ConfigError(
+                f"is not divisible by data_parallel = {dp}",
+                key="train.global_batch_size",
+                value=gbs,
+                fix=f"use a multiple of {dp}",
+            )
+        self.global_batch = gbs
+        self.items_per_step = gbs * self.data.train.seq_len
+        self.dp_rank, self.dp = mps.get_data_parallel_rank(), dp
+        self.device = self.accelerator.device()
+        seed_everything(cfg.train.seed, self.accelerator)
+        self.step_fn = self._build_step()
+
+    def _build_step(self) -> Any:
+        from longboat.kernels.layers import longboat_layer_kernels
+        from longboat.vlm.models.qwen2_5_vl.model import build_qwen2_5_vl, load_hf
+        from longboat.vlm.train.step import VLMTrainStep
+
+        cfg, mcfg = self.cfg, self.model_cfg
+        mcfg = dataclasses.replace(
+            mcfg, language=dataclasses.replace(mcfg.language, layer_backend=cfg.model.layer_backend)
+        )
+        # M-RoPE angles differ per token: megatron's rotation, not the 1D-position kernels.
+        kernels = longboat_layer_kernels(rope=False, qkv_rope=False)
+        model = build_qwen2_5_vl(
+            mcfg,
+            precision=self.precision,
+            device_type=self.accelerator.device_type,
+            kernels=kernels,
+        )
+        if cfg.model.init_from_hf:
+            load_hf(model, mcfg, cfg.model.init_from_hf)
+        return VLMTrainStep(
+            model, cfg.optim, precision=self.precision, frozen=tuple(cfg.model.freeze)
+        )
+
+    # --- what the trainer needs ----------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        from longboat.core.megatron.optimizer import MegatronOptimizerState
+
+        return {
+            "model": self._checkpoint_module(),
+            "optimizer": MegatronOptimizerState(self.step_fn.optimizer),
+        }
+
+    def optimizers(self) -> list[Any]:
+        from longboat.core.megatron.optimizer import inner_optimizers
+
+        return inner_optimizers(self.step_fn.optimizer)
+
+    def batches(self, start_step: int) -> Iterator[list[dict[str, Any]]]:
+        rows, seed = self.data.train, self.cfg.data.seed
+        step = start_step
+        while True:
+            mine = rows_of_step(step, len(rows), self.global_batch, seed)[self.dp_rank :: self.dp]
+            yield [rows[i] for i in mine]
+            step += 1
+
+    def step(self, step: int, batch: list[dict[str, Any]], gate: UpdateGate) -> StepOutput:
+        micro = [_to_device(b, self.device) for b in batch]
+        loss = self.step_fn.forward_backward(micro)
+        norm = None
+        if gate.allow(step, loss):
+            norm = self.step_fn.update()
+        return StepOutput(loss=loss, grad_norm=norm)
+
+    def evaluate(self) -> dict[str, float]:
+        rows = self.data.eval
+        if rows is None:
+            return {}
+        n = min(len(rows), max(1, self.cfg.vlm.eval_batches) * self.dp)
+        mine = [_to_device(rows[i], self.device) for i in range(self.dp_rank, n, self.dp)]
+        loss = torch.tensor([self.step_fn.evaluate(mine) if mine else 0.0, float(len(mine))])
+        if self.dp > 1:
+            from megatron.core import parallel_state as mps
+
+            loss[0] *= loss[1]
+            dist.all_reduce(loss, group=mps.get_data_parallel_group_gloo())
+            loss[0] /= loss[1].clamp(min=1.0)
+        return {"eval_loss": float(loss[0])}
+
+    def export(self) -> Path | None:
+        if not self.cfg.vlm.export_hf:
+            return None
+        from longboat.vlm.models.qwen2_5_vl.model import save_hf
+
+        out = Path(self.cfg.vlm.export_dir or f"{self.cfg.output_dir}/hf")
+        save_hf(self.step_fn.model, self.model_cfg, out)
+        if self.is_main:
+            self.data.save_processing(out)
+        return out
+
+    def describe(self) -> list[str]:
+        m, lay, rows = self.model_cfg, self.layout, self.data.train
+        lang, vis = m.language, m.vision
+        lines = [
+            f"Model qwen2_5_vl/{self.cfg.model.flavor if not self.cfg.model.init_from_hf else 'hf'}:"
+            f" ViT {vis.depth} layers x {vis.hidden_size}, decoder {lang.num_layers} layers x "
+            f"{lang.hidden_size}, vocab {lang.vocab_size}; {self.precision}; "
+            f"tp={lay.tensor_parallel} dp={lay.data_parallel}. Data: {len(rows)} packed rows of "
+            f"{rows.seq_len} tokens ({rows.fill:.0%} filled) from {len(rows.samples)} samples; "
+            f"global batch {self.global_batch} rows."
+        ]
+        lines += self.data.notes
+        if self.step_fn.frozen_params:
+            lines.append(
+                f"Frozen: {', '.join(self.cfg.model.freeze)} ({self.step_fn.frozen_params:,} "
+                "parameters)."
+            )
+        return lines
+
+    def report(self, result: RunResult) -> list[str]:
+        lines = []
+        if result.export_dir is not None:
+            lines.append(f"HF export:   {result.export_dir}")
+        n = self.cfg.vlm.answer_eval_samples
+        if self.is_main and result.export_dir is not None and n > 0:
+            from longboat.vlm.train.data import answer_held_out
+
+            right, total, example = answer_held_out(result.export_dir, self.data, n)
+            result.extra["answers_right"] = right
+            result.extra["answers_asked"] = total
+            lines.append(
+                f"Held-out questions answered by transformers from the export: {right}/{total}"
+            )
+            if example:
+                lines.append(example)
+        return lines
+
+    def close(self) -> None:
+        if self._layout_up:
+            from longboat.core.megatron import parallel_state as mparallel
+
+            mparallel.destroy()
+            self._layout_up = False
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
+        torch.set_num_threads(self._threads)
+
+    def _checkpoint_module(self) -> torch.nn.Module:
+        """The model, or with tensor / pipeline parallelism a view whose names carry this
+        rank's coordinates (every rank holds a different shard under the same names)."""
+        from megatron.core import parallel_state as mps
+
+        model, lay = self.step_fn.model, self.layout
+        if lay.tensor_parallel * lay.pipeline_parallel == 1:
+            return model
+        prefix = (
+            f"tp{mps.get_tensor_model_parallel_rank()}_pp{mps.get_pipeline_model_parallel_rank()}"
+        )
+        view = torch.nn.Module()
+        for name, p in model.named_parameters():
+            view.register_parameter(f"{prefix}__{name.replace('.', '__')}", p)
+        return view
+
+
+def build_training(cfg: Any) -> VLMTraining:
+    """The VLM stack's assembly of a run from a composed config (see the module doc)."""
+    return VLMTraining(typed_config(cfg))
+
+
+def train(cfg: Any, *, on_step: Callable[[int], None] | None = None) -> RunResult:
+    """Train the experiment described by a composed, validated config (the ``train`` command)."""
+    return run_training(cfg, build_training, on_step=on_step)
+
+
+__all__ = ["VLMTraining", "build_training", "rows_of_step", "train"]
