@@ -1,6 +1,12 @@
 """Distributed setup: torchrun init, parallel-config resolution, DeviceMesh, CPU test launcher."""
 
-from longboat.core.distributed.init import DistInfo, destroy_distributed, init_distributed
+from longboat.core.distributed.init import (
+    DistInfo,
+    destroy_distributed,
+    init_distributed,
+    run_precision,
+    single_process_group,
+)
 from longboat.core.distributed.multiprocess import (
     MultiprocessError,
     find_free_port,
@@ -26,4 +32,6 @@ __all__ = [
     "mesh_shape",
     "resolve_parallel",
     "run_multiprocess",
+    "run_precision",
+    "single_process_group",
 ]

@@ -83,3 +83,27 @@ def destroy_distributed() -> None:
     """Tear down the default process group if one exists (safe to call twice)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def single_process_group(accelerator: Accelerator) -> bool:
+    """A world-size-1 process group when none exists (a run not launched by torchrun, for
+    code that needs process groups, e.g. megatron); returns whether it made one (the caller
+    destroys it then)."""
+    if dist.is_initialized():
+        return False
+    from longboat.core.distributed.multiprocess import find_free_port
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(find_free_port())
+    dist.init_process_group(accelerator.dist_backend, rank=0, world_size=1)
+    return True
+
+
+def run_precision(precision: str, cpu_precision: str, accelerator: Accelerator) -> str:
+    """The precision a run trains in: ``cpu_precision`` on CPU, fp32 where bf16 is asked for
+    but the accelerator lacks it, else ``precision``."""
+    if accelerator.device_type == "cpu":
+        return cpu_precision
+    if precision == "bf16" and not accelerator.supports_bf16:
+        return "fp32"
+    return precision

@@ -19,20 +19,19 @@ loss every step before the update (the synchronous gate).
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from longboat.core.config.errors import ConfigError
+from longboat.core.distributed import run_precision
 from longboat.core.megatron.quiet import quiet_megatron
+from longboat.core.megatron.training import MegatronTraining
 from longboat.core.train import (
     RunResult,
     StepOutput,
-    Training,
     UpdateGate,
     run_training,
     typed_config,
@@ -67,26 +66,6 @@ RESUME_KEYS = (
 """What a checkpoint's sharded model and optimizer state depend on."""
 
 
-def _precision(cfg: Any, accelerator: Any) -> str:
-    if accelerator.device_type == "cpu":
-        return cfg.llm.cpu_precision
-    if cfg.train.precision == "bf16" and not accelerator.supports_bf16:
-        return "fp32"
-    return cfg.train.precision
-
-
-def _own_process_group(accelerator: Any) -> bool:
-    """A world-size-1 group when not launched by torchrun (megatron needs process groups)."""
-    if dist.is_initialized():
-        return False
-    from longboat.core.distributed.multiprocess import find_free_port
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(find_free_port())
-    dist.init_process_group(accelerator.dist_backend, rank=0, world_size=1)
-    return True
-
-
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """A host microbatch on ``device`` without a host sync on CUDA: a copy from pageable memory
     waits for everything queued on the stream, one from pinned memory does not (the caching
@@ -99,40 +78,25 @@ def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     }
 
 
-class LLMTraining(Training):
+class LLMTraining(MegatronTraining):
     """One ``longboat-llm train`` run, built (see the module doc)."""
 
     unit = "tokens"
     resume_keys = RESUME_KEYS
 
     def __init__(self, cfg: Any) -> None:
-        from longboat.core.device import get_accelerator
-        from longboat.core.distributed import init_distributed
+        self.model_cfg = cfg.model
+        super().__init__(cfg, num_threads=cfg.llm.num_threads)
+
+    def check(self, cfg: Any) -> None:
         from longboat.llm.train.checks import check_run
 
-        quiet_megatron()
-        self.cfg = cfg
-        self.model_cfg = cfg.model
         check_run(cfg, self.model_cfg)
-        self.accelerator = get_accelerator()
-        self._threads = torch.get_num_threads()
-        if self.accelerator.device_type == "cpu" and cfg.llm.num_threads > 0:
-            torch.set_num_threads(cfg.llm.num_threads)
-        info = init_distributed(self.accelerator)
-        self.is_main = info.is_main
-        self._owns_group = _own_process_group(self.accelerator)
-        self._layout_up = False
-        try:
-            self._build(info.rank)
-        except BaseException:
-            self.close()
-            raise
 
     def _build(self, rank: int) -> None:
         from megatron.core import parallel_state as mps
 
         from longboat.core.data.packing import PackedDataset
-        from longboat.core.megatron import parallel_state as mparallel
         from longboat.core.rng import seed_everything
         from longboat.llm.train.data import (
             GlobalBatchSchedule,
@@ -145,9 +109,8 @@ class LLMTraining(Training):
         train_docs, eval_docs = train_and_eval_documents(data, parts)
         self.train_rows = PackedDataset(train_docs, data.seq_len)
         self.eval_rows = PackedDataset(eval_docs, data.seq_len) if len(eval_docs) else None
-        self.precision = _precision(cfg, self.accelerator)
-        self.layout = mparallel.initialize(cfg.parallel, self.accelerator, seed=cfg.train.seed)
-        self._layout_up = True
+        self.precision = run_precision(cfg.train.precision, cfg.llm.cpu_precision, self.accelerator)
+        self.init_layout(cfg.parallel, cfg.train.seed)
         dp, mbs = self.layout.data_parallel, cfg.train.micro_batch_size
         gbs = cfg.train.global_batch_size or mbs * dp
         if gbs % (mbs * dp):
@@ -363,17 +326,6 @@ class LLMTraining(Training):
             describe_generation(text, prompt),
         ]
 
-    def close(self) -> None:
-        if self._layout_up:
-            from longboat.core.megatron import parallel_state as mparallel
-
-            mparallel.destroy()
-            self._layout_up = False
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-            self._owns_group = False
-        torch.set_num_threads(self._threads)
-
     # --- helpers -------------------------------------------------------------------------
 
     def _checkpoint_module(self) -> torch.nn.Module:
@@ -385,23 +337,19 @@ class LLMTraining(Training):
         shard under the same megatron names; with LoRA only the adapters (the base comes from
         ``llm.init_from_hf`` or the seed).
         """
-        from megatron.core import parallel_state as mps
+        from longboat.core.megatron.training import rank_prefix, rank_view
 
         chunks, lora, lay = self.step_fn.chunks, self.cfg.lora.enabled, self.layout
         mp = lay.tensor_parallel * lay.pipeline_parallel * lay.expert_parallel
         if not lora and len(chunks) == 1 and mp == 1:
             return chunks[0]
-        prefix = (
-            f"tp{mps.get_tensor_model_parallel_rank()}_pp{mps.get_pipeline_model_parallel_rank()}"
-            f"_ep{mps.get_expert_model_parallel_rank()}"
-        )
-        view = torch.nn.Module()
-        for i, chunk in enumerate(chunks):
-            for name, p in chunk.named_parameters():
-                if lora and not p.requires_grad:
-                    continue
-                view.register_parameter(f"{prefix}__c{i}__{name.replace('.', '__')}", p)
-        return view
+        named = [
+            (f"c{i}.{name}", p)
+            for i, chunk in enumerate(chunks)
+            for name, p in chunk.named_parameters()
+            if not (lora and not p.requires_grad)
+        ]
+        return rank_view(named, rank_prefix())
 
 
 def build_training(cfg: Any) -> LLMTraining:

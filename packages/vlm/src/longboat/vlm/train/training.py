@@ -13,7 +13,6 @@ exactly the rows the uninterrupted one would have.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,10 +22,11 @@ import torch
 import torch.distributed as dist
 
 from longboat.core.config.errors import ConfigError
+from longboat.core.distributed import run_precision
+from longboat.core.megatron.training import MegatronTraining
 from longboat.core.train import (
     RunResult,
     StepOutput,
-    Training,
     UpdateGate,
     run_training,
     typed_config,
@@ -42,25 +42,6 @@ RESUME_KEYS = (
     "data.seq_len",
 )
 """What a checkpoint's sharded model and optimizer state depend on."""
-
-
-def _precision(cfg: Any, accelerator: Any) -> str:
-    if accelerator.device_type == "cpu":
-        return cfg.vlm.cpu_precision
-    if cfg.train.precision == "bf16" and not accelerator.supports_bf16:
-        return "fp32"
-    return cfg.train.precision
-
-
-def _own_process_group(accelerator: Any) -> bool:
-    if dist.is_initialized():
-        return False
-    from longboat.core.distributed.multiprocess import find_free_port
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(find_free_port())
-    dist.init_process_group(accelerator.dist_backend, rank=0, world_size=1)
-    return True
 
 
 def model_config(cfg: Any) -> Any:
@@ -98,23 +79,16 @@ def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     }
 
 
-class VLMTraining(Training):
+class VLMTraining(MegatronTraining):
     """One ``longboat-vlm train`` run, built (see the module doc)."""
 
     unit = "tokens"
     resume_keys = RESUME_KEYS
 
     def __init__(self, cfg: Any) -> None:
-        from longboat.core.device import get_accelerator
-        from longboat.core.distributed import init_distributed
-        from longboat.core.megatron.quiet import quiet_megatron
+        super().__init__(cfg, num_threads=cfg.vlm.num_threads)
 
-        quiet_megatron()
-        self.cfg = cfg
-        self.accelerator = get_accelerator()
-        self._threads = torch.get_num_threads()
-        if self.accelerator.device_type == "cpu" and cfg.vlm.num_threads > 0:
-            torch.set_num_threads(cfg.vlm.num_threads)
+    def check(self, cfg: Any) -> None:
         if cfg.train.micro_batch_size != 1:
             raise ConfigError(
                 "a VLM microbatch is one packed row",
@@ -122,20 +96,10 @@ class VLMTraining(Training):
                 value=cfg.train.micro_batch_size,
                 fix="set it to 1 and pack more tokens per row with data.seq_len",
             )
-        info = init_distributed(self.accelerator)
-        self.is_main = info.is_main
-        self._owns_group = _own_process_group(self.accelerator)
-        self._layout_up = False
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
 
-    def _build(self) -> None:
+    def _build(self, rank: int) -> None:
         from megatron.core import parallel_state as mps
 
-        from longboat.core.megatron import parallel_state as mparallel
         from longboat.core.rng import seed_everything
         from longboat.vlm.train.data import open_run_data
 
@@ -143,9 +107,8 @@ class VLMTraining(Training):
         self.model_cfg = model_config(cfg)
         self.data = open_run_data(cfg, self.model_cfg)
         self.model_cfg = self.data.model_cfg
-        self.precision = _precision(cfg, self.accelerator)
-        self.layout = mparallel.initialize(cfg.parallel, self.accelerator, seed=cfg.train.seed)
-        self._layout_up = True
+        self.precision = run_precision(cfg.train.precision, cfg.vlm.cpu_precision, self.accelerator)
+        self.init_layout(cfg.parallel, cfg.train.seed)
         dp = self.layout.data_parallel
         gbs = cfg.train.global_batch_size or dp
         if gbs % dp:
@@ -279,32 +242,15 @@ class VLMTraining(Training):
                 lines.append(example)
         return lines
 
-    def close(self) -> None:
-        if self._layout_up:
-            from longboat.core.megatron import parallel_state as mparallel
-
-            mparallel.destroy()
-            self._layout_up = False
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-            self._owns_group = False
-        torch.set_num_threads(self._threads)
-
     def _checkpoint_module(self) -> torch.nn.Module:
         """The model, or with tensor / pipeline parallelism a view whose names carry this
         rank's coordinates (every rank holds a different shard under the same names)."""
-        from megatron.core import parallel_state as mps
+        from longboat.core.megatron.training import rank_prefix, rank_view
 
         model, lay = self.step_fn.model, self.layout
         if lay.tensor_parallel * lay.pipeline_parallel == 1:
             return model
-        prefix = (
-            f"tp{mps.get_tensor_model_parallel_rank()}_pp{mps.get_pipeline_model_parallel_rank()}"
-        )
-        view = torch.nn.Module()
-        for name, p in model.named_parameters():
-            view.register_parameter(f"{prefix}__{name.replace('.', '__')}", p)
-        return view
+        return rank_view(model.named_parameters(), rank_prefix())
 
 
 def build_training(cfg: Any) -> VLMTraining:
