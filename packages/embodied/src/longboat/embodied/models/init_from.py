@@ -1,5 +1,8 @@
 """``model.init_from``: start a run from released weights (pi0.5 in LeRobot's policy format,
-GR00T N1.6 in the Isaac-GR00T release layout).
+GR00T N1.6 in the Isaac-GR00T release layout), or from a Hugging Face backbone alone
+(``hf_backbones``: PaliGemma / SigLIP / Gemma for pi0.5, SigLIP2 / Qwen3 for GR00T; the
+architecture is then ``model.flavor``'s, checked against the backbone's config.json, and
+only that part is loaded).
 
 The architecture is the checkpoint's (its ``config.json``), not ``model.flavor``'s;
 ``model.overrides`` still apply on top (freezing, dtypes). The weights' names and shapes
@@ -20,6 +23,7 @@ from torch import nn
 
 from longboat.core.checkpoint.errors import CheckpointError
 from longboat.core.config.errors import ConfigError
+from longboat.embodied.models import hf_backbones
 from longboat.embodied.models.registry import apply_overrides, build_model, get_config
 
 SUPPORTED = ("pi05", "groot_n1_6")
@@ -81,6 +85,16 @@ def resolve_model_config(
     if not init_from:
         return get_config(name, flavor, overrides)
     _require_supported(name, init_from)
+    if hf_backbones.is_hf_backbone(init_from):
+        backbone = hf_backbones.read_backbone(init_from, name)
+        cfg = get_config(name, flavor, overrides)
+        hf_backbones.check_backbone_config(backbone, cfg)
+        from longboat.embodied.models.groot_n1_6.isaac_format import read_shapes
+
+        _family_adapter(name).backbone_state(
+            build_model(name, cfg, device="meta"), backbone, read_shapes(init_from)
+        )
+        return cfg
     if name == "groot_n1_6":
         return _resolve_groot(overrides, init_from)
     from longboat.embodied.models.groot_n1_6.isaac_format import read_shapes
@@ -100,17 +114,37 @@ def resolve_model_config(
     return cfg
 
 
-def load_initial_weights(model: nn.Module, name: str, init_from: str) -> None:
-    """Copy the ``init_from`` checkpoint into ``model`` (built from ``resolve_model_config``)."""
+def _family_adapter(name: str) -> Any:
+    if name == "groot_n1_6":
+        from longboat.embodied.models.groot_n1_6 import hf_backbone
+    else:
+        from longboat.embodied.models.pi05 import hf_backbone
+    return hf_backbone
+
+
+def load_initial_weights(model: nn.Module, name: str, init_from: str) -> str | None:
+    """Copy the ``init_from`` checkpoint into ``model`` (built from ``resolve_model_config``);
+    for a Hugging Face backbone, the one line saying what was loaded and what stays
+    initialised (None for a full checkpoint)."""
     _require_supported(name, init_from)
+    if hf_backbones.is_hf_backbone(init_from):
+        from longboat.embodied.models.groot_n1_6.isaac_format import read_tensors
+
+        backbone = hf_backbones.read_backbone(init_from, name)
+        hf_backbones.check_backbone_config(backbone, model.cfg)
+        adapter = _family_adapter(name)
+        ours = adapter.backbone_state(model, backbone, read_tensors(init_from))
+        left = hf_backbones.load_part(model, ours)
+        return hf_backbones.summary_line(backbone, len(ours), adapter.initialised_parts(left))
     if name == "groot_n1_6":
         from longboat.embodied.models.groot_n1_6.isaac_format import load_isaac_weights
 
         load_isaac_weights(model, init_from)
-        return
+        return None
     from longboat.embodied.models.pi05.lerobot_format import load_lerobot_weights
 
     load_lerobot_weights(model, init_from)
+    return None
 
 
 def _build_dataclass(cls: type, values: Mapping[str, Any]) -> Any:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from longboat.core.config.errors import ConfigError
+from longboat.embodied.models.hf_backbones import is_hf_backbone
 from longboat.embodied.models.pi05.lerobot_format import (
     lerobot_config_for,
     read_lerobot_config,
@@ -63,7 +64,7 @@ def export_lerobot_pi05(
     model = load_exported_policy(export_dir)
     base = None
     init_from = exported.get("init_from")
-    if init_from and (Path(init_from) / "config.json").is_file():
+    if init_from and (Path(init_from) / "config.json").is_file() and not is_hf_backbone(init_from):
         base = read_lerobot_config(init_from)  # keeps LeRobot's non-architecture fields
     cfg = lerobot_config_for(
         model,
@@ -114,7 +115,7 @@ def export_groot(
         )
     base = None
     init_from = exported.get("init_from")
-    if init_from and (Path(init_from) / "config.json").is_file():
+    if init_from and (Path(init_from) / "config.json").is_file() and not is_hf_backbone(init_from):
         base = read_isaac_config(init_from)  # keeps Isaac-GR00T's non-architecture fields
     return save_isaac_groot(model, out_dir, isaac_config_for(model, base))
 

@@ -166,7 +166,9 @@ def build_policy(
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
     model = build_model(cfg.model.name, model_cfg)
     if cfg.model.init_from:
-        load_initial_weights(model, cfg.model.name, cfg.model.init_from)
+        loaded = load_initial_weights(model, cfg.model.name, cfg.model.init_from)
+        if loaded and setup.rank == 0:
+            print(loaded, flush=True)  # a backbone alone: which parts stay initialised
     counts = apply_freezing(model, model_cfg)
     model.to(device)
     model = parallelize(

@@ -172,26 +172,26 @@ def config_from_lerobot(lerobot_cfg: dict[str, Any]) -> Pi05Config:
 
 # ---- key mapping -------------------------------------------------------------------------
 
-_PG = "model.paligemma_with_expert.paligemma.model."
-_VIS = _PG + "vision_tower.vision_model."
-_LM = _PG + "language_model."
+PALIGEMMA_PREFIX = "model.paligemma_with_expert.paligemma.model."
+VISION_PREFIX = PALIGEMMA_PREFIX + "vision_tower.vision_model."
+LM_PREFIX = PALIGEMMA_PREFIX + "language_model."
 _EX = "model.paligemma_with_expert.gemma_expert."
 _UNUSED_VLM_HEAD = "model.paligemma_with_expert.paligemma.lm_head.weight"
-_UNUSED_VLM_NORM = _LM + "norm.weight"
+_UNUSED_VLM_NORM = LM_PREFIX + "norm.weight"
 _UNUSED_EXPERT_HEAD = _EX + "lm_head.weight"
 
 
-def _renames(cfg: Pi05Config) -> dict[str, str]:
+def renames(cfg: Pi05Config) -> dict[str, str]:
     """Our key -> LeRobot key for every one-to-one tensor (the ViT's fused qkv aside)."""
     m: dict[str, str] = {
-        "vision.patch_embed.weight": _VIS + "embeddings.patch_embedding.weight",
-        "vision.patch_embed.bias": _VIS + "embeddings.patch_embedding.bias",
-        "vision.pos_embed": _VIS + "embeddings.position_embedding.weight",
-        "vision.post_layernorm.weight": _VIS + "post_layernorm.weight",
-        "vision.post_layernorm.bias": _VIS + "post_layernorm.bias",
-        "projector.weight": _PG + "multi_modal_projector.linear.weight",
-        "projector.bias": _PG + "multi_modal_projector.linear.bias",
-        "embed_tokens.weight": _LM + "embed_tokens.weight",
+        "vision.patch_embed.weight": VISION_PREFIX + "embeddings.patch_embedding.weight",
+        "vision.patch_embed.bias": VISION_PREFIX + "embeddings.patch_embedding.bias",
+        "vision.pos_embed": VISION_PREFIX + "embeddings.position_embedding.weight",
+        "vision.post_layernorm.weight": VISION_PREFIX + "post_layernorm.weight",
+        "vision.post_layernorm.bias": VISION_PREFIX + "post_layernorm.bias",
+        "projector.weight": PALIGEMMA_PREFIX + "multi_modal_projector.linear.weight",
+        "projector.bias": PALIGEMMA_PREFIX + "multi_modal_projector.linear.bias",
+        "embed_tokens.weight": LM_PREFIX + "embed_tokens.weight",
         "expert_norm.modulation.weight": _EX + "model.norm.dense.weight",
         "expert_norm.modulation.bias": _EX + "model.norm.dense.bias",
     }
@@ -199,7 +199,7 @@ def _renames(cfg: Pi05Config) -> dict[str, str]:
         for p in ("weight", "bias"):
             m[f"{name}.{p}"] = f"model.{name}.{p}"
     for i in range(cfg.vision.num_layers):
-        src, dst = f"vision.blocks.{i}.", f"{_VIS}encoder.layers.{i}."
+        src, dst = f"vision.blocks.{i}.", f"{VISION_PREFIX}encoder.layers.{i}."
         for ours, theirs in (
             ("layer_norm1", "layer_norm1"),
             ("layer_norm2", "layer_norm2"),
@@ -212,7 +212,7 @@ def _renames(cfg: Pi05Config) -> dict[str, str]:
     attn = ("q_proj", "k_proj", "v_proj", "o_proj")
     mlp = ("gate_proj", "up_proj", "down_proj")
     for i in range(cfg.llm.num_layers):
-        lm, lm_t = f"joint.layers.{i}.lm.", f"{_LM}layers.{i}."
+        lm, lm_t = f"joint.layers.{i}.lm.", f"{LM_PREFIX}layers.{i}."
         ex, ex_t = f"joint.layers.{i}.expert.", f"{_EX}model.layers.{i}."
         for a in attn:
             m[f"{lm}{a}.weight"] = f"{lm_t}self_attn.{a}.weight"
@@ -231,8 +231,9 @@ def _renames(cfg: Pi05Config) -> dict[str, str]:
     return m
 
 
-def _qkv_keys(i: int) -> list[str]:
-    return [f"{_VIS}encoder.layers.{i}.self_attn.{n}_proj" for n in ("q", "k", "v")]
+def qkv_keys(i: int) -> list[str]:
+    """LeRobot's q / k / v projection names (no .weight/.bias) of vision layer ``i``."""
+    return [f"{VISION_PREFIX}encoder.layers.{i}.self_attn.{n}_proj" for n in ("q", "k", "v")]
 
 
 def to_lerobot_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
@@ -241,12 +242,12 @@ def to_lerobot_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     cfg: Pi05Config = model.cfg
     ours = {k: v.detach() for k, v in model.state_dict().items()}
     out: dict[str, Tensor] = {}
-    for src, dst in _renames(cfg).items():
+    for src, dst in renames(cfg).items():
         out[dst] = ours[src]
     for i in range(cfg.vision.num_layers):
         for p in ("weight", "bias"):
             parts = ours[f"vision.blocks.{i}.qkv.{p}"].chunk(3, dim=0)
-            for key, part in zip(_qkv_keys(i), parts, strict=True):
+            for key, part in zip(qkv_keys(i), parts, strict=True):
                 out[f"{key}.{p}"] = part
     emb = ours["embed_tokens.weight"]
     out[_UNUSED_VLM_HEAD] = emb
@@ -259,10 +260,10 @@ def expected_lerobot_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]
     """LeRobot key -> shape a checkpoint must have for ``model`` (built on any device)."""
     cfg: Pi05Config = model.cfg
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    out = {dst: shapes[src] for src, dst in _renames(cfg).items()}
+    out = {dst: shapes[src] for src, dst in renames(cfg).items()}
     for i in range(cfg.vision.num_layers):
         d = cfg.vision.hidden_size
-        for key in _qkv_keys(i):
+        for key in qkv_keys(i):
             out[f"{key}.weight"], out[f"{key}.bias"] = (d, d), (d,)
     return out
 
@@ -297,10 +298,10 @@ def from_lerobot_state_dict(
             "action_expert_variant, image_resolution, chunk_size, max_action_dim)"
         )
         raise CheckpointError("\n".join(lines))
-    out = {src: state[dst] for src, dst in _renames(cfg).items()}
+    out = {src: state[dst] for src, dst in renames(cfg).items()}
     for i in range(cfg.vision.num_layers):
         for p in ("weight", "bias"):
-            parts = [state[f"{key}.{p}"] for key in _qkv_keys(i)]
+            parts = [state[f"{key}.{p}"] for key in qkv_keys(i)]
             out[f"vision.blocks.{i}.qkv.{p}"] = torch.cat(parts, dim=0)
     return out
 
