@@ -1,4 +1,4 @@
-"""``longboat-vlm``: ``train`` / ``config`` (core's stack CLI)."""
+"""``longboat-vlm``: ``train`` / ``config`` (core's stack CLI) and ``data inspect``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from collections.abc import Sequence
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``longboat-vlm``."""
     from longboat.core.cli import stack_main
+    from longboat.vlm.data.cli import data_main
 
-    return stack_main("vlm", argv)
+    commands = {"data": ("inspect conversation files as training would pack them", data_main)}
+    return stack_main("vlm", argv, commands=commands)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -121,12 +121,6 @@ def open_run_data(cfg: Any, model_cfg: Any) -> RunData:
         paths = [str(p) for p in train_files]
         eval_paths = [str(p) for p in eval_files]
     else:
-        if not data.paths:
-            raise ConfigError(
-                "no conversation files given",
-                key="data.paths",
-                fix="data.paths=[file.jsonl, ...] (LLaVA / ShareGPT JSON, JSONL or Parquet)",
-            )
         paths, eval_paths = list(data.paths), []
         tokenizer_dir = data.tokenizer or cfg.model.init_from_hf
         if tokenizer_dir is None:

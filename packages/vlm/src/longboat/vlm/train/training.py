@@ -96,6 +96,12 @@ class VLMTraining(MegatronTraining):
                 value=cfg.train.micro_batch_size,
                 fix="set it to 1 and pack more tokens per row with data.seq_len",
             )
+        if cfg.data.name != "shapes" and not cfg.data.paths:
+            raise ConfigError(
+                "no conversation files given",
+                key="data.paths",
+                fix="data.paths=[file.jsonl, ...] (LLaVA / ShareGPT JSON, JSONL or Parquet)",
+            )
 
     def _build(self, rank: int) -> None:
         from megatron.core import parallel_state as mps
