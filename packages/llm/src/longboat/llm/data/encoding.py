@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from longboat.core.data.chat import assistant_masked_ids
+
 __all__ = ["ChunkResult", "encode_pretrain", "encode_sft", "load_tokenizer", "render_sft"]
 
 Overflow = Literal["truncate", "drop"]
@@ -75,12 +77,6 @@ def encode_pretrain(
     return ChunkResult(_concat(docs), np.asarray([len(d) for d in docs], np.int64), None, stats)
 
 
-def _render(tok: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-    return tok.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation_prompt
-    )
-
-
 def render_sft(tok: Any, messages: Any, index: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of a chat record and its loss mask (1 on assistant-turn tokens)."""
     if not isinstance(messages, list) or not all(
@@ -90,27 +86,7 @@ def render_sft(tok: Any, messages: Any, index: int = 0) -> tuple[np.ndarray, np.
             f"record {index}: 'messages' must be a list of {{'role', 'content'}} dicts, "
             f"got {str(messages)[:80]!r}"
         )
-    full = _render(tok, messages, False)
-    spans: list[tuple[int, int]] = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = _render(tok, messages[:i], True) if i else ""
-        through = _render(tok, messages[: i + 1], False)
-        if not (full.startswith(through) and through.startswith(before)):
-            raise ValueError(
-                f"record {index}: the chat template does not render turn {i} as a prefix of "
-                "the conversation (it rewrites earlier turns), so assistant tokens cannot be "
-                "located; split the conversation or use a prefix-stable template"
-            )
-        spans.append((len(before), len(through)))
-    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids = np.asarray(enc["input_ids"], dtype=np.int64)
-    starts = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
-    mask = np.zeros(len(ids), dtype=np.uint8)
-    for a, b in spans:
-        mask[(starts >= a) & (starts < b)] = 1
-    return ids, mask
+    return assistant_masked_ids(tok, messages, at=f"record {index}")
 
 
 def encode_sft(

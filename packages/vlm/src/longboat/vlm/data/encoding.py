@@ -30,6 +30,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from longboat.core.data.chat import assistant_masked_ids
 from longboat.vlm.data.conversations import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversation
 from longboat.vlm.data.conversations import MediaRef as MediaRef
 from longboat.vlm.data.errors import (
@@ -99,14 +100,6 @@ class VisionTokens:
         return self.vision_start + pad + self.vision_end
 
 
-def _render(tok: Any, messages: Sequence[dict[str, str]], generation_prompt: bool) -> str:
-    if not messages:
-        return ""
-    return tok.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=generation_prompt
-    )
-
-
 def render_conversation(
     tokenizer: Any, messages: Sequence[dict[str, str]], tokens: VisionTokens, at: str = "sample"
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -120,27 +113,7 @@ def render_conversation(
         }
         for m in messages
     ]
-    full = _render(tokenizer, messages, False)
-    spans: list[tuple[int, int]] = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = _render(tokenizer, messages[:i], True)
-        through = _render(tokenizer, messages[: i + 1], False)
-        if not (full.startswith(through) and through.startswith(before)):
-            raise DataError(
-                f"{at}: the chat template does not render turn {i} as a prefix of the "
-                "conversation (it rewrites earlier turns), so the assistant tokens cannot be "
-                "located; use a prefix-stable template"
-            )
-        spans.append((len(before), len(through)))
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids = np.asarray(enc["input_ids"], dtype=np.int64)
-    starts = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
-    mask = np.zeros(len(ids), dtype=np.uint8)
-    for a, b in spans:
-        mask[(starts >= a) & (starts < b)] = 1
-    return ids, mask
+    return assistant_masked_ids(tokenizer, messages, at=at, error=DataError)
 
 
 def _expand(
