@@ -20,6 +20,9 @@ class VLMModelConfig(ModelConfig):
     freeze: list[str] = field(default_factory=list)
     """Components that do not train: any of ``vision`` (the ViT blocks), ``projector`` (the
     patch merger), ``language`` (the decoder)."""
+    recompute: list[str] = field(default_factory=list)
+    """Components whose activations are recomputed in the backward instead of kept (less
+    memory, one more forward): ``vision`` (each ViT block), ``language`` (each decoder layer)."""
     layer_backend: str = "auto"
     """Decoder layers: auto (Transformer Engine on CUDA when installed, else longboat
     kernels), longboat, te, local."""

@@ -147,6 +147,7 @@ class VLMTraining(MegatronTraining):
             precision=self.precision,
             device_type=self.accelerator.device_type,
             kernels=kernels,
+            recompute=tuple(cfg.model.recompute),
         )
         if cfg.model.init_from_hf:
             load_hf(model, mcfg, cfg.model.init_from_hf)

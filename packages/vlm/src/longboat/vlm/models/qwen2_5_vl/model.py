@@ -141,19 +141,39 @@ def build_qwen2_5_vl(
     precision: str = "fp32",
     device_type: str = "cpu",
     kernels: Any = None,
+    recompute: tuple[str, ...] = (),
 ) -> VisionLanguageModel:
-    """This rank's Qwen2.5-VL (one pipeline stage; megatron parallel state initialised)."""
+    """This rank's Qwen2.5-VL (one pipeline stage; megatron parallel state initialised).
+
+    ``recompute``: components whose activations are recomputed in the backward instead of
+    kept, ``vision`` (each ViT block) and ``language`` (each decoder layer).
+    """
     from longboat.core.megatron.models.build import build_decoder
     from longboat.vlm.models.qwen2_5_vl.vision import Qwen25VisionModel
 
     cfg.validate()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    unknown = sorted(set(recompute) - {"vision", "language"})
+    if unknown:
+        raise ConfigError(
+            f"model.recompute: unknown component(s) {unknown}", fix="use vision and / or language"
+        )
+    full = {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+    }
     chunks = build_decoder(
-        cfg.language, kernels=kernels, precision=precision, device_type=device_type
+        cfg.language,
+        kernels=kernels,
+        precision=precision,
+        device_type=device_type,
+        **(full if "language" in recompute else {}),
     )
     if len(chunks) != 1:
         raise ConfigError("parallel.virtual_pipeline_parallel: not supported by longboat-vlm yet")
     vision = Qwen25VisionModel(cfg.vision, params_dtype=dtype, kernels=kernels)
+    vision.recompute = "vision" in recompute
     position_ids = partial(
         mrope_position_ids,
         image_token_id=cfg.image_token_id,

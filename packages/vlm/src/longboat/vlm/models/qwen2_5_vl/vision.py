@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -374,6 +375,11 @@ class PatchMerger(MegatronModule):
         return x
 
 
+def _run_layer(layer: Any, x: torch.Tensor, freqs: torch.Tensor, params: Any) -> torch.Tensor:
+    out, _ = layer(x, attention_mask=None, rotary_pos_emb=freqs, packed_seq_params=params)
+    return out
+
+
 class Qwen25VisionModel(MegatronModule):
     """The Qwen2.5-VL ViT: ``forward(pixel_values, grid_thw) -> [merged tokens, out_hidden]``.
 
@@ -403,6 +409,8 @@ class Qwen25VisionModel(MegatronModule):
         )
         self.merger = PatchMerger(config, cfg, kernels)
         self._full = frozenset(cfg.fullatt_block_indexes)
+        self.recompute = False
+        """Recompute each block's activations in the backward instead of keeping them."""
 
     def forward(
         self,
@@ -432,6 +440,11 @@ class Qwen25VisionModel(MegatronModule):
         freqs = rotary_freqs(packing.positions, self.cfg)
         for i, layer in enumerate(self.layers):
             params = packing.full if i in self._full else packing.window
-            x, _ = layer(x, attention_mask=None, rotary_pos_emb=freqs, packed_seq_params=params)
+            if self.recompute and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(
+                    _run_layer, layer, x, freqs, params, use_reentrant=False
+                )
+            else:
+                x = _run_layer(layer, x, freqs, params)
         merged = self.merger(x.squeeze(1))
         return merged[packing.merged_inverse]
