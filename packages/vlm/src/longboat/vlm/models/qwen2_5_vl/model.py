@@ -264,24 +264,26 @@ def load_hf(model: VisionLanguageModel, cfg: Qwen25VLConfig, hf_dir: str | Path)
 
 def save_hf(model: VisionLanguageModel, cfg: Qwen25VLConfig, out_dir: str | Path) -> Path:
     """Write ``config.json`` + ``model.safetensors`` in the layout ``transformers`` loads
-    (collective over the world; vision tower at tensor parallel 1)."""
+    (collective over the world: tensor-parallel shards are gathered, rank 0 writes)."""
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from longboat.core.megatron.hf_io import gather_hf_state_dict, rank_coords
-    from longboat.vlm.models.qwen2_5_vl.vision_hf import vision_to_hf
+    from longboat.core.megatron.hf_io import gather_hf_state_dict, rank_coords, tp_shards
+    from longboat.vlm.models.qwen2_5_vl.vision_hf import unshard_vision_state_dict, vision_to_hf
 
-    if rank_coords().tp_size > 1:
-        raise ConfigError("exporting a tensor-parallel Qwen2.5-VL is not supported yet")
     out_dir = Path(out_dir)
+    coords = rank_coords()
     state = gather_hf_state_dict([model.language], cfg.language.to_arch(), prefix="model.")
+    local = {
+        k: v.detach()
+        for k, v in model.vision.state_dict().items()
+        if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
+    }
+    per_rank = [dict(zip(local, parts, strict=True)) for parts in
+                zip(*(tp_shards(v, coords) for v in local.values()), strict=True)]  # fmt: skip
+    vision = unshard_vision_state_dict(per_rank)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
-        vision = {
-            k: v.detach()
-            for k, v in model.vision.state_dict().items()
-            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
-        }
         state |= vision_to_hf(vision, cfg.vision, prefix="visual.")
         out_dir.mkdir(parents=True, exist_ok=True)
         for old in out_dir.glob("model*.safetensors*"):

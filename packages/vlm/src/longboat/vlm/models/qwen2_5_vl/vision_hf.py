@@ -13,7 +13,7 @@ interleaves them per head (q, k, v of head 0, then head 1, ...); HF's ``gate_pro
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -248,4 +248,25 @@ def shard_vision_state_dict(
             out[name] = x.chunk(tp_size, 1)[tp_rank].clone()
         else:
             out[name] = x.clone()
+    return out
+
+
+def unshard_vision_state_dict(
+    shards: Sequence[Mapping[str, torch.Tensor]],
+) -> dict[str, torch.Tensor]:
+    """The unsharded tower state dict from every tensor-parallel rank's part (in rank
+    order): the inverse of :func:`shard_vision_state_dict`."""
+    out: dict[str, torch.Tensor] = {}
+    for name in shards[0]:
+        parts = [s[name] for s in shards]
+        kind = _tp_kind(name)
+        if kind == "rows":
+            out[name] = torch.cat(parts, 0)
+        elif kind == "gate_up":
+            halves = [p.chunk(2, 0) for p in parts]
+            out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+        elif kind == "cols":
+            out[name] = torch.cat(parts, 1)
+        else:
+            out[name] = parts[0]
     return out
