@@ -153,6 +153,29 @@ class DecoderArch:
             raise ConfigError(problems)
 
 
+def unfused_layer_kwargs(dtype: Any) -> dict[str, Any]:
+    """``TransformerConfig`` fields every longboat megatron model shares: no megatron fusions
+    (the longboat kernels replace them), no dropout, CPU init, weights and pipeline
+    activations in ``dtype`` (a torch dtype)."""
+    import torch
+
+    return dict(
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+    )
+
+
 def to_transformer_config(
     arch: DecoderArch,
     *,
@@ -200,18 +223,7 @@ def to_transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         use_te_activation_func=kernel_activation,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         init_method_std=arch.init_std,
-        params_dtype=dtype,
-        bf16=precision == "bf16",
-        fp16=precision == "fp16",
-        pipeline_dtype=dtype,
         autocast_dtype=dtype,
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
@@ -220,9 +232,8 @@ def to_transformer_config(
         expert_model_parallel_size=expert_parallel,
         expert_tensor_parallel_size=1,
         sequence_parallel=sequence_parallel,
-        use_cpu_initialization=True,
-        gradient_accumulation_fusion=False,
         deallocate_pipeline_outputs=False,
+        **unfused_layer_kwargs(dtype),
     )
     if arch.mrope_section is not None:
         kwargs["mrope_section"] = list(arch.mrope_section)

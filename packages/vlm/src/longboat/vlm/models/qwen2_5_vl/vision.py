@@ -24,7 +24,6 @@ from core's ``LongboatSpecProvider``); the Transformer Engine spec is not offere
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +42,13 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from longboat.core.megatron.specs import KernelRMSNorm, LayerKernels, LongboatSpecProvider
+from longboat.core.megatron.decoder_config import unfused_layer_kwargs
+from longboat.core.megatron.specs import (
+    KernelCoreAttention,
+    KernelRMSNorm,
+    LayerKernels,
+    LongboatSpecProvider,
+)
 from longboat.vlm.models.qwen2_5_vl.vision_config import Qwen25VisionConfig
 
 VarlenAttentionFn = Callable[..., torch.Tensor]
@@ -201,32 +206,13 @@ def rotary_freqs(positions: torch.Tensor, cfg: Qwen25VisionConfig) -> torch.Tens
 # -- megatron modules ----------------------------------------------------------------------
 
 
-class VarlenCoreAttention(MegatronModule):
-    """megatron ``core_attention`` over packed segments (``packed_seq_params.cu_seqlens_q``).
+class VarlenCoreAttention(KernelCoreAttention):
+    """megatron ``core_attention`` over packed segments (``packed_seq_params.cu_seqlens_q``):
+    core's ``KernelCoreAttention`` with a varlen kernel (``attention_fn`` from the spec).
 
     Takes megatron's ``[s, 1, heads, d]`` q / k / v (sbhd, batch 1) and returns
     ``[s, 1, heads * d]``; without ``packed_seq_params`` all tokens attend to each other.
     """
-
-    def __init__(
-        self,
-        config: Any,
-        layer_number: int,
-        attn_mask_type: AttnMaskType,
-        attention_type: str,
-        attention_dropout: float | None = None,
-        softmax_scale: float | None = None,
-        cp_comm_type: str | None = None,
-        pg_collection: Any = None,
-        *,
-        attention_fn: VarlenAttentionFn = kernel_varlen_attention,
-    ) -> None:
-        super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("the vision tower's attention does not implement context parallelism")
-        self.causal = attn_mask_type == AttnMaskType.causal
-        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
-        self.attention_fn = attention_fn
 
     def forward(
         self,
@@ -249,8 +235,9 @@ class VarlenCoreAttention(MegatronModule):
         else:
             cu, max_len = packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q
         q, k, v = (t.squeeze(1) for t in (query, key, value))
+        causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
         out = self.attention_fn(
-            q, k, v, causal=self.causal, cu_seqlens=cu, max_seqlen=max_len,
+            q, k, v, causal=causal, cu_seqlens=cu, max_seqlen=max_len,
             scale=self.softmax_scale,
         )  # fmt: skip
         return out.reshape(s, 1, -1)
@@ -331,20 +318,8 @@ def vision_transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         use_te_activation_func=kernel_activation,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        fp16=params_dtype == torch.float16,
-        pipeline_dtype=params_dtype,
         tensor_model_parallel_size=tensor_parallel,
-        use_cpu_initialization=True,
-        gradient_accumulation_fusion=False,
+        **unfused_layer_kwargs(params_dtype),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
