@@ -16,7 +16,8 @@ class VLMModelConfig(ModelConfig):
     """``tiny`` (CPU tests), ``3b``, ``7b``; ignored with ``init_from_hf`` (the checkpoint's
     config.json gives the architecture)."""
     init_from_hf: str | None = None
-    """A Hugging Face ``Qwen2_5_VLForConditionalGeneration`` directory to start from."""
+    """A Hugging Face vision-language model directory to start from; its ``config.json``'s
+    ``model_type`` picks the family and gives the architecture."""
     freeze: list[str] = field(default_factory=list)
     """Components that do not train: any of ``vision`` (the ViT blocks), ``projector`` (the
     patch merger), ``language`` (the decoder)."""

@@ -44,18 +44,23 @@ RESUME_KEYS = (
 """What a checkpoint's sharded model and optimizer state depend on."""
 
 
-def model_config(cfg: Any) -> Any:
-    """The ``Qwen25VLConfig`` of the run: the checkpoint's with ``model.init_from_hf``, else
-    the flavor's (with the quickstart's token ids)."""
-    from longboat.vlm.models.qwen2_5_vl.model import flavor, read_hf_config
+def model_family(cfg: Any) -> Any:
+    """The run's ``VLMFamily``: the checkpoint's (its ``model_type``) with
+    ``model.init_from_hf``, else ``model.name``'s."""
+    from longboat.vlm.models.registry import family_of_hf_dir, get_family
 
-    if cfg.model.name != "qwen2_5_vl":
-        raise ConfigError(
-            "unknown VLM family", key="model.name", value=cfg.model.name, fix="use qwen2_5_vl"
-        )
     if cfg.model.init_from_hf:
-        return read_hf_config(cfg.model.init_from_hf)
-    return flavor(cfg.model.flavor)
+        return family_of_hf_dir(cfg.model.init_from_hf)
+    return get_family(cfg.model.name)
+
+
+def model_config(cfg: Any) -> Any:
+    """The model config of the run: the checkpoint's with ``model.init_from_hf``, else the
+    flavor's (the tokenizer's token ids are set later, with the data)."""
+    family = model_family(cfg).load()
+    if cfg.model.init_from_hf:
+        return family.read_hf_config(cfg.model.init_from_hf)
+    return family.flavor(cfg.model.flavor)
 
 
 def _row_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
@@ -110,6 +115,7 @@ class VLMTraining(MegatronTraining):
         from longboat.vlm.train.data import open_run_data
 
         cfg = self.cfg
+        self.family = model_family(cfg)
         self.model_cfg = model_config(cfg)
         self.data = open_run_data(cfg, self.model_cfg)
         self.model_cfg = self.data.model_cfg
@@ -133,7 +139,6 @@ class VLMTraining(MegatronTraining):
 
     def _build_step(self) -> Any:
         from longboat.kernels.layers import longboat_layer_kernels
-        from longboat.vlm.models.qwen2_5_vl.model import build_qwen2_5_vl, load_hf
         from longboat.vlm.train.step import VLMTrainStep
 
         cfg, mcfg = self.cfg, self.model_cfg
@@ -142,7 +147,8 @@ class VLMTraining(MegatronTraining):
         )
         # M-RoPE angles differ per token: megatron's rotation, not the 1D-position kernels.
         kernels = longboat_layer_kernels(rope=False, qkv_rope=False)
-        model = build_qwen2_5_vl(
+        family = self.family.load()
+        model = family.build(
             mcfg,
             precision=self.precision,
             device_type=self.accelerator.device_type,
@@ -150,7 +156,7 @@ class VLMTraining(MegatronTraining):
             recompute=tuple(cfg.model.recompute),
         )
         if cfg.model.init_from_hf:
-            load_hf(model, mcfg, cfg.model.init_from_hf)
+            family.load_hf(model, mcfg, cfg.model.init_from_hf)
         return VLMTrainStep(
             model, cfg.optim, precision=self.precision, frozen=tuple(cfg.model.freeze)
         )
@@ -204,10 +210,8 @@ class VLMTraining(MegatronTraining):
     def export(self) -> Path | None:
         if not self.cfg.vlm.export_hf:
             return None
-        from longboat.vlm.models.qwen2_5_vl.model import save_hf
-
         out = Path(self.cfg.vlm.export_dir or f"{self.cfg.output_dir}/hf")
-        save_hf(self.step_fn.model, self.model_cfg, out)
+        self.family.load().save_hf(self.step_fn.model, self.model_cfg, out)
         if self.is_main:
             self.data.save_processing(out)
         return out
@@ -216,7 +220,8 @@ class VLMTraining(MegatronTraining):
         m, lay, rows = self.model_cfg, self.layout, self.data.train
         lang, vis = m.language, m.vision
         lines = [
-            f"Model qwen2_5_vl/{self.cfg.model.flavor if not self.cfg.model.init_from_hf else 'hf'}:"
+            f"Model {self.family.name}/"
+            f"{self.cfg.model.flavor if not self.cfg.model.init_from_hf else 'hf'}:"
             f" ViT {vis.depth} layers x {vis.hidden_size}, decoder {lang.num_layers} layers x "
             f"{lang.hidden_size}, vocab {lang.vocab_size}; {self.precision}; "
             f"tp={lay.tensor_parallel} dp={lay.data_parallel}. Data: {len(rows)} packed rows of "

@@ -319,6 +319,11 @@ def _flavors() -> dict[str, Qwen25VLConfig]:
     }
 
 
+FLAVORS = ("tiny", "3b", "7b")
+build = build_qwen2_5_vl
+"""The registry's name for ``build_qwen2_5_vl``."""
+
+
 def flavor(name: str) -> Qwen25VLConfig:
     """Qwen2.5-VL flavor ``name``: ``tiny`` (CPU tests), ``3b``, ``7b`` (as released)."""
     flavors = _flavors()
