@@ -84,3 +84,44 @@ def cpu_train_step(
     if gate is not None:
         gate.end_step()
     return result
+
+
+def write_tiny_tokenizer(directory: Path, vocab_size: int = 400, extra_tokens: int = 0) -> Path:
+    """A small Gemma-style tokenizer saved with ``save_pretrained`` (``PreTrainedTokenizerFast``):
+    ``<pad>`` 0, ``<eos>`` 1, ``<bos>`` 2 prepended to every text, ``<unk>`` 3, and a byte-level
+    BPE trained on a few robot prompts, so any text (digits, newlines) tokenises. Built
+    locally, nothing downloaded; at most ``vocab_size`` ids, plus ``extra_tokens`` added
+    tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [
+        f"Task: pick up the {thing} and place it in the {where}, State: {' '.join(map(str, range(i, 256, 37)))};\nAction: "
+        for i, (thing, where) in enumerate(
+            [("red cube", "bowl"), ("cup", "sink"), ("green block", "box"), ("towel", "basket")]
+        )
+    ]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus * 4, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", 2)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
+    fast.add_tokens([f"<extra_{i}>" for i in range(extra_tokens)])
+    fast.save_pretrained(str(directory))
+    return Path(directory)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from embodied_testkit import write_tiny_tokenizer
 from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
@@ -252,11 +253,13 @@ def test_training_starts_from_a_siglip_backbone(tmp_path: Path, capsys) -> None:
     torch.manual_seed(3)
     hf = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**SIGLIP, image_size=56))
     directory = _save(hf, tmp_path / "siglip")
+    tokenizer = write_tiny_tokenizer(tmp_path / "tokenizer")  # LeRobot's prompt: exportable
     cfg = compose_experiment(
         "pi05_tiny",
         [
             f"output_dir={tmp_path / 'run'}",
             f"model.init_from={directory}",
+            f"model.tokenizer={tokenizer}",
             "train.steps=1",
             "train.micro_batch_size=2",
             "train.global_batch_size=null",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from embodied_testkit import write_tiny_tokenizer
 from safetensors.torch import load_file, save_file
 
 from longboat.core.checkpoint import CheckpointError
@@ -185,11 +186,13 @@ def test_processor_files_carry_the_stats(tmp_path: Path) -> None:
 def test_training_starts_from_a_lerobot_checkpoint(tmp_path: Path) -> None:
     """model.init_from: the run's step-0 weights are the checkpoint's; the export loads."""
     ckpt = _write(_random_model(seed=2), tmp_path / "ckpt")
+    tokenizer = write_tiny_tokenizer(tmp_path / "tokenizer")
     cfg = compose_experiment(
         "pi05_tiny",
         [
             f"output_dir={tmp_path / 'run'}",
             f"model.init_from={ckpt}",
+            f"model.tokenizer={tokenizer}",
             "train.steps=1",
             "train.micro_batch_size=2",
             "train.global_batch_size=null",

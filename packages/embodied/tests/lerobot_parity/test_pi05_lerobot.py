@@ -8,8 +8,9 @@ LeRobot builds only the gemma_2b / gemma_300m shapes with SigLIP So400m and Pali
 257152-token vocabulary; ``tiny_lerobot`` patches three names of its pi05 module for the
 test (the variant table, the PaliGemma constructor's vision / vocab sizes, and the
 config's variant check) so it builds our tiny flavor. Nothing is downloaded: the PaliGemma
-tokenizer (a Hub download in LeRobot's preprocessor) is never constructed; token ids go in
-directly.
+tokenizer (a Hub download in LeRobot's preprocessor) is never constructed where token ids go
+in directly; the end-to-end test tokenises with a tiny local tokenizer instead, through
+LeRobot's own preprocessor and longboat's collator alike.
 """
 
 from __future__ import annotations
@@ -280,25 +281,29 @@ def test_export_loads_in_lerobot(lerobot_dir: Path, tmp_path: Path) -> None:
 
 
 def test_trained_run_exports_to_lerobot(lerobot_dir: Path, tmp_path: Path) -> None:
-    """A longboat run started from the LeRobot checkpoint (model.init_from), trained 3 steps
-    and exported with train.lerobot_export: LeRobot's from_pretrained predicts our actions
-    and its normaliser maps a raw state as our training's did."""
-    from lerobot.processor import tokenizer_processor
+    """A longboat run started from the LeRobot checkpoint (model.init_from) with a local
+    tokenizer (model.tokenizer), trained 3 steps, writes its LeRobot directory itself
+    (export.format=auto). LeRobot's own preprocessor, loaded from it, tokenises the raw
+    samples' prompts exactly as longboat's collator did (the same ids and mask, its
+    normaliser the same state), and LeRobot's from_pretrained predicts our actions from it."""
+    from embodied_testkit import write_tiny_tokenizer
     from lerobot.processor.converters import batch_to_transition, transition_to_batch
     from lerobot.processor.pipeline import PolicyProcessorPipeline
 
     from longboat.core.config.compose import compose_experiment
     from longboat.embodied.data import LeRobotDataset
+    from longboat.embodied.models.pi05.processor import PromptTokenizer
     from longboat.embodied.train.export import load_exported_policy
-    from longboat.embodied.train.lerobot_export import export_lerobot_pi05
     from longboat.embodied.train.trainer import train
 
+    tokenizer = write_tiny_tokenizer(tmp_path / "tokenizer")
     run = tmp_path / "run"
     cfg = compose_experiment(
         "pi05_tiny",
         [
             f"output_dir={run}",
             f"model.init_from={lerobot_dir}",
+            f"model.tokenizer={tokenizer}",
             "train.steps=3",
             "train.micro_batch_size=2",
             "train.global_batch_size=null",
@@ -311,7 +316,7 @@ def test_trained_run_exports_to_lerobot(lerobot_dir: Path, tmp_path: Path) -> No
         world_size=1,
     )
     assert len(train(cfg).losses) == 3
-    out = export_lerobot_pi05(run / "export", tmp_path / "lerobot", dataset=run / "dataset")
+    out = run / "export" / "lerobot"
     ours = load_exported_policy(run / "export")
     with tiny_lerobot():
         policy = PI05Policy.from_pretrained(out)
@@ -324,51 +329,59 @@ def test_trained_run_exports_to_lerobot(lerobot_dir: Path, tmp_path: Path) -> No
         )
     )
     assert moved > 0  # training changed the weights
+
+    # Raw samples of the run's dataset through LeRobot's preprocessor (its tokenizer step
+    # loads the export's tokenizer/ folder: nothing is stubbed or downloaded).
+    pre = PolicyProcessorPipeline.from_pretrained(
+        out,
+        config_filename="policy_preprocessor.json",
+        to_transition=batch_to_transition,
+        to_output=transition_to_batch,
+    )
+    ds = LeRobotDataset(
+        run / "dataset", normalization={"observation.state": "min_max", "action": "min_max"}
+    )
+    rows = [0, 7, 13, 20]
+    samples = [ds[i] for i in rows]
     cams = [k for k in policy.config.image_features if "empty_camera" not in k]
-    x = _inputs(seed=5)
-    batch = {k: x["images"][:, i % x["images"].shape[1]] for i, k in enumerate(cams)}
-    batch["observation.language.tokens"] = x["tokens"]
-    batch["observation.language.attention_mask"] = x["mask"]
+    raw = {k: torch.stack([s[k] for s in samples]) for k in cams}
+    raw["observation.state"] = torch.as_tensor(
+        ds._columns["observation.state"][rows], dtype=torch.float32
+    )
+    raw["task"] = [s["task"] for s in samples]
+    theirs = pre(raw)
+    ids, mask = PromptTokenizer(tokenizer, ours.cfg.prompt_length())(
+        [s["task"] for s in samples], [s["observation.state"] for s in samples]
+    )
+    assert torch.equal(theirs["observation.language.tokens"].cpu(), ids)
+    assert torch.equal(theirs["observation.language.attention_mask"].cpu().bool(), mask)
+    torch.testing.assert_close(
+        theirs["observation.state"].float(),
+        torch.stack([s["observation.state"] for s in samples]).float(),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+    b = len(rows)
+    noise = torch.randn(b, 10, 8, generator=torch.Generator().manual_seed(5))
     policy.eval()
-    with mock.patch.object(policy.model, "sample_noise", lambda shape, device: x["noise"]):
-        ref = policy.predict_action_chunk(batch)
+    with mock.patch.object(policy.model, "sample_noise", lambda shape, device: noise):
+        ref = policy.predict_action_chunk(theirs)
     n_slots = ours.cfg.num_cameras
-    images = torch.zeros(B, n_slots, 3, 56, 56)
-    image_mask = torch.zeros(B, n_slots, dtype=torch.bool)
+    images = torch.zeros(b, n_slots, 3, 56, 56)
+    image_mask = torch.zeros(b, n_slots, dtype=torch.bool)
     for i, k in enumerate(cams):
-        images[:, i], image_mask[:, i] = batch[k], True
+        images[:, i], image_mask[:, i] = raw[k], True
     ours.eval()
     got = ours.predict_action(
         {
             "images": images,
             "image_mask": image_mask,
-            "input_ids": x["tokens"],
-            "attention_mask": x["mask"],
-            "state": torch.zeros(B, ours.cfg.max_state_dim),
-            "state_mask": torch.zeros(B, ours.cfg.max_state_dim, dtype=torch.bool),
+            "input_ids": ids,
+            "attention_mask": mask,
+            "state": torch.zeros(b, ours.cfg.max_state_dim),
         },
-        noise=x["noise"],
+        noise=noise,
     )[..., : ref.shape[-1]]
+    print(f"actions max abs diff {(got - ref).abs().max().item():.2e}")
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-4)
-
-    # LeRobot's preprocessor normaliser (tokenizer stubbed: a Hub download) vs ours.
-    with mock.patch.object(
-        tokenizer_processor.AutoTokenizer, "from_pretrained", lambda *a, **k: object()
-    ):
-        pre = PolicyProcessorPipeline.from_pretrained(
-            out,
-            config_filename="policy_preprocessor.json",
-            to_transition=batch_to_transition,
-            to_output=transition_to_batch,
-        )
-    norm = next(s for s in pre.steps if type(s).__name__ == "NormalizerProcessorStep")
-    ds = LeRobotDataset(
-        run / "dataset", normalization={"observation.state": "min_max", "action": "min_max"}
-    )
-    raw = torch.as_tensor(ds._columns["observation.state"][:4], dtype=torch.float32)
-    theirs = norm._normalize_observation({"observation.state": raw}, inverse=False)[
-        "observation.state"
-    ]
-    torch.testing.assert_close(
-        theirs, ds.normalizer.normalize("observation.state", raw).float(), rtol=1e-5, atol=1e-5
-    )

@@ -15,6 +15,8 @@ MASTER_WEIGHT_STRATEGIES = ("ddp",)
 """``parallel.strategy`` values that support ``train.master_weights`` (flat bf16 params +
 fp32 masters: the sharded or wrapped params of the others cannot be views of one buffer)."""
 LAYOUTS = ("v2.1", "v3.0")
+EXPORT_FORMATS = {"auto": None, "native": None, "lerobot": "pi05", "isaac": "groot_n1_6"}
+"""``export.format`` values and the family each is written for (None: any)."""
 VIDEO_BACKENDS = ("pyav", "torchcodec")
 
 
@@ -29,9 +31,15 @@ class PolicyModelConfig(ModelConfig):
     overrides: dict[str, Any] = field(default_factory=dict)
     """Dotted-key overrides of the family config, e.g. {"dit.dropout": 0.0}."""
     init_from: str | None = None
-    """A LeRobot policy directory (config.json + model.safetensors, e.g. lerobot/pi05_base)
-    to start from: its config.json gives the architecture (model.flavor is not used) and its
-    weights the initial values (pi05 only)."""
+    """A checkpoint to start from: a LeRobot pi0.5 policy directory (e.g. lerobot/pi05_base),
+    an Isaac-GR00T N1.6 directory (its statistics.json normalises the embodiments it
+    describes) or a Hugging Face backbone; a full checkpoint's config.json gives the
+    architecture (model.flavor is not used) and its weights the initial values."""
+    tokenizer: str | None = None
+    """pi05: a Hugging Face tokenizer directory (PaliGemma's for released checkpoints) that
+    tokenises the prompt as LeRobot's pi0.5 preprocessor does (task + state as text); null:
+    the tokenizer in model.init_from, if it holds one. Required for a pretrained pi0.5;
+    from-scratch runs without one use the byte-level stand-in tokenizer."""
 
 
 @dataclass
@@ -95,6 +103,11 @@ class ExportConfig:
     """Write <dir>/model.safetensors and <dir>/config.json after the last step."""
     dir: str | None = None
     """Export directory; null means <output_dir>/export."""
+    format: str = "auto"
+    """A second export beside the native one, in <dir>/<format>: lerobot (pi05: a LeRobot
+    policy directory with processors, statistics and tokenizer), isaac (groot_n1_6: the
+    Isaac-GR00T N1.6 layout with its statistics), native (none), or auto (lerobot for pi05
+    runs with a real tokenizer, isaac for groot_n1_6, else none)."""
 
 
 @dataclass
@@ -180,6 +193,7 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
                 value=synthetic.get("layout"),
                 fix=f"use one of {', '.join(LAYOUTS)}",
             )
+    check_export_keys(cfg, model_name, problems)
     eval_episodes = None if data is None else data.get("eval_episodes")
     if data is not None:
         check_eval_keys(eval_episodes, data.get("eval_batches", 4), problems)
@@ -242,6 +256,41 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
             "fp16 needs loss scaling, which embodied does not implement",
             value="fp16",
             fix="use bf16 or fp32",
+        )
+
+
+def check_export_keys(cfg: Any, model_name: Any, problems: ProblemCollector) -> None:
+    """``export.format`` is known and fits ``model.name``; ``model.tokenizer`` is pi05's."""
+    export = cfg.get("export")
+    fmt = export.get("format", "auto") if export is not None else "auto"
+    if fmt not in EXPORT_FORMATS:
+        problems.add(
+            "export.format",
+            "unknown export format",
+            value=fmt,
+            fix=f"use one of {', '.join(EXPORT_FORMATS)}",
+        )
+    elif isinstance(model_name, str) and EXPORT_FORMATS[fmt] not in (None, model_name):
+        problems.add(
+            "export.format",
+            f"{fmt} is written for {EXPORT_FORMATS[fmt]}, not model.name={model_name}",
+            value=fmt,
+            fix="use export.format=auto"
+            + (
+                " (groot_n1_6 in LeRobot's format: python -m "
+                "longboat.embodied.train.lerobot_export --lerobot-backbone)"
+                if fmt == "lerobot"
+                else ""
+            ),
+        )
+    model = cfg.get("model")
+    tokenizer = model.get("tokenizer") if model is not None else None
+    if tokenizer is not None and isinstance(model_name, str) and model_name != "pi05":
+        problems.add(
+            "model.tokenizer",
+            f"is read by pi05 only; {model_name} tokenises prompts with the byte-level stand-in",
+            value=tokenizer,
+            fix="set model.tokenizer=null",
         )
 
 

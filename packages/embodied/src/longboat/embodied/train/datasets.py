@@ -20,7 +20,9 @@ from longboat.embodied.data import (
     LeRobotMetadata,
     write_synthetic_dataset,
 )
+from longboat.embodied.data.normalize import Normalizer
 from longboat.embodied.data.verify import VerifyReport, verify_dataset
+from longboat.embodied.models.groot_n1_6.isaac_processor import embodiment_tags
 from longboat.embodied.train.policy_batch import ACTION_KEY, STATE_KEY
 
 _DONE = ".longboat_complete"
@@ -142,6 +144,10 @@ class OpenedDataset:
     None without a held-out set."""
     held_out: list[list[int]] = field(default_factory=list)
     """The held-out episode indices of each sub-dataset (in ``dataset_roots`` order)."""
+    norm_stats: list[dict[str, Any]] = field(default_factory=list)
+    """``{feature: {stat: values}}`` each sub-dataset's state and action are normalised with."""
+    stats_from_checkpoint: list[bool] = field(default_factory=list)
+    """Per sub-dataset: its statistics came from ``model.init_from`` (not its stats.json)."""
 
     @property
     def distinct_sizes(self) -> list[tuple[int, int]]:
@@ -234,6 +240,7 @@ def open_dataset(
     limits: Mapping[str, tuple[str, int]] | None = None,
     max_cameras: int | None = None,
     is_main: bool = True,
+    stats_for: Any = None,
 ) -> OpenedDataset:
     """The training dataset (concatenated over embodiments, less the held-out episodes of
     ``data.eval_episodes``, which form ``eval_dataset``), checked before any model is built:
@@ -241,7 +248,9 @@ def open_dataset(
     at most ``max_cameras`` cameras, the held-out set, every file with ``data.verify``.
 
     Each sample carries an action chunk of ``horizon`` steps (``delta_timestamps``) with
-    ``action_is_pad``; state and action are min-max normalised to [-1, 1] from the stats.
+    ``action_is_pad``; state and action are min-max normalised to [-1, 1] from the stats:
+    ``stats_for(index, tag, meta)`` (a checkpoint's, ``reference_formats``) where it gives
+    some, else the sub-dataset's ``meta/stats.json``.
     """
     roots = dataset_roots(root)
     metas = [LeRobotMetadata.load(r) for r in roots]
@@ -274,12 +283,23 @@ def open_dataset(
         report.raise_if_problems()
     parts: list[LeRobotDataset] = []
     eval_parts: list[LeRobotDataset] = []
+    norm_stats, from_checkpoint = [], []
+    modes = {STATE_KEY: "min_max", ACTION_KEY: "min_max"}
+    tags = embodiment_tags([r.name for r in roots])
     for emb_id, (ds_root, meta, out) in enumerate(zip(roots, metas, held, strict=True)):
+        given = stats_for(emb_id, tags[emb_id], meta) if stats_for is not None else None
+        used = (
+            dict(given)
+            if given is not None
+            else {k: meta.stats[k] for k in modes if k in meta.stats}
+        )
+        norm_stats.append(used)
+        from_checkpoint.append(given is not None)
         part = dict(
             delta_timestamps={ACTION_KEY: [k / meta.fps for k in range(horizon)]},
             video_backend=data.video_backend,
             camera_keys=cams,
-            normalization={STATE_KEY: "min_max", ACTION_KEY: "min_max"},
+            normalization=Normalizer(used, modes) if given is not None else modes,
             skip_bad_samples=data.skip_bad_samples,
             embodiment_id=None if "embodiment_id" in meta.features else emb_id,
         )
@@ -296,6 +316,8 @@ def open_dataset(
         verify=report,
         eval_dataset=_concat(eval_parts) if eval_parts else None,
         held_out=held,
+        norm_stats=norm_stats,
+        stats_from_checkpoint=from_checkpoint,
     )
 
 

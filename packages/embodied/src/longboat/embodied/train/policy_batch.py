@@ -7,9 +7,11 @@ to the model's image size first: ``PolicyBatchSpec.resize_cameras``),
 ``delta_timestamps`` with the padded dims);
 GR00T also takes ``embodiment_id`` and pi0.5 an ``image_mask`` for missing cameras.
 
-Task strings are tokenised with ``ByteTokenizer``, a deterministic byte-level
-stand-in: no hub tokenizer can be downloaded here. A real Qwen3 / PaliGemma
-tokenizer plugs in through the same ``encode(text) -> list[int]`` call.
+pi0.5 with a Hugging Face tokenizer (``model.tokenizer``) tokenises LeRobot's prompt, the
+task and the normalised state as text (``models.pi05.processor.PromptTokenizer``), padded
+to LeRobot's ``tokenizer_max_length``. Otherwise (from-scratch runs, GR00T) task strings
+go through ``ByteTokenizer``, a deterministic byte-level stand-in that no pretrained
+language model understands.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ ACTION_KEY = "action"
 
 
 class ByteTokenizer:
-    """UTF-8 bytes mapped into ``[1, limit)`` (0 is padding); ids >= limit stay reserved."""
+    """UTF-8 bytes mapped into ``[1, limit)`` (0 is padding); ids >= limit stay reserved.
+    A stand-in for from-scratch runs only: no pretrained language model reads these ids."""
 
     def __init__(self, limit: int) -> None:
         if limit < 3:
@@ -164,13 +167,22 @@ class PolicyCollator:
     """Collate LeRobotDataset samples into one policy batch (CPU tensors)."""
 
     def __init__(
-        self, spec: PolicyBatchSpec, camera_keys: Sequence[str], *, fixed_text_length: bool = False
+        self,
+        spec: PolicyBatchSpec,
+        camera_keys: Sequence[str],
+        *,
+        fixed_text_length: bool = False,
+        prompts: Any = None,
     ) -> None:
         """``fixed_text_length``: pad the text to ``spec.max_text_tokens`` in every batch (not
-        to the batch's longest), so every batch has the same shapes (a CUDA-graphed step)."""
+        to the batch's longest), so every batch has the same shapes (a CUDA-graphed step).
+        ``prompts``: a ``PromptTokenizer`` (pi0.5 with a Hugging Face tokenizer: the task and
+        the normalised state as text, always its ``max_length`` tokens); None: the task alone
+        through ``ByteTokenizer``."""
         self.spec = spec
         self.camera_keys = list(camera_keys)
         self.fixed_text_length = fixed_text_length
+        self.prompts = prompts
         self.tokenizer = ByteTokenizer(spec.vocab_limit)
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -208,13 +220,14 @@ class PolicyCollator:
                 frames, present = frames[: spec.num_cameras], present[: spec.num_cameras]
             images.append(torch.stack(frames))
             cam_masks.append(torch.tensor(present))
-            ids.append(self.tokenizer.encode(str(s.get("task", "")))[: spec.max_text_tokens])
-        length = spec.max_text_tokens if self.fixed_text_length else max(1, *map(len, ids))
-        input_ids = torch.zeros(len(samples), length, dtype=torch.int64)
-        attention = torch.zeros(len(samples), length, dtype=torch.bool)
-        for row, tokens in enumerate(ids):
-            input_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
-            attention[row, : len(tokens)] = True
+            if self.prompts is None:
+                ids.append(self.tokenizer.encode(str(s.get("task", "")))[: spec.max_text_tokens])
+        if self.prompts is not None:
+            input_ids, attention = self.prompts(
+                [str(s.get("task", "")) for s in samples], [s[STATE_KEY] for s in samples]
+            )
+        else:
+            input_ids, attention = self._pad_ids(ids)
         if len({im.shape for im in images}) > 1:  # samples of sub-datasets of other sizes
             images = [fit_frames(im, spec) for im in images]
         batch = {
@@ -233,6 +246,15 @@ class PolicyCollator:
         if spec.with_image_mask:
             batch["image_mask"] = torch.stack(cam_masks)
         return batch
+
+    def _pad_ids(self, ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        length = self.spec.max_text_tokens if self.fixed_text_length else max(1, *map(len, ids))
+        input_ids = torch.zeros(len(ids), length, dtype=torch.int64)
+        attention = torch.zeros(len(ids), length, dtype=torch.bool)
+        for row, tokens in enumerate(ids):
+            input_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+            attention[row, : len(tokens)] = True
+        return input_ids, attention
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

@@ -63,6 +63,14 @@ from longboat.embodied.train.policy_batch import (
     feature_limits,
     to_device,
 )
+from longboat.embodied.train.reference_formats import (
+    FORMAT_NAMES,
+    checkpoint_statistics,
+    plan_export,
+    prompt_tokenizer,
+    run_tokenizer,
+    write_export,
+)
 from longboat.embodied.train.step import GraphableStep, LaggedGuard, run_step, train_step
 
 CUDA_GRAPH_WARMUP = 3
@@ -94,11 +102,22 @@ class RunData:
     """The held-out episodes (``data.eval_episodes``); None: no held-out set."""
     held_out: list[list[int]] = field(default_factory=list)
     """The held-out episode indices of each sub-dataset."""
+    norm_stats: list[dict[str, Any]] = field(default_factory=list)
+    """The statistics each sub-dataset is normalised with."""
+    stats_from_checkpoint: list[bool] = field(default_factory=list)
+    """Per sub-dataset: those statistics are ``model.init_from``'s."""
 
 
-def model_overrides(cfg: EmbodiedExperimentConfig) -> dict[str, Any]:
-    """``model.overrides`` as the family config gets them."""
+def model_overrides(
+    cfg: EmbodiedExperimentConfig, *, state_in_prompt: bool = False
+) -> dict[str, Any]:
+    """``model.overrides`` as the family config gets them; ``state_in_prompt``: pi0.5 takes
+    LeRobot's pi0.5 inputs (a Hugging Face tokenizer spells the state in the prompt; frames
+    are not cropped inside the policy, as LeRobot's are not)."""
     overrides = dict(cfg.model.overrides)
+    if state_in_prompt and cfg.model.name == "pi05":
+        overrides.setdefault("state_in_prompt", True)
+        overrides.setdefault("image.crop_fraction", 1.0)
     # fp32 runs keep frozen weights in fp32 too (the bf16 split is the reference's
     # mixed-precision layout; without autocast it would only cost accuracy).
     if cfg.train.precision == "fp32":
@@ -107,10 +126,17 @@ def model_overrides(cfg: EmbodiedExperimentConfig) -> dict[str, Any]:
 
 
 def open_run_data(
-    cfg: EmbodiedExperimentConfig, model_cfg: Any, layout: BatchLayout, is_main: bool
+    cfg: EmbodiedExperimentConfig,
+    model_cfg: Any,
+    layout: BatchLayout,
+    is_main: bool,
+    *,
+    prompts: Any = None,
 ) -> RunData:
-    """The dataset (synthetic on first use when ``data.path`` is null), its collator and the
-    global batch plan."""
+    """The dataset (synthetic on first use when ``data.path`` is null), its collator (pi0.5
+    prompts through ``prompts``, a ``PromptTokenizer``, when given) and the global batch
+    plan; an Isaac-GR00T ``model.init_from``'s statistics normalise the sub-datasets whose
+    tag it knows."""
     root = (
         Path(cfg.data.path)
         if cfg.data.path
@@ -123,6 +149,7 @@ def open_run_data(
         limits=feature_limits(cfg.model.name, model_cfg),
         max_cameras=getattr(model_cfg, "num_cameras", None),
         is_main=is_main,
+        stats_for=checkpoint_statistics(cfg),
     )
     sizes = opened.distinct_sizes
     resized = len(sizes) > 1
@@ -133,6 +160,7 @@ def open_run_data(
         spec,
         opened.cameras,
         fixed_text_length=cfg.train.cuda_graph,  # one set of shapes for the graph
+        prompts=prompts,
     )
     image_hw = spec.image_size if resized else sizes[0]
     plan = GlobalBatchPlan(
@@ -151,6 +179,8 @@ def open_run_data(
         verify_summary=opened.verify.summary() if opened.verify is not None else None,
         eval_dataset=opened.eval_dataset,
         held_out=opened.held_out,
+        norm_stats=opened.norm_stats,
+        stats_from_checkpoint=opened.stats_from_checkpoint,
     )
 
 
@@ -231,11 +261,21 @@ class EmbodiedTraining(Training):
         t = cfg.train
         self.layout = batch_layout(t.global_batch_size, t.micro_batch_size, parallel.data_parallel)
         self.items_per_step = self.layout.global_batch
-        self.overrides = model_overrides(cfg)
+        self.tokenizer_dir = run_tokenizer(cfg)
+        self.overrides = model_overrides(cfg, state_in_prompt=self.tokenizer_dir is not None)
         self.model_cfg = resolve_model_config(
             cfg.model.name, cfg.model.flavor, self.overrides, cfg.model.init_from
         )
-        self.data = open_run_data(cfg, self.model_cfg, self.layout, self.is_main)
+        self.prompts = (
+            prompt_tokenizer(self.tokenizer_dir, self.model_cfg) if self.tokenizer_dir else None
+        )
+        self.data = open_run_data(
+            cfg, self.model_cfg, self.layout, self.is_main, prompts=self.prompts
+        )
+        self.export_format, self.export_skipped = plan_export(
+            cfg, self.model_cfg, len(self.data.norm_stats)
+        )
+        self.reference_export: Path | None = None
         self.position = DataPosition(self.data.plan, self.data.held_out)
         self.setup = ParallelSetup(
             strategy=parallel.strategy,
@@ -370,7 +410,8 @@ class EmbodiedTraining(Training):
     def export(self) -> Path | None:
         """``model.safetensors`` + ``config.json`` (``export.dir``, default
         ``<output_dir>/export``); with master weights, the fp32 masters (the trained values),
-        not their bf16 copy. Every rank takes part (the weights are gathered)."""
+        not their bf16 copy. Every rank takes part (the weights are gathered). Then, on rank
+        0, the reference format of ``export.format`` in ``<dir>/lerobot`` or ``<dir>/isaac``."""
         cfg = self.cfg
         if not cfg.export.enabled:
             return None
@@ -394,8 +435,21 @@ class EmbodiedTraining(Training):
                     "cameras": self.data.cameras,
                     "image_hw": list(self.data.image_hw),
                     "init_from": cfg.model.init_from,
+                    "tokenizer": str(self.tokenizer_dir) if self.tokenizer_dir else None,
                 },
             )
+        if self.export_format != "native":
+            if self.is_main:  # from the files just written: one process, no collective
+                self.reference_export = write_export(
+                    self.export_format,
+                    out,
+                    root=self.data.root,
+                    tokenizer=self.tokenizer_dir,
+                    cameras=self.data.cameras,
+                    stats=self.data.norm_stats,
+                )
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.barrier()
         return out
 
     def describe(self) -> list[str]:
@@ -439,6 +493,15 @@ class EmbodiedTraining(Training):
                 f"evaluated {when}at the start and the end on {len(ev.batches)} batch(es), "
                 f"{ev.num_samples} samples (eval_loss, eval_action_mse)."
             )
+        lines.append(self._prompt_line())
+        if any(data.stats_from_checkpoint):
+            which = [i for i, used in enumerate(data.stats_from_checkpoint) if used]
+            lines.append(
+                f"Normaliser: the statistics.json of model.init_from for sub-dataset(s) {which} "
+                "(their embodiment tag has statistics there); the rest from meta/stats.json."
+            )
+        if self.export_skipped:
+            lines.append(f"Export: native only (export.format=auto): {self.export_skipped}.")
         if data.bad_frames:
             lines.append(
                 f"Data: skipping {data.bad_frames} frame(s) with values far outside "
@@ -448,10 +511,29 @@ class EmbodiedTraining(Training):
             lines.append(data.verify_summary)
         return lines
 
+    def _prompt_line(self) -> str:
+        if self.prompts is not None:
+            return self.prompts.describe()
+        return (
+            "Prompts: task text through the byte-level stand-in tokenizer (ByteTokenizer; "
+            "from-scratch runs only, no pretrained language model reads its ids)"
+            + (
+                "; set model.tokenizer=<dir> for LeRobot's pi0.5 prompt."
+                if self.cfg.model.name == "pi05"
+                else "."
+            )
+        )
+
     def report(self, result: Any) -> list[str]:
         if result.export_dir is None:
             return []
-        return [f"Policy:      {result.export_dir} (load_exported_policy)"]
+        lines = [f"Policy:      {result.export_dir} (load_exported_policy)"]
+        if self.reference_export is not None:
+            lines.append(
+                f"{FORMAT_NAMES[self.export_format]}: {self.reference_export} (model.init_from"
+                + (", PI05Policy.from_pretrained)" if self.export_format == "lerobot" else ")")
+            )
+        return lines
 
 
 def build_training(cfg: Any) -> EmbodiedTraining:

@@ -41,7 +41,13 @@ class Pi05Config:
     state_token_offset: int | None = None
     """Token id of bin 0 (None: the last ``num_state_bins`` ids of the vocab)."""
     max_token_len: int = 200
-    """Maximum text + state tokens in the prompt."""
+    """Maximum text + state tokens in the prompt (the text gets ``max_token_len -
+    max_state_dim``: LeRobot's ``tokenizer_max_length``)."""
+    state_in_prompt: bool = False
+    """The state is spelled as text inside the tokenised prompt (LeRobot's / openpi's pi0.5
+    format, ``processor.pi05_prompt``), so no state tokens follow the text; False: the state
+    becomes ``max_state_dim`` discrete tokens after the text (runs with the byte-level
+    stand-in tokenizer)."""
     time_min_period: float = 4e-3
     """Smallest period of the sin-cos time embedding."""
     time_max_period: float = 4.0
@@ -95,6 +101,10 @@ class Pi05Config:
         if side is None:
             side = self.vision.pos_grid[0] * self.vision.patch_size
         return side, side
+
+    def prompt_length(self) -> int:
+        """Text tokens per prompt: LeRobot's ``tokenizer_max_length``."""
+        return self.max_token_len - self.max_state_dim
 
     @property
     def bin_offset(self) -> int:

@@ -167,6 +167,7 @@ def config_from_lerobot(lerobot_cfg: dict[str, Any]) -> Pi05Config:
         num_inference_steps=int(lerobot_cfg.get("num_inference_steps", 10)),
         noise_beta_alpha=float(lerobot_cfg.get("time_sampling_beta_alpha", 1.5)),
         frozen_dtype="float32",
+        state_in_prompt=True,  # LeRobot's preprocessor spells the state in the prompt
     )
 
 
@@ -395,7 +396,7 @@ def lerobot_config_for(
         min_period=cfg.time_min_period,
         max_period=cfg.time_max_period,
         image_resolution=[side, side],
-        tokenizer_max_length=cfg.max_token_len - cfg.max_state_dim,
+        tokenizer_max_length=cfg.prompt_length(),
         input_features={
             **{k: {"type": "VISUAL", "shape": [3, side, side]} for k in visual},
             "observation.state": {"type": "STATE", "shape": [state_dim]},

@@ -6,8 +6,12 @@ Written: ``policy_preprocessor.json`` (rename, batch, relative-actions off, norm
 pi0.5's state-into-prompt step, the PaliGemma tokenizer, device) and
 ``policy_postprocessor.json`` (unnormaliser, absolute-actions off, device), each
 normaliser's statistics in ``policy_{pre,post}processor_step_<i>_<name>.safetensors`` as
-``<feature>.<stat>`` float32 tensors. The tokenizer step names
-``google/paligemma-3b-pt-224``, which LeRobot fetches from the Hub when it loads it.
+``<feature>.<stat>`` float32 tensors. Given the run's tokenizer directory, its files are
+copied into ``tokenizer/`` and the tokenizer step names that folder by its absolute path
+(LeRobot passes ``tokenizer_name`` to ``AutoTokenizer.from_pretrained`` as it is; after
+moving the directory, override it: ``overrides={"tokenizer_processor": {"tokenizer_name":
+...}}``); without one it names ``google/paligemma-3b-pt-224``, which LeRobot fetches from
+the Hub.
 """
 
 from __future__ import annotations
@@ -21,8 +25,13 @@ import torch
 from safetensors.torch import save_file
 
 from longboat.core.config.errors import ConfigError
+from longboat.embodied.models.pi05.processor import (
+    PALIGEMMA_TOKENIZER,
+    TOKENIZER_DIR,
+    copy_tokenizer,
+)
 
-TOKENIZER = "google/paligemma-3b-pt-224"
+TOKENIZER = PALIGEMMA_TOKENIZER
 STATS = ("mean", "std", "min", "max", "q01", "q99")
 NEEDED = {"MEAN_STD": ("mean", "std"), "MIN_MAX": ("min", "max"), "QUANTILES": ("q01", "q99")}
 """The statistics each LeRobot normalisation mode reads."""
@@ -64,14 +73,19 @@ def save_lerobot_processors(
     stats: Mapping[str, Mapping[str, Any]],
     *,
     device: str = "cpu",
+    tokenizer: str | Path | None = None,
 ) -> list[Path]:
     """Write LeRobot's pre/post-processor files for a pi0.5 ``lerobot_cfg`` (the dict that
     ``lerobot_config_for`` returns) with ``stats`` ({feature: {mean, std, min, max, q01,
     q99}}, e.g. a dataset's ``meta/stats.json``; each feature needs the two its
-    ``normalization_mapping`` mode reads, the others are kept when given). Returns the
-    files written."""
+    ``normalization_mapping`` mode reads, the others are kept when given) and ``tokenizer``
+    (a tokenizer directory copied into ``tokenizer/``; None: PaliGemma's Hub name). Returns
+    the files written."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    tokenizer_name = TOKENIZER
+    if tokenizer is not None:
+        tokenizer_name = str(copy_tokenizer(tokenizer, directory / TOKENIZER_DIR).resolve())
     inputs = dict(lerobot_cfg["input_features"])
     outputs = dict(lerobot_cfg["output_features"])
     norm_map = dict(lerobot_cfg.get("normalization_mapping") or {})
@@ -108,7 +122,7 @@ def save_lerobot_processors(
                     "padding_side": "right",
                     "padding": "max_length",
                     "truncation": True,
-                    "tokenizer_name": TOKENIZER,
+                    "tokenizer_name": tokenizer_name,
                 },
             },
             device_step,

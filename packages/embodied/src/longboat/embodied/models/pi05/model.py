@@ -10,7 +10,8 @@ image_mask         [B, n_cams] bool             optional; False = missing camera
 input_ids          [B, L] int64                 tokenised task prompt
 attention_mask     [B, L] bool/int              1 = real token
 state              [B, max_state_dim] float     normalised to [-1, 1]; becomes 256-bin
-                                                tokens appended to the prompt
+                                                tokens appended to the prompt (none with
+                                                ``state_in_prompt``: the prompt spells it)
 state_mask         [B, max_state_dim] bool      optional; 0 = padded dim (no token)
 action             [B, H, action_dim] float     padded action chunk (training only)
 action_mask        broadcastable to action      1 = real (step, dim); loss is masked by it
@@ -18,6 +19,7 @@ noise, time        [B, H, A], [B] (optional)    fix the flow-matching draw (test
 =================  ===========================  =========================================
 
 Prefix = [image tokens, text tokens, state tokens]; suffix = the H noisy action tokens.
+With ``cfg.state_in_prompt`` (LeRobot's format) the prefix ends with the text.
 """
 
 from __future__ import annotations
@@ -110,10 +112,11 @@ class Pi05(nn.Module):
                 f"batch['state'] has {batch['state'].shape[-1]} dims, model expects "
                 f"max_state_dim={self.cfg.max_state_dim} (pad the state)"
             )
-        n_tok = batch["input_ids"].shape[1] + self.cfg.max_state_dim
+        n_state = 0 if self.cfg.state_in_prompt else self.cfg.max_state_dim
+        n_tok = batch["input_ids"].shape[1] + n_state
         if n_tok > self.cfg.max_token_len:
             raise ValueError(
-                f"prompt of {batch['input_ids'].shape[1]} text + {self.cfg.max_state_dim} state "
+                f"prompt of {batch['input_ids'].shape[1]} text + {n_state} state "
                 f"tokens exceeds max_token_len={self.cfg.max_token_len}; truncate the text"
             )
         if need_action and batch["action"].shape[-1] != self.cfg.action_dim:
@@ -141,12 +144,15 @@ class Pi05(nn.Module):
         img_valid = cam_mask.bool().repeat_interleave(t, dim=1)
         text = self.embed(batch["input_ids"])
         text_valid = batch["attention_mask"].bool()
+        dtype = torch.promote_types(img.dtype, text.dtype)
+        if self.cfg.state_in_prompt:  # the tokenised prompt spells the state
+            emb = torch.cat([img.to(dtype), text.to(dtype)], dim=1)
+            return emb, torch.cat([img_valid, text_valid], dim=1)
         state_ids = discretize_state(batch["state"], self.cfg.num_state_bins) + self.cfg.bin_offset
         state_emb = self.embed(state_ids)
         state_valid = batch.get("state_mask")
         if state_valid is None:
             state_valid = torch.ones_like(state_ids, dtype=torch.bool)
-        dtype = torch.promote_types(img.dtype, text.dtype)
         emb = torch.cat([img.to(dtype), text.to(dtype), state_emb.to(dtype)], dim=1)
         return emb, torch.cat([img_valid, text_valid, state_valid.bool()], dim=1)
 
