@@ -65,6 +65,22 @@ FULL = dict(
 TINY = dict(
     vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, seq=64, micro_batch=2
 )
+QWEN3_1_7B = dict(
+    family="qwen3",
+    vocab=151936,
+    hidden=2048,
+    layers=28,
+    heads=16,
+    kv_heads=8,
+    head_dim=128,
+    ffn=6144,
+    seq=4096,
+    micro_batch=2,
+    tie=1,
+)
+"""The real-vocabulary shape: Qwen3-1.7B (qk-norm, tied embeddings), seq 4096, micro-batch 2."""
+SHAPES = {"886m": FULL, "qwen3_1_7b": QWEN3_1_7B}
+TINY_SHAPES = {"886m": TINY, "qwen3_1_7b": {**TINY, "family": "qwen3", "tie": 1}}
 VARIANTS: dict[str, list[str]] = {
     "longboat": [],
     "longboat_compiled": ["train.compile=true"],
@@ -91,12 +107,14 @@ RUN_WEIGHT = {"hf_compiled": 4.0, "longboat_compiled": 2.5, "hf_eager": 1.5, "lo
 
 def shape_overrides(c: dict[str, int], world: int = 1) -> list[str]:
     """The benchmark's model shape and batch (``micro_batch`` per data-parallel rank)."""
+    family = c.get("family", "llama3")
     return [
-        "model=llama3_tiny", f"model.vocab_size={c['vocab']}", f"model.hidden_size={c['hidden']}",
+        f"model={family}_tiny", f"model.vocab_size={c['vocab']}", f"model.hidden_size={c['hidden']}",
         f"model.num_layers={c['layers']}", f"model.num_attention_heads={c['heads']}",
         f"model.num_query_groups={c['kv_heads']}", f"model.head_dim={c['head_dim']}",
         f"model.ffn_hidden_size={c['ffn']}", f"model.max_position_embeddings={c['seq']}",
-        "model.tie_embeddings=false", f"train.micro_batch_size={c['micro_batch']}",
+        f"model.tie_embeddings={str(bool(c.get('tie', 0))).lower()}",
+        f"train.micro_batch_size={c['micro_batch']}",
         f"train.global_batch_size={c['micro_batch'] * world}",
     ]  # fmt: skip
 
@@ -146,7 +164,7 @@ def run_baseline(name: str, cfg: Any, c: dict[str, int], acc: Any, args: Any) ->
         if name == "mcore_local_spec":
             step = run = ref.McoreStep(cfg.model, cfg.optim, device)
         elif name in ("hf_eager", "hf_compiled", "hf_liger"):
-            model = ref.hf_llama(cfg.model, device)
+            model = ref.hf_causal_lm(cfg.model, device)
             step = ref.HFStep(
                 model, cfg.optim, device, compiled=name == "hf_compiled", liger=name == "hf_liger"
             )
@@ -222,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="886m", help="model shape")
     p.add_argument("--steps", type=int, default=10, help="timed steps per run (>= 10 for results)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--runs", default=None, help=f"comma list out of {','.join(ALL_RUNS)}")
@@ -235,8 +254,10 @@ def main(argv: list[str] | None = None) -> int:
 
     acc = get_accelerator()
     on_gpu = acc.device_type != "cpu"
-    c = dict(TINY if args.tiny else FULL)
+    c = dict(TINY_SHAPES[args.shape] if args.tiny else SHAPES[args.shape])
     default = ALL_RUNS if on_gpu else ("hf_eager", "mcore_local_spec", "longboat")
+    if c.get("family", "llama3") != "llama3":  # megatron's local spec baseline is Llama-shaped
+        default = tuple(r for r in default if r != "mcore_local_spec")
     if importlib.util.find_spec("liger_kernel") is None:  # a peer not installed is no failure
         default = tuple(r for r in default if r != "hf_liger")
     runs = args.runs.split(",") if args.runs else list(default)
@@ -244,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     flops = ref.flops_per_token(cfg.model, c["seq"])
     config = {
         **c,
-        "flavor": "tiny" if args.tiny else "886m",
+        "flavor": f"tiny_{args.shape}" if args.tiny else args.shape,
         "experiment": EXPERIMENT,
         "overrides": overrides(c),
         "variants": VARIANTS,

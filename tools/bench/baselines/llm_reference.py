@@ -48,7 +48,7 @@ def param_count(m: Any) -> int:
     """Parameters of the Llama-style model ``m`` (an ``LLMModelConfig``)."""
     h, hd = m.hidden_size, m.head_dim
     attn = h * m.num_attention_heads * hd * 2 + 2 * h * m.num_query_groups * hd
-    layer = attn + 3 * h * m.ffn_hidden_size + 2 * h
+    layer = attn + 3 * h * m.ffn_hidden_size + 2 * h + (2 * hd if getattr(m, "qk_norm", False) else 0)
     return (1 if m.tie_embeddings else 2) * m.vocab_size * h + m.num_layers * layer + h
 
 
@@ -80,11 +80,17 @@ def lr_factor(schedule: Any, total_steps: int) -> Callable[[int], float]:
     return f
 
 
-def hf_llama(m: Any, device: torch.device) -> torch.nn.Module:
-    """``LlamaForCausalLM`` with the shapes of ``m``, in train mode."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def hf_causal_lm(m: Any, device: torch.device) -> torch.nn.Module:
+    """``LlamaForCausalLM`` (or ``Qwen3ForCausalLM`` for ``m.name == "qwen3"``) with the
+    shapes of ``m``, in train mode."""
+    import transformers
 
-    cfg = LlamaConfig(
+    kind = {"llama3": "Llama", "qwen3": "Qwen3"}.get(m.name)
+    if kind is None:
+        raise ValueError(f"model.name={m.name}: the HF baseline knows llama3 and qwen3")
+    config_cls = getattr(transformers, f"{kind}Config")
+    model_cls = getattr(transformers, f"{kind}ForCausalLM")
+    cfg = config_cls(
         vocab_size=m.vocab_size,
         hidden_size=m.hidden_size,
         intermediate_size=m.ffn_hidden_size,
@@ -102,8 +108,11 @@ def hf_llama(m: Any, device: torch.device) -> torch.nn.Module:
     )
     cfg._attn_implementation = "sdpa"
     with device:
-        model = LlamaForCausalLM(cfg)
+        model = model_cls(cfg)
     return model.train()
+
+
+hf_llama = hf_causal_lm
 
 
 class HFStep:
@@ -121,9 +130,10 @@ class HFStep:
         lr_factor: Callable[[int], float] | None = None,
     ) -> None:
         if liger:
-            from liger_kernel.transformers import apply_liger_kernel_to_llama
+            import liger_kernel.transformers as liger_kernels
 
-            apply_liger_kernel_to_llama(model=model)
+            family = "qwen3" if type(model).__name__.startswith("Qwen3") else "llama"
+            getattr(liger_kernels, f"apply_liger_kernel_to_{family}")(model=model)
         # Liger patches the instance's forward (not the class's) when given the model.
         self.forward_module = getattr(model.forward, "__func__", model.forward).__module__
         self.logits_materialised: bool | None = None
