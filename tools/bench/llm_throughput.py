@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         return entry(name, run_baseline(name, cfg, c, acc, args), flops)
 
     def write() -> None:
-        stem = f"llm_throughput_{result['date']}"
+        shape = "" if args.shape == "886m" else f"{args.shape}_"
+        stem = f"llm_throughput_{shape}{result['date']}"
         note = f"config: {json.dumps(config)}" + "".join(
             f"\n\n{r['name']}: forward from `{r['notes']['forward']}`, "
             + ("[tokens, vocab] logits materialised" if r["notes"].get("logits_materialised")
