@@ -3,7 +3,8 @@
     python tools/bench/llm_loss_alignment.py --out results.json [--tiny] [--steps 200]
         [--micro-batch 4] [--seq 2048] [--results-dir DIR] [--override KEY=VALUE ...]
 
-A seeded fp32 ``transformers.LlamaForCausalLM`` of llm_throughput's shape is saved with
+A seeded fp32 ``transformers`` model of llm_throughput's shape (``--shape``: ``LlamaForCausalLM``
+for the 886M shape, ``Qwen3ForCausalLM`` for ``qwen3_1_7b``) is saved with
 ``save_pretrained``; longboat starts from it (``llm.init_from_hf``), the reference loads it again.
 
 - ``longboat``: ``longboat-llm train experiment=quickstart`` with llm_throughput's shape and
@@ -51,10 +52,13 @@ def data_overrides(c: dict[str, int], cache: Path) -> list[str]:
             f"data.vocab_size={min(1024, c['vocab'])}", f"data.out_dir={cache}"]  # fmt: skip
 
 
-def shape(tiny: bool, micro_batch: int | None = None, seq: int | None = None) -> dict[str, int]:
-    """llm_throughput's shape at micro-batch 4 (tiny: 2, and 512 ids: room for the byte-level
-    BPE's 256 + special ids)."""
-    c = dict(lt.TINY if tiny else lt.FULL, micro_batch=micro_batch or (2 if tiny else 4))
+def shape(
+    tiny: bool, micro_batch: int | None = None, seq: int | None = None, name: str = "886m"
+) -> dict[str, int]:
+    """llm_throughput's shape ``name`` at micro-batch 4 (tiny: 2, and 512 ids: room for the
+    byte-level BPE's 256 + special ids)."""
+    base = lt.TINY_SHAPES[name] if tiny else lt.SHAPES[name]
+    c = dict(base, micro_batch=micro_batch or (2 if tiny else 4))
     if tiny:
         c["vocab"] = 512
     return {**c, "seq": seq or c["seq"]}
@@ -64,10 +68,10 @@ def reference_losses(
     hf_dir: Path, batches: list[list[dict]], cfg: Any, acc: Any, *, bf16: bool, reverse: bool
 ) -> list[float]:
     """``hf_eager`` from ``hf_dir`` over ``batches`` (one microbatch a step)."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     device = acc.device()
-    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).train()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).train()
     factor = ref.lr_factor(cfg.optim.schedule, cfg.train.steps)
     step = ref.HFStep(model, cfg.optim, device, autocast=bf16, lr_factor=factor)
     losses = []
@@ -83,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke)")
+    p.add_argument("--shape", choices=sorted(lt.SHAPES), default="886m", help="model shape")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--micro-batch", type=int, default=None, help="default 4 (tiny: 2)")
     p.add_argument("--seq", type=int, default=None, help="default 2048 (tiny: 64)")
@@ -97,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from longboat.core.device import get_accelerator
 
     acc = get_accelerator()
-    c = shape(args.tiny, args.micro_batch, args.seq)
+    c = shape(args.tiny, args.micro_batch, args.seq, args.shape)
     cache = args.data_dir or CACHE
     extra = [f"{k}={v}" for k, v in key_values(args.override, "--override").items()]
     with tempfile.TemporaryDirectory(prefix="llm_align_hf_") as hf_dir:
@@ -109,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         model_cfg = compose("llm", lt.EXPERIMENT, ov[:-1], "unused").model
         torch.manual_seed(args.seed)
-        ref.hf_llama(model_cfg, torch.device("cpu")).save_pretrained(hf_dir)
+        ref.hf_causal_lm(model_cfg, torch.device("cpu")).save_pretrained(hf_dir)
         seen: dict[str, Any] = {}
 
         def prepare(training: Any) -> None:  # the batches the trainer will train on
@@ -141,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     result["longboat_median_step_s"] = r["timing"].summary(r["items_per_step"])["median_step_s"]
     title = f"llm_loss_alignment {result['date']} {result['gpu']}: max |dloss| {max(diffs):.4f}"
     write_results(result, out=args.out, results_dir=args.results_dir,
-                  stem=f"llm_loss_alignment_{result['date']}", table=bench_align.table(result),
+                  stem=f"llm_loss_alignment_{'' if args.shape == '886m' else args.shape + '_'}{result['date']}", table=bench_align.table(result),
                   plot=bench_align.plot(result, title))  # fmt: skip
     print(bench_align.table(result))
     return 0
