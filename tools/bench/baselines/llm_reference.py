@@ -48,7 +48,9 @@ def param_count(m: Any) -> int:
     """Parameters of the Llama-style model ``m`` (an ``LLMModelConfig``)."""
     h, hd = m.hidden_size, m.head_dim
     attn = h * m.num_attention_heads * hd * 2 + 2 * h * m.num_query_groups * hd
-    layer = attn + 3 * h * m.ffn_hidden_size + 2 * h + (2 * hd if getattr(m, "qk_norm", False) else 0)
+    layer = (
+        attn + 3 * h * m.ffn_hidden_size + 2 * h + (2 * hd if getattr(m, "qk_norm", False) else 0)
+    )
     return (1 if m.tie_embeddings else 2) * m.vocab_size * h + m.num_layers * layer + h
 
 
