@@ -201,6 +201,23 @@ class LoggingConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters on a decoder's attention and MLP linears (``lora`` of the llm and
+    vlm stacks; ``longboat.core.megatron.lora`` applies them)."""
+
+    enabled: bool = False
+    """Train adapters only (the base weights are frozen)."""
+    rank: int = 8
+    """Adapter rank r."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter output is multiplied by alpha / rank."""
+    targets: list[str] = field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    )
+    """Names of the megatron linears that get adapters (attention: qkv/proj, MLP: fc1/fc2)."""
+
+
+@dataclass
 class ExperimentConfig:
     """Root config composed from the groups below."""
 

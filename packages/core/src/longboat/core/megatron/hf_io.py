@@ -242,10 +242,16 @@ def save_hf_weights(
     out_dir: str | Path,
     *,
     prefix: str = "model.",
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write the model as HF safetensors shards + index into ``out_dir`` (collective)."""
+    """Write the model as HF safetensors shards + index into ``out_dir`` (collective).
+
+    ``extra``: more HF tensors this rank writes with its share (a VLM's vision tower, on the
+    rank that gathered it); each pipeline stage's owner writes its own layers.
+    """
     out_dir = Path(out_dir)
     state = gather_hf_state_dict(chunks, arch, prefix=prefix)
+    state |= {k: v.detach().contiguous().cpu() for k, v in (extra or {}).items()}
     rank = dist.get_rank() if dist.is_initialized() else 0
     has_state: list[Any] = [bool(state)]
     if dist.is_initialized():

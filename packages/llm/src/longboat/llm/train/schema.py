@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from longboat.core.config.schema import DataConfig, ExperimentConfig
+from longboat.core.config.schema import LoRAConfig as CoreLoRAConfig
 
 
 @dataclass
@@ -74,19 +75,9 @@ class SyntheticTokensDataConfig(DataConfig):
 
 
 @dataclass
-class LoRAConfig:
-    """Low-rank adapters on the attention and MLP linears."""
+class LoRAConfig(CoreLoRAConfig):
+    """Low-rank adapters on the attention and MLP linears (core's fields + a PEFT start)."""
 
-    enabled: bool = False
-    """Train adapters only (the base weights are frozen)."""
-    rank: int = 8
-    """Adapter rank r."""
-    alpha: float = 16.0
-    """Scale numerator: the adapter output is multiplied by alpha / rank."""
-    targets: list[str] = field(
-        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
-    )
-    """Names of the megatron linears that get adapters (attention: qkv/proj, MLP: fc1/fc2)."""
     init_from: str | None = None
     """A PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) to
     start the adapters from, e.g. one an earlier run exported (null: B = 0, A random)."""
