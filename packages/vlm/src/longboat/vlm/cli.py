@@ -1,4 +1,5 @@
-"""``longboat-vlm``: ``train`` / ``config`` (core's stack CLI) and ``data inspect``."""
+"""``longboat-vlm``: ``train`` / ``config`` (core's stack CLI) and ``data prepare`` /
+``inspect``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from longboat.core.cli import stack_main
     from longboat.vlm.data.cli import data_main
 
-    commands = {"data": ("inspect conversation files as training would pack them", data_main)}
+    commands = {
+        "data": ("prepare a run's encoded data once; inspect conversation files", data_main)
+    }
     return stack_main("vlm", argv, commands=commands)
 
 

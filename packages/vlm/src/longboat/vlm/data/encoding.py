@@ -181,10 +181,14 @@ class SampleEncoder:
         self.tokens = tokens or VisionTokens.from_tokenizer(tokenizer)
 
     def _merged(self, grid: Sequence[int]) -> int:
+        if hasattr(self.processor, "grid_tokens"):  # a processor with its own token rule
+            return int(self.processor.grid_tokens(grid))
         return int(np.prod(grid)) // self.processor.config.merge_size**2
 
-    def _image_grid(self, ref: MediaRef, at: str) -> tuple[int, int, int]:
+    def _image_grid(self, ref: MediaRef, at: str, *, alone: bool = True) -> tuple[int, int, int]:
         width, height = load_image(ref, at).size
+        if hasattr(self.processor, "image_grid"):  # e.g. LLaVA-OneVision: (views, h, w)
+            return self.processor.image_grid(height, width, alone=alone)
         try:
             h, w = self.processor.image_size(height, width)
         except ValueError as exc:
@@ -193,6 +197,8 @@ class SampleEncoder:
         return 1, h // p, w // p
 
     def _video_plan(self, ref: MediaRef, at: str) -> tuple[tuple[int, int, int], list[int], float]:
+        if not getattr(self.processor, "takes_videos", True):
+            raise DataError(f"{at}: {ref.field}: this model family takes images only, no videos")
         video = load_video(ref, at, self.video)
         cfg = self.processor.config
         try:
@@ -218,7 +224,8 @@ class SampleEncoder:
     def encode(self, conv: Conversation) -> EncodedSample:
         """Tokens, mask and grids of ``conv``; bad media raise :class:`BadMediaError`."""
         at = conv.where
-        image_grids = [self._image_grid(ref, at) for ref in conv.images]
+        alone = len(conv.images) == 1
+        image_grids = [self._image_grid(ref, at, alone=alone) for ref in conv.images]
         plans = [self._video_plan(ref, at) for ref in conv.videos]
         ids, mask = render_conversation(self.tokenizer, conv.messages, self.tokens, at)
         t = self.tokens

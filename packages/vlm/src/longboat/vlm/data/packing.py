@@ -17,7 +17,7 @@ One row (``PackedMultimodalDataset[i]``), ``S = seq_len``:
   model; ``loss_mask`` carries the zeros);
 - ``loss_mask`` float32 ``[1, S]``: 1 where ``labels`` counts;
 - ``position_ids`` int64 ``[3, 1, S]``: M-RoPE (t, h, w) positions, each sample from 0,
-  padding counted as one more text segment;
+  padding counted as one more text segment (``positions="1d"``: ``[1, S]``, one stream);
 - ``cu_seqlens`` int32 ``[k + 1]``: sample boundaries, padding as the last segment, so
   ``cu_seqlens[-1] == S``; ``max_seqlen``: the longest segment;
 - ``pixel_values`` float32 ``[N, C*T*p*p]`` and ``image_grid_thw`` int64 ``[n, 3]``: the
@@ -103,6 +103,7 @@ class PackedMultimodalDataset(torch.utils.data.Dataset):
         seq_len: tokens per row.
         pad_id: token id of padding (never a label; not a vision token).
         tokens_per_second: the model's temporal M-RoPE step per second of video.
+        positions: ``mrope`` (Qwen-VL's three streams) or ``1d`` (one stream per sample).
         strategy: ``best_fit`` or ``greedy`` (core's ``plan_packing``).
         packed: ``False`` puts one sample per row (padded), for comparisons.
         ignore_index: label value of positions without a target.
@@ -116,6 +117,7 @@ class PackedMultimodalDataset(torch.utils.data.Dataset):
         seq_len: int,
         pad_id: int,
         tokens_per_second: float,
+        positions: str = "mrope",
         strategy: Strategy = "best_fit",
         packed: bool = True,
         ignore_index: int = IGNORE_INDEX,
@@ -136,6 +138,9 @@ class PackedMultimodalDataset(torch.utils.data.Dataset):
         self.seq_len = seq_len
         self.pad_id = pad_id
         self.tokens_per_second = tokens_per_second
+        if positions not in ("mrope", "1d"):
+            raise ValueError(f"positions={positions!r} is not one of 'mrope', '1d'")
+        self.positions = positions
         self.ignore_index = ignore_index
         self._docs = _Documents(samples)
         lengths = self._docs.lengths()
@@ -172,17 +177,23 @@ class PackedMultimodalDataset(torch.utils.data.Dataset):
         input_ids = torch.from_numpy(row["input_ids"])[None]
         cu = row["cu_seqlens"]
         t = self.encoder.tokens
-        position_ids = mrope_position_ids(
-            input_ids,
-            image_token_id=t.image_pad_id,
-            video_token_id=t.video_pad_id,
-            spatial_merge_size=self.encoder.processor.config.merge_size,
-            tokens_per_second=self.tokens_per_second,
-            image_grid_thw=image_grid,
-            video_grid_thw=video_grid,
-            seconds_per_grid=seconds,
-            cu_seqlens=cu.tolist(),
-        )
+        if self.positions == "1d":
+            bounds = torch.from_numpy(cu).long()
+            idx = torch.arange(self.seq_len)
+            starts = bounds[torch.bucketize(idx, bounds[1:], right=True)]
+            position_ids = (idx - starts)[None]
+        else:
+            position_ids = mrope_position_ids(
+                input_ids,
+                image_token_id=t.image_pad_id,
+                video_token_id=t.video_pad_id,
+                spatial_merge_size=self.encoder.processor.config.merge_size,
+                tokens_per_second=self.tokens_per_second,
+                image_grid_thw=image_grid,
+                video_grid_thw=video_grid,
+                seconds_per_grid=seconds,
+                cu_seqlens=cu.tolist(),
+            )
         return {
             "input_ids": input_ids,
             "labels": torch.from_numpy(row["labels"])[None],

@@ -58,6 +58,16 @@ register(
     )
 )
 
+register(
+    VLMFamily(
+        name="llava_onevision",
+        module="longboat.vlm.models.llava_onevision.model",
+        hf_model_types=("llava_onevision",),
+        description="LLaVA-OneVision-style composition: SigLIP + projector + any core decoder, "
+        "anyres tiling, 1D RoPE",
+    )
+)
+
 
 def get_family(name: str) -> VLMFamily:
     """The family registered as ``name``; a ``ConfigError`` naming ``model.name`` otherwise."""

@@ -5,6 +5,11 @@ The vision tower is any module ``vision(pixel_values, grid_thw) -> [merged_token
 whose output width is the decoder's ``hidden_size`` (a projector, when the family has one,
 is part of the tower). The decoder is megatron-core's ``GPTModel`` built by core from a
 decoder family (``longboat.core.megatron.models``).
+
+With pipeline parallelism each rank holds one stage: the first has the tower and the
+embedding (``vision`` is None elsewhere), every stage computes the position ids and the
+packed attention mask from the microbatch, and later stages take their input from the
+previous stage through ``set_input_tensor`` (megatron's schedules call it).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ class VisionLanguageModel(MegatronModule):
 
     def __init__(
         self,
-        vision: torch.nn.Module,
+        vision: torch.nn.Module | None,
         language: torch.nn.Module,
         *,
         image_token_id: int,
@@ -39,6 +44,29 @@ class VisionLanguageModel(MegatronModule):
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
         self._position_ids = position_ids
+        self.model_type = getattr(language, "model_type", None)
+
+    # What megatron's schedules and grad finalisation look up on a stage's model.
+    @property
+    def pre_process(self) -> bool:
+        """Whether this stage embeds the tokens (the first pipeline stage)."""
+        return bool(self.language.pre_process)
+
+    @property
+    def post_process(self) -> bool:
+        """Whether this stage computes logits / losses (the last pipeline stage)."""
+        return bool(self.language.post_process)
+
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return bool(self.language.share_embeddings_and_output_weights)
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor:
+        return self.language.shared_embedding_or_output_weight()
+
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        """The previous pipeline stage's hidden states (megatron's schedules set them)."""
+        self.language.set_input_tensor(input_tensor)
 
     def position_ids(
         self,
@@ -86,7 +114,9 @@ class VisionLanguageModel(MegatronModule):
         video_grid_thw: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Decoder input ``[seq, batch, hidden]``: token embeddings with vision embeddings in
-        the placeholder positions."""
+        the placeholder positions (the first pipeline stage's work)."""
+        if self.vision is None:
+            raise RuntimeError("embed: this pipeline stage holds no vision tower / embedding")
         embeds = self.language.embedding(input_ids=input_ids, position_ids=None)
         embeds = embeds.transpose(0, 1)  # [b, s, h]
         if pixel_values is not None:
@@ -121,15 +151,19 @@ class VisionLanguageModel(MegatronModule):
         gathers), or with ``labels`` megatron's per-token loss ``[batch, seq]``.
 
         ``cu_seqlens`` (one packed row): position ids restart per sample and attention stays
-        inside each sample (a block-diagonal causal mask).
+        inside each sample (a block-diagonal causal mask). On a pipeline stage after the first,
+        the output is the stage's hidden states (the last stage's as above) and the input
+        comes from ``set_input_tensor``; the vision inputs are not used there.
         """
-        decoder_input = self.embed(
-            input_ids,
-            pixel_values=pixel_values,
-            image_grid_thw=image_grid_thw,
-            pixel_values_videos=pixel_values_videos,
-            video_grid_thw=video_grid_thw,
-        )
+        decoder_input = None
+        if self.pre_process:
+            decoder_input = self.embed(
+                input_ids,
+                pixel_values=pixel_values,
+                image_grid_thw=image_grid_thw,
+                pixel_values_videos=pixel_values_videos,
+                video_grid_thw=video_grid_thw,
+            )
         if position_ids is None:
             position_ids = self.position_ids(
                 input_ids,

@@ -44,6 +44,9 @@ class RunData:
         out = Path(out_dir)
         self.tokenizer.save_pretrained(out)
         p = self.processor_config
+        if hasattr(p, "to_hf"):  # a family's own processor settings
+            (out / "preprocessor_config.json").write_text(json.dumps(p.to_hf(), indent=2))
+            return
         (out / "preprocessor_config.json").write_text(
             json.dumps(
                 {
@@ -82,12 +85,16 @@ def _with_token_ids(model_cfg: Any, tokens: Any, vocab: int, source: str) -> Any
             key="data.tokenizer",
             fix="use the checkpoint's own tokenizer, or a model with a larger vocabulary",
         )
-    return dataclasses.replace(model_cfg, **ids)
+    # A family keeps the ids it uses (LLaVA-style models have no vision start / end tokens).
+    has = {f.name for f in dataclasses.fields(model_cfg)}
+    return dataclasses.replace(model_cfg, **{k: v for k, v in ids.items() if k in has})
 
 
 def _processor(cfg: Any, model_cfg: Any) -> Any:
     from longboat.vlm.data.processor import QwenVisionProcessor, VisionProcessorConfig
 
+    if hasattr(model_cfg, "vision_processor"):  # a family with its own image processing
+        return model_cfg.vision_processor(cfg.data)
     v = model_cfg.vision
     pcfg = VisionProcessorConfig(
         patch_size=v.patch_size,
@@ -106,11 +113,61 @@ def _split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
     return sorted(order[k:]), sorted(order[:k])
 
 
-def open_run_data(cfg: Any, model_cfg: Any) -> RunData:
-    """Read, encode and pack the run's data (see the module doc)."""
+def _cached_samples(
+    files: list[str],
+    encoder: Any,
+    tokenizer_dir: Any,
+    data: Any,
+    *,
+    cache_dir: str | None,
+    progress: bool,
+) -> Any:
+    """``encoded_samples`` of ``files``; with several ranks and a cache, rank 0 builds the
+    entry first and the others load it."""
+    import torch.distributed as dist
+
+    from longboat.vlm.data.cache import encoded_samples
+
+    def run(bar: bool) -> Any:
+        return encoded_samples(
+            files,
+            encoder,
+            tokenizer_dir=tokenizer_dir,
+            seq_len=data.seq_len,
+            root=data.root,
+            skip_bad_samples=data.skip_bad_samples,
+            cache_dir=cache_dir,
+            progress=bar,
+        )
+
+    several = cache_dir is not None and dist.is_initialized() and dist.get_world_size() > 1
+    if not several:
+        return run(progress)
+    got, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            got = run(progress)
+        except Exception as exc:  # the others wait at the barrier below, then see it too
+            error = exc
+    dist.barrier()
+    if error is not None:
+        raise error
+    return got if got is not None else run(False)
+
+
+def open_run_data(
+    cfg: Any, model_cfg: Any, *, progress: bool = False, answer_questions: bool | None = None
+) -> RunData:
+    """Read, encode and pack the run's data (see the module doc). With ``data.cache_dir`` the
+    encoded samples come from (or go to) a cache entry (``longboat.vlm.data.cache``).
+    ``progress``: a bar while encoding. ``answer_questions`` (default: whether
+    ``vlm.answer_eval_samples`` is set): keep the held-out conversations for answering."""
     from longboat.vlm.data.conversations import read_conversations
-    from longboat.vlm.data.encoding import SampleEncoder, encode_conversations, load_tokenizer
+    from longboat.vlm.data.encoding import SampleEncoder, load_tokenizer
     from longboat.vlm.data.packing import PackedMultimodalDataset
+
+    if answer_questions is None:
+        answer_questions = getattr(getattr(cfg, "vlm", None), "answer_eval_samples", 0) > 0
 
     data = cfg.data
     notes: list[str] = []
@@ -134,34 +191,46 @@ def open_run_data(cfg: Any, model_cfg: Any) -> RunData:
     encoder = SampleEncoder(tokenizer, processor)
     model_cfg = _with_token_ids(model_cfg, encoder.tokens, len(tokenizer), str(tokenizer_dir))
 
-    def encode(files: list[str]) -> tuple[list[Any], list[Any]]:
-        convs = [c for f in files for c in read_conversations(f, root=data.root)]
-        samples, report = encode_conversations(
-            convs,
-            encoder,
-            max_len=data.seq_len,
-            skip_bad_samples=data.skip_bad_samples,
+    cache_dir = getattr(data, "cache_dir", None)
+
+    def encode(files: list[str]) -> list[Any]:
+        got = _cached_samples(
+            files, encoder, tokenizer_dir, data, cache_dir=cache_dir, progress=progress
         )
+        if got.path is not None:
+            how = "reused cache" if got.reused else "encoded into cache"
+            notes.append(f"Data: {how} {got.path}.")
+        report = got.report
         if report.skipped_bad_media:
             notes.append(
                 f"data.skip_bad_samples: skipped {report.skipped_bad_media} sample(s) with "
                 f"unreadable media, e.g. {report.bad[0] if report.bad else '?'}"
             )
-        return convs, samples
+        return got.samples
 
-    convs, samples = encode(paths)
+    def conversations(files: list[str]) -> list[Any]:
+        return [c for f in files for c in read_conversations(f, root=data.root)]
+
+    samples = encode(paths)
     if eval_paths:
-        eval_convs, eval_samples = encode(eval_paths)
+        eval_samples = encode(eval_paths)
+        eval_convs = conversations(eval_paths) if answer_questions else []
     else:
         keep, held = _split(len(samples), data.eval_fraction, data.seed)
         eval_samples = [samples[i] for i in held]
         samples = [samples[i] for i in keep]
         held_at = {s.where for s in eval_samples}
+        convs = conversations(paths) if answer_questions and held_at else []
         eval_convs = [c for c in convs if c.where in held_at]
     pad = tokenizer.pad_token_id
     if pad is None:
         pad = tokenizer.eos_token_id
-    kw = dict(seq_len=data.seq_len, pad_id=int(pad), tokens_per_second=model_cfg.tokens_per_second)
+    kw = dict(
+        seq_len=data.seq_len,
+        pad_id=int(pad),
+        tokens_per_second=getattr(model_cfg, "tokens_per_second", 1),
+        positions=getattr(model_cfg, "position_kind", "mrope"),
+    )
     train = PackedMultimodalDataset(samples, encoder, **kw)
     held_rows = PackedMultimodalDataset(eval_samples, encoder, **kw) if eval_samples else None
     return RunData(
@@ -198,8 +267,17 @@ def answer_held_out(export_dir: str | Path, data: RunData, n: int) -> tuple[int,
     convs = [c for c in data.eval_conversations if c.images][:n]
     if not convs:
         return 0, 0, ""
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(export_dir)).eval()
-    processor = QwenVisionProcessor(data.processor_config)
+    llava = hasattr(data.processor_config, "to_hf")  # the LLaVA-OneVision family's processor
+    if llava:
+        from transformers import LlavaOnevisionForConditionalGeneration
+
+        from longboat.vlm.data.llava_processor import LlavaVisionProcessor
+
+        model = LlavaOnevisionForConditionalGeneration.from_pretrained(str(export_dir)).eval()
+        processor = LlavaVisionProcessor(data.processor_config)
+    else:
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(export_dir)).eval()
+        processor = QwenVisionProcessor(data.processor_config)
     tok = data.tokenizer
     encoder = SampleEncoder(tok, processor)
     cfg, right, example = data.model_cfg, 0, ""
@@ -217,19 +295,29 @@ def answer_held_out(export_dir: str | Path, data: RunData, n: int) -> tuple[int,
             add_generation_prompt=True,
         )
         ids = np.asarray(tok(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
-        merged = int(pixels["image_grid_thw"].prod()) // data.processor_config.merge_size**2
+        grid = pixels["image_grid_thw"]
+        if llava:
+            merged = processor.grid_tokens(grid[0].tolist())
+            vision = {"pixel_values": pixels["pixel_values"][None], "image_sizes": grid[:, 1:],
+                      "batch_num_images": torch.tensor([1])}  # fmt: skip
+        else:
+            merged = int(grid.prod()) // data.processor_config.merge_size**2
         ids, _ = _expand(ids, np.zeros_like(ids, dtype=np.uint8), cfg.image_token_id, [merged],
                          "image", conv.where)  # fmt: skip
         input_ids = torch.from_numpy(ids)[None]
+        if not llava:
+            vision = {
+                "mm_token_type_ids": token_types(
+                    input_ids, cfg.image_token_id, cfg.video_token_id
+                ).int(),
+                "pixel_values": pixels["pixel_values"],
+                "image_grid_thw": grid,
+            }
         with torch.no_grad():
             out = model.generate(
                 input_ids=input_ids,
                 attention_mask=torch.ones_like(input_ids),
-                mm_token_type_ids=token_types(
-                    input_ids, cfg.image_token_id, cfg.video_token_id
-                ).int(),
-                pixel_values=pixels["pixel_values"],
-                image_grid_thw=pixels["image_grid_thw"],
+                **vision,
                 max_new_tokens=12,
                 do_sample=False,
                 eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),

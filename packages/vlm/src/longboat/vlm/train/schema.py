@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from longboat.core.config.schema import DataConfig, ExperimentConfig, ModelConfig
+from longboat.core.config.schema import DataConfig, ExperimentConfig, LoRAConfig, ModelConfig
 
 
 @dataclass
@@ -27,6 +28,16 @@ class VLMModelConfig(ModelConfig):
     layer_backend: str = "auto"
     """Decoder layers: auto (Transformer Engine on CUDA when installed, else longboat
     kernels), longboat, te, local."""
+    vision: dict[str, Any] = field(default_factory=dict)
+    """Composed families (``llava_onevision``): the vision tower laid over the flavor's, e.g.
+    ``model/vision=siglip_so400m`` (``flavor`` + field overrides); empty: the
+    flavor's. Other families take none."""
+    projector: dict[str, Any] = field(default_factory=dict)
+    """Composed families: the projector (``name: mlp2x_gelu``; widths default to the tower's
+    and the decoder's), e.g. ``model/projector=mlp2x_gelu``."""
+    language: dict[str, Any] = field(default_factory=dict)
+    """Composed families: the decoder, any core family (``name`` + ``flavor`` + field
+    overrides), e.g. ``model/llm@model.language=qwen3_1_7b``."""
 
 
 @dataclass
@@ -53,6 +64,10 @@ class ConversationsDataConfig(DataConfig):
     """Largest image area after resizing (pixels)."""
     seed: int = 1234
     """Order of the rows."""
+    cache_dir: str | None = None
+    """Where the encoded samples are cached (``longboat-vlm data prepare`` or the first run
+    writes, later runs with the same files, tokenizer and options reuse; null: encode every
+    run)."""
 
 
 @dataclass
@@ -98,3 +113,6 @@ class VLMExperimentConfig(ExperimentConfig):
     model: VLMModelConfig = field(default_factory=VLMModelConfig)
     vlm: VLMRunConfig = field(default_factory=VLMRunConfig)
     """VLM run settings (export, eval)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters on the language model (its base weights frozen; the vision tower
+    and projector follow ``model.freeze``); the HF export has them merged."""

@@ -4,9 +4,12 @@
 megatron's ``DistributedDataParallel`` and builds the distributed optimizer (fp32 main
 weights and moments sharded over data-parallel ranks); frozen components
 (``model.vision.freeze``, ``model.projector.freeze``, ``model.language.freeze``) get no
-gradient and no optimizer state. The loss is the mean over every loss-masked token of the
-global batch (all microbatches, all data-parallel ranks), so a packed row of many short
-samples weighs its tokens like a row of one long sample.
+gradient and no optimizer state; with ``lora`` the decoder's base weights are frozen and
+only its adapters train (``longboat.vlm.train.lora``). The loss is the mean over every
+loss-masked token of the global batch (all microbatches, all data-parallel ranks), so a
+packed row of many short samples weighs its tokens like a row of one long sample. With
+pipeline parallelism the microbatches run through megatron's 1F1B schedule with the same
+loss (``longboat.vlm.train.pipeline``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,12 @@ import torch
 import torch.distributed as dist
 
 from longboat.core.config.errors import ConfigError
+from longboat.vlm.train.pipeline import (
+    from_last_stage,
+    pipeline_parallel_size,
+    pipelined_evaluate,
+    pipelined_forward_backward,
+)
 
 COMPONENTS = ("vision", "projector", "language")
 """What ``freeze`` names: the ViT blocks, its projector (Qwen2.5-VL: the patch merger), the
@@ -28,6 +37,8 @@ def component_params(model: Any, component: str) -> list[torch.nn.Parameter]:
     """The parameters of one component of a ``VisionLanguageModel``."""
     if component == "language":
         return list(model.language.parameters())
+    if model.vision is None and component in ("vision", "projector"):
+        return []  # a pipeline stage after the first: the tower is not here
     merger = getattr(model.vision, "merger", None)
     merger_ids = {id(p) for p in merger.parameters()} if merger is not None else set()
     if component == "projector":
@@ -67,11 +78,21 @@ class VLMTrainStep:
     """Forward / backward over a step's microbatches, then the distributed optimizer's update."""
 
     def __init__(
-        self, model: Any, optim: Any, *, precision: str, frozen: Sequence[str] = ()
+        self,
+        model: Any,
+        optim: Any,
+        *,
+        precision: str,
+        frozen: Sequence[str] = (),
+        lora: Any = None,
+        seed: int = 0,
     ) -> None:
         from longboat.core.megatron.optimizer import build_optimizer, wrap_ddp
+        from longboat.vlm.train.lora import apply_language_lora
 
         self.model = model
+        # Before DDP: only parameters that require grad get grad buffers and optimizer state.
+        self.lora_adapters = apply_language_lora(model, lora, frozen=frozen, seed=seed)
         self.frozen_params = freeze(model, frozen) if frozen else 0
         (self.ddp,) = wrap_ddp([model], distributed_optimizer=True)
         self.optimizer = build_optimizer(
@@ -109,17 +130,21 @@ class VLMTrainStep:
             dist.all_reduce(tokens, group=dp_group)
         # megatron's DDP averages gradients over DP ranks: scale each rank's sum by dp.
         denominator = (tokens.clamp(min=1.0) / dp).float()
+        pipelined = pipeline_parallel_size() > 1
         total = torch.zeros((), dtype=torch.float32)
-        for mb in microbatches:
-            loss = self.loss(mb, denominator.to(mb["input_ids"].device))
-            loss.backward()
-            total = total.to(loss.device) + loss.detach()
-        self.ddp.finish_grad_sync()
+        if pipelined:  # megatron's 1F1B schedule; grads finalised there
+            total = pipelined_forward_backward(self, microbatches, denominator)
+        else:
+            for mb in microbatches:
+                loss = self.loss(mb, denominator.to(mb["input_ids"].device))
+                loss.backward()
+                total = total.to(loss.device) + loss.detach()
+            self.ddp.finish_grad_sync()
         if dp > 1:
             reduced = total.detach().cpu()
             dist.all_reduce(reduced, group=dp_group)
             total = (reduced / dp).to(total.device)
-        return total
+        return from_last_stage(total) if pipelined else total
 
     def update(self) -> Any:
         """The optimizer step; returns the grad norm when the step computed one."""
@@ -134,6 +159,8 @@ class VLMTrainStep:
     @torch.no_grad()
     def evaluate(self, microbatches: list[dict[str, Any]]) -> float:
         """Mean masked token loss of ``microbatches`` (this rank's; the caller reduces)."""
+        if pipeline_parallel_size() > 1:
+            return pipelined_evaluate(self, microbatches)
         self.model.eval()
         try:
             num = den = 0.0

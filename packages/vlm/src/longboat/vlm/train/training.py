@@ -31,6 +31,7 @@ from longboat.core.train import (
     run_training,
     typed_config,
 )
+from longboat.vlm.train.pipeline import check_pipeline
 
 RESUME_KEYS = (
     "parallel.tensor_parallel",
@@ -40,6 +41,9 @@ RESUME_KEYS = (
     "model.init_from_hf",
     "model.freeze",
     "data.seq_len",
+    "lora.enabled",
+    "lora.rank",
+    "lora.targets",
 )
 """What a checkpoint's sharded model and optimizer state depend on."""
 
@@ -58,8 +62,21 @@ def model_config(cfg: Any) -> Any:
     """The model config of the run: the checkpoint's with ``model.init_from_hf``, else the
     flavor's (the tokenizer's token ids are set later, with the data)."""
     family = model_family(cfg).load()
+    sections = [k for k in ("vision", "projector", "language") if getattr(cfg.model, k, None)]
+    compose = getattr(family, "from_model_config", None)
+    if sections and (compose is None or cfg.model.init_from_hf):
+        raise ConfigError(
+            "composes a model, but "
+            + ("model.init_from_hf gives the architecture" if compose else
+               f"model.name={cfg.model.name} is not a composed family"),
+            key=f"model.{sections[0]}",
+            fix="drop model.vision / model.projector / model.language, or use a composed "
+            "family (model=llava_onevision_tiny)",
+        )  # fmt: skip
     if cfg.model.init_from_hf:
         return family.read_hf_config(cfg.model.init_from_hf)
+    if compose is not None:
+        return compose(cfg.model)
     return family.flavor(cfg.model.flavor)
 
 
@@ -101,6 +118,15 @@ class VLMTraining(MegatronTraining):
                 value=cfg.train.micro_batch_size,
                 fix="set it to 1 and pack more tokens per row with data.seq_len",
             )
+        if cfg.lora.enabled and cfg.lora.rank < 1:
+            raise ConfigError("must be >= 1", key="lora.rank", value=cfg.lora.rank)
+        if cfg.lora.enabled and "language" in cfg.model.freeze:
+            raise ConfigError(
+                "freezes the language model that lora.enabled=true trains adapters on",
+                key="model.freeze",
+                value=list(cfg.model.freeze),
+                fix="remove language from model.freeze (LoRA freezes the decoder's base weights)",
+            )
         if cfg.data.name != "shapes" and not cfg.data.paths:
             raise ConfigError(
                 "no conversation files given",
@@ -117,7 +143,9 @@ class VLMTraining(MegatronTraining):
         cfg = self.cfg
         self.family = model_family(cfg)
         self.model_cfg = model_config(cfg)
-        self.data = open_run_data(cfg, self.model_cfg)
+        check_pipeline(cfg.parallel, self.model_cfg, tuple(cfg.model.freeze), family=self.family)
+        progress = self.is_main and cfg.logging.progress
+        self.data = open_run_data(cfg, self.model_cfg, progress=progress)
         self.model_cfg = self.data.model_cfg
         self.precision = run_precision(cfg.train.precision, cfg.vlm.cpu_precision, self.accelerator)
         self.init_layout(cfg.parallel, cfg.train.seed)
@@ -145,8 +173,12 @@ class VLMTraining(MegatronTraining):
         mcfg = dataclasses.replace(
             mcfg, language=dataclasses.replace(mcfg.language, layer_backend=cfg.model.layer_backend)
         )
-        # M-RoPE angles differ per token: megatron's rotation, not the 1D-position kernels.
-        kernels = longboat_layer_kernels(rope=False, qkv_rope=False)
+        # M-RoPE angles differ per token: megatron's rotation, not the 1D-position kernels;
+        # a decoder with 1D positions (composed families) takes the fast rotary kernels too.
+        if mcfg.language.mrope_section is None:
+            kernels = longboat_layer_kernels()
+        else:
+            kernels = longboat_layer_kernels(rope=False, qkv_rope=False)
         family = self.family.load()
         model = family.build(
             mcfg,
@@ -158,7 +190,12 @@ class VLMTraining(MegatronTraining):
         if cfg.model.init_from_hf:
             family.load_hf(model, mcfg, cfg.model.init_from_hf)
         return VLMTrainStep(
-            model, cfg.optim, precision=self.precision, frozen=tuple(cfg.model.freeze)
+            model,
+            cfg.optim,
+            precision=self.precision,
+            frozen=tuple(cfg.model.freeze),
+            lora=cfg.lora,
+            seed=cfg.train.seed,
         )
 
     # --- what the trainer needs ----------------------------------------------------------
@@ -210,8 +247,11 @@ class VLMTraining(MegatronTraining):
     def export(self) -> Path | None:
         if not self.cfg.vlm.export_hf:
             return None
+        from longboat.vlm.train.lora import merged_language
+
         out = Path(self.cfg.vlm.export_dir or f"{self.cfg.output_dir}/hf")
-        self.family.load().save_hf(self.step_fn.model, self.model_cfg, out)
+        with merged_language(self.step_fn.model):  # the adapters folded in, then put back
+            self.family.load().save_hf(self.step_fn.model, self.model_cfg, out)
         if self.is_main:
             self.data.save_processing(out)
         return out
@@ -224,11 +264,18 @@ class VLMTraining(MegatronTraining):
             f"{self.cfg.model.flavor if not self.cfg.model.init_from_hf else 'hf'}:"
             f" ViT {vis.depth} layers x {vis.hidden_size}, decoder {lang.num_layers} layers x "
             f"{lang.hidden_size}, vocab {lang.vocab_size}; {self.precision}; "
-            f"tp={lay.tensor_parallel} dp={lay.data_parallel}. Data: {len(rows)} packed rows of "
+            f"tp={lay.tensor_parallel} pp={lay.pipeline_parallel} dp={lay.data_parallel}. Data: {len(rows)} packed rows of "
             f"{rows.seq_len} tokens ({rows.fill:.0%} filled) from {len(rows.samples)} samples; "
             f"global batch {self.global_batch} rows."
         ]
         lines += self.data.notes
+        if self.step_fn.lora_adapters:
+            lo = self.cfg.lora
+            trainable = sum(p.numel() for p in self.step_fn.model.parameters() if p.requires_grad)
+            lines.append(
+                f"LoRA: rank {lo.rank}, alpha {lo.alpha:g} on {self.step_fn.lora_adapters} "
+                f"decoder linears ({', '.join(lo.targets)}); {trainable:,} trainable parameters."
+            )
         if self.step_fn.frozen_params:
             lines.append(
                 f"Frozen: {', '.join(self.cfg.model.freeze)} ({self.step_fn.frozen_params:,} "

@@ -25,6 +25,8 @@ from longboat.vlm.models.qwen2_5_vl.vision_config import Qwen25VisionConfig
 from longboat.vlm.models.vlm import VisionLanguageModel
 
 HF_MODEL_TYPE = "qwen2_5_vl"
+PIPELINE_PARALLEL = True
+"""``build`` / ``load_hf`` / ``save_hf`` work per pipeline stage (the ViT on the first)."""
 
 
 @dataclass
@@ -145,6 +147,9 @@ def build_qwen2_5_vl(
 ) -> VisionLanguageModel:
     """This rank's Qwen2.5-VL (one pipeline stage; megatron parallel state initialised).
 
+    With pipeline parallelism the ViT lives on the first stage only and the decoder layers
+    are split evenly over the stages (interleaved virtual stages are refused).
+
     ``recompute``: components whose activations are recomputed in the backward instead of
     kept, ``vision`` (each ViT block) and ``language`` (each decoder layer).
     """
@@ -171,9 +176,17 @@ def build_qwen2_5_vl(
         **(full if "language" in recompute else {}),
     )
     if len(chunks) != 1:
-        raise ConfigError("parallel.virtual_pipeline_parallel: not supported by longboat-vlm yet")
-    vision = Qwen25VisionModel(cfg.vision, params_dtype=dtype, kernels=kernels)
-    vision.recompute = "vision" in recompute
+        raise ConfigError(
+            "interleaved virtual pipeline stages are not supported by longboat-vlm",
+            key="parallel.virtual_pipeline_parallel",
+            value=len(chunks),
+            fix="set it to null (plain 1F1B over parallel.pipeline_parallel stages)",
+        )
+    vision = None
+    if chunks[0].pre_process:
+        vision = Qwen25VisionModel(cfg.vision, params_dtype=dtype, kernels=kernels)
+        vision.recompute = "vision" in recompute
+        vision = vision.to(torch.device(device_type))
     position_ids = partial(
         mrope_position_ids,
         image_token_id=cfg.image_token_id,
@@ -182,7 +195,7 @@ def build_qwen2_5_vl(
         tokens_per_second=cfg.tokens_per_second,
     )
     model = VisionLanguageModel(
-        vision.to(torch.device(device_type)),
+        vision,
         chunks[0],
         image_token_id=cfg.image_token_id,
         video_token_id=cfg.video_token_id,
@@ -249,6 +262,8 @@ def load_hf(model: VisionLanguageModel, cfg: Qwen25VLConfig, hf_dir: str | Path)
     for path, names in by_file.items():
         with safe_open(str(path), "pt") as f:
             visual.update({name: f.get_tensor(name) for name in names})
+    if model.vision is None:  # a later pipeline stage: the tower lives on the first
+        return n
     ours = vision_from_hf(visual, cfg.vision)
     coords = rank_coords()
     if coords.tp_size > 1:
@@ -263,33 +278,33 @@ def load_hf(model: VisionLanguageModel, cfg: Qwen25VLConfig, hf_dir: str | Path)
 
 
 def save_hf(model: VisionLanguageModel, cfg: Qwen25VLConfig, out_dir: str | Path) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` in the layout ``transformers`` loads
-    (collective over the world: tensor-parallel shards are gathered, rank 0 writes)."""
+    """Write ``config.json`` + the safetensors weights in the layout ``transformers`` loads
+    (collective over the world: tensor-parallel shards are gathered; rank 0 writes the
+    vision tower and the first stage's layers, with pipeline parallelism each later stage's
+    owner writes its own layers to a shard listed in ``model.safetensors.index.json``)."""
     import torch.distributed as dist
-    from safetensors.torch import save_file
 
-    from longboat.core.megatron.hf_io import gather_hf_state_dict, rank_coords, tp_shards
+    from longboat.core.megatron.hf_io import rank_coords, save_hf_weights, tp_shards
     from longboat.vlm.models.qwen2_5_vl.vision_hf import unshard_vision_state_dict, vision_to_hf
 
     out_dir = Path(out_dir)
     coords = rank_coords()
-    state = gather_hf_state_dict([model.language], cfg.language.to_arch(), prefix="model.")
-    local = {
-        k: v.detach()
-        for k, v in model.vision.state_dict().items()
-        if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
-    }
-    per_rank = [dict(zip(local, parts, strict=True)) for parts in
-                zip(*(tp_shards(v, coords) for v in local.values()), strict=True)]  # fmt: skip
-    vision = unshard_vision_state_dict(per_rank)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    visual: dict[str, torch.Tensor] = {}
+    if model.vision is not None:  # the first pipeline stage: gather the tower's TP shards
+        local = {
+            k: v.detach()
+            for k, v in model.vision.state_dict().items()
+            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
+        }
+        per_rank = [dict(zip(local, parts, strict=True)) for parts in
+                    zip(*(tp_shards(v, coords) for v in local.values()), strict=True)]  # fmt: skip
+        if rank == 0:
+            visual = vision_to_hf(unshard_vision_state_dict(per_rank), cfg.vision, prefix="visual.")
+    save_hf_weights(
+        [model.language], cfg.language.to_arch(), out_dir, prefix="model.", extra=visual
+    )
     if rank == 0:
-        state |= vision_to_hf(vision, cfg.vision, prefix="visual.")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for old in out_dir.glob("model*.safetensors*"):
-            old.unlink()
-        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
         hf_config = to_hf_config(cfg)
         hf_config.dtype = "float32"
         hf_config.save_pretrained(out_dir)

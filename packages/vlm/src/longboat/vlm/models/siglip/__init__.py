@@ -1,0 +1,1 @@
+"""SigLIP vision tower: config (``config.py``), megatron model (``model.py``), HF mapping (``hf.py``)."""
