@@ -33,6 +33,7 @@ PACKAGES = {
     "kernels": "longboat-kernels",
     "llm": "longboat-llm",
     "vlm": "longboat-vlm",
+    "diffusion": "longboat-diffusion",
     "embodied": "longboat-embodied",
     "xpu-plugin": "longboat-xpu-plugin",
 }
@@ -166,6 +167,7 @@ def _isolation_check(session: nox.Session, dist_name: str, wheel: pathlib.Path) 
         "longboat-kernels": "longboat.kernels",
         "longboat-llm": "longboat.llm",
         "longboat-vlm": "longboat.vlm",
+        "longboat-diffusion": "longboat.diffusion",
         "longboat-embodied": "longboat.embodied",
         "longboat-xpu-plugin": "longboat.xpu",
     }[dist_name]
@@ -193,7 +195,7 @@ def _isolation_check(session: nox.Session, dist_name: str, wheel: pathlib.Path) 
             for forbidden in ("megatron-core", "transformer-engine"):
                 if forbidden in installed:
                     session.error(f"installing longboat-embodied pulled {forbidden}")
-        if dist_name not in ("longboat-llm", "longboat-vlm") and "megatron-core" in installed:
+        if dist_name not in ("longboat-llm", "longboat-vlm", "longboat-diffusion") and "megatron-core" in installed:
             session.error(f"installing {dist_name} pulled megatron-core")
 
 

@@ -99,6 +99,8 @@ def test_clean_tree_passes(tmp_path: pathlib.Path) -> None:
         ("longboat.llm", "import longboat.embodied", "stacks are independent of one another"),
         ("longboat.vlm", "import longboat.llm", "stacks are independent of one another"),
         ("longboat.core.megatron", "import longboat.vlm", "core imports no stack"),
+        ("longboat.diffusion", "import longboat.vlm", "stacks are independent of one another"),
+        ("longboat.core.megatron", "import longboat.diffusion", "core imports no stack"),
         ("longboat.embodied", "import megatron.core", "embodied never imports megatron"),
         ("longboat.core.config", "import megatron.core", "only longboat.core.megatron may"),
     ],

@@ -1,0 +1,1 @@
+"""longboat-diffusion: video and image diffusion transformers on megatron-core."""
