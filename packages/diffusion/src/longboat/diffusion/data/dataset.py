@@ -1,0 +1,202 @@
+"""Reading latent datasets (see :mod:`~longboat.diffusion.data.shards` for the format).
+
+:class:`LatentDataset` is map-style: ``dataset[i]`` reads sample ``i`` from its shard. The
+shapes and text lengths come from the manifest, so batches are planned (bucketing, packing)
+without opening a shard. Corruption — a missing or truncated shard, a shard whose checksum or
+contents disagree with the manifest — raises :class:`~longboat.diffusion.data.errors.DataError`
+naming the shard and the sample.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from longboat.diffusion.data.errors import DataError
+from longboat.diffusion.data.shards import (
+    DTYPES,
+    ShardInfo,
+    file_sha256,
+    read_manifest,
+    shard_infos,
+)
+
+__all__ = ["LatentDataset"]
+
+
+class LatentDataset(torch.utils.data.Dataset):
+    """Samples of one or more latent dataset directories, in order.
+
+    ``dataset[i]`` is a dict: ``latents`` ``[C, T, H, W]`` and ``text_embeds`` ``[L, D]`` (the
+    stored dtype), ``caption`` (str), ``metadata`` (dict: source, fps, frames, height, width)
+    and ``index`` (``i``).
+
+    Args:
+        paths: dataset directories (their samples are concatenated in the order given).
+        verify: check every shard's SHA-256 against the manifest now (reads every byte).
+        allow_incomplete: read the finished shards of a preparation that has not finished
+            (otherwise that is an error).
+    """
+
+    def __init__(
+        self,
+        paths: str | Path | Sequence[str | Path],
+        *,
+        verify: bool = False,
+        allow_incomplete: bool = False,
+    ) -> None:
+        roots = [Path(paths)] if isinstance(paths, str | Path) else [Path(p) for p in paths]
+        if not roots:
+            raise DataError("LatentDataset needs at least one dataset directory")
+        self.roots = roots
+        self.manifests = [read_manifest(r) for r in roots]
+        first = self.manifests[0]
+        self.latent_channels = int(first["latent_channels"])
+        self.text_dim = int(first["text_dim"])
+        self._shards: list[tuple[Path, ShardInfo, torch.dtype]] = []
+        for root, m in zip(roots, self.manifests, strict=True):
+            where = str(root / "manifest.json")
+            if not m["complete"] and not allow_incomplete:
+                raise DataError(
+                    f"{root}: the preparation has not finished ({m.get('num_samples', 0)} "
+                    "samples in finished shards); run the same `data prepare` again to finish "
+                    "it (it resumes), or read it anyway with allow_incomplete"
+                )
+            if (int(m["latent_channels"]), int(m["text_dim"])) != (
+                self.latent_channels,
+                self.text_dim,
+            ):
+                raise DataError(
+                    f"{root}: latents of {m['latent_channels']} channels and text of dim "
+                    f"{m['text_dim']}, but {roots[0]} has {self.latent_channels} / "
+                    f"{self.text_dim}: datasets read together need the same encoders"
+                )
+            for info in shard_infos(m, where):
+                self._shards.append((root, info, DTYPES[m["dtype"]]))
+        self._starts = np.cumsum([0] + [s.num_samples for _, s, _ in self._shards]).tolist()
+        if self._starts[-1] == 0:
+            raise DataError(f"{', '.join(map(str, roots))}: the dataset holds no samples")
+        self.shapes = np.asarray(
+            [shp for _, s, _ in self._shards for shp in s.latent_shapes], dtype=np.int64
+        ).reshape(-1, 3)
+        """``[N, 3]``: each sample's latent ``(T, H, W)``."""
+        self.text_lengths = np.asarray(
+            [n for _, s, _ in self._shards for n in s.text_lengths], dtype=np.int64
+        )
+        """``[N]``: each sample's number of text tokens."""
+        self._open: tuple[int, Any] | None = None
+        for k in range(len(self._shards)):
+            self._check_file(k, verify=verify)
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of all shards."""
+        return sum(s.bytes for _, s, _ in self._shards)
+
+    def lengths(self, patch_size: Sequence[int] = (1, 2, 2)) -> np.ndarray:
+        """Tokens per sample for a model that patchifies latents by ``patch_size`` (t, h, w)."""
+        p = np.asarray(patch_size, dtype=np.int64)
+        return np.prod(-(-self.shapes // p), axis=1)
+
+    def _where(self, k: int, j: int | None = None) -> str:
+        root, info, _ = self._shards[k]
+        at = f"{root / info.file}"
+        return at if j is None else f"{at} sample {j} (dataset index {self._starts[k] + j})"
+
+    def _check_file(self, k: int, *, verify: bool) -> None:
+        root, info, _ = self._shards[k]
+        path = root / info.file
+        if not path.is_file():
+            raise DataError(
+                f"{path}: missing, but the manifest lists it; restore the file or prepare the "
+                "dataset again"
+            )
+        size = path.stat().st_size
+        if size != info.bytes:
+            raise DataError(
+                f"{path}: {size} bytes, the manifest says {info.bytes} (truncated or replaced); "
+                "prepare the dataset again"
+            )
+        if verify and file_sha256(path) != info.sha256:
+            raise DataError(
+                f"{path}: SHA-256 differs from the manifest's (corrupt); prepare it again"
+            )
+
+    def _handle(self, k: int) -> Any:
+        from safetensors import safe_open
+
+        if self._open is not None and self._open[0] == k:
+            return self._open[1]
+        root, info, _ = self._shards[k]
+        try:
+            handle = safe_open(str(root / info.file), framework="pt")
+            samples = json.loads((handle.metadata() or {})["samples"])
+        except FileNotFoundError:
+            self._check_file(k, verify=False)
+            raise
+        except Exception as exc:  # safetensors raises its own error types for bad headers
+            raise DataError(
+                f"{self._where(k)}: not a readable safetensors shard ({exc}); prepare the "
+                "dataset again"
+            ) from None
+        if len(samples) != info.num_samples:
+            raise DataError(
+                f"{self._where(k)}: holds metadata of {len(samples)} samples, the manifest "
+                f"lists {info.num_samples}"
+            )
+        self._open = (k, (handle, samples))
+        return self._open[1]
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """``(shard, sample in shard)`` of dataset sample ``index``."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} outside [0, {len(self)})")
+        k = bisect.bisect_right(self._starts, index) - 1
+        return k, index - self._starts[k]
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        k, j = self.locate(int(index))
+        _, info, dtype = self._shards[k]
+        handle, samples = self._handle(k)
+        try:
+            latents = handle.get_tensor(f"{j}.latents")
+            text = handle.get_tensor(f"{j}.text_embeds")
+        except Exception as exc:
+            raise DataError(
+                f"{self._where(k, j)}: cannot be read ({exc}); prepare the dataset again"
+            ) from None
+        expect = (self.latent_channels, *info.latent_shapes[j])
+        if tuple(latents.shape) != expect or latents.dtype != dtype:
+            raise DataError(
+                f"{self._where(k, j)}: latents {tuple(latents.shape)} {latents.dtype}, the "
+                f"manifest says {expect} {dtype}"
+            )
+        if tuple(text.shape) != (info.text_lengths[j], self.text_dim) or text.dtype != dtype:
+            raise DataError(
+                f"{self._where(k, j)}: text_embeds {tuple(text.shape)} {text.dtype}, the "
+                f"manifest says ({info.text_lengths[j]}, {self.text_dim}) {dtype}"
+            )
+        meta = dict(samples[j])
+        caption = str(meta.pop("caption", ""))
+        return {
+            "latents": latents,
+            "text_embeds": text,
+            "caption": caption,
+            "metadata": meta,
+            "index": int(index),
+        }
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DataLoader workers re-open shards themselves (safetensors handles do not pickle).
+        state = dict(self.__dict__)
+        state["_open"] = None
+        return state

@@ -1,0 +1,175 @@
+"""The quickstart's synthetic latent set: coloured squares moving across 16-channel latents.
+
+No VAE is involved: a sample's latents are written directly. Every cell holds
+``colour_basis(C) @ (2 * rgb - 1) * sqrt(C / 3)`` for the RGB colour of what covers it (a
+dark background, or the square), so :func:`~longboat.diffusion.data.preview.latents_to_gif`
+shows the real colours. A square of side ``max(2, 3/8 * min(H, W))`` starts at a seeded
+position and moves one latent cell per latent frame (wrapping around the edges).
+
+Sample ``i`` has colour ``i % 4`` (red, green, blue, yellow), direction ``(i // 4) % 4``
+(left, right, up, down) and shape ``shapes[(i // 16) % len(shapes)]``; its caption is
+``a red square moving left`` (``a red square`` for one-frame samples). The text embeddings
+are deterministic pseudo embeddings of the caption's words (:func:`caption_embedding`), so a
+tiny DiT learns colour and direction from them through cross-attention.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from longboat.diffusion.data.errors import DataError
+from longboat.diffusion.data.preview import colour_basis
+from longboat.diffusion.data.schema import SyntheticSquaresDataConfig
+from longboat.diffusion.data.shards import (
+    MANIFEST,
+    SHARD_DIR,
+    LatentRecord,
+    new_manifest,
+    read_manifest,
+    write_manifest,
+    write_shard,
+)
+
+__all__ = [
+    "COLOURS",
+    "DIRECTIONS",
+    "caption_embedding",
+    "generate_squares",
+    "square_latents",
+    "square_record",
+]
+
+COLOURS: dict[str, tuple[float, float, float]] = {
+    "red": (1.0, 0.0, 0.0),
+    "green": (0.0, 1.0, 0.0),
+    "blue": (0.0, 0.0, 1.0),
+    "yellow": (1.0, 1.0, 0.0),
+}
+DIRECTIONS: dict[str, tuple[int, int]] = {
+    "left": (0, -1),
+    "right": (0, 1),
+    "up": (-1, 0),
+    "down": (1, 0),
+}
+"""Per-frame (dy, dx) of each direction."""
+BACKGROUND = (0.125, 0.125, 0.125)
+GENERATOR_VERSION = 1
+SAMPLES_PER_SHARD = 64
+
+
+def _seed(*parts: object) -> int:
+    digest = hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def caption_embedding(caption: str, text_dim: int) -> torch.Tensor:
+    """``[words, text_dim]`` float32: per word a unit-variance vector seeded by the word, plus
+    half a vector seeded by its position (the same on every machine)."""
+    words = caption.lower().split()
+    if not words:
+        raise ValueError("caption_embedding needs at least one word")
+    rows = [
+        np.random.default_rng(_seed("word", w)).standard_normal(text_dim)
+        + 0.5 * np.random.default_rng(_seed("position", k)).standard_normal(text_dim)
+        for k, w in enumerate(words)
+    ]
+    return torch.from_numpy(np.stack(rows)).float()
+
+
+def square_latents(
+    shape: tuple[int, int, int],
+    colour: str,
+    direction: str,
+    *,
+    channels: int = 16,
+    start: tuple[int, int] = (0, 0),
+) -> torch.Tensor:
+    """``[channels, T, H, W]`` float32 latents of one moving square (see the module doc)."""
+    t, h, w = shape
+    side = max(2, round(3 * min(h, w) / 8))
+    dy, dx = DIRECTIONS[direction]
+    rgb = np.empty((t, h, w, 3))
+    rgb[:] = BACKGROUND
+    for f in range(t):
+        y0, x0 = (start[0] + dy * f) % h, (start[1] + dx * f) % w
+        ys = (y0 + np.arange(side)) % h
+        xs = (x0 + np.arange(side)) % w
+        rgb[f][np.ix_(ys, xs)] = COLOURS[colour]
+    lat = np.einsum("ck,thwk->cthw", colour_basis(channels), 2.0 * rgb - 1.0)
+    return torch.from_numpy(lat * math.sqrt(channels / 3)).float()
+
+
+def square_record(i: int, cfg: SyntheticSquaresDataConfig) -> LatentRecord:
+    """Sample ``i`` of the set ``cfg`` describes."""
+    colour = list(COLOURS)[i % len(COLOURS)]
+    direction = list(DIRECTIONS)[(i // len(COLOURS)) % len(DIRECTIONS)]
+    t, h, w = (int(v) for v in cfg.shapes[(i // 16) % len(cfg.shapes)])
+    rng = np.random.default_rng(_seed("start", cfg.seed, i))
+    start = (int(rng.integers(h)), int(rng.integers(w)))
+    caption = f"a {colour} square" + (f" moving {direction}" if t > 1 else "")
+    return LatentRecord(
+        latents=square_latents(
+            (t, h, w), colour, direction, channels=cfg.latent_channels, start=start
+        ),
+        text_embeds=caption_embedding(caption, cfg.text_dim),
+        caption=caption,
+        source=f"synthetic_squares/{i}",
+        frames=1 + 4 * (t - 1),
+        height=8 * h,
+        width=8 * w,
+        fps=16.0 if t > 1 else 0.0,
+        extra={"colour": colour, "direction": direction if t > 1 else "", "start": list(start)},
+    )
+
+
+def _options(cfg: SyntheticSquaresDataConfig) -> dict[str, Any]:
+    return {
+        "generator": "synthetic_squares",
+        "generator_version": GENERATOR_VERSION,
+        "num_samples": cfg.num_samples,
+        "shapes": [[int(v) for v in s] for s in cfg.shapes],
+        "latent_channels": cfg.latent_channels,
+        "text_dim": cfg.text_dim,
+        "seed": cfg.seed,
+    }
+
+
+def generate_squares(cfg: SyntheticSquaresDataConfig, *, prefix: str = "data") -> Path:
+    """Write the set to ``cfg.out_dir`` unless it is there already with these settings; returns
+    the directory (a latent dataset)."""
+    cfg.validate(prefix)
+    root = Path(cfg.out_dir)
+    options = _options(cfg)
+    if (root / MANIFEST).is_file():
+        m = read_manifest(root)
+        if m["complete"] and m["options"] == options:
+            return root
+        if m["options"].get("generator") != "synthetic_squares":
+            raise DataError(
+                f"{root}: holds a dataset that is not a synthetic_squares set; point "
+                f"{prefix}.out_dir at another folder"
+            )
+    # Drop the old manifest first: until the new one is written nothing here looks valid.
+    (root / MANIFEST).unlink(missing_ok=True)
+    shutil.rmtree(root / SHARD_DIR, ignore_errors=True)
+    manifest = new_manifest(
+        latent_channels=cfg.latent_channels,
+        text_dim=cfg.text_dim,
+        dtype="float32",
+        encoders={"vae": "none (latents written directly)", "text_encoder": "caption_embedding"},
+        options=options,
+    )
+    records = [square_record(i, cfg) for i in range(cfg.num_samples)]
+    for k, start in enumerate(range(0, len(records), SAMPLES_PER_SHARD)):
+        info = write_shard(root, k, records[start : start + SAMPLES_PER_SHARD], "float32")
+        manifest["shards"].append(info.to_json())
+    manifest["complete"] = True
+    write_manifest(root, manifest)
+    return root
