@@ -12,8 +12,8 @@ from longboat.vlm.models.registry import FAMILIES
 
 STACK = Stack(
     name="vlm",
-    description="Vision-language models on megatron-core (Qwen2.5-VL, LLaVA-OneVision-style "
-    "composition) with HF conversion.",
+    description="Vision-language models on megatron-core (Qwen2.5-VL, Qwen3-VL, "
+    "LLaVA-OneVision-style composition) with HF conversion.",
     config_dir=Path(__file__).with_name("conf"),
     model_schemas=dict.fromkeys(FAMILIES, "longboat.vlm.train.schema:VLMModelConfig"),
     root_schema="longboat.vlm.train.schema:VLMExperimentConfig",

@@ -60,6 +60,16 @@ register(
 
 register(
     VLMFamily(
+        name="qwen3_vl",
+        module="longboat.vlm.models.qwen3_vl.model",
+        hf_model_types=("qwen3_vl",),
+        description="Qwen3-VL (dense): ViT with deepstack mergers + Qwen3 decoder, interleaved "
+        "M-RoPE, deepstack features added after the first decoder layers",
+    )
+)
+
+register(
+    VLMFamily(
         name="llava_onevision",
         module="longboat.vlm.models.llava_onevision.model",
         hf_model_types=("llava_onevision",),

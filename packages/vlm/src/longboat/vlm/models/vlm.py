@@ -133,6 +133,14 @@ class VisionLanguageModel(MegatronModule):
             )
         return embeds.transpose(0, 1).contiguous()
 
+    def decoder_inputs(
+        self, input_ids: torch.Tensor, **vision: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """``(embed(input_ids, **vision), extra keyword arguments of the decoder block)``; a
+        family whose decoder takes more than its input from the vision tower (Qwen3-VL's
+        deepstack features) returns them in the second part."""
+        return self.embed(input_ids, **vision), {}
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -157,13 +165,15 @@ class VisionLanguageModel(MegatronModule):
         """
         decoder_input = None
         if self.pre_process:
-            decoder_input = self.embed(
+            decoder_input, block_kwargs = self.decoder_inputs(
                 input_ids,
                 pixel_values=pixel_values,
                 image_grid_thw=image_grid_thw,
                 pixel_values_videos=pixel_values_videos,
                 video_grid_thw=video_grid_thw,
             )
+            if block_kwargs:
+                kwargs["extra_block_kwargs"] = block_kwargs
         if position_ids is None:
             position_ids = self.position_ids(
                 input_ids,

@@ -257,7 +257,7 @@ def answer_held_out(export_dir: str | Path, data: RunData, n: int) -> tuple[int,
     """Ask the export (loaded with ``transformers``) the first question of ``n`` held-out
     conversations, greedily; returns ``(right, asked, one example line)``."""
     import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
     from longboat.vlm.data.encoding import SampleEncoder, _expand
     from longboat.vlm.data.media import load_image
@@ -276,7 +276,8 @@ def answer_held_out(export_dir: str | Path, data: RunData, n: int) -> tuple[int,
         model = LlavaOnevisionForConditionalGeneration.from_pretrained(str(export_dir)).eval()
         processor = LlavaVisionProcessor(data.processor_config)
     else:
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(export_dir)).eval()
+        # Qwen2.5-VL or Qwen3-VL, as the export's config.json says.
+        model = AutoModelForImageTextToText.from_pretrained(str(export_dir)).eval()
         processor = QwenVisionProcessor(data.processor_config)
     tok = data.tokenizer
     encoder = SampleEncoder(tok, processor)

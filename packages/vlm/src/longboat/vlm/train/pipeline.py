@@ -30,8 +30,9 @@ def check_pipeline(
     the data and the model are built): a ``family`` (``VLMFamily``) whose module does not set
     ``PIPELINE_PARALLEL = True`` (its ``build`` / ``load_hf`` / ``save_hf`` are not
     stage-aware), interleaved virtual
-    stages, a stage count that does not divide the decoder's layers, a frozen decoder (the
-    later stages would train nothing)."""
+    stages, a stage count that does not divide the decoder's layers, a first stage without
+    every layer that takes deepstack features, a frozen decoder (the later stages would train
+    nothing)."""
     from longboat.core.config.errors import ConfigError, ConfigProblem
 
     pp, vpp = parallel.pipeline_parallel, parallel.virtual_pipeline_parallel
@@ -62,6 +63,18 @@ def check_pipeline(
                 value=pp,
                 message=f"must divide the decoder's num_layers={layers} (an equal share per stage)",
                 fix=f"use one of {[d for d in range(1, layers + 1) if layers % d == 0]}",
+            )
+        )
+    deepstack = len(getattr(model_cfg.vision, "deepstack_visual_indexes", ()))
+    if pp > 1 and layers // pp < deepstack:
+        problems.append(
+            ConfigProblem(
+                key="parallel.pipeline_parallel",
+                value=pp,
+                message=f"the first stage would hold {layers // pp} decoder layers, but the "
+                f"vision tower's {deepstack} deepstack features go into the first {deepstack} "
+                "(the tower lives on the first stage)",
+                fix="use fewer stages",
             )
         )
     if pp > 1 and "language" in frozen:

@@ -14,14 +14,15 @@ class VLMModelConfig(ModelConfig):
 
     name: str = "qwen2_5_vl"
     flavor: str = "tiny"
-    """``tiny`` (CPU tests), ``3b``, ``7b``; ignored with ``init_from_hf`` (the checkpoint's
-    config.json gives the architecture)."""
+    """``tiny`` (CPU tests) or a released size (``3b``, ``7b`` of qwen2_5_vl; ``2b``, ``4b``,
+    ``8b`` of qwen3_vl); ignored with ``init_from_hf`` (the checkpoint's config.json gives
+    the architecture)."""
     init_from_hf: str | None = None
     """A Hugging Face vision-language model directory to start from; its ``config.json``'s
     ``model_type`` picks the family and gives the architecture."""
     freeze: list[str] = field(default_factory=list)
     """Components that do not train: any of ``vision`` (the ViT blocks), ``projector`` (the
-    patch merger), ``language`` (the decoder)."""
+    patch merger; Qwen3-VL's deepstack mergers too), ``language`` (the decoder)."""
     recompute: list[str] = field(default_factory=list)
     """Components whose activations are recomputed in the backward instead of kept (less
     memory, one more forward): ``vision`` (each ViT block), ``language`` (each decoder layer)."""

@@ -1,0 +1,438 @@
+"""Qwen3-VL (dense): the ViT (``vision.py``) + core's ``qwen3`` decoder with interleaved
+M-RoPE and deepstack features added after its first layers (``deepstack.py``).
+
+``Qwen3VLConfig`` holds the two parts and the placeholder token ids; ``read_hf_config``
+fills it from a ``Qwen3VLForConditionalGeneration`` ``config.json``; ``build`` builds this
+rank's model (megatron parallel state first); ``load_hf`` / ``save_hf`` read and write the
+Hugging Face layout (``model.language_model.*`` decoder, ``model.visual.*`` tower,
+``lm_head``), which ``transformers`` loads.
+
+The decoder's rotary is megatron's ``MultimodalRotaryEmbedding`` given the run lengths of
+Qwen3-VL's interleaved layout (``interleaved_mrope_sections``) instead of three blocks; the
+position ids are Qwen3-VL's (each frame group of a video its own run behind its timestamp).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from longboat.core.config.errors import ConfigError
+from longboat.core.megatron.models import DecoderModelConfig, get_family
+from longboat.vlm.models.mrope import (
+    interleaved_mrope_sections,
+    interleaved_mrope_streams,
+    mrope_position_ids,
+)
+from longboat.vlm.models.qwen3_vl.vision_config import Qwen3VisionConfig, vision_flavor
+
+if TYPE_CHECKING:  # megatron is imported when a model is built, not to read a config
+    from longboat.vlm.models.vlm import VisionLanguageModel
+
+HF_MODEL_TYPE = "qwen3_vl"
+PIPELINE_PARALLEL = True
+"""``build`` / ``load_hf`` / ``save_hf`` work per pipeline stage (the ViT on the first, which
+must also hold the decoder layers that take deepstack features)."""
+QWEN3_VL_MROPE = [24, 20, 20]
+"""transformers' default M-RoPE sections for Qwen3-VL (head_dim 128) when the config has none."""
+
+
+@dataclass
+class Qwen3VLConfig:
+    """A Qwen3-VL dense model: decoder, vision tower and the special token ids."""
+
+    language: DecoderModelConfig
+    """The ``qwen3`` decoder (``mrope_section`` set; its layout is interleaved)."""
+    vision: Qwen3VisionConfig
+    """The ViT with its mergers (``out_hidden_size`` = the decoder's width)."""
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+
+    def architecture(self) -> dict[str, Any]:
+        """What a checkpoint's weights and config fix (the flavor name and init excluded)."""
+        fields = dataclasses.asdict(self)
+        fields["language"] = self.language.architecture()
+        return fields
+
+    def validate(self) -> None:
+        """Raise ``ConfigError`` naming each joint that does not fit."""
+        self.language.to_arch().validate(prefix="model.language")
+        self.vision.validate()
+        problems = []
+        lang = self.language
+        if self.vision.out_hidden_size != lang.hidden_size:
+            problems.append(
+                f"model.vision.out_hidden_size={self.vision.out_hidden_size} must equal "
+                f"model.language.hidden_size={lang.hidden_size} (the mergers feed the decoder)"
+            )
+        if lang.name != "qwen3":
+            problems.append(f"model.language.name={lang.name!r}: Qwen3-VL's decoder is qwen3")
+        section = lang.mrope_section
+        if section is None:
+            problems.append("model.language.mrope_section: required (Qwen3-VL uses M-RoPE)")
+        else:
+            streams = interleaved_mrope_streams(section, lang.head_dim)
+            counts = [streams.count(s) for s in range(3)]
+            if counts != list(section):
+                problems.append(
+                    f"model.language.mrope_section={list(section)}: the interleaved layout "
+                    f"gives the time / height / width streams {counts} frequencies (height "
+                    "and width take every third one from the second / third on, time the "
+                    "rest); use sections whose temporal part is at least the others"
+                )
+        n = len(self.vision.deepstack_visual_indexes)
+        if n > lang.num_layers:
+            problems.append(
+                f"model.vision.deepstack_visual_indexes has {n} entries but the decoder has "
+                f"model.language.num_layers={lang.num_layers} layers to add them to"
+            )
+        vocab = lang.vocab_size
+        for key in ("image_token_id", "video_token_id", "vision_start_token_id"):
+            value = getattr(self, key)
+            if not 0 <= value < vocab:
+                problems.append(f"model.{key}={value}: outside the vocabulary (size {vocab})")
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def vision_processor(self, data: Any) -> Any:
+        """The image processor of this model for a run's ``data`` section: Qwen2-VL-style
+        resizing with this tower's patch and merge sizes, ``data.min_pixels`` /
+        ``data.max_pixels`` and Qwen3-VL's normalisation; images only (see
+        ``Qwen3VLImageProcessor``)."""
+        from longboat.vlm.models.qwen3_vl.processor import qwen3_vl_processor
+
+        return qwen3_vl_processor(self.vision, data.min_pixels, data.max_pixels)
+
+
+def _config_dict(source: str | Path | dict[str, Any]) -> tuple[dict[str, Any], str]:
+    if isinstance(source, dict):
+        return source, "config.json"
+    path = Path(source) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: not found", fix="point at a Hugging Face Qwen3-VL directory")
+    return json.loads(path.read_text()), str(path)
+
+
+def _mrope_from_hf(text: dict[str, Any], where: str) -> tuple[dict[str, Any], list[int]]:
+    """``(text config without the M-RoPE keys, mrope_section)``; transformers' Qwen3-VL
+    always interleaves, so ``mrope_interleaved: false`` is refused rather than ignored."""
+    text = dict(text)
+    section = None
+    for key in ("rope_parameters", "rope_scaling"):
+        params = dict(text.get(key) or {})
+        if "mrope_section" in params:
+            section = [int(x) for x in params.pop("mrope_section")]
+        if params.pop("mrope_interleaved", True) is False:
+            raise ConfigError(
+                f"{where}: text_config.{key}.mrope_interleaved=false: Qwen3-VL's M-RoPE is "
+                "interleaved (transformers ignores the flag and interleaves too)",
+                fix="drop the key or set it to true",
+            )
+        if params.get("rope_type", params.get("type")) == "mrope":
+            params["rope_type"] = "default"
+            params.pop("type", None)
+        if params:
+            text[key] = params
+        else:
+            text.pop(key, None)
+    if section is not None and len(section) != 3:
+        raise ConfigError(f"{where}: mrope_section={section!r}: expected three sizes")
+    return text, section if section is not None else list(QWEN3_VL_MROPE)
+
+
+def read_hf_config(source: str | Path | dict[str, Any]) -> Qwen3VLConfig:
+    """The config of a Qwen3-VL ``config.json`` (a directory or the parsed dict)."""
+    hf, where = _config_dict(source)
+    if hf.get("model_type") != HF_MODEL_TYPE:
+        raise ConfigError(
+            f"{where}: model_type={hf.get('model_type')!r} is not {HF_MODEL_TYPE!r}",
+            fix="point at a Qwen3VLForConditionalGeneration checkpoint (Qwen3-VL dense)",
+        )
+    text = dict(hf.get("text_config") or {})
+    if not text:
+        raise ConfigError(f"{where}: no text_config", fix="a Qwen3-VL config.json has one")
+    text, section = _mrope_from_hf(text, where)
+    text["model_type"] = "qwen3"
+    text["tie_word_embeddings"] = bool(
+        hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    )
+    language = dataclasses.replace(get_family("qwen3").from_hf_config(text), mrope_section=section)
+    cfg = Qwen3VLConfig(
+        language=language,
+        vision=Qwen3VisionConfig.from_hf(dict(hf.get("vision_config") or {})),
+        image_token_id=int(hf.get("image_token_id", 151655)),
+        video_token_id=int(hf.get("video_token_id", 151656)),
+        vision_start_token_id=int(hf.get("vision_start_token_id", 151652)),
+        vision_end_token_id=int(hf.get("vision_end_token_id", 151653)),
+    )
+    cfg.validate()
+    return cfg
+
+
+def to_hf_config(cfg: Qwen3VLConfig) -> Any:
+    """``transformers.Qwen3VLConfig`` for ``cfg``."""
+    from transformers import Qwen3VLConfig as HFConfig
+
+    from longboat.core.megatron.models.common import common_to_hf
+
+    lang = cfg.language
+    text = common_to_hf(lang)
+    text.pop("tie_word_embeddings")
+    text["rope_parameters"] = {
+        **text["rope_parameters"],
+        "mrope_section": list(lang.mrope_section or []),
+        "mrope_interleaved": True,
+    }
+    return HFConfig(
+        text_config=text,
+        vision_config=cfg.vision.to_hf(),
+        image_token_id=cfg.image_token_id,
+        video_token_id=cfg.video_token_id,
+        vision_start_token_id=cfg.vision_start_token_id,
+        vision_end_token_id=cfg.vision_end_token_id,
+        tie_word_embeddings=lang.tie_embeddings,
+        architectures=["Qwen3VLForConditionalGeneration"],
+    )
+
+
+def build(
+    cfg: Qwen3VLConfig,
+    *,
+    precision: str = "fp32",
+    device_type: str = "cpu",
+    kernels: Any = None,
+    recompute: tuple[str, ...] = (),
+) -> VisionLanguageModel:
+    """This rank's Qwen3-VL (one pipeline stage; megatron parallel state initialised).
+
+    With pipeline parallelism the ViT lives on the first stage, which must hold every
+    decoder layer that takes a deepstack feature; interleaved virtual stages are refused.
+    ``recompute``: ``vision`` (each ViT block) and / or ``language`` (each decoder layer).
+    """
+    from megatron.core import parallel_state as mps
+
+    from longboat.core.megatron.models.build import build_decoder
+    from longboat.vlm.models.qwen3_vl.deepstack import Qwen3VLModel, add_deepstack_hooks
+    from longboat.vlm.models.qwen3_vl.vision import Qwen3VisionModel
+
+    cfg.validate()
+    lang, n_deep = cfg.language, len(cfg.vision.deepstack_visual_indexes)
+    pp = mps.get_pipeline_model_parallel_world_size()
+    if pp > 1 and lang.num_layers // pp < n_deep:
+        raise ConfigError(
+            f"the first pipeline stage holds {lang.num_layers // pp} decoder layers but the "
+            f"{n_deep} deepstack features are added after the first {n_deep}",
+            key="parallel.pipeline_parallel",
+            value=pp,
+            fix=f"use at most {lang.num_layers // n_deep} stages",
+        )
+    unknown = sorted(set(recompute) - {"vision", "language"})
+    if unknown:
+        raise ConfigError(
+            f"model.recompute: unknown component(s) {unknown}", fix="use vision and / or language"
+        )
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    full = {"recompute_granularity": "full", "recompute_method": "uniform",
+            "recompute_num_layers": 1}  # fmt: skip
+    chunks = build_decoder(
+        lang, kernels=kernels, precision=precision, device_type=device_type,
+        mrope_section=interleaved_mrope_sections(lang.mrope_section or [], lang.head_dim),
+        **(full if "language" in recompute else {}),
+    )  # fmt: skip
+    if len(chunks) != 1:
+        raise ConfigError(
+            "interleaved virtual pipeline stages are not supported by longboat-vlm",
+            key="parallel.virtual_pipeline_parallel",
+            value=len(chunks),
+            fix="set it to null (plain 1F1B over parallel.pipeline_parallel stages)",
+        )
+    add_deepstack_hooks(chunks[0], n_deep)
+    vision = None
+    if chunks[0].pre_process:
+        vision = Qwen3VisionModel(cfg.vision, params_dtype=dtype, kernels=kernels)
+        vision.recompute = "vision" in recompute
+        vision = vision.to(torch.device(device_type))
+    position_ids = partial(
+        mrope_position_ids,
+        image_token_id=cfg.image_token_id,
+        video_token_id=cfg.video_token_id,
+        spatial_merge_size=cfg.vision.spatial_merge_size,
+        tokens_per_second=1.0,  # unused: each frame group is its own run
+        frames_as_runs=True,
+    )
+    return Qwen3VLModel(
+        vision,
+        chunks[0],
+        image_token_id=cfg.image_token_id,
+        video_token_id=cfg.video_token_id,
+        position_ids=position_ids,
+    )
+
+
+def _diff(want: dict[str, Any], found: dict[str, Any], prefix: str = "model") -> list[str]:
+    out = []
+    for key in sorted(set(want) | set(found)):
+        a, b = want.get(key), found.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _diff(a, b, f"{prefix}.{key}")
+        elif a != b:
+            out.append(f"{prefix}.{key}={a!r} but the checkpoint has {b!r}")
+    return out
+
+
+_DECODER_PREFIXES = ("model.language_model.", "model.")
+"""Where a checkpoint keeps the decoder: the released files' (and transformers 5's) names,
+then the flat layout of older conversions."""
+
+
+@torch.no_grad()
+def load_hf(model: VisionLanguageModel, cfg: Qwen3VLConfig, hf_dir: str | Path) -> int:
+    """Load a Hugging Face Qwen3-VL directory into this rank's model after checking that its
+    config describes ``cfg``; returns the number of tensors read. A checkpoint that does not
+    fit raises naming every missing, unexpected and wrongly shaped tensor."""
+    from safetensors import safe_open
+
+    from longboat.core.megatron.hf_io import hf_weight_index, load_hf_weights, rank_coords
+    from longboat.vlm.models.qwen3_vl.vision_hf import (
+        HF_PREFIXES,
+        VisionStateDictError,
+        shard_vision_state_dict,
+        vision_from_hf,
+    )
+
+    found, want = read_hf_config(hf_dir).architecture(), cfg.architecture()
+    if found != want:
+        raise ConfigError(
+            f"{hf_dir}/config.json describes a different model than the one built: "
+            + "; ".join(_diff(want, found)),
+            fix="build the model from read_hf_config(<dir>) (model.init_from_hf reads it)",
+        )
+    index = hf_weight_index(hf_dir)
+    prefix = next((p for p in _DECODER_PREFIXES if f"{p}embed_tokens.weight" in index), "model.")
+    n = load_hf_weights(
+        [model.language], cfg.language.to_arch(), hf_dir, prefix=prefix, other_prefixes=HF_PREFIXES
+    )
+    if model.vision is None:  # a later pipeline stage: the tower lives on the first
+        return n
+    visual: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, path in index.items():
+        if name.startswith(HF_PREFIXES):
+            by_file.setdefault(path, []).append(name)
+    for path, names in by_file.items():
+        with safe_open(str(path), "pt") as f:
+            visual.update({name: f.get_tensor(name) for name in names})
+    try:
+        ours = vision_from_hf(visual, cfg.vision)
+    except VisionStateDictError as exc:
+        raise ConfigError(f"{hf_dir}: {exc}") from None
+    coords = rank_coords()
+    if coords.tp_size > 1:
+        ours = shard_vision_state_dict(ours, coords.tp_rank, coords.tp_size)
+    model.vision.load_state_dict(ours, strict=False)
+    missing = [
+        k for k in model.vision.state_dict() if k not in ours and not k.endswith("_extra_state")
+    ]
+    if missing:
+        raise ConfigError(f"{hf_dir}: the vision tower has no tensors for {missing}")
+    return n + len(ours)
+
+
+def save_hf(model: VisionLanguageModel, cfg: Qwen3VLConfig, out_dir: str | Path) -> Path:
+    """Write ``config.json`` + the safetensors weights in the layout ``transformers`` loads
+    (collective over the world: tensor-parallel shards are gathered; rank 0 writes the
+    vision tower and the first stage's layers, with pipeline parallelism each later stage's
+    owner writes its own layers to a shard listed in ``model.safetensors.index.json``)."""
+    import torch.distributed as dist
+
+    from longboat.core.megatron.hf_io import rank_coords, save_hf_weights, tp_shards
+    from longboat.vlm.models.qwen3_vl.vision_hf import unshard_vision_state_dict, vision_to_hf
+
+    out_dir = Path(out_dir)
+    coords = rank_coords()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    visual: dict[str, torch.Tensor] = {}
+    if model.vision is not None:  # the first pipeline stage: gather the tower's TP shards
+        local = {
+            k: v.detach()
+            for k, v in model.vision.state_dict().items()
+            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
+        }
+        per_rank = [dict(zip(local, parts, strict=True)) for parts in
+                    zip(*(tp_shards(v, coords) for v in local.values()), strict=True)]  # fmt: skip
+        if rank == 0:
+            visual = vision_to_hf(unshard_vision_state_dict(per_rank), cfg.vision)
+    save_hf_weights(
+        [model.language], cfg.language.to_arch(), out_dir, prefix="model.language_model.",
+        extra=visual,
+    )  # fmt: skip
+    if rank == 0:
+        hf_config = to_hf_config(cfg)
+        hf_config.dtype = "float32"
+        hf_config.save_pretrained(out_dir)
+    if dist.is_initialized():
+        dist.barrier()
+    return out_dir
+
+
+def _flavors() -> dict[str, Qwen3VLConfig]:
+    qwen3 = get_family("qwen3")
+    vl = dict(max_position_embeddings=262144, rope_theta=5000000.0,
+              mrope_section=list(QWEN3_VL_MROPE))  # fmt: skip
+    # 4 decoder layers: 2 take deepstack features, and a pipeline split keeps them together.
+    tiny_language = dataclasses.replace(
+        qwen3.flavor("tiny"), vocab_size=384, num_layers=4, mrope_section=[4, 2, 2]
+    )
+    return {
+        "tiny": Qwen3VLConfig(
+            language=tiny_language,
+            vision=vision_flavor("tiny").replace(out_hidden_size=tiny_language.hidden_size),
+            image_token_id=310,
+            video_token_id=311,
+            vision_start_token_id=312,
+            vision_end_token_id=313,
+        ),
+        # The decoders of the released checkpoints are Qwen3-1.7B / 4B / 8B shaped.
+        "2b": Qwen3VLConfig(
+            language=dataclasses.replace(qwen3.flavor("1.7b"), flavor="vl_2b", **vl),
+            vision=vision_flavor("2b"),
+        ),
+        "4b": Qwen3VLConfig(
+            language=dataclasses.replace(
+                qwen3.flavor("1.7b"),
+                flavor="vl_4b",
+                hidden_size=2560,
+                num_layers=36,
+                num_attention_heads=32,
+                ffn_hidden_size=9728,
+                **vl,
+            ),
+            vision=vision_flavor("4b"),
+        ),
+        "8b": Qwen3VLConfig(
+            language=dataclasses.replace(qwen3.flavor("8b"), flavor="vl_8b", **vl),
+            vision=vision_flavor("8b"),
+        ),
+    }
+
+
+FLAVORS = ("tiny", "2b", "4b", "8b")
+
+
+def flavor(name: str) -> Qwen3VLConfig:
+    """Qwen3-VL flavor ``name``: ``tiny`` (CPU tests), ``2b``, ``4b``, ``8b`` (as released)."""
+    flavors = _flavors()
+    if name not in flavors:
+        raise ConfigError(
+            f"model.flavor={name!r}: Qwen3-VL has flavors {sorted(flavors)}",
+            fix="pick one of them",
+        )
+    return flavors[name]
