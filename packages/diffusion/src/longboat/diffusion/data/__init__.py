@@ -4,6 +4,10 @@
 - :mod:`~longboat.diffusion.data.dataset`: :class:`LatentDataset`, the reader.
 - :mod:`~longboat.diffusion.data.batching`: bucketed / packed batches (resumable), collation.
 - :mod:`~longboat.diffusion.data.loading`: a data config -> a resumable loader.
+- :mod:`~longboat.diffusion.data.prepare`: videos / images + captions -> latents (Wan VAE,
+  UMT5; :mod:`~longboat.diffusion.data.media`, :mod:`~longboat.diffusion.data.sources`,
+  :mod:`~longboat.diffusion.data.encoders`), the ``data prepare`` command;
+  :mod:`~longboat.diffusion.data.tiny_encoders` builds tiny random encoders to try it.
 - :mod:`~longboat.diffusion.data.synthetic` / :mod:`~longboat.diffusion.data.preview`: the
   quickstart's moving squares and GIF previews of latents.
 - :mod:`~longboat.diffusion.data.schema`: typed configs; :mod:`~longboat.diffusion.data.errors`.
@@ -13,6 +17,7 @@ from longboat.diffusion.data.batching import LatentBatchSampler, collate_latents
 from longboat.diffusion.data.dataset import LatentDataset
 from longboat.diffusion.data.errors import BadSampleError, DataError
 from longboat.diffusion.data.loading import LatentLoader, build_latent_loader
+from longboat.diffusion.data.prepare import PrepareReport, prepare_latents
 from longboat.diffusion.data.preview import latents_to_gif, latents_to_rgb
 from longboat.diffusion.data.schema import (
     LatentsDataConfig,
@@ -31,6 +36,7 @@ __all__ = [
     "LatentRecord",
     "LatentsDataConfig",
     "PrepareConfig",
+    "PrepareReport",
     "SyntheticSquaresDataConfig",
     "build_latent_loader",
     "caption_embedding",
@@ -38,4 +44,5 @@ __all__ = [
     "generate_squares",
     "latents_to_gif",
     "latents_to_rgb",
+    "prepare_latents",
 ]

@@ -194,8 +194,10 @@ class PrepareConfig:
     """Storage dtype of latents and text embeddings."""
     device: str = "auto"
     """Where the encoders run: ``auto``, ``cpu``, ``cuda`` or an accelerator plugin's name."""
-    encoder_dtype: str = "float32"
-    """Dtype the encoders compute in (``float32`` or ``bfloat16``)."""
+    vae_dtype: str = "float32"
+    """Dtype the VAE computes in (``float32`` or ``bfloat16``)."""
+    text_encoder_dtype: str = "bfloat16"
+    """Dtype the text encoder computes in (UMT5-XXL is trained in bf16)."""
     skip_bad_samples: bool = False
     """Skip (and count) corrupt videos / images and missing captions instead of stopping."""
     overwrite: bool = False
@@ -236,13 +238,9 @@ class PrepareConfig:
         _positive(p, "samples_per_shard", self.samples_per_shard, "e.g. 64")
         if self.dtype not in STORE_DTYPES:
             p.add("dtype", "unknown dtype", value=self.dtype, fix=f"one of {STORE_DTYPES}")
-        if self.encoder_dtype not in BATCH_DTYPES:
-            p.add(
-                "encoder_dtype",
-                "unknown dtype",
-                value=self.encoder_dtype,
-                fix="float32 or bfloat16",
-            )
+        for key in ("vae_dtype", "text_encoder_dtype"):
+            if getattr(self, key) not in BATCH_DTYPES:
+                p.add(key, "unknown dtype", value=getattr(self, key), fix="float32 or bfloat16")
         p.raise_if_any()
 
     @property
