@@ -1,0 +1,1 @@
+"""Diffusion transformer families (one folder each) and their registry (``registry.py``)."""

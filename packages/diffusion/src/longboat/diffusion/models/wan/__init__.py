@@ -1,0 +1,42 @@
+"""The Wan 2.1 / 2.2 text-to-video DiT family (diffusers ``WanTransformer3DModel``).
+
+The family interface the registry hands out (``longboat.diffusion.models.registry``):
+``FLAVORS``, ``flavor(name)``, ``read_config(dir)``, ``build(cfg, *, precision, kernels)``,
+``load_diffusers(model, cfg, dir)`` and ``save_diffusers(model, cfg, out_dir)``. The config
+names import no megatron; the rest load ``model.py`` / ``hf.py`` on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from longboat.diffusion.models.wan.config import (
+    DIFFUSERS_CLASS,
+    FLAVORS,
+    WanConfig,
+    flavor,
+    read_config,
+)
+
+_LAZY = {
+    "WanModel": "longboat.diffusion.models.wan.model",
+    "build": "longboat.diffusion.models.wan.model",
+    "load_diffusers": "longboat.diffusion.models.wan.hf",
+    "save_diffusers": "longboat.diffusion.models.wan.hf",
+    "VideoPacking": "longboat.diffusion.models.wan.packing",
+    "pack_latents": "longboat.diffusion.models.wan.packing",
+    "unpack_tokens": "longboat.diffusion.models.wan.packing",
+    "patchify": "longboat.diffusion.models.wan.packing",
+    "unpatchify": "longboat.diffusion.models.wan.packing",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["DIFFUSERS_CLASS", "FLAVORS", "WanConfig", "flavor", "read_config", *_LAZY]

@@ -1,0 +1,439 @@
+"""The Wan transformer block on megatron-core's tensor-parallel modules.
+
+One block (diffusers' ``WanTransformerBlock``), on tokens ``x`` ``[B, S, D]`` (batch-first):
+
+1. ``x += gate1 * self_attn(adaln(x; shift1, scale1))``: LayerNorm without affine, modulated
+   per sample; q / k RMS-normalised over all heads' channels, rotated by the 3D rotary
+   embedding; bidirectional attention inside each sample.
+2. ``x += cross_attn(norm2(x), text)``: affine LayerNorm (``cross_attn_norm``); queries from the
+   video tokens, keys / values from the projected text embeddings (RMS-normed keys), padded
+   text tokens masked out.
+3. ``x += gate2 * mlp(adaln(x; shift2, scale2))``: GELU(tanh) feed-forward (megatron's ``MLP``).
+
+The six modulation vectors of a sample are the block's ``scale_shift_table`` ``[1, 6, D]`` plus
+the model's time projection of that sample's timestep ``[6, D]``, in fp32 (as diffusers).
+
+Megatron's ``TransformerLayer`` has no slot for the per-sample modulation, so ``WanBlock`` is
+its own ``MegatronModule`` built from a ``ModuleSpec`` (``wan_block_spec``): q / k / v /
+output projections are megatron's column / row parallel linears from core's
+``LongboatSpecProvider``, the feed-forward is megatron's ``MLP``, so tensor parallelism
+splits the heads and the FFN width as megatron does. The qk-norm spans all heads, so under
+tensor parallelism its sum of squares is all-reduced over the TP group (``HeadsRMSNorm``).
+
+Token layouts (``TokenLayout``): *dense*, ``B`` samples of one grid, attention per batch row;
+or *packed*, ``B = 1`` and ``S`` the tokens of several samples one after another, with
+``cu_seqlens`` keeping self-attention inside each sample, per-sample modulation applied to
+each sample's token range, and each sample's queries attending to its own caption.
+
+The query / key channels of each head are stored de-interleaved (the even channels of a
+diffusers head, then its odd ones; ``hf.py`` permutes on load and export), so Wan's
+interleaved-pair rotation becomes the half-split rotation of ``longboat.kernels.rope``; the
+dot products, hence the outputs, are unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as mps
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+from longboat.core.layer_kernels import LayerKernels, RMSNormFn, RopeFn, torch_rms_norm
+from longboat.core.megatron.decoder_config import unfused_layer_kwargs
+from longboat.core.megatron.specs import LongboatSpecProvider
+from longboat.diffusion.models.wan.config import WanConfig
+from longboat.diffusion.models.wan.packing import VideoPacking
+
+AttentionFn = Callable[..., torch.Tensor]
+"""``fn(q, k, v, *, causal, scale, cu_seqlens=None, max_seqlen=None, mask=None)``:
+``longboat.kernels.attention.attention``'s contract (``[B, S, H, D]``, or packed
+``[tokens, H, D]`` with ``cu_seqlens``; ``mask`` bool, True where attention is allowed)."""
+
+
+def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> Any:
+    """Attention through ``longboat.kernels.attention``'s dispatch (flash-attn varlen / cuDNN
+    on GPU, SDPA on CPU)."""
+    from longboat.kernels.attention import attention
+
+    return attention(q, k, v, **kwargs)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (Wan's FFN and text-embedding activation)."""
+    return F.gelu(x, approximate="tanh")
+
+
+def rope_reference(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half-split rotation of ``q`` / ``k`` ``[B, S, H, D]`` by per-token ``cos`` / ``sin``
+    ``[S, D // 2]`` in fp32 (the ``RopeFn`` contract; used when no kernel is given)."""
+    c, s = cos[:, None, :], sin[:, None, :]
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+    return rot(q), rot(k)
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """How the tokens of one forward are laid out (see the module doc)."""
+
+    packing: VideoPacking | None
+    """None: dense ``[B, S, D]`` (one grid for all samples); else the packed samples."""
+    cos: torch.Tensor
+    """fp32 ``[S, head_dim // 2]`` rotary cosines of the tokens."""
+    sin: torch.Tensor
+    """fp32 ``[S, head_dim // 2]`` rotary sines."""
+    text_mask: torch.Tensor | None
+    """``[samples, L]`` bool, True for caption tokens to attend to; None: all of them."""
+
+    @property
+    def segmented(self) -> bool:
+        """Whether per-sample quantities apply to token ranges (more than one packed sample)."""
+        return self.packing is not None and self.packing.num_samples > 1
+
+
+def per_sample(
+    fn: Callable[..., torch.Tensor],
+    tokens: tuple[torch.Tensor, ...],
+    vectors: tuple[torch.Tensor, ...],
+    layout: TokenLayout,
+) -> torch.Tensor:
+    """``fn(*tokens, *vectors)`` with each sample's vectors ``[n, ...]`` meeting its tokens.
+
+    Dense (or one packed sample): one call, vectors ``[B, ...]`` against tokens ``[B, S, ...]``.
+    Packed: one call per sample on its token range (views of the ``[1, S, ...]`` tokens), the
+    results concatenated, so no per-token copy of the vectors is ever materialised.
+    """
+    if not layout.segmented:
+        return fn(*tokens, *vectors)
+    assert layout.packing is not None
+    lengths = layout.packing.seqlens
+    parts = [t.split(lengths, dim=1) for t in tokens]
+    outs = [
+        fn(*(p[i] for p in parts), *(v[i : i + 1] for v in vectors)) for i in range(len(lengths))
+    ]
+    return torch.cat(outs, dim=1)
+
+
+def adaln_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> Any:
+    """``layer_norm(x) * (1 + scale) + shift`` (no affine; fp32 inside) through
+    ``longboat.kernels.adaln``; ``x`` ``[b, s, D]``, ``shift`` / ``scale`` ``[b, D]``."""
+    from longboat.kernels.adaln import ada_layer_norm
+
+    return ada_layer_norm(x, scale, shift, eps)
+
+
+def _gated_add(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    # The residual sum in fp32, as diffusers (the gate is fp32).
+    return (x.float() + y.float() * gate[:, None, :]).to(x.dtype)
+
+
+# -- norms ------------------------------------------------------------------------------------
+
+
+class HeadsRMSNorm(MegatronModule):
+    """RMSNorm over all heads' channels of a column-parallel projection (Wan's qk-norm).
+
+    The weight is split over the TP ranks like the projection's rows; under tensor
+    parallelism each rank's sum of squares is all-reduced (forward and backward: every rank's
+    output depends on every rank's channels).
+    """
+
+    def __init__(
+        self, config: Any, hidden_size: int, eps: float, *, rms_norm: RMSNormFn = torch_rms_norm
+    ) -> None:
+        super().__init__(config=config)
+        self.tp = mps.get_tensor_model_parallel_world_size()
+        self.full_width = hidden_size
+        self.eps = eps
+        self._rms_norm = rms_norm
+        local = hidden_size // self.tp
+        self.weight = torch.nn.Parameter(torch.ones(local, dtype=config.params_dtype))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return self._rms_norm(x, self.weight, self.eps)
+        xf = x.float()
+        squares = xf.pow(2).sum(-1, keepdim=True)
+        # all-reduce forward (reduce_from) and backward (copy_to)
+        squares = reduce_from_tensor_model_parallel_region(
+            copy_to_tensor_model_parallel_region(squares)
+        )
+        y = xf * torch.rsqrt(squares / self.full_width + self.eps)
+        return (self.weight * y.to(x.dtype)).to(x.dtype)
+
+
+class AffineLayerNorm(torch.nn.Module):
+    """LayerNorm with weight and bias, statistics in fp32 (``cross_attn_norm``)."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> Any:
+        from longboat.kernels.layernorm import layer_norm
+
+        return layer_norm(x, self.weight, self.bias, self.eps)
+
+
+# -- attention --------------------------------------------------------------------------------
+
+
+@dataclass
+class WanAttentionSubmodules:
+    """Modules of one Wan attention (each a class or ``ModuleSpec``)."""
+
+    linear_q: Any
+    linear_k: Any
+    linear_v: Any
+    linear_proj: Any
+    q_norm: Any
+    k_norm: Any
+
+
+class WanAttention(MegatronModule):
+    """Multi-head attention of a Wan block: self-attention with the 3D rotary embedding, or
+    (``cross=True``) attention of the video tokens to the caption tokens."""
+
+    def __init__(
+        self,
+        config: Any,
+        submodules: WanAttentionSubmodules,
+        *,
+        cross: bool,
+        eps: float,
+        rope: RopeFn | None = None,
+        attention_fn: AttentionFn = kernel_attention,
+    ) -> None:
+        super().__init__(config=config)
+        width = config.hidden_size
+        tp = mps.get_tensor_model_parallel_world_size()
+        self.cross = cross
+        self.heads = config.num_attention_heads // tp
+        self.head_dim = config.kv_channels
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self._rope = rope or rope_reference
+        self.attention_fn = attention_fn
+        # The q / k / v projections of one input share one all-reduce of its gradient
+        # (``_tp_input``) instead of one each.
+        self.tp = tp
+        column = dict(
+            config=config, init_method=config.init_method, bias=True, gather_output=False,
+            skip_bias_add=False, disable_grad_reduce=True,
+        )  # fmt: skip
+        self.linear_q = build_module(submodules.linear_q, width, width, **column)
+        self.linear_k = build_module(submodules.linear_k, width, width, **column)
+        self.linear_v = build_module(submodules.linear_v, width, width, **column)
+        self.q_norm = build_module(submodules.q_norm, config, width, eps)
+        self.k_norm = build_module(submodules.k_norm, config, width, eps)
+        self.linear_proj = build_module(
+            submodules.linear_proj, width, width, config=config,
+            init_method=config.output_layer_init_method, bias=True, input_is_parallel=True,
+            skip_bias_add=False,
+        )  # fmt: skip
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (self.heads, self.head_dim))
+
+    def _tp_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Identity forward; backward all-reduces the gradient over the TP group."""
+        return copy_to_tensor_model_parallel_region(x) if self.tp > 1 else x
+
+    def forward(
+        self, x: torch.Tensor, layout: TokenLayout, text: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x`` ``[B, S, D]`` (``text`` ``[n, L, D]`` for cross-attention) -> ``[B, S, D]``."""
+        x = self._tp_input(x)
+        q = self._heads(self.q_norm(self.linear_q(x)[0]))
+        source = self._tp_input(text) if self.cross else x
+        assert source is not None, "cross-attention needs the text tokens"
+        k = self._heads(self.k_norm(self.linear_k(source)[0]))
+        v = self._heads(self.linear_v(source)[0])
+        if self.cross:
+            out = self._cross(q, k, v, layout)
+        else:
+            q, k = self._rope(q, k, layout.cos, layout.sin)
+            out = self._self(q, k, v, layout)
+        out, _ = self.linear_proj(out.flatten(-2))
+        return out
+
+    def _self(self, q: Any, k: Any, v: Any, layout: TokenLayout) -> torch.Tensor:
+        if layout.packing is None:
+            return self.attention_fn(q, k, v, causal=False, scale=self.scale)
+        p = layout.packing
+        out = self.attention_fn(
+            q[0], k[0], v[0], causal=False, scale=self.scale, cu_seqlens=p.cu_seqlens,
+            max_seqlen=p.max_seqlen,
+        )  # fmt: skip
+        return out.unsqueeze(0)
+
+    def _cross(self, q: Any, k: Any, v: Any, layout: TokenLayout) -> torch.Tensor:
+        mask = layout.text_mask
+
+        def attend(qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, mi: Any) -> Any:
+            m = None if mi is None else mi[:, None, None, :]  # [b, 1, 1, L]: keys allowed
+            return self.attention_fn(qi, ki, vi, causal=False, scale=self.scale, mask=m)
+
+        if not layout.segmented:
+            return attend(q, k, v, mask)
+        assert layout.packing is not None
+        parts = q.split(layout.packing.seqlens, dim=1)
+        outs = []
+        for i, qi in enumerate(parts):
+            mi = None if mask is None else mask[i : i + 1]
+            outs.append(attend(qi, k[i : i + 1], v[i : i + 1], mi))
+        return torch.cat(outs, dim=1)
+
+
+# -- block ------------------------------------------------------------------------------------
+
+
+@dataclass
+class WanBlockSubmodules:
+    """Modules of one Wan block."""
+
+    self_attention: Any
+    cross_attention: Any
+    mlp: Any
+
+
+class WanBlock(MegatronModule):
+    """One Wan transformer block (see the module doc): ``forward(x, text, time_proj, layout)``."""
+
+    def __init__(
+        self,
+        config: Any,
+        submodules: WanBlockSubmodules,
+        layer_number: int,
+        *,
+        cross_attn_norm: bool,
+        eps: float,
+    ) -> None:
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        self.eps = eps
+        width = config.hidden_size
+        self.self_attention = build_module(submodules.self_attention, config=config, eps=eps)
+        self.cross_attn_norm = AffineLayerNorm(config, width, eps) if cross_attn_norm else None
+        self.cross_attention = build_module(submodules.cross_attention, config=config, eps=eps)
+        self.mlp = build_module(
+            submodules.mlp, config=config, ffn_hidden_size=config.ffn_hidden_size
+        )
+        table = torch.randn(1, 6, width) / math.sqrt(width)
+        self.scale_shift_table = torch.nn.Parameter(table.to(config.params_dtype))
+
+    def forward(
+        self, x: torch.Tensor, text: torch.Tensor, time_proj: torch.Tensor, layout: TokenLayout
+    ) -> torch.Tensor:
+        """``x`` ``[B, S, D]``, ``text`` ``[n, L, D]``, ``time_proj`` ``[n, 6, D]`` -> ``[B, S, D]``."""
+        mod = self.scale_shift_table.float() + time_proj.float()
+        shift1, scale1, gate1, shift2, scale2, gate2 = mod.unbind(1)
+        eps = self.eps
+
+        h = per_sample(lambda t, a, b: adaln_modulate(t, a, b, eps), (x,), (shift1, scale1), layout)
+        x = per_sample(_gated_add, (x, self.self_attention(h, layout)), (gate1,), layout)
+
+        h = x if self.cross_attn_norm is None else self.cross_attn_norm(x)
+        x = x + self.cross_attention(h, layout, text=text)
+
+        h = per_sample(lambda t, a, b: adaln_modulate(t, a, b, eps), (x,), (shift2, scale2), layout)
+        out, bias = self.mlp(h)
+        if bias is not None:
+            out = out + bias
+        return per_sample(_gated_add, (x, out), (gate2,), layout)
+
+
+def wan_block_spec(
+    kernels: LayerKernels | None = None, attention_fn: AttentionFn = kernel_attention
+) -> ModuleSpec:
+    """``ModuleSpec`` of a Wan block on longboat's local megatron modules: megatron's column /
+    row parallel linears, ``kernels.rms_norm`` for the qk-norm (at TP 1), ``kernels.rope`` for
+    the rotation (the torch reference when None), ``attention_fn`` for attention."""
+    kernels = kernels or LayerKernels()
+    provider = LongboatSpecProvider(kernels)
+    norm = ModuleSpec(module=HeadsRMSNorm, params={"rms_norm": kernels.rms_norm})
+
+    def attention(cross: bool) -> ModuleSpec:
+        return ModuleSpec(
+            module=WanAttention,
+            params={"cross": cross, "rope": kernels.rope, "attention_fn": attention_fn},
+            submodules=WanAttentionSubmodules(
+                linear_q=provider.column_parallel_linear(),
+                linear_k=provider.column_parallel_linear(),
+                linear_v=provider.column_parallel_linear(),
+                linear_proj=provider.row_parallel_linear(),
+                q_norm=norm,
+                k_norm=norm,
+            ),
+        )
+
+    return ModuleSpec(
+        module=WanBlock,
+        submodules=WanBlockSubmodules(
+            self_attention=attention(cross=False),
+            cross_attention=attention(cross=True),
+            # megatron's MLP: fc1 -> (+ bias) -> config.activation_func -> fc2
+            mlp=ModuleSpec(
+                module=MLP,
+                submodules=MLPSubmodules(
+                    linear_fc1=provider.column_parallel_linear(),
+                    linear_fc2=provider.row_parallel_linear(),
+                ),
+            ),
+        ),
+    )
+
+
+def wan_transformer_config(
+    cfg: WanConfig,
+    *,
+    tensor_parallel: int | None = None,
+    params_dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> Any:
+    """megatron ``TransformerConfig`` of the blocks (``tensor_parallel``: the live megatron TP
+    size when None). Linears start Xavier-uniform with zero biases, as Wan initialises."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg.validate()
+    if tensor_parallel is None:
+        tensor_parallel = mps.get_tensor_model_parallel_world_size()
+    cfg.validate_parallel(tensor_parallel=tensor_parallel)
+    kwargs: dict[str, Any] = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_dim,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_attention_heads,
+        kv_channels=cfg.attention_head_dim,
+        layernorm_epsilon=cfg.eps,
+        add_bias_linear=True,
+        add_qkv_bias=True,
+        gated_linear_unit=False,
+        activation_func=gelu_tanh,
+        init_method=torch.nn.init.xavier_uniform_,
+        output_layer_init_method=torch.nn.init.xavier_uniform_,
+        tensor_model_parallel_size=tensor_parallel,
+        **unfused_layer_kwargs(params_dtype),
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
