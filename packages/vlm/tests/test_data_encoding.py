@@ -244,3 +244,25 @@ def test_vision_tokens_from_tokenizer(tokenizer) -> None:
     assert len(ids) == 4
     with pytest.raises(DataError, match=r"no token\(s\) \['<\|img\|>'\]"):
         VisionTokens.from_tokenizer(tokenizer, image_pad="<|img|>")
+
+
+def test_checkpoint_and_tokenizer_must_number_vision_tokens_alike(tokenizer) -> None:
+    import dataclasses
+
+    from longboat.core.config.errors import ConfigError
+    from longboat.vlm.models.qwen2_5_vl.model import flavor
+    from longboat.vlm.train.data import _with_token_ids
+
+    tokens = VisionTokens.from_tokenizer(tokenizer)
+    cfg = flavor("tiny")
+    got = _with_token_ids(cfg, tokens, len(tokenizer), "tok")  # a flavor takes the tokenizer's
+    assert (got.image_token_id, got.vision_end_token_id) == (
+        tokens.image_pad_id,
+        tokens.vision_end_id,
+    )
+    # A checkpoint whose ids agree loads; one whose image id differs is refused, naming both.
+    assert _with_token_ids(got, tokens, len(tokenizer), "tok", checkpoint="ckpt") == got
+    other = dataclasses.replace(got, image_token_id=tokens.image_pad_id + 1)
+    with pytest.raises(ConfigError, match="image_token_id: checkpoint") as err:
+        _with_token_ids(other, tokens, len(tokenizer), "tok", checkpoint="ckpt")
+    assert "data.tokenizer" in str(err.value)

@@ -70,8 +70,13 @@ class RunData:
         )
 
 
-def _with_token_ids(model_cfg: Any, tokens: Any, vocab: int, source: str) -> Any:
-    """``model_cfg`` with the tokenizer's vision token ids; errors when they do not fit."""
+def _with_token_ids(
+    model_cfg: Any, tokens: Any, vocab: int, source: str, checkpoint: str | None = None
+) -> Any:
+    """``model_cfg`` with the tokenizer's vision token ids; errors when they do not fit, or
+    (``checkpoint``: the config came from that Hugging Face directory) when the tokenizer
+    numbers a vision token differently from the checkpoint, whose embeddings were trained
+    with the checkpoint's ids."""
     ids = dict(
         image_token_id=tokens.image_pad_id,
         video_token_id=tokens.video_pad_id,
@@ -87,7 +92,21 @@ def _with_token_ids(model_cfg: Any, tokens: Any, vocab: int, source: str) -> Any
         )
     # A family keeps the ids it uses (LLaVA-style models have no vision start / end tokens).
     has = {f.name for f in dataclasses.fields(model_cfg)}
-    return dataclasses.replace(model_cfg, **{k: v for k, v in ids.items() if k in has})
+    ids = {k: v for k, v in ids.items() if k in has}
+    if checkpoint:
+        clash = {
+            k: (getattr(model_cfg, k), v) for k, v in ids.items() if getattr(model_cfg, k) != v
+        }
+        if clash:
+            said = ", ".join(f"{k}: checkpoint {a}, tokenizer {b}" for k, (a, b) in clash.items())
+            raise ConfigError(
+                f"the tokenizer {source} numbers the vision tokens differently from the "
+                f"checkpoint's config.json ({said})",
+                key="data.tokenizer",
+                fix=f"use the tokenizer saved with the checkpoint (leave data.tokenizer unset to "
+                f"take {checkpoint}'s own)",
+            )
+    return dataclasses.replace(model_cfg, **ids)
 
 
 def _processor(cfg: Any, model_cfg: Any) -> Any:
@@ -189,7 +208,13 @@ def open_run_data(
     tokenizer = load_tokenizer(tokenizer_dir)
     processor = _processor(cfg, model_cfg)
     encoder = SampleEncoder(tokenizer, processor)
-    model_cfg = _with_token_ids(model_cfg, encoder.tokens, len(tokenizer), str(tokenizer_dir))
+    model_cfg = _with_token_ids(
+        model_cfg,
+        encoder.tokens,
+        len(tokenizer),
+        str(tokenizer_dir),
+        checkpoint=getattr(cfg.model, "init_from_hf", None),
+    )
 
     cache_dir = getattr(data, "cache_dir", None)
 
