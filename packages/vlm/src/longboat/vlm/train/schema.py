@@ -104,6 +104,10 @@ class VLMRunConfig:
     export and report how many it gets right (0: skip)."""
     num_threads: int = 0
     """torch intra-op threads on CPU (0: leave torch's default)."""
+    dp_balance: bool = True
+    """With data parallelism, deal each step's packed rows to the ranks by their cost
+    (decoder attention quadratic in each sample's length, plus the ViT's per image) instead
+    of rank r taking rows r, r + DP, ...; the global batch and the loss are the same."""
 
 
 @dataclass

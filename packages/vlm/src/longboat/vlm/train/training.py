@@ -162,6 +162,11 @@ class VLMTraining(MegatronTraining):
         self.items_per_step = gbs * self.data.train.seq_len
         self.dp_rank, self.dp = mps.get_data_parallel_rank(), dp
         self.device = self.accelerator.device()
+        self.row_costs = None
+        if dp > 1 and cfg.vlm.dp_balance:
+            from longboat.vlm.train.balance import row_costs
+
+            self.row_costs = row_costs(self.data.train, self.model_cfg)
         seed_everything(cfg.train.seed, self.accelerator)
         self.step_fn = self._build_step()
 
@@ -217,9 +222,31 @@ class VLMTraining(MegatronTraining):
         rows, seed = self.data.train, self.cfg.data.seed
         step = start_step
         while True:
-            mine = rows_of_step(step, len(rows), self.global_batch, seed)[self.dp_rank :: self.dp]
+            of_step = rows_of_step(step, len(rows), self.global_batch, seed)
+            if self.row_costs is None:
+                mine = of_step[self.dp_rank :: self.dp]
+            else:
+                from longboat.vlm.train.balance import rank_rows
+
+                dealt = rank_rows(of_step, self.row_costs, self.dp).ranks[self.dp_rank]
+                mine = [of_step[k] for k in dealt]
             yield [rows[i] for i in mine]
             step += 1
+
+    def balance_summary(self, steps: int = 100) -> tuple[float, float] | None:
+        """Mean max/mean rank cost over the first ``steps`` steps: plain, balanced (None
+        without balancing)."""
+        if self.row_costs is None:
+            return None
+        from longboat.vlm.train.balance import rank_rows
+
+        n, seed = len(self.data.train), self.cfg.data.seed
+        plain, dealt = [], []
+        for step in range(steps):
+            of_step = rows_of_step(step, n, self.global_batch, seed)
+            plain.append(rank_rows(of_step, self.row_costs, self.dp, balanced=False).imbalance)
+            dealt.append(rank_rows(of_step, self.row_costs, self.dp).imbalance)
+        return float(np.mean(plain)), float(np.mean(dealt))
 
     def step(self, step: int, batch: list[dict[str, Any]], gate: UpdateGate) -> StepOutput:
         micro = [_to_device(b, self.device) for b in batch]
@@ -269,6 +296,12 @@ class VLMTraining(MegatronTraining):
             f"global batch {self.global_batch} rows."
         ]
         lines += self.data.notes
+        summary = self.balance_summary()
+        if summary is not None:
+            lines.append(
+                f"DP balancing: max/mean rank cost {summary[0]:.2f} -> {summary[1]:.2f} "
+                "(mean of the first 100 steps; vlm.dp_balance=false deals rows plainly)."
+            )
         if self.step_fn.lora_adapters:
             lo = self.cfg.lora
             trainable = sum(p.numel() for p in self.step_fn.model.parameters() if p.requires_grad)

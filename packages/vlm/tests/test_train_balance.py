@@ -1,0 +1,100 @@
+"""DP load balancing of packed rows (``vlm.dp_balance``).
+
+Dealing a step's rows by cost changes who computes what, not the global batch: DP=2 with
+balancing trains the same per-step losses as DP=1 over the same global batches. The row
+costs follow the packed samples (quadratic in each sample's length, plus the ViT's images).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from longboat.core.distributed import run_multiprocess
+
+
+def _overrides(out: Path, data: Path, world: int) -> list[str]:
+    return [
+        f"output_dir={out}",
+        f"data.out_dir={data}",
+        "data.num_train=40",
+        "data.num_eval=4",
+        "data.seq_len=256",
+        "train.steps=3",
+        "train.global_batch_size=4",
+        "train.eval_every=0",
+        "train.log_every=1",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "checkpoint.every_steps=0",
+        "checkpoint.save_on_exit=false",
+        "vlm.export_hf=false",
+        "vlm.answer_eval_samples=0",
+        f"parallel.data_parallel={world}",
+    ]
+
+
+def _worker(rank: int, world: int, overrides: list[str]) -> dict:
+    from longboat.core.config.compose import compose_experiment
+    from longboat.core.train import Trainer, typed_config
+    from longboat.vlm.train.balance import rank_rows
+    from longboat.vlm.train.training import build_training, rows_of_step
+
+    cfg = typed_config(compose_experiment("quickstart", overrides, stack="vlm"))
+    training = build_training(cfg)
+    try:
+        moved = 0
+        if training.row_costs is not None:
+            for step in range(20):
+                rows = rows_of_step(step, len(training.data.train), 4, cfg.data.seed)
+                plain = rank_rows(rows, training.row_costs, 2, balanced=False)
+                dealt = rank_rows(rows, training.row_costs, 2)
+                moved += plain.ranks != dealt.ranks
+                assert max(dealt.costs) <= max(plain.costs) + 1e-6
+        run = Trainer(cfg, training).fit()
+        return {"losses": run.losses, "moved": moved, "describe": training.describe()}
+    finally:
+        training.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_balanced_dp2_trains_the_dp1_losses(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    one = run_multiprocess(_worker, 1, _overrides(tmp_path / "dp1", data, 1), timeout=400)[0]
+    two = run_multiprocess(_worker, 2, _overrides(tmp_path / "dp2", data, 2), timeout=400)
+    assert two[0]["moved"] > 0, "the test data must give the balancer rows to move"
+    np.testing.assert_allclose(two[0]["losses"], one["losses"], rtol=0, atol=1e-5)
+    assert two[0]["losses"] == two[1]["losses"]
+    assert any(line.startswith("DP balancing: max/mean rank cost") for line in two[0]["describe"])
+
+
+def test_row_costs_grow_with_sample_length_and_images() -> None:
+    from types import SimpleNamespace
+
+    from longboat.core.data.packing import Piece
+    from longboat.vlm.models.qwen2_5_vl.model import flavor
+    from longboat.vlm.train.balance import cost_models, rank_rows, row_costs
+
+    cfg = flavor("tiny")
+    none = np.zeros((0, 3), np.int64)
+    samples = [
+        SimpleNamespace(image_grid_thw=none, video_grid_thw=none),
+        SimpleNamespace(image_grid_thw=np.array([[1, 8, 8]]), video_grid_thw=none),
+    ]
+    rows = [
+        [Piece(0, 0, 200)],  # one long text sample
+        [Piece(0, 0, 100), Piece(0, 100, 200)],  # the same tokens as two samples
+        [Piece(1, 0, 100), Piece(0, 0, 100)],  # one with an image
+    ]
+    ds = SimpleNamespace(rows=rows, samples=samples, seq_len=256)
+    costs = row_costs(ds, cfg)
+    decoder, vision = cost_models(cfg)
+    # Same tokens: the single sample costs more by the attention term only.
+    np.testing.assert_allclose(costs[0] - costs[1], decoder.quadratic * (200**2 - 2 * 100**2))
+    np.testing.assert_allclose(costs[2] - costs[1], vision.cost([64]))
+    dealt = rank_rows([0, 1, 2, 0], np.array([10.0, 1.0, 1.0]), 2)
+    assert sorted(len(r) for r in dealt.ranks) == [2, 2]
+    assert max(dealt.costs) == 11.0  # each rank gets one of the two 10s
