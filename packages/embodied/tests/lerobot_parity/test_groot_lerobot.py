@@ -301,7 +301,7 @@ def test_export_loads_in_lerobot(lerobot_dir: Path, tmp_path: Path) -> None:
 
 
 def test_trained_run_exports_to_lerobot(lerobot_dir: Path, tmp_path: Path) -> None:
-    """A groot_n1_6_tiny run trained 3 steps and exported with train.lerobot_export
+    """A groot_n1_6_tiny run trained 20 steps and exported with train.lerobot_export
     (--lerobot-backbone): LeRobot's from_pretrained predicts our actions from the same
     features, and its action unnormaliser inverts our training's normalisation."""
     from longboat.core.config.compose import compose_experiment
@@ -315,7 +315,7 @@ def test_trained_run_exports_to_lerobot(lerobot_dir: Path, tmp_path: Path) -> No
         "groot_n1_6_tiny",
         [
             f"output_dir={run}",
-            "train.steps=3",
+            "train.steps=20",
             "train.micro_batch_size=2",
             "train.global_batch_size=null",
             "optim.lr=1e-3",
@@ -326,7 +326,9 @@ def test_trained_run_exports_to_lerobot(lerobot_dir: Path, tmp_path: Path) -> No
         ],
         world_size=1,
     )
-    assert len(train(cfg).losses) == 3
+    losses = train(cfg).losses
+    assert len(losses) == 20
+    print(f"trained 20 steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     out = export_groot(
         run / "export", tmp_path / "lerobot", dataset=run / "dataset", lerobot_backbone=lerobot_dir
     )
