@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from longboat.embodied.models import (
     apply_freezing,
@@ -28,6 +29,7 @@ from longboat.embodied.models.common.flow_matching import (
 from longboat.embodied.models.common.image_preprocessing import (
     ImagePreprocessConfig,
     preprocess_images,
+    resize_with_pad,
 )
 from longboat.embodied.models.pi05.joint import joint_positions, prefix_lm_mask
 from longboat.embodied.models.pi05.model import discretize_state
@@ -73,6 +75,31 @@ def test_resize_with_pad_keeps_aspect_and_pads_black():
     assert out.shape == (1, 3, 224, 224) and cfg.output_size(480, 640) == (224, 224)
     assert torch.all(out[..., :56, :] == -1) and torch.all(out[..., 168:, :] == -1)
     torch.testing.assert_close(out[..., 56:168, :], torch.ones(1, 3, 112, 224))
+
+
+def test_resize_with_pad_samples_as_lerobots_pi05():
+    # LeRobot's pi0.5 (openpi's resize_with_pad_torch) resizes with plain bilinear at
+    # half-pixel centres: halving a side reads the mean of each 2x2 block, where an
+    # antialiased resize would blur over 4x4. Sizes are floored from dim / ratio.
+    x = torch.rand(2, 3, 224, 448, generator=torch.Generator().manual_seed(0))
+    out = resize_with_pad(x, 224)
+    assert out[..., :56, :].abs().max() == 0 and out[..., 168:, :].abs().max() == 0
+    torch.testing.assert_close(out[..., 56:168, :], F.avg_pool2d(x, 2), rtol=0, atol=1e-6)
+    # 299x224 -> 224x167.8: 167 columns (not 168), padded 28 left and 29 right.
+    tall = resize_with_pad(torch.ones(1, 3, 299, 224), 224)
+    cols = tall[0, 0].amax(dim=0)
+    assert int(cols.sum()) == 167 and cols[:28].max() == 0 and cols[-29:].max() == 0
+    # 288x288: 288 / (288 / 224) is 223.99999999999997 in floats, so 223 rows and columns,
+    # the missing one black at the bottom and right.
+    square = resize_with_pad(torch.ones(1, 3, 288, 288), 224)[0, 0]
+    assert int(square.sum()) == 223 * 223 and square[-1].max() == 0 and square[:, -1].max() == 0
+    # Enlarging needs no antialiasing either way; frames already at the size pass unchanged.
+    small = torch.rand(1, 3, 48, 48, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(
+        resize_with_pad(small, 56),
+        F.interpolate(small, size=(56, 56), mode="bilinear", align_corners=False).clamp(0, 1),
+    )
+    assert torch.equal(resize_with_pad(small, 48), small)
 
 
 def test_crop_geometry_on_a_linear_ramp():

@@ -43,6 +43,7 @@ pytestmark = pytest.mark.lerobot
 TINY = ("longboat_tiny_vlm", "longboat_tiny_expert")
 CAMS = ["observation.images.top", "observation.images.wrist"]
 STATE_DIM, ACTION_DIM, B = 6, 5, 2
+TRAIN_STEPS = 20  # the issue's end-to-end case: LeRobot in, 20 steps, LeRobot out
 
 _orig_get = modeling_pi05.get_gemma_config
 _orig_paligemma = modeling_pi05.PaliGemmaForConditionalGenerationWithPiGemma
@@ -214,6 +215,54 @@ def test_init_from_lerobot_matches_lerobot(lerobot_dir: Path) -> None:
     torch.testing.assert_close(actions, ref_actions, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "sizes", [((96, 64), (48, 48)), ((120, 160), (120, 160)), ((72, 72), (72, 72))]
+)
+def test_frames_of_other_sizes_give_lerobots_loss_and_actions(
+    lerobot_dir: Path, sizes: tuple[tuple[int, int], ...]
+) -> None:
+    """Camera frames not at the model's 56x56, raw into LeRobot's policy (it resizes each
+    inside) and through longboat's path: cameras of different sizes resized per camera by
+    the collator (fit_frames), cameras of one size by the model's own preprocessing. The
+    same loss and actions: the frames are resized alike (72 -> 55 rows, one short)."""
+    from longboat.embodied.train.policy_batch import batch_spec, fit_frames
+
+    with tiny_lerobot():
+        policy = PI05Policy.from_pretrained(lerobot_dir)
+    ours, _ = load_lerobot_pi05(lerobot_dir)
+    x = _inputs(seed=6)
+    gen = torch.Generator().manual_seed(7)
+    frames = [torch.rand(B, 3, *hw, generator=gen) for hw in sizes]
+    batch = _lerobot_batch(x)
+    batch.update(zip(CAMS, frames, strict=True))
+    policy.eval()
+    with (
+        mock.patch.object(policy.model, "sample_noise", lambda shape, device: x["noise"]),
+        mock.patch.object(policy.model, "sample_time", lambda b, device: x["time"]),
+    ):
+        ref_loss, _ = policy.forward(dict(batch))
+        ref_actions = policy.predict_action_chunk(dict(batch))
+
+    if len(set(sizes)) > 1:  # the collator's per-camera resize
+        spec = batch_spec("pi05", ours.cfg, len(CAMS), sizes[0], resize_cameras=True)
+        images = torch.stack([fit_frames(f, spec) for f in frames], dim=1)
+    else:  # one size: the frames reach the model as read
+        images = torch.stack(frames, dim=1)
+    mine = _our_batch({**x, "images": torch.zeros(B, len(CAMS), 3, 56, 56)})
+    n_slots = mine["images"].shape[1]
+    mine["images"] = torch.zeros(B, n_slots, 3, *images.shape[-2:])
+    mine["images"][:, : len(CAMS)] = images
+    ours.eval()
+    with torch.no_grad():
+        loss = ours(mine)["loss"]
+        actions = ours.predict_action(mine, noise=x["noise"])[..., :ACTION_DIM]
+    rel = ((loss - ref_loss).abs() / ref_loss.abs()).item()
+    diff = (actions - ref_actions).abs().max().item()
+    print(f"frames {sizes}: loss rel {rel:.2e}, actions max abs diff {diff:.2e}")
+    assert rel < 1e-5
+    torch.testing.assert_close(actions, ref_actions, rtol=0, atol=1e-4)
+
+
 def test_export_loads_in_lerobot(lerobot_dir: Path, tmp_path: Path) -> None:
     """Our weights (changed after loading, as training would) -> LeRobot format ->
     LeRobot's from_pretrained predicts our actions; its processors load our stats."""
@@ -282,7 +331,7 @@ def test_export_loads_in_lerobot(lerobot_dir: Path, tmp_path: Path) -> None:
 
 def test_trained_run_exports_to_lerobot(lerobot_dir: Path, tmp_path: Path) -> None:
     """A longboat run started from the LeRobot checkpoint (model.init_from) with a local
-    tokenizer (model.tokenizer), trained 3 steps, writes its LeRobot directory itself
+    tokenizer (model.tokenizer), trained 20 steps, writes its LeRobot directory itself
     (export.format=auto). LeRobot's own preprocessor, loaded from it, tokenises the raw
     samples' prompts exactly as longboat's collator did (the same ids and mask, its
     normaliser the same state), and LeRobot's from_pretrained predicts our actions from it."""
@@ -304,7 +353,7 @@ def test_trained_run_exports_to_lerobot(lerobot_dir: Path, tmp_path: Path) -> No
             f"output_dir={run}",
             f"model.init_from={lerobot_dir}",
             f"model.tokenizer={tokenizer}",
-            "train.steps=3",
+            f"train.steps={TRAIN_STEPS}",
             "train.micro_batch_size=2",
             "train.global_batch_size=null",
             "optim.lr=1e-3",
@@ -315,7 +364,9 @@ def test_trained_run_exports_to_lerobot(lerobot_dir: Path, tmp_path: Path) -> No
         ],
         world_size=1,
     )
-    assert len(train(cfg).losses) == 3
+    losses = train(cfg).losses
+    assert len(losses) == TRAIN_STEPS
+    print(f"trained {TRAIN_STEPS} steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     out = run / "export" / "lerobot"
     ours = load_exported_policy(run / "export")
     with tiny_lerobot():

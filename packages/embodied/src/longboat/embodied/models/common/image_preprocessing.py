@@ -59,14 +59,18 @@ def _shortest_side_size(h: int, w: int, target: int | None) -> tuple[int, int]:
 
 
 def resize_with_pad(images: Tensor, size: int) -> Tensor:
-    """[N, 3, H, W] in [0, 1] -> [N, 3, size, size]: longer side fit, centred, black padding."""
+    """[N, 3, H, W] in [0, 1] -> [N, 3, size, size]: longer side fit, centred, black padding.
+
+    The arithmetic of openpi's PyTorch ``resize_with_pad_torch``, which LeRobot's pi0.5 runs
+    on every camera frame: sizes floored from ``dim / ratio`` (a long side can come out one
+    pixel short), plain bilinear without antialiasing, values clamped to [0, 1]. Training on
+    frames resized any other way would not be what the exported policy sees in LeRobot."""
     h, w = images.shape[-2:]
-    scale = size / max(h, w)
-    rh, rw = max(1, round(h * scale)), max(1, round(w * scale))
+    ratio = max(w / size, h / size)
+    rh, rw = max(1, int(h / ratio)), max(1, int(w / ratio))
     if (rh, rw) != (h, w):
-        images = F.interpolate(
-            images, size=(rh, rw), mode="bilinear", antialias=True, align_corners=False
-        )
+        images = F.interpolate(images, size=(rh, rw), mode="bilinear", align_corners=False)
+        images = images.clamp(0.0, 1.0)
     top, left = (size - rh) // 2, (size - rw) // 2
     return F.pad(images, (left, size - rw - left, top, size - rh - top), value=0.0)
 
