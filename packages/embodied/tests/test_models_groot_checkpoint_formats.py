@@ -305,7 +305,9 @@ def test_lerobot_action_head_loads_bit_exact(tmp_path: Path) -> None:
         load_lerobot_action_head(target, policy)
 
 
-def test_training_starts_from_an_isaac_checkpoint(tmp_path: Path) -> None:
+def test_training_starts_from_an_isaac_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """model.init_from: the run's step-0 weights are the checkpoint's; the export goes back
     out in the Isaac-GR00T layout."""
     model = _random_model(seed=9)
@@ -328,6 +330,8 @@ def test_training_starts_from_an_isaac_checkpoint(tmp_path: Path) -> None:
     )
     result = train(cfg)
     assert len(result.losses) == 1 and torch.isfinite(torch.tensor(result.losses)).all()
+    started = [x for x in capsys.readouterr().out.splitlines() if x.startswith("Policy ")]
+    assert started[0].startswith(f"Policy groot_n1_6 from {ckpt} (its architecture and weights)")
     exported = load_exported_policy(tmp_path / "run" / "export")
     for key, value in model.state_dict().items():
         assert torch.equal(exported.state_dict()[key].float(), value), key

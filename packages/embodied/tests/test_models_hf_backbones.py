@@ -273,7 +273,9 @@ def test_training_starts_from_a_siglip_backbone(tmp_path: Path, capsys) -> None:
     )
     result = train(cfg)
     assert len(result.losses) == 1 and torch.isfinite(torch.tensor(result.losses)).all()
-    assert "model.init_from: loaded vision tower" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "model.init_from: loaded vision tower" in out
+    assert "Policy pi05/tiny: " in out  # a backbone alone: model.flavor's architecture
     exported = load_exported_policy(tmp_path / "run" / "export")
     ours = exported.state_dict()
     theirs = hf.state_dict()

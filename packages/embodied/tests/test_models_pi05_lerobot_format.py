@@ -183,7 +183,9 @@ def test_processor_files_carry_the_stats(tmp_path: Path) -> None:
         save_lerobot_processors(tmp_path / "bad", cfg, bad)
 
 
-def test_training_starts_from_a_lerobot_checkpoint(tmp_path: Path) -> None:
+def test_training_starts_from_a_lerobot_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """model.init_from: the run's step-0 weights are the checkpoint's; the export loads."""
     ckpt = _write(_random_model(seed=2), tmp_path / "ckpt")
     tokenizer = write_tiny_tokenizer(tmp_path / "tokenizer")
@@ -206,6 +208,9 @@ def test_training_starts_from_a_lerobot_checkpoint(tmp_path: Path) -> None:
     )
     result = train(cfg)
     assert len(result.losses) == 1 and torch.isfinite(torch.tensor(result.losses)).all()
+    # The start line names the checkpoint, not model.flavor (whose architecture is unused).
+    started = [x for x in capsys.readouterr().out.splitlines() if x.startswith("Policy ")]
+    assert started[0].startswith(f"Policy pi05 from {ckpt} (its architecture and weights): ")
     exported = load_exported_policy(tmp_path / "run" / "export")
     reference, _ = load_lerobot_pi05(ckpt)
     for key, value in reference.state_dict().items():

@@ -41,7 +41,7 @@ from longboat.core.train.gate import UpdateGate
 from longboat.core.train.trainer import typed_config
 from longboat.core.train.training import StepOutput, Training
 from longboat.embodied.config import EmbodiedExperimentConfig, check_cuda_graph_layout
-from longboat.embodied.models import apply_freezing, build_model
+from longboat.embodied.models import apply_freezing, build_model, hf_backbones
 from longboat.embodied.models.init_from import load_initial_weights, resolve_model_config
 from longboat.embodied.parallel import (
     MasterWeightAdamW,
@@ -470,8 +470,12 @@ class EmbodiedTraining(Training):
             frames = f"{each}; each {fit} to the model's {h}x{w}"
         else:
             frames = f"{h}x{w}"
+        policy = f"{cfg.model.name}/{cfg.model.flavor}"
+        if cfg.model.init_from and not hf_backbones.is_hf_backbone(cfg.model.init_from):
+            # A released checkpoint brings its own architecture: model.flavor is not used.
+            policy = f"{cfg.model.name} from {cfg.model.init_from} (its architecture and weights)"
         lines = [
-            f"Policy {cfg.model.name}/{cfg.model.flavor}: {counts['trainable']:,} trainable + "
+            f"Policy {policy}: {counts['trainable']:,} trainable + "
             f"{counts['frozen']:,} frozen params, {cfg.train.precision}"
             + (f", {compiled} blocks torch.compile'd" if compiled else "")
             + f"; step: {how}.",
