@@ -154,12 +154,53 @@ def test_isaac_names_and_shapes() -> None:
         ah + "model.transformer_blocks.3.ff.net.0.proj.weight": (256, 64),
         ah + "model.transformer_blocks.3.ff.net.2.weight": (64, 256),
         ah + "model.proj_out_2.weight": (32, 64),
+        lm + "norm.weight": (64,),  # the features are this norm of the last kept layer
     }
     for key, shape in want.items():
         assert got.get(key) == shape, key
     assert not any(k.startswith(lm + "layers.3.") for k in got)  # select_layer=3: 3 layers
-    assert not any(k.startswith(lm + "norm") or "lm_head" in k for k in got)
-    assert len(got) == 158
+    assert not any("lm_head" in k for k in got)
+    assert len(got) == 159
+
+
+# nvidia/GR00T-N1.6-3B's model.safetensors (its config.json: max_state_dim = max_action_dim
+# = 128): tensors and millions of parameters per prefix, 1106 tensors in all, as listed from
+# the released file.
+RELEASE_TENSORS = {
+    "action_head.action_decoder": (4, 37.8),
+    "action_head.action_encoder": (6, 232.9),
+    "action_head.model": (456, 1091.7),
+    "action_head.position_embedding": (1, 1.6),
+    "action_head.state_encoder": (4, 54.6),
+    "action_head.vlln": (2, 0.0),
+    "backbone.model.language_model": (179, 1426.7),
+    "backbone.model.mlp1": (6, 13.6),
+    "backbone.model.vision_model": (448, 427.7),
+}
+
+
+def test_the_release_layout_holds_the_released_tensors() -> None:
+    """The full flavor read from the release's config writes every tensor of the released
+    file but the two parts read past (the tied LM head; SigLIP2's pooling head, 11 tensors),
+    with the same parameter counts per prefix (to the 0.1M the listing gives)."""
+    cfg = config_from_isaac({**ISAAC_DEFAULTS, "max_state_dim": 128, "max_action_dim": 128})
+    with torch.device("meta"):
+        model = GrootN16(cfg)
+    counts: dict[str, list[int]] = {k: [0, 0] for k in RELEASE_TENSORS}
+    for key, value in to_isaac(model).items():
+        prefix = next(p for p in RELEASE_TENSORS if key.startswith(p + "."))
+        counts[prefix][0] += 1
+        counts[prefix][1] += value.numel()
+    vision, vocab, width = cfg.vision.hidden_size, cfg.llm.vocab_size, cfg.llm.hidden_size
+    mlp = cfg.vision.intermediate_size
+    pooling = [vision, 3 * vision * vision, 3 * vision, vision * vision, vision, vision,
+               vision, mlp * vision, mlp, vision * mlp, vision]  # fmt: skip
+    counts["backbone.model.vision_model"][0] += len(pooling)
+    counts["backbone.model.vision_model"][1] += sum(pooling)
+    counts["backbone.model.language_model"][0] += 1
+    counts["backbone.model.language_model"][1] += vocab * width
+    got = {k: (n, round(params / 1e6, 1)) for k, (n, params) in counts.items()}
+    assert got == RELEASE_TENSORS
 
 
 def test_siglip2_linear_patch_embedding_equals_our_conv() -> None:

@@ -316,7 +316,17 @@ def test_groot_from_siglip2_vision_model(tmp_path: Path) -> None:
             spatial_shapes=torch.tensor([[4, 4], [4, 4]]),
         ).last_hidden_state
         diff = _max_diff(model.backbone.vision(pix)[0], theirs)
+        # A larger patch grid (6x6) interpolates the 4x4 table, as SigLIP2 does (GR00T's
+        # 16x16 table for its 18x18 patches).
+        big = torch.rand(2, 3, 84, 84, generator=torch.Generator().manual_seed(5))
+        theirs_big = hf(
+            pixel_values=_patches(big, 14),
+            pixel_attention_mask=torch.ones(2, 36, dtype=torch.long),
+            spatial_shapes=torch.tensor([[6, 6], [6, 6]]),
+        ).last_hidden_state
+        diff_big = _max_diff(model.backbone.vision(big)[0], theirs_big)
     assert diff < TOL, diff
+    assert diff_big < TOL, diff_big
     _unchanged(model, before, ("backbone.vision.",))
     assert "Siglip2VisionModel" in line
     assert "backbone.projector" in line and "action_head" in line
@@ -325,12 +335,18 @@ def test_groot_from_siglip2_vision_model(tmp_path: Path) -> None:
 def test_groot_from_qwen3(tmp_path: Path) -> None:
     torch.manual_seed(0)
     hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3)).eval()
+    with torch.no_grad():
+        hf.model.norm.weight.uniform_(0.5, 1.5)  # a trained final norm is not the identity
     model, before, line = _load("groot_n1_6", _save(hf, tmp_path / "qwen3"), GROOT_OVERRIDES)
     ids, select = _ids(QWEN3["vocab_size"]), model.cfg.select_layer
     llm = model.backbone.llm
     with torch.no_grad():
-        ours = llm(llm.embed(ids), torch.arange(7)[None].expand(2, -1), _causal(7))
-        theirs = hf(input_ids=ids, output_hidden_states=True).hidden_states[select]
+        ours = llm.norm(llm(llm.embed(ids), torch.arange(7)[None].expand(2, -1), _causal(7)))
+        # Isaac-GR00T's EagleBackbone: the layers above select_layer popped, hidden_states[-1]
+        # (transformers records the final norm's output last).
+        while len(hf.model.layers) > select:
+            hf.model.layers.pop(-1)
+        theirs = hf(input_ids=ids, output_hidden_states=True).hidden_states[-1]
         diff = _max_diff(ours, theirs)
     assert select < QWEN3["num_hidden_layers"]  # the last HF layer is read past
     assert diff < TOL, diff

@@ -8,8 +8,8 @@ parts it holds; every other weight keeps its initialisation:
   ``siglip`` (vision tower; a dual SiglipModel's text tower is read past), ``gemma``
   (the VLM's language model);
 - groot_n1_6: ``siglip2_vision_model`` or ``siglip2`` (vision tower; SigLIP2's linear patch
-  embedding, as the Isaac-GR00T release stores it), ``qwen3`` (the backbone LM: layers at
-  or above ``select_layer`` are read past, as are the final norm and the LM head).
+  embedding, as the Isaac-GR00T release stores it), ``qwen3`` (the backbone LM and its
+  final norm: layers at or above ``select_layer`` and the LM head are read past).
 
 The architecture stays ``model.flavor`` + ``model.overrides``: a backbone does not describe
 the whole policy. Its shape fields (``hidden_size``, ``num_key_value_heads``, ...; a field

@@ -40,7 +40,8 @@ class ViTConfig:
 
 def siglip_so400m(pos_grid: tuple[int, int]) -> ViTConfig:
     """The SigLIP(2) So400m/14 tower both GR00T N1.6 and pi0.5 use; ``pos_grid`` is the
-    learned position table (18x18 for GR00T's 252 px crops, 16x16 for pi0.5's 224 px)."""
+    learned position table (16x16 for both: GR00T's SigLIP2 interpolates it to the 18x18
+    patches of its 252 px crops, pi0.5's 224 px frames use it as is)."""
     return ViTConfig(
         hidden_size=1152,
         num_layers=27,

@@ -1,5 +1,5 @@
 """GR00T N1.6 backbone: SigLIP2-style ViT -> pixel-unshuffle projector -> Qwen3 truncated
-at ``select_layer`` (no final norm, no LM head)."""
+at ``select_layer``, then the LM's final RMSNorm (no LM head)."""
 
 from __future__ import annotations
 
@@ -63,8 +63,10 @@ class EagleBackbone(nn.Module):
         self.projector = PixelUnshuffleProjector(
             cfg.vision.hidden_size, cfg.llm.hidden_size, cfg.pixel_unshuffle
         )
-        # Layers >= select_layer are never built: their output is never read.
-        self.llm = DecoderStack(replace(cfg.llm, num_layers=cfg.select_layer))
+        # Layers >= select_layer are never built: their output is never read. Isaac-GR00T
+        # pops them from Qwen3 and reads hidden_states[-1], which transformers takes after
+        # the model's final norm: the features are that norm of the last kept layer.
+        self.llm = DecoderStack(replace(cfg.llm, num_layers=cfg.select_layer), final_norm=True)
 
     def encode_images(self, images: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """images [B, C, 3, H, W] -> image embeddings [B, C*T, D_llm] (camera-major)."""
@@ -108,5 +110,5 @@ class EagleBackbone(nn.Module):
         n = input_ids.shape[1]
         causal = torch.ones(n, n, dtype=torch.bool, device=emb.device).tril()
         mask = ensure_row_nonempty(causal[None] & attn[:, None, :])[:, None]
-        hidden = self.llm(emb, positions_from_mask(attn), mask)
+        hidden = self.llm.norm(self.llm(emb, positions_from_mask(attn), mask))
         return hidden.float(), attn, is_image & attn

@@ -123,7 +123,9 @@ class GrootN16Config:
 def full() -> GrootN16Config:
     """The released GR00T N1.6 shapes (~2.9B parameters)."""
     return GrootN16Config(
-        vision=siglip_so400m(pos_grid=(18, 18)),
+        # nvidia/Eagle-Block2A-2B-v2's SigLIP2 stores num_patches=256 positions, interpolated
+        # to each image's patch grid (18x18 for the 252 px crops).
+        vision=siglip_so400m(pos_grid=(16, 16)),
         llm=DecoderConfig(
             hidden_size=2048,
             num_layers=28,

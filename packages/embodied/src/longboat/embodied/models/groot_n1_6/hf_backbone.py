@@ -23,7 +23,7 @@ def _read_past(model: torch.nn.Module) -> tuple[str, ...]:
         f"{wn.ISAAC_LLM}layers.{i}."
         for i in range(model.cfg.select_layer, model.cfg.llm.num_layers)
     )
-    return (wn.ISAAC_VISION + "head.", wn.ISAAC_LLM + "norm.", wn.ISAAC_LLM + "lm_head.", *layers)
+    return (wn.ISAAC_VISION + "head.", wn.ISAAC_LLM + "lm_head.", *layers)
 
 
 def backbone_state(

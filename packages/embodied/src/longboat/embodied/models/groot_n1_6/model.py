@@ -67,7 +67,9 @@ class GrootN16(nn.Module):
         return FreezingGroups(
             visual=[bb.vision, bb.projector],
             llm_layers=list(bb.llm.layers),
-            llm_rest=[bb.llm.embed_tokens] if bb.llm.embed_tokens is not None else [],
+            # The final norm trains with tune_llm only, as in Isaac-GR00T (its top layers
+            # are the only LM weights tune_top_llm_layers opens).
+            llm_rest=[m for m in (bb.llm.embed_tokens, bb.llm.norm) if m is not None],
             action_head=[self.action_head],
         )
 

@@ -29,11 +29,10 @@ ISAAC_LLM = "backbone.model.language_model.model."
 ISAAC_ACTION_HEAD = "action_head."
 ISAAC_UNUSED = (
     "backbone.model.language_model.lm_head.",
-    ISAAC_LLM + "norm.",
     ISAAC_VISION + "head.",
 )
-"""Prefixes Isaac-GR00T may store that never reach the action head (the LM head, the LM's
-final norm, SigLIP2's pooling head): read past on load, not written."""
+"""Prefixes Isaac-GR00T may store that never reach the action head (the LM head, SigLIP2's
+pooling head): read past on load, not written."""
 
 
 def _pairs(ours: str, theirs: str, params: Iterable[str] = ("weight", "bias")) -> dict[str, str]:
@@ -108,6 +107,7 @@ def backbone_names(cfg: GrootN16Config) -> dict[str, str]:
             m[f"{ob}mlp.{a}.weight"] = f"{tb}mlp.{a}.weight"
         m[f"{ob}input_norm.weight"] = f"{tb}input_layernorm.weight"
         m[f"{ob}post_attention_norm.weight"] = f"{tb}post_attention_layernorm.weight"
+    m["backbone.llm.norm.weight"] = ISAAC_LLM + "norm.weight"
     return m
 
 
