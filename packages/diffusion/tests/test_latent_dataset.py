@@ -283,6 +283,15 @@ def test_synthetic_captions_embeddings_and_preview(tmp_path: Path) -> None:
     e = caption_embedding("a red square moving left", 8)
     assert e.shape == (5, 8) and not torch.equal(e[1], caption_embedding("a blue square", 8)[1])
     assert torch.equal(e[:3], caption_embedding("a red square", 8))
+    # Centred starts (jitter 0): samples of one colour, direction and shape are equal.
+    from longboat.diffusion.data.synthetic import square_record
+
+    fixed = SyntheticSquaresDataConfig(start_jitter=0, text_dim=8)
+    anywhere = SyntheticSquaresDataConfig(start_jitter=-1, text_dim=8)
+    assert torch.equal(square_record(16, fixed).latents, square_record(64, fixed).latents)
+    assert not torch.equal(square_record(16, anywhere).latents, square_record(64, anywhere).latents)
+    jittered = {tuple(square_record(16 + 48 * k, cfg).extra["start"]) for k in range(20)}
+    assert jittered <= {(y, x) for y in (1, 2, 3) for x in (1, 2, 3)} and len(jittered) > 1
     # The preview recovers the colours exactly; the square moves one cell per frame.
     lat = square_latents((3, 8, 8), "red", "left", start=(2, 4))
     rgb = latents_to_rgb(lat)
@@ -308,6 +317,13 @@ def test_data_configs_name_every_bad_key() -> None:
         LatentsDataConfig(paths=["x"], batching="pack").validate("run.data")
     assert err.value.keys == ["run.data.max_tokens"]
     with pytest.raises(ConfigError) as err:
-        SyntheticSquaresDataConfig(num_samples=0, shapes=[[1, 3, 8]], latent_channels=2).validate()
-    assert set(err.value.keys) == {"data.num_samples", "data.shapes", "data.latent_channels"}
+        SyntheticSquaresDataConfig(
+            num_samples=0, shapes=[[1, 3, 8]], latent_channels=2, start_jitter=-2
+        ).validate()
+    assert set(err.value.keys) == {
+        "data.num_samples",
+        "data.shapes",
+        "data.latent_channels",
+        "data.start_jitter",
+    }
     SyntheticSquaresDataConfig().validate()

@@ -124,12 +124,26 @@ class SyntheticSquaresDataConfig(LatentsDataConfig):
     """Channels of the latents (Wan: 16)."""
     text_dim: int = 32
     """Width of the pseudo text embeddings (the model's text dim)."""
+    start_jitter: int = 1
+    """The square starts centred, moved by a seeded offset of at most this many cells per
+    axis; larger values make position harder to learn (-1: anywhere)."""
 
     def _check(self, p: ProblemCollector, prefix: str) -> None:
         super()._check(p, prefix)
         _positive(p, f"{prefix}.num_samples", self.num_samples, "e.g. 256")
         _positive(p, f"{prefix}.latent_channels", self.latent_channels, "Wan: 16")
         _positive(p, f"{prefix}.text_dim", self.text_dim, "the model's text dim, e.g. 32")
+        if (
+            isinstance(self.start_jitter, bool)
+            or not isinstance(self.start_jitter, int)
+            or (self.start_jitter < -1)
+        ):
+            p.add(
+                f"{prefix}.start_jitter",
+                "must be an integer >= 0, or -1 (anywhere)",
+                value=self.start_jitter,
+                fix="e.g. 1",
+            )
         if not isinstance(self.latent_channels, bool) and 0 < self.latent_channels < 3:
             p.add(
                 f"{prefix}.latent_channels",

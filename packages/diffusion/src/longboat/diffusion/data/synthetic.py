@@ -3,8 +3,9 @@
 No VAE is involved: a sample's latents are written directly. Every cell holds
 ``colour_basis(C) @ (2 * rgb - 1) * sqrt(C / 3)`` for the RGB colour of what covers it (a
 dark background, or the square), so :func:`~longboat.diffusion.data.preview.latents_to_gif`
-shows the real colours. A square of side ``max(2, 3/8 * min(H, W))`` starts at a seeded
-position and moves one latent cell per latent frame (wrapping around the edges).
+shows the real colours. A square of side ``max(2, 3/8 * min(H, W))`` starts centred (moved by a
+seeded offset of at most ``start_jitter`` cells, or anywhere with -1) and moves one latent cell
+per latent frame (wrapping around the edges).
 
 Sample ``i`` has colour ``i % 4`` (red, green, blue, yellow), direction ``(i // 4) % 4``
 (left, right, up, down) and shape ``shapes[(i // 16) % len(shapes)]``; its caption is
@@ -69,6 +70,10 @@ def _seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
+def _side(h: int, w: int) -> int:
+    return max(2, round(3 * min(h, w) / 8))
+
+
 def caption_embedding(caption: str, text_dim: int) -> torch.Tensor:
     """``[words, text_dim]`` float32: per word a unit-variance vector seeded by the word, plus
     half a vector seeded by its position (the same on every machine)."""
@@ -93,7 +98,7 @@ def square_latents(
 ) -> torch.Tensor:
     """``[channels, T, H, W]`` float32 latents of one moving square (see the module doc)."""
     t, h, w = shape
-    side = max(2, round(3 * min(h, w) / 8))
+    side = _side(h, w)
     dy, dx = DIRECTIONS[direction]
     rgb = np.empty((t, h, w, 3))
     rgb[:] = BACKGROUND
@@ -112,7 +117,12 @@ def square_record(i: int, cfg: SyntheticSquaresDataConfig) -> LatentRecord:
     direction = list(DIRECTIONS)[(i // len(COLOURS)) % len(DIRECTIONS)]
     t, h, w = (int(v) for v in cfg.shapes[(i // 16) % len(cfg.shapes)])
     rng = np.random.default_rng(_seed("start", cfg.seed, i))
-    start = (int(rng.integers(h)), int(rng.integers(w)))
+    if cfg.start_jitter < 0:
+        start = (int(rng.integers(h)), int(rng.integers(w)))
+    else:
+        side, j = _side(h, w), cfg.start_jitter
+        dy, dx = (int(v) for v in rng.integers(-j, j + 1, size=2))
+        start = ((h - side) // 2 + dy, (w - side) // 2 + dx)
     caption = f"a {colour} square" + (f" moving {direction}" if t > 1 else "")
     return LatentRecord(
         latents=square_latents(
@@ -138,6 +148,7 @@ def _options(cfg: SyntheticSquaresDataConfig) -> dict[str, Any]:
         "latent_channels": cfg.latent_channels,
         "text_dim": cfg.text_dim,
         "seed": cfg.seed,
+        "start_jitter": cfg.start_jitter,
     }
 
 
