@@ -165,6 +165,7 @@ def test_prepare_equals_encoding_directly(inputs: Path, tmp_path: Path, encoders
     m = read_manifest(cfg.out)
     assert m["complete"] and m["sources"] == {"total": 4, "done": 4, "skipped": []}
     assert m["encoders"]["vae"]["class"] == "AutoencoderKLWan"
+    assert m["encoders"]["vae"]["dir"] == str(encoders_dir / "vae")
     assert "config.json" in m["encoders"]["text_encoder"]["configs"]
 
 

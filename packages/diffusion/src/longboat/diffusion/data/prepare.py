@@ -189,6 +189,15 @@ def _record(src: Source, cfg: PrepareConfig, encoders: Encoders) -> LatentRecord
     )
 
 
+def _with_dirs(fingerprint: dict[str, Any], encoders: Encoders) -> dict[str, Any]:
+    # Where each model was loaded from, for people reading the manifest; not part of the
+    # identity a resumed run compares (the same model may move).
+    dirs = getattr(encoders, "dirs", None)
+    if dirs is None:
+        return fingerprint
+    return {k: {"dir": str(getattr(dirs, k, "")), **v} for k, v in fingerprint.items()}
+
+
 def load_encoders(cfg: PrepareConfig) -> Encoders:
     """The Wan VAE and UMT5 encoder ``cfg`` names, on ``cfg.device``."""
     from longboat.core.device import get_accelerator
@@ -240,7 +249,7 @@ def prepare_latents(
             latent_channels=encoders.latent_channels,
             text_dim=encoders.text_dim,
             dtype=cfg.dtype,
-            encoders=fingerprint,
+            encoders=_with_dirs(fingerprint, encoders),
             options=_options(cfg),
         )
         manifest["prepare"] = identity
