@@ -316,6 +316,7 @@ def test_data_configs_name_every_bad_key() -> None:
     with pytest.raises(ConfigError) as err:
         LatentsDataConfig(paths=["x"], batching="pack").validate("run.data")
     assert err.value.keys == ["run.data.max_tokens"]
+    LatentsDataConfig(path="one_dir").validate()  # core's single path counts too
     with pytest.raises(ConfigError) as err:
         SyntheticSquaresDataConfig(
             num_samples=0, shapes=[[1, 3, 8]], latent_channels=2, start_jitter=-2

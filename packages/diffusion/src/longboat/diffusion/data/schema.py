@@ -41,7 +41,8 @@ class LatentsDataConfig(DataConfig):
 
     name: str = "latents"
     paths: list[str] = field(default_factory=list)
-    """Dataset directories (each with a manifest.json); their samples are read together."""
+    """Dataset directories (each with a manifest.json); their samples are read together
+    (``path``, when set, is read after them)."""
     batching: str = "bucket"
     """``bucket``: every micro-batch holds ``train.micro_batch_size`` samples of one latent
     shape (no padding). ``pack``: samples of different shapes share a micro-batch up to
@@ -66,7 +67,7 @@ class LatentsDataConfig(DataConfig):
         p.raise_if_any()
 
     def _check(self, p: ProblemCollector, prefix: str) -> None:
-        if not self.paths and self.name == "latents":
+        if not self.paths and not self.path and self.name == "latents":
             p.add(
                 f"{prefix}.paths",
                 "no dataset directories given",

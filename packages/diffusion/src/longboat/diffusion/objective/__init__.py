@@ -6,7 +6,11 @@
 - :mod:`~longboat.diffusion.objective.sampling`: the Euler sampler for few-step previews.
 """
 
-from longboat.diffusion.objective.flow_matching import FlowMatchingConfig, flow_matching_loss
+from longboat.diffusion.objective.flow_matching import (
+    FlowMatchingConfig,
+    flow_matching_loss,
+    timestep_weights,
+)
 from longboat.diffusion.objective.sampling import euler_step, sample, sampling_sigmas
 from longboat.diffusion.objective.schedule import (
     bell_weights,
@@ -24,5 +28,6 @@ __all__ = [
     "sample",
     "sampling_sigmas",
     "shift_sigmas",
+    "timestep_weights",
     "training_sigmas",
 ]
