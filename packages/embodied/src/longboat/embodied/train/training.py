@@ -518,6 +518,13 @@ class EmbodiedTraining(Training):
     def _prompt_line(self) -> str:
         if self.prompts is not None:
             return self.prompts.describe()
+        if self._pretrained_lm():  # GR00T: pi0.5 refuses a pretrained LM without a tokenizer
+            return (
+                "Prompts: task text through the byte-level stand-in tokenizer (ByteTokenizer), "
+                "read by model.init_from's pretrained Qwen3, which learnt the Eagle processor's "
+                "Qwen3 tokens: its language conditioning starts over (GR00T prompts as "
+                "Isaac-GR00T tokenises them are not supported yet)."
+            )
         return (
             "Prompts: task text through the byte-level stand-in tokenizer (ByteTokenizer; "
             "from-scratch runs only, no pretrained language model reads its ids)"
@@ -527,6 +534,16 @@ class EmbodiedTraining(Training):
                 else "."
             )
         )
+
+    def _pretrained_lm(self) -> bool:
+        """``model.init_from`` brings language-model weights (a released checkpoint, or a
+        Hugging Face backbone with its LM)."""
+        init_from = self.cfg.model.init_from
+        if not init_from:
+            return False
+        if not hf_backbones.is_hf_backbone(init_from):
+            return True
+        return "llm" in hf_backbones.read_backbone(init_from, self.cfg.model.name).kind.prefixes
 
     def report(self, result: Any) -> list[str]:
         if result.export_dir is None:
