@@ -328,18 +328,20 @@ def vision_transformer_config(
 class PatchMerger(MegatronModule):
     """RMSNorm per patch, ``merge_unit`` patches concatenated, Linear -> GELU -> Linear."""
 
-    def __init__(self, config: Any, cfg: Qwen25VisionConfig, kernels: LayerKernels) -> None:
+    def __init__(
+        self, config: Any, cfg: Qwen25VisionConfig, kernels: LayerKernels, tp_group: Any = None
+    ) -> None:
         super().__init__(config=config)
         width = cfg.hidden_size * cfg.merge_unit
         self.width = width
         self.norm = KernelRMSNorm(config, cfg.hidden_size, cfg.norm_eps, rms_norm=kernels.rms_norm)
         self.linear_fc1 = ColumnParallelLinear(
             width, width, config=config, init_method=config.init_method, bias=True,
-            gather_output=False, skip_bias_add=False,
+            gather_output=False, skip_bias_add=False, tp_group=tp_group,
         )  # fmt: skip
         self.linear_fc2 = RowParallelLinear(
             width, cfg.out_hidden_size, config=config, init_method=config.output_layer_init_method,
-            bias=True, input_is_parallel=True, skip_bias_add=False,
+            bias=True, input_is_parallel=True, skip_bias_add=False, tp_group=tp_group,
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -359,6 +361,8 @@ class Qwen25VisionModel(MegatronModule):
     """The Qwen2.5-VL ViT: ``forward(pixel_values, grid_thw) -> [merged tokens, out_hidden]``.
 
     Needs megatron's parallel state (``longboat.core.megatron.parallel_state.initialize``).
+    ``pg_collection``: megatron process groups of the tower's layers (default: the live
+    ones); its ``tp`` sets the tower's tensor-parallel size.
     """
 
     def __init__(
@@ -368,10 +372,15 @@ class Qwen25VisionModel(MegatronModule):
         params_dtype: torch.dtype = torch.float32,
         kernels: LayerKernels | None = None,
         attention_fn: VarlenAttentionFn = kernel_varlen_attention,
+        pg_collection: Any = None,
     ) -> None:
         kernels = kernels or LayerKernels()
+        tp_group = pg_collection.tp if pg_collection is not None else None
         config = vision_transformer_config(
-            cfg, params_dtype=params_dtype, kernel_activation=kernels.swiglu is not None
+            cfg,
+            tensor_parallel=tp_group.size() if tp_group is not None else None,
+            params_dtype=params_dtype,
+            kernel_activation=kernels.swiglu is not None,
         )
         super().__init__(config=config)
         self.cfg = cfg
@@ -379,10 +388,12 @@ class Qwen25VisionModel(MegatronModule):
             cfg.patch_dim, cfg.hidden_size, bias=False, dtype=params_dtype
         )
         spec = vision_layer_spec(kernels, attention_fn)
+        groups = {} if pg_collection is None else {"pg_collection": pg_collection}
         self.layers = torch.nn.ModuleList(
-            build_module(spec, config=config, layer_number=i + 1) for i in range(cfg.depth)
+            build_module(spec, config=config, layer_number=i + 1, **groups)
+            for i in range(cfg.depth)
         )
-        self.merger = PatchMerger(config, cfg, kernels)
+        self.merger = PatchMerger(config, cfg, kernels, tp_group=tp_group)
         self._full = frozenset(cfg.fullatt_block_indexes)
         self.recompute = False
         """Recompute each block's activations in the backward instead of keeping them."""

@@ -42,16 +42,21 @@ from longboat.vlm.models.siglip.model import siglip_layer_spec
 
 
 def vision_transformer_config(
-    cfg: Qwen3VisionConfig, *, params_dtype: torch.dtype = torch.float32, **overrides: Any
+    cfg: Qwen3VisionConfig,
+    *,
+    tensor_parallel: int | None = None,
+    params_dtype: torch.dtype = torch.float32,
+    **overrides: Any,
 ) -> Any:
-    """megatron ``TransformerConfig`` of the tower's blocks (the live megatron TP size)."""
+    """megatron ``TransformerConfig`` of the tower's blocks (``tensor_parallel`` defaults to
+    the live megatron TP size)."""
     from megatron.core import parallel_state as mps
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from longboat.core.config.errors import ConfigError
 
     cfg.validate()
-    tp = mps.get_tensor_model_parallel_world_size()
+    tp = tensor_parallel or mps.get_tensor_model_parallel_world_size()
     for key in ("num_heads", "intermediate_size"):
         if getattr(cfg, key) % tp:
             raise ConfigError(
@@ -88,7 +93,9 @@ class PatchMerger(MegatronModule):
     patches instead of over each patch.
     """
 
-    def __init__(self, config: Any, cfg: Qwen3VisionConfig, *, postshuffle_norm: bool) -> None:
+    def __init__(
+        self, config: Any, cfg: Qwen3VisionConfig, *, postshuffle_norm: bool, tp_group: Any = None
+    ) -> None:
         super().__init__(config=config)
         width = cfg.hidden_size * cfg.merge_unit
         self.width = width
@@ -99,11 +106,11 @@ class PatchMerger(MegatronModule):
         )  # fmt: skip
         self.linear_fc1 = ColumnParallelLinear(
             width, width, config=config, init_method=config.init_method, bias=True,
-            gather_output=False, skip_bias_add=False,
+            gather_output=False, skip_bias_add=False, tp_group=tp_group,
         )  # fmt: skip
         self.linear_fc2 = RowParallelLinear(
             width, cfg.out_hidden_size, config=config, init_method=config.output_layer_init_method,
-            bias=True, input_is_parallel=True, skip_bias_add=False,
+            bias=True, input_is_parallel=True, skip_bias_add=False, tp_group=tp_group,
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,11 +128,12 @@ class Qwen3VisionMergers(MegatronModule):
     """The final patch merger and the deepstack mergers: together what ``model.freeze``
     calls the projector."""
 
-    def __init__(self, config: Any, cfg: Qwen3VisionConfig) -> None:
+    def __init__(self, config: Any, cfg: Qwen3VisionConfig, tp_group: Any = None) -> None:
         super().__init__(config=config)
-        self.patch = PatchMerger(config, cfg, postshuffle_norm=False)
+        self.patch = PatchMerger(config, cfg, postshuffle_norm=False, tp_group=tp_group)
         self.deepstack = torch.nn.ModuleList(
-            PatchMerger(config, cfg, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes
+            PatchMerger(config, cfg, postshuffle_norm=True, tp_group=tp_group)
+            for _ in cfg.deepstack_visual_indexes
         )
 
 
@@ -149,6 +157,8 @@ class Qwen3VisionModel(MegatronModule):
     features)``, both ``[sum(t*h*w) / merge_unit, out_hidden_size]`` in input order.
 
     Needs megatron's parallel state (``longboat.core.megatron.parallel_state.initialize``).
+    ``pg_collection``: megatron process groups of the tower's layers (default: the live
+    ones); its ``tp`` sets the tower's tensor-parallel size.
     """
 
     def __init__(
@@ -157,8 +167,14 @@ class Qwen3VisionModel(MegatronModule):
         *,
         params_dtype: torch.dtype = torch.float32,
         kernels: LayerKernels | None = None,
+        pg_collection: Any = None,
     ) -> None:
-        config = vision_transformer_config(cfg, params_dtype=params_dtype)
+        tp_group = pg_collection.tp if pg_collection is not None else None
+        config = vision_transformer_config(
+            cfg,
+            tensor_parallel=tp_group.size() if tp_group is not None else None,
+            params_dtype=params_dtype,
+        )
         super().__init__(config=config)
         self.cfg = cfg
         self.patch_embed = torch.nn.Linear(
@@ -168,10 +184,12 @@ class Qwen3VisionModel(MegatronModule):
             torch.randn(cfg.num_position_embeddings, cfg.hidden_size, dtype=params_dtype) * 0.02
         )
         spec = siglip_layer_spec(kernels)
+        groups = {} if pg_collection is None else {"pg_collection": pg_collection}
         self.layers = torch.nn.ModuleList(
-            build_module(spec, config=config, layer_number=i + 1) for i in range(cfg.depth)
+            build_module(spec, config=config, layer_number=i + 1, **groups)
+            for i in range(cfg.depth)
         )
-        self.merger = Qwen3VisionMergers(config, cfg)
+        self.merger = Qwen3VisionMergers(config, cfg, tp_group=tp_group)
         self.recompute = False
         """Recompute each block's activations in the backward instead of keeping them."""
 
