@@ -5,7 +5,9 @@ A family module (``longboat.vlm.models.<family>.model``) provides
 
 - ``flavor(name) -> config`` and ``FLAVORS`` (the names it knows),
 - ``read_hf_config(dir_or_dict) -> config`` (the architecture of a checkpoint),
-- ``build(config, *, precision, device_type, kernels, recompute) -> VisionLanguageModel``,
+- ``build(config, *, precision, device_type, kernels, recompute, vision_tensor_parallel)
+  -> VisionLanguageModel`` (``VISION_DATA_PARALLEL = True`` where ``vision_tensor_parallel=1``
+  under a TP decoder is supported),
 - ``load_hf(model, config, dir)`` and ``save_hf(model, config, out_dir)``.
 
 A config holds ``language`` (a core ``DecoderModelConfig``), ``vision`` (its tower's config

@@ -10,6 +10,9 @@ With pipeline parallelism each rank holds one stage: the first has the tower and
 embedding (``vision`` is None elsewhere), every stage computes the position ids and the
 packed attention mask from the microbatch, and later stages take their input from the
 previous stage through ``set_input_tensor`` (megatron's schedules call it).
+
+With ``vision_split`` (``longboat.vlm.models.vision_parallel``) the tower is unsharded under
+a tensor-parallel decoder and ``encode_vision`` divides the images over the TP ranks.
 """
 
 from __future__ import annotations
@@ -37,9 +40,12 @@ class VisionLanguageModel(MegatronModule):
         image_token_id: int,
         video_token_id: int,
         position_ids: Callable[..., torch.Tensor],
+        vision_split: Any = None,
     ) -> None:
         super().__init__(config=language.config)
         self.vision = vision
+        self.vision_split = vision_split
+        """``VisionSplit`` when the tower is unsharded under a TP decoder, else None."""
         self.language = language
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
@@ -86,6 +92,16 @@ class VisionLanguageModel(MegatronModule):
             cu_seqlens=cu_seqlens,
         )
 
+    def encode_vision(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> Any:
+        """The tower's output for ``pixels`` / ``grid_thw``; with ``vision_split`` each TP
+        rank encodes its share of the images and the outputs are exchanged (collective over
+        the TP group)."""
+        if self.vision_split is None:
+            return self.vision(pixels, grid_thw)
+        from longboat.vlm.models.vision_parallel import encode_split
+
+        return encode_split(self.vision, pixels, grid_thw, self.vision_split)
+
     def _scatter(
         self,
         embeds: torch.Tensor,
@@ -120,12 +136,12 @@ class VisionLanguageModel(MegatronModule):
         embeds = self.language.embedding(input_ids=input_ids, position_ids=None)
         embeds = embeds.transpose(0, 1)  # [b, s, h]
         if pixel_values is not None:
-            feats = self.vision(pixel_values, image_grid_thw)
+            feats = self.encode_vision(pixel_values, image_grid_thw)
             embeds = self._scatter(embeds, input_ids, self.image_token_id, feats, "image")
         elif bool((input_ids == self.image_token_id).any()):
             raise PlaceholderMismatch("input_ids hold image placeholder tokens but no pixel_values")
         if pixel_values_videos is not None:
-            feats = self.vision(pixel_values_videos, video_grid_thw)
+            feats = self.encode_vision(pixel_values_videos, video_grid_thw)
             embeds = self._scatter(embeds, input_ids, self.video_token_id, feats, "video")
         elif bool((input_ids == self.video_token_id).any()):
             raise PlaceholderMismatch(

@@ -26,6 +26,11 @@ class VLMModelConfig(ModelConfig):
     recompute: list[str] = field(default_factory=list)
     """Components whose activations are recomputed in the backward instead of kept (less
     memory, one more forward): ``vision`` (each ViT block), ``language`` (each decoder layer)."""
+    vision_tensor_parallel: int | None = None
+    """Tensor-parallel size of the vision tower: null (the decoder's
+    ``parallel.tensor_parallel``) or 1 under a TP decoder (Qwen-VL families, no pipeline
+    parallelism): the tower unsharded, each TP rank encoding its share of the images and
+    the embeddings exchanged, so the ViT costs no TP communication."""
     layer_backend: str = "auto"
     """Decoder layers: auto (Transformer Engine on CUDA when installed, else longboat
     kernels), longboat, te, local."""

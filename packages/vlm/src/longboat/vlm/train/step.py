@@ -9,7 +9,9 @@ only its adapters train (``longboat.vlm.train.lora``). The loss is the mean over
 loss-masked token of the global batch (all microbatches, all data-parallel ranks), so a
 packed row of many short samples weighs its tokens like a row of one long sample. With
 pipeline parallelism the microbatches run through megatron's 1F1B schedule with the same
-loss (``longboat.vlm.train.pipeline``).
+loss (``longboat.vlm.train.pipeline``). An unsharded tower under a tensor-parallel decoder
+(``model.vision_tensor_parallel=1``) has its gradients summed over the TP ranks, which
+encoded different images, before DDP's reduction.
 """
 
 from __future__ import annotations
@@ -139,6 +141,11 @@ class VLMTrainStep:
                 loss = self.loss(mb, denominator.to(mb["input_ids"].device))
                 loss.backward()
                 total = total.to(loss.device) + loss.detach()
+            split = self.model.vision_split
+            if split is not None:  # each tower replica saw its TP rank's images only
+                from longboat.vlm.models.vision_parallel import reduce_tower_grads
+
+                reduce_tower_grads(self.model.vision, split)
             self.ddp.finish_grad_sync()
         if dp > 1:
             reduced = total.detach().cpu()

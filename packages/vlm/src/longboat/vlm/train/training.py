@@ -36,6 +36,7 @@ from longboat.vlm.train.pipeline import check_pipeline
 RESUME_KEYS = (
     "parallel.tensor_parallel",
     "parallel.pipeline_parallel",
+    "model.vision_tensor_parallel",
     "model.name",
     "model.flavor",
     "model.init_from_hf",
@@ -127,6 +128,17 @@ class VLMTraining(MegatronTraining):
                 value=list(cfg.model.freeze),
                 fix="remove language from model.freeze (LoRA freezes the decoder's base weights)",
             )
+        if cfg.model.vision_tensor_parallel is not None:
+            from longboat.vlm.models.vision_parallel import resolve_vision_tensor_parallel
+
+            family = model_family(cfg)
+            resolve_vision_tensor_parallel(
+                cfg.model.vision_tensor_parallel,
+                cfg.parallel.tensor_parallel,
+                cfg.parallel.pipeline_parallel,
+                family=family.name,
+                supported=getattr(family.load(), "VISION_DATA_PARALLEL", False),
+            )
         if cfg.data.name != "shapes" and not cfg.data.paths:
             raise ConfigError(
                 "no conversation files given",
@@ -191,6 +203,7 @@ class VLMTraining(MegatronTraining):
             device_type=self.accelerator.device_type,
             kernels=kernels,
             recompute=tuple(cfg.model.recompute),
+            vision_tensor_parallel=cfg.model.vision_tensor_parallel,
         )
         if cfg.model.init_from_hf:
             family.load_hf(model, mcfg, cfg.model.init_from_hf)
@@ -286,12 +299,16 @@ class VLMTraining(MegatronTraining):
     def describe(self) -> list[str]:
         m, lay, rows = self.model_cfg, self.layout, self.data.train
         lang, vis = m.language, m.vision
+        vit_tp = ""
+        if self.step_fn.model.vision_split is not None:
+            vit_tp = ", ViT tp=1 (data-parallel encoding over the TP group)"
         lines = [
             f"Model {self.family.name}/"
             f"{self.cfg.model.flavor if not self.cfg.model.init_from_hf else 'hf'}:"
             f" ViT {vis.depth} layers x {vis.hidden_size}, decoder {lang.num_layers} layers x "
             f"{lang.hidden_size}, vocab {lang.vocab_size}; {self.precision}; "
-            f"tp={lay.tensor_parallel} pp={lay.pipeline_parallel} dp={lay.data_parallel}. Data: {len(rows)} packed rows of "
+            f"tp={lay.tensor_parallel} pp={lay.pipeline_parallel} dp={lay.data_parallel}"
+            f"{vit_tp}. Data: {len(rows)} packed rows of "
             f"{rows.seq_len} tokens ({rows.fill:.0%} filled) from {len(rows.samples)} samples; "
             f"global batch {self.global_batch} rows."
         ]

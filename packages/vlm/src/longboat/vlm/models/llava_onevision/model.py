@@ -195,16 +195,25 @@ def build(
     device_type: str = "cpu",
     kernels: Any = None,
     recompute: tuple[str, ...] = (),
+    vision_tensor_parallel: int | None = None,
 ) -> VisionLanguageModel:
     """The model (tensor and pipeline parallel 1; megatron parallel state initialised).
 
     ``recompute``: ``vision`` (each tower block) and / or ``language`` (each decoder layer).
+    ``vision_tensor_parallel``: null or the decoder's (the tower shares its TP).
     """
     from megatron.core import parallel_state as mps
 
     from longboat.core.megatron.models.build import build_decoder
+    from longboat.vlm.models.vision_parallel import resolve_vision_tensor_parallel
 
     cfg.validate()
+    resolve_vision_tensor_parallel(
+        vision_tensor_parallel,
+        mps.get_tensor_model_parallel_world_size(),
+        family="llava_onevision",
+        supported=False,
+    )
     for key, size in (
         ("parallel.tensor_parallel", mps.get_tensor_model_parallel_world_size()),
         ("parallel.pipeline_parallel", mps.get_pipeline_model_parallel_world_size()),

@@ -27,6 +27,9 @@ from longboat.vlm.models.vlm import VisionLanguageModel
 HF_MODEL_TYPE = "qwen2_5_vl"
 PIPELINE_PARALLEL = True
 """``build`` / ``load_hf`` / ``save_hf`` work per pipeline stage (the ViT on the first)."""
+VISION_DATA_PARALLEL = True
+"""``build(vision_tensor_parallel=1)`` under a TP decoder: an unsharded tower encoding the
+images data-parallel over the TP ranks (``longboat.vlm.models.vision_parallel``)."""
 
 
 @dataclass
@@ -144,6 +147,7 @@ def build_qwen2_5_vl(
     device_type: str = "cpu",
     kernels: Any = None,
     recompute: tuple[str, ...] = (),
+    vision_tensor_parallel: int | None = None,
 ) -> VisionLanguageModel:
     """This rank's Qwen2.5-VL (one pipeline stage; megatron parallel state initialised).
 
@@ -152,9 +156,12 @@ def build_qwen2_5_vl(
 
     ``recompute``: components whose activations are recomputed in the backward instead of
     kept, ``vision`` (each ViT block) and ``language`` (each decoder layer).
+    ``vision_tensor_parallel``: the tower's TP size, null (the decoder's) or 1 (unsharded,
+    the images divided over the decoder's TP ranks; collective over the world).
     """
     from longboat.core.megatron.models.build import build_decoder
     from longboat.vlm.models.qwen2_5_vl.vision import Qwen25VisionModel
+    from longboat.vlm.models.vision_parallel import replicate_tower, vision_split
 
     cfg.validate()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
@@ -182,11 +189,17 @@ def build_qwen2_5_vl(
             value=len(chunks),
             fix="set it to null (plain 1F1B over parallel.pipeline_parallel stages)",
         )
+    split = vision_split(vision_tensor_parallel)
     vision = None
     if chunks[0].pre_process:
-        vision = Qwen25VisionModel(cfg.vision, params_dtype=dtype, kernels=kernels)
+        groups = split.tower_groups if split is not None else None
+        vision = Qwen25VisionModel(
+            cfg.vision, params_dtype=dtype, kernels=kernels, pg_collection=groups
+        )
         vision.recompute = "vision" in recompute
         vision = vision.to(torch.device(device_type))
+        if split is not None:
+            replicate_tower(vision, split)
     position_ids = partial(
         mrope_position_ids,
         image_token_id=cfg.image_token_id,
@@ -200,6 +213,7 @@ def build_qwen2_5_vl(
         image_token_id=cfg.image_token_id,
         video_token_id=cfg.video_token_id,
         position_ids=position_ids,
+        vision_split=split,
     )
     return model
 
@@ -266,7 +280,7 @@ def load_hf(model: VisionLanguageModel, cfg: Qwen25VLConfig, hf_dir: str | Path)
         return n
     ours = vision_from_hf(visual, cfg.vision)
     coords = rank_coords()
-    if coords.tp_size > 1:
+    if coords.tp_size > 1 and model.vision_split is None:  # else the tower is unsharded
         ours = shard_vision_state_dict(ours, coords.tp_rank, coords.tp_size)
     model.vision.load_state_dict(ours, strict=False)
     missing = [
@@ -297,10 +311,14 @@ def save_hf(model: VisionLanguageModel, cfg: Qwen25VLConfig, out_dir: str | Path
             for k, v in model.vision.state_dict().items()
             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
         }
-        per_rank = [dict(zip(local, parts, strict=True)) for parts in
-                    zip(*(tp_shards(v, coords) for v in local.values()), strict=True)]  # fmt: skip
+        if model.vision_split is not None:  # unsharded: rank 0's replica is the tower
+            full = local
+        else:
+            per_rank = [dict(zip(local, parts, strict=True)) for parts in
+                        zip(*(tp_shards(v, coords) for v in local.values()), strict=True)]  # fmt: skip
+            full = unshard_vision_state_dict(per_rank)
         if rank == 0:
-            visual = vision_to_hf(unshard_vision_state_dict(per_rank), cfg.vision, prefix="visual.")
+            visual = vision_to_hf(full, cfg.vision, prefix="visual.")
     save_hf_weights(
         [model.language], cfg.language.to_arch(), out_dir, prefix="model.", extra=visual
     )

@@ -76,7 +76,7 @@ class Qwen3VLModel(VisionLanguageModel):
                         f"input_ids hold {what} placeholder tokens but no {key}"
                     )
                 continue
-            merged, features = self.vision(pixels, grid)
+            merged, features = self.encode_vision(pixels, grid)
             embeds = self._scatter(embeds, input_ids, token_id, merged, what)
             if not deepstack:
                 deepstack = [torch.zeros_like(embeds) for _ in features]

@@ -39,6 +39,9 @@ HF_MODEL_TYPE = "qwen3_vl"
 PIPELINE_PARALLEL = True
 """``build`` / ``load_hf`` / ``save_hf`` work per pipeline stage (the ViT on the first, which
 must also hold the decoder layers that take deepstack features)."""
+VISION_DATA_PARALLEL = True
+"""``build(vision_tensor_parallel=1)`` under a TP decoder: an unsharded tower encoding the
+images data-parallel over the TP ranks (``longboat.vlm.models.vision_parallel``)."""
 QWEN3_VL_MROPE = [24, 20, 20]
 """transformers' default M-RoPE sections for Qwen3-VL (head_dim 128) when the config has none."""
 
@@ -210,18 +213,22 @@ def build(
     device_type: str = "cpu",
     kernels: Any = None,
     recompute: tuple[str, ...] = (),
+    vision_tensor_parallel: int | None = None,
 ) -> VisionLanguageModel:
     """This rank's Qwen3-VL (one pipeline stage; megatron parallel state initialised).
 
     With pipeline parallelism the ViT lives on the first stage, which must hold every
     decoder layer that takes a deepstack feature; interleaved virtual stages are refused.
     ``recompute``: ``vision`` (each ViT block) and / or ``language`` (each decoder layer).
+    ``vision_tensor_parallel``: the tower's TP size, null (the decoder's) or 1 (unsharded,
+    the images divided over the decoder's TP ranks; collective over the world).
     """
     from megatron.core import parallel_state as mps
 
     from longboat.core.megatron.models.build import build_decoder
     from longboat.vlm.models.qwen3_vl.deepstack import Qwen3VLModel, add_deepstack_hooks
     from longboat.vlm.models.qwen3_vl.vision import Qwen3VisionModel
+    from longboat.vlm.models.vision_parallel import replicate_tower, vision_split
 
     cfg.validate()
     lang, n_deep = cfg.language, len(cfg.vision.deepstack_visual_indexes)
@@ -255,11 +262,17 @@ def build(
             fix="set it to null (plain 1F1B over parallel.pipeline_parallel stages)",
         )
     add_deepstack_hooks(chunks[0], n_deep)
+    split = vision_split(vision_tensor_parallel)
     vision = None
     if chunks[0].pre_process:
-        vision = Qwen3VisionModel(cfg.vision, params_dtype=dtype, kernels=kernels)
+        groups = split.tower_groups if split is not None else None
+        vision = Qwen3VisionModel(
+            cfg.vision, params_dtype=dtype, kernels=kernels, pg_collection=groups
+        )
         vision.recompute = "vision" in recompute
         vision = vision.to(torch.device(device_type))
+        if split is not None:
+            replicate_tower(vision, split)
     position_ids = partial(
         mrope_position_ids,
         image_token_id=cfg.image_token_id,
@@ -274,6 +287,7 @@ def build(
         image_token_id=cfg.image_token_id,
         video_token_id=cfg.video_token_id,
         position_ids=position_ids,
+        vision_split=split,
     )
 
 
@@ -335,7 +349,7 @@ def load_hf(model: VisionLanguageModel, cfg: Qwen3VLConfig, hf_dir: str | Path) 
     except VisionStateDictError as exc:
         raise ConfigError(f"{hf_dir}: {exc}") from None
     coords = rank_coords()
-    if coords.tp_size > 1:
+    if coords.tp_size > 1 and model.vision_split is None:  # else the tower is unsharded
         ours = shard_vision_state_dict(ours, coords.tp_rank, coords.tp_size)
     model.vision.load_state_dict(ours, strict=False)
     missing = [
@@ -366,10 +380,14 @@ def save_hf(model: VisionLanguageModel, cfg: Qwen3VLConfig, out_dir: str | Path)
             for k, v in model.vision.state_dict().items()
             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
         }
-        per_rank = [dict(zip(local, parts, strict=True)) for parts in
-                    zip(*(tp_shards(v, coords) for v in local.values()), strict=True)]  # fmt: skip
+        if model.vision_split is not None:  # unsharded: rank 0's replica is the tower
+            full = local
+        else:
+            per_rank = [dict(zip(local, parts, strict=True)) for parts in
+                        zip(*(tp_shards(v, coords) for v in local.values()), strict=True)]  # fmt: skip
+            full = unshard_vision_state_dict(per_rank)
         if rank == 0:
-            visual = vision_to_hf(unshard_vision_state_dict(per_rank), cfg.vision)
+            visual = vision_to_hf(full, cfg.vision)
     save_hf_weights(
         [model.language], cfg.language.to_arch(), out_dir, prefix="model.language_model.",
         extra=visual,
