@@ -23,7 +23,10 @@ tensor parallelism its sum of squares is all-reduced over the TP group (``HeadsR
 Token layouts (``TokenLayout``): *dense*, ``B`` samples of one grid, attention per batch row;
 or *packed*, ``B = 1`` and ``S`` the tokens of several samples one after another, with
 ``cu_seqlens`` keeping self-attention inside each sample, per-sample modulation applied to
-each sample's token range, and each sample's queries attending to its own caption.
+each sample's token range, and each sample's queries attending to its own caption. Under
+context parallelism (``TokenLayout.shard``) a rank holds a contiguous slice of either layout's
+tokens; everything but self-attention runs on the slice, self-attention exchanges slices for
+head groups (``longboat.diffusion.parallel.ulysses``).
 
 The query / key channels of each head are stored de-interleaved (the even channels of a
 diffusers head, then its odd ones; ``hf.py`` permutes on load and export), so Wan's
@@ -55,6 +58,7 @@ from longboat.core.megatron.decoder_config import unfused_layer_kwargs
 from longboat.core.megatron.specs import LongboatSpecProvider
 from longboat.diffusion.models.wan.config import WanConfig
 from longboat.diffusion.models.wan.packing import VideoPacking
+from longboat.diffusion.parallel.ulysses import ContextShard, heads_to_seq, seq_to_heads
 
 AttentionFn = Callable[..., torch.Tensor]
 """``fn(q, k, v, *, causal, scale, cu_seqlens=None, max_seqlen=None, mask=None)``:
@@ -101,11 +105,23 @@ class TokenLayout:
     """fp32 ``[S, head_dim // 2]`` rotary sines."""
     text_mask: torch.Tensor | None
     """``[samples, L]`` bool, True for caption tokens to attend to; None: all of them."""
+    shard: ContextShard | None = None
+    """Context parallelism: the slice of the tokens this rank holds (``x``, ``cos``, ``sin``
+    are that slice); self-attention gathers the sequence per head group (Ulysses)."""
+    segments: tuple[int, ...] | None = None
+    """Packed: tokens of each sample among this rank's tokens (None: ``packing.seqlens``)."""
 
     @property
     def segmented(self) -> bool:
         """Whether per-sample quantities apply to token ranges (more than one packed sample)."""
         return self.packing is not None and self.packing.num_samples > 1
+
+    @property
+    def segment_lengths(self) -> tuple[int, ...]:
+        """Tokens of each packed sample held here (zero for a sample outside this rank's
+        slice)."""
+        assert self.packing is not None
+        return self.segments if self.segments is not None else tuple(self.packing.seqlens)
 
 
 def per_sample(
@@ -122,11 +138,12 @@ def per_sample(
     """
     if not layout.segmented:
         return fn(*tokens, *vectors)
-    assert layout.packing is not None
-    lengths = layout.packing.seqlens
+    lengths = layout.segment_lengths
     parts = [t.split(lengths, dim=1) for t in tokens]
     outs = [
-        fn(*(p[i] for p in parts), *(v[i : i + 1] for v in vectors)) for i in range(len(lengths))
+        fn(*(p[i] for p in parts), *(v[i : i + 1] for v in vectors))
+        for i, n in enumerate(lengths)
+        if n > 0  # a sample outside this rank's context-parallel slice
     ]
     return torch.cat(outs, dim=1)
 
@@ -277,6 +294,14 @@ class WanAttention(MegatronModule):
         return out
 
     def _self(self, q: Any, k: Any, v: Any, layout: TokenLayout) -> torch.Tensor:
+        shard = layout.shard
+        if shard is None:
+            return self._attend(q, k, v, layout)
+        # Ulysses: the full sequence for heads / cp of the heads, attention, back to slices.
+        q, k, v = (seq_to_heads(t, shard) for t in (q, k, v))
+        return heads_to_seq(self._attend(q, k, v, layout), shard)
+
+    def _attend(self, q: Any, k: Any, v: Any, layout: TokenLayout) -> torch.Tensor:
         if layout.packing is None:
             return self.attention_fn(q, k, v, causal=False, scale=self.scale)
         p = layout.packing
@@ -295,10 +320,11 @@ class WanAttention(MegatronModule):
 
         if not layout.segmented:
             return attend(q, k, v, mask)
-        assert layout.packing is not None
-        parts = q.split(layout.packing.seqlens, dim=1)
+        parts = q.split(layout.segment_lengths, dim=1)
         outs = []
         for i, qi in enumerate(parts):
+            if qi.shape[1] == 0:  # the sample has no token in this rank's slice
+                continue
             mi = None if mask is None else mask[i : i + 1]
             outs.append(attend(qi, k[i : i + 1], v[i : i + 1], mi))
         return torch.cat(outs, dim=1)
@@ -417,7 +443,8 @@ def wan_transformer_config(
     cfg.validate()
     if tensor_parallel is None:
         tensor_parallel = mps.get_tensor_model_parallel_world_size()
-    cfg.validate_parallel(tensor_parallel=tensor_parallel)
+    context_parallel = max(1, mps.get_context_parallel_world_size()) if mps.is_initialized() else 1
+    cfg.validate_parallel(tensor_parallel=tensor_parallel, context_parallel=context_parallel)
     kwargs: dict[str, Any] = dict(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,

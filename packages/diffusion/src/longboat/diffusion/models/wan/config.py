@@ -152,8 +152,12 @@ class WanConfig:
         if problems:
             raise ConfigError(problems)
 
-    def validate_parallel(self, *, tensor_parallel: int, prefix: str = "model") -> None:
-        """Raise ``ConfigError`` when ``tensor_parallel`` does not divide heads and FFN width."""
+    def validate_parallel(
+        self, *, tensor_parallel: int, context_parallel: int = 1, prefix: str = "model"
+    ) -> None:
+        """Raise ``ConfigError`` when ``tensor_parallel`` does not divide heads and FFN width,
+        or ``tensor_parallel * context_parallel`` the heads (Ulysses splits each TP rank's
+        heads over the context-parallel ranks)."""
         problems: list[ConfigProblem] = []
         for key in ("num_attention_heads", "ffn_dim"):
             value = getattr(self, key)
@@ -166,6 +170,19 @@ class WanConfig:
                         fix="use a tensor_parallel that divides the head count and ffn_dim.",
                     )
                 )
+        heads = self.num_attention_heads
+        if not problems and heads % (tensor_parallel * context_parallel):
+            problems.append(
+                ConfigProblem(
+                    key="parallel.context_parallel",
+                    value=context_parallel,
+                    message=f"tensor_parallel x context_parallel = {tensor_parallel} x "
+                    f"{context_parallel} must divide {prefix}.num_attention_heads={heads} "
+                    "(each context-parallel rank attends with a share of the heads).",
+                    fix="use a context_parallel that divides "
+                    f"{heads // tensor_parallel} (the heads per tensor-parallel rank).",
+                )
+            )
         if problems:
             raise ConfigError(problems)
 

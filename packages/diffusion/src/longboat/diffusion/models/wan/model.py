@@ -34,10 +34,19 @@ Two call forms (both need megatron's parallel state, ``longboat.core.megatron.pa
 ``text_mask=None`` attends to all ``L`` caption tokens, as Wan's pipeline does with captions
 zero-padded to 512; a mask drops the padded tokens, which equals feeding each caption at its
 own length.
+
+Context parallelism (megatron's context-parallel group of size ``cp > 1`` when the model is
+built): every rank of the group passes the same full inputs and gets the same full output;
+inside, each rank runs the blocks on a contiguous ``1 / cp`` slice of the (padded) tokens and
+self-attention exchanges slices for head groups (Ulysses, ``longboat.diffusion.parallel``;
+``num_attention_heads`` must divide by ``tp * cp``). A parameter's gradient on a rank is the
+contribution of that rank's tokens: the sum over the context-parallel group is the full
+gradient.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -45,6 +54,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from megatron.core import parallel_state as mps
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
@@ -68,6 +78,12 @@ from longboat.diffusion.models.wan.packing import (
     rope_tables,
     unpack_tokens,
     unpatchify,
+)
+from longboat.diffusion.parallel.ulysses import (
+    ContextShard,
+    gather_tokens,
+    local_segments,
+    shard_tokens,
 )
 
 _PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -132,6 +148,11 @@ class WanModel(MegatronModule):
         self.recompute_blocks = cfg.recompute_blocks
         """Blocks (from the first) whose activations are recomputed in the backward; -1: all
         (``WanConfig.recompute_blocks``; may be changed between steps)."""
+        self.cp_group = None
+        """megatron's context-parallel group when its size is > 1 (the tokens of every call
+        are sharded over it, see the module doc), else None."""
+        if mps.is_initialized() and mps.get_context_parallel_world_size() > 1:
+            self.cp_group = mps.get_context_parallel_group()
         self._init_embeddings()
 
     @torch.no_grad()
@@ -244,6 +265,20 @@ class WanModel(MegatronModule):
     ) -> torch.Tensor:
         """Tokens ``[B, S, patch_dim]`` -> output tokens ``[B, S, out_patch_dim]``."""
         width = self.cfg.hidden_size
+        shard = None
+        if self.cp_group is not None:
+            shard = ContextShard.of(tokens.shape[1], self.cp_group)
+            tokens = shard_tokens(tokens, shard)
+            segments = None
+            if layout.packing is not None:
+                segments = local_segments(layout.packing.seqlens, shard)
+            layout = dataclasses.replace(
+                layout,
+                cos=shard_tokens(layout.cos, shard, dim=0),
+                sin=shard_tokens(layout.sin, shard, dim=0),
+                shard=shard,
+                segments=segments,
+            )
         x = self.patch_embedding(tokens.to(self.dtype))
         freq = timestep_embedding(timesteps, self.cfg.freq_dim)
         temb = self.time_embedder(freq.to(self.dtype))  # [n, D]
@@ -260,7 +295,8 @@ class WanModel(MegatronModule):
         shift, scale = (self.scale_shift_table.float() + temb.float()[:, None]).unbind(1)
         eps = self.cfg.eps
         x = per_sample(lambda t, a, b: adaln_modulate(t, a, b, eps), (x,), (shift, scale), layout)
-        return self.proj_out(x)
+        out = self.proj_out(x)
+        return out if shard is None else gather_tokens(out, shard)
 
 
 def build(
