@@ -29,7 +29,11 @@ QUIET = (
     "checkpoint.resume=none",
     "checkpoint.every_steps=0",
 )
-EXPORT_OFF = {"llm": "llm.export_hf=false", "embodied": "export.enabled=false"}
+EXPORT_OFF = {
+    "llm": "llm.export_hf=false",
+    "vlm": "vlm.export_hf=false",
+    "embodied": "export.enabled=false",
+}
 
 
 def compose(stack: str, experiment: str, overrides: Sequence[str], output_dir: str) -> Any:

@@ -1,0 +1,92 @@
+"""The VLM baseline: Hugging Face ``Qwen2_5_VLForConditionalGeneration`` as a plain training loop.
+
+``HFVLMStep`` (``hf``, ``hf_compiled``, ``hf_liger``): the model built from the longboat
+config's shapes (``to_hf_config``; SDPA attention, random init), fp32 weights under bf16
+autocast (the HF Trainer's ``bf16=True``), ``torch.optim.AdamW(fused=True)`` decaying matrices
+only, ``clip_grad_norm_`` at ``optim.grad_clip``, the loss from ``labels`` (transformers shifts
+them). ``compiled``: every ViT block and decoder layer ``torch.compile``d (``dynamic=True``:
+the samples differ in length and image grid); ``liger``: ``apply_liger_kernel_to_qwen2_5_vl``
+before the build (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy). Gradient checkpointing
+is off (the benchmark sample fits on one H200 without it).
+
+How it differs from a user's HF Trainer run: no ``Trainer`` object (its per-step host work is
+left out, which only favours the baseline) and a constant LR. It gets one sample per step,
+unpacked (HF has no packing with per-sample attention under SDPA); the benchmark's samples
+each fill one longboat row, so both sides see the same tokens and images per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def hf_qwen2_5_vl(model_cfg: Any, device: torch.device, *, liger: bool = False) -> Any:
+    """A randomly initialised ``Qwen2_5_VLForConditionalGeneration`` of ``model_cfg``'s shapes."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from longboat.vlm.models.qwen2_5_vl.model import to_hf_config
+
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen2_5_vl
+
+        apply_liger_kernel_to_qwen2_5_vl()
+    cfg = to_hf_config(model_cfg)
+    cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = Qwen2_5_VLForConditionalGeneration(cfg)
+    return model.float().train()
+
+
+def hf_batch(row: dict[str, Any], image_token_id: int, video_token_id: int) -> dict[str, Any]:
+    """One packed longboat row (one sample + padding) as transformers' inputs: the sample's
+    tokens unpadded, labels unshifted (-100 where the row's ``loss_mask`` has no target)."""
+    n = int(row["cu_seqlens"][1])
+    ids = row["input_ids"][:, :n]
+    labels = torch.full_like(ids, -100)
+    keep = row["loss_mask"][:, : n - 1] > 0
+    labels[:, 1:] = torch.where(keep, ids[:, 1:], labels[:, 1:])
+    types = torch.zeros_like(ids, dtype=torch.int32)
+    types[ids == image_token_id] = 1
+    types[ids == video_token_id] = 2
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "mm_token_type_ids": types,
+        "pixel_values": row["pixel_values"],
+        "image_grid_thw": row["image_grid_thw"],
+    }
+
+
+class HFVLMStep:
+    """``step(batch) -> loss``: forward, backward, clip, AdamW (see the module doc)."""
+
+    def __init__(self, model: Any, optim: Any, device: torch.device, *, compiled: bool) -> None:
+        if compiled:
+            inner = model.model
+            for block in [*inner.visual.blocks, *inner.language_model.layers]:
+                block.compile(dynamic=True)
+        self.forward_module = type(model).forward.__module__
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        rest = [p for p in model.parameters() if p.dim() < 2]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay}, {"params": rest, "weight_decay": 0.0}],
+            lr=optim.lr,
+            betas=tuple(optim.betas),
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+            fused=device.type == "cuda",
+        )
+        self.model, self.device, self.clip = model, device, optim.grad_clip
+
+    def __call__(self, batch: dict[str, Any]) -> torch.Tensor:
+        inputs = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            loss = self.model(**inputs).loss
+        loss.backward()
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()

@@ -1,0 +1,266 @@
+"""VLM SFT throughput: Hugging Face Qwen2.5-VL vs ``longboat-vlm train``, one process.
+
+    python tools/bench/vlm_throughput.py --out results.json [--tiny] [--steps N] [--warmup N]
+        [--runs hf,hf_compiled,hf_liger,longboat,...] [--results-dir DIR] [--time-budget S]
+        [--profile-steps N --profile-dir DIR]
+
+Model: Qwen2.5-VL-3B shapes (``model=qwen2_5_vl_3b``: ViT 32 layers x 1280 with window
+attention and 4 full-attention layers, merger to 2048; Qwen2.5-3B decoder, 36 layers, 16 / 2
+heads, vocab 151,936, tied), random init. Data: ``--samples`` generated conversations, each
+four images of mixed sizes (644x644, 448x896, 812x588, 336x504 px: 1,866 image tokens) and an
+assistant answer that fills the sample to about 8,100 tokens, so each sample is one packed
+row of ``seq_len`` 8192; every run sees the same samples (``--tiny``: a CPU-sized model).
+
+Runs:
+- ``longboat``: ``longboat-vlm train experiment=sft`` with the benchmark's data, seq_len and
+  global batch 1 (``overrides``), everything else the CLI's defaults: ``build_training`` run by
+  core's ``Trainer``. ``longboat_<variant>``: plus the keys of ``VARIANTS``.
+- ``hf`` / ``hf_compiled`` / ``hf_liger``: ``baselines/vlm_reference.py`` (its docstring lists
+  how it differs from an HF Trainer run) on the same rows, one sample per step.
+
+Per run: median step time (steps back to back, device events between steps), tokens/s counting
+the samples' real tokens (not the row padding), MFU (``flops_per_sample``: decoder 6 N per
+token + LM head + causal attention; ViT 6 N per patch + windowed / full attention), peak memory.
+Writes ``--out`` and ``<results-dir>/vlm_throughput_<date>.{json,md,png}``; prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+BENCH = Path(__file__).resolve().parent
+sys.path[:0] = [str(BENCH), str(BENCH / "baselines")]
+
+import bench_env as env  # noqa: E402
+import vlm_reference as ref  # noqa: E402
+from bench_env import failed_row, fmt, md_table  # noqa: E402
+from bench_profile import profile_steps  # noqa: E402
+from bench_timing import time_loop  # noqa: E402
+from bench_train import compose, train_timed  # noqa: E402
+
+EXPERIMENT = "sft"
+FULL = dict(model="qwen2_5_vl_3b", seq=8192, images=((644, 644), (448, 896), (812, 588),
+            (336, 504)), px=28, vocab=4096, samples=12)  # fmt: skip
+TINY = dict(model="qwen2_5_vl_tiny", seq=512, images=((56, 56), (84, 56)), px=8, vocab=380,
+            samples=4)  # fmt: skip
+VARIANTS: dict[str, list[str]] = {"longboat": [], "longboat_no_balance": ["vlm.dp_balance=false"]}
+"""Config keys each longboat run adds to the CLI's defaults."""
+ALL_RUNS = ("hf", "hf_compiled", "hf_liger", "longboat")
+PEERS = ("transformers", "triton", "megatron-core", "liger-kernel")
+RUN_WEIGHT = {"hf_compiled": 2.0}
+
+
+def make_data(out: Path, c: dict[str, Any], seed: int) -> tuple[Path, Path]:
+    """Images, a JSONL of conversations and a tokenizer under ``out``; returns (jsonl, tokenizer)."""
+    from PIL import Image
+
+    from longboat.vlm.data.tiny_tokenizer import build_vlm_tokenizer
+
+    rng = np.random.default_rng(seed)
+    words = [f"w{i}" for i in range(3000)]
+
+    def prose(n: int) -> str:
+        return " ".join(rng.choice(words, size=n))
+
+    tok_info = build_vlm_tokenizer(
+        [prose(4000) for _ in range(4)], out / "tok", vocab_size=c["vocab"]
+    )
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tok_info.path))
+    px = c["px"]  # pixels per merged token side (patch x merge)
+    image_tokens = sum(-(-h // px) * -(-w // px) for w, h in c["images"])
+    budget = c["seq"] - image_tokens - 96  # chat markup, question, vision start / end tokens
+    rows = []
+    for s in range(c["samples"]):
+        names = []
+        for k, (w, h) in enumerate(c["images"]):
+            pixels = rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)
+            name = f"s{s}_{k}.png"
+            Image.fromarray(pixels).save(out / name)
+            names.append(name)
+        answer = tok.decode(tok(prose(2 * budget))["input_ids"][:budget])
+        question = "".join("<image>\n" for _ in names) + "Describe the images."
+        rows.append({"image": names, "conversations": [
+            {"from": "human", "value": question}, {"from": "gpt", "value": answer}]})  # fmt: skip
+    path = out / "conversations.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path, tok_info.path
+
+
+def overrides(c: dict[str, Any], data: Path, tok: Path) -> list[str]:
+    """The benchmark's model, data and batch on top of ``experiment=sft``."""
+    return [f"model={c['model']}", f"data.paths=[{data}]", f"data.tokenizer={tok}",
+            f"data.seq_len={c['seq']}", "data.eval_fraction=0.0", "train.global_batch_size=1",
+            "train.eval_every=0", "vlm.answer_eval_samples=0"]  # fmt: skip
+
+
+def flops_per_sample(model_cfg: Any, tokens: int, grids: list[list[int]]) -> float:
+    """Training FLOPs (x3 of the forward) of one sample: decoder 2 N per token (N: every
+    layer's matrices), the LM head 2 h V per token, causal attention 2 s d per token per layer;
+    ViT 2 N per patch plus attention 4 s d per token per layer over windows of
+    ``(window / patch)^2`` patches, or the whole frame in the full-attention layers."""
+    m, v = model_cfg.language, model_cfg.vision
+    h, hd = m.hidden_size, m.head_dim
+    layer = h * hd * (2 * m.num_attention_heads + 2 * m.num_query_groups)
+    layer += 3 * h * m.ffn_hidden_size
+    fwd = tokens * (2 * layer * m.num_layers + 2 * h * m.vocab_size)
+    fwd += 2 * tokens * tokens * m.num_attention_heads * hd * m.num_layers
+    vh = v.hidden_size
+    vlayer = 4 * vh * vh + 3 * vh * v.intermediate_size
+    window = (v.window_size // v.patch_size) ** 2
+    full = len(v.fullatt_block_indexes)
+    for t, gh, gw in grids:
+        patches = t * gh * gw
+        fwd += 2 * patches * vlayer * v.depth
+        fwd += 4 * vh * t * (gh * gw) ** 2 * full
+        fwd += 4 * vh * patches * min(window, gh * gw) * (v.depth - full)
+    return 3.0 * fwd
+
+
+def run_longboat(name: str, c: dict[str, Any], base: list[str], acc: Any, args: Any) -> dict:
+    def probe(training: Any) -> dict[str, Any]:
+        return {"precision": training.precision, "describe": training.describe()}
+
+    out = args.profile_dir and args.profile_dir / f"vlm_profile_{name}.txt"
+    return train_timed("vlm", EXPERIMENT, [*base, *VARIANTS[name]], acc, warmup=args.warmup,
+                       steps=args.steps, profile_steps=args.profile_steps, profile_out=out,
+                       probe=probe)  # fmt: skip
+
+
+def run_baseline(
+    name: str, model_cfg: Any, optim: Any, rows: list[dict], acc: Any, args: Any
+) -> dict[str, Any]:
+    device = acc.device()
+    leftover = env.free_memory(acc)
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    model = ref.hf_qwen2_5_vl(model_cfg, device, liger=name == "hf_liger")
+    step = ref.HFVLMStep(model, optim, device, compiled=name == "hf_compiled")
+    build_s = time.perf_counter() - t0
+    m = model_cfg
+    batches = [ref.hf_batch(r, m.image_token_id, m.video_token_id) for r in rows]
+    cycle = (batches[i % len(batches)] for i in range(10**9))
+    timing, losses = time_loop(acc, cycle, lambda b, i: step(b), args.warmup, args.steps)
+    notes: dict[str, Any] = {"forward": step.forward_module}
+    out = args.profile_dir and args.profile_dir / f"vlm_profile_{name}.txt"
+    summary = profile_steps(acc, lambda i: step(batches[i % len(batches)]), args.profile_steps, out)
+    if summary:
+        notes["profile"] = summary
+    peak = acc.memory_stats().get("peak_allocated_gb", 0.0)
+    return {"timing": timing, "losses": losses, "peak_mem_gb": peak, "build_s": build_s,
+            "items_per_step": 1, "allocated_at_start_gb": leftover, "notes": notes}  # fmt: skip
+
+
+def entry(name: str, r: dict[str, Any], tokens: float, flops: float) -> dict[str, Any]:
+    """Per-step rates from the median step: ``tokens`` / ``flops`` are a sample's means."""
+    s = r.pop("timing").summary(1)
+    step_s = s["median_step_s"]
+    return {"name": name, "tokens_per_s": tokens / step_s, "mfu": flops / step_s / env.PEAK_BF16_FLOPS,
+            "peak_mem_gb": r.pop("peak_mem_gb"), **s, **r}  # fmt: skip
+
+
+def table(result: dict[str, Any]) -> str:
+    runs = result["runs"]
+    ok = [r for r in runs if "tokens_per_s" in r and r["name"].startswith("hf")]
+    base = max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
+    header = ["run", "tokens/s", f"vs {base['name'] if base else 'hf'}", "MFU", "peak mem (GB)",
+              "median step (s)", "last loss"]  # fmt: skip
+    rows = []
+    for r in runs:
+        if "tokens_per_s" not in r:
+            rows.append(failed_row(r, len(header)))
+            continue
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        rows.append([r["name"], fmt(r["tokens_per_s"], ".2f", 1e-3, "k"), ratio,
+                     fmt(r["mfu"], ".1%"), fmt(r["peak_mem_gb"], ".1f"),
+                     fmt(r["median_step_s"]), fmt(r["losses"][-1])])  # fmt: skip
+    return md_table(header, rows)
+
+
+def plot(result: dict[str, Any]) -> Any:
+    runs = [r for r in result["runs"] if "tokens_per_s" in r]
+    title = f"vlm_throughput {result['date']} {result['gpu']}: {result['config']['model']}"
+    return lambda plt: runs and env.bar_chart(
+        plt, title, [r["name"] for r in runs],
+        [([r["tokens_per_s"] / 1e3 for r in runs], "tokens/s (thousands)"),
+         ([r["peak_mem_gb"] for r in runs], "peak memory (GB)")],
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--samples", type=int, default=0, help="generated samples (0: the shape's)")
+    p.add_argument("--runs", default=None, help=f"comma list out of {','.join(ALL_RUNS)}")
+    p.add_argument("--results-dir", type=Path, default=None)
+    p.add_argument("--time-budget", type=float, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile-steps", type=int, default=0)
+    p.add_argument("--profile-dir", type=Path, default=None)
+    args = p.parse_args(argv)
+    import importlib.util
+
+    from longboat.core.device import get_accelerator
+    from longboat.vlm.train.data import open_run_data
+    from longboat.vlm.train.training import model_config
+
+    acc = get_accelerator()
+    on_gpu = acc.device_type != "cpu"
+    c = dict(TINY if args.tiny else FULL)
+    c["samples"] = args.samples or c["samples"]
+    default = ALL_RUNS if on_gpu else ("hf", "longboat")
+    if importlib.util.find_spec("liger_kernel") is None:
+        default = tuple(r for r in default if r != "hf_liger")
+    runs = args.runs.split(",") if args.runs else list(default)
+    with tempfile.TemporaryDirectory(prefix="vlm_bench_") as tmp:
+        data, tok = make_data(Path(tmp), c, args.seed)
+        base = overrides(c, data, tok)
+        cfg = compose("vlm", EXPERIMENT, base, str(Path(tmp) / "run"))
+        run_data = open_run_data(cfg, model_config(cfg), progress=False)
+        model_cfg = run_data.model_cfg  # with the tokenizer's token ids
+        rows = [run_data.train[i] for i in range(len(run_data.train))]
+        lengths = [int(r["cu_seqlens"][1]) for r in rows]
+        flops = float(np.mean([flops_per_sample(model_cfg, n, r["image_grid_thw"].tolist())
+                               for n, r in zip(lengths, rows, strict=True)]))  # fmt: skip
+        tokens = float(np.mean(lengths))
+        config = {**{k: v for k, v in c.items() if k not in ("images", "px")}, "images": [list(x) for x in c["images"]],
+                  "rows": len(rows), "mean_tokens": tokens, "flops_per_sample": flops,
+                  "overrides": [o for o in base if not o.startswith(("data.paths", "data.tok"))],
+                  "steps": args.steps, "warmup": args.warmup, "variants": VARIANTS}  # fmt: skip
+        result = env.result_meta("vlm_throughput", on_gpu, PEERS, config)
+
+        def run_one(name: str) -> dict[str, Any]:
+            if name in VARIANTS:
+                return entry(name, run_longboat(name, c, base, acc, args), tokens, flops)
+            return entry(
+                name, run_baseline(name, model_cfg, cfg.optim, rows, acc, args), tokens, flops
+            )
+
+        def write() -> None:
+            env.write_results(result, out=args.out, results_dir=args.results_dir,
+                              stem=f"vlm_throughput_{result['date']}", table=table(result),
+                              plot=plot(result), note=f"config: {json.dumps(config)}")  # fmt: skip
+
+        env.run_all(runs, run_one, result, write, time_budget=args.time_budget, weights=RUN_WEIGHT,
+                    describe=lambda r: f"{r['tokens_per_s']:.0f} tokens/s, "
+                    f"peak {r['peak_mem_gb']:.1f} GB, build {r['build_s']:.1f}s")  # fmt: skip
+    write()
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
