@@ -74,3 +74,13 @@ class GracefulShutdown:
             self.requested = True
             self.signal_name = "peer"
         return self.requested
+
+
+def ignore_sigint(worker_id: int) -> None:
+    """``worker_init_fn`` of a training loop's DataLoader: its workers ignore SIGINT.
+
+    A terminal's Ctrl-C reaches every process of the foreground group: the trainer takes it
+    as "stop at the step boundary and save", but a worker would die of it (KeyboardInterrupt)
+    and the step waiting for its batch would fail instead. The main process still stops the
+    workers when it ends (a second Ctrl-C there exits at once)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

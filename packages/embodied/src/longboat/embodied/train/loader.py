@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from longboat.core.loop.signals import ignore_sigint
 from longboat.embodied.train.plan import GlobalBatchPlan
 from longboat.embodied.train.step import micro_batch_seed
 
@@ -49,16 +49,6 @@ class RankMicroBatches(Dataset):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(micro_batch_seed(self.seed ^ _DATA_SALT, step, micro))
             return self.collate([self.samples[i] for i in indices])
-
-
-def ignore_sigint(worker_id: int) -> None:
-    """``worker_init_fn`` of the loader: workers ignore SIGINT.
-
-    A terminal's Ctrl-C reaches every process of the foreground group: the trainer takes it
-    as "stop at the step boundary and save", but a worker would die of it (KeyboardInterrupt)
-    and the step waiting for its batch would fail instead. The main process still stops the
-    workers when it ends (a second Ctrl-C there exits at once)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def build_loader(
