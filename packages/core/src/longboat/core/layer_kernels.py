@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 AttentionFn = Callable[..., torch.Tensor]
-"""``fn(q, k, v, *, causal, scale, mask=None)`` on ``[batch, seq, heads, head_dim]`` (k/v may have
-fewer, grouped heads); ``mask`` is bool, True where attention is allowed. This is
-``longboat.kernels.attention.attention``'s contract."""
+"""``fn(q, k, v, *, causal, scale, mask=None, cu_seqlens=None)`` on ``[batch, seq, heads,
+head_dim]`` (k/v may have fewer, grouped heads); ``mask`` is bool, True where attention is
+allowed; ``cu_seqlens`` (int32 ``[docs + 1]``, batch 1): packed documents that attend only
+inside themselves. This is ``longboat.kernels.attention.attention``'s contract."""
 GLUFn = Callable[[torch.Tensor], torch.Tensor]
 """``fn(x)`` = ``silu(x[..., :n]) * x[..., n:]`` for the packed ``[gate, up]`` fc1 output."""
 RMSNormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -49,8 +50,14 @@ def sdpa_attention(
     causal: bool,
     scale: float,
     mask: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference attention: torch SDPA (flash / cuDNN / math chosen by torch)."""
+    """Reference attention: torch SDPA (flash / cuDNN / math chosen by torch); packed
+    documents (``cu_seqlens``) through their dense block-diagonal mask."""
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.to(device=q.device, dtype=torch.long)
+        doc = torch.bucketize(torch.arange(q.shape[1], device=q.device), bounds[1:], right=True)
+        mask = doc[:, None] == doc[None, :]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # -> [b, h, s, d]
     if mask is not None and causal:
         causal_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)

@@ -15,8 +15,9 @@ torch SDPA. Output has ``q``'s layout.
 Backends: ``sdpa`` (torch picks flash / cuDNN / memory-efficient / math), ``sdpa_flash``,
 ``sdpa_cudnn``, ``sdpa_efficient``, ``sdpa_math`` (pinned through
 ``torch.nn.attention.sdpa_kernel``), ``flash_attn`` and ``te`` (imported lazily, only when
-installed), ``flex`` (FlexAttention; compiled on GPU) and ``eager`` (explicit softmax, the
-reference). ``backend=None`` reads ``LONGBOAT_ATTENTION_BACKEND``, else picks by inputs and
+installed), ``varlen`` (torch's own flash varlen kernel,
+``torch.nn.attention.varlen.varlen_attn``, CUDA only, packed documents only), ``flex``
+(FlexAttention; compiled on GPU) and ``eager`` (explicit softmax, the reference). ``backend=None`` reads ``LONGBOAT_ATTENTION_BACKEND``, else picks by inputs and
 availability (see :func:`select_backend`).
 """
 
@@ -42,7 +43,7 @@ _SDPA = {
     "sdpa_efficient": "EFFICIENT_ATTENTION",
     "sdpa_math": "MATH",
 }
-BACKENDS = (*_SDPA, "flash_attn", "te", "flex", "eager")
+BACKENDS = (*_SDPA, "flash_attn", "te", "varlen", "flex", "eager")
 _EXTRA = {"flash_attn": "longboat-kernels[flash-attn]", "te": "longboat-kernels[te]"}
 
 
@@ -68,6 +69,8 @@ def backend_available(name: str) -> bool:
         return _import_optional("transformer_engine.pytorch") is not None
     if name == "flex":
         return _import_optional("torch.nn.attention.flex_attention") is not None
+    if name == "varlen":
+        return _varlen_fn() is not None
     return name in BACKENDS
 
 
@@ -86,7 +89,8 @@ def select_backend(
     """Resolve ``backend`` (argument > env > auto) and check that it can run.
 
     Auto: a ``BlockMask`` -> flex; CPU -> sdpa; packed documents on GPU -> flash_attn, else
-    te, else flex; everything else -> sdpa (cuDNN / flash inside torch).
+    te, else torch's varlen kernel, else flex; everything else -> sdpa (cuDNN / flash inside
+    torch).
     """
     name = backend or os.environ.get(ENV_VAR) or "auto"
     if name != "auto":
@@ -105,7 +109,7 @@ def select_backend(
     if not q.is_cuda:
         return "sdpa"
     if cu_seqlens is not None and mask is None:
-        for cand in ("flash_attn", "te"):
+        for cand in ("flash_attn", "te", "varlen"):
             if backend_available(cand):
                 return cand
         return "flex"
@@ -225,12 +229,47 @@ def _flex(q, k, v, causal, mask, scale, cu_seqlens):  # type: ignore[no-untyped-
     return _to_bhsd(out)
 
 
+@functools.cache
+def _varlen_fn() -> Any | None:
+    """torch's ``varlen_attn`` (torch >= 2.9), or None."""
+    mod = _import_optional("torch.nn.attention.varlen")
+    return getattr(mod, "varlen_attn", None)
+
+
+@functools.cache
+def _varlen_causal_kwargs(causal: bool) -> dict[str, Any]:
+    """How this torch's ``varlen_attn`` asks for causality: ``is_causal`` (2.9, 2.10) or a
+    ``window_size`` of ``(-1, 0)`` (2.11 on)."""
+    import inspect
+
+    params = inspect.signature(_varlen_fn()).parameters
+    if "is_causal" in params:
+        return {"is_causal": causal}
+    return {"window_size": (-1, 0) if causal else (-1, -1)}
+
+
+def _varlen(q, k, v, causal, scale, cu_seqlens, max_seqlen):  # type: ignore[no-untyped-def]
+    if cu_seqlens is None or not q.is_cuda:
+        raise ValueError("attention backend 'varlen' needs cu_seqlens and CUDA tensors")
+    q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))
+    if k3.shape[1] != q3.shape[1]:  # grouped KV heads: this kernel wants them expanded
+        rep = q3.shape[1] // k3.shape[1]
+        k3, v3 = k3.repeat_interleave(rep, dim=1), v3.repeat_interleave(rep, dim=1)
+    cu = cu_seqlens.to(device=q3.device, dtype=torch.int32)
+    # An upper bound is valid and reads nothing back from the device (no sync per call).
+    max_len = max_seqlen or q3.shape[0]
+    out = _varlen_fn()(
+        q3, k3, v3, cu, cu, max_len, max_len, scale=scale, **_varlen_causal_kwargs(causal)
+    )
+    return out.reshape(q.shape)
+
+
 def _flash_attn(q, k, v, causal, scale, cu_seqlens, max_seqlen):  # type: ignore[no-untyped-def]
     fa = _import_optional("flash_attn")
     if cu_seqlens is not None:
         q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))
         cu = cu_seqlens.to(torch.int32)
-        max_len = max_seqlen or int((cu[1:] - cu[:-1]).max())
+        max_len = max_seqlen or q3.shape[0]  # an upper bound: no device sync
         out = fa.flash_attn_varlen_func(
             q3, k3, v3, cu, cu, max_len, max_len, softmax_scale=scale, causal=causal
         )
@@ -255,7 +294,7 @@ def _te(q, k, v, causal, scale, cu_seqlens, max_seqlen):  # type: ignore[no-unty
         mod = _te_module(heads, kv_heads, dim, mask_type, "thd", scale)
         q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))
         cu = cu_seqlens.to(torch.int32)
-        max_len = max_seqlen or int((cu[1:] - cu[:-1]).max())
+        max_len = max_seqlen or q3.shape[0]  # an upper bound: no device sync
         out = mod(q3, k3, v3, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
                   max_seqlen_kv=max_len)  # fmt: skip
     else:
@@ -303,6 +342,12 @@ def attention(
             )
         fn = _flash_attn if name == "flash_attn" else _te
         return fn(q, k, v, causal, scale, cu_seqlens, max_seqlen)
+    if name == "varlen":
+        if mask is not None:
+            raise AttentionBackendUnavailableError(
+                "attention backend 'varlen' takes no mask; pass cu_seqlens alone"
+            )
+        return _varlen(q, k, v, causal, scale, cu_seqlens, max_seqlen)
     if name == "flex":
         if cu_seqlens is not None:
             q4, k4, v4 = (t.unsqueeze(0) if t.dim() == 3 else t for t in (q, k, v))

@@ -24,10 +24,11 @@ def _attention(
     causal: bool,
     scale: float,
     mask: Any = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     from longboat.kernels.attention import attention
 
-    return attention(q, k, v, causal=causal, scale=scale, mask=mask)
+    return attention(q, k, v, causal=causal, scale=scale, mask=mask, cu_seqlens=cu_seqlens)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -100,6 +100,19 @@ class KernelRMSNorm(torch.nn.Module):
         return self._linear_dtype(normed, stream), stream
 
 
+def is_document_offsets(attention_mask: Any) -> bool:
+    """Whether a decoder's ``attention_mask`` is packed documents' ``cu_seqlens`` (a 1-D
+    integer tensor; batch 1) rather than megatron's boolean mask. The longboat attention
+    spec (``KernelCoreAttention``) takes either; a tensor passes megatron's layers and
+    activation recompute unchanged, so the offsets reach the kernel without an [s, s] mask."""
+    return (
+        isinstance(attention_mask, torch.Tensor)
+        and attention_mask.dim() == 1
+        and not attention_mask.dtype.is_floating_point
+        and attention_mask.dtype != torch.bool
+    )
+
+
 class KernelCoreAttention(MegatronModule):
     """megatron ``core_attention`` on top of an injected attention kernel.
 
@@ -145,11 +158,16 @@ class KernelCoreAttention(MegatronModule):
             )
         mask_type = attn_mask_type or self.attn_mask_type
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # -> [b, s, h, d]
-        # megatron masks are True where attention is *not* allowed.
-        mask = None if attention_mask is None else ~attention_mask
-        out = self.attention_fn(
-            q, k, v, causal=mask_type == AttnMaskType.causal, scale=self.softmax_scale, mask=mask
-        )
+        causal = mask_type == AttnMaskType.causal
+        if is_document_offsets(attention_mask):
+            # Packed documents: the kernel's varlen path, no [s, s] mask built.
+            out = self.attention_fn(
+                q, k, v, causal=causal, scale=self.softmax_scale, cu_seqlens=attention_mask
+            )
+        else:
+            # megatron masks are True where attention is *not* allowed.
+            mask = None if attention_mask is None else ~attention_mask
+            out = self.attention_fn(q, k, v, causal=causal, scale=self.softmax_scale, mask=mask)
         sq, b = query.shape[0], query.shape[1]
         return out.transpose(0, 1).reshape(sq, b, -1)
 
