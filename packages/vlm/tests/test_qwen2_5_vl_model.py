@@ -134,6 +134,8 @@ def _worker(rank: int, world: int, hf_dir: Path, tp: int, export: Path | None) -
                 "image_grid_thw": torch.cat([a["image_grid_thw"], b["image_grid_thw"]]),
             }
             logits = model(**packed, cu_seqlens=[0, la, la + lb])
+            # The packed row reached longboat's attention as offsets (varlen), not a dense mask.
+            assert model._varlen_decoder
             out["packed"] = torch.cat(tp_shards(logits, coords), dim=-1)
         if export is not None:
             save_hf(model, cfg, export)

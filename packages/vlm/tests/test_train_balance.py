@@ -98,3 +98,14 @@ def test_row_costs_grow_with_sample_length_and_images() -> None:
     dealt = rank_rows([0, 1, 2, 0], np.array([10.0, 1.0, 1.0]), 2)
     assert sorted(len(r) for r in dealt.ranks) == [2, 2]
     assert max(dealt.costs) == 11.0  # each rank gets one of the two 10s
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_loader_workers_give_the_main_process_rows(tmp_path: Path) -> None:
+    """Rows built ahead by loader processes (``vlm.data_workers``) train the same steps as
+    rows built on the training thread (in this process: loader workers are its children)."""
+    data = tmp_path / "data"
+    inline = _worker(0, 1, [*_overrides(tmp_path / "w0", data, 1), "vlm.data_workers=0"])
+    ahead = _worker(0, 1, [*_overrides(tmp_path / "w2", data, 1), "vlm.data_workers=2"])
+    assert len(inline["losses"]) == 3
+    assert ahead["losses"] == inline["losses"]

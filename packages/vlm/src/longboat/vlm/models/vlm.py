@@ -51,6 +51,21 @@ class VisionLanguageModel(MegatronModule):
         self.video_token_id = video_token_id
         self._position_ids = position_ids
         self.model_type = getattr(language, "model_type", None)
+        self._varlen_decoder: bool | None = None
+
+    def _packed_mask(self, cu_seqlens: Sequence[int] | torch.Tensor, device: torch.device) -> Any:
+        """What the decoder's attention takes for a packed row: the offsets themselves when
+        its layers run longboat's attention spec (varlen kernels, no [s, s] mask), else
+        megatron's dense block mask (Transformer Engine / megatron's local layers)."""
+        if self._varlen_decoder is None:
+            from longboat.core.megatron.specs import KernelCoreAttention
+
+            self._varlen_decoder = any(
+                isinstance(m, KernelCoreAttention) for m in self.language.modules()
+            )
+        if self._varlen_decoder:
+            return torch.as_tensor(cu_seqlens, dtype=torch.int32).to(device, non_blocking=True)
+        return packed_attention_mask(cu_seqlens, device)
 
     # What megatron's schedules and grad finalisation look up on a stage's model.
     @property
@@ -111,7 +126,7 @@ class VisionLanguageModel(MegatronModule):
         what: str,
     ) -> torch.Tensor:
         mask = input_ids == token_id
-        n = int(mask.sum())
+        n = int(mask.sum()) if _checks_on(input_ids) else features.shape[0]
         if n != features.shape[0]:
             raise PlaceholderMismatch(
                 f"{n} {what} placeholder tokens (id {token_id}) in input_ids but the vision "
@@ -138,12 +153,12 @@ class VisionLanguageModel(MegatronModule):
         if pixel_values is not None:
             feats = self.encode_vision(pixel_values, image_grid_thw)
             embeds = self._scatter(embeds, input_ids, self.image_token_id, feats, "image")
-        elif bool((input_ids == self.image_token_id).any()):
+        elif _checks_on(input_ids) and bool((input_ids == self.image_token_id).any()):
             raise PlaceholderMismatch("input_ids hold image placeholder tokens but no pixel_values")
         if pixel_values_videos is not None:
             feats = self.encode_vision(pixel_values_videos, video_grid_thw)
             embeds = self._scatter(embeds, input_ids, self.video_token_id, feats, "video")
-        elif bool((input_ids == self.video_token_id).any()):
+        elif _checks_on(input_ids) and bool((input_ids == self.video_token_id).any()):
             raise PlaceholderMismatch(
                 "input_ids hold video placeholder tokens but no pixel_values_videos"
             )
@@ -198,7 +213,7 @@ class VisionLanguageModel(MegatronModule):
                 cu_seqlens=cu_seqlens,
             )
         if attention_mask is None and cu_seqlens is not None:
-            attention_mask = packed_attention_mask(cu_seqlens, input_ids.device)
+            attention_mask = self._packed_mask(cu_seqlens, input_ids.device)
         return self.language(
             input_ids,
             position_ids,
@@ -207,6 +222,13 @@ class VisionLanguageModel(MegatronModule):
             labels=labels,
             **kwargs,
         )
+
+
+def _checks_on(input_ids: torch.Tensor) -> bool:
+    """Whether the placeholder-count checks run: on host tensors only. On an accelerator a
+    count read back would stall the step on the device; the data pipeline has already
+    matched every row's placeholders to its grids (``PlaceholderCountError`` at encoding)."""
+    return input_ids.device.type == "cpu"
 
 
 def packed_attention_mask(cu_seqlens: Sequence[int], device: torch.device) -> torch.Tensor:

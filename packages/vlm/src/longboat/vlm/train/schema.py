@@ -109,6 +109,9 @@ class VLMRunConfig:
     export and report how many it gets right (0: skip)."""
     num_threads: int = 0
     """torch intra-op threads on CPU (0: leave torch's default)."""
+    data_workers: int | None = None
+    """Loader processes that build the next steps' rows (images decoded, resized and
+    normalised) while the current one trains; null: 4 on an accelerator, 0 on CPU."""
     dp_balance: bool = True
     """With data parallelism, deal each step's packed rows to the ranks by their cost
     (decoder attention quadratic in each sample's length, plus the ViT's per image) instead

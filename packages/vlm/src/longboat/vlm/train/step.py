@@ -123,8 +123,10 @@ class VLMTrainStep:
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
+        # ``num_targets``: counted on the host before the copy (no device read here).
         tokens = torch.tensor(
-            float(sum(float(mb["loss_mask"].sum()) for mb in microbatches)), dtype=torch.float64
+            sum(float(mb.get("num_targets", mb["loss_mask"].sum())) for mb in microbatches),
+            dtype=torch.float64,
         )
         dp_group = mps.get_data_parallel_group_gloo()
         dp = mps.get_data_parallel_world_size()
@@ -147,10 +149,10 @@ class VLMTrainStep:
 
                 reduce_tower_grads(self.model.vision, split)
             self.ddp.finish_grad_sync()
-        if dp > 1:
-            reduced = total.detach().cpu()
-            dist.all_reduce(reduced, group=dp_group)
-            total = (reduced / dp).to(total.device)
+        if dp > 1:  # on the device's own group: the loss stays on the device
+            total = total.detach().to(next(self.model.parameters()).device, copy=True)
+            dist.all_reduce(total, group=mps.get_data_parallel_group())
+            total = total / dp
         return from_last_stage(total) if pipelined else total
 
     def update(self) -> Any:

@@ -13,6 +13,7 @@ exactly the rows the uninterrupted one would have.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -95,11 +96,36 @@ def rows_of_step(step: int, num_rows: int, global_batch: int, seed: int) -> list
     return out
 
 
+HOST_KEYS = frozenset({"image_grid_thw", "video_grid_thw"})
+"""Row entries that stay on the host: the towers plan their packing from the grids there, so
+a grid on the device would be read back every step."""
+
+
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {
-        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        k: v.to(device, non_blocking=True)
+        if isinstance(v, torch.Tensor) and k not in HOST_KEYS
+        else v
         for k, v in batch.items()
     }
+
+
+def _as_is(item: Any) -> Any:
+    return item
+
+
+class _StepRows(torch.utils.data.Dataset):
+    """Item ``k``: the rows (``rows[i]`` for ``i`` in ``plan(start + k)``) of step
+    ``start + k``, so a loader's workers build whole steps in order."""
+
+    def __init__(self, rows: Any, plan: Callable[[int], list[int]], start: int) -> None:
+        self.rows, self.plan, self.start = rows, plan, start
+
+    def __len__(self) -> int:
+        return 2**40  # the trainer stops taking steps; the loader never runs dry
+
+    def __getitem__(self, k: int) -> list[dict[str, Any]]:
+        return [self.rows[i] for i in self.plan(self.start + k)]
 
 
 class VLMTraining(MegatronTraining):
@@ -174,6 +200,10 @@ class VLMTraining(MegatronTraining):
         self.items_per_step = gbs * self.data.train.seq_len
         self.dp_rank, self.dp = mps.get_data_parallel_rank(), dp
         self.device = self.accelerator.device()
+        workers = cfg.vlm.data_workers
+        if workers is None:  # the host builds rows while the accelerator trains
+            workers = 0 if self.accelerator.device_type == "cpu" else min(4, os.cpu_count() or 1)
+        self.data_workers = workers
         self.row_costs = None
         if dp > 1 and cfg.vlm.dp_balance:
             from longboat.vlm.train.balance import row_costs
@@ -231,20 +261,35 @@ class VLMTraining(MegatronTraining):
 
         return inner_optimizers(self.step_fn.optimizer)
 
-    def batches(self, start_step: int) -> Iterator[list[dict[str, Any]]]:
-        rows, seed = self.data.train, self.cfg.data.seed
-        step = start_step
-        while True:
-            of_step = rows_of_step(step, len(rows), self.global_batch, seed)
-            if self.row_costs is None:
-                mine = of_step[self.dp_rank :: self.dp]
-            else:
-                from longboat.vlm.train.balance import rank_rows
+    def rows_of_rank(self, step: int) -> list[int]:
+        """The packed rows this rank trains on at ``step`` (a pure function of the step)."""
+        of_step = rows_of_step(step, len(self.data.train), self.global_batch, self.cfg.data.seed)
+        if self.row_costs is None:
+            return of_step[self.dp_rank :: self.dp]
+        from longboat.vlm.train.balance import rank_rows
 
-                dealt = rank_rows(of_step, self.row_costs, self.dp).ranks[self.dp_rank]
-                mine = [of_step[k] for k in dealt]
-            yield [rows[i] for i in mine]
-            step += 1
+        dealt = rank_rows(of_step, self.row_costs, self.dp).ranks[self.dp_rank]
+        return [of_step[k] for k in dealt]
+
+    def batches(self, start_step: int) -> Iterator[list[dict[str, Any]]]:
+        """This rank's rows of every step from ``start_step``, built ahead of the training
+        loop by ``vlm.data_workers`` loader processes (images decoded and resized there) and
+        pinned for asynchronous copies on an accelerator."""
+        from torch.utils.data import DataLoader
+
+        from longboat.core.loop.signals import ignore_sigint
+
+        workers = self.data_workers
+        loader = DataLoader(
+            _StepRows(self.data.train, self.rows_of_rank, start_step),
+            batch_size=None,
+            num_workers=workers,
+            collate_fn=_as_is,
+            pin_memory=self.accelerator.device_type == "cuda",
+            prefetch_factor=2 if workers else None,
+            worker_init_fn=ignore_sigint if workers else None,
+        )
+        yield from loader
 
     def balance_summary(self, steps: int = 100) -> tuple[float, float] | None:
         """Mean max/mean rank cost over the first ``steps`` steps: plain, balanced (None
@@ -262,6 +307,8 @@ class VLMTraining(MegatronTraining):
         return float(np.mean(plain)), float(np.mean(dealt))
 
     def step(self, step: int, batch: list[dict[str, Any]], gate: UpdateGate) -> StepOutput:
+        for b in batch:  # counted on the host, before the copy: no device read in the step
+            b["num_targets"] = float(b["loss_mask"].sum())
         micro = [_to_device(b, self.device) for b in batch]
         loss = self.step_fn.forward_backward(micro)
         norm = None

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from longboat.vlm.models.vlm import PlaceholderMismatch, VisionLanguageModel
+from longboat.vlm.models.vlm import PlaceholderMismatch, VisionLanguageModel, _checks_on
 
 
 def _add_deepstack(
@@ -71,7 +71,7 @@ class Qwen3VLModel(VisionLanguageModel):
         )  # fmt: skip
         for pixels, grid, token_id, what, key in inputs:
             if pixels is None:
-                if bool((input_ids == token_id).any()):
+                if _checks_on(input_ids) and bool((input_ids == token_id).any()):
                     raise PlaceholderMismatch(
                         f"input_ids hold {what} placeholder tokens but no {key}"
                     )
