@@ -4,8 +4,8 @@ A short run learns (the loss falls), exports a directory ``transformers`` loads 
 ``Qwen3VLForConditionalGeneration`` (with Qwen3-VL's image normalisation in its
 ``preprocessor_config.json``) and answers held-out questions from it; activation recompute
 of both components (the deepstack injection replayed inside the decoder's recompute) gives
-the same losses; videos are refused naming the sample, and so is a pipeline split whose
-first stage would not hold the deepstack layers.
+the same losses; a pipeline split whose first stage would not hold the deepstack layers is
+refused. (Videos: ``test_qwen3_vl_video.py``.)
 """
 
 from __future__ import annotations
@@ -73,27 +73,6 @@ def test_train_recompute_export_answer(tmp_path: Path) -> None:
     pre = json.loads((export / "preprocessor_config.json").read_text())
     assert pre["image_mean"] == [0.5, 0.5, 0.5] and pre["patch_size"] == 4
     assert got["extra"]["answers_asked"] == 2
-
-
-def test_videos_are_refused_naming_the_sample(tmp_path: Path) -> None:
-    from longboat.vlm.data.conversations import Conversation, MediaRef
-    from longboat.vlm.data.encoding import SampleEncoder, load_tokenizer
-    from longboat.vlm.data.errors import DataError
-    from longboat.vlm.data.tiny_tokenizer import build_vlm_tokenizer
-    from longboat.vlm.models.qwen3_vl.model import flavor
-    from longboat.vlm.train.schema import ConversationsDataConfig
-
-    build_vlm_tokenizer(["What moves? A ball."], tmp_path / "tok", vocab_size=300)
-    processor = flavor("tiny").vision_processor(ConversationsDataConfig())
-    encoder = SampleEncoder(load_tokenizer(tmp_path / "tok"), processor)
-    conv = Conversation(
-        source="clips.jsonl", row=3, line=4, images=(),
-        messages=({"role": "user", "content": "<video>\nWhat moves?"},
-                  {"role": "assistant", "content": "A ball."}),
-        videos=(MediaRef(field="video", path=tmp_path / "clip.mp4"),),
-    )  # fmt: skip
-    with pytest.raises(DataError, match=r"clips.jsonl.*video: this model family takes images"):
-        encoder.encode(conv)
 
 
 def test_pipeline_split_must_keep_deepstack_on_the_first_stage(tmp_path: Path) -> None:

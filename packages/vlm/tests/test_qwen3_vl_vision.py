@@ -7,6 +7,8 @@ The tower's outputs (merged tokens and deepstack features) are compared with
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -32,6 +34,12 @@ QWEN3_VL_PREPROCESSOR = {  # the preprocessor_config.json of the released Qwen3-
     "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
     "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
 }  # fmt: skip
+QWEN3_VL_VIDEO_PREPROCESSOR = {  # their video_preprocessor_config.json
+    "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "fps": 2, "min_frames": 4, "max_frames": 768,
+}  # fmt: skip
 CFG = vision_flavor("tiny")
 
 
@@ -54,7 +62,8 @@ def test_image_processor_matches_transformers(h: int, w: int, max_pixels: int | 
         hf_cfg["size"] = {**hf_cfg["size"], "longest_edge": max_pixels}
     ours = qwen3_vl_processor(vision_flavor("8b"), hf_cfg["size"]["shortest_edge"],
                               hf_cfg["size"]["longest_edge"])  # fmt: skip
-    assert ours.config == VisionProcessorConfig.from_hf(hf_cfg)
+    released = VisionProcessorConfig.from_hf(hf_cfg, QWEN3_VL_VIDEO_PREPROCESSOR)
+    assert ours.config == dataclasses.replace(released, max_video_tokens=768)
     img = _image(h, w, seed=h)
     want = Qwen2VLImageProcessorPil(**hf_cfg)(images=[img], return_tensors="pt")
     got = ours.preprocess_images([img])

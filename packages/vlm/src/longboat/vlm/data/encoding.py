@@ -5,7 +5,10 @@ Rendering: every ``<image>`` / ``<video>`` placeholder becomes
 go through the tokenizer's own chat template (``apply_chat_template``), and each pad token
 is then repeated ``grid_t * grid_h * grid_w // merge_size**2`` times — one per merged patch,
 the grid being the processor's for that image or video. This is what transformers'
-``Qwen2_5_VLProcessor`` does to text holding the same markup.
+``Qwen2_5_VLProcessor`` does to text holding the same markup. A video's pad is replaced by
+what its family's processor writes (``video_placeholder``): LLaVA-OneVision counts pooled
+frame tokens, Qwen3-VL writes each frame group as ``<t seconds>`` text plus its own vision
+start, pads and end; inserted text takes the mask of the turn it sits in.
 
 Loss mask (1 = the token is a training target): exactly the characters each assistant turn
 adds to the conversation, i.e. the render of ``messages[: i + 1]`` minus the render of
@@ -22,7 +25,6 @@ not kept in memory between the two.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -40,7 +42,7 @@ from longboat.vlm.data.errors import (
     SampleTooLongError,
 )
 from longboat.vlm.data.media import VideoOptions, load_image, load_video
-from longboat.vlm.data.processor import QwenVisionProcessor, sample_frame_indices
+from longboat.vlm.data.processor import QwenVisionProcessor
 
 __all__ = [
     "EncodedSample",
@@ -116,20 +118,47 @@ def render_conversation(
     return assistant_masked_ids(tokenizer, messages, at=at, error=DataError)
 
 
+def _pads(ids: np.ndarray, pad_id: int, n: int, what: str, at: str) -> np.ndarray:
+    where_pad = np.flatnonzero(ids == pad_id)
+    if len(where_pad) != n:
+        raise PlaceholderCountError(
+            f"{at}: the rendered conversation holds {len(where_pad)} {what} pad token(s) but the "
+            f"record has {n} {what}(s); the text must not contain the pad token itself "
+            "and the chat template must keep every placeholder"
+        )
+    return where_pad
+
+
 def _expand(
     ids: np.ndarray, mask: np.ndarray, pad_id: int, counts: Sequence[int], what: str, at: str
 ) -> tuple[np.ndarray, np.ndarray]:
-    where_pad = np.flatnonzero(ids == pad_id)
-    if len(where_pad) != len(counts):
-        raise PlaceholderCountError(
-            f"{at}: the rendered conversation holds {len(where_pad)} {what} pad token(s) but the "
-            f"record has {len(counts)} {what}(s); the text must not contain the pad token itself "
-            "and the chat template must keep every placeholder"
-        )
+    where_pad = _pads(ids, pad_id, len(counts), what, at)
     repeats = np.ones(len(ids), dtype=np.int64)
     repeats[where_pad] = np.asarray(counts, dtype=np.int64)
     ids = np.repeat(ids, repeats)
     mask = np.repeat(mask, repeats)
+    mask[ids == pad_id] = 0
+    return ids, mask
+
+
+def _splice(
+    ids: np.ndarray,
+    mask: np.ndarray,
+    pad_id: int,
+    pieces: Sequence[Sequence[int]],
+    what: str,
+    at: str,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each pad token replaced by its piece; the piece's tokens take the pad's mask (the
+    surrounding turn's), pads themselves are never targets."""
+    where_pad = _pads(ids, pad_id, len(pieces), what, at)
+    out_ids, out_mask, last = [], [], 0
+    for pos, piece in zip(where_pad, pieces, strict=True):
+        out_ids += [ids[last:pos], np.asarray(piece, dtype=ids.dtype)]
+        out_mask += [mask[last:pos], np.full(len(piece), mask[pos], dtype=mask.dtype)]
+        last = pos + 1
+    ids = np.concatenate([*out_ids, ids[last:]])
+    mask = np.concatenate([*out_mask, mask[last:]])
     mask[ids == pad_id] = 0
     return ids, mask
 
@@ -157,6 +186,15 @@ class EncodedSample:
         return len(self.input_ids)
 
 
+@dataclass(frozen=True)
+class _VideoPlan:
+    grid: tuple[int, int, int]
+    frames: list[int]
+    seconds_per_grid: float
+    ids: list[int]
+    """What stands for the video in the text (its pad tokens and any text around them)."""
+
+
 class SampleEncoder:
     """Encodes :class:`Conversation` s with one tokenizer and processor.
 
@@ -179,11 +217,19 @@ class SampleEncoder:
         self.processor = processor
         self.video = video or VideoOptions()
         self.tokens = tokens or VisionTokens.from_tokenizer(tokenizer)
+        self._text_cache: dict[str, list[int]] = {}
 
     def _merged(self, grid: Sequence[int]) -> int:
         if hasattr(self.processor, "grid_tokens"):  # a processor with its own token rule
             return int(self.processor.grid_tokens(grid))
         return int(np.prod(grid)) // self.processor.config.merge_size**2
+
+    def _text_ids(self, text: str) -> list[int]:
+        if text not in self._text_cache:
+            self._text_cache[text] = list(
+                self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            )
+        return self._text_cache[text]
 
     def _image_grid(self, ref: MediaRef, at: str, *, alone: bool = True) -> tuple[int, int, int]:
         width, height = load_image(ref, at).size
@@ -196,30 +242,26 @@ class SampleEncoder:
         p = self.processor.config.patch_size
         return 1, h // p, w // p
 
-    def _video_plan(self, ref: MediaRef, at: str) -> tuple[tuple[int, int, int], list[int], float]:
+    def _video_plan(self, ref: MediaRef, at: str) -> _VideoPlan:
         if not getattr(self.processor, "takes_videos", True):
             raise DataError(f"{at}: {ref.field}: this model family takes images only, no videos")
         video = load_video(ref, at, self.video)
-        cfg = self.processor.config
         try:
-            keep = sample_frame_indices(
+            keep = self.processor.sample_frames(
                 len(video.frames),
-                cfg,
-                num_frames=self.video.num_frames,
-                fps=self.video.fps,
                 video_fps=video.fps,
+                fps=self.video.fps,
+                num_frames=self.video.num_frames,
             )
             height, width = video.frames[0].shape[:2]
-            h, w = self.processor.video_size(len(keep), height, width)
+            t, h, w = self.processor.video_grid(len(keep), height, width)
         except ValueError as exc:
             raise BadMediaError(at, ref.field, ref.describe(), str(exc)) from None
         sampled_fps = len(keep) / len(video.frames) * video.fps
-        grid = (
-            math.ceil(len(keep) / cfg.temporal_patch_size),
-            h // cfg.patch_size,
-            w // cfg.patch_size,
-        )
-        return grid, keep, cfg.temporal_patch_size / sampled_fps
+        step = getattr(self.processor.config, "temporal_patch_size", 1)
+        grid = (int(t), int(h), int(w))
+        ids = self.processor.video_placeholder(grid, keep, video.fps, self.tokens, self._text_ids)
+        return _VideoPlan(grid, keep, step / sampled_fps, ids)
 
     def encode(self, conv: Conversation) -> EncodedSample:
         """Tokens, mask and grids of ``conv``; bad media raise :class:`BadMediaError`."""
@@ -232,9 +274,7 @@ class SampleEncoder:
         ids, mask = _expand(
             ids, mask, t.image_pad_id, [self._merged(g) for g in image_grids], "image", at
         )
-        ids, mask = _expand(
-            ids, mask, t.video_pad_id, [self._merged(p[0]) for p in plans], "video", at
-        )
+        ids, mask = _splice(ids, mask, t.video_pad_id, [p.ids for p in plans], "video", at)
         return EncodedSample(
             where=at,
             input_ids=ids,
@@ -242,9 +282,9 @@ class SampleEncoder:
             images=conv.images,
             image_grid_thw=np.asarray(image_grids, dtype=np.int64).reshape(-1, 3),
             videos=conv.videos,
-            video_grid_thw=np.asarray([p[0] for p in plans], dtype=np.int64).reshape(-1, 3),
-            video_frames=tuple(tuple(p[1]) for p in plans),
-            second_per_grid=tuple(p[2] for p in plans),
+            video_grid_thw=np.asarray([p.grid for p in plans], dtype=np.int64).reshape(-1, 3),
+            video_frames=tuple(tuple(p.frames) for p in plans),
+            second_per_grid=tuple(p.seconds_per_grid for p in plans),
         )
 
     def pixels(self, sample: EncodedSample) -> dict[str, torch.Tensor | None]:
@@ -297,24 +337,31 @@ class EncodingReport:
         return {k: v for k, v in vars(self).items() if isinstance(v, int)}
 
 
-def _truncate(sample: EncodedSample, max_len: int, tokens: VisionTokens) -> EncodedSample:
-    ids = sample.input_ids
-    starts = np.flatnonzero(ids == tokens.vision_start_id)
-    ends = np.flatnonzero(ids == tokens.vision_end_id)
-    for a, b in zip(starts, ends, strict=False):
-        if a < max_len <= b:
-            raise SampleTooLongError(
-                f"{sample.where}: {len(ids)} tokens do not fit in {max_len}, and cutting at "
-                f"{max_len} would split the image/video tokens at [{a}, {b}]; raise seq_len, "
-                "lower the processor's max_pixels, or use overflow='drop'"
-            )
+def _kept(per_item: Sequence[int], tokens: int) -> int:
+    """How many items (of ``per_item`` pad tokens each, in order) ``tokens`` pads hold."""
+    return int(np.searchsorted(np.cumsum(per_item), tokens, side="right"))
+
+
+def _truncate(sample: EncodedSample, max_len: int, encoder: SampleEncoder) -> EncodedSample:
+    ids, t = sample.input_ids, encoder.tokens
+    # Open vision blocks after each token (Qwen3-VL nests a video's frame blocks in one).
+    depth = np.cumsum((ids == t.vision_start_id).astype(np.int64) - (ids == t.vision_end_id))
+    if depth[max_len - 1] > 0:
+        a = int(np.flatnonzero((ids[:max_len] == t.vision_start_id) & (depth[:max_len] == 1))[-1])
+        b = a + int(np.argmax(depth[a:] == 0))
+        raise SampleTooLongError(
+            f"{sample.where}: {len(ids)} tokens do not fit in {max_len}, and cutting at "
+            f"{max_len} would split the image/video tokens at [{a}, {b}]; raise seq_len, "
+            "lower the processor's max_pixels, or use overflow='drop'"
+        )
     kept = ids[:max_len]
-
-    def runs(pad_id: int) -> int:
-        is_pad = kept == pad_id
-        return int(is_pad[0]) + int((is_pad[1:] & ~is_pad[:-1]).sum()) if len(kept) else 0
-
-    n_img, n_vid = runs(tokens.image_pad_id), runs(tokens.video_pad_id)
+    n_img = _kept(
+        [encoder._merged(g) for g in sample.image_grid_thw], int((kept == t.image_pad_id).sum())
+    )
+    n_vid = _kept(
+        [encoder.processor.video_tokens(g) for g in sample.video_grid_thw],
+        int((kept == t.video_pad_id).sum()),
+    )
     return EncodedSample(
         where=sample.where,
         input_ids=kept,
@@ -374,7 +421,7 @@ def encode_conversations(
             if overflow == "drop":
                 report.dropped_overflow += 1
                 continue
-            sample = _truncate(sample, max_len, encoder.tokens)
+            sample = _truncate(sample, max_len, encoder)
             report.truncated += 1
         if not sample.loss_mask.any():
             report.dropped_no_assistant += 1

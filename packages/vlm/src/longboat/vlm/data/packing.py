@@ -17,7 +17,8 @@ One row (``PackedMultimodalDataset[i]``), ``S = seq_len``:
   model; ``loss_mask`` carries the zeros);
 - ``loss_mask`` float32 ``[1, S]``: 1 where ``labels`` counts;
 - ``position_ids`` int64 ``[3, 1, S]``: M-RoPE (t, h, w) positions, each sample from 0,
-  padding counted as one more text segment (``positions="1d"``: ``[1, S]``, one stream);
+  padding counted as one more text segment (``positions="mrope_frames"``, Qwen3-VL: each
+  frame group of a video placed like a one-frame image; ``"1d"``: ``[1, S]``, one stream);
 - ``cu_seqlens`` int32 ``[k + 1]``: sample boundaries, padding as the last segment, so
   ``cu_seqlens[-1] == S``; ``max_seqlen``: the longest segment;
 - ``pixel_values`` float32 ``[N, C*T*p*p]`` and ``image_grid_thw`` int64 ``[n, 3]``: the
@@ -52,7 +53,10 @@ from longboat.vlm.data.encoding import EncodedSample, SampleEncoder
 from longboat.vlm.data.errors import DataError, SampleTooLongError
 from longboat.vlm.models.mrope import mrope_position_ids
 
-__all__ = ["PackedMultimodalDataset", "PackedRowStream", "sample_position_ids"]
+__all__ = ["POSITION_KINDS", "PackedMultimodalDataset", "PackedRowStream", "sample_position_ids"]
+
+POSITION_KINDS = ("mrope", "mrope_frames", "1d")
+"""Position ids of packed rows: Qwen2-VL's M-RoPE, Qwen3-VL's (frame groups as runs), 1D."""
 
 
 class _Documents:
@@ -80,8 +84,10 @@ def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
 def sample_position_ids(
     sample: EncodedSample, encoder: SampleEncoder, *, tokens_per_second: float
 ) -> torch.Tensor:
-    """``[3, 1, L]`` M-RoPE position ids of one sample on its own."""
+    """``[3, 1, L]`` M-RoPE position ids of one sample on its own (Qwen3-VL's frame groups
+    when the encoder's processor says ``position_kind = "mrope_frames"``)."""
     t = encoder.tokens
+    kind = getattr(encoder.processor, "position_kind", "mrope")
     return mrope_position_ids(
         torch.from_numpy(sample.input_ids)[None],
         image_token_id=t.image_pad_id,
@@ -91,6 +97,7 @@ def sample_position_ids(
         image_grid_thw=torch.from_numpy(sample.image_grid_thw),
         video_grid_thw=torch.from_numpy(sample.video_grid_thw),
         seconds_per_grid=list(sample.second_per_grid),
+        frames_as_runs=kind == "mrope_frames",
     )
 
 
@@ -103,7 +110,9 @@ class PackedMultimodalDataset(torch.utils.data.Dataset):
         seq_len: tokens per row.
         pad_id: token id of padding (never a label; not a vision token).
         tokens_per_second: the model's temporal M-RoPE step per second of video.
-        positions: ``mrope`` (Qwen-VL's three streams) or ``1d`` (one stream per sample).
+        positions: ``mrope`` (Qwen2-VL's three streams), ``mrope_frames`` (Qwen3-VL's: a
+            video's frame groups placed as one-frame images) or ``1d`` (one stream per
+            sample); default: the encoder's processor's ``position_kind``.
         strategy: ``best_fit`` or ``greedy`` (core's ``plan_packing``).
         packed: ``False`` puts one sample per row (padded), for comparisons.
         ignore_index: label value of positions without a target.
@@ -117,7 +126,7 @@ class PackedMultimodalDataset(torch.utils.data.Dataset):
         seq_len: int,
         pad_id: int,
         tokens_per_second: float,
-        positions: str = "mrope",
+        positions: str | None = None,
         strategy: Strategy = "best_fit",
         packed: bool = True,
         ignore_index: int = IGNORE_INDEX,
@@ -138,8 +147,10 @@ class PackedMultimodalDataset(torch.utils.data.Dataset):
         self.seq_len = seq_len
         self.pad_id = pad_id
         self.tokens_per_second = tokens_per_second
-        if positions not in ("mrope", "1d"):
-            raise ValueError(f"positions={positions!r} is not one of 'mrope', '1d'")
+        if positions is None:
+            positions = getattr(encoder.processor, "position_kind", "mrope")
+        if positions not in POSITION_KINDS:
+            raise ValueError(f"positions={positions!r} is not one of {POSITION_KINDS}")
         self.positions = positions
         self.ignore_index = ignore_index
         self._docs = _Documents(samples)
@@ -193,6 +204,7 @@ class PackedMultimodalDataset(torch.utils.data.Dataset):
                 video_grid_thw=video_grid,
                 seconds_per_grid=seconds,
                 cu_seqlens=cu.tolist(),
+                frames_as_runs=self.positions == "mrope_frames",
             )
         return {
             "input_ids": input_ids,

@@ -18,7 +18,7 @@ processor by a few uint8 steps at edges.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,10 +228,51 @@ def sample_frame_indices(
 
 
 class QwenVisionProcessor:
-    """Images / videos -> the tower's flattened patches and grids (see the module doc)."""
+    """Images / videos -> the tower's flattened patches and grids (see the module doc).
+
+    What the data pipeline's encoder asks of every family's processor (geometry before any
+    pixels are decoded): ``sample_frames``, ``video_grid``, ``video_tokens``,
+    ``video_placeholder``; ``position_kind`` names the packed rows' position ids.
+    """
+
+    position_kind = "mrope"
+    """Packed rows' position ids: M-RoPE, a video's frame groups on one temporal axis."""
+    takes_videos = True
 
     def __init__(self, config: VisionProcessorConfig | None = None) -> None:
         self.config = config or VisionProcessorConfig()
+
+    def sample_frames(
+        self, total_frames: int, *, video_fps: float, fps: float | None, num_frames: int | None
+    ) -> list[int]:
+        """Indices of the frames kept of a ``total_frames``-frame video
+        (``sample_frame_indices``)."""
+        return sample_frame_indices(
+            total_frames, self.config, num_frames=num_frames, fps=fps, video_fps=video_fps
+        )
+
+    def video_grid(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
+        """``(t, h, w)`` patch grid of ``num_frames`` sampled frames of ``height x width``."""
+        h, w = self.video_size(num_frames, height, width)
+        c = self.config
+        return -(-num_frames // c.temporal_patch_size), h // c.patch_size, w // c.patch_size
+
+    def video_tokens(self, grid: Sequence[int]) -> int:
+        """Placeholder (pad) tokens of a video with grid ``grid``: one per merged patch."""
+        return math.prod(int(g) for g in grid) // self.config.merge_size**2
+
+    def video_placeholder(
+        self,
+        grid: Sequence[int],
+        frames: Sequence[int],
+        video_fps: float,
+        tokens: Any,
+        text_ids: Callable[[str], list[int]],
+    ) -> list[int]:
+        """Token ids that stand for a video in place of its one pad token: here the pad
+        repeated ``video_tokens(grid)`` times (``tokens``: the ``VisionTokens``; ``text_ids``
+        tokenizes text, for families that write text into the placeholder)."""
+        return [tokens.video_pad_id] * self.video_tokens(grid)
 
     def image_size(self, height: int, width: int) -> tuple[int, int]:
         """Resized (height, width) of an image of ``height`` x ``width``."""

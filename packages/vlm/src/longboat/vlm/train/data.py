@@ -254,7 +254,7 @@ def open_run_data(
         seq_len=data.seq_len,
         pad_id=int(pad),
         tokens_per_second=getattr(model_cfg, "tokens_per_second", 1),
-        positions=getattr(model_cfg, "position_kind", "mrope"),
+        positions=getattr(model_cfg, "position_kind", None),
     )
     train = PackedMultimodalDataset(samples, encoder, **kw)
     held_rows = PackedMultimodalDataset(eval_samples, encoder, **kw) if eval_samples else None

@@ -59,6 +59,10 @@ class Qwen3VLConfig:
     vision_start_token_id: int = 151652
     vision_end_token_id: int = 151653
 
+    position_kind = "mrope_frames"
+    """Position ids of packed rows (the data pipeline reads it): M-RoPE with each frame
+    group of a video placed like a one-frame image, as ``build``'s model computes them."""
+
     def architecture(self) -> dict[str, Any]:
         """What a checkpoint's weights and config fix (the flavor name and init excluded)."""
         fields = dataclasses.asdict(self)
@@ -106,10 +110,10 @@ class Qwen3VLConfig:
             raise ConfigError("; ".join(problems))
 
     def vision_processor(self, data: Any) -> Any:
-        """The image processor of this model for a run's ``data`` section: Qwen2-VL-style
+        """The processor of this model for a run's ``data`` section: Qwen2-VL-style image
         resizing with this tower's patch and merge sizes, ``data.min_pixels`` /
-        ``data.max_pixels`` and Qwen3-VL's normalisation; images only (see
-        ``Qwen3VLImageProcessor``)."""
+        ``data.max_pixels`` and Qwen3-VL's normalisation; videos as Qwen3-VL's video
+        processor with its released settings (``Qwen3VLVisionProcessor``)."""
         from longboat.vlm.models.qwen3_vl.processor import qwen3_vl_processor
 
         return qwen3_vl_processor(self.vision, data.min_pixels, data.max_pixels)
