@@ -1,12 +1,13 @@
-"""Video frames of the Qwen3-VL processor == transformers' ``Qwen3VLVideoProcessor``
-(tolerance 0).
+"""Video frames of the Qwen3-VL and LLaVA-OneVision processors == transformers' video
+processors (``Qwen3VLVideoProcessor``, ``LlavaOnevisionVideoProcessor``; tolerance 0).
 
 transformers' video processors need torchvision, which this workspace does not install, so
-their outputs on the synthetic videos of ``QWEN3_CASES`` were written once
+their outputs on the synthetic videos of ``QWEN3_CASES`` / ``LLAVA_CASES`` were written once
 by transformers itself (``test_data_hf_video_artifacts/``, see its README) and are compared
 here bit for bit: the sampled frame indices, the grids and ``pixel_values_videos``. The
 pure functions of transformers' modules that import without torchvision (Qwen3-VL's
-``smart_resize``, its ``sample_frames`` and timestamps) are called directly on many sizes.
+``smart_resize``, its ``sample_frames`` and timestamps, the default frame sampler) are
+called directly on many sizes.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import numpy as np
 import pytest
 import torch
 
+from longboat.vlm.data.llava_processor import LlavaProcessorConfig, LlavaVisionProcessor
 from longboat.vlm.data.processor import VisionProcessorConfig
 from longboat.vlm.data.video_processing import (
     frame_group_timestamps,
     qwen3_frame_indices,
     qwen3_video_size,
+    uniform_frame_indices,
 )
 from longboat.vlm.models.qwen3_vl.processor import Qwen3VLVisionProcessor
 
@@ -40,6 +43,13 @@ QWEN3_CASES: dict[str, dict[str, Any]] = {
     "capped": dict(video=(3, 8, 40, 56), video_fps=8.0, sample=dict(fps=4.0), size=(256, 10**6),
                    cap=True, max_video_tokens=6),
 }  # fmt: skip
+LLAVA_CROP = 16
+LLAVA_CASES: dict[str, dict[str, Any]] = {
+    "every_frame": dict(video=(4, 5, 20, 37), video_fps=None, sample={}),
+    "fps": dict(video=(5, 12, 24, 18), video_fps=6.0, sample=dict(fps=2.0)),
+    "count": dict(video=(6, 10, 9, 50), video_fps=3.0, sample=dict(num_frames=3)),
+    "crop_sized": dict(video=(7, 3, 16, 16), video_fps=None, sample={}),
+}
 
 
 def case_frames(seed: int, t: int, h: int, w: int) -> np.ndarray:
@@ -67,6 +77,10 @@ def qwen3_processor(case: dict[str, Any]) -> Qwen3VLVisionProcessor:
             max_video_tokens=case.get("max_video_tokens", 768),
         )
     )  # fmt: skip
+
+
+def llava_processor() -> LlavaVisionProcessor:
+    return LlavaVisionProcessor(LlavaProcessorConfig(crop_size=LLAVA_CROP, patch_size=4))
 
 
 def _ours(processor: Any, case: dict[str, Any]) -> tuple[list[int], dict[str, torch.Tensor]]:
@@ -97,6 +111,20 @@ def test_qwen3_frames_equal_transformers(name: str, reference: dict[str, np.ndar
     assert torch.equal(got["pixel_values_videos"], want), (
         f"max |diff| {(got['pixel_values_videos'] - want).abs().max().item():.3g}"
     )
+
+
+@pytest.mark.parametrize("name", sorted(LLAVA_CASES))
+def test_llava_frames_equal_transformers(name: str, reference: dict[str, np.ndarray]) -> None:
+    case = LLAVA_CASES[name]
+    keep, got = _ours(llava_processor(), case)
+    assert keep == reference[f"llava/{name}/indices"].tolist()
+    want = torch.from_numpy(reference[f"llava/{name}/pixel_values_videos"])
+    assert got["pixel_values_videos"].shape == want.shape == (len(keep), 3, LLAVA_CROP, LLAVA_CROP)
+    assert torch.equal(got["pixel_values_videos"], want), (
+        f"max |diff| {(got['pixel_values_videos'] - want).abs().max().item():.3g}"
+    )
+    h, w = case["video"][2:]
+    assert got["video_grid_thw"].tolist() == [[len(keep), h, w]]
 
 
 def test_qwen3_size_sampling_and_timestamps_equal_transformers() -> None:
@@ -142,3 +170,28 @@ def test_qwen3_size_sampling_and_timestamps_equal_transformers() -> None:
         assert got == want, (total, video_fps, by)
         got_stamps = frame_group_timestamps(got, video_fps, 2)
         assert got_stamps == Qwen3VLProcessor._calculate_timestamps(None, want, video_fps, 2)
+
+
+def test_default_sampling_equals_transformers() -> None:
+    from transformers.video_utils import VideoMetadata, default_sample_indices_fn
+
+    rng = np.random.default_rng(1)
+    refused = 0
+    for _ in range(300):
+        total = int(rng.integers(1, 200))
+        video_fps = float(rng.choice([1.0, 2.5, 23.976, 30.0]))
+        by = {"fps": float(rng.choice([0.5, 1.0, 2.0]))}
+        if rng.random() < 0.3:
+            by = {"num_frames": int(rng.integers(1, total + 1))}
+        meta = VideoMetadata(total_num_frames=total, fps=video_fps)
+        got = uniform_frame_indices(total, video_fps=video_fps, fps=by.get("fps"),
+                                    num_frames=by.get("num_frames"))  # fmt: skip
+        try:
+            want = default_sample_indices_fn(meta, **by).tolist()
+        except ValueError:  # fps above the video's: transformers refuses, we keep every frame
+            refused += 1
+            want = list(range(total))
+        assert got == want, (total, video_fps, by)
+    assert refused > 0
+    with pytest.raises(ValueError, match="cannot sample 6 frames from a video of 5"):
+        uniform_frame_indices(5, video_fps=1.0, fps=None, num_frames=6)

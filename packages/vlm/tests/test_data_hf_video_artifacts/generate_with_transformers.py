@@ -1,4 +1,4 @@
-"""Write ``reference.npz``: transformers' own video processor on the synthetic videos of
+"""Write ``reference.npz``: transformers' own video processors on the synthetic videos of
 ``test_video_processing.py`` (run where torchvision is importable, see README.md).
 
     PYTHONPATH=<dir with torchvision> python generate_with_transformers.py [out.npz]
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import transformers
-from transformers import Qwen3VLVideoProcessor
+from transformers import LlavaOnevisionVideoProcessor, Qwen3VLVideoProcessor
 from transformers.video_utils import VideoMetadata
 
 HERE = Path(__file__).parent
@@ -46,6 +46,18 @@ def main(out: Path) -> None:
         arrays[f"qwen3/{name}/indices"] = np.asarray(got["video_metadata"][0].frames_indices)
         arrays[f"qwen3/{name}/grid"] = got["video_grid_thw"].numpy()
         arrays[f"qwen3/{name}/pixel_values_videos"] = got["pixel_values_videos"].numpy()
+    for name, case in m.LLAVA_CASES.items():
+        hf = LlavaOnevisionVideoProcessor(size={"height": m.LLAVA_CROP, "width": m.LLAVA_CROP})
+        frames = m.case_frames(*case["video"])
+        kwargs = {"do_sample_frames": bool(case["sample"]), **case["sample"]}
+        if case["sample"]:
+            kwargs["video_metadata"] = [
+                VideoMetadata(total_num_frames=len(frames), fps=case["video_fps"])
+            ]
+        got = hf(videos=[frames], return_metadata=True, return_tensors="pt", **kwargs)
+        indices = got["video_metadata"][0].frames_indices if case["sample"] else range(len(frames))
+        arrays[f"llava/{name}/indices"] = np.asarray(list(indices))
+        arrays[f"llava/{name}/pixel_values_videos"] = got["pixel_values_videos"][0].numpy()
     np.savez_compressed(out, **arrays)
     print(f"transformers {transformers.__version__}, torchvision {torchvision.__version__}: {out}")
     for key, value in arrays.items():

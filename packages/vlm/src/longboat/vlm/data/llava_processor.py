@@ -11,6 +11,13 @@ a square with the mean colour and resized to one view. Every view is rescaled by
 Outputs: ``pixel_values [views, 3, crop, crop]`` (the images' views back to back, base view
 first) and ``image_grid_thw [images, 3]``, each row ``(views, height, width)`` with the
 image's size before processing, which is what the model needs to undo the tiling.
+
+Videos, as transformers' ``LlavaOnevisionVideoProcessor`` (``do_sample_frames`` with the
+given ``fps`` / ``num_frames``; neither: every frame): frames ``i * total // n``, each
+squashed to ``crop x crop`` and normalised the way its torchvision path does
+(``longboat.vlm.data.video_processing``, bit-identical); ``pixel_values_videos [frames, 3,
+crop, crop]`` and ``video_grid_thw`` rows ``(frames, height, width)``. A video stands for
+``frames * ceil(grid / 2) ** 2 + 1`` tokens (pooled frame features, one newline).
 """
 
 from __future__ import annotations
@@ -23,12 +30,17 @@ import numpy as np
 import torch
 from PIL import Image
 
-from longboat.vlm.data.errors import DataError
 from longboat.vlm.data.processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImageLike, to_rgb_array
+from longboat.vlm.data.video_processing import (
+    normalize_frames,
+    resize_frames,
+    uniform_frame_indices,
+)
 from longboat.vlm.models.llava_onevision.anyres import (
     best_resolution,
     fitted_size,
     num_image_tokens,
+    num_video_tokens,
     tile_grid,
 )
 
@@ -79,10 +91,10 @@ def _resize(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
 
 
 class LlavaVisionProcessor:
-    """Images -> views and geometry for the LLaVA-OneVision family (see the module doc)."""
+    """Images and videos -> views, frames and geometry for the LLaVA-OneVision family (see
+    the module doc)."""
 
     position_kind = "1d"
-    takes_videos = False
 
     def __init__(self, config: LlavaProcessorConfig | None = None) -> None:
         self.config = config or LlavaProcessorConfig()
@@ -155,12 +167,53 @@ class LlavaVisionProcessor:
             "image_grid_thw": torch.tensor(grids, dtype=torch.int64).reshape(-1, 3),
         }
 
-    def video_size(self, num_frames: int, height: int, width: int) -> tuple[int, int]:
-        raise DataError(
-            "the llava_onevision family takes images only: videos are not supported yet"
+    # -- videos -----------------------------------------------------------------------------
+
+    def sample_frames(
+        self, total_frames: int, *, video_fps: float, fps: float | None, num_frames: int | None
+    ) -> list[int]:
+        """Indices of the frames kept (``uniform_frame_indices``)."""
+        return uniform_frame_indices(
+            total_frames, video_fps=video_fps, fps=fps, num_frames=num_frames
         )
 
-    def preprocess_videos(self, videos: Any) -> dict[str, torch.Tensor]:
-        raise DataError(
-            "the llava_onevision family takes images only: videos are not supported yet"
-        )
+    def video_grid(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
+        """``(frames, height, width)``: the sampled frame count and the frames' size."""
+        return num_frames, height, width
+
+    def video_tokens(self, grid: Sequence[int]) -> int:
+        """Placeholder tokens of a video with ``video_grid`` row ``grid``."""
+        return num_video_tokens(int(grid[0]), self.config.grid)
+
+    def video_placeholder(
+        self,
+        grid: Sequence[int],
+        frames: Sequence[int],
+        video_fps: float,
+        tokens: Any,
+        text_ids: Any,
+    ) -> list[int]:
+        """The video pad repeated ``video_tokens(grid)`` times."""
+        return [tokens.video_pad_id] * self.video_tokens(grid)
+
+    def preprocess_videos(
+        self, videos: Sequence[Sequence[ImageLike] | np.ndarray]
+    ) -> dict[str, torch.Tensor]:
+        """``pixel_values_videos [frames, 3, S, S]`` float32 (the videos' frames back to back)
+        and ``video_grid_thw [videos, 3]`` of already sampled videos."""
+        c = self.config
+        clips, grids = [], []
+        for i, video in enumerate(videos):
+            rgb = [to_rgb_array(f) for f in video]
+            if not rgb:
+                raise ValueError(f"video {i} has no frames")
+            shapes = {f.shape for f in rgb}
+            if len(shapes) != 1:
+                raise ValueError(f"video {i}: frames differ in size {sorted(shapes)}")
+            frames = resize_frames(rgb, c.crop_size, c.crop_size)
+            clips.append(normalize_frames(frames, c.image_mean, c.image_std, c.rescale_factor))
+            grids.append(self.video_grid(len(rgb), *rgb[0].shape[:2]))
+        return {
+            "pixel_values_videos": torch.cat(clips),
+            "video_grid_thw": torch.tensor(grids, dtype=torch.int64).reshape(-1, 3),
+        }

@@ -1,6 +1,7 @@
 """Video frames prepared as transformers' (torchvision-based) video processors prepare them.
 
-transformers' video processors (``Qwen3VLVideoProcessor``) resize the sampled frames as uint8 tensors with torchvision, which on CPU hands them to
+transformers' ``Qwen3VLVideoProcessor`` and ``LlavaOnevisionVideoProcessor`` resize the
+sampled frames as uint8 tensors with torchvision, which on CPU hands them to
 ``torch.nn.functional.interpolate(mode="bicubic", antialias=True)`` as uint8 (no float
 round trip), then rescale and normalise in one float32 step, ``(x - mean / rescale) /
 (std / rescale)``. The functions here make the same torch calls, so their outputs are
@@ -8,8 +9,9 @@ bit-identical to transformers' without torchvision. (The image path, like transf
 PIL image processors, resizes with PIL and rescales in float64: the two differ by a few
 uint8 steps after resizing and by float32 rounding after normalising.)
 
-Also here: Qwen3-VL's frame sampling, its video ``smart_resize`` (one pixel budget over all
-frames) and its per-frame-group timestamps.
+Also here: the frame-sampling rules (Qwen3-VL's and transformers' default one), Qwen3-VL's
+video ``smart_resize`` (one pixel budget over all frames) and its per-frame-group
+timestamps.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "qwen3_frame_indices",
     "qwen3_video_size",
     "resize_frames",
+    "uniform_frame_indices",
 ]
 
 
@@ -78,6 +81,27 @@ def qwen3_frame_indices(
     if num_frames <= 0:
         raise ValueError(f"sampling kept no frames of a video of {total_frames} frames")
     return np.linspace(0, total_frames - 1, num_frames).round().astype(int).tolist()
+
+
+def uniform_frame_indices(
+    total_frames: int, *, video_fps: float, fps: float | None, num_frames: int | None
+) -> list[int]:
+    """transformers' default frame sampling (LLaVA-OneVision's video processor):
+    ``num_frames`` or ``fps`` frames per second (at least one; at most every frame), frame
+    ``i * total // n`` for ``i < n``; neither: every frame."""
+    if fps is not None and num_frames is not None:
+        raise ValueError("pass num_frames or fps, not both")
+    if num_frames is None and fps is None:
+        return list(range(total_frames))
+    if num_frames is None:
+        num_frames = min(max(1, int(total_frames / video_fps * fps)), total_frames)
+    if num_frames > total_frames:
+        raise ValueError(
+            f"cannot sample {num_frames} frames from a video of {total_frames}; lower num_frames"
+        )
+    if num_frames <= 0:
+        raise ValueError(f"num_frames={num_frames} must be > 0")
+    return (np.arange(num_frames, dtype=int) * total_frames // num_frames).tolist()
 
 
 def qwen3_video_size(

@@ -101,6 +101,12 @@ def num_image_tokens(
     return grid * grid + h * (w + 1)
 
 
+def num_video_tokens(frames: int, grid: int) -> int:
+    """Placeholder tokens of a video of ``frames`` frames (tower ``grid`` patches per side):
+    each frame's features pooled to ``ceil(grid / 2)`` per side, then one newline."""
+    return frames * (-(-grid // 2)) ** 2 + 1
+
+
 def pack_image_features(
     features: torch.Tensor, height: int, width: int, newline: torch.Tensor, *, grid: int,
     crop: int, pinpoints: Pinpoints, vision_aspect_ratio: str,

@@ -13,7 +13,7 @@ width)``: the views fed for that image (1: one padded square view, as in a multi
 sample) and its size in pixels before processing. Videos: ``pixel_values_videos [frames,
 C, S, S]`` and ``video_grid_thw [videos, 3]`` rows ``(frames, height, width)``; each frame's
 features are pooled to half the grid per side, the video ends with one ``image_newline``
-(the data pipeline does not read videos for this family yet). The decoder's positions are 1D
+(``longboat.vlm.data.llava_processor`` makes these from video files). The decoder's positions are 1D
 (its own rotary embedding), restarting at every packed sample.
 """
 
@@ -32,7 +32,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from longboat.core.config.errors import ConfigError
 from longboat.core.megatron.models import family_for_hf_config, get_family
-from longboat.vlm.models.llava_onevision.anyres import pack_image_features
+from longboat.vlm.models.llava_onevision.anyres import num_video_tokens, pack_image_features
 from longboat.vlm.models.llava_onevision.config import (
     FLAVORS,
     LlavaOnevisionConfig,
@@ -140,11 +140,6 @@ class LlavaOnevisionVision(MegatronModule):
         for part in pooled.split(frames):
             out += [part.reshape(-1, d), newline]
         return torch.cat(out)
-
-
-def num_video_tokens(frames: int, grid: int) -> int:
-    """Placeholder tokens of a video of ``frames`` frames (tower ``grid`` patches per side)."""
-    return frames * (-(-grid // 2)) ** 2 + 1
 
 
 class LlavaOnevisionModel(VisionLanguageModel):
