@@ -24,8 +24,10 @@ class GrootN16Config:
     """Qwen3 language model (``num_layers`` = the full model; only ``select_layer`` built)."""
     dit: DiTConfig
     """Action-head DiT."""
-    image: ImagePreprocessConfig = field(default_factory=ImagePreprocessConfig)
-    """Camera-frame preprocessing."""
+    image: ImagePreprocessConfig = field(
+        default_factory=lambda: ImagePreprocessConfig(resample="isaac")
+    )
+    """Camera-frame preprocessing (the flavors: Isaac-GR00T N1.6's, pixel for pixel)."""
     select_layer: int = 16
     """Backbone features = hidden state after layer select_layer-1; later layers are
     never built."""
@@ -104,8 +106,8 @@ class GrootN16Config:
 
     def input_image_size(self) -> tuple[int, int]:
         """(height, width) the model's image size: cameras of different sizes are each resized
-        to it before batching (plain bilinear resize, as GR00T's processor resizes every view
-        to one size). The aspect of the ViT's position grid with the shorter side
+        to it before batching (an antialiased bilinear resize: a batch holds one frame size,
+        where Isaac-GR00T's processor keeps each view's own aspect). The aspect of the ViT's position grid with the shorter side
         ``image.resize_shortest`` (full: 256x256, cropped to 252; tiny: 56x84)."""
         gh, gw = self.vision.pos_grid
         short = self.image.resize_shortest
@@ -146,7 +148,9 @@ def full() -> GrootN16Config:
             output_dim=1024,
             dropout=0.2,
         ),
-        image=ImagePreprocessConfig(resize_shortest=256, crop_fraction=0.95, multiple_of=28),
+        image=ImagePreprocessConfig(
+            resize_shortest=256, crop_fraction=0.95, multiple_of=28, resample="isaac"
+        ),
     )
 
 
@@ -181,7 +185,9 @@ def tiny() -> GrootN16Config:
             output_dim=32,
             dropout=0.0,
         ),
-        image=ImagePreprocessConfig(resize_shortest=56, crop_fraction=0.95, multiple_of=28),
+        image=ImagePreprocessConfig(
+            resize_shortest=56, crop_fraction=0.95, multiple_of=28, resample="isaac"
+        ),
         select_layer=3,
         image_token_id=511,
         num_embodiments=4,
