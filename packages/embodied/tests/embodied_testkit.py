@@ -125,3 +125,46 @@ def write_tiny_tokenizer(directory: Path, vocab_size: int = 400, extra_tokens: i
     fast.add_tokens([f"<extra_{i}>" for i in range(extra_tokens)])
     fast.save_pretrained(str(directory))
     return Path(directory)
+
+
+def write_tiny_qwen_tokenizer(
+    directory: Path, *, image_token_id: int = 511, image_tokens: bool = True
+) -> Path:
+    """A small Qwen-style tokenizer saved with ``save_pretrained``: a byte-level BPE trained
+    on a few robot tasks (no BOS added), then ``<|endoftext|>`` (the pad token),
+    ``<|im_start|>``, ``<|im_end|>``, reserved fillers and, ending at ``image_token_id``,
+    ``<img>``, ``</img>``, ``<IMG_CONTEXT>`` (Eagle's image tokens; left out with
+    ``image_tokens=False``). Built locally, nothing downloaded; the tiny GR00T's vocabulary
+    of 512 holds every id."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [
+        f"{verb} the {thing} and put it in the {where}\nyou are a helpful assistant"
+        for verb, thing, where in [
+            ("pick up", "red cube", "bowl"),
+            ("grasp", "cup", "sink"),
+            ("stack", "green block", "box"),
+            ("fold", "towel", "basket"),
+        ]
+    ]
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(corpus * 4, trainer)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    image = ["<img>", "</img>", "<IMG_CONTEXT>"] if image_tokens else []
+    first_image = image_token_id - 2
+    fillers = first_image - tok.get_vocab_size() - len(specials)
+    names = specials + [f"<|reserved_{i}|>" for i in range(fillers)] + image
+    tok.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in names])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>"
+    )
+    if image_tokens:
+        assert fast.convert_tokens_to_ids("<IMG_CONTEXT>") == image_token_id
+    fast.save_pretrained(str(directory))
+    return Path(directory)

@@ -374,10 +374,11 @@ def test_training_starts_from_an_isaac_checkpoint(
     out = capsys.readouterr().out.splitlines()
     started = [x for x in out if x.startswith("Policy ")]
     assert started[0].startswith(f"Policy groot_n1_6 from {ckpt} (its architecture and weights)")
-    # Its prompts are the stand-in's bytes: the run says the pretrained LM cannot read them.
+    # A tiny checkpoint keeps the stand-in's bytes (the released backbone needs
+    # model.tokenizer): the run says which LM reads them and how to get Isaac's prompt.
     prompts = [x for x in out if x.startswith("Prompts: ")]
-    assert "read by model.init_from's pretrained Qwen3" in prompts[0]
-    assert "not supported yet" in prompts[0]
+    assert "read by model.init_from's language model" in prompts[0]
+    assert "set model.tokenizer=<dir> (nvidia/Eagle-Block2A-2B-v2's tokenizer)" in prompts[0]
     exported = load_exported_policy(tmp_path / "run" / "export")
     for key, value in model.state_dict().items():
         assert torch.equal(exported.state_dict()[key].float(), value), key

@@ -36,10 +36,12 @@ class PolicyModelConfig(ModelConfig):
     describes) or a Hugging Face backbone; a full checkpoint's config.json gives the
     architecture (model.flavor is not used) and its weights the initial values."""
     tokenizer: str | None = None
-    """pi05: a Hugging Face tokenizer directory (PaliGemma's for released checkpoints) that
-    tokenises the prompt as LeRobot's pi0.5 preprocessor does (task + state as text); null:
-    the tokenizer in model.init_from, if it holds one. Required for a pretrained pi0.5;
-    from-scratch runs without one use the byte-level stand-in tokenizer."""
+    """A Hugging Face tokenizer directory the prompt is tokenised with: pi05, PaliGemma's
+    for released checkpoints (LeRobot's prompt: task + state as text); groot_n1_6, the
+    nvidia/Eagle-Block2A-2B-v2 one (Isaac-GR00T N1.6's chat prompt with Eagle's image
+    tokens). null: the tokenizer in model.init_from, if it holds one. Required for a
+    pretrained pi0.5 and for GR00T from the released Eagle backbone; from-scratch runs
+    without one use the byte-level stand-in tokenizer."""
 
 
 @dataclass
@@ -260,7 +262,7 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
 
 
 def check_export_keys(cfg: Any, model_name: Any, problems: ProblemCollector) -> None:
-    """``export.format`` is known and fits ``model.name``; ``model.tokenizer`` is pi05's."""
+    """``export.format`` is known and fits ``model.name``."""
     export = cfg.get("export")
     fmt = export.get("format", "auto") if export is not None else "auto"
     if fmt not in EXPORT_FORMATS:
@@ -282,15 +284,6 @@ def check_export_keys(cfg: Any, model_name: Any, problems: ProblemCollector) -> 
                 if fmt == "lerobot"
                 else ""
             ),
-        )
-    model = cfg.get("model")
-    tokenizer = model.get("tokenizer") if model is not None else None
-    if tokenizer is not None and isinstance(model_name, str) and model_name != "pi05":
-        problems.add(
-            "model.tokenizer",
-            f"is read by pi05 only; {model_name} tokenises prompts with the byte-level stand-in",
-            value=tokenizer,
-            fix="set model.tokenizer=null",
         )
 
 

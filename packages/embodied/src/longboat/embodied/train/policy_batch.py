@@ -7,11 +7,12 @@ to the model's image size first: ``PolicyBatchSpec.resize_cameras``),
 ``delta_timestamps`` with the padded dims);
 GR00T also takes ``embodiment_id`` and pi0.5 an ``image_mask`` for missing cameras.
 
-pi0.5 with a Hugging Face tokenizer (``model.tokenizer``) tokenises LeRobot's prompt, the
+With a Hugging Face tokenizer (``model.tokenizer``) pi0.5 tokenises LeRobot's prompt, the
 task and the normalised state as text (``models.pi05.processor.PromptTokenizer``), padded
-to LeRobot's ``tokenizer_max_length``. Otherwise (from-scratch runs, GR00T) task strings
-go through ``ByteTokenizer``, a deterministic byte-level stand-in that no pretrained
-language model understands.
+to LeRobot's ``tokenizer_max_length``, and GR00T Isaac-GR00T N1.6's chat prompt with one
+``<IMG_CONTEXT>`` per image token (``models.groot_n1_6.processor.GrootPromptTokenizer``).
+Otherwise (from-scratch runs) task strings go through ``ByteTokenizer``, a deterministic
+byte-level stand-in that no pretrained language model understands.
 """
 
 from __future__ import annotations
@@ -176,9 +177,11 @@ class PolicyCollator:
     ) -> None:
         """``fixed_text_length``: pad the text to ``spec.max_text_tokens`` in every batch (not
         to the batch's longest), so every batch has the same shapes (a CUDA-graphed step).
-        ``prompts``: a ``PromptTokenizer`` (pi0.5 with a Hugging Face tokenizer: the task and
-        the normalised state as text, always its ``max_length`` tokens); None: the task alone
-        through ``ByteTokenizer``."""
+        ``prompts``: a Hugging Face tokenizer's prompts, called with the tasks, the states and
+        the frames' layout (pi0.5's ``PromptTokenizer``: the task and the normalised state as
+        text, always its ``max_length`` tokens; GR00T's ``GrootPromptTokenizer``: Isaac-GR00T's
+        chat prompt with the image placeholders); None: the task alone through
+        ``ByteTokenizer``."""
         self.spec = spec
         self.camera_keys = list(camera_keys)
         self.fixed_text_length = fixed_text_length
@@ -222,16 +225,21 @@ class PolicyCollator:
             cam_masks.append(torch.tensor(present))
             if self.prompts is None:
                 ids.append(self.tokenizer.encode(str(s.get("task", "")))[: spec.max_text_tokens])
+        if len({im.shape for im in images}) > 1:  # samples of sub-datasets of other sizes
+            images = [fit_frames(im, spec) for im in images]
+        frames = torch.stack(images)
         if self.prompts is not None:
             input_ids, attention = self.prompts(
-                [str(s.get("task", "")) for s in samples], [s[STATE_KEY] for s in samples]
+                [str(s.get("task", "")) for s in samples],
+                [s[STATE_KEY] for s in samples],
+                image_hw=tuple(frames.shape[-2:]),
+                num_cameras=frames.shape[1],
+                fixed_length=self.fixed_text_length,
             )
         else:
             input_ids, attention = self._pad_ids(ids)
-        if len({im.shape for im in images}) > 1:  # samples of sub-datasets of other sizes
-            images = [fit_frames(im, spec) for im in images]
         batch = {
-            "images": torch.stack(images),
+            "images": frames,
             "input_ids": input_ids,
             "attention_mask": attention,
             "state": torch.stack(states),

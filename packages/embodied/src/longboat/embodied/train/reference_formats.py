@@ -1,5 +1,5 @@
 """What a run takes from and gives back to the reference formats besides weights: the
-prompt tokenizer (pi0.5), the normaliser statistics of an Isaac-GR00T checkpoint (GR00T),
+prompt tokenizer (pi0.5: LeRobot's prompt; GR00T: Isaac-GR00T's), the normaliser statistics of an Isaac-GR00T checkpoint (GR00T),
 and the export in LeRobot's or Isaac-GR00T's layout at the end (``export.format``)."""
 
 from __future__ import annotations
@@ -20,20 +20,34 @@ FORMAT_NAMES = {"lerobot": "LeRobot pi0.5", "isaac": "Isaac-GR00T N1.6"}
 
 
 def run_tokenizer(cfg: Any) -> Path | None:
-    """The tokenizer directory of a pi0.5 run (``model.tokenizer``, else found in
-    ``model.init_from``); None for GR00T and for from-scratch runs without one. A pretrained
-    pi0.5 without one is a ConfigError naming ``model.tokenizer``."""
-    if cfg.model.name != "pi05":
-        return None
-    found = pi05_processor.find_tokenizer(cfg.model.tokenizer, cfg.model.init_from)
-    if found is None and pi05_processor.needs_tokenizer(cfg.model.init_from):
-        raise pi05_processor.missing_tokenizer_error(cfg.model.init_from)
+    """The tokenizer directory of a run (``model.tokenizer``, else found in
+    ``model.init_from``); None for from-scratch runs without one. A run whose pretrained
+    language model needs one and has none is a ConfigError naming ``model.tokenizer``
+    (pi0.5 from LeRobot / PaliGemma weights, GR00T from the released Eagle backbone)."""
+    processor = _family_processor(cfg.model.name)
+    found = processor.find_tokenizer(cfg.model.tokenizer, cfg.model.init_from)
+    if found is None and processor.needs_tokenizer(cfg.model.init_from):
+        raise processor.missing_tokenizer_error(cfg.model.init_from)
     return found
 
 
-def prompt_tokenizer(path: Path, model_cfg: Any) -> pi05_processor.PromptTokenizer:
-    """The run's ``PromptTokenizer`` (LeRobot's ``tokenizer_max_length`` tokens), its ids
-    checked against the model's vocabulary."""
+def _family_processor(name: str) -> Any:
+    if name == "groot_n1_6":
+        from longboat.embodied.models.groot_n1_6 import processor
+
+        return processor
+    return pi05_processor
+
+
+def prompt_tokenizer(path: Path, model_name: str, model_cfg: Any) -> Any:
+    """The run's prompt tokenizer, checked against the model before it is built: pi0.5's
+    ``PromptTokenizer`` (LeRobot's ``tokenizer_max_length`` tokens, no id past the
+    vocabulary), GR00T's ``GrootPromptTokenizer`` (Eagle's image tokens, the model's image
+    token id, no id past the vocabulary)."""
+    if model_name == "groot_n1_6":
+        from longboat.embodied.models.groot_n1_6.processor import GrootPromptTokenizer
+
+        return GrootPromptTokenizer(path, model_cfg)
     tokenizer = pi05_processor.PromptTokenizer(path, model_cfg.prompt_length())
     if tokenizer.vocab_size > model_cfg.llm.vocab_size:
         raise ConfigError(
@@ -111,4 +125,9 @@ def write_export(
             export_dir, out, dataset=root, tokenizer=tokenizer, stats=stats[0]
         )
     embodiments = lerobot_export.run_embodiments(root, cameras, stats)
-    return lerobot_export.export_groot(export_dir, out, dataset=root, embodiments=embodiments)
+    out = lerobot_export.export_groot(export_dir, out, dataset=root, embodiments=embodiments)
+    if tokenizer is not None:  # model.init_from finds it there (Isaac-GR00T reads past it)
+        from longboat.embodied.models.groot_n1_6 import processor
+
+        processor.copy_tokenizer(tokenizer, out / processor.TOKENIZER_DIR)
+    return out

@@ -108,16 +108,17 @@ class RunData:
     """Per sub-dataset: those statistics are ``model.init_from``'s."""
 
 
-def model_overrides(
-    cfg: EmbodiedExperimentConfig, *, state_in_prompt: bool = False
-) -> dict[str, Any]:
-    """``model.overrides`` as the family config gets them; ``state_in_prompt``: pi0.5 takes
-    LeRobot's pi0.5 inputs (a Hugging Face tokenizer spells the state in the prompt; frames
-    are not cropped inside the policy, as LeRobot's are not)."""
+def model_overrides(cfg: EmbodiedExperimentConfig, *, tokenizer: bool = False) -> dict[str, Any]:
+    """``model.overrides`` as the family config gets them; ``tokenizer``: the prompts come
+    from a Hugging Face tokenizer, so pi0.5 takes LeRobot's pi0.5 inputs (the state spelled
+    in the prompt; frames not cropped inside the policy, as LeRobot's are not) and GR00T
+    Isaac-GR00T's (the image placeholders are in the prompt)."""
     overrides = dict(cfg.model.overrides)
-    if state_in_prompt and cfg.model.name == "pi05":
+    if tokenizer and cfg.model.name == "pi05":
         overrides.setdefault("state_in_prompt", True)
         overrides.setdefault("image.crop_fraction", 1.0)
+    if tokenizer and cfg.model.name == "groot_n1_6":
+        overrides.setdefault("image_tokens_in_text", True)
     # fp32 runs keep frozen weights in fp32 too (the bf16 split is the reference's
     # mixed-precision layout; without autocast it would only cost accuracy).
     if cfg.train.precision == "fp32":
@@ -133,8 +134,8 @@ def open_run_data(
     *,
     prompts: Any = None,
 ) -> RunData:
-    """The dataset (synthetic on first use when ``data.path`` is null), its collator (pi0.5
-    prompts through ``prompts``, a ``PromptTokenizer``, when given) and the global batch
+    """The dataset (synthetic on first use when ``data.path`` is null), its collator (prompts
+    through ``prompts``, a Hugging Face tokenizer's, when given) and the global batch
     plan; an Isaac-GR00T ``model.init_from``'s statistics normalise the sub-datasets whose
     tag it knows."""
     root = (
@@ -262,12 +263,14 @@ class EmbodiedTraining(Training):
         self.layout = batch_layout(t.global_batch_size, t.micro_batch_size, parallel.data_parallel)
         self.items_per_step = self.layout.global_batch
         self.tokenizer_dir = run_tokenizer(cfg)
-        self.overrides = model_overrides(cfg, state_in_prompt=self.tokenizer_dir is not None)
+        self.overrides = model_overrides(cfg, tokenizer=self.tokenizer_dir is not None)
         self.model_cfg = resolve_model_config(
             cfg.model.name, cfg.model.flavor, self.overrides, cfg.model.init_from
         )
         self.prompts = (
-            prompt_tokenizer(self.tokenizer_dir, self.model_cfg) if self.tokenizer_dir else None
+            prompt_tokenizer(self.tokenizer_dir, cfg.model.name, self.model_cfg)
+            if self.tokenizer_dir
+            else None
         )
         self.data = open_run_data(
             cfg, self.model_cfg, self.layout, self.is_main, prompts=self.prompts
@@ -518,21 +521,21 @@ class EmbodiedTraining(Training):
     def _prompt_line(self) -> str:
         if self.prompts is not None:
             return self.prompts.describe()
-        if self._pretrained_lm():  # GR00T: pi0.5 refuses a pretrained LM without a tokenizer
+        wanted = (
+            "set model.tokenizer=<dir> for LeRobot's pi0.5 prompt"
+            if self.cfg.model.name == "pi05"
+            else "set model.tokenizer=<dir> (nvidia/Eagle-Block2A-2B-v2's tokenizer) for "
+            "Isaac-GR00T's prompt"
+        )
+        if self._pretrained_lm():  # only where that LM may have learnt the stand-in's ids
             return (
                 "Prompts: task text through the byte-level stand-in tokenizer (ByteTokenizer), "
-                "read by model.init_from's pretrained Qwen3, which learnt the Eagle processor's "
-                "Qwen3 tokens: its language conditioning starts over (GR00T prompts as "
-                "Isaac-GR00T tokenises them are not supported yet)."
+                "read by model.init_from's language model: right only for a checkpoint trained "
+                f"on these ids (a longboat run without model.tokenizer); {wanted}."
             )
         return (
             "Prompts: task text through the byte-level stand-in tokenizer (ByteTokenizer; "
-            "from-scratch runs only, no pretrained language model reads its ids)"
-            + (
-                "; set model.tokenizer=<dir> for LeRobot's pi0.5 prompt."
-                if self.cfg.model.name == "pi05"
-                else "."
-            )
+            f"from-scratch runs only, no pretrained language model reads its ids); {wanted}."
         )
 
     def _pretrained_lm(self) -> bool:

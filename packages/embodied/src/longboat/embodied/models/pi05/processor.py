@@ -177,10 +177,13 @@ class PromptTokenizer:
         return len(self.tokenizer)
 
     def __call__(
-        self, tasks: Sequence[str], states: Sequence[torch.Tensor]
+        self, tasks: Sequence[str], states: Sequence[torch.Tensor], **layout: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tasks and normalised states (each [D], unpadded) -> (input_ids int64 [B, L],
-        attention_mask bool [B, L])."""
+        attention_mask bool [B, L]). ``layout`` (the frames' size, the camera count, a fixed
+        length) is read past: pi0.5's prompt holds no image tokens and is always
+        ``max_length`` long."""
+        del layout
         prompts = [pi05_prompt(t, s) for t, s in zip(tasks, states, strict=True)]
         out = self.tokenizer(
             prompts,
