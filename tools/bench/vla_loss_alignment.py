@@ -114,6 +114,7 @@ def transfer_weights(lb: Any, rf: Any, cfg: Any) -> None:
         put(p + "self_attn.k_norm.weight", layer.k_norm.weight)
         for n in ("gate", "up", "down"):
             put(p + f"mlp.{n}_proj.weight", getattr(layer.mlp, f"{n}_proj").weight)
+    put(lm + "norm.weight", bb.llm.norm.weight)  # both read the LM after its final norm
     ah = lb.action_head
     put_linear("action_head.vlln", ah.vlln)
     for mlp in ("state_encoder", "action_decoder"):
@@ -137,7 +138,7 @@ def transfer_weights(lb: Any, rf: Any, cfg: Any) -> None:
             put_linear(p + name, src)
     for n in ("proj_out_1", "proj_out_2"):
         put_linear(m + n, getattr(dit, n))
-    missing = sorted(set(dst) - copied - {"backbone.language_model.model.norm.weight"})
+    missing = sorted(set(dst) - copied)
     if missing:
         raise KeyError(f"reference parameters not transferred: {missing[:8]} ...")
 
