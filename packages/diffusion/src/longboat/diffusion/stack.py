@@ -8,12 +8,26 @@ from __future__ import annotations
 from pathlib import Path
 
 from longboat.core.stack import Stack
+from longboat.diffusion.models.registry import FAMILIES
 
 STACK = Stack(
     name="diffusion",
     description="Video and image diffusion transformers on megatron-core (Wan-style DiT) "
     "with flow matching and diffusers conversion.",
     config_dir=Path(__file__).with_name("conf"),
+    model_schemas=dict.fromkeys(FAMILIES, "longboat.diffusion.train.schema:DiffusionModelConfig"),
+    root_schema="longboat.diffusion.train.schema:DiffusionExperimentConfig",
+    data_schemas={
+        "latents": "longboat.diffusion.data.schema:LatentsDataConfig",
+        "synthetic_squares": "longboat.diffusion.data.schema:SyntheticSquaresDataConfig",
+    },
     console_script="longboat-diffusion",
+    train="longboat.diffusion.train.training:train",
+    validators=("longboat.diffusion.train.checks:validate_diffusion",),
+    examples=(
+        "longboat-diffusion train experiment=quickstart                 # tiny Wan DiT on moving squares, CPU",
+        "longboat-diffusion train experiment=finetune model.init_from=Wan2.1-T2V-1.3B-Diffusers data.paths=[data/latents]",
+        "torchrun --nproc-per-node 8 -m longboat.diffusion.cli train experiment=finetune parallel.context_parallel=2 ...",
+    ),
     distribution="longboat-diffusion",
 )

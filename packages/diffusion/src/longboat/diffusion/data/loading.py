@@ -13,7 +13,7 @@ from longboat.diffusion.data.batching import LatentBatchSampler, collate_latents
 from longboat.diffusion.data.dataset import LatentDataset
 from longboat.diffusion.data.schema import LatentsDataConfig, SyntheticSquaresDataConfig
 
-__all__ = ["LatentLoader", "build_latent_loader", "dataset_paths"]
+__all__ = ["LatentLoader", "build_latent_loader", "dataset_paths", "eval_dataset_paths"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -45,6 +45,17 @@ def dataset_paths(cfg: LatentsDataConfig, prefix: str = "data") -> list[Path]:
 
         return [generate_squares(cfg, prefix=prefix)]
     return [Path(p) for p in cfg.paths] + ([Path(cfg.path)] if cfg.path else [])
+
+
+def eval_dataset_paths(cfg: LatentsDataConfig, prefix: str = "data") -> list[Path]:
+    """The held-out dataset directories of ``cfg``: ``eval_paths``, or the synthetic set's
+    held-out set (written first if needed); empty when there is none."""
+    if isinstance(cfg, SyntheticSquaresDataConfig):
+        from longboat.diffusion.data.synthetic import eval_set_config, generate_squares
+
+        held_out = eval_set_config(cfg)
+        return [] if held_out is None else [generate_squares(held_out, prefix=prefix)]
+    return [Path(p) for p in cfg.eval_paths]
 
 
 def build_latent_loader(

@@ -59,6 +59,9 @@ class LatentsDataConfig(DataConfig):
     """Check every shard's SHA-256 against the manifest when opening (reads every byte)."""
     dtype: str = "float32"
     """Batch dtype of latents and text embeddings (shards keep their own)."""
+    eval_paths: list[str] = field(default_factory=list)
+    """Held-out latent datasets: the training run's held-out loss and preview captions come
+    from them (empty: no held-out loss, no preview)."""
 
     def validate(self, prefix: str = "data") -> None:
         """Raise one ``ConfigError`` naming every bad key."""
@@ -128,12 +131,28 @@ class SyntheticSquaresDataConfig(LatentsDataConfig):
     start_jitter: int = 1
     """The square starts centred, moved by a seeded offset of at most this many cells per
     axis; larger values make position harder to learn (-1: anywhere)."""
+    num_eval_samples: int = 48
+    """Samples of the held-out set written beside the training set (the same captions, starts
+    drawn with another seed); 0: none."""
+    eval_out_dir: str | None = None
+    """Where the held-out set is written (default: ``<out_dir>_eval``)."""
 
     def _check(self, p: ProblemCollector, prefix: str) -> None:
         super()._check(p, prefix)
         _positive(p, f"{prefix}.num_samples", self.num_samples, "e.g. 256")
         _positive(p, f"{prefix}.latent_channels", self.latent_channels, "Wan: 16")
         _positive(p, f"{prefix}.text_dim", self.text_dim, "the model's text dim, e.g. 32")
+        if (
+            isinstance(self.num_eval_samples, bool)
+            or not isinstance(self.num_eval_samples, int)
+            or self.num_eval_samples < 0
+        ):
+            p.add(
+                f"{prefix}.num_eval_samples",
+                "must be an integer >= 0",
+                value=self.num_eval_samples,
+                fix="e.g. 48 (0: no held-out set)",
+            )
         if (
             isinstance(self.start_jitter, bool)
             or not isinstance(self.start_jitter, int)

@@ -12,13 +12,20 @@ Sample ``i`` has colour ``i % 4`` (red, green, blue, yellow), direction ``(i // 
 ``a red square moving left`` (``a red square`` for one-frame samples). The text embeddings
 are deterministic pseudo embeddings of the caption's words (:func:`caption_embedding`), so a
 tiny DiT learns colour and direction from them through cross-attention.
+
+The held-out set (:func:`eval_set_config`) is the same generator with another seed: the same
+captions and shapes, other starting offsets. :func:`read_square` reads colour and direction
+back from latents (a generated sample), so a preview can be checked against its caption.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import itertools
 import math
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +48,11 @@ from longboat.diffusion.data.shards import (
 __all__ = [
     "COLOURS",
     "DIRECTIONS",
+    "SquareReading",
     "caption_embedding",
+    "eval_set_config",
     "generate_squares",
+    "read_square",
     "square_latents",
     "square_record",
 ]
@@ -184,3 +194,80 @@ def generate_squares(cfg: SyntheticSquaresDataConfig, *, prefix: str = "data") -
     manifest["complete"] = True
     write_manifest(root, manifest)
     return root
+
+
+def eval_set_config(cfg: SyntheticSquaresDataConfig) -> SyntheticSquaresDataConfig | None:
+    """The held-out set of ``cfg`` (None with ``num_eval_samples=0``): ``num_eval_samples``
+    samples by the same rules, starts drawn with the seed ``seed + 1``, written to
+    ``eval_out_dir`` (default ``<out_dir>_eval``)."""
+    if cfg.num_eval_samples < 1:
+        return None
+    root = Path(cfg.out_dir)
+    out = cfg.eval_out_dir or str(root.with_name(root.name + "_eval"))
+    return dataclasses.replace(
+        cfg, out_dir=out, num_samples=cfg.num_eval_samples, seed=cfg.seed + 1, num_eval_samples=0
+    )
+
+
+@dataclass(frozen=True)
+class SquareReading:
+    """What :func:`read_square` sees in latents of one square."""
+
+    colour: str
+    """The named colour nearest to the square's mean colour; ``none`` when no square stands
+    out from the background (a blank or noisy sample)."""
+    direction: str
+    """``left`` / ``right`` / ``up`` / ``down`` / ``still`` / ``other``: the most frequent
+    frame-to-frame move of the square (``""`` for one frame)."""
+    positions: tuple[tuple[int, int], ...] = ()
+    """The square's top-left cell in each frame."""
+
+
+_MOVES = {"still": (0, 0), **DIRECTIONS}
+_MIN_CONTRAST = 0.5
+"""Least mean distance from the background (in ``2 rgb - 1`` units) of the square's cells
+above the other cells' for a square to be read (a drawn square: 1.8 to 2.5)."""
+
+
+def read_square(latents: torch.Tensor | np.ndarray) -> SquareReading:
+    """Colour and motion of the square in ``[C, T, H, W]`` latents (module doc's colour basis).
+
+    Each cell's distance from the background colour is a map per frame; the square is the
+    ``side x side`` box (wrapping around the edges, as the squares do) with the largest mean
+    distance in that frame. Its colour is the mean colour of the boxes over all frames, named
+    by the nearest of ``COLOURS`` (``none`` when the boxes do not stand out by
+    ``_MIN_CONTRAST``). Each move between frames is the wrapped shift of the box, named as a
+    direction (``still`` when it stays, ``other`` for any other shift); the direction is the
+    most frequent move (ties: the first of still, left, right, up, down).
+    """
+    x = np.asarray(torch.as_tensor(latents).detach().float().cpu(), dtype=np.float64)
+    if x.ndim != 4:
+        raise ValueError(f"latents of shape {x.shape}: expected [C, T, H, W]")
+    c, t, h, w = x.shape
+    side = _side(h, w)
+    colour = np.einsum("ck,cthw->thwk", colour_basis(c), x) / math.sqrt(c / 3)  # 2 rgb - 1
+    dist = np.linalg.norm(colour - (2.0 * np.asarray(BACKGROUND) - 1.0), axis=-1)  # [T, H, W]
+    # box[f, y, x]: sum of dist over the side x side box whose top-left cell is (y, x)
+    box = sum(np.roll(dist, (-i, -j), axis=(1, 2)) for i in range(side) for j in range(side))
+    positions, inside, picked = [], np.zeros_like(dist, dtype=bool), []
+    for f in range(t):
+        y, xx = np.unravel_index(int(np.argmax(box[f])), (h, w))
+        positions.append((int(y), int(xx)))
+        ys, xs = (y + np.arange(side)) % h, (xx + np.arange(side)) % w
+        inside[f][np.ix_(ys, xs)] = True
+        picked.append(colour[f][np.ix_(ys, xs)].reshape(-1, 3))
+    rgb = (np.concatenate(picked).mean(axis=0) + 1.0) / 2.0
+    name = min(COLOURS, key=lambda n: float(np.sum((np.asarray(COLOURS[n]) - rgb) ** 2)))
+    outside = dist[~inside].mean() if (~inside).any() else 0.0
+    if dist[inside].mean() - outside < _MIN_CONTRAST:
+        name = "none"
+    if t == 1:
+        return SquareReading(colour=name, direction="", positions=tuple(positions))
+    votes = dict.fromkeys([*_MOVES, "other"], 0)
+    for (y0, x0), (y1, x1) in itertools.pairwise(positions):
+        dy = (y1 - y0 + h // 2) % h - h // 2
+        dx = (x1 - x0 + w // 2) % w - w // 2
+        move = next((m for m, d in _MOVES.items() if d == (dy, dx)), "other")
+        votes[move] += 1
+    direction = max(votes, key=lambda m: votes[m])
+    return SquareReading(colour=name, direction=direction, positions=tuple(positions))

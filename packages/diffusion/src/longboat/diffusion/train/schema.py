@@ -1,0 +1,76 @@
+"""Typed config of diffusion training runs: the model, the objective and the run settings
+(the data configs live in :mod:`longboat.diffusion.data.schema`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from longboat.core.config.schema import ExperimentConfig, ModelConfig
+from longboat.diffusion.objective.flow_matching import FlowMatchingConfig
+
+__all__ = ["DiffusionExperimentConfig", "DiffusionModelConfig", "DiffusionRunConfig"]
+
+
+@dataclass
+class DiffusionModelConfig(ModelConfig):
+    """A diffusion transformer: a family and flavor, or a diffusers directory."""
+
+    name: str = "wan"
+    """Model family (``longboat.diffusion.models.registry``)."""
+    flavor: str = "tiny"
+    """``tiny`` (CPU tests) or a released shape (wan: ``t2v_1_3b``, ``t2v_14b``); ignored with
+    ``init_from`` (the checkpoint's config.json gives the architecture)."""
+    init_from: str | None = None
+    """A diffusers transformer directory (or a pipeline directory with ``transformer/``) to
+    start from: its ``config.json`` gives the family and the architecture, its safetensors
+    the weights."""
+    recompute_blocks: int = 0
+    """Activation recompute: the first ``n`` blocks keep only their inputs and recompute the
+    rest in the backward (less memory, one more block forward); ``-1``: every block."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Architecture fields laid over the flavor, e.g. ``{num_layers: 4, ffn_dim: 128}`` (the
+    family config's field names); not allowed with ``init_from``."""
+
+
+@dataclass
+class DiffusionRunConfig:
+    """Diffusion-specific run settings: held-out loss, export, preview."""
+
+    cpu_precision: str = "fp32"
+    """Precision used instead of ``train.precision`` on CPU."""
+    num_threads: int = 0
+    """torch intra-op threads on CPU (0: leave torch's default)."""
+    eval_sigmas: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75])
+    """Noise levels of the held-out loss: every held-out sample is noised at each level with
+    noise fixed per sample, so evaluations are comparable across steps and runs (unweighted
+    mean squared error of the velocity)."""
+    eval_batch_size: int = 8
+    """Held-out samples per forward."""
+    eval_samples: int = 0
+    """Held-out samples used (the first ones; 0: all)."""
+    export: bool = True
+    """Write a diffusers directory when training finishes."""
+    export_dir: str | None = None
+    """Where the export goes (null: ``<output_dir>/diffusers``)."""
+    preview: bool = True
+    """At the end, sample latents for held-out captions in ``sample_steps`` Euler steps and
+    write them as an animated GIF next to the held-out latents (``<output_dir>/preview``)."""
+    preview_captions: int = 8
+    """Held-out captions sampled for the preview (distinct captions, longest clips first)."""
+    sample_steps: int = 10
+    """Euler steps of the preview's sampler."""
+    sample_shift: float | None = None
+    """Timestep shift of the sampler (null: ``objective.shift``)."""
+
+
+@dataclass
+class DiffusionExperimentConfig(ExperimentConfig):
+    """Root config of ``longboat-diffusion train``."""
+
+    stack: str = "diffusion"
+    model: DiffusionModelConfig = field(default_factory=DiffusionModelConfig)
+    objective: FlowMatchingConfig = field(default_factory=FlowMatchingConfig)
+    """How noise levels are drawn and weighted (flow matching as Wan trains it)."""
+    diffusion: DiffusionRunConfig = field(default_factory=DiffusionRunConfig)
+    """Diffusion run settings (held-out loss, export, preview)."""

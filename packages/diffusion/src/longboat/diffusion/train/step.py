@@ -1,0 +1,155 @@
+"""One flow-matching optimizer step on megatron's DDP + distributed optimizer.
+
+``DiffusionTrainStep`` wraps a diffusion transformer in megatron's
+``DistributedDataParallel`` and builds the distributed optimizer (fp32 main weights and
+moments sharded over the data x context parallel ranks). A step runs the flow-matching loss on
+each of its micro-batches and one optimizer update:
+
+- **Loss**: the mean over every sample of the global batch (all micro-batches, all
+  data-parallel ranks) of its timestep-weighted velocity MSE, so a step's loss does not depend
+  on how its samples are split into micro-batches and ranks.
+- **Noise**: each micro-batch draws its noise levels and noise from a ``torch.Generator``
+  seeded by ``(seed, step, j * dp + dp_rank)`` for its ``j``-th micro-batch on data-parallel
+  rank ``dp_rank`` (the batch's global position in the step, which is also the position the
+  sampler hands it out at), so a resumed run replays the same noise and DP=2 draws what DP=1
+  draws for the same batches.
+- **Context parallelism**: every rank of a context-parallel group computes the same loss from
+  the same full outputs, but holds only its tokens' share of the gradients; megatron's DDP
+  averages over data x context parallel ranks, so the backward runs on ``loss * cp``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from longboat.diffusion.objective.flow_matching import FlowMatchingConfig, flow_matching_loss
+from longboat.diffusion.train.data import noise_seed
+
+__all__ = ["DiffusionTrainStep"]
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    def move(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.to(device, non_blocking=True)
+        if isinstance(v, list) and v and isinstance(v[0], torch.Tensor):
+            return [t.to(device, non_blocking=True) for t in v]
+        return v
+
+    return {k: move(v) for k, v in batch.items()}
+
+
+def model_inputs(batch: dict[str, Any]) -> tuple[Any, torch.Tensor, torch.Tensor, Any]:
+    """``(x0, text_embeds, text_mask, latent_mask)`` of a collated batch; the latent mask is
+    None when nothing is padded (bucketed batches)."""
+    mask = batch.get("latent_mask")
+    if mask is not None and bool(mask.all()):
+        mask = None
+    return batch["latents"], batch["text_embeds"], batch["text_mask"], mask
+
+
+class DiffusionTrainStep:
+    """Forward / backward over a step's micro-batches, then the optimizer's update."""
+
+    def __init__(
+        self,
+        model: Any,
+        optim: Any,
+        *,
+        precision: str,
+        objective: FlowMatchingConfig,
+        seed: int,
+        device: torch.device,
+    ) -> None:
+        from megatron.core import parallel_state as mps
+
+        from longboat.core.megatron.optimizer import build_optimizer, wrap_ddp
+
+        self.model = model
+        (self.ddp,) = wrap_ddp([model], distributed_optimizer=True)
+        self.optimizer = build_optimizer(
+            [self.ddp], optim, precision=precision, distributed_optimizer=True
+        )
+        self.objective = objective
+        self.seed = seed
+        self.device = device
+        self.dp = mps.get_data_parallel_world_size()
+        self.dp_rank = mps.get_data_parallel_rank()
+        self.cp = mps.get_context_parallel_world_size()
+        self.dp_group = mps.get_data_parallel_group()
+
+    def generator(self, step: int, micro: int) -> torch.Generator:
+        """The noise generator of micro-batch ``micro`` of this rank at ``step``."""
+        position = micro * self.dp + self.dp_rank
+        return torch.Generator().manual_seed(noise_seed(self.seed, step, position))
+
+    def _all_reduce(self, value: torch.Tensor) -> torch.Tensor:
+        if self.dp > 1:
+            dist.all_reduce(value, group=self.dp_group)
+        return value
+
+    def forward_backward(self, step: int, micro_batches: list[dict[str, Any]]) -> torch.Tensor:
+        """Backward of the step's sample-mean loss; returns the loss (0-d, equal on all
+        ranks)."""
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        micro_batches = [_to_device(mb, self.device) for mb in micro_batches]
+        local = float(sum(len(mb["captions"]) for mb in micro_batches))
+        count = self._all_reduce(torch.tensor(local, device=self.device, dtype=torch.float32))
+        # DDP averages gradients over dp * cp ranks; this makes them the global sample mean.
+        scale = (self.dp * self.cp) / count
+        total = torch.zeros((), device=self.device, dtype=torch.float32)
+        for j, mb in enumerate(micro_batches):
+            x0, text, text_mask, latent_mask = model_inputs(mb)
+            loss, _ = flow_matching_loss(
+                self.ddp,
+                x0,
+                text,
+                text_mask,
+                config=self.objective,
+                generator=self.generator(step, j),
+                latent_mask=latent_mask,
+            )
+            summed = loss * len(mb["captions"])  # the micro-batch's mean -> its sum
+            (summed * scale).backward()
+            total = total + summed.detach()
+        self.ddp.finish_grad_sync()
+        return self._all_reduce(total) / count
+
+    def update(self) -> Any:
+        """The optimizer step; returns the grad norm when the step computed one."""
+        from longboat.core.megatron.optimizer import optimizer_step
+
+        _, norm = optimizer_step(self.optimizer)
+        return norm
+
+    @torch.no_grad()
+    def held_out(
+        self, batches: list[dict[str, Any]], noise_of: Any, sigmas: list[float]
+    ) -> torch.Tensor:
+        """``[len(sigmas) + 1]``: the summed velocity MSE of this rank's held-out samples at
+        each noise level (fixed noise per sample: ``noise_of(batch)``), and their count."""
+        out = torch.zeros(len(sigmas) + 1, dtype=torch.float64)
+        steps = self.objective.num_train_timesteps
+        for batch in batches:
+            noise = noise_of(batch)
+            b = _to_device(batch, self.device)
+            x0, text, text_mask, latent_mask = model_inputs(b)
+            n = x0.shape[0]
+            eps = torch.stack(noise).to(self.device, x0.dtype)
+            for k, sigma in enumerate(sigmas):
+                x_t = (1.0 - sigma) * x0 + sigma * eps
+                t = torch.full((n,), sigma * steps, device=self.device)
+                pred = self.model(x_t, t, text, text_mask)
+                err = (pred.float() - (eps - x0).float()) ** 2
+                if latent_mask is None:
+                    per = err.flatten(1).mean(1)
+                else:
+                    m = latent_mask[:, None].float()
+                    per = (err * m).flatten(1).sum(1) / (m.flatten(1).sum(1) * err.shape[1])
+                out[k] += float(per.sum())
+            out[-1] += n
+        return out

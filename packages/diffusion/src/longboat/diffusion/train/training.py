@@ -1,0 +1,265 @@
+"""``longboat-diffusion train``: the diffusion stack's run on core's trainer.
+
+``build_training(cfg)`` is the stack's one assembly (the command line and benchmarks call
+it): the config checked whole (``checks.check_experiment``), the process group (a one-rank
+group when not launched by torchrun), megatron's parallel state (tensor, context and data
+parallel), the data (the quickstart writes its synthetic sets first; training batches from the
+resumable latent loader, the held-out set batched once), the model (its flavor, or a diffusers
+directory with ``model.init_from``) and the step on megatron's DDP + distributed optimizer
+(``DiffusionTrainStep``). The checkpoint holds the model, the optimizer's shard and the data
+position; the step's noise is a function of the step, so a resumed run continues the loss
+curve of an uninterrupted one exactly.
+
+After a finished run the model is exported as a diffusers directory and, for the preview,
+held-out captions are sampled in a few Euler steps into an animated GIF under the run
+directory (``report``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from longboat.core.config.errors import ConfigError
+from longboat.core.distributed import run_precision
+from longboat.core.megatron.training import MegatronTraining
+from longboat.core.train import RunResult, StepOutput, UpdateGate, run_training, typed_config
+from longboat.diffusion.train.checks import check_experiment, model_family
+
+RESUME_KEYS = (
+    "parallel.tensor_parallel",
+    "parallel.context_parallel",
+    "model.name",
+    "model.flavor",
+    "model.init_from",
+    "model.overrides",
+    "data.name",
+    "data.batching",
+)
+"""What a checkpoint's sharded model, optimizer shards and data position depend on."""
+
+
+class DiffusionTraining(MegatronTraining):
+    """One ``longboat-diffusion train`` run, built (see the module doc)."""
+
+    unit = "samples"
+    resume_keys = RESUME_KEYS
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg, num_threads=cfg.diffusion.num_threads)
+
+    def check(self, cfg: Any) -> None:
+        self.model_cfg = check_experiment(cfg)
+
+    def _build(self, rank: int) -> None:
+        from megatron.core import parallel_state as mps
+
+        from longboat.core.rng import seed_everything
+        from longboat.diffusion.train.data import open_run_data
+        from longboat.diffusion.train.step import DiffusionTrainStep
+
+        cfg = self.cfg
+        self.family = model_family(cfg.model)
+        self.precision = run_precision(
+            cfg.train.precision, cfg.diffusion.cpu_precision, self.accelerator
+        )
+        self.init_layout(cfg.parallel, cfg.train.seed)
+        self.dp, self.dp_rank = mps.get_data_parallel_world_size(), mps.get_data_parallel_rank()
+        mbs = cfg.train.micro_batch_size
+        gbs = cfg.train.global_batch_size or mbs * self.dp
+        if gbs % (mbs * self.dp):
+            raise ConfigError(
+                f"is not divisible by micro_batch_size x data_parallel = {mbs} x {self.dp}",
+                key="train.global_batch_size",
+                value=gbs,
+                fix=f"use a multiple of {mbs * self.dp}",
+            )
+        self.global_batch = gbs
+        self.accumulation = gbs // (mbs * self.dp)
+        self.device = self.accelerator.device()
+        patch = tuple(int(p) for p in self.model_cfg.patch_size)
+        self.data = open_run_data(
+            cfg, dp=self.dp, dp_rank=self.dp_rank, is_main=self.is_main, patch_size=patch
+        )
+        self.items_per_step = self._samples_per_step()
+        seed_everything(cfg.train.seed, self.accelerator)
+        family = self.family.load()
+        model = family.build(self.model_cfg, precision=self.precision)
+        if cfg.model.init_from:
+            family.load_diffusers(model, self.model_cfg, cfg.model.init_from)
+        model.to(self.device)
+        self.step_fn = DiffusionTrainStep(
+            model,
+            cfg.optim,
+            precision=self.precision,
+            objective=cfg.objective,
+            seed=cfg.train.seed,
+            device=self.device,
+        )
+
+    def _samples_per_step(self) -> int:
+        """Samples of a step (packed batches: the mean samples per pack times the packs)."""
+        sampler = self.data.train.sampler
+        if not self.data.train.packed:
+            return self.global_batch
+        per_pack = len(sampler.shapes) / max(sampler.num_batches, 1)
+        return max(1, round(self.global_batch * per_pack))
+
+    # --- what the trainer needs ----------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        from longboat.core.megatron.optimizer import MegatronOptimizerState
+
+        return {
+            "model": self._checkpoint_module(),
+            "optimizer": MegatronOptimizerState(self.step_fn.optimizer),
+            "data": self.data.train,
+        }
+
+    def optimizers(self) -> list[Any]:
+        from longboat.core.megatron.optimizer import inner_optimizers
+
+        return inner_optimizers(self.step_fn.optimizer)
+
+    def batches(self, start_step: int) -> Iterator[list[dict[str, Any]]]:
+        # The loader continues from its position (restored with the checkpoint's "data").
+        return self.data.micro_batches(self.accumulation)
+
+    def step(self, step: int, batch: list[dict[str, Any]], gate: UpdateGate) -> StepOutput:
+        loss = self.step_fn.forward_backward(step, batch)
+        norm = None
+        if gate.allow(step, loss):
+            norm = self.step_fn.update()
+        return StepOutput(loss=loss, grad_norm=norm)
+
+    def evaluate(self) -> dict[str, float]:
+        data = self.data
+        if data.held_out is None:
+            return {}
+        sigmas = [float(s) for s in self.cfg.diffusion.eval_sigmas]
+        sums = self.step_fn.held_out(data.eval_batches, data.eval_noise, sigmas)
+        if self.dp > 1:
+            from megatron.core import parallel_state as mps
+
+            dist.all_reduce(sums, group=mps.get_data_parallel_group_gloo())
+        n = max(float(sums[-1]), 1.0)
+        per_sigma = {f"eval_loss_sigma_{s:g}": float(v) / n for s, v in zip(sigmas, sums)}
+        return {"eval_loss": float(sums[:-1].sum()) / n / len(sigmas), **per_sigma}
+
+    def export(self) -> Path | None:
+        if not self.cfg.diffusion.export:
+            return None
+        out = Path(self.cfg.diffusion.export_dir or f"{self.cfg.output_dir}/diffusers")
+        return self.family.load().save_diffusers(self.step_fn.model, self.model_cfg, out)
+
+    def describe(self) -> list[str]:
+        m, lay, cfg = self.model_cfg, self.layout, self.cfg
+        params = sum(p.numel() for p in self.step_fn.model.parameters()) * lay.tensor_parallel
+        source = (
+            "diffusers " + str(cfg.model.init_from) if cfg.model.init_from else cfg.model.flavor
+        )
+        train = self.data.train
+        batching = (
+            f"packs of up to {cfg.data.max_tokens} tokens"
+            if train.packed
+            else f"same-shape micro-batches of {cfg.train.micro_batch_size}"
+        )
+        shapes = sorted({tuple(int(v) for v in s) for s in train.dataset.shapes.tolist()})
+        lines = [
+            f"Model {self.family.name}/{source}: {m.num_layers} blocks x {m.hidden_size} "
+            f"({m.num_attention_heads} heads), patch {'x'.join(map(str, m.patch_size))}, "
+            f"{m.in_channels} latent channels, text dim {m.text_dim}; {params / 1e6:.2f}M "
+            f"parameters; {self.precision}; tp={lay.tensor_parallel} cp={lay.context_parallel} "
+            f"dp={lay.data_parallel}; recompute {m.num_recomputed()}/{m.num_layers} blocks.",
+            f"Data {cfg.data.name}: {len(train.dataset)} samples, latent shapes "
+            f"{', '.join('x'.join(map(str, s)) for s in shapes)}; {batching}; global batch "
+            f"{self.global_batch} ({self.accumulation} per rank per step).",
+            f"Objective: flow matching, shift {cfg.objective.shift:g}, "
+            f"{cfg.objective.timestep_sampling} timesteps, {cfg.objective.weighting} weighting.",
+        ]
+        if self.data.held_out is not None:
+            sig = ", ".join(f"{float(s):g}" for s in cfg.diffusion.eval_sigmas)
+            lines.append(
+                f"Held-out: {self.data.eval_count} samples, velocity MSE at sigma {sig} "
+                "(fixed noise per sample)."
+            )
+        if cfg.data.num_workers > 0:
+            lines.append(
+                f"data.num_workers={cfg.data.num_workers}: the workers prefetch, so a resumed "
+                "run skips the batches prefetched when the checkpoint was saved."
+            )
+        return lines
+
+    def report(self, result: RunResult) -> list[str]:
+        lines = []
+        if result.export_dir is not None:
+            lines.append(f"Diffusers:   {result.export_dir}")
+        run = self.cfg.diffusion
+        held_out = self.data.held_out
+        if not run.preview or held_out is None or run.preview_captions < 1:
+            return lines
+        if result.end_step == 0:
+            return lines
+        from longboat.diffusion.train.preview import pick_captions, preview
+
+        indices = pick_captions(held_out, run.preview_captions, run.eval_samples)
+        out = Path(self.cfg.output_dir) / "preview" / f"step_{result.end_step:08d}.gif"
+        shift = run.sample_shift if run.sample_shift is not None else self.cfg.objective.shift
+        res = preview(
+            self.step_fn.model,
+            held_out,
+            indices,
+            out,
+            steps=run.sample_steps,
+            shift=shift,
+            seed=self.cfg.train.seed,
+            num_train_timesteps=self.cfg.objective.num_train_timesteps,
+            device=self.device,
+            write=self.is_main,
+        )
+        result.extra["preview"] = str(res.path) if res.path else None
+        result.extra["preview_captions"] = res.captions
+        lines.append(
+            f"Preview:     {res.path} ({len(res.captions)} held-out captions, "
+            f"{run.sample_steps} Euler steps; each sample left of its held-out clip)"
+        )
+        if res.colour_right is not None:
+            n = len(res.captions)
+            result.extra["preview_colour_right"] = res.colour_right
+            result.extra["preview_direction_right"] = res.direction_right
+            result.extra["preview_moving"] = res.moving
+            lines.append(
+                f"Read back from the samples: colour matches the caption {res.colour_right}/{n}"
+                + (f", motion direction {res.direction_right}/{res.moving}" if res.moving else "")
+                + "."
+            )
+            c, r = res.captions[0], res.readings[0]
+            lines.append(f'  e.g. "{c}": read colour {r[0]}' + (f", motion {r[1]}" if r[1] else ""))
+        return lines
+
+    def _checkpoint_module(self) -> torch.nn.Module:
+        """The model, or under tensor parallelism a view whose names carry this rank's
+        coordinates (every TP rank holds a different shard under the same names)."""
+        from longboat.core.megatron.training import rank_prefix, rank_view
+
+        model = self.step_fn.model
+        if self.layout.tensor_parallel == 1:
+            return model
+        return rank_view(model.named_parameters(), rank_prefix())
+
+
+def build_training(cfg: Any) -> DiffusionTraining:
+    """The diffusion stack's assembly of a run from a composed config (see the module doc)."""
+    return DiffusionTraining(typed_config(cfg))
+
+
+def train(cfg: Any, *, on_step: Callable[[int], None] | None = None) -> RunResult:
+    """Train the experiment described by a composed, validated config (the ``train`` command)."""
+    return run_training(cfg, build_training, on_step=on_step)
+
+
+__all__ = ["DiffusionTraining", "build_training", "train"]

@@ -1,0 +1,76 @@
+"""The preview's measuring stick: ``read_square`` reads the colour and motion of the synthetic
+squares back from latents; the held-out set; which captions the preview samples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from longboat.diffusion.data import LatentDataset, SyntheticSquaresDataConfig, generate_squares
+from longboat.diffusion.data.synthetic import eval_set_config, read_square, square_record
+from longboat.diffusion.train.preview import pick_captions
+
+
+@pytest.mark.parametrize("jitter", [1, -1], ids=["centred", "anywhere"])
+@pytest.mark.parametrize("noise", [0.0, 0.7])
+def test_read_square_reads_every_sample_back(jitter: int, noise: float) -> None:
+    cfg = SyntheticSquaresDataConfig(start_jitter=jitter)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(64):  # every colour x direction x shape
+        record = square_record(i, cfg)
+        x = record.latents + noise * torch.randn(record.latents.shape, generator=gen)
+        got = read_square(x)
+        assert (got.colour, got.direction) == (
+            record.extra["colour"],
+            record.extra["direction"],
+        ), (i, got)
+        assert got.positions[0] == tuple(record.extra["start"])
+
+
+def test_read_square_finds_no_square_in_blank_or_noise() -> None:
+    blank = read_square(torch.zeros(16, 5, 8, 12))
+    assert (blank.colour, blank.direction) == ("none", "still")
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        assert read_square(torch.randn(16, 5, 8, 12, generator=gen)).colour == "none"
+
+
+def test_read_square_tells_other_motion_apart() -> None:
+    cfg = SyntheticSquaresDataConfig()
+    x = square_record(
+        36, cfg
+    ).latents  # a moving 5-frame clip: its frames in reverse move the other way
+    forward = read_square(x).direction
+    backward = read_square(x.flip(1)).direction
+    opposite = {"left": "right", "right": "left", "up": "down", "down": "up"}
+    assert backward == opposite[forward]
+    jumbled = x[:, [0, 2, 4, 1, 3]]  # two cells per frame, then back: no one-cell move wins
+    assert read_square(jumbled).direction != forward
+
+
+def test_held_out_set_has_the_captions_and_other_starts(tmp_path: Path) -> None:
+    cfg = SyntheticSquaresDataConfig(out_dir=str(tmp_path / "data"), num_eval_samples=16)
+    held = eval_set_config(cfg)
+    assert held is not None and held.out_dir == str(tmp_path / "data_eval")
+    assert held.num_samples == 16 and held.seed != cfg.seed
+    starts = [tuple(square_record(i, cfg).extra["start"]) for i in range(16)]
+    held_starts = [tuple(square_record(i, held).extra["start"]) for i in range(16)]
+    assert starts != held_starts
+    assert [square_record(i, cfg).caption for i in range(16)] == [
+        square_record(i, held).caption for i in range(16)
+    ]
+    assert eval_set_config(SyntheticSquaresDataConfig(num_eval_samples=0)) is None
+
+
+def test_preview_picks_distinct_captions_longest_first(tmp_path: Path) -> None:
+    cfg = SyntheticSquaresDataConfig(
+        out_dir=str(tmp_path / "d"), num_samples=40, shapes=[[1, 4, 4], [3, 4, 4]]
+    )
+    ds = LatentDataset(generate_squares(cfg))
+    picked = pick_captions(ds, 6)
+    captions = [ds[i]["caption"] for i in picked]
+    assert len(set(captions)) == 6
+    assert all(tuple(ds.shapes[i]) == (3, 4, 4) for i in picked)  # samples 16..31
+    assert pick_captions(ds, 6, limit=16) == [0, 1, 2, 3]  # the first 16: stills of 4 colours
