@@ -29,8 +29,19 @@ def judge(
     candidate: list[float], reference: list[float], perturbed: list[float], *, relative: bool
 ) -> dict[str, Any]:
     """The verdict of ``candidate`` against ``reference`` within the band of ``perturbed``."""
-    d = differences(candidate, reference, relative)
-    signed_band = differences(perturbed, reference, relative)
+    return judge_differences(
+        differences(candidate, reference, relative),
+        differences(perturbed, reference, relative),
+        relative=relative,
+    )
+
+
+def judge_differences(
+    d: list[float], signed_band: list[float], *, relative: bool
+) -> dict[str, Any]:
+    """The verdict of signed per-step differences ``d`` against a band's signed per-step
+    differences: also a pair judged against another pair's band (TP=2 vs TP=1 within the band
+    of the HF baseline against itself, over the same steps)."""
     band = [abs(x) for x in signed_band]
     tail = min(TAIL, max(1, len(d) // 2))
     out = {

@@ -43,10 +43,10 @@ def test_tiny_run_writes_every_phase(tiny_run) -> None:
     assert dp2["items_per_step"] == 2 * dp1["items_per_step"]
     assert dp2["tokens_per_s"] == pytest.approx(2 * dp2["tokens_per_s_per_gpu"])
     assert result["dp_scaling"] == pytest.approx(dp2["tokens_per_s"] / dp1["tokens_per_s"])
-    stem = tmp / f"llm_scaling_{result['date']}"
+    stem = tmp / f"llm_scaling_{result['date']}_tiny"
     assert json.loads(stem.with_suffix(".json").read_text()) == result
     md = stem.with_suffix(".md").read_text()
-    assert md.count("| dp2 |") == 1 and "| TP=2 vs TP=1 |" in md
+    assert md.count("| dp2 |") == 1 and md.count("| tp2 |") == 1 and "| TP=2 vs TP=1 |" in md
     assert stem.with_suffix(".png").stat().st_size > 0
     assert stdout.rstrip().splitlines()[-1].startswith("DP=2 / DP=1 tokens/s")
 
