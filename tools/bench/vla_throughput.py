@@ -67,8 +67,10 @@ VARIANTS: dict[str, list[str]] = {
     "longboat_graphed": GRAPHED,
     "longboat_graphed_fp32master": [*GRAPHED, "train.master_weight_storage=fp32"],
     "longboat_graphed_kernel": [*GRAPHED, "train.master_weight_update=kernel"],
+    "longboat_fsdp": ["parallel.strategy=fsdp"],
 }
-"""Config keys each longboat run adds to the CLI's defaults."""
+"""Config keys each longboat run adds to the CLI's defaults (``longboat_fsdp``: FSDP2 instead
+of the default DDP; at one process both train the model unwrapped)."""
 PEERS = ("transformers", "av", "triton")
 """The distributions whose versions the result records."""
 TEXT_LEN = 24  # prompt tokens the FLOP counts assume
