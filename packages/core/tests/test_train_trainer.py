@@ -211,6 +211,17 @@ def test_a_changed_model_shape_is_refused_before_loading(tmp_path: Path) -> None
         run(_cfg(out, "train.steps=10", "model.hidden_size=64"))
 
 
+def test_another_stacks_checkpoint_is_refused(tmp_path: Path) -> None:
+    """Two stacks' experiments of one name (``quickstart``) in one output_dir: the second
+    run names the stack instead of loading the first run's state."""
+    out = tmp_path / "run"
+    run(_cfg(out, "train.steps=5"))
+    other = _cfg(out, "train.steps=10")
+    other.stack = "other"
+    with pytest.raises(CheckpointError, match=r"saved with stack='core' \(this run: 'other'\)"):
+        run(other)
+
+
 def test_the_run_writes_its_config_and_loss_curve(tmp_path: Path) -> None:
     result = run(_cfg(tmp_path, "train.steps=12", "optim.lr=0.02"))
     saved = OmegaConf.load(result.metrics_path.with_name("config.yaml"))

@@ -348,7 +348,8 @@ class Trainer:
 
         def before_load(path: Path, manifest: Any) -> None:
             tried.append(path)
-            check_resume_keys(path, manifest.config, current, t.resume_keys)
+            # Another stack's run in the same output_dir is never resumed.
+            check_resume_keys(path, manifest.config, current, ("stack", *t.resume_keys))
             r.changed = changed_keys(manifest.config, current)
 
         try:
