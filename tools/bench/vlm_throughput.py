@@ -127,6 +127,20 @@ def flops_per_sample(model_cfg: Any, tokens: int, grids: list[list[int]]) -> flo
     return 3.0 * fwd
 
 
+def measure_rows(cfg: Any) -> tuple[Any, list[dict], float, float]:
+    """The run's model config (with the tokenizer's token ids), its packed rows, and a row's
+    mean real tokens and training FLOPs."""
+    from longboat.vlm.train.data import open_run_data
+    from longboat.vlm.train.training import model_config
+
+    run_data = open_run_data(cfg, model_config(cfg), progress=False)
+    rows = [run_data.train[i] for i in range(len(run_data.train))]
+    lengths = [int(r["cu_seqlens"][1]) for r in rows]
+    flops = float(np.mean([flops_per_sample(run_data.model_cfg, n, r["image_grid_thw"].tolist())
+                           for n, r in zip(lengths, rows, strict=True)]))  # fmt: skip
+    return run_data.model_cfg, rows, float(np.mean(lengths)), flops
+
+
 def run_longboat(name: str, c: dict[str, Any], base: list[str], acc: Any, args: Any) -> dict:
     def probe(training: Any) -> dict[str, Any]:
         return {"precision": training.precision, "describe": training.describe()}
@@ -214,8 +228,6 @@ def main(argv: list[str] | None = None) -> int:
     import importlib.util
 
     from longboat.core.device import get_accelerator
-    from longboat.vlm.train.data import open_run_data
-    from longboat.vlm.train.training import model_config
 
     acc = get_accelerator()
     on_gpu = acc.device_type != "cpu"
@@ -229,13 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         data, tok = make_data(Path(tmp), c, args.seed)
         base = overrides(c, data, tok)
         cfg = compose("vlm", EXPERIMENT, base, str(Path(tmp) / "run"))
-        run_data = open_run_data(cfg, model_config(cfg), progress=False)
-        model_cfg = run_data.model_cfg  # with the tokenizer's token ids
-        rows = [run_data.train[i] for i in range(len(run_data.train))]
-        lengths = [int(r["cu_seqlens"][1]) for r in rows]
-        flops = float(np.mean([flops_per_sample(model_cfg, n, r["image_grid_thw"].tolist())
-                               for n, r in zip(lengths, rows, strict=True)]))  # fmt: skip
-        tokens = float(np.mean(lengths))
+        model_cfg, rows, tokens, flops = measure_rows(cfg)
         config = {**{k: v for k, v in c.items() if k not in ("images", "px")}, "images": [list(x) for x in c["images"]],
                   "rows": len(rows), "mean_tokens": tokens, "flops_per_sample": flops,
                   "overrides": [o for o in base if not o.startswith(("data.paths", "data.tok"))],
