@@ -7,9 +7,21 @@
 # with one GPU), with megatron-core 0.19, hydra, av and liger-kernel importable and the
 # longboat packages installed (or PYTHONPATH pointing at packages/*/src). Each step has its
 # own time limit (seconds, env LIMIT_*), so one that overruns leaves the others their time;
-# results are written as each run ends. ONLY="gpu_tests llm vla llm_align scaling vla_scaling
-# vla_align pi05" picks steps (default: all but pi05, which WITH_PI05=1 adds), so the set can
-# be split over several calls.
+# results are written as each run ends. ONLY="gpu_tests llm vla llm_align scaling
+# scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling vla_align pi05 vla_scaling_levers" picks
+# steps (default: all but pi05 and vla_scaling_levers, which WITH_PI05=1 / WITH_VLA_LEVERS=1
+# add), so the set can be split over several calls.
+#
+# The two-GPU rows (each its own command below, results named by the script):
+#   scaling           llm_scaling: DP=2 vs DP=1 tokens/s (886M shape), TP=2 vs TP=1 loss curve
+#   scaling_tp_qwen3  llm_scaling --phases tp --tp-shape qwen3_1_7b: TP=2 vs TP=1 loss curve
+#                     judged against the newest llm_loss_alignment_qwen3_1_7b_*.json band, and
+#                     both runs' tokens/s
+#   moe_scaling       moe_scaling: the 4-layer Qwen3-30B-A3B shape at parallel.expert_parallel=2
+#                     vs one GPU (tokens/s, router statistics, loss curves)
+#   vla_scaling       vla_scaling: GR00T-N1.6, the CLI's defaults with DDP and with FSDP2,
+#                     DP=2 vs DP=1 samples/s
+#   vlm_scaling       vlm_scaling: Qwen2.5-VL-3B at LLM TP=2, ViT TP=1 vs the decoder's TP
 #
 # Run names (each script's docstring has the detail): `longboat` is always the CLI's defaults
 # for the model; `longboat_<variant>` adds config keys (llm_throughput.VARIANTS:
@@ -19,7 +31,7 @@
 # graphed = + train.cuda_graph, graphed_fp32master = + train.master_weight_storage=fp32,
 # graphed_kernel = + train.master_weight_update=kernel).
 set -u
-ONLY=${ONLY:-"gpu_tests llm vla llm_align scaling vla_scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")"}
+ONLY=${ONLY:-"gpu_tests llm vla llm_align scaling scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")$([ "${WITH_VLA_LEVERS:-0}" = "1" ] && echo " vla_scaling_levers")"}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 RESULTS=${RESULTS:-benchmarks/results}
 mkdir -p "$RESULTS"
@@ -46,13 +58,41 @@ if want scaling && [ "$GPUS" -ge 2 ]; then
   step "llm scaling" timeout "${LIMIT_SCALING:-200}" python3 tools/bench/llm_scaling.py \
     --results-dir "$RESULTS" --time-budget "$(( ${LIMIT_SCALING:-200} - 20 ))"
 fi
-if want vla_scaling && [ "$GPUS" -ge 2 ]; then
-  step "vla scaling" timeout "${LIMIT_VLA_SCALING:-200}" python3 tools/bench/vla_scaling.py \
-    --out /tmp/vla_scaling.json --results-dir "$RESULTS" \
-    --variants longboat_graphed,longboat_master,longboat --batch 32 --steps 20 --warmup 5 \
-    --workers 8 --embodiments 8 --episodes 6 --episode-length 80 120 \
-    --time-budget "$(( ${LIMIT_VLA_SCALING:-200} - 20 ))"
+if want scaling_tp_qwen3 && [ "$GPUS" -ge 2 ]; then
+  # The noise band: the newest Qwen3-1.7B loss alignment (same shape, seed and micro-batch 2).
+  BAND=$(ls -t "$RESULTS"/llm_loss_alignment_qwen3_1_7b_*.json \
+    benchmarks/results/llm_loss_alignment_qwen3_1_7b_*.json 2>/dev/null | head -1)
+  step "llm scaling, TP on the Qwen3-1.7B shape" timeout "${LIMIT_SCALING_TP_QWEN3:-300}" \
+    python3 tools/bench/llm_scaling.py --results-dir "$RESULTS" --phases tp \
+    --tp-shape qwen3_1_7b --tp-steps 50 ${BAND:+--tp-band "$BAND"} \
+    --time-budget "$(( ${LIMIT_SCALING_TP_QWEN3:-300} - 20 ))"
 fi
+if want moe_scaling && [ "$GPUS" -ge 2 ]; then
+  step "moe scaling (EP=2)" timeout "${LIMIT_MOE_SCALING:-480}" python3 tools/bench/moe_scaling.py \
+    --out /tmp/moe_scaling.json --results-dir "$RESULTS" --steps 20 --warmup 5 \
+    --time-budget "$(( ${LIMIT_MOE_SCALING:-480} - 20 ))"
+fi
+if want vla_scaling && [ "$GPUS" -ge 2 ]; then
+  step "vla scaling (DDP, FSDP2)" timeout "${LIMIT_VLA_SCALING:-360}" python3 tools/bench/vla_scaling.py \
+    --out /tmp/vla_scaling.json --results-dir "$RESULTS" \
+    --variants longboat,longboat_fsdp --batch 32 --steps 20 --warmup 5 \
+    --workers 8 --embodiments 8 --episodes 6 --episode-length 80 120 \
+    --time-budget "$(( ${LIMIT_VLA_SCALING:-360} - 20 ))"
+fi
+if want vla_scaling_levers && [ "$GPUS" -ge 2 ]; then
+  step "vla scaling (levers)" timeout "${LIMIT_VLA_SCALING_LEVERS:-300}" python3 tools/bench/vla_scaling.py \
+    --out /tmp/vla_scaling_levers.json --results-dir "$RESULTS" \
+    --variants longboat_graphed,longboat_master --batch 32 --steps 20 --warmup 5 \
+    --workers 8 --embodiments 8 --episodes 6 --episode-length 80 120 \
+    --time-budget "$(( ${LIMIT_VLA_SCALING_LEVERS:-300} - 20 ))"
+fi
+if want vlm_scaling && [ "$GPUS" -ge 2 ]; then
+  step "vlm scaling (ViT TP=1 under LLM TP=2)" timeout "${LIMIT_VLM_SCALING:-480}" \
+    python3 tools/bench/vlm_scaling.py --out /tmp/vlm_scaling.json --results-dir "$RESULTS" \
+    --steps 20 --warmup 3 --time-budget "$(( ${LIMIT_VLM_SCALING:-480} - 20 ))"
+fi
+# Wan CP=2 (81 frames, CP=2 vs one GPU: samples/s and the loss curve) goes here, as
+# `want wan_scaling && [ "$GPUS" -ge 2 ]` with its LIMIT_WAN_SCALING, and joins ONLY's list.
 want vla_align && step "vla loss alignment (master weights)" timeout "${LIMIT_VLA_ALIGN:-240}" \
   python3 tools/bench/vla_loss_alignment.py --out /tmp/vla_loss_alignment.json \
   --results-dir "$RESULTS" --steps 200 --batch 8 --master-weights
