@@ -195,7 +195,10 @@ def _isolation_check(session: nox.Session, dist_name: str, wheel: pathlib.Path) 
             for forbidden in ("megatron-core", "transformer-engine"):
                 if forbidden in installed:
                     session.error(f"installing longboat-embodied pulled {forbidden}")
-        if dist_name not in ("longboat-llm", "longboat-vlm", "longboat-diffusion") and "megatron-core" in installed:
+        if (
+            dist_name not in ("longboat-llm", "longboat-vlm", "longboat-diffusion")
+            and "megatron-core" in installed
+        ):
             session.error(f"installing {dist_name} pulled megatron-core")
 
 
