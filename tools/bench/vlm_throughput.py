@@ -237,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("liger_kernel") is None:
         default = tuple(r for r in default if r != "hf_liger")
     runs = args.runs.split(",") if args.runs else list(default)
+    # Liger patches transformers' Qwen2.5-VL modules for the rest of the process (a later
+    # hf_compiled would trace Liger's kernels): it runs last.
+    runs.sort(key=lambda r: r == "hf_liger")
     with tempfile.TemporaryDirectory(prefix="vlm_bench_") as tmp:
         data, tok = make_data(Path(tmp), c, args.seed)
         base = overrides(c, data, tok)
