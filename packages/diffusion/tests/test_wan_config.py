@@ -138,8 +138,8 @@ def test_registry() -> None:
     for name in ("FLAVORS", "flavor", "read_config", "build", "load_diffusers", "save_diffusers"):
         assert hasattr(module, name), name
     assert module.flavor("tiny") == flavor("tiny")
-    with pytest.raises(ConfigError, match=r"model\.name='flux'"):
-        registry.get_family("flux")
+    with pytest.raises(ConfigError, match=r"model\.name='sd3'"):
+        registry.get_family("sd3")
 
 
 def test_registry_refuses_an_unknown_class(tmp_path: Path) -> None:

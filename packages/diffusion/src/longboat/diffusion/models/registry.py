@@ -56,6 +56,16 @@ register(
         "3D RoPE self-attention and UMT5 cross-attention",
     )
 )
+register(
+    DiffusionFamily(
+        name="flux",
+        module="longboat.diffusion.models.flux",
+        diffusers_classes=("FluxTransformer2DModel",),
+        description="FLUX.1 text-to-image MMDiT: 2x2 latent patches, double-stream (image / "
+        "text) and single-stream blocks with joint attention, 3-axis RoPE, T5 tokens + CLIP "
+        "pooled text + timestep (+ guidance) conditioning",
+    )
+)
 
 
 def get_family(name: str) -> DiffusionFamily:

@@ -1,0 +1,38 @@
+"""The FLUX.1 image MMDiT family (diffusers ``FluxTransformer2DModel``).
+
+The family interface the registry hands out (``longboat.diffusion.models.registry``):
+``FLAVORS``, ``flavor(name)``, ``read_config(dir)``, ``build(cfg, *, precision, kernels)``,
+``load_diffusers(model, cfg, dir)`` and ``save_diffusers(model, cfg, out_dir)``. The config
+names import no megatron; the rest load ``model.py`` / ``hf.py`` on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from longboat.diffusion.models.flux.config import (
+    DIFFUSERS_CLASS,
+    FLAVORS,
+    FluxConfig,
+    flavor,
+    read_config,
+)
+
+_LAZY = {
+    "FluxModel": "longboat.diffusion.models.flux.model",
+    "build": "longboat.diffusion.models.flux.model",
+    "rope_tables": "longboat.diffusion.models.flux.model",
+    "load_diffusers": "longboat.diffusion.models.flux.hf",
+    "save_diffusers": "longboat.diffusion.models.flux.hf",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["DIFFUSERS_CLASS", "FLAVORS", "FluxConfig", "flavor", "read_config", *_LAZY]
