@@ -19,6 +19,7 @@ from longboat.core.config.errors import ConfigError
 from longboat.core.config.schema import ParallelConfig
 from longboat.core.megatron._patching import PatchSet
 from longboat.core.megatron.adapters import MegatronAdapter, check_megatron_version
+from longboat.core.megatron.multi_tensor import multi_tensor_fallbacks
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,8 @@ def initialize(
             create_gloo_process_groups=True,
         )
         model_parallel_cuda_manual_seed(seed)
-        _STATE["patches"] = quiet_tp_group_lookup()
+        _STATE["patches"] = [quiet_tp_group_lookup()]
+        _STATE["patches"].append(multi_tensor_fallbacks())
     except BaseException:
         destroy()
         raise
@@ -184,9 +186,9 @@ def destroy() -> None:
     from megatron.core import parallel_state as mps
     from megatron.core.tensor_parallel import random as mrandom
 
-    if _STATE["patches"] is not None:
-        _STATE["patches"].undo()
-        _STATE["patches"] = None
+    for patches in reversed(_STATE["patches"] or []):
+        patches.undo()
+    _STATE["patches"] = None
     mps.destroy_model_parallel()
     mrandom.initialize_rng_tracker(force_reset=True)
     adapter = _STATE["adapter"]
