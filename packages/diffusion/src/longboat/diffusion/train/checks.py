@@ -133,7 +133,7 @@ def _check_data(p: ProblemCollector, cfg: Any, arch: Any) -> None:
     manifests = [] if synthetic else _manifest_sets(p, data)  # missing datasets named now
     if arch is None:
         return
-    patch = tuple(int(v) for v in arch.patch_size)
+    patch = tuple(int(v) for v in arch.latent_patch)
     if tuple(data.patch_size) != patch:
         p.add(
             "data.patch_size",
@@ -141,10 +141,10 @@ def _check_data(p: ProblemCollector, cfg: Any, arch: Any) -> None:
             value=list(data.patch_size),
             fix=f"set data.patch_size={list(patch)}",
         )
-    if arch.in_channels != arch.out_channels:
+    if arch.latent_channels != arch.latent_out_channels:
         p.add(
             "model.init_from",
-            f"in_channels={arch.in_channels} != out_channels={arch.out_channels}: an "
+            f"latent channels in {arch.latent_channels} != out {arch.latent_out_channels}: an "
             "image-conditioned checkpoint, which text-to-video training does not feed",
             value=cfg.model.init_from,
             fix="start from a text-to-video checkpoint",
@@ -154,10 +154,10 @@ def _check_data(p: ProblemCollector, cfg: Any, arch: Any) -> None:
     else:
         sets = manifests
     for key, channels, text_dim, shapes, shape_key, where in sets:
-        if channels != arch.in_channels:
+        if channels != arch.latent_channels:
             p.add(
                 "data.latent_channels" if key == "data" else key,
-                f"latents of {channels} channels, the model takes in_channels={arch.in_channels}",
+                f"latents of {channels} channels, the model takes {arch.latent_channels}",
                 value=channels,
                 fix="use data of the model's latent space (its VAE), or a model of "
                 f"{channels} channels",

@@ -81,7 +81,7 @@ class DiffusionTraining(MegatronTraining):
         self.global_batch = gbs
         self.accumulation = gbs // (mbs * self.dp)
         self.device = self.accelerator.device()
-        patch = tuple(int(p) for p in self.model_cfg.patch_size)
+        patch = tuple(int(p) for p in self.model_cfg.latent_patch)
         self.data = open_run_data(
             cfg, dp=self.dp, dp_rank=self.dp_rank, is_main=self.is_main, patch_size=patch
         )
@@ -170,11 +170,11 @@ class DiffusionTraining(MegatronTraining):
         )
         shapes = sorted({tuple(int(v) for v in s) for s in train.dataset.shapes.tolist()})
         lines = [
-            f"Model {self.family.name}/{source}: {m.num_layers} blocks x {m.hidden_size} "
-            f"({m.num_attention_heads} heads), patch {'x'.join(map(str, m.patch_size))}, "
-            f"{m.in_channels} latent channels, text dim {m.text_dim}; {params / 1e6:.2f}M "
+            f"Model {self.family.name}/{source}: {m.num_blocks} blocks x {m.hidden_size} "
+            f"({m.num_attention_heads} heads), patch {'x'.join(map(str, m.latent_patch))}, "
+            f"{m.latent_channels} latent channels, text dim {m.text_dim}; {params / 1e6:.2f}M "
             f"parameters; {self.precision}; tp={lay.tensor_parallel} cp={lay.context_parallel} "
-            f"dp={lay.data_parallel}; recompute {m.num_recomputed()}/{m.num_layers} blocks.",
+            f"dp={lay.data_parallel}; recompute {m.num_recomputed()}/{m.num_blocks} blocks.",
             f"Data {cfg.data.name}: {len(train.dataset)} samples, latent shapes "
             f"{', '.join('x'.join(map(str, s)) for s in shapes)}; {batching}; global batch "
             f"{self.global_batch} ({self.accumulation} per rank per step).",

@@ -75,6 +75,27 @@ class WanConfig:
         return self.num_attention_heads * self.attention_head_dim
 
     @property
+    def latent_patch(self) -> tuple[int, int, int]:
+        """Latent ``(frames, rows, columns)`` of one token (``patch_size``; the name every
+        family shares, read by the training run's checks and batching)."""
+        return tuple(self.patch_size)  # type: ignore[return-value]
+
+    @property
+    def latent_channels(self) -> int:
+        """Channels of the latents the model takes (``in_channels``)."""
+        return self.in_channels
+
+    @property
+    def latent_out_channels(self) -> int:
+        """Channels of the predicted latents (``out_channels``)."""
+        return self.out_channels
+
+    @property
+    def num_blocks(self) -> int:
+        """Transformer blocks (``num_layers``)."""
+        return self.num_layers
+
+    @property
     def patch_volume(self) -> int:
         """Latent positions per token: ``prod(patch_size)``."""
         t, h, w = self.patch_size
