@@ -33,6 +33,7 @@ EXPORT_OFF = {
     "llm": "llm.export_hf=false",
     "vlm": "vlm.export_hf=false",
     "embodied": "export.enabled=false",
+    "diffusion": "diffusion.export=false",
 }
 
 

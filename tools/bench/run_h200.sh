@@ -4,10 +4,10 @@
 #   RESULTS=benchmarks/results bash tools/bench/run_h200.sh
 #
 # from the repo root on a machine with one H200 (two for the scaling runs, which are skipped
-# with one GPU), with megatron-core 0.19, hydra, av and liger-kernel importable and the
-# longboat packages installed (or PYTHONPATH pointing at packages/*/src). Each step has its
+# with one GPU), with megatron-core 0.19, hydra, av, liger-kernel and diffusers importable and
+# the longboat packages installed (or PYTHONPATH pointing at packages/*/src). Each step has its
 # own time limit (seconds, env LIMIT_*), so one that overruns leaves the others their time;
-# results are written as each run ends. ONLY="gpu_tests llm vla llm_align scaling
+# results are written as each run ends. ONLY="gpu_tests llm vla diffusion llm_align scaling
 # scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling vla_align pi05 vla_scaling_levers" picks
 # steps (default: all but pi05 and vla_scaling_levers, which WITH_PI05=1 / WITH_VLA_LEVERS=1
 # add), so the set can be split over several calls.
@@ -29,9 +29,10 @@
 # llm.one_pass_adamw=false;
 # vla_throughput.VARIANTS: compiled = train.compile, master = train.master_weights,
 # graphed = + train.cuda_graph, graphed_fp32master = + train.master_weight_storage=fp32,
-# graphed_kernel = + train.master_weight_update=kernel).
+# graphed_kernel = + train.master_weight_update=kernel; diffusion_throughput.VARIANTS:
+# recompute = model.recompute_blocks=-1).
 set -u
-ONLY=${ONLY:-"gpu_tests llm vla llm_align scaling scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")$([ "${WITH_VLA_LEVERS:-0}" = "1" ] && echo " vla_scaling_levers")"}
+ONLY=${ONLY:-"gpu_tests llm vla diffusion llm_align scaling scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")$([ "${WITH_VLA_LEVERS:-0}" = "1" ] && echo " vla_scaling_levers")"}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 RESULTS=${RESULTS:-benchmarks/results}
 mkdir -p "$RESULTS"
@@ -52,6 +53,12 @@ want vla && step "vla throughput" timeout "${LIMIT_VLA:-240}" python3 tools/benc
   --runs reference,longboat,longboat_master,longboat_graphed,longboat_graphed_kernel,longboat_graphed_fp32master \
   --batch 32 --steps 20 --warmup 5 --workers 12 \
   --embodiments 8 --episodes 6 --episode-length 80 120 --time-budget "$(( ${LIMIT_VLA:-240} - 10 ))"
+# Wan2.1 T2V-1.3B at 480x832, 49 and 81 frames: the DiffSynth-style diffusers loop (checkpointing
+# on every block), diffusers with compiled blocks, longboat-diffusion train's defaults.
+want diffusion && step "diffusion throughput" timeout "${LIMIT_DIFFUSION:-720}" \
+  python3 tools/bench/diffusion_throughput.py --out /tmp/diffusion_throughput.json \
+  --results-dir "$RESULTS" --runs hf_ckpt,hf_compiled,longboat --frames 49,81 \
+  --steps 10 --warmup 3 --time-budget "$(( ${LIMIT_DIFFUSION:-720} - 15 ))"
 want llm_align && step "llm loss alignment" timeout "${LIMIT_LLM_ALIGN:-200}" python3 tools/bench/llm_loss_alignment.py \
   --out /tmp/llm_loss_alignment.json --results-dir "$RESULTS" --steps 200
 if want scaling && [ "$GPUS" -ge 2 ]; then
