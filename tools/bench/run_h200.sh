@@ -8,7 +8,8 @@
 # the longboat packages installed (or PYTHONPATH pointing at packages/*/src). Each step has its
 # own time limit (seconds, env LIMIT_*), so one that overruns leaves the others their time;
 # results are written as each run ends. ONLY="gpu_tests llm vla diffusion llm_align scaling
-# scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling vla_align pi05 vla_scaling_levers" picks
+# scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling wan_scaling vla_align pi05
+# vla_scaling_levers" picks
 # steps (default: all but pi05 and vla_scaling_levers, which WITH_PI05=1 / WITH_VLA_LEVERS=1
 # add), so the set can be split over several calls.
 #
@@ -22,6 +23,9 @@
 #   vla_scaling       vla_scaling: GR00T-N1.6, the CLI's defaults with DDP and with FSDP2,
 #                     DP=2 vs DP=1 samples/s
 #   vlm_scaling       vlm_scaling: Qwen2.5-VL-3B at LLM TP=2, ViT TP=1 vs the decoder's TP
+#   wan_scaling       diffusion_scaling: Wan2.1 T2V-1.3B at 81 frames, longboat-diffusion train at
+#                     parallel.context_parallel=2 on two GPUs vs one (tokens/s, target >= 1.7x;
+#                     per-step loss equality)
 #
 # Run names (each script's docstring has the detail): `longboat` is always the CLI's defaults
 # for the model; `longboat_<variant>` adds config keys (llm_throughput.VARIANTS:
@@ -32,7 +36,7 @@
 # graphed_kernel = + train.master_weight_update=kernel; diffusion_throughput.VARIANTS:
 # recompute = model.recompute_blocks=-1).
 set -u
-ONLY=${ONLY:-"gpu_tests llm vla diffusion llm_align scaling scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")$([ "${WITH_VLA_LEVERS:-0}" = "1" ] && echo " vla_scaling_levers")"}
+ONLY=${ONLY:-"gpu_tests llm vla diffusion llm_align scaling scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling wan_scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")$([ "${WITH_VLA_LEVERS:-0}" = "1" ] && echo " vla_scaling_levers")"}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 RESULTS=${RESULTS:-benchmarks/results}
 mkdir -p "$RESULTS"
@@ -98,8 +102,14 @@ if want vlm_scaling && [ "$GPUS" -ge 2 ]; then
     python3 tools/bench/vlm_scaling.py --out /tmp/vlm_scaling.json --results-dir "$RESULTS" \
     --steps 20 --warmup 3 --time-budget "$(( ${LIMIT_VLM_SCALING:-480} - 20 ))"
 fi
-# Wan CP=2 (81 frames, CP=2 vs one GPU: samples/s and the loss curve) goes here, as
-# `want wan_scaling && [ "$GPUS" -ge 2 ]` with its LIMIT_WAN_SCALING, and joins ONLY's list.
+if want wan_scaling && [ "$GPUS" -ge 2 ]; then
+  # WAN_SCALING_KEYS (e.g. model.recompute_blocks=-1) adds keys to both phases: a variant, for
+  # when the CLI's defaults do not fit 81 frames on one GPU.
+  step "wan scaling (CP=2 vs one GPU, 81 frames)" timeout "${LIMIT_WAN_SCALING:-600}" \
+    python3 tools/bench/diffusion_scaling.py --out /tmp/diffusion_scaling.json \
+    --results-dir "$RESULTS" --frames 81 --steps 20 --warmup 3 ${WAN_SCALING_KEYS:+--keys $WAN_SCALING_KEYS} \
+    --time-budget "$(( ${LIMIT_WAN_SCALING:-600} - 20 ))"
+fi
 want vla_align && step "vla loss alignment (master weights)" timeout "${LIMIT_VLA_ALIGN:-240}" \
   python3 tools/bench/vla_loss_alignment.py --out /tmp/vla_loss_alignment.json \
   --results-dir "$RESULTS" --steps 200 --batch 8 --master-weights
