@@ -24,6 +24,8 @@ from longboat.core.distributed import run_multiprocess
 
 STEPS, SAVE_EVERY, KILL_AT = 8, 3, 5
 EXPORT_TOL = 1e-4  # our trained model vs diffusers loading its export (fp32)
+SAMPLE_TOL = 1e-4  # our sampler on our model vs diffusers' scheduler on the export (fp32)
+SAMPLE_STEPS, SAMPLE_SHIFT = 4, 3.0
 RUN = "quickstart_diffusion"
 
 
@@ -68,8 +70,22 @@ def _probe() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     )
 
 
+def _held_out_text(training: Any) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...], list]:
+    """The held-out moving clips' caption embeddings as the preview batches them, the latent
+    batch shape and the captions."""
+    from longboat.diffusion.data.batching import collate_latents
+    from longboat.diffusion.train.preview import pick_captions
+
+    held_out = training.data.held_out
+    samples = [held_out[i] for i in pick_captions(held_out, 2)]
+    batch = collate_latents(samples)
+    shape = tuple(batch["latents"].shape)
+    return batch["text_embeds"], batch["text_mask"], shape, [s["caption"] for s in samples]
+
+
 def _run_worker(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
     from longboat.core.train import Trainer, typed_config
+    from longboat.diffusion.objective import sample
     from longboat.diffusion.train.training import build_training
 
     cfg = typed_config(compose(overrides))
@@ -78,6 +94,16 @@ def _run_worker(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
         result = Trainer(cfg, training).fit()
         with torch.no_grad():
             probe = training.step_fn.model(*_probe())
+        text, mask, shape, captions = _held_out_text(training)
+        sampled = sample(
+            training.step_fn.model,
+            shape,
+            text,
+            mask,
+            steps=SAMPLE_STEPS,
+            shift=SAMPLE_SHIFT,
+            generator=torch.Generator().manual_seed(11),
+        )
         return {
             "start": result.start_step,
             "losses": result.losses,
@@ -86,6 +112,9 @@ def _run_worker(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
             "extra": dict(result.extra),
             "describe": training.describe(),
             "probe": probe,
+            "text": text,
+            "captions": captions,
+            "sampled": sampled,
         }
     finally:
         training.close()
@@ -155,6 +184,36 @@ def test_export_loads_in_diffusers_with_equal_outputs(reference: dict[str, Any])
     diff = (theirs - reference["probe"]).abs().max().item()
     assert diff < EXPORT_TOL, diff
     assert reference["probe"].abs().max() > 0.01  # the trained head is no longer zero
+
+
+@pytest.mark.multiprocess
+def test_preview_sampler_equals_diffusers_scheduler_on_the_export(
+    reference: dict[str, Any],
+) -> None:
+    """The preview's Euler sampler on the trained model == diffusers'
+    ``FlowMatchEulerDiscreteScheduler`` driving the exported ``WanTransformer3DModel`` from the
+    same noise (same sigma convention, shift, velocity sign and timestep scale)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+
+    from longboat.diffusion.data.synthetic import caption_embedding
+
+    model = WanTransformer3DModel.from_pretrained(reference["export"]).eval()
+    sched = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SAMPLE_SHIFT)
+    # Wan's schedule: 1, 1 - 1/N, ..., 1/N before the shift (diffusers' default ends at 1/1000)
+    sched.set_timesteps(sigmas=[1.0 - i / SAMPLE_STEPS for i in range(SAMPLE_STEPS)])
+    ours, text = reference["sampled"], reference["text"]
+    x = torch.randn(ours.shape, generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        for t in sched.timesteps:
+            v = model(x, t.expand(x.shape[0]), text, return_dict=False)[0]
+            x = sched.step(v, t, x, return_dict=False)[0]
+    diff = (x - ours).abs().max().item()
+    assert diff < SAMPLE_TOL, diff
+    assert ours.abs().max() > 0.1 and torch.isfinite(ours).all()
+    # the preview conditions on the embeddings the training set gives each caption
+    assert reference["captions"] == ["a red square moving left", "a green square moving left"]
+    for row, caption in zip(text, reference["captions"], strict=True):
+        assert torch.equal(row, caption_embedding(caption, row.shape[-1]))
 
 
 @pytest.mark.multiprocess
