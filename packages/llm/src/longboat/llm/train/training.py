@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from longboat.core.config.errors import ConfigError
+from longboat.core.device.transfer import batch_to_device
 from longboat.core.distributed import run_precision
 from longboat.core.megatron.quiet import quiet_megatron
 from longboat.core.megatron.training import MegatronTraining
@@ -64,18 +65,6 @@ RESUME_KEYS = (
     "model.num_experts",
 )
 """What a checkpoint's sharded model and optimizer state depend on."""
-
-
-def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """A host microbatch on ``device`` without a host sync on CUDA: a copy from pageable memory
-    waits for everything queued on the stream, one from pinned memory does not (the caching
-    host allocator keeps the pinned block until the copy is done)."""
-    if device.type != "cuda":
-        return {k: None if v is None else v.to(device) for k, v in batch.items()}
-    return {
-        k: None if v is None else v.pin_memory().to(device, non_blocking=True)
-        for k, v in batch.items()
-    }
 
 
 class LLMTraining(MegatronTraining):
@@ -212,7 +201,7 @@ class LLMTraining(MegatronTraining):
         return UpdateGate(guard, schedule, why_sync=why_sync)
 
     def step(self, step: int, batch: list[dict[str, Any]], gate: UpdateGate) -> StepOutput:
-        micro = [_to_device(b, self.device) for b in batch]
+        micro = [batch_to_device(b, self.device) for b in batch]
         if self.graphed is not None:
             out = self.graphed(micro[0])
             gate.allow(step, out["loss"])

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from longboat.core.config.errors import ConfigError
+from longboat.core.device.transfer import batch_to_device
 from longboat.core.distributed import run_precision
 from longboat.core.megatron.training import MegatronTraining
 from longboat.core.train import (
@@ -99,15 +100,6 @@ def rows_of_step(step: int, num_rows: int, global_batch: int, seed: int) -> list
 HOST_KEYS = frozenset({"image_grid_thw", "video_grid_thw"})
 """Row entries that stay on the host: the towers plan their packing from the grids there, so
 a grid on the device would be read back every step."""
-
-
-def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    return {
-        k: v.to(device, non_blocking=True)
-        if isinstance(v, torch.Tensor) and k not in HOST_KEYS
-        else v
-        for k, v in batch.items()
-    }
 
 
 def _as_is(item: Any) -> Any:
@@ -309,7 +301,7 @@ class VLMTraining(MegatronTraining):
     def step(self, step: int, batch: list[dict[str, Any]], gate: UpdateGate) -> StepOutput:
         for b in batch:  # counted on the host, before the copy: no device read in the step
             b["num_targets"] = float(b["loss_mask"].sum())
-        micro = [_to_device(b, self.device) for b in batch]
+        micro = [batch_to_device(b, self.device, keep_on_host=HOST_KEYS) for b in batch]
         loss = self.step_fn.forward_backward(micro)
         norm = None
         if gate.allow(step, loss):
@@ -321,7 +313,10 @@ class VLMTraining(MegatronTraining):
         if rows is None:
             return {}
         n = min(len(rows), max(1, self.cfg.vlm.eval_batches) * self.dp)
-        mine = [_to_device(rows[i], self.device) for i in range(self.dp_rank, n, self.dp)]
+        mine = [
+            batch_to_device(rows[i], self.device, keep_on_host=HOST_KEYS)
+            for i in range(self.dp_rank, n, self.dp)
+        ]
         loss = torch.tensor([self.step_fn.evaluate(mine) if mine else 0.0, float(len(mine))])
         if self.dp > 1:
             from megatron.core import parallel_state as mps
