@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from longboat.core.config.errors import ProblemCollector
+from longboat.core.device.transfer import to_device
 from longboat.diffusion.objective.schedule import bell_weights, draw_sigmas
 
 __all__ = [
@@ -119,7 +120,7 @@ def _noise_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
     # latent dtype (and on any device with a CPU generator).
     device = generator.device if generator is not None else x.device
     noise = torch.randn(x.shape, generator=generator, device=device, dtype=torch.float32)
-    return noise.to(device=x.device, dtype=x.dtype)
+    return to_device(noise, x.device, x.dtype)
 
 
 def _expand(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from longboat.core.device.transfer import to_device
+
 if TYPE_CHECKING:
     from longboat.diffusion.objective.flow_matching import FlowMatchingConfig
 
@@ -87,4 +89,4 @@ def draw_sigmas(
     else:
         u = 1.0 - torch.rand(batch, generator=generator, device=gen_device, dtype=torch.float64)
         sigmas = shift_sigmas(u, config.shift)
-    return sigmas.float().to(device if device is not None else gen_device)
+    return to_device(sigmas.float(), torch.device(device if device is not None else gen_device))

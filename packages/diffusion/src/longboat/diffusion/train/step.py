@@ -25,30 +25,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from longboat.core.device.transfer import to_device
 from longboat.diffusion.objective.flow_matching import FlowMatchingConfig, flow_matching_loss
 from longboat.diffusion.train.data import noise_seed
 
 __all__ = ["DiffusionTrainStep"]
 
 
-def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    def move(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return v.to(device, non_blocking=True)
-        if isinstance(v, list) and v and isinstance(v[0], torch.Tensor):
-            return [t.to(device, non_blocking=True) for t in v]
-        return v
-
-    return {k: move(v) for k, v in batch.items()}
-
-
 def model_inputs(batch: dict[str, Any]) -> tuple[Any, torch.Tensor, torch.Tensor, Any]:
     """``(x0, text_embeds, text_mask, latent_mask)`` of a collated batch; the latent mask is
-    None when nothing is padded (bucketed batches)."""
+    None when nothing is padded (bucketed batches). Call it on the host batch: on a device
+    the padding check would read the mask back."""
     mask = batch.get("latent_mask")
     if mask is not None and bool(mask.all()):
         mask = None
     return batch["latents"], batch["text_embeds"], batch["text_mask"], mask
+
+
+def _on_device(batch: dict[str, Any], device: torch.device) -> tuple[Any, ...]:
+    """``model_inputs`` of a host batch, checked on the host and copied to ``device``."""
+    return tuple(to_device(v, device) for v in model_inputs(batch))
 
 
 class DiffusionTrainStep:
@@ -96,14 +92,16 @@ class DiffusionTrainStep:
         ranks)."""
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        micro_batches = [_to_device(mb, self.device) for mb in micro_batches]
         local = float(sum(len(mb["captions"]) for mb in micro_batches))
-        count = self._all_reduce(torch.tensor(local, device=self.device, dtype=torch.float32))
+        # one rank: a host float (a device scalar made from the host would be a blocking copy)
+        count: Any = local
+        if self.dp > 1:
+            count = self._all_reduce(to_device(torch.tensor(local), self.device))
         # DDP averages gradients over dp * cp ranks; this makes them the global sample mean.
         scale = (self.dp * self.cp) / count
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         for j, mb in enumerate(micro_batches):
-            x0, text, text_mask, latent_mask = model_inputs(mb)
+            x0, text, text_mask, latent_mask = _on_device(mb, self.device)
             loss, _ = flow_matching_loss(
                 self.ddp,
                 x0,
@@ -136,8 +134,7 @@ class DiffusionTrainStep:
         steps = self.objective.num_train_timesteps
         for batch in batches:
             noise = noise_of(batch)
-            b = _to_device(batch, self.device)
-            x0, text, text_mask, latent_mask = model_inputs(b)
+            x0, text, text_mask, latent_mask = _on_device(batch, self.device)
             n = x0.shape[0]
             eps = torch.stack(noise).to(self.device, x0.dtype)
             for k, sigma in enumerate(sigmas):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from longboat.core.device.transfer import to_device
 from longboat.diffusion.models.wan.config import WanConfig
 
 Grid = tuple[int, int, int]
@@ -62,6 +63,10 @@ def unpatchify(tokens: torch.Tensor, grid: Grid, patch: Sequence[int]) -> torch.
     return x.reshape(b, c, t * pt, h * ph, w * pw)
 
 
+def _to(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    return t if device is None else to_device(t, torch.device(device))
+
+
 @dataclass(frozen=True)
 class VideoPacking:
     """Where each sample's tokens sit in a packed ``[total, dim]`` sequence."""
@@ -83,7 +88,7 @@ class VideoPacking:
             raise ValueError(f"grids must be one or more positive (t, h, w), got {list(grids)}")
         lengths = [math.prod(g) for g in norm]
         cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
-        return cls(grids=norm, cu_seqlens=cu.to(device), max_seqlen=max(lengths))
+        return cls(grids=norm, cu_seqlens=_to(cu, device), max_seqlen=max(lengths))
 
     @property
     def seqlens(self) -> list[int]:
@@ -101,7 +106,7 @@ class VideoPacking:
 
     def to(self, device: torch.device | str) -> VideoPacking:
         """A copy whose ``cu_seqlens`` live on ``device``."""
-        return VideoPacking(self.grids, self.cu_seqlens.to(device), self.max_seqlen)
+        return VideoPacking(self.grids, _to(self.cu_seqlens, device), self.max_seqlen)
 
 
 def pack_latents(
