@@ -83,7 +83,7 @@ class HFVLMStep:
     def __call__(self, batch: dict[str, Any]) -> torch.Tensor:
         inputs = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
-            loss = self.model(**inputs).loss
+            loss = self.model(**inputs, use_cache=False).loss  # training: no KV cache
         loss.backward()
         if self.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
