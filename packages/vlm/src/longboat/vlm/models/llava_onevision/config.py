@@ -15,6 +15,7 @@ from typing import Any
 
 from longboat.core.config.errors import ConfigError
 from longboat.core.megatron.models import DecoderModelConfig, get_family, list_families
+from longboat.vlm.models.common import pick_flavor
 from longboat.vlm.models.llava_onevision.anyres import max_tiles
 from longboat.vlm.models.projector.config import ProjectorConfig
 from longboat.vlm.models.siglip.config import VISION_FLAVORS, SiglipVisionConfig
@@ -260,10 +261,4 @@ FLAVORS = ("tiny", "0.5b", "7b")
 
 def flavor(name: str) -> LlavaOnevisionConfig:
     """Flavor ``name``: ``tiny`` (CPU tests), ``0.5b``, ``7b`` (SigLIP so400m + Qwen2)."""
-    flavors = _flavors()
-    if name not in flavors:
-        raise ConfigError(
-            f"model.flavor={name!r}: llava_onevision has flavors {sorted(flavors)}",
-            fix="pick one of them",
-        )
-    return flavors[name]
+    return pick_flavor(_flavors(), name, "llava_onevision")

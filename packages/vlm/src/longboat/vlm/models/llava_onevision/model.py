@@ -32,6 +32,17 @@ from megatron.core.transformer.module import MegatronModule
 
 from longboat.core.config.errors import ConfigError
 from longboat.core.megatron.models import family_for_hf_config, get_family
+from longboat.vlm.models.common import (
+    build_decoder_stage,
+    check_checkpoint_architecture,
+    check_model_type,
+    check_recompute,
+    params_dtype,
+    read_config_json,
+    read_tensors,
+    tower_state,
+    write_hf_config,
+)
 from longboat.vlm.models.llava_onevision.anyres import num_video_tokens, pack_image_features
 from longboat.vlm.models.llava_onevision.config import (
     FLAVORS,
@@ -199,7 +210,6 @@ def build(
     """
     from megatron.core import parallel_state as mps
 
-    from longboat.core.megatron.models.build import build_decoder
     from longboat.vlm.models.vision_parallel import resolve_vision_tensor_parallel
 
     cfg.validate()
@@ -220,25 +230,16 @@ def build(
                 value=size,
                 fix=f"set {key}=1",
             )
-    unknown = sorted(set(recompute) - {"vision", "language"})
-    if unknown:
-        raise ConfigError(
-            f"model.recompute: unknown component(s) {unknown}", fix="use vision and / or language"
-        )
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    full = {"recompute_granularity": "full", "recompute_method": "uniform",
-            "recompute_num_layers": 1}  # fmt: skip
-    chunks = build_decoder(
+    check_recompute(recompute)
+    decoder = build_decoder_stage(
         cfg.language, kernels=kernels, precision=precision, device_type=device_type,
-        **(full if "language" in recompute else {}),
+        recompute=recompute,
     )  # fmt: skip
-    if len(chunks) != 1:
-        raise ConfigError("parallel.virtual_pipeline_parallel: not supported by longboat-vlm yet")
-    vision = LlavaOnevisionVision(cfg, params_dtype=dtype, kernels=kernels)
+    vision = LlavaOnevisionVision(cfg, params_dtype=params_dtype(precision), kernels=kernels)
     vision.tower.recompute = "vision" in recompute
     return LlavaOnevisionModel(
         vision.to(torch.device(device_type)),
-        chunks[0],
+        decoder,
         image_token_id=cfg.image_token_id,
         video_token_id=cfg.video_token_id,
         position_ids=text_position_ids,
@@ -259,24 +260,13 @@ def from_model_config(model: Any) -> LlavaOnevisionConfig:
 # -- Hugging Face ---------------------------------------------------------------------------
 
 
-def _config_dict(source: str | Path | dict[str, Any]) -> tuple[dict[str, Any], str]:
-    if isinstance(source, dict):
-        return source, "config.json"
-    path = Path(source) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{path}: not found", fix="point at a LLaVA-OneVision directory")
-    return json.loads(path.read_text()), str(path)
-
-
 def read_hf_config(source: str | Path | dict[str, Any]) -> LlavaOnevisionConfig:
     """The config of a ``LlavaOnevisionForConditionalGeneration`` ``config.json`` (a directory
     or the parsed dict); the decoder's family comes from ``text_config.model_type``."""
-    hf, where = _config_dict(source)
-    if hf.get("model_type") != HF_MODEL_TYPE:
-        raise ConfigError(
-            f"{where}: model_type={hf.get('model_type')!r} is not {HF_MODEL_TYPE!r}",
-            fix="point at a LlavaOnevisionForConditionalGeneration checkpoint",
-        )
+    hf, where = read_config_json(source, "LLaVA-OneVision")
+    check_model_type(
+        hf, where, HF_MODEL_TYPE, fix="point at a LlavaOnevisionForConditionalGeneration checkpoint"
+    )
     text = dict(hf.get("text_config") or {})
     text.setdefault("model_type", "qwen2")
     text["tie_word_embeddings"] = bool(
@@ -404,17 +394,6 @@ def vision_from_hf(
     return out
 
 
-def _diff(want: dict[str, Any], found: dict[str, Any], prefix: str = "model") -> list[str]:
-    out = []
-    for key in sorted(set(want) | set(found)):
-        a, b = want.get(key), found.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _diff(a, b, f"{prefix}.{key}")
-        elif a != b:
-            out.append(f"{prefix}.{key}={a!r} but the checkpoint has {b!r}")
-    return out
-
-
 _FILE_HEAD = "language_model.lm_head.weight"
 
 
@@ -445,17 +424,9 @@ def _decoder_view(hf_dir: str | Path, index: dict[str, Path]) -> Iterator[Path]:
 def load_hf(model: VisionLanguageModel, cfg: LlavaOnevisionConfig, hf_dir: str | Path) -> int:
     """Load a LLaVA-OneVision directory into the model after checking that its config
     describes ``cfg``; returns the number of tensors read."""
-    from safetensors import safe_open
-
     from longboat.core.megatron.hf_io import hf_weight_index, load_hf_weights
 
-    found, want = read_hf_config(hf_dir).architecture(), cfg.architecture()
-    if found != want:
-        raise ConfigError(
-            f"{hf_dir}/config.json describes a different model than the one built: "
-            + "; ".join(_diff(want, found)),
-            fix="build the model from read_hf_config(<dir>) (model.init_from_hf reads it)",
-        )
+    check_checkpoint_architecture(cfg.architecture(), read_hf_config(hf_dir).architecture(), hf_dir)
     index = hf_weight_index(hf_dir)
     layout = _layout(set(index))
     others = layout.others
@@ -464,16 +435,8 @@ def load_hf(model: VisionLanguageModel, cfg: LlavaOnevisionConfig, hf_dir: str |
             [model.language], cfg.language.to_arch(), decoder_dir, prefix=layout.language,
             other_prefixes=others,
         )  # fmt: skip
-    hf: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name, path in index.items():
-        if name.startswith(others):
-            by_file.setdefault(path, []).append(name)
-    for path, names in by_file.items():
-        with safe_open(str(path), "pt") as f:
-            hf.update({name: f.get_tensor(name) for name in names})
     try:
-        ours = vision_from_hf(hf, cfg, layout)
+        ours = vision_from_hf(read_tensors(index, others), cfg, layout)
     except KeyError as exc:
         raise ConfigError(f"{hf_dir}: the checkpoint has no tensor {exc}") from None
     state = model.vision.state_dict()
@@ -496,11 +459,7 @@ def save_hf(model: VisionLanguageModel, cfg: LlavaOnevisionConfig, out_dir: str 
 
     out_dir = Path(out_dir)
     state = gather_hf_state_dict([model.language], cfg.language.to_arch(), prefix=LANGUAGE_PREFIX)
-    local = {
-        k: v.detach()
-        for k, v in model.vision.state_dict().items()
-        if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
-    }
+    local = tower_state(model.vision)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         state |= vision_to_hf(local, cfg)
@@ -509,9 +468,5 @@ def save_hf(model: VisionLanguageModel, cfg: LlavaOnevisionConfig, out_dir: str 
             old.unlink()
         tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
         save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-        hf_config = to_hf_config(cfg)
-        hf_config.dtype = "float32"
-        hf_config.save_pretrained(out_dir)
-    if dist.is_initialized():
-        dist.barrier()
+    write_hf_config(to_hf_config, cfg, out_dir, rank)
     return out_dir

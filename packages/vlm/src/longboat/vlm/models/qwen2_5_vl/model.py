@@ -10,7 +10,6 @@ write the Hugging Face directory layout (``model.*`` decoder, ``visual.*`` tower
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -20,6 +19,20 @@ import torch
 
 from longboat.core.config.errors import ConfigError
 from longboat.core.megatron.models import DecoderModelConfig, get_family
+from longboat.vlm.models.common import (
+    build_decoder_stage,
+    build_split_tower,
+    check_checkpoint_architecture,
+    check_model_type,
+    check_recompute,
+    decoder_prefix,
+    gather_split_tower,
+    load_split_tower,
+    pick_flavor,
+    read_config_json,
+    read_tensors,
+    write_hf_config,
+)
 from longboat.vlm.models.mrope import mrope_position_ids
 from longboat.vlm.models.qwen2_5_vl.vision_config import Qwen25VisionConfig
 from longboat.vlm.models.vlm import VisionLanguageModel
@@ -74,23 +87,12 @@ class Qwen25VLConfig:
             raise ConfigError("; ".join(problems))
 
 
-def _config_dict(source: str | Path | dict[str, Any]) -> tuple[dict[str, Any], str]:
-    if isinstance(source, dict):
-        return source, "config.json"
-    path = Path(source) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{path}: not found", fix="point at a Hugging Face Qwen2.5-VL directory")
-    return json.loads(path.read_text()), str(path)
-
-
 def read_hf_config(source: str | Path | dict[str, Any]) -> Qwen25VLConfig:
     """The config of a Qwen2.5-VL ``config.json`` (a directory or the parsed dict)."""
-    hf, where = _config_dict(source)
-    if hf.get("model_type") != HF_MODEL_TYPE:
-        raise ConfigError(
-            f"{where}: model_type={hf.get('model_type')!r} is not {HF_MODEL_TYPE!r}",
-            fix="point at a Qwen2_5_VLForConditionalGeneration checkpoint",
-        )
+    hf, where = read_config_json(source, "Hugging Face Qwen2.5-VL")
+    check_model_type(
+        hf, where, HF_MODEL_TYPE, fix="point at a Qwen2_5_VLForConditionalGeneration checkpoint"
+    )
     text = dict(hf.get("text_config") or {})
     if not text:  # transformers 4.x kept the decoder fields at the top level
         text = {k: v for k, v in hf.items() if k != "vision_config"}
@@ -159,47 +161,29 @@ def build_qwen2_5_vl(
     ``vision_tensor_parallel``: the tower's TP size, null (the decoder's) or 1 (unsharded,
     the images divided over the decoder's TP ranks; collective over the world).
     """
-    from longboat.core.megatron.models.build import build_decoder
     from longboat.vlm.models.qwen2_5_vl.vision import Qwen25VisionModel
-    from longboat.vlm.models.vision_parallel import replicate_tower, vision_split
+    from longboat.vlm.models.vision_parallel import vision_split
 
     cfg.validate()
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    unknown = sorted(set(recompute) - {"vision", "language"})
-    if unknown:
-        raise ConfigError(
-            f"model.recompute: unknown component(s) {unknown}", fix="use vision and / or language"
-        )
-    full = {
-        "recompute_granularity": "full",
-        "recompute_method": "uniform",
-        "recompute_num_layers": 1,
-    }
-    chunks = build_decoder(
+    check_recompute(recompute)
+    decoder = build_decoder_stage(
         cfg.language,
         kernels=kernels,
         precision=precision,
         device_type=device_type,
-        **(full if "language" in recompute else {}),
+        recompute=recompute,
     )
-    if len(chunks) != 1:
-        raise ConfigError(
-            "interleaved virtual pipeline stages are not supported by longboat-vlm",
-            key="parallel.virtual_pipeline_parallel",
-            value=len(chunks),
-            fix="set it to null (plain 1F1B over parallel.pipeline_parallel stages)",
-        )
     split = vision_split(vision_tensor_parallel)
-    vision = None
-    if chunks[0].pre_process:
-        groups = split.tower_groups if split is not None else None
-        vision = Qwen25VisionModel(
-            cfg.vision, params_dtype=dtype, kernels=kernels, pg_collection=groups
-        )
-        vision.recompute = "vision" in recompute
-        vision = vision.to(torch.device(device_type))
-        if split is not None:
-            replicate_tower(vision, split)
+    vision = build_split_tower(
+        Qwen25VisionModel,
+        cfg.vision,
+        first_stage=decoder.pre_process,
+        split=split,
+        precision=precision,
+        device_type=device_type,
+        kernels=kernels,
+        recompute=recompute,
+    )
     position_ids = partial(
         mrope_position_ids,
         image_token_id=cfg.image_token_id,
@@ -209,7 +193,7 @@ def build_qwen2_5_vl(
     )
     model = VisionLanguageModel(
         vision,
-        chunks[0],
+        decoder,
         image_token_id=cfg.image_token_id,
         video_token_id=cfg.video_token_id,
         position_ids=position_ids,
@@ -218,77 +202,28 @@ def build_qwen2_5_vl(
     return model
 
 
-def _diff(want: dict[str, Any], found: dict[str, Any], prefix: str = "model") -> list[str]:
-    out = []
-    for key in sorted(set(want) | set(found)):
-        a, b = want.get(key), found.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _diff(a, b, f"{prefix}.{key}")
-        elif a != b:
-            out.append(f"{prefix}.{key}={a!r} but the checkpoint has {b!r}")
-    return out
-
-
-_DECODER_PREFIXES = ("model.language_model.", "model.")
-"""Where a checkpoint keeps the decoder: transformers 5's in-memory names, then the file
-layout every released Qwen2.5-VL checkpoint (and ``save_pretrained``) uses."""
-
-
-def _decoder_prefix(names: set[str]) -> str:
-    for prefix in _DECODER_PREFIXES:
-        if f"{prefix}embed_tokens.weight" in names:
-            return prefix
-    return "model."
-
-
 @torch.no_grad()
 def load_hf(model: VisionLanguageModel, cfg: Qwen25VLConfig, hf_dir: str | Path) -> int:
     """Load a Hugging Face Qwen2.5-VL directory into this rank's model after checking that
     its config describes ``cfg``; returns the number of tensors read. A checkpoint that does
     not fit raises naming every missing, unexpected and wrongly shaped tensor."""
-    from safetensors import safe_open
-
-    from longboat.core.megatron.hf_io import hf_weight_index, load_hf_weights, rank_coords
+    from longboat.core.megatron.hf_io import hf_weight_index, load_hf_weights
     from longboat.vlm.models.qwen2_5_vl.vision_hf import (
         HF_PREFIXES,
         shard_vision_state_dict,
         vision_from_hf,
     )
 
-    found, want = read_hf_config(hf_dir).architecture(), cfg.architecture()
-    if found != want:
-        diffs = _diff(want, found)
-        raise ConfigError(
-            f"{hf_dir}/config.json describes a different model than the one built: "
-            + "; ".join(diffs),
-            fix="build the model from read_hf_config(<dir>) (model.init_from_hf reads it)",
-        )
+    check_checkpoint_architecture(cfg.architecture(), read_hf_config(hf_dir).architecture(), hf_dir)
     index = hf_weight_index(hf_dir)
-    prefix = _decoder_prefix(set(index))
+    prefix = decoder_prefix(index)
     n = load_hf_weights(
         [model.language], cfg.language.to_arch(), hf_dir, prefix=prefix, other_prefixes=HF_PREFIXES
     )
-    visual: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name, path in index.items():
-        if name.startswith(HF_PREFIXES):
-            by_file.setdefault(path, []).append(name)
-    for path, names in by_file.items():
-        with safe_open(str(path), "pt") as f:
-            visual.update({name: f.get_tensor(name) for name in names})
     if model.vision is None:  # a later pipeline stage: the tower lives on the first
         return n
-    ours = vision_from_hf(visual, cfg.vision)
-    coords = rank_coords()
-    if coords.tp_size > 1 and model.vision_split is None:  # else the tower is unsharded
-        ours = shard_vision_state_dict(ours, coords.tp_rank, coords.tp_size)
-    model.vision.load_state_dict(ours, strict=False)
-    missing = [
-        k for k in model.vision.state_dict() if k not in ours and not k.endswith("_extra_state")
-    ]
-    if missing:
-        raise ConfigError(f"{hf_dir}: the vision tower has no tensors for {missing}")
-    return n + len(ours)
+    ours = vision_from_hf(read_tensors(index, HF_PREFIXES), cfg.vision)
+    return n + load_split_tower(model, ours, hf_dir, shard_vision_state_dict)
 
 
 def save_hf(model: VisionLanguageModel, cfg: Qwen25VLConfig, out_dir: str | Path) -> Path:
@@ -298,36 +233,20 @@ def save_hf(model: VisionLanguageModel, cfg: Qwen25VLConfig, out_dir: str | Path
     owner writes its own layers to a shard listed in ``model.safetensors.index.json``)."""
     import torch.distributed as dist
 
-    from longboat.core.megatron.hf_io import rank_coords, save_hf_weights, tp_shards
+    from longboat.core.megatron.hf_io import save_hf_weights
     from longboat.vlm.models.qwen2_5_vl.vision_hf import unshard_vision_state_dict, vision_to_hf
 
     out_dir = Path(out_dir)
-    coords = rank_coords()
     rank = dist.get_rank() if dist.is_initialized() else 0
     visual: dict[str, torch.Tensor] = {}
     if model.vision is not None:  # the first pipeline stage: gather the tower's TP shards
-        local = {
-            k: v.detach()
-            for k, v in model.vision.state_dict().items()
-            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
-        }
-        if model.vision_split is not None:  # unsharded: rank 0's replica is the tower
-            full = local
-        else:
-            per_rank = [dict(zip(local, parts, strict=True)) for parts in
-                        zip(*(tp_shards(v, coords) for v in local.values()), strict=True)]  # fmt: skip
-            full = unshard_vision_state_dict(per_rank)
+        full = gather_split_tower(model, unshard_vision_state_dict)
         if rank == 0:
             visual = vision_to_hf(full, cfg.vision, prefix="visual.")
     save_hf_weights(
         [model.language], cfg.language.to_arch(), out_dir, prefix="model.", extra=visual
     )
-    if rank == 0:
-        hf_config = to_hf_config(cfg)
-        hf_config.dtype = "float32"
-        hf_config.save_pretrained(out_dir)
-    if dist.is_initialized():
-        dist.barrier()
+    write_hf_config(to_hf_config, cfg, out_dir, rank)
     return out_dir
 
 
@@ -359,10 +278,4 @@ build = build_qwen2_5_vl
 
 def flavor(name: str) -> Qwen25VLConfig:
     """Qwen2.5-VL flavor ``name``: ``tiny`` (CPU tests), ``3b``, ``7b`` (as released)."""
-    flavors = _flavors()
-    if name not in flavors:
-        raise ConfigError(
-            f"model.flavor={name!r}: Qwen2.5-VL has flavors {sorted(flavors)}",
-            fix="pick one of them",
-        )
-    return flavors[name]
+    return pick_flavor(_flavors(), name, "Qwen2.5-VL")
