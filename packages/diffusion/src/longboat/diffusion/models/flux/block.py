@@ -39,19 +39,19 @@ from typing import Any
 import torch
 from megatron.core import parallel_state as mps
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from longboat.core.layer_kernels import LayerKernels, RMSNormFn, RopeFn, torch_rms_norm
-from longboat.core.megatron.decoder_config import unfused_layer_kwargs
 from longboat.core.megatron.specs import LongboatSpecProvider
-from longboat.diffusion.models.flux.config import FluxConfig
-from longboat.diffusion.models.wan.block import (
+from longboat.diffusion.models.common.layers import (
     AttentionFn,
     adaln_modulate,
+    dit_transformer_config,
+    gated_add,
     gelu_tanh,
     kernel_attention,
+    mlp_spec,
     rope_reference,
 )
 
@@ -70,11 +70,6 @@ class JointLayout:
     key_mask: torch.Tensor | None
     """``[B, 1, 1, L + S]`` bool, True for keys to attend to (padded caption tokens False);
     None: all."""
-
-
-def _gated_add(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    # The residual sum in fp32 (the modulation is fp32), as the Wan blocks do.
-    return (x.float() + y.float() * gate[:, None, :].float()).to(x.dtype)
 
 
 def _mlp_out(mlp: Any, h: torch.Tensor) -> torch.Tensor:
@@ -237,13 +232,13 @@ class FluxDoubleBlock(MegatronModule):
         q, k, v = (torch.cat(pair, dim=1) for pair in ((qc, qx), (kc, kx), (vc, vx)))
         out = self.attention(q, k, v, layout)
         n = layout.text_len
-        x = _gated_add(x, self.img_proj(out[:, n:])[0], gate1)
-        c = _gated_add(c, self.txt_proj(out[:, :n])[0], c_gate1)
+        x = gated_add(x, self.img_proj(out[:, n:])[0], gate1)
+        c = gated_add(c, self.txt_proj(out[:, :n])[0], c_gate1)
 
         h = adaln_modulate(x, shift2, scale2, eps)
-        x = _gated_add(x, _mlp_out(self.img_mlp, h), gate2)
+        x = gated_add(x, _mlp_out(self.img_mlp, h), gate2)
         h = adaln_modulate(c, c_shift2, c_scale2, eps)
-        c = _gated_add(c, _mlp_out(self.txt_mlp, h), c_gate2)
+        c = gated_add(c, _mlp_out(self.txt_mlp, h), c_gate2)
         return x, c
 
 
@@ -283,7 +278,7 @@ class FluxSingleBlock(MegatronModule):
         attn = self.attention(q, k, v, layout)
         mlp = gelu_tanh(self.linear_fc1(n)[0])
         out = self.linear_proj(attn)[0] + self.linear_fc2(mlp)[0]
-        return _gated_add(h, out, gate)
+        return gated_add(h, out, gate)
 
 
 def flux_block_specs(
@@ -299,14 +294,7 @@ def flux_block_specs(
         column=provider.column_parallel_linear(),
         row=provider.row_parallel_linear(),
         qk_norm=ModuleSpec(module=HeadRMSNorm, params={"rms_norm": kernels.rms_norm}),
-        # megatron's MLP: fc1 -> (+ bias) -> config.activation_func -> fc2
-        mlp=ModuleSpec(
-            module=MLP,
-            submodules=MLPSubmodules(
-                linear_fc1=provider.column_parallel_linear(),
-                linear_fc2=provider.row_parallel_linear(),
-            ),
-        ),
+        mlp=mlp_spec(provider),
     )
     params = {"rope": kernels.rope, "attention_fn": attention_fn}
     double = ModuleSpec(module=FluxDoubleBlock, params=params, submodules=sub)
@@ -314,38 +302,6 @@ def flux_block_specs(
     return double, single
 
 
-def flux_transformer_config(
-    cfg: FluxConfig,
-    *,
-    tensor_parallel: int | None = None,
-    params_dtype: torch.dtype = torch.float32,
-    **overrides: Any,
-) -> Any:
-    """megatron ``TransformerConfig`` of the blocks (``tensor_parallel``: the live megatron TP
-    size when None). Linears start Xavier-uniform with zero biases."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    cfg.validate()
-    if tensor_parallel is None:
-        tensor_parallel = mps.get_tensor_model_parallel_world_size()
-    context_parallel = max(1, mps.get_context_parallel_world_size()) if mps.is_initialized() else 1
-    cfg.validate_parallel(tensor_parallel=tensor_parallel, context_parallel=context_parallel)
-    kwargs: dict[str, Any] = dict(
-        num_layers=cfg.num_blocks,
-        hidden_size=cfg.hidden_size,
-        ffn_hidden_size=cfg.ffn_dim,
-        num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_attention_heads,
-        kv_channels=cfg.attention_head_dim,
-        layernorm_epsilon=cfg.eps,
-        add_bias_linear=True,
-        add_qkv_bias=True,
-        gated_linear_unit=False,
-        activation_func=gelu_tanh,
-        init_method=torch.nn.init.xavier_uniform_,
-        output_layer_init_method=torch.nn.init.xavier_uniform_,
-        tensor_model_parallel_size=tensor_parallel,
-        **unfused_layer_kwargs(params_dtype),
-    )
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+flux_transformer_config = dit_transformer_config
+"""megatron ``TransformerConfig`` of the FLUX blocks (``common.layers.dit_transformer_config``;
+``num_layers`` counts double- and single-stream blocks)."""

@@ -41,18 +41,27 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
 from longboat.core.layer_kernels import LayerKernels
+from longboat.diffusion.models.common.layers import (
+    AttentionFn,
+    TwoLayerMLP,
+    adaln_modulate,
+    build_options,
+    kernel_attention,
+    timestep_embedding,
+)
+from longboat.diffusion.models.common.patches import (
+    grid_angles,
+    latent_grid,
+    patchify,
+    unpatchify,
+)
 from longboat.diffusion.models.flux.block import (
     JointLayout,
-    adaln_modulate,
     flux_block_specs,
     flux_transformer_config,
 )
 from longboat.diffusion.models.flux.config import FluxConfig
-from longboat.diffusion.models.wan.block import AttentionFn, kernel_attention
-from longboat.diffusion.models.wan.model import TwoLayerMLP, timestep_embedding
-from longboat.diffusion.models.wan.packing import latent_grid, patchify, unpatchify
 
-_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FREQ_DIM = 256  # width of the sinusoidal timestep / guidance embedding (fixed by FLUX)
 
 
@@ -65,14 +74,7 @@ def rope_tables(
     ``axes[0] / 2`` pairs by the frame, then rows, then columns) at frequencies
     ``theta ** (-2j / axes[axis])``; caption tokens have id 0 (no rotation).
     """
-    t, h, w = grid
-    theta = float(cfg.rope_theta)
-    parts = []
-    for size, dim, shape in zip(grid, cfg.axes_dims_rope, ((t, 1, 1), (1, h, 1), (1, 1, w))):
-        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-        angles = torch.outer(torch.arange(size, dtype=torch.float64), inv_freq)
-        parts.append(angles.reshape(*shape, -1).expand(t, h, w, -1))
-    image = torch.cat(parts, dim=-1).reshape(t * h * w, -1)
+    image = grid_angles(grid, cfg.axes_dims_rope, float(cfg.rope_theta))
     angles = torch.cat([image.new_zeros(text_len, image.shape[1]), image])
     return angles.cos().float().to(device), angles.sin().float().to(device)
 
@@ -308,17 +310,5 @@ def build(
     """A ``FluxModel`` for ``cfg`` on this rank's tensor-parallel shard (megatron's parallel
     state must be initialised), weights in ``precision``; ``kernels`` defaults to
     ``longboat.kernels.layers.longboat_layer_kernels()`` (RMSNorm and RoPE kernels)."""
-    from longboat.core.config.errors import ConfigError
-
-    if precision not in _PRECISIONS:
-        raise ConfigError(
-            "unknown precision", key="train.precision", value=precision,
-            fix=f"use one of {sorted(_PRECISIONS)}",
-        )  # fmt: skip
-    if kernels is None:
-        from longboat.kernels.layers import longboat_layer_kernels
-
-        kernels = longboat_layer_kernels(swiglu=False, qkv_rope=False, add_rms_norm=False)
-    return FluxModel(
-        cfg, params_dtype=_PRECISIONS[precision], kernels=kernels, attention_fn=attention_fn
-    )
+    params_dtype, kernels = build_options(precision, kernels)
+    return FluxModel(cfg, params_dtype=params_dtype, kernels=kernels, attention_fn=attention_fn)

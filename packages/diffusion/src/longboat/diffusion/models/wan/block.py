@@ -42,55 +42,29 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state as mps
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
 )
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from longboat.core.layer_kernels import LayerKernels, RMSNormFn, RopeFn, torch_rms_norm
-from longboat.core.megatron.decoder_config import unfused_layer_kwargs
 from longboat.core.megatron.specs import LongboatSpecProvider
-from longboat.diffusion.models.wan.config import WanConfig
+from longboat.diffusion.models.common.layers import (
+    AttentionFn,
+    adaln_modulate,
+    dit_transformer_config,
+    gated_add,
+    gelu_tanh,
+    kernel_attention,
+    mlp_spec,
+    rope_reference,
+)
 from longboat.diffusion.models.wan.packing import VideoPacking
 from longboat.diffusion.parallel.ulysses import ContextShard, heads_to_seq, seq_to_heads
-
-AttentionFn = Callable[..., torch.Tensor]
-"""``fn(q, k, v, *, causal, scale, cu_seqlens=None, max_seqlen=None, mask=None)``:
-``longboat.kernels.attention.attention``'s contract (``[B, S, H, D]``, or packed
-``[tokens, H, D]`` with ``cu_seqlens``; ``mask`` bool, True where attention is allowed)."""
-
-
-def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> Any:
-    """Attention through ``longboat.kernels.attention``'s dispatch (flash-attn varlen / cuDNN
-    on GPU, SDPA on CPU)."""
-    from longboat.kernels.attention import attention
-
-    return attention(q, k, v, **kwargs)
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GELU with the tanh approximation (Wan's FFN and text-embedding activation)."""
-    return F.gelu(x, approximate="tanh")
-
-
-def rope_reference(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Half-split rotation of ``q`` / ``k`` ``[B, S, H, D]`` by per-token ``cos`` / ``sin``
-    ``[S, D // 2]`` in fp32 (the ``RopeFn`` contract; used when no kernel is given)."""
-    c, s = cos[:, None, :], sin[:, None, :]
-
-    def rot(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-
-    return rot(q), rot(k)
 
 
 @dataclass(frozen=True)
@@ -146,19 +120,6 @@ def per_sample(
         if n > 0  # a sample outside this rank's context-parallel slice
     ]
     return torch.cat(outs, dim=1)
-
-
-def adaln_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> Any:
-    """``layer_norm(x) * (1 + scale) + shift`` (no affine; fp32 inside) through
-    ``longboat.kernels.adaln``; ``x`` ``[b, s, D]``, ``shift`` / ``scale`` ``[b, D]``."""
-    from longboat.kernels.adaln import ada_layer_norm
-
-    return ada_layer_norm(x, scale, shift, eps)
-
-
-def _gated_add(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    # The residual sum in fp32, as diffusers (the gate is fp32).
-    return (x.float() + y.float() * gate[:, None, :]).to(x.dtype)
 
 
 # -- norms ------------------------------------------------------------------------------------
@@ -376,7 +337,7 @@ class WanBlock(MegatronModule):
         eps = self.eps
 
         h = per_sample(lambda t, a, b: adaln_modulate(t, a, b, eps), (x,), (shift1, scale1), layout)
-        x = per_sample(_gated_add, (x, self.self_attention(h, layout)), (gate1,), layout)
+        x = per_sample(gated_add, (x, self.self_attention(h, layout)), (gate1,), layout)
 
         h = x if self.cross_attn_norm is None else self.cross_attn_norm(x)
         x = x + self.cross_attention(h, layout, text=text)
@@ -385,7 +346,7 @@ class WanBlock(MegatronModule):
         out, bias = self.mlp(h)
         if bias is not None:
             out = out + bias
-        return per_sample(_gated_add, (x, out), (gate2,), layout)
+        return per_sample(gated_add, (x, out), (gate2,), layout)
 
 
 def wan_block_spec(
@@ -417,50 +378,29 @@ def wan_block_spec(
         submodules=WanBlockSubmodules(
             self_attention=attention(cross=False),
             cross_attention=attention(cross=True),
-            # megatron's MLP: fc1 -> (+ bias) -> config.activation_func -> fc2
-            mlp=ModuleSpec(
-                module=MLP,
-                submodules=MLPSubmodules(
-                    linear_fc1=provider.column_parallel_linear(),
-                    linear_fc2=provider.row_parallel_linear(),
-                ),
-            ),
+            mlp=mlp_spec(provider),
         ),
     )
 
 
-def wan_transformer_config(
-    cfg: WanConfig,
-    *,
-    tensor_parallel: int | None = None,
-    params_dtype: torch.dtype = torch.float32,
-    **overrides: Any,
-) -> Any:
-    """megatron ``TransformerConfig`` of the blocks (``tensor_parallel``: the live megatron TP
-    size when None). Linears start Xavier-uniform with zero biases, as Wan initialises."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+wan_transformer_config = dit_transformer_config
+"""megatron ``TransformerConfig`` of the Wan blocks (``common.layers.dit_transformer_config``;
+Linears start Xavier-uniform with zero biases, as Wan initialises)."""
 
-    cfg.validate()
-    if tensor_parallel is None:
-        tensor_parallel = mps.get_tensor_model_parallel_world_size()
-    context_parallel = max(1, mps.get_context_parallel_world_size()) if mps.is_initialized() else 1
-    cfg.validate_parallel(tensor_parallel=tensor_parallel, context_parallel=context_parallel)
-    kwargs: dict[str, Any] = dict(
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        ffn_hidden_size=cfg.ffn_dim,
-        num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_attention_heads,
-        kv_channels=cfg.attention_head_dim,
-        layernorm_epsilon=cfg.eps,
-        add_bias_linear=True,
-        add_qkv_bias=True,
-        gated_linear_unit=False,
-        activation_func=gelu_tanh,
-        init_method=torch.nn.init.xavier_uniform_,
-        output_layer_init_method=torch.nn.init.xavier_uniform_,
-        tensor_model_parallel_size=tensor_parallel,
-        **unfused_layer_kwargs(params_dtype),
-    )
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+__all__ = [
+    "AffineLayerNorm",
+    "AttentionFn",
+    "HeadsRMSNorm",
+    "TokenLayout",
+    "WanAttention",
+    "WanAttentionSubmodules",
+    "WanBlock",
+    "WanBlockSubmodules",
+    "adaln_modulate",
+    "gelu_tanh",
+    "kernel_attention",
+    "per_sample",
+    "rope_reference",
+    "wan_block_spec",
+    "wan_transformer_config",
+]

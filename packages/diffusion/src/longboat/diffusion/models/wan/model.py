@@ -59,12 +59,17 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
 from longboat.core.layer_kernels import LayerKernels
-from longboat.diffusion.models.wan.block import (
+from longboat.diffusion.models.common.layers import (
     AttentionFn,
-    TokenLayout,
+    TwoLayerMLP,
     adaln_modulate,
+    build_options,
     gelu_tanh,
     kernel_attention,
+    timestep_embedding,
+)
+from longboat.diffusion.models.wan.block import (
+    TokenLayout,
     per_sample,
     wan_block_spec,
     wan_transformer_config,
@@ -85,31 +90,6 @@ from longboat.diffusion.parallel.ulysses import (
     local_segments,
     shard_tokens,
 )
-
-_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def timestep_embedding(timesteps: torch.Tensor, dim: int, max_period: float = 10000.0) -> Any:
-    """fp32 ``[n, dim]`` sinusoidal embedding ``[cos(t * f), sin(t * f)]`` with frequencies
-    ``f_j = max_period ** (-j / (dim / 2))`` (diffusers' ``Timesteps(flip_sin_to_cos=True,
-    downscale_freq_shift=0)``)."""
-    half = dim // 2
-    exponent = -math.log(max_period) * torch.arange(half, device=timesteps.device) / half
-    angles = timesteps.float()[:, None] * torch.exp(exponent.float())[None, :]
-    return torch.cat([angles.cos(), angles.sin()], dim=-1)
-
-
-class TwoLayerMLP(torch.nn.Module):
-    """``linear_2(act(linear_1(x)))``: the time (SiLU) and text (GELU tanh) embedders."""
-
-    def __init__(self, d_in: int, d_out: int, act: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.linear_1 = torch.nn.Linear(d_in, d_out, dtype=dtype)
-        self.linear_2 = torch.nn.Linear(d_out, d_out, dtype=dtype)
-        self.act = act
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(self.act(self.linear_1(x)))
 
 
 class WanModel(MegatronModule):
@@ -309,17 +289,8 @@ def build(
     """A ``WanModel`` for ``cfg`` on this rank's tensor-parallel shard (megatron's parallel
     state must be initialised), weights in ``precision``; ``kernels`` defaults to
     ``longboat.kernels.layers.longboat_layer_kernels()`` (RMSNorm and RoPE kernels)."""
-    from longboat.core.config.errors import ConfigError
+    params_dtype, kernels = build_options(precision, kernels)
+    return WanModel(cfg, params_dtype=params_dtype, kernels=kernels, attention_fn=attention_fn)
 
-    if precision not in _PRECISIONS:
-        raise ConfigError(
-            "unknown precision", key="train.precision", value=precision,
-            fix=f"use one of {sorted(_PRECISIONS)}",
-        )  # fmt: skip
-    if kernels is None:
-        from longboat.kernels.layers import longboat_layer_kernels
 
-        kernels = longboat_layer_kernels(swiglu=False, qkv_rope=False, add_rms_norm=False)
-    return WanModel(
-        cfg, params_dtype=_PRECISIONS[precision], kernels=kernels, attention_fn=attention_fn
-    )
+__all__ = ["TwoLayerMLP", "WanModel", "build", "timestep_embedding"]

@@ -1,10 +1,7 @@
-"""Video latents <-> patch tokens, packing of differently sized samples, Wan's 3D rotary tables.
+"""Packing of differently sized video samples and Wan's 3D rotary tables.
 
-A latent ``[C, T, H, W]`` becomes ``t * h * w`` tokens (``(t, h, w) = (T, H, W) / patch``, the
-sample's *grid*), frame-major then row-major, each token the ``C * pt * ph * pw`` values of
-one patch flattened channel-first (``(c, dt, dy, dx)``: the order of a ``Conv3d`` kernel, so
-the patch embedding is a Linear over the token). Output tokens use the same layout with
-``out_channels``, so ``unpatchify(patchify(x))`` is ``x`` and a loss may compare tokens.
+Latents become patch tokens as ``longboat.diffusion.models.common.patches`` lays them out
+(``patchify`` / ``unpatchify`` / ``latent_grid``, re-exported here).
 
 Packing concatenates several samples' tokens along the token dimension; ``VideoPacking``
 records each sample's grid and the ``cu_seqlens`` offsets (flash-attn's varlen convention)
@@ -21,46 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from longboat.core.device.transfer import to_device
+from longboat.diffusion.models.common.patches import (
+    Grid,
+    grid_angles,
+    latent_grid,
+    patchify,
+    unpatchify,
+)
 from longboat.diffusion.models.wan.config import WanConfig
-
-Grid = tuple[int, int, int]
-"""A sample's token grid ``(frames, rows, columns)`` in patches."""
-
-
-def latent_grid(shape: Sequence[int], patch: Sequence[int]) -> Grid:
-    """The token grid of a latent whose last three sizes are ``(T, H, W)``; ``ValueError`` when
-    the patch does not divide them."""
-    t, h, w = (int(s) for s in shape[-3:])
-    pt, ph, pw = (int(p) for p in patch)
-    if t % pt or h % ph or w % pw:
-        raise ValueError(
-            f"latent (T, H, W) = {(t, h, w)} is not divisible by the patch {(pt, ph, pw)}; "
-            "crop or pad the latents (or the videos) to a multiple of it"
-        )
-    return t // pt, h // ph, w // pw
-
-
-def patchify(latents: torch.Tensor, patch: Sequence[int]) -> torch.Tensor:
-    """``[B, C, T, H, W]`` -> tokens ``[B, t*h*w, C*pt*ph*pw]`` (see the module doc)."""
-    if latents.dim() != 5:
-        raise ValueError(f"latents must be [B, C, T, H, W], got {tuple(latents.shape)}")
-    b, c = latents.shape[:2]
-    t, h, w = latent_grid(latents.shape, patch)
-    pt, ph, pw = patch
-    x = latents.reshape(b, c, t, pt, h, ph, w, pw).permute(0, 2, 4, 6, 1, 3, 5, 7)
-    return x.reshape(b, t * h * w, c * pt * ph * pw)
-
-
-def unpatchify(tokens: torch.Tensor, grid: Grid, patch: Sequence[int]) -> torch.Tensor:
-    """Tokens ``[B, t*h*w, C*pt*ph*pw]`` of one ``grid`` -> ``[B, C, T, H, W]``."""
-    b, s, dim = tokens.shape
-    t, h, w = grid
-    pt, ph, pw = patch
-    if s != t * h * w or dim % (pt * ph * pw):
-        raise ValueError(f"tokens {tuple(tokens.shape)} do not fit grid {grid} and patch {patch}")
-    c = dim // (pt * ph * pw)
-    x = tokens.reshape(b, t, h, w, c, pt, ph, pw).permute(0, 4, 1, 5, 2, 6, 3, 7)
-    return x.reshape(b, c, t * pt, h * ph, w * pw)
 
 
 def _to(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
@@ -144,19 +109,6 @@ def unpack_tokens(
 # -- rotary ----------------------------------------------------------------------------------
 
 
-def _grid_angles(grid: Grid, dims: tuple[int, int, int], theta: float) -> torch.Tensor:
-    """fp64 ``[t*h*w, sum(dims) // 2]`` angles of one grid."""
-    axes = []
-    for size, dim in zip(grid, dims):
-        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-        axes.append(torch.outer(torch.arange(size, dtype=torch.float64), inv_freq))
-    t, h, w = grid
-    ft = axes[0][:, None, None, :].expand(t, h, w, -1)
-    fh = axes[1][None, :, None, :].expand(t, h, w, -1)
-    fw = axes[2][None, None, :, :].expand(t, h, w, -1)
-    return torch.cat([ft, fh, fw], dim=-1).reshape(t * h * w, -1)
-
-
 def rope_tables(
     grids: Sequence[Grid], cfg: WanConfig, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,5 +131,17 @@ def _grid_tables(
     grid: Grid, dims: tuple[int, int, int], theta: float, device: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # Cached on the device: a training run sees the same few grids every step.
-    angles = _grid_angles(grid, dims, theta)
+    angles = grid_angles(grid, dims, theta)
     return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+__all__ = [
+    "Grid",
+    "VideoPacking",
+    "latent_grid",
+    "pack_latents",
+    "patchify",
+    "rope_tables",
+    "unpack_tokens",
+    "unpatchify",
+]
