@@ -42,7 +42,6 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from longboat.core.megatron.decoder_config import unfused_layer_kwargs
 from longboat.core.megatron.specs import (
     KernelCoreAttention,
     KernelRMSNorm,
@@ -50,6 +49,7 @@ from longboat.core.megatron.specs import (
     LongboatSpecProvider,
 )
 from longboat.vlm.models.qwen2_5_vl.vision_config import Qwen25VisionConfig
+from longboat.vlm.models.vit_config import vit_transformer_config
 
 VarlenAttentionFn = Callable[..., torch.Tensor]
 """``fn(q, k, v, *, causal, cu_seqlens, max_seqlen, scale)`` on packed ``[tokens, heads, dim]``
@@ -293,36 +293,24 @@ def vision_transformer_config(
     """megatron ``TransformerConfig`` of the tower's blocks (``tensor_parallel`` defaults to
     the live megatron TP size)."""
     from megatron.core import parallel_state as mps
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg.validate()
     if tensor_parallel is None:
         tensor_parallel = mps.get_tensor_model_parallel_world_size()
-    for key, value in (("num_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)):
-        if value % tensor_parallel:
-            raise ValueError(
-                f"model.vision.{key}={value} is not divisible by tensor_parallel="
-                f"{tensor_parallel}. Fix: pick a tensor_parallel that divides it."
-            )
-    kwargs: dict[str, Any] = dict(
+    return vit_transformer_config(
         num_layers=cfg.depth,
         hidden_size=cfg.hidden_size,
-        ffn_hidden_size=cfg.intermediate_size,
-        num_attention_heads=cfg.num_heads,
-        num_query_groups=cfg.num_heads,
-        kv_channels=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size,
+        num_heads=cfg.num_heads,
+        head_dim=cfg.head_dim,
         normalization="RMSNorm",
-        layernorm_epsilon=cfg.norm_eps,
-        add_bias_linear=True,
-        add_qkv_bias=True,
-        gated_linear_unit=True,
+        norm_eps=cfg.norm_eps,
+        gated=True,
         activation_func=F.silu,
-        use_te_activation_func=kernel_activation,
-        tensor_model_parallel_size=tensor_parallel,
-        **unfused_layer_kwargs(params_dtype),
+        tensor_parallel=tensor_parallel,
+        params_dtype=params_dtype,
+        **{"use_te_activation_func": kernel_activation, **overrides},
     )
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
 
 
 class PatchMerger(MegatronModule):

@@ -19,7 +19,6 @@ merge-block-major patch order, which the mergers rely on.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import torch
@@ -30,7 +29,6 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
-from longboat.core.megatron.decoder_config import unfused_layer_kwargs
 from longboat.core.megatron.specs import LayerKernels
 from longboat.vlm.models.qwen2_5_vl.vision import (
     frame_cu_seqlens,
@@ -39,6 +37,7 @@ from longboat.vlm.models.qwen2_5_vl.vision import (
 )
 from longboat.vlm.models.qwen3_vl.vision_config import Qwen3VisionConfig
 from longboat.vlm.models.siglip.model import siglip_layer_spec
+from longboat.vlm.models.vit_config import gelu_activation, vit_transformer_config
 
 
 def vision_transformer_config(
@@ -51,39 +50,22 @@ def vision_transformer_config(
     """megatron ``TransformerConfig`` of the tower's blocks (``tensor_parallel`` defaults to
     the live megatron TP size)."""
     from megatron.core import parallel_state as mps
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from longboat.core.config.errors import ConfigError
 
     cfg.validate()
-    tp = tensor_parallel or mps.get_tensor_model_parallel_world_size()
-    for key in ("num_heads", "intermediate_size"):
-        if getattr(cfg, key) % tp:
-            raise ConfigError(
-                f"is not divisible by tensor_parallel={tp}",
-                key=f"model.vision.{key}",
-                value=getattr(cfg, key),
-                fix="pick a parallel.tensor_parallel that divides it",
-            )
-    approximate = "tanh" if cfg.hidden_act == "gelu_pytorch_tanh" else "none"
-    kwargs: dict[str, Any] = dict(
+    return vit_transformer_config(
         num_layers=cfg.depth,
         hidden_size=cfg.hidden_size,
-        ffn_hidden_size=cfg.intermediate_size,
-        num_attention_heads=cfg.num_heads,
-        num_query_groups=cfg.num_heads,
-        kv_channels=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size,
+        num_heads=cfg.num_heads,
+        head_dim=cfg.head_dim,
         normalization="LayerNorm",
-        layernorm_epsilon=cfg.norm_eps,
-        add_bias_linear=True,
-        add_qkv_bias=True,
-        gated_linear_unit=False,
-        activation_func=partial(F.gelu, approximate=approximate),
-        tensor_model_parallel_size=tp,
-        **unfused_layer_kwargs(params_dtype),
+        norm_eps=cfg.norm_eps,
+        gated=False,
+        activation_func=gelu_activation(cfg.hidden_act),
+        tensor_parallel=tensor_parallel or mps.get_tensor_model_parallel_world_size(),
+        params_dtype=params_dtype,
+        **overrides,
     )
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
 
 
 class PatchMerger(MegatronModule):

@@ -18,13 +18,28 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from longboat.vlm.models.qwen3_vl.vision_config import Qwen3VisionConfig
+from longboat.vlm.models.vit_state import (
+    HF_PREFIXES,
+    VisionStateDictError,
+    check_state_dict,
+    detect_hf_prefix,
+    qkv_to_hf,
+    qkv_to_megatron,
+    shard_state_dict,
+    unshard_state_dict,
+)
 
-HF_PREFIXES = ("model.visual.", "visual.")
-"""Where a full Qwen3-VL checkpoint keeps the vision tower."""
-
-
-class VisionStateDictError(ValueError):
-    """A state dict does not fit the vision config; the message names every key."""
+__all__ = [
+    "HF_PREFIXES",
+    "VisionStateDictError",
+    "detect_hf_prefix",
+    "expected_hf_shapes",
+    "expected_shapes",
+    "shard_vision_state_dict",
+    "unshard_vision_state_dict",
+    "vision_from_hf",
+    "vision_to_hf",
+]
 
 
 def _merger_map(ours: str, hf: str) -> dict[str, str]:
@@ -97,47 +112,12 @@ def expected_hf_shapes(cfg: Qwen3VisionConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def detect_hf_prefix(state_dict: Mapping[str, torch.Tensor]) -> str:
-    """``model.visual.``, ``visual.`` or ``""`` (a bare vision-tower state dict)."""
-    for prefix in HF_PREFIXES:
-        if any(k.startswith(prefix) for k in state_dict):
-            return prefix
-    return ""
-
-
-def _check(
-    got: Mapping[str, torch.Tensor], want: Mapping[str, tuple[int, ...]], prefix: str, what: str
-) -> None:
-    problems = []
-    missing = sorted(set(want) - set(got))
-    unexpected = sorted(set(got) - set(want))
-    if missing:
-        problems.append(f"missing {[prefix + k for k in missing]}")
-    if unexpected:
-        problems.append(f"unexpected {[prefix + k for k in unexpected]}")
-    bad = [
-        f"{prefix}{k}: {tuple(got[k].shape)} != expected {want[k]}"
-        for k in sorted(set(got) & set(want))
-        if tuple(got[k].shape) != want[k]
-    ]
-    if bad:
-        problems.append("wrong shapes " + "; ".join(bad))
-    if problems:
-        raise VisionStateDictError(
-            f"{what} does not match the vision config: " + " | ".join(problems)
-        )
-
-
 def _qkv_to_megatron(x: torch.Tensor, cfg: Qwen3VisionConfig) -> torch.Tensor:
-    tail = x.shape[1:]
-    x = x.reshape(3, cfg.num_heads, cfg.head_dim, *tail).transpose(0, 1)
-    return x.reshape(3 * cfg.hidden_size, *tail).contiguous()
+    return qkv_to_megatron(x, cfg.num_heads, cfg.head_dim)
 
 
 def _qkv_to_hf(x: torch.Tensor, cfg: Qwen3VisionConfig) -> torch.Tensor:
-    tail = x.shape[1:]
-    x = x.reshape(cfg.num_heads, 3, cfg.head_dim, *tail).transpose(0, 1)
-    return x.reshape(3 * cfg.hidden_size, *tail).contiguous()
+    return qkv_to_hf(x, cfg.num_heads, cfg.head_dim)
 
 
 def vision_from_hf(
@@ -154,7 +134,7 @@ def vision_from_hf(
     """
     prefix = detect_hf_prefix(state_dict) if prefix is None else prefix
     hf = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
-    _check(hf, expected_hf_shapes(cfg), prefix, "HF vision state dict")
+    check_state_dict(hf, expected_hf_shapes(cfg), prefix, "HF vision state dict")
     out = {ours: hf[theirs] for ours, theirs in _one_to_one(cfg).items()}
     out["patch_embed.weight"] = hf["patch_embed.proj.weight"].reshape(cfg.hidden_size, -1)
     for i in range(cfg.depth):
@@ -173,7 +153,7 @@ def vision_to_hf(
 ) -> dict[str, torch.Tensor]:
     """The HF tensors (named with ``prefix``) of our unsharded tower state dict."""
     ours = {k: v for k, v in state_dict.items() if not k.endswith("_extra_state")}
-    _check(ours, expected_shapes(cfg), "", "vision state dict")
+    check_state_dict(ours, expected_shapes(cfg), "", "vision state dict")
     p, t, c = cfg.patch_size, cfg.temporal_patch_size, cfg.in_channels
     hf = {theirs: ours[name] for name, theirs in _one_to_one(cfg).items()}
     hf["patch_embed.proj.weight"] = ours["patch_embed.weight"].reshape(cfg.hidden_size, c, t, p, p)
@@ -202,16 +182,7 @@ def shard_vision_state_dict(
     """Tensor-parallel rank ``tp_rank``'s part of our unsharded tower state dict (megatron's
     per-head ``linear_qkv`` keeps each rank's heads contiguous, so a row split gives each
     rank whole heads)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, x in state_dict.items():
-        kind = _tp_kind(name)
-        if kind == "rows":
-            out[name] = x.chunk(tp_size, 0)[tp_rank].clone()
-        elif kind == "cols":
-            out[name] = x.chunk(tp_size, 1)[tp_rank].clone()
-        else:
-            out[name] = x.clone()
-    return out
+    return shard_state_dict(state_dict, tp_rank, tp_size, _tp_kind)
 
 
 def unshard_vision_state_dict(
@@ -219,14 +190,4 @@ def unshard_vision_state_dict(
 ) -> dict[str, torch.Tensor]:
     """The unsharded tower state dict from every tensor-parallel rank's part (in rank
     order): the inverse of :func:`shard_vision_state_dict`."""
-    out: dict[str, torch.Tensor] = {}
-    for name in shards[0]:
-        parts = [s[name] for s in shards]
-        kind = _tp_kind(name)
-        if kind == "rows":
-            out[name] = torch.cat(parts, 0)
-        elif kind == "cols":
-            out[name] = torch.cat(parts, 1)
-        else:
-            out[name] = parts[0]
-    return out
+    return unshard_state_dict(shards, _tp_kind)

@@ -16,11 +16,9 @@ blocks' output before it.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
@@ -32,10 +30,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from longboat.core.megatron.decoder_config import unfused_layer_kwargs
 from longboat.core.megatron.specs import LayerKernels, LongboatSpecProvider
 from longboat.vlm.models.qwen2_5_vl.vision import VarlenCoreAttention, kernel_varlen_attention
 from longboat.vlm.models.siglip.config import SiglipVisionConfig
+from longboat.vlm.models.vit_config import gelu_activation, vit_transformer_config
 
 
 def siglip_layer_spec(kernels: LayerKernels | None = None) -> ModuleSpec:
@@ -79,35 +77,22 @@ def siglip_transformer_config(
 ) -> Any:
     """megatron ``TransformerConfig`` of the tower's blocks (the live megatron TP size)."""
     from megatron.core import parallel_state as mps
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg.validate()
-    tp = mps.get_tensor_model_parallel_world_size()
-    for key in ("num_heads", "intermediate_size"):
-        if getattr(cfg, key) % tp:
-            raise ValueError(
-                f"model.vision.{key}={getattr(cfg, key)} is not divisible by tensor_parallel="
-                f"{tp}. Fix: pick a tensor_parallel that divides it."
-            )
-    approximate = "tanh" if cfg.hidden_act == "gelu_pytorch_tanh" else "none"
-    kwargs: dict[str, Any] = dict(
+    return vit_transformer_config(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
-        ffn_hidden_size=cfg.intermediate_size,
-        num_attention_heads=cfg.num_heads,
-        num_query_groups=cfg.num_heads,
-        kv_channels=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size,
+        num_heads=cfg.num_heads,
+        head_dim=cfg.head_dim,
         normalization="LayerNorm",
-        layernorm_epsilon=cfg.layer_norm_eps,
-        add_bias_linear=True,
-        add_qkv_bias=True,
-        gated_linear_unit=False,
-        activation_func=partial(F.gelu, approximate=approximate),
-        tensor_model_parallel_size=tp,
-        **unfused_layer_kwargs(params_dtype),
+        norm_eps=cfg.layer_norm_eps,
+        gated=False,
+        activation_func=gelu_activation(cfg.hidden_act),
+        tensor_parallel=mps.get_tensor_model_parallel_world_size(),
+        params_dtype=params_dtype,
+        **overrides,
     )
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
 
 
 def _run_layer(layer: Any, x: torch.Tensor, params: PackedSeqParams) -> torch.Tensor:
