@@ -8,8 +8,7 @@ names import no megatron; the rest load ``model.py`` / ``hf.py`` on first use.
 
 from __future__ import annotations
 
-from typing import Any
-
+from longboat.diffusion.models.common.family import lazy_attributes
 from longboat.diffusion.models.flux.config import (
     DIFFUSERS_CLASS,
     FLAVORS,
@@ -27,12 +26,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 __all__ = ["DIFFUSERS_CLASS", "FLAVORS", "FluxConfig", "flavor", "read_config", *_LAZY]

@@ -13,14 +13,13 @@ model takes latents ``[B, in_channels / 4, T, H, W]`` like the Wan family (``pat
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from longboat.core.config.errors import ConfigError, ConfigProblem
+from longboat.diffusion.models.common import config as common
 
 DIFFUSERS_CLASS = "FluxTransformer2DModel"
 """``_class_name`` of the diffusers model this family reads and writes."""
@@ -30,7 +29,7 @@ LATENT_PATCH = (1, 2, 2)
 
 
 @dataclass(frozen=True, kw_only=True)
-class FluxConfig:
+class FluxConfig(common.DiTConfigBase):
     """Shape of a FLUX.1-style MMDiT (one ``FluxTransformer2DModel``)."""
 
     num_layers: int = 19
@@ -118,16 +117,6 @@ class FluxConfig:
         """Double- plus single-stream blocks."""
         return self.num_layers + self.num_single_layers
 
-    def num_recomputed(self) -> int:
-        """How many blocks (from the first) recompute their activations."""
-        if self.recompute_blocks < 0:
-            return self.num_blocks
-        return min(self.recompute_blocks, self.num_blocks)
-
-    def replace(self, **changes: Any) -> FluxConfig:
-        """A copy with ``changes``."""
-        return dataclasses.replace(self, **changes)
-
     # -- validation -------------------------------------------------------------------------
 
     def validate(self, *, prefix: str = "model") -> None:
@@ -179,10 +168,9 @@ class FluxConfig:
             bad("mlp_ratio", "must give an integer feed-forward width.", "FLUX.1 uses 4.0.")
         if not self.eps > 0:
             bad("eps", "must be positive.", "FLUX.1 uses 1e-6.")
-        if isinstance(self.recompute_blocks, bool) or not isinstance(self.recompute_blocks, int):
-            bad("recompute_blocks", "must be an integer.", "use 0 (none), n or -1 (all).")
-        elif self.recompute_blocks < -1:
-            bad("recompute_blocks", "must be >= -1.", "use 0 (none), n or -1 (all).")
+        recompute = self.recompute_problem(prefix)
+        if recompute is not None:
+            problems.append(recompute)
         if problems:
             raise ConfigError(problems)
 
@@ -191,18 +179,12 @@ class FluxConfig:
     ) -> None:
         """Raise ``ConfigError`` when ``tensor_parallel`` does not divide the heads and the
         feed-forward width, or ``context_parallel`` is not 1 (not implemented for FLUX)."""
-        problems: list[ConfigProblem] = []
-        for key, value in (("num_attention_heads", self.num_attention_heads),
-                           ("ffn_dim", self.ffn_dim)):  # fmt: skip
-            if value % tensor_parallel:
-                problems.append(
-                    ConfigProblem(
-                        key="parallel.tensor_parallel",
-                        value=tensor_parallel,
-                        message=f"must divide {prefix}.{key}={value}.",
-                        fix="use a tensor_parallel that divides the head count and ffn width.",
-                    )
-                )
+        problems = common.tensor_parallel_problems(
+            {"num_attention_heads": self.num_attention_heads, "ffn_dim": self.ffn_dim},
+            tensor_parallel,
+            prefix=prefix,
+            fix="use a tensor_parallel that divides the head count and ffn width.",
+        )
         if context_parallel != 1:
             problems.append(
                 ConfigProblem(
@@ -242,13 +224,7 @@ class FluxConfig:
         Keys starting with ``_`` and unknown keys are ignored; missing keys take diffusers'
         defaults.
         """
-        name = config.get("_class_name", DIFFUSERS_CLASS)
-        if name != DIFFUSERS_CLASS:
-            raise ConfigError(
-                f"{source}: _class_name={name!r} is not a FLUX transformer",
-                key="model.init_from",
-                fix=f"point at a {DIFFUSERS_CLASS} directory (a pipeline's transformer/).",
-            )
+        common.check_class_name(config, DIFFUSERS_CLASS, "a FLUX", source)
         keys = cls().to_diffusers()
         values = {k: config.get(k, v) for k, v in keys.items()}
         values["axes_dims_rope"] = tuple(int(a) for a in values["axes_dims_rope"])
@@ -261,30 +237,13 @@ class FluxConfig:
 def read_config(path: str | Path) -> FluxConfig:
     """The ``FluxConfig`` of a diffusers transformer directory (or a pipeline directory holding
     ``transformer/``), from its ``config.json``."""
-    root = resolve_transformer_dir(path)
-    file = root / "config.json"
-    try:
-        data = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(
-            f"{file}: not valid JSON ({exc})", key="model.init_from", fix="re-download it."
-        ) from None
-    return FluxConfig.from_diffusers(data, source=str(file))
+    return common.read_config_json(resolve_transformer_dir(path), FluxConfig.from_diffusers)
 
 
 def resolve_transformer_dir(path: str | Path) -> Path:
     """``path`` itself when it has a ``config.json``, else its ``transformer/`` subfolder (a
     diffusers pipeline directory); ``ConfigError`` naming ``model.init_from`` otherwise."""
-    root = Path(path)
-    if (root / "config.json").is_file():
-        return root
-    if (root / "transformer" / "config.json").is_file():
-        return root / "transformer"
-    raise ConfigError(
-        f"{root}: no config.json (nor transformer/config.json)",
-        key="model.init_from",
-        fix="point at a diffusers FluxTransformer2DModel directory or a FLUX pipeline directory.",
-    )
+    return common.resolve_transformer_dir(path, class_name=DIFFUSERS_CLASS, pipeline="FLUX")
 
 
 FLAVORS: dict[str, FluxConfig] = {
@@ -308,11 +267,4 @@ FLAVORS: dict[str, FluxConfig] = {
 
 def flavor(name: str) -> FluxConfig:
     """Flavor ``name``; ``ConfigError`` naming ``model.flavor`` and the flavors otherwise."""
-    if name not in FLAVORS:
-        raise ConfigError(
-            "unknown flux flavor",
-            key="model.flavor",
-            value=name,
-            fix=f"use one of {sorted(FLAVORS)}",
-        )
-    return FLAVORS[name]
+    return common.pick_flavor(FLAVORS, name, "flux")

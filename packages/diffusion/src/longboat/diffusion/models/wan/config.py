@@ -11,14 +11,13 @@ positions per axis).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from longboat.core.config.errors import ConfigError, ConfigProblem
+from longboat.diffusion.models.common import config as common
 
 DIFFUSERS_CLASS = "WanTransformer3DModel"
 """``_class_name`` of the diffusers model this family reads and writes."""
@@ -31,7 +30,7 @@ _UNSUPPORTED = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
 
 
 @dataclass(frozen=True, kw_only=True)
-class WanConfig:
+class WanConfig(common.DiTConfigBase):
     """Shape of a Wan text-to-video DiT (one ``WanTransformer3DModel``)."""
 
     num_layers: int
@@ -118,16 +117,6 @@ class WanConfig:
         hw = 2 * (self.attention_head_dim // 6)
         return self.attention_head_dim - 2 * hw, hw, hw
 
-    def num_recomputed(self) -> int:
-        """How many blocks (from the first) recompute their activations."""
-        if self.recompute_blocks < 0:
-            return self.num_layers
-        return min(self.recompute_blocks, self.num_layers)
-
-    def replace(self, **changes: Any) -> WanConfig:
-        """A copy with ``changes``."""
-        return dataclasses.replace(self, **changes)
-
     # -- validation -------------------------------------------------------------------------
 
     def validate(self, *, prefix: str = "model") -> None:
@@ -166,10 +155,9 @@ class WanConfig:
             bad("qk_norm", f"is not implemented (known: {list(QK_NORMS)}).", "use one of them.")
         if not self.eps > 0:
             bad("eps", "must be positive.", "Wan uses 1e-6.")
-        if isinstance(self.recompute_blocks, bool) or not isinstance(self.recompute_blocks, int):
-            bad("recompute_blocks", "must be an integer.", "use 0 (none), n or -1 (all).")
-        elif self.recompute_blocks < -1:
-            bad("recompute_blocks", "must be >= -1.", "use 0 (none), n or -1 (all).")
+        recompute = self.recompute_problem(prefix)
+        if recompute is not None:
+            problems.append(recompute)
         if problems:
             raise ConfigError(problems)
 
@@ -179,18 +167,12 @@ class WanConfig:
         """Raise ``ConfigError`` when ``tensor_parallel`` does not divide heads and FFN width,
         or ``tensor_parallel * context_parallel`` the heads (Ulysses splits each TP rank's
         heads over the context-parallel ranks)."""
-        problems: list[ConfigProblem] = []
-        for key in ("num_attention_heads", "ffn_dim"):
-            value = getattr(self, key)
-            if value % tensor_parallel:
-                problems.append(
-                    ConfigProblem(
-                        key="parallel.tensor_parallel",
-                        value=tensor_parallel,
-                        message=f"must divide {prefix}.{key}={value}.",
-                        fix="use a tensor_parallel that divides the head count and ffn_dim.",
-                    )
-                )
+        problems = common.tensor_parallel_problems(
+            {"num_attention_heads": self.num_attention_heads, "ffn_dim": self.ffn_dim},
+            tensor_parallel,
+            prefix=prefix,
+            fix="use a tensor_parallel that divides the head count and ffn_dim.",
+        )
         heads = self.num_attention_heads
         if not problems and heads % (tensor_parallel * context_parallel):
             problems.append(
@@ -238,13 +220,7 @@ class WanConfig:
         take diffusers' defaults. Image-to-video checkpoints (``image_dim`` /
         ``added_kv_proj_dim``) raise ``ConfigError``.
         """
-        name = config.get("_class_name", DIFFUSERS_CLASS)
-        if name != DIFFUSERS_CLASS:
-            raise ConfigError(
-                f"{source}: _class_name={name!r} is not a Wan transformer",
-                key="model.init_from",
-                fix=f"point at a {DIFFUSERS_CLASS} directory (a pipeline's transformer/).",
-            )
+        common.check_class_name(config, DIFFUSERS_CLASS, "a Wan", source)
         for key in _UNSUPPORTED:
             if config.get(key) is not None:
                 raise ConfigError(
@@ -279,30 +255,13 @@ class WanConfig:
 def read_config(path: str | Path) -> WanConfig:
     """The ``WanConfig`` of a diffusers transformer directory (or a pipeline directory holding
     ``transformer/``), from its ``config.json``."""
-    root = resolve_transformer_dir(path)
-    file = root / "config.json"
-    try:
-        data = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(
-            f"{file}: not valid JSON ({exc})", key="model.init_from", fix="re-download it."
-        ) from None
-    return WanConfig.from_diffusers(data, source=str(file))
+    return common.read_config_json(resolve_transformer_dir(path), WanConfig.from_diffusers)
 
 
 def resolve_transformer_dir(path: str | Path) -> Path:
     """``path`` itself when it has a ``config.json``, else its ``transformer/`` subfolder (a
     diffusers pipeline directory); ``ConfigError`` naming ``model.init_from`` otherwise."""
-    root = Path(path)
-    if (root / "config.json").is_file():
-        return root
-    if (root / "transformer" / "config.json").is_file():
-        return root / "transformer"
-    raise ConfigError(
-        f"{root}: no config.json (nor transformer/config.json)",
-        key="model.init_from",
-        fix="point at a diffusers WanTransformer3DModel directory or a Wan pipeline directory.",
-    )
+    return common.resolve_transformer_dir(path, class_name=DIFFUSERS_CLASS, pipeline="Wan")
 
 
 FLAVORS: dict[str, WanConfig] = {
@@ -324,11 +283,4 @@ FLAVORS: dict[str, WanConfig] = {
 
 def flavor(name: str) -> WanConfig:
     """Flavor ``name``; ``ConfigError`` naming ``model.flavor`` and the flavors otherwise."""
-    if name not in FLAVORS:
-        raise ConfigError(
-            "unknown wan flavor",
-            key="model.flavor",
-            value=name,
-            fix=f"use one of {sorted(FLAVORS)}",
-        )
-    return FLAVORS[name]
+    return common.pick_flavor(FLAVORS, name, "wan")
