@@ -17,33 +17,26 @@ writes a directory ``FluxTransformer2DModel.from_pretrained`` loads
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from longboat.diffusion.models import diffusers_io
+from longboat.diffusion.models.diffusers_io import Convert
 from longboat.diffusion.models.flux.config import (
     DIFFUSERS_CLASS,
     FluxConfig,
     resolve_transformer_dir,
 )
 
-Convert = Callable[[torch.Tensor], torch.Tensor]
 _SAME: Convert = lambda x: x  # noqa: E731
 
 
-class FluxCheckpointError(ValueError):
+class FluxCheckpointError(diffusers_io.CheckpointError):
     """A checkpoint does not fit the architecture; the message lists every offending tensor."""
 
-    def __init__(self, source: str, problems: list[str]) -> None:
-        self.problems = problems
-        lines = "\n  ".join(problems)
-        super().__init__(
-            f"{source}: {len(problems)} tensor problem(s) against the FLUX config:\n  {lines}\n"
-            "Fix: build the model from this checkpoint's config.json (read_config)."
-        )
+    family = "FLUX"
 
 
 # -- the mapping ------------------------------------------------------------------------------
@@ -166,16 +159,7 @@ def expected_diffusers_shapes(cfg: FluxConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _check(shapes: Mapping[str, tuple[int, ...]], cfg: FluxConfig, source: str) -> None:
-    want = expected_diffusers_shapes(cfg)
-    problems = [
-        f"missing: {k} (expected shape {list(want[k])})" for k in sorted(set(want) - set(shapes))
-    ]
-    problems += [f"unexpected: {k}" for k in sorted(set(shapes) - set(want))]
-    problems += [
-        f"shape: {k} is {list(shapes[k])}, the config expects {list(want[k])}"
-        for k in sorted(set(want) & set(shapes))
-        if tuple(shapes[k]) != want[k]
-    ]
+    problems = diffusers_io.shape_problems(shapes, expected_diffusers_shapes(cfg))
     if problems:
         raise FluxCheckpointError(source, problems)
 
@@ -186,63 +170,33 @@ def from_diffusers_state_dict(
     """Our full (TP 1) state dict from a diffusers one; ``FluxCheckpointError`` names every
     missing, unexpected or mis-shaped tensor."""
     _check({k: tuple(v.shape) for k, v in state_dict.items()}, cfg, "diffusers state dict")
-    return {ours: fn(state_dict[theirs]) for ours, (theirs, fn, _) in tensor_map(cfg).items()}
+    return diffusers_io.from_diffusers(state_dict, tensor_map(cfg))
 
 
 def to_diffusers_state_dict(
     state_dict: Mapping[str, torch.Tensor], cfg: FluxConfig
 ) -> dict[str, torch.Tensor]:
-    """The diffusers state dict of our full (TP 1) one."""
-    mapping = tensor_map(cfg)
-    ours = {k: v for k, v in state_dict.items() if not k.endswith("_extra_state")}
-    missing = sorted(set(mapping) - set(ours))
-    unexpected = sorted(set(ours) - set(mapping))
-    if missing or unexpected:
-        raise FluxCheckpointError(
-            "state dict",
-            [f"missing: {k}" for k in missing] + [f"unexpected: {k}" for k in unexpected],
-        )
-    out: dict[str, torch.Tensor] = {}
-    parts: dict[str, list[torch.Tensor]] = {}
-    for name, (theirs, _, to_theirs) in mapping.items():
-        if to_theirs is None:
-            parts.setdefault(theirs, []).append(ours[name])
-        else:
-            out[theirs] = to_theirs(ours[name])
-    return out | {theirs: torch.cat(p, dim=1) for theirs, p in parts.items()}
+    """The diffusers state dict of our full (TP 1) one (a single-stream ``proj_out`` is
+    its ``linear_proj`` and ``linear_fc2`` columns concatenated)."""
+    return diffusers_io.to_diffusers(state_dict, tensor_map(cfg), FluxCheckpointError)
 
 
 # -- tensor parallelism and files -------------------------------------------------------------
 
 
-@torch.no_grad()
 def load_state_dict(model: torch.nn.Module, full: Mapping[str, torch.Tensor]) -> None:
     """Copy our full (TP 1) state dict into ``model``, each rank taking its TP slice."""
-    rank, size = diffusers_io.tp_coords()
-    params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(full))
-    if missing:
-        raise FluxCheckpointError("state dict", [f"missing: {k}" for k in missing])
-    for name, param in params.items():
-        param.copy_(diffusers_io.local_slice(full[name], param, rank, size))
+    diffusers_io.load_full_state_dict(model, full, FluxCheckpointError)
 
 
-@torch.no_grad()
 def load_diffusers(model: torch.nn.Module, cfg: FluxConfig, path: str | Path) -> int:
     """Load a diffusers ``FluxTransformer2DModel`` directory (``model.init_from``) into
     ``model`` (this rank's TP slice); returns the number of tensors loaded. Every missing,
     unexpected or mis-shaped tensor is reported before any is copied."""
-    index = diffusers_io.weight_index(resolve_transformer_dir(path), DIFFUSERS_CLASS)
-    rank, size = diffusers_io.tp_coords()
-    mapping = tensor_map(cfg)
-    params = dict(model.named_parameters())
-    with diffusers_io.open_tensors(index) as reader:
-        _check(reader.shapes(), cfg, str(path))
-        for name, param in params.items():
-            theirs, to_ours, _ = mapping[name]
-            full = to_ours(reader.get(theirs))
-            param.copy_(diffusers_io.local_slice(full, param, rank, size).to(param.dtype))
-    return len(params)
+    root = resolve_transformer_dir(path)
+    return diffusers_io.load_model_dir(
+        model, root, DIFFUSERS_CLASS, tensor_map(cfg), lambda s: _check(s, cfg, str(path))
+    )
 
 
 def save_diffusers(
@@ -253,19 +207,10 @@ def save_diffusers(
     max_shard_bytes: int = 5 * 1024**3,
 ) -> Path:
     """Write ``model`` as a diffusers ``FluxTransformer2DModel`` directory (collective over
-    the TP group; rank 0 writes, see ``diffusers_io.write_model_dir``)."""
-    from megatron.core import parallel_state as mps
+    the TP group; rank 0 writes, see ``diffusers_io.save_model_dir``)."""
 
-    out_dir = Path(out_dir)
-    writes = diffusers_io.is_writer()
-    # Only the first data-parallel replica's TP group gathers (the others hold the same
-    # weights), and only the writer keeps the gathered tensors.
-    if mps.get_data_parallel_rank(with_context_parallel=True) == 0:
-        full = diffusers_io.gather_state_dict(model, keep=writes)
-        if writes:
-            config = {"_class_name": DIFFUSERS_CLASS} | cfg.to_diffusers()
-            state = to_diffusers_state_dict(full, cfg)
-            diffusers_io.write_model_dir(state, config, out_dir, max_shard_bytes)
-    if dist.is_initialized():
-        dist.barrier()
-    return out_dir
+    def export(full: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+        config = {"_class_name": DIFFUSERS_CLASS} | cfg.to_diffusers()
+        return to_diffusers_state_dict(full, cfg), config
+
+    return diffusers_io.save_model_dir(model, out_dir, export, max_shard_bytes)
