@@ -18,16 +18,17 @@ from typing import Any
 import pytest
 import torch
 from diffusers import FluxTransformer2DModel
+from diffusion_testkit import loss_and_grads, randn, tensor_parallel_state
 
 import longboat.diffusion.models.flux.model  # noqa: F401  (megatron imported once, before forking)
 from longboat.core.distributed import run_multiprocess
+from longboat.diffusion.models.common.patches import patchify, unpatchify
 from longboat.diffusion.models.flux.config import flavor, read_config
 from longboat.diffusion.models.flux.hf import (
     FluxCheckpointError,
     from_diffusers_state_dict,
     to_diffusers_state_dict,
 )
-from longboat.diffusion.models.wan.packing import patchify, unpatchify
 
 REF_TOL = 1e-4  # max abs difference vs diffusers (fp32)
 TP_TOL = 1e-5  # TP=2 vs TP=1 (outputs and gradients)
@@ -49,18 +50,14 @@ GUIDANCE = [3.5, 1.0]
 TEXT_LENS = [4, 9]  # caption lengths, padded to 9
 
 
-def _randn(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
 def _dense_inputs(name: str) -> dict[str, Any]:
     shape, ts, text_len = DENSE[name]
     seed, b = list(DENSE).index(name), shape[0]
     return {
-        "latents": _randn(*shape, seed=seed),
+        "latents": randn(*shape, seed=seed),
         "timesteps": torch.tensor(ts),
-        "text_embeds": _randn(b, text_len, CFG.joint_attention_dim, seed=50 + seed),
-        "pooled_embeds": _randn(b, CFG.pooled_projection_dim, seed=60 + seed),
+        "text_embeds": randn(b, text_len, CFG.joint_attention_dim, seed=50 + seed),
+        "pooled_embeds": randn(b, CFG.pooled_projection_dim, seed=60 + seed),
         "guidance": torch.tensor(GUIDANCE[:b]),
     }
 
@@ -70,14 +67,14 @@ def _call_inputs(kind: str, inputs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _masked_inputs() -> dict[str, Any]:
-    text = _randn(2, max(TEXT_LENS), CFG.joint_attention_dim, seed=70)
+    text = randn(2, max(TEXT_LENS), CFG.joint_attention_dim, seed=70)
     mask = torch.arange(max(TEXT_LENS))[None, :] < torch.tensor(TEXT_LENS)[:, None]
     return {
-        "latents": _randn(2, C, 1, 6, 6, seed=71),
+        "latents": randn(2, C, 1, 6, 6, seed=71),
         "timesteps": torch.tensor([250.0, 625.0]),
         "text_embeds": text,
         "text_mask": mask,
-        "pooled_embeds": _randn(2, CFG.pooled_projection_dim, seed=72),
+        "pooled_embeds": randn(2, CFG.pooled_projection_dim, seed=72),
         "guidance": torch.tensor(GUIDANCE),
     }
 
@@ -122,45 +119,17 @@ def _ref_call(ref: Any, inputs: dict[str, Any]) -> torch.Tensor:
 # -- the worker: our models under megatron -----------------------------------------------------
 
 
-def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from longboat.core.megatron.hf_io import rank_coords, tp_shards
-
-    coords = rank_coords()
-    out = {}
-    for name, p in model.named_parameters():
-        g = p.grad.detach()
-        if coords.tp_size > 1 and getattr(p, "tensor_model_parallel", False):
-            g = torch.cat(tp_shards(g, coords), dim=p.partition_dim)
-        out[name] = g.clone()
-    return out
-
-
 def _loss_and_grads(model: Any, recompute: int) -> tuple[torch.Tensor, dict, int]:
     inputs = _masked_inputs()
-    target = _randn(*inputs["latents"].shape, seed=80)
-    calls: list[int] = []
-    hook = model.double_blocks[0].register_forward_pre_hook(lambda *a: calls.append(1))
-    model.recompute_blocks = recompute
-    model.zero_grad(set_to_none=True)
-    try:
-        out = model(**inputs)
-        loss = (out - target).pow(2).mean()
-        loss.backward()
-    finally:
-        hook.remove()
-        model.recompute_blocks = 0
-    return loss.detach(), _full_grads(model), len(calls)
+    target = randn(*inputs["latents"].shape, seed=80)
+    return loss_and_grads(model, model.double_blocks[0], lambda: model(**inputs), target, recompute)
 
 
 def _worker(rank: int, world: int, hf_states: dict, tmp: str) -> dict[str, Any]:
-    from longboat.core.config.schema import ParallelConfig
-    from longboat.core.device import get_accelerator
-    from longboat.core.megatron import parallel_state
     from longboat.diffusion.models.flux.hf import load_diffusers, load_state_dict, save_diffusers
     from longboat.diffusion.models.flux.model import build
 
-    parallel_state.initialize(ParallelConfig(tensor_parallel=world), get_accelerator("cpu"), seed=3)
-    try:
+    with tensor_parallel_state(world):
         res: dict[str, Any] = {}
         for kind, cfg in CONFIGS.items():
             model = build(cfg)  # longboat.kernels' RMSNorm, RoPE, AdaLN, attention dispatch
@@ -184,8 +153,6 @@ def _worker(rank: int, world: int, hf_states: dict, tmp: str) -> dict[str, Any]:
                 res["loaded_dense"] = other(**_dense_inputs("1x8x8"))
             res["errors"] = _error_messages(model)
         return res
-    finally:
-        parallel_state.destroy()
 
 
 def _error_messages(model: Any) -> dict[str, str]:

@@ -14,7 +14,7 @@ from diffusers import FluxTransformer2DModel
 
 import longboat.diffusion.models.flux.model  # noqa: F401  (megatron imported once, before forking)
 from longboat.core.distributed import run_multiprocess
-from longboat.diffusion.models.wan.packing import patchify, unpatchify
+from longboat.diffusion.models.common.patches import patchify, unpatchify
 
 STEPS = 3
 EXPORT_TOL = 1e-4  # the trained model vs diffusers loading its export (fp32)

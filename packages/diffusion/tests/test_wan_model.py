@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
+from diffusion_testkit import loss_and_grads, randn, tensor_parallel_state
 
 import longboat.diffusion.models.wan.model  # noqa: F401  (megatron imported once, before forking)
 from longboat.core.distributed import run_multiprocess
@@ -42,24 +43,20 @@ PACKED_SHAPES = [(C, 3, 8, 8), (C, 5, 6, 10)]
 TEXT_LENS = [4, 9]  # caption lengths, padded to 9
 
 
-def _randn(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
 def _dense_inputs(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     shape, ts = DENSE[name]
     seed = list(DENSE).index(name)
-    return _randn(*shape, seed=seed), torch.tensor(ts), _randn(shape[0], 7, CFG.text_dim, seed=50)
+    return randn(*shape, seed=seed), torch.tensor(ts), randn(shape[0], 7, CFG.text_dim, seed=50)
 
 
 def _masked_text() -> tuple[torch.Tensor, torch.Tensor]:
-    text = _randn(2, max(TEXT_LENS), CFG.text_dim, seed=60)
+    text = randn(2, max(TEXT_LENS), CFG.text_dim, seed=60)
     mask = torch.arange(max(TEXT_LENS))[None, :] < torch.tensor(TEXT_LENS)[:, None]
     return text, mask
 
 
 def _packed_samples() -> tuple[list[torch.Tensor], torch.Tensor]:
-    samples = [_randn(*s, seed=70 + i) for i, s in enumerate(PACKED_SHAPES)]
+    samples = [randn(*s, seed=70 + i) for i, s in enumerate(PACKED_SHAPES)]
     return samples, torch.tensor([250.0, 750.0])
 
 
@@ -77,48 +74,24 @@ def _ref_model(seed: int = 0) -> WanTransformer3DModel:
 # -- the worker: our model under megatron ------------------------------------------------------
 
 
-def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from longboat.core.megatron.hf_io import rank_coords, tp_shards
-
-    coords = rank_coords()
-    out = {}
-    for name, p in model.named_parameters():
-        g = p.grad.detach()
-        if coords.tp_size > 1 and getattr(p, "tensor_model_parallel", False):
-            g = torch.cat(tp_shards(g, coords), dim=p.partition_dim)
-        out[name] = g.clone()
-    return out
-
-
 def _loss_and_grads(model: Any, recompute: int) -> tuple[torch.Tensor, dict, int]:
     samples, ts = _packed_samples()
     text, mask = _masked_text()
     tokens, packing = pack_latents(samples, CFG.patch_size)
-    target = _randn(*tokens.shape, seed=80)
-    calls = []
-    hook = model.blocks[0].register_forward_pre_hook(lambda *a: calls.append(1))
-    model.recompute_blocks = recompute
-    model.zero_grad(set_to_none=True)
-    try:
-        out = model.forward_packed(tokens, packing, ts, text, mask)
-        loss = (out - target).pow(2).mean()
-        loss.backward()
-    finally:
-        hook.remove()
-        model.recompute_blocks = 0
-    return loss.detach(), _full_grads(model), len(calls)
+    target = randn(*tokens.shape, seed=80)
+
+    def forward() -> torch.Tensor:
+        return model.forward_packed(tokens, packing, ts, text, mask)
+
+    return loss_and_grads(model, model.blocks[0], forward, target, recompute)
 
 
 def _worker(rank: int, world: int, hf_state: dict, tmp: str) -> dict[str, Any]:
-    from longboat.core.config.schema import ParallelConfig
-    from longboat.core.device import get_accelerator
     from longboat.core.layer_kernels import LayerKernels
-    from longboat.core.megatron import parallel_state
     from longboat.diffusion.models.wan.hf import load_diffusers, load_state_dict, save_diffusers
     from longboat.diffusion.models.wan.model import build
 
-    parallel_state.initialize(ParallelConfig(tensor_parallel=world), get_accelerator("cpu"), seed=3)
-    try:
+    with tensor_parallel_state(world):
         full = from_diffusers_state_dict(hf_state, CFG)
         model = build(CFG)  # longboat.kernels' RMSNorm, RoPE, AdaLN, attention dispatch
         load_state_dict(model, full)
@@ -128,7 +101,7 @@ def _worker(rank: int, world: int, hf_state: dict, tmp: str) -> dict[str, Any]:
         with torch.no_grad():
             for name in DENSE:
                 res["dense"][name] = model(*_dense_inputs(name))
-            lat = torch.stack([_randn(*PACKED_SHAPES[0], seed=90 + i) for i in range(2)])
+            lat = torch.stack([randn(*PACKED_SHAPES[0], seed=90 + i) for i in range(2)])
             res["masked"] = model(lat, ts, text, mask)
             tokens, packing = pack_latents(samples, CFG.patch_size)
             res["packed"] = unpack_tokens(
@@ -161,8 +134,6 @@ def _worker(rank: int, world: int, hf_state: dict, tmp: str) -> dict[str, Any]:
             with torch.no_grad():
                 res["torch_kernels"] = plain(*_dense_inputs("5x6x10"))
         return res
-    finally:
-        parallel_state.destroy()
 
 
 @torch.no_grad()
@@ -264,7 +235,7 @@ def test_bf16_weights_stay_close_to_fp32(ours_tp1: dict[str, Any]) -> None:
 def test_text_mask_equals_each_caption_at_its_length(ref: Any, ours_tp1: dict[str, Any]) -> None:
     text, _ = _masked_text()
     _, ts = _packed_samples()
-    lat = torch.stack([_randn(*PACKED_SHAPES[0], seed=90 + i) for i in range(2)])
+    lat = torch.stack([randn(*PACKED_SHAPES[0], seed=90 + i) for i in range(2)])
     for i, n in enumerate(TEXT_LENS):
         want = _ref_call(ref, lat[i : i + 1], ts[i : i + 1], text[i : i + 1, :n])[0]
         diff = _diff(ours_tp1["masked"][i], want)

@@ -1,0 +1,68 @@
+"""Helpers the diffusion model tests share: seeded inputs, megatron's parallel state in a
+worker, gradients gathered over tensor parallelism, a loss with activation recompute."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+
+def randn(*shape: int, seed: int) -> torch.Tensor:
+    """Standard normal ``shape`` from its own generator seeded with ``seed``."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@contextmanager
+def tensor_parallel_state(world: int, seed: int = 3) -> Iterator[None]:
+    """megatron's parallel state at ``tensor_parallel=world`` on the CPU for the body."""
+    from longboat.core.config.schema import ParallelConfig
+    from longboat.core.device import get_accelerator
+    from longboat.core.megatron import parallel_state
+
+    parallel_state.initialize(
+        ParallelConfig(tensor_parallel=world), get_accelerator("cpu"), seed=seed
+    )
+    try:
+        yield
+    finally:
+        parallel_state.destroy()
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient, tensor-parallel slices gathered into the full tensor."""
+    from longboat.core.megatron.hf_io import rank_coords, tp_shards
+
+    coords = rank_coords()
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad.detach()
+        if coords.tp_size > 1 and getattr(p, "tensor_model_parallel", False):
+            g = torch.cat(tp_shards(g, coords), dim=p.partition_dim)
+        out[name] = g.clone()
+    return out
+
+
+def loss_and_grads(
+    model: Any,
+    first_block: torch.nn.Module,
+    forward: Callable[[], torch.Tensor],
+    target: torch.Tensor,
+    recompute: int,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    """Mean squared error of ``forward()`` against ``target`` with ``model.recompute_blocks =
+    recompute``, after its backward: ``(loss, full_grads(model), calls of first_block)`` (a
+    recomputed block runs twice)."""
+    calls: list[int] = []
+    hook = first_block.register_forward_pre_hook(lambda *a: calls.append(1))
+    model.recompute_blocks = recompute
+    model.zero_grad(set_to_none=True)
+    try:
+        loss = (forward() - target).pow(2).mean()
+        loss.backward()
+    finally:
+        hook.remove()
+        model.recompute_blocks = 0
+    return loss.detach(), full_grads(model), len(calls)
