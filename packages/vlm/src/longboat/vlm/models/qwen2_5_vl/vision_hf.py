@@ -18,9 +18,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from longboat.vlm.models.qwen2_5_vl.vision_config import Qwen25VisionConfig
+from longboat.vlm.models.vit_state import HF_PREFIXES as HF_PREFIXES  # re-exported
+from longboat.vlm.models.vit_state import VisionStateDictError as VisionStateDictError
 from longboat.vlm.models.vit_state import (
-    HF_PREFIXES,
-    VisionStateDictError,
     check_state_dict,
     detect_hf_prefix,
     qkv_to_hf,
@@ -28,18 +28,6 @@ from longboat.vlm.models.vit_state import (
     shard_state_dict,
     unshard_state_dict,
 )
-
-__all__ = [
-    "HF_PREFIXES",
-    "VisionStateDictError",
-    "detect_hf_prefix",
-    "expected_hf_shapes",
-    "expected_shapes",
-    "shard_vision_state_dict",
-    "unshard_vision_state_dict",
-    "vision_from_hf",
-    "vision_to_hf",
-]
 
 
 def _block_map(i: int) -> dict[str, str]:
