@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from vlm_testkit import write_mp4
 
 from longboat.core.errors import UserError
 from longboat.vlm.data.conversations import read_conversations
@@ -28,19 +29,6 @@ def _png_bytes(arr: np.ndarray) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, format="PNG")
     return buf.getvalue()
-
-
-def write_mp4(path: Path, frames: list[np.ndarray], fps: int) -> None:
-    """Encode ``frames`` with PyAV (skips the test when no encoder is available)."""
-    av = pytest.importorskip("av")
-    codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
-    with av.open(str(path), "w", format="mp4") as out:
-        stream = out.add_stream(codec, rate=fps)
-        stream.height, stream.width = frames[0].shape[:2]
-        stream.pix_fmt = "yuv420p"
-        for f in frames:
-            out.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
-        out.mux(stream.encode())
 
 
 @pytest.fixture(scope="module")

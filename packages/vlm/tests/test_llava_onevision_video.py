@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from vlm_testkit import random_frames, write_mp4
 
 from longboat.core.distributed import run_multiprocess
 from longboat.vlm.data.conversations import read_conversations
@@ -38,23 +39,6 @@ MODEL_INPUTS = ("input_ids", "position_ids", "pixel_values", "image_grid_thw",
                 "pixel_values_videos", "video_grid_thw")  # fmt: skip
 
 
-def _frames(n: int, h: int, w: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for _ in range(n)]
-
-
-def _write_mp4(path: Path, frames: list[np.ndarray], fps: int) -> None:
-    av = pytest.importorskip("av")
-    codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
-    with av.open(str(path), "w", format="mp4") as out:
-        stream = out.add_stream(codec, rate=fps)
-        stream.height, stream.width = frames[0].shape[:2]
-        stream.pix_fmt = "yuv420p"
-        for f in frames:
-            out.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
-        out.mux(stream.encode())
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Tokenizer, the tiny config with its ids, an encoder and three conversations."""
@@ -62,11 +46,11 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     info = build_vlm_tokenizer(["What moves? A ball moves left. Where is it?"], root / "tok",
                                vocab_size=300)  # fmt: skip
     tok = load_tokenizer(info.path)
-    _write_mp4(root / "clip.mp4", _frames(10, 32, 48, 0), fps=5)  # 2 s
+    write_mp4(root / "clip.mp4", random_frames(10, 32, 48, 0), fps=5)  # 2 s
     (root / "frames").mkdir()
-    for i, f in enumerate(_frames(7, 30, 45, 1)):  # 7 frames at frames_fps=3
+    for i, f in enumerate(random_frames(7, 30, 45, 1)):  # 7 frames at frames_fps=3
         Image.fromarray(f).save(root / "frames" / f"{i:02d}.png")
-    Image.fromarray(_frames(1, 20, 37, 3)[0]).save(root / "dog.png")
+    Image.fromarray(random_frames(1, 20, 37, 3)[0]).save(root / "dog.png")
     turns = [
         {"conversations": [{"from": "human", "value": "<video>\nWhat moves?"},
                            {"from": "gpt", "value": "A ball."}],

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from transformers import Qwen2_5_VLForConditionalGeneration
+from vlm_testkit import packed_image_row
 
 from longboat.core.distributed import run_multiprocess
 from longboat.vlm.models.qwen2_5_vl.model import flavor, to_hf_config
@@ -24,35 +25,7 @@ CFG = flavor("tiny")
 V = CFG.vision
 
 
-def _row(seed: int, grids: list[list[int]], text: int = 6) -> dict[str, Any]:
-    """One packed microbatch: samples of ``text`` tokens + one image each, with labels."""
-    g = torch.Generator().manual_seed(seed)
-    ids: list[int] = []
-    bounds = [0]
-    for grid in grids:
-        n = grid[0] * grid[1] * grid[2] // V.spatial_merge_size**2
-        sample = torch.randint(0, 300, (text,), generator=g).tolist()
-        sample += [CFG.vision_start_token_id, *[CFG.image_token_id] * n, CFG.vision_end_token_id]
-        sample += torch.randint(0, 300, (text,), generator=g).tolist()
-        ids += sample
-        bounds.append(len(ids))
-    input_ids = torch.tensor([ids])
-    labels = torch.roll(input_ids, -1, dims=1)
-    loss_mask = (input_ids != CFG.image_token_id).float()
-    for b in bounds[1:]:
-        loss_mask[0, b - 1] = 0.0  # no target across a sample boundary
-    gt = torch.tensor(grids)
-    return {
-        "input_ids": input_ids,
-        "labels": labels,
-        "loss_mask": loss_mask,
-        "cu_seqlens": bounds,
-        "pixel_values": torch.randn(int(gt.prod(-1).sum()), V.patch_dim, generator=g),
-        "image_grid_thw": gt,
-    }
-
-
-BATCH = [_row(0, [[1, 4, 4], [1, 4, 8]]), _row(1, [[1, 8, 4]])]
+BATCH = [packed_image_row(CFG, 0, [[1, 4, 4], [1, 4, 8]]), packed_image_row(CFG, 1, [[1, 8, 4]])]
 
 
 def _padded(row: dict[str, Any], seq_len: int, pad_id: int = 0) -> dict[str, Any]:
@@ -66,7 +39,7 @@ def _padded(row: dict[str, Any], seq_len: int, pad_id: int = 0) -> dict[str, Any
     return out
 
 
-PP_BATCH = [_padded(r, 48) for r in (*BATCH, _row(2, [[1, 4, 4]], text=9))]
+PP_BATCH = [_padded(r, 48) for r in (*BATCH, packed_image_row(CFG, 2, [[1, 4, 4]], text=9))]
 """Rows of one length (stages exchange one activation shape), three microbatches."""
 
 
