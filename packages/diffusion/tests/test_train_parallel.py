@@ -30,7 +30,10 @@ def _overrides(out: Path, data: Path, extra: list[str]) -> list[str]:
         "data.shapes=[[1,5,5],[3,4,6]]",  # 25 tokens: odd, so CP pads one token
         "model.overrides.num_layers=2",
         "model.overrides.num_attention_heads=2",
+        "model.overrides.attention_head_dim=16",
         "model.overrides.ffn_dim=64",
+        "model.overrides.patch_size=[1,1,1]",  # one token per cell: the odd count above
+        "data.patch_size=[1,1,1]",
         "train.micro_batch_size=4",
         "train.global_batch_size=8",
         f"train.steps={STEPS}",
