@@ -98,3 +98,27 @@ def plot(result: dict[str, Any], title: str, ylabel: str = "loss") -> Any:
         return fig
 
     return draw
+
+
+def curve_check(a: list[float], b: list[float], tol: float) -> dict[str, Any]:
+    """Per-step relative difference of loss curve ``b`` to ``a``: equal when no step differs by
+    more than ``tol`` (and the curves have the same length)."""
+    rel = [abs(y - x) / abs(x) for x, y in zip(a, b, strict=False)]
+    return {
+        "steps": len(rel),
+        "max_rel_loss_diff": max(rel),
+        "mean_rel_loss_diff": sum(rel) / len(rel),
+        "mean_signed_rel_diff": sum((y - x) / abs(x) for x, y in zip(a, b, strict=False))
+        / len(rel),
+        "tolerance": tol,
+        "equal": len(a) == len(b) and max(rel) <= tol,
+    }
+
+
+def curve_check_line(c: dict[str, Any]) -> str:
+    """One line saying what :func:`curve_check` found."""
+    return (
+        f"loss curves over {c['steps']} steps: max |rel diff| {c['max_rel_loss_diff']:.2e}, "
+        f"mean {c['mean_rel_loss_diff']:.2e}, mean signed {c['mean_signed_rel_diff']:.2e}: "
+        f"{'equal' if c['equal'] else 'NOT equal'} within {c['tolerance']:g}"
+    )

@@ -38,6 +38,7 @@ sys.path[:0] = [str(BENCH), str(BENCH / "baselines")]
 
 import bench_env as env  # noqa: E402
 import diffusion_throughput as dt  # noqa: E402
+from bench_align import curve_check, curve_check_line  # noqa: E402
 from bench_env import failed_row, fmt, md_table  # noqa: E402
 from bench_procs import preflight, run_phases  # noqa: E402
 from bench_train import train_timed  # noqa: E402
@@ -82,16 +83,8 @@ def finish(result: dict[str, Any]) -> None:
     two["speedup_vs_cp1"] = result["cp2_speedup"] = ratio
     result["meets_target"] = ratio >= TARGET
     a, b = one["losses"], two["losses"]
-    rel = [abs(y - x) / abs(x) for x, y in zip(a, b)]
-    result["loss_check"] = {
-        "steps": len(rel),
-        "max_rel_loss_diff": max(rel),
-        "mean_rel_loss_diff": sum(rel) / len(rel),
-        "mean_signed_rel_diff": sum((y - x) / abs(x) for x, y in zip(a, b)) / len(rel),
-        "tolerance": LOSS_REL_TOL,
-        "equal": len(a) == len(b) and max(rel) <= LOSS_REL_TOL,
-    }
-    result["max_rel_loss_diff"] = max(rel)
+    c = result["loss_check"] = curve_check(a, b, LOSS_REL_TOL)
+    result["max_rel_loss_diff"] = c["max_rel_loss_diff"]
 
 
 def table(result: dict[str, Any]) -> str:
@@ -113,9 +106,7 @@ def table(result: dict[str, Any]) -> str:
     c = result.get("loss_check")
     if c:
         lines.append(
-            f"\nloss curves over {c['steps']} steps: max |rel diff| {c['max_rel_loss_diff']:.2e}, "
-            f"mean {c['mean_rel_loss_diff']:.2e}, mean signed {c['mean_signed_rel_diff']:.2e}: "
-            f"{'equal' if c['equal'] else 'NOT equal'} within {LOSS_REL_TOL:g}"
+            f"\n{curve_check_line(c)}"
             f"\nCP=2 on two GPUs / one GPU tokens/s: {result['cp2_speedup']:.3f}x "
             f"(target >= {TARGET:g}x)"
         )  # fmt: skip
