@@ -62,15 +62,19 @@ EXPERIMENT = {"groot_n1_6": "groot_n1_6_tiny", "pi05": "pi05_tiny"}
 GRAPHED = ["train.master_weights=true", "train.cuda_graph=true"]
 VARIANTS: dict[str, list[str]] = {
     "longboat": [],
+    "longboat_autocast": ["train.master_weights=false"],
     "longboat_compiled": ["train.compile=true"],
-    "longboat_master": ["train.master_weights=true"],
+    "longboat_master": ["train.master_weights=true", "train.cuda_graph=false"],
     "longboat_graphed": GRAPHED,
     "longboat_graphed_fp32master": [*GRAPHED, "train.master_weight_storage=fp32"],
-    "longboat_graphed_kernel": [*GRAPHED, "train.master_weight_update=kernel"],
+    "longboat_graphed_slices": [*GRAPHED, "train.master_weight_update=slices"],
     "longboat_fsdp": ["parallel.strategy=fsdp"],
 }
-"""Config keys each longboat run adds to the CLI's defaults (``longboat_fsdp``: FSDP2 instead
-of the default DDP; at one process both train the model unwrapped)."""
+"""Config keys each longboat run adds to the CLI's defaults (with bf16 on CUDA: master
+weights, the CUDA-graphed step and the one-pass kernel update). ``longboat_autocast``: fp32
+params under autocast (eager); ``longboat_master``: master weights, eager steps;
+``longboat_fsdp``: FSDP2 instead of DDP (at one process both train the model unwrapped; no
+master weights)."""
 PEERS = ("transformers", "av", "triton")
 """The distributions whose versions the result records."""
 TEXT_LEN = 24  # prompt tokens the FLOP counts assume

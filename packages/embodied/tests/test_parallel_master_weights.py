@@ -657,13 +657,13 @@ def test_master_weight_storage_config_key(tmp_path):
 
 
 def test_master_weight_update_config_key_and_choice(tmp_path):
-    """train.master_weight_update: slices by default; kernel picks the one-pass Triton update
+    """train.master_weight_update: kernel by default, which picks the one-pass Triton update
     only where Triton runs compiled (CUDA), the slices elsewhere; a bad value names the key."""
     from longboat.core.config.compose import compose_experiment
 
     base = [f"output_dir={tmp_path}", "train.master_weights=true", "train.precision=bf16"]
     cfg = compose_experiment("groot_n1_6_tiny", base, world_size=1)
-    assert cfg.train.master_weight_update == "slices"
+    assert cfg.train.master_weight_update == "kernel"
     with pytest.raises(ConfigError) as err:
         compose_experiment(
             "groot_n1_6_tiny", [*base, "train.master_weight_update=fused"], world_size=1

@@ -209,3 +209,65 @@ def test_cuda_graph_config_errors(tmp_path: Path):
     text = str(err.value)
     assert "train.cuda_graph" in text and "train.master_weights=true" in text
     assert "train.global_batch_size=16" in text
+
+
+def _resolve(device: str = "cuda", accum: int = 1, strategy: str = "ddp", optim: str = "adamw",
+             **train: object):  # fmt: skip
+    from dataclasses import replace
+
+    from longboat.embodied.config import EmbodiedTrainConfig, resolve_fast_path
+
+    t = replace(EmbodiedTrainConfig(), **{"precision": "bf16", **train})
+    return resolve_fast_path(
+        t, strategy=strategy, optim_name=optim, device_type=device, accum=accum
+    )
+
+
+def test_fast_path_defaults_resolve_on_where_they_apply_and_say_why_not():
+    """Null train.master_weights / train.cuda_graph: on for bf16 + ddp + AdamW with one
+    micro-batch a step on CUDA; each reason to leave one off is one notice naming the key."""
+    on = _resolve()
+    assert (on.master_weights, on.cuda_graph, on.graph_auto, on.notices) == (True, True, True, ())
+    cases = {
+        "train.cuda_graph: eager steps (gradient accumulation of 2": _resolve(accum=2),
+        "train.cuda_graph: eager steps (the cpu device has no CUDA graphs)": _resolve("cpu"),
+        "train.cuda_graph: eager steps (train.activation_checkpointing=full); set": _resolve(
+            activation_checkpointing="full"
+        ),
+        "train.cuda_graph: eager steps (train.compile=true)": _resolve(compile=True),
+    }
+    for notice, fp in cases.items():
+        assert fp.master_weights and not fp.cuda_graph and not fp.graph_auto
+        assert len(fp.notices) == 1 and fp.notices[0].startswith(notice), fp.notices
+    whys = {"fsdp": "parallel.strategy=fsdp shards or wraps the params", "sgd": "optim.name=sgd"}
+    for fp, why in (
+        (_resolve(strategy="fsdp"), whys["fsdp"]),
+        (_resolve(optim="sgd"), whys["sgd"]),
+    ):
+        assert not fp.master_weights and not fp.cuda_graph
+        assert fp.notices == (
+            f"train.master_weights: off ({why}); fp32 params under bf16 autocast.",
+        )
+    fp32 = _resolve(precision="fp32")  # master weights are a bf16 layout: nothing to say
+    assert (fp32.master_weights, fp32.cuda_graph, fp32.notices) == (False, False, ())
+    # Explicit values stay as given, and an explicit graph fails loudly on a host sync.
+    off = _resolve(master_weights=False)
+    assert (off.master_weights, off.cuda_graph, off.notices) == (False, False, ())
+    forced = _resolve(cuda_graph=True, activation_checkpointing="full")
+    assert forced.cuda_graph and not forced.graph_auto and forced.notices == ()
+    assert not _resolve(cuda_graph=False).cuda_graph
+
+
+def test_bf16_run_defaults_to_master_weights_and_says_the_graph_is_off_on_cpu(
+    tmp_path: Path, capsys
+):
+    """The CLI's defaults at bf16 build the master-weight step; on the CPU the run's start
+    says in one line why the step is not graphed, and trains."""
+    over = [o for o in _trainer_overrides(tmp_path) if not o.startswith("train.master_weights")]
+    cfg = compose_experiment("groot_n1_6_tiny", over, world_size=1)
+    assert cfg.train.master_weights is None and cfg.train.cuda_graph is None
+    losses = train(cfg).losses
+    out = capsys.readouterr().out
+    assert "step: GraphableStep (master weights)" in out
+    assert out.count("train.cuda_graph: eager steps (the cpu device has no CUDA graphs).") == 1
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))

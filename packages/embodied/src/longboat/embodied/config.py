@@ -128,29 +128,33 @@ class EmbodiedTrainConfig(TrainConfig):
     and DiT / expert blocks; after activation checkpointing and the data-parallel wrapping),
     compiled on first use; off by default. pi0.5's joint layers run through their
     ``project_qkv`` / ``finish`` methods, which stay eager."""
-    master_weights: bool = False
+    master_weights: bool | None = None
     """With precision=bf16: store trainable params in bf16 (views of one flat buffer,
     grads in one flat bf16 buffer) with fp32 master weights and Adam moments in the
-    optimizer (``MasterWeightAdamW``). false keeps fp32 params under bf16 autocast.
-    parallel.strategy=ddp only (all-reduced by the optimizer in one collective)."""
+    optimizer (``MasterWeightAdamW``); false keeps fp32 params under bf16 autocast.
+    parallel.strategy=ddp only (all-reduced by the optimizer in one collective). null (the
+    default): on where it applies (precision=bf16, parallel.strategy=ddp, optim.name=adamw);
+    a bf16 run it cannot apply to says why on its Policy line."""
     master_weight_storage: str = "split"
     """How train.master_weights stores the fp32 masters: split (the bf16 weights plus an
     int16 low half per parameter: the exact fp32 masters in 2 bytes a parameter less, 3.2 GB
     for 1.6B trainable parameters; the bf16 weights round ties away from zero instead of to
     even) or fp32 (a separate fp32 buffer). The optimizer's math and its checkpoints are the
     same for both (a checkpoint of one resumes in the other)."""
-    master_weight_update: str = "slices"
-    """How train.master_weights updates: slices (per 32M-element slice a grad cast into an fp32
-    scratch and torch's fused AdamW, then the master -> bf16 copy) or kernel (one Triton pass per
-    param group reading the bf16 grads and writing masters, moments and bf16 weights: ~26
-    instead of ~85 bytes a parameter with split storage, no scratch; CUDA only, the slices
-    elsewhere; opt-in). Same update rule either way."""
-    cuda_graph: bool = False
+    master_weight_update: str = "kernel"
+    """How train.master_weights updates: kernel (the default: one Triton pass per param group
+    reading the bf16 grads and writing masters, moments and bf16 weights, ~26 instead of ~85
+    bytes a parameter with split storage, no scratch; where Triton does not run compiled, e.g.
+    on CPU, the slices) or slices (per 32M-element slice a grad cast into an fp32 scratch and
+    torch's fused AdamW, then the master -> bf16 copy). Same update rule either way."""
+    cuda_graph: bool | None = None
     """Replay each training step (forward, backward, clip, AdamW update) as one CUDA graph
-    (core's ``GraphedStep``, captured after 3 eager steps). Needs train.master_weights=true
-    and no gradient accumulation (global batch = micro batch x data-parallel size, or null);
-    batches are padded to fixed shapes. Falls back to eager steps (logged) on a non-CUDA
-    device."""
+    (core's ``GraphedStep``, captured after 3 eager steps); batches are padded to fixed
+    shapes. Needs train.master_weights and no gradient accumulation (global batch = micro
+    batch x data-parallel size, or null). null (the default): on where it applies (those two,
+    a CUDA device, no activation checkpointing), falling back to eager steps with a notice if
+    the step synchronises with the host; true where it cannot apply is an error, except on a
+    device without CUDA graphs (eager, logged)."""
 
 
 @dataclass
@@ -215,7 +219,7 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
             value=train.get("master_weight_storage"),
             fix="use split or fp32",
         )
-    if train is not None and train.get("master_weight_update", "slices") not in (
+    if train is not None and train.get("master_weight_update", "kernel") not in (
         "slices",
         "kernel",
     ):
@@ -357,3 +361,58 @@ def check_cuda_graph_layout(train: Any, dp_size: int | None, problems: ProblemCo
             value=True,
             fix=f"set train.global_batch_size={mbs * dp_size} (or null) or train.cuda_graph=false",
         )
+
+
+@dataclass(frozen=True)
+class FastPath:
+    """What ``train.master_weights`` and ``train.cuda_graph`` resolve to for one run
+    (``resolve_fast_path``), with a one-line notice per lever left off where it could help."""
+
+    master_weights: bool
+    cuda_graph: bool
+    graph_auto: bool = False
+    """``train.cuda_graph`` was null: a host sync found before the capture falls back to eager
+    steps with a warning instead of failing the run."""
+    notices: tuple[str, ...] = ()
+
+
+def resolve_fast_path(
+    train: Any, *, strategy: str, optim_name: str, device_type: str, accum: int
+) -> FastPath:
+    """Resolve null ``train.master_weights`` / ``train.cuda_graph`` (on where they apply, see
+    ``EmbodiedTrainConfig``); explicit values stay as given (validation checked them)."""
+    notices: list[str] = []
+    master = train.master_weights
+    if master is None:
+        why = None
+        if strategy not in MASTER_WEIGHT_STRATEGIES:
+            why = f"parallel.strategy={strategy} shards or wraps the params"
+        elif optim_name != "adamw":
+            why = f"optim.name={optim_name}"
+        master = train.precision == "bf16" and why is None
+        if train.precision == "bf16" and why:
+            notices.append(f"train.master_weights: off ({why}); fp32 params under bf16 autocast.")
+    graph = train.cuda_graph
+    auto = graph is None
+    if graph is None:
+        why = None
+        if not master:
+            pass  # a bf16 run without master weights said so above
+        elif accum != 1:
+            why = f"gradient accumulation of {accum} micro-batches a step"
+        elif device_type != "cuda":
+            why = f"the {device_type} device has no CUDA graphs"
+        elif train.activation_checkpointing != "none":
+            why = f"train.activation_checkpointing={train.activation_checkpointing}"
+        elif train.compile:
+            why = "train.compile=true"
+        graph = bool(master) and why is None
+        if why:
+            notices.append(
+                f"train.cuda_graph: eager steps ({why}); set train.cuda_graph=true to force."
+                if device_type == "cuda" and accum == 1
+                else f"train.cuda_graph: eager steps ({why})."
+            )
+    return FastPath(
+        bool(master), bool(graph), graph_auto=auto and bool(graph), notices=tuple(notices)
+    )

@@ -302,6 +302,8 @@ def open_dataset(
             normalization=Normalizer(used, modes) if given is not None else modes,
             skip_bad_samples=data.skip_bad_samples,
             embodiment_id=None if "embodiment_id" in meta.features else emb_id,
+            # uint8 to the device (a quarter of float32's bytes); the policy scales them.
+            image_dtype="uint8",
         )
         # Both parts normalise with the whole dataset's stats.json, as the policy will.
         keep = [ep.index for ep in meta.episodes if ep.index not in out] if out else None

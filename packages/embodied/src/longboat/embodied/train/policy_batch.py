@@ -1,7 +1,8 @@
 """LeRobot samples -> the batch dict a policy's ``forward`` takes (GR00T N1.6, pi0.5).
 
-Both policies take ``images [B, n_cams, 3, H, W]`` (cameras of different sizes resized
-to the model's image size first: ``PolicyBatchSpec.resize_cameras``),
+Both policies take ``images [B, n_cams, 3, H, W]``, uint8 as decoded (float in [0, 1] where
+cameras of different sizes are resized to the model's image size first:
+``PolicyBatchSpec.resize_cameras``),
 ``input_ids``/``attention_mask``, padded ``state``/``state_mask`` and
 ``action``/``action_mask`` (``action_mask`` combines the ``action_is_pad`` steps of
 ``delta_timestamps`` with the padded dims);
@@ -142,6 +143,14 @@ def _pad_last(x: torch.Tensor, size: int, what: str) -> tuple[torch.Tensor, torc
     return torch.cat([x, pad], dim=-1), mask
 
 
+def unit_float(frames: torch.Tensor) -> torch.Tensor:
+    """Frames as float32 in [0, 1] (uint8 divided by 255, as the policies' preprocessing
+    divides them)."""
+    if frames.dtype == torch.uint8:
+        return frames.float() / 255.0
+    return frames.float()
+
+
 def fit_frames(frames: torch.Tensor, spec: PolicyBatchSpec) -> torch.Tensor:
     """[..., 3, H, W] float frames -> [..., 3, *spec.image_size] (``pad_to_size``: aspect kept,
     black padding; else a plain bilinear resize with antialiasing)."""
@@ -212,9 +221,9 @@ class PolicyCollator:
             state_masks.append(smask)
             actions.append(action)
             action_masks.append(step_ok[:, None] & dmask[None, :])
-            frames = [s[k].float() for k in self.camera_keys]
+            frames = [s[k] for k in self.camera_keys]
             if spec.resize_cameras or len({f.shape for f in frames}) > 1:
-                frames = [fit_frames(f, spec) for f in frames]
+                frames = [fit_frames(unit_float(f), spec) for f in frames]
             present = [True] * len(frames)
             if spec.num_cameras is not None:
                 while len(frames) < spec.num_cameras:
@@ -226,7 +235,9 @@ class PolicyCollator:
             if self.prompts is None:
                 ids.append(self.tokenizer.encode(str(s.get("task", "")))[: spec.max_text_tokens])
         if len({im.shape for im in images}) > 1:  # samples of sub-datasets of other sizes
-            images = [fit_frames(im, spec) for im in images]
+            images = [fit_frames(unit_float(im), spec) for im in images]
+        if len({im.dtype for im in images}) > 1:
+            images = [unit_float(im) for im in images]
         frames = torch.stack(images)
         if self.prompts is not None:
             input_ids, attention = self.prompts(

@@ -40,7 +40,11 @@ from longboat.core.loop.nan_guard import NaNGuard
 from longboat.core.train.gate import UpdateGate
 from longboat.core.train.trainer import typed_config
 from longboat.core.train.training import StepOutput, Training
-from longboat.embodied.config import EmbodiedExperimentConfig, check_cuda_graph_layout
+from longboat.embodied.config import (
+    EmbodiedExperimentConfig,
+    check_cuda_graph_layout,
+    resolve_fast_path,
+)
 from longboat.embodied.models import apply_freezing, build_model, hf_backbones
 from longboat.embodied.models.init_from import load_initial_weights, resolve_model_config
 from longboat.embodied.parallel import (
@@ -221,9 +225,13 @@ def build_step_fn(
     optimizer: torch.optim.Optimizer,
     layout: BatchLayout,
     accelerator: Any,
+    *,
+    eager_on_sync: bool = False,
 ) -> Any:
     """The sync-free step of master weights with one micro-batch a step (``GraphableStep``,
-    graphed with ``train.cuda_graph``); None: the run steps through ``train_step``."""
+    graphed with ``train.cuda_graph``); None: the run steps through ``train_step``.
+    ``eager_on_sync``: a host sync found before the capture turns the graph off (warned)
+    instead of failing the run."""
     problems = ProblemCollector()
     check_cuda_graph_layout(cfg.train, layout.dp_size, problems)  # the resolved dp size
     problems.raise_if_any()
@@ -240,7 +248,11 @@ def build_step_fn(
     )
     if cfg.train.cuda_graph:
         step_fn = GraphedStep(
-            step_fn, accelerator=accelerator, warmup=CUDA_GRAPH_WARMUP, name="embodied train step"
+            step_fn,
+            accelerator=accelerator,
+            warmup=CUDA_GRAPH_WARMUP,
+            name="embodied train step",
+            eager_on_sync=eager_on_sync,
         )
     return step_fn
 
@@ -262,6 +274,17 @@ class EmbodiedTraining(Training):
         t = cfg.train
         self.layout = batch_layout(t.global_batch_size, t.micro_batch_size, parallel.data_parallel)
         self.items_per_step = self.layout.global_batch
+        # null master weights / CUDA graph: on where they apply (written back, so every
+        # piece below reads the run's resolved values).
+        self.fast_path = resolve_fast_path(
+            t,
+            strategy=parallel.strategy,
+            optim_name=cfg.optim.name,
+            device_type=self.accelerator.device_type,
+            accum=self.layout.accum,
+        )
+        t.master_weights = self.fast_path.master_weights
+        t.cuda_graph = self.fast_path.cuda_graph
         self.tokenizer_dir = run_tokenizer(cfg)
         self.overrides = model_overrides(cfg, tokenizer=self.tokenizer_dir is not None)
         self.model_cfg = resolve_model_config(
@@ -298,7 +321,14 @@ class EmbodiedTraining(Training):
             master_storage=t.master_weight_storage,
             master_update=t.master_weight_update,
         )
-        self.step_fn = build_step_fn(cfg, self.model, self.optimizer, self.layout, self.accelerator)
+        self.step_fn = build_step_fn(
+            cfg,
+            self.model,
+            self.optimizer,
+            self.layout,
+            self.accelerator,
+            eager_on_sync=self.fast_path.graph_auto,
+        )
         self.steps_done = 0
         self.held_out_eval = None
         if self.data.eval_dataset is not None:
@@ -500,6 +530,7 @@ class EmbodiedTraining(Training):
                 f"evaluated {when}at the start and the end on {len(ev.batches)} batch(es), "
                 f"{ev.num_samples} samples (eval_loss, eval_action_mse)."
             )
+        lines.extend(self.fast_path.notices)
         lines.append(self._prompt_line())
         if any(data.stats_from_checkpoint):
             which = [i for i, used in enumerate(data.stats_from_checkpoint) if used]
