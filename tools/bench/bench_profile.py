@@ -70,6 +70,30 @@ def summarize(kernels: list[tuple[str, float, float]], steps: int, wall_s: float
     }
 
 
+def idle_gaps(
+    kernels: list[tuple[str, float, float]],
+    host: list[tuple[str, float, float]],
+    min_us: float = 200.0,
+) -> dict[str, float]:
+    """Device-idle gaps of at least ``min_us`` between kernels, attributed to the host: for
+    each host event (name, start_us, duration_us) the microseconds of gaps it overlaps (nested
+    events each count theirs: a reading aid for where the host was while the device waited)."""
+    spans, end = [], None
+    for _, a, d in sorted(kernels, key=lambda k: k[1]):
+        if end is not None and a - end >= min_us:
+            spans.append((end, a))
+        end = a + d if end is None else max(end, a + d)
+    out: dict[str, float] = {}
+    for name, a, d in host:
+        b = a + d
+        for g0, g1 in spans:
+            overlap = min(b, g1) - max(a, g0)
+            if overlap > 0:
+                out[name] = out.get(name, 0.0) + overlap
+    out["(all gaps)"] = sum(g1 - g0 for g0, g1 in spans)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def summary_text(s: dict[str, Any]) -> str:
     lines = [
         f"per step over {s['steps']} profiled steps: wall {s['wall_ms_per_step']:.1f} ms, "
@@ -81,7 +105,65 @@ def summary_text(s: dict[str, Any]) -> str:
     busy = max(s["device_busy_ms_per_step"], 1e-9)
     for cat, ms in s["device_ms_per_step_by_category"].items():
         lines.append(f"| {cat} | {ms:.2f} | {ms / busy:.0%} |")
+    syncs = s.get("host_syncs_per_step_by_caller")
+    if syncs is not None:
+        lines += ["", "host syncs (torch.cuda sync debug mode) by the innermost longboat / bench "
+                  "frame:", "| caller | syncs/step |", "|---|---|"]  # fmt: skip
+        lines += [f"| {where} | {n:.2f} |" for where, n in syncs.items()] or ["| none | 0 |"]
+    gaps = s.get("idle_gap_ms_per_step_by_host_event")
+    if gaps:
+        lines += ["", "device-idle gaps (>= 0.2 ms) by the host event overlapping them:",
+                  "| host event | gap ms/step |", "|---|---|"]  # fmt: skip
+        lines += [f"| {name[:70]} | {ms:.2f} |" for name, ms in list(gaps.items())[:15]]
     return "\n".join(lines)
+
+
+class SyncAudit:
+    """Counts host synchronisations (``torch.cuda.set_sync_debug_mode("warn")``) between
+    ``start()`` and ``stop()`` by the innermost longboat or benchmark frame that caused them
+    (CUDA only; elsewhere ``stop()`` returns {})."""
+
+    def __init__(self, acc: Any) -> None:
+        self.acc = acc
+        self.counts: dict[str, int] = {}
+        self._saved: Any = None
+
+    def start(self) -> None:
+        import warnings
+
+        import torch
+
+        if self.acc.device_type != "cuda":
+            return
+        self._saved = (warnings.showwarning, torch.cuda.get_sync_debug_mode(), warnings.filters[:])
+        warnings.simplefilter("always", UserWarning)
+
+        def show(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+            if "synchronizing" not in str(message):
+                return self._saved[0](message, category, *args, **kwargs)
+            import traceback
+
+            frames = [f for f in traceback.extract_stack()[:-2]
+                      if "longboat" in f.filename or "/bench/" in f.filename]  # fmt: skip
+            where = (f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].name}"
+                     if frames else "elsewhere")  # fmt: skip
+            self.counts[where] = self.counts.get(where, 0) + 1
+
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self) -> dict[str, int]:
+        import warnings
+
+        import torch
+
+        if self._saved is None:
+            return {}
+        torch.cuda.set_sync_debug_mode(self._saved[1])
+        warnings.showwarning = self._saved[0]
+        warnings.filters[:] = self._saved[2]
+        self._saved = None
+        return dict(sorted(self.counts.items(), key=lambda kv: -kv[1]))
 
 
 class ProfileWindow:
@@ -98,15 +180,18 @@ class ProfileWindow:
         if self.acc.device_type == "cuda":
             activities.append(ProfilerActivity.CUDA)
         self.acc.synchronize()
+        self.syncs = SyncAudit(self.acc)
+        self.syncs.start()
         self.prof = profile(activities=activities)
         self.prof.__enter__()
         self.t0 = time.perf_counter()
 
     def stop(self, steps: int) -> dict[str, Any] | None:
+        syncs = self.syncs.stop()  # before the window's own synchronize
         self.acc.synchronize()
         wall = time.perf_counter() - self.t0
         self.prof.__exit__(None, None, None)
-        kernels = []
+        kernels, host = [], []
         for ev in self.prof.events():
             dev = getattr(ev, "device_type", None)
             # Kernels only: annotations ("Optimizer.step#AdamW.step", "ProfilerStep#3") also
@@ -116,7 +201,16 @@ class ProfileWindow:
             if dev is not None and "CUDA" in str(dev) and ev.time_range.elapsed_us() > 0:
                 start, dur = float(ev.time_range.start), float(ev.time_range.elapsed_us())
                 kernels.append((ev.name, start, dur))
+            elif ev.time_range.elapsed_us() > 0:
+                start, dur = float(ev.time_range.start), float(ev.time_range.elapsed_us())
+                host.append((ev.name, start, dur))
         summary = summarize(kernels, steps, wall) if kernels else None
+        if summary:
+            summary["host_syncs_per_step_by_caller"] = {k: v / steps for k, v in syncs.items()}
+            gaps = idle_gaps(kernels, host)
+            summary["idle_gap_ms_per_step_by_host_event"] = {
+                k: v / 1e3 / steps for k, v in gaps.items()
+            }
         key = "self_cuda_time_total" if self.acc.device_type == "cuda" else "self_cpu_time_total"
         table = self.prof.key_averages().table(
             sort_by=key, row_limit=self.row_limit, max_name_column_width=70

@@ -25,7 +25,7 @@ from longboat.embodied.models import get_config
 from longboat.embodied.models.common.image_preprocessing import resize_with_pad
 from longboat.embodied.train import training as training_module
 from longboat.embodied.train.plan import batch_layout
-from longboat.embodied.train.policy_batch import ByteTokenizer
+from longboat.embodied.train.policy_batch import ByteTokenizer, unit_float
 from longboat.embodied.train.training import build_training, open_run_data
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -82,7 +82,7 @@ def test_cameras_of_different_sizes_are_resized_per_camera_and_train(
         assert images.shape == (2, cams, 3, *size) and images[:, 2:].abs().sum() == 0
         for row, sample in enumerate(samples):
             for cam, key in enumerate((FRONT, WRIST)):
-                frame = sample[key][None]
+                frame = unit_float(sample[key][None])  # frames are read as uint8
                 if model == "pi05":  # openpi's resize_with_pad: aspect kept, black padding
                     want = resize_with_pad(frame, 56)[0]
                 else:  # GR00T: one plain resize to the model's image size
@@ -127,7 +127,7 @@ def test_data_cameras_selects_and_orders_the_cameras(
         sample = training.data.dataset[3]
         batch = training.data.collate([sample])
         torch.testing.assert_close(
-            batch["images"][0, 0], resize_with_pad(sample[WRIST][None], 56)[0]
+            batch["images"][0, 0], resize_with_pad(unit_float(sample[WRIST][None]), 56)[0]
         )
         assert batch["image_mask"].tolist() == [[True, True, False]]  # pi05 takes 3 cameras
     finally:

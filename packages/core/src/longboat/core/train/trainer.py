@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from longboat.core.checkpoint import CheckpointError, CheckpointManager
 from longboat.core.errors import UserError
@@ -238,8 +239,12 @@ class Trainer:
         ):
             while self.step < total:
                 profiler.step(self.step + 1)  # steps are numbered from 1, as in the metrics
-                out = t.step(self.step, next(batches), gate)
-                gate.end_step()
+                # Named host ranges for torch.profiler traces (where the device waits).
+                with record_function("longboat: next batch"):
+                    batch = next(batches)
+                with record_function("longboat: step"):
+                    out = t.step(self.step, batch, gate)
+                    gate.end_step()
                 self.step = step = self.step + 1
                 self.state["step"] = step
                 pending.append(out.loss)
