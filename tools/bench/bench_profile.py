@@ -192,17 +192,21 @@ class ProfileWindow:
         wall = time.perf_counter() - self.t0
         self.prof.__exit__(None, None, None)
         kernels, host = [], []
-        for ev in self.prof.events():
+        events = [ev for ev in self.prof.events() if ev.time_range.elapsed_us() > 0]
+        # Annotations ("ProfilerStep#3", "Optimizer.step#AdamW.step", record_function ranges)
+        # also show up as device ranges and would count their kernels twice. (Kernel names
+        # themselves may hold "#": "{lambda(float)#1}".)
+        notes = {ev.name for ev in events if getattr(ev, "is_user_annotation", False)}
+        for ev in events:
             dev = getattr(ev, "device_type", None)
-            # Kernels only: annotations ("Optimizer.step#AdamW.step", "ProfilerStep#3") also
-            # show up as device ranges and would count their kernels twice.
-            if "#" in ev.name or ev.name.startswith("ProfilerStep"):
-                continue
-            if dev is not None and "CUDA" in str(dev) and ev.time_range.elapsed_us() > 0:
-                start, dur = float(ev.time_range.start), float(ev.time_range.elapsed_us())
+            start, dur = float(ev.time_range.start), float(ev.time_range.elapsed_us())
+            if (ev.name in notes or ev.name.startswith(("ProfilerStep#", "Optimizer.", "longboat:"))
+                    or getattr(ev, "is_user_annotation", False)):  # fmt: skip
+                if dev is None or "CUDA" not in str(dev):
+                    host.append((ev.name, start, dur))
+            elif dev is not None and "CUDA" in str(dev):
                 kernels.append((ev.name, start, dur))
-            elif ev.time_range.elapsed_us() > 0:
-                start, dur = float(ev.time_range.start), float(ev.time_range.elapsed_us())
+            else:
                 host.append((ev.name, start, dur))
         summary = summarize(kernels, steps, wall) if kernels else None
         if summary:
@@ -215,6 +219,11 @@ class ProfileWindow:
         table = self.prof.key_averages().table(
             sort_by=key, row_limit=self.row_limit, max_name_column_width=70
         )
+        if self.acc.device_type == "cuda":  # which ops launched the kernels (eager steps)
+            table += "\n\nsorted by cuda_time_total (an op's kernels and its children's)\n"
+            table += self.prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=40, max_name_column_width=70
+            )
         self.out.parent.mkdir(parents=True, exist_ok=True)
         body = (summary_text(summary) + "\n\n") if summary else ""
         self.out.write_text(
