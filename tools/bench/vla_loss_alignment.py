@@ -15,7 +15,8 @@ initial weights, on the same batches with the same flow-matching draws.
   embedding as Siglip2's linear over (p, p, 3) patches, the projector's input channels from
   ``F.pixel_unshuffle`` to Eagle's ``pixel_shuffle`` order; pi0.5:
   ``pi05_reference.transfer_weights``; with master weights the fp32 masters), trained on the very
-  batches longboat trains on (``training.batches(0)``): the first ``DISTINCT``, cycled.
+  batches longboat trains on (``training.batches(0)``): the first ``--distinct`` (default: one per
+  step, so no batch repeats and the curves do not follow a few memorised batches), cycled.
 - ``reference_perturbed``: the reference with every batch's samples reversed: the noise band
   (``bench_align``).
 
@@ -50,9 +51,6 @@ import pi05_reference as pi05_ref  # noqa: E402
 import vla_throughput as vt  # noqa: E402
 from bench_env import REPO, key_values, result_meta, write_results  # noqa: E402
 from bench_train import train_timed  # noqa: E402
-
-DISTINCT = 16
-"""Distinct batches, cycled over the steps."""
 
 
 def _unshuffle_perm(d: int) -> torch.Tensor:
@@ -248,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--model", default="groot_n1_6", choices=list(vt.EXPERIMENT))
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--distinct", type=int, default=0,
+                   help="distinct batches, cycled over the steps (0: one per step)")  # fmt: skip
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=2.5e-5, help="pi05: the constant lr of both loops")
     p.add_argument("--ref-precision", default="bfloat16", choices=["bfloat16", "float32"],
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             g = torch.Generator().manual_seed(args.seed)
             it = training.batches(0)
             batches = [with_draws(next(it)[0], training.model_cfg, args.model, g)
-                       for _ in range(min(DISTINCT, args.steps))]  # fmt: skip
+                       for _ in range(min(args.distinct or args.steps, args.steps))]  # fmt: skip
             seen.update(batches=batches, reference=Reference(args, training, training.device))
         batches = seen["batches"]
         training.batches = lambda start: ([batches[i % len(batches)]] for i in range(start, 10**9))
