@@ -288,3 +288,20 @@ def test_sinusoid_sanity():
     assert e[0].tolist() == [1, 1, 1, 1, 0, 0, 0, 0]
     freq0 = math.exp(0)
     assert e[1, 0].item() == pytest.approx(math.cos(10 * freq0), abs=1e-5)
+
+
+def test_vit_residual_stream_is_token_major_in_every_block():
+    """The patch embedding's channel-major output is made token-major before the position
+    add: otherwise the sum keeps its strides and every residual add and norm of the ViT runs
+    strided (on an H200, two strided copies and two strided adds a layer)."""
+    from longboat.embodied.models.common.vit import VisionTransformer
+    from longboat.embodied.models.init_from import resolve_model_config
+
+    torch.manual_seed(0)
+    vit = VisionTransformer(resolve_model_config("groot_n1_6", "tiny", {}, None).vision)
+    layouts: list[bool] = []
+    for block in vit.blocks:
+        block.register_forward_pre_hook(lambda mod, args: layouts.append(args[0].is_contiguous()))
+    tokens, grid = vit(torch.randn(2, 3, 56, 84))
+    assert grid == (4, 6) and tokens.shape == (2, 24, vit.cfg.hidden_size)
+    assert layouts == [True] * len(vit.blocks)

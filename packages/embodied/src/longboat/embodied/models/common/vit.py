@@ -114,7 +114,9 @@ class VisionTransformer(nn.Module):
             )
         x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype))
         gh, gw = x.shape[-2:]
-        x = x.flatten(2).transpose(1, 2) + self._positions(gh, gw)
+        # Token-major before the add: the sum would keep the conv output's channel-major
+        # strides, and every residual add and norm of the stream would then run strided.
+        x = x.flatten(2).transpose(1, 2).contiguous() + self._positions(gh, gw)
         for block in self.blocks:
             x = block(x)
         ln = self.post_layernorm
