@@ -31,9 +31,10 @@
 # for the model; `longboat_<variant>` adds config keys (llm_throughput.VARIANTS:
 # compiled = train.compile, no_graph = llm.cuda_graph=false, megatron_step = that and
 # llm.one_pass_adamw=false;
-# vla_throughput.VARIANTS: compiled = train.compile, master = train.master_weights,
-# graphed = + train.cuda_graph, graphed_fp32master = + train.master_weight_storage=fp32,
-# graphed_kernel = + train.master_weight_update=kernel; diffusion_throughput.VARIANTS:
+# vla_throughput.VARIANTS (the defaults: master weights + graph + kernel update): autocast =
+# train.master_weights=false, compiled = train.compile, master = master weights, eager
+# steps, graphed = both explicit, graphed_fp32master = + train.master_weight_storage=fp32,
+# graphed_slices = + train.master_weight_update=slices; diffusion_throughput.VARIANTS:
 # recompute = model.recompute_blocks=-1).
 set -u
 ONLY=${ONLY:-"gpu_tests llm vla diffusion llm_align scaling scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling wan_scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")$([ "${WITH_VLA_LEVERS:-0}" = "1" ] && echo " vla_scaling_levers")"}
@@ -54,7 +55,7 @@ want llm && step "llm throughput" timeout "${LIMIT_LLM:-240}" python3 tools/benc
   --steps 10 --warmup 3 --time-budget "$(( ${LIMIT_LLM:-240} - 10 ))"
 want vla && step "vla throughput" timeout "${LIMIT_VLA:-240}" python3 tools/bench/vla_throughput.py \
   --out /tmp/vla_throughput.json --results-dir "$RESULTS" \
-  --runs reference,longboat,longboat_master,longboat_graphed,longboat_graphed_kernel,longboat_graphed_fp32master \
+  --runs reference,longboat,longboat_autocast,longboat_master,longboat_graphed_slices,longboat_graphed_fp32master \
   --batch 32 --steps 20 --warmup 5 --workers 12 \
   --embodiments 8 --episodes 6 --episode-length 80 120 --time-budget "$(( ${LIMIT_VLA:-240} - 10 ))"
 # Wan2.1 T2V-1.3B at 480x832, 49 and 81 frames: the DiffSynth-style diffusers loop (checkpointing
