@@ -14,6 +14,9 @@ full shapes), random init, bf16, the same batch size and loader worker count:
   gradient checkpointing, eager attention with a 4D mask, the prompt padded to ``max_token_len``,
   on-device augmentation, per-sample decode + PIL in the workers). Each file lists how it differs
   from the official code.
+- ``lean``: ``baselines/vla_lean.py``, the policy's own model math in plain eager PyTorch (torch
+  reference ops, fp32 trainable weights under autocast, fused AdamW) on synthetic batches made
+  once on the device: no data loading, no LM head, no thrown-away work.
 - ``longboat``: ``longboat-embodied train experiment=<model>_tiny`` with only the benchmark's model
   size (``model=<model>``), ``train.precision=bf16``, batch, steps and data (``data.path``,
   ``data.num_workers``): the stack's ``build_training`` run by core's ``Trainer``, the CLI's
@@ -53,6 +56,7 @@ import groot_n1_6_reference as groot_ref  # noqa: E402
 import groot_n1_6_reference_data as groot_data  # noqa: E402
 import pi05_reference as pi05_ref  # noqa: E402
 import pi05_reference_data as pi05_data  # noqa: E402
+import vla_lean  # noqa: E402
 from bench_env import failed_row, fmt, md_table  # noqa: E402
 from bench_profile import profile_steps  # noqa: E402
 from bench_timing import time_loop  # noqa: E402
@@ -327,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--workers", type=int, default=8, help="DataLoader workers (both loops)")
-    p.add_argument("--runs", default=None, help=f"comma list of reference,{','.join(VARIANTS)}")
+    p.add_argument(
+        "--runs", default=None, help=f"comma list of reference,lean,{','.join(VARIANTS)}"
+    )
     p.add_argument("--profile-steps", type=int, default=0, help="profile N more steps per run")
     p.add_argument("--profile-dir", type=Path, default=None)
     p.add_argument("--results-dir", type=Path, default=env.REPO / "benchmarks/results")
@@ -371,8 +377,15 @@ def main(argv: list[str] | None = None) -> int:
     def run_one(name: str) -> dict[str, Any]:
         if name == "reference":
             return entry(name, args.model, run_reference(args, cfg, roots, acc), flops)
+        if name == "lean":
+            r = vla_lean.run_lean(args.model, flavor, args.overrides, batch=args.batch,
+                                  image_hw=hw, text_len=TEXT_LEN, acc=acc, warmup=args.warmup,
+                                  steps=args.steps, seed=args.seed)  # fmt: skip
+            return entry(name, args.model, r, flops)
         if name not in VARIANTS:
-            raise ValueError(f"unknown run {name!r}: use reference or one of {list(VARIANTS)}")
+            raise ValueError(
+                f"unknown run {name!r}: use reference, lean or one of {list(VARIANTS)}"
+            )
         return entry(name, args.model, run_longboat_variant(name, args, root, acc), flops)
 
     def write() -> None:

@@ -24,12 +24,12 @@ def _one_thread(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_reference_and_longboat_runs_train(tmp_path: Path) -> None:
-    """The reference loop and three longboat runs train 2 timed steps on the same dataset;
-    the graphed variant runs the master-weights step eagerly on CPU: the same losses."""
+    """The reference loop, the lean baseline and three longboat runs train 2 timed steps; the
+    graphed variant runs the master-weights step eagerly on CPU: the same losses."""
     import vla_throughput
 
     out = tmp_path / "results.json"
-    runs = "reference,longboat,longboat_master,longboat_graphed"
+    runs = "reference,lean,longboat,longboat_master,longboat_graphed"
     rc = vla_throughput.main(["--out", str(out), "--tiny", "--batch", "2", "--steps", "2",
                               "--warmup", "1", "--workers", "0", *DATA, "--data-dir",
                               str(tmp_path / "ds"), "--results-dir", str(tmp_path / "res"),
@@ -53,6 +53,9 @@ def test_reference_and_longboat_runs_train(tmp_path: Path) -> None:
     ref, lbp = by_name["reference"]["params"], by_name["longboat"]["params"]
     assert ref["trainable"] == lbp["trainable"]
     assert abs(ref["frozen"] - lbp["frozen"]) <= 0.005 * lbp["frozen"]
+    # The lean baseline trains the very model longboat builds.
+    lean = by_name["lean"]["params"]
+    assert (lean["trainable"], lean["frozen"]) == (lbp["trainable"], lbp["frozen"])
     assert result["config"]["variants"]["longboat"] == []
     stem = tmp_path / "res" / f"vla_throughput_{result['date']}_tiny"
     assert stem.with_suffix(".md").read_text().count("| longboat |") == 1
