@@ -189,7 +189,25 @@ def _vectors(mod: Any, vec: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     return out[:, 0].float().chunk(n, dim=-1)
 
 
-class FluxDoubleBlock(MegatronModule):
+class _FluxBlock(MegatronModule):
+    """What both block kinds share: the layer number, the norms' eps and the joint attention
+    (``rope``, ``attention_fn``)."""
+
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        eps: float,
+        rope: RopeFn | None,
+        attention_fn: AttentionFn,
+    ) -> None:
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        self.eps = eps
+        self.attention = JointAttention(config.kv_channels, rope, attention_fn)
+
+
+class FluxDoubleBlock(_FluxBlock):
     """A double-stream block (module doc): ``forward(x, c, vec, layout) -> (x, c)``."""
 
     def __init__(
@@ -202,15 +220,12 @@ class FluxDoubleBlock(MegatronModule):
         rope: RopeFn | None = None,
         attention_fn: AttentionFn = kernel_attention,
     ) -> None:
-        super().__init__(config=config)
-        self.layer_number = layer_number
-        self.eps = eps
+        super().__init__(config, layer_number, eps, rope, attention_fn)
         sub, width = submodules, config.hidden_size
         self.img_mod = _modulation(config, sub, 6)
         self.txt_mod = _modulation(config, sub, 6)
         self.img_attn = _Stream(config, sub, eps)
         self.txt_attn = _Stream(config, sub, eps)
-        self.attention = JointAttention(config.kv_channels, rope, attention_fn)
         self.img_proj = _row(config, sub, width)
         self.txt_proj = _row(config, sub, width)
         mlp = dict(config=config, ffn_hidden_size=config.ffn_hidden_size)
@@ -242,7 +257,7 @@ class FluxDoubleBlock(MegatronModule):
         return x, c
 
 
-class FluxSingleBlock(MegatronModule):
+class FluxSingleBlock(_FluxBlock):
     """A single-stream block (module doc): ``forward(h, vec, layout) -> h`` on the joint
     sequence ``[B, L + S, D]``."""
 
@@ -256,13 +271,10 @@ class FluxSingleBlock(MegatronModule):
         rope: RopeFn | None = None,
         attention_fn: AttentionFn = kernel_attention,
     ) -> None:
-        super().__init__(config=config)
-        self.layer_number = layer_number
-        self.eps = eps
+        super().__init__(config, layer_number, eps, rope, attention_fn)
         sub, width = submodules, config.hidden_size
         self.mod = _modulation(config, sub, 3)
         self.attn = _Stream(config, sub, eps)
-        self.attention = JointAttention(config.kv_channels, rope, attention_fn)
         self.linear_fc1 = build_module(
             sub.column, width, config.ffn_hidden_size, config=config,
             init_method=config.init_method, bias=True, gather_output=False, skip_bias_add=False,
