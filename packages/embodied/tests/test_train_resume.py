@@ -199,3 +199,11 @@ def test_master_weights_resume_continues_the_exact_loss_curve(tmp_path: Path) ->
     assert result.resumed_from == moved / "checkpoints" / ckpt
     assert len(set(reference)) == STEPS
     assert result.losses == reference[KILL_AFTER_CHECKPOINT:]
+    # An autocast run cannot load a master-weight optimizer state: the key is named (and the
+    # fix given) before anything loads.
+    from longboat.core.checkpoint.errors import CheckpointError
+
+    autocast = [*_overrides(moved, straight / "dataset"), "train.precision=bf16",
+                "train.master_weights=false"]  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"train\.master_weights=True \(this run: False\)"):
+        train(compose_experiment("groot_n1_6_tiny", autocast, world_size=1))

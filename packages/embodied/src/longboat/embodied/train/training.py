@@ -261,7 +261,9 @@ class EmbodiedTraining(Training):
     """An embodied run for core's ``Trainer`` (module doc); ``build_training`` builds it."""
 
     unit = "samples"
-    resume_keys = ("model.name", "model.flavor")
+    resume_keys = ("model.name", "model.flavor", "train.master_weights")
+    """A master-weight checkpoint holds another optimizer state than an autocast one (the
+    resolved value is saved, so a run resumes in the layout it started in)."""
 
     def __init__(self, cfg: EmbodiedExperimentConfig) -> None:
         self.cfg = cfg
