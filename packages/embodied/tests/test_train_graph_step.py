@@ -212,14 +212,14 @@ def test_cuda_graph_config_errors(tmp_path: Path):
 
 
 def _resolve(device: str = "cuda", accum: int = 1, strategy: str = "ddp", optim: str = "adamw",
-             **train: object):  # fmt: skip
+             dp_size: int = 1, **train: object):  # fmt: skip
     from dataclasses import replace
 
     from longboat.embodied.config import EmbodiedTrainConfig, resolve_fast_path
 
     t = replace(EmbodiedTrainConfig(), **{"precision": "bf16", **train})
     return resolve_fast_path(
-        t, strategy=strategy, optim_name=optim, device_type=device, accum=accum
+        t, strategy=strategy, optim_name=optim, device_type=device, accum=accum, dp_size=dp_size
     )
 
 
@@ -235,6 +235,7 @@ def test_fast_path_defaults_resolve_on_where_they_apply_and_say_why_not():
             activation_checkpointing="full"
         ),
         "train.cuda_graph: eager steps (train.compile=true)": _resolve(compile=True),
+        "train.cuda_graph: eager steps (data parallel over 2 ranks); set": _resolve(dp_size=2),
     }
     for notice, fp in cases.items():
         assert fp.master_weights and not fp.cuda_graph and not fp.graph_auto

@@ -152,9 +152,10 @@ class EmbodiedTrainConfig(TrainConfig):
     (core's ``GraphedStep``, captured after 3 eager steps); batches are padded to fixed
     shapes. Needs train.master_weights and no gradient accumulation (global batch = micro
     batch x data-parallel size, or null). null (the default): on where it applies (those two,
-    a CUDA device, no activation checkpointing), falling back to eager steps with a notice if
-    the step synchronises with the host; true where it cannot apply is an error, except on a
-    device without CUDA graphs (eager, logged)."""
+    a CUDA device, one data-parallel rank, no activation checkpointing or compile), falling
+    back to eager steps with a notice if the step synchronises with the host; true where it
+    cannot apply is an error, except on a device without CUDA graphs (eager, logged); true
+    with data parallelism captures the gradient all-reduce too."""
 
 
 @dataclass
@@ -377,7 +378,7 @@ class FastPath:
 
 
 def resolve_fast_path(
-    train: Any, *, strategy: str, optim_name: str, device_type: str, accum: int
+    train: Any, *, strategy: str, optim_name: str, device_type: str, accum: int, dp_size: int = 1
 ) -> FastPath:
     """Resolve null ``train.master_weights`` / ``train.cuda_graph`` (on where they apply, see
     ``EmbodiedTrainConfig``); explicit values stay as given (validation checked them)."""
@@ -406,6 +407,8 @@ def resolve_fast_path(
             why = f"train.activation_checkpointing={train.activation_checkpointing}"
         elif train.compile:
             why = "train.compile=true"
+        elif dp_size > 1:  # the all-reduce inside the captured step: opt in
+            why = f"data parallel over {dp_size} ranks"
         graph = bool(master) and why is None
         if why:
             notices.append(

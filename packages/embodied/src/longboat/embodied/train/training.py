@@ -284,6 +284,7 @@ class EmbodiedTraining(Training):
             optim_name=cfg.optim.name,
             device_type=self.accelerator.device_type,
             accum=self.layout.accum,
+            dp_size=self.layout.dp_size,
         )
         t.master_weights = self.fast_path.master_weights
         t.cuda_graph = self.fast_path.cuda_graph
