@@ -105,6 +105,17 @@ def summary_text(s: dict[str, Any]) -> str:
     busy = max(s["device_busy_ms_per_step"], 1e-9)
     for cat, ms in s["device_ms_per_step_by_category"].items():
         lines.append(f"| {cat} | {ms:.2f} | {ms / busy:.0%} |")
+    parts = s.get("parts_ms_per_step")
+    if parts is not None:
+        lines += ["", "model parts (record_function ranges; forward + the backward of its ops):",
+                  "| part | device fwd ms/step | device bwd ms/step | share of device busy | "
+                  "host fwd + bwd ms/step |", "|---|---|---|---|---|"]  # fmt: skip
+        for name, t in parts.items():
+            both = t["device_forward"] + t["device_backward"]
+            lines.append(f"| {name} | {t['device_forward']:.2f} | {t['device_backward']:.2f} | "
+                         f"{both / busy:.0%} | {t['host_forward'] + t['host_backward']:.2f} |")  # fmt: skip
+        if not parts:
+            lines.append("| none attributed (a replayed CUDA graph runs no op) | | | | |")
     syncs = s.get("host_syncs_per_step_by_caller")
     if syncs is not None:
         lines += ["", "host syncs (torch.cuda sync debug mode) by the innermost longboat / bench "
@@ -116,6 +127,45 @@ def summary_text(s: dict[str, Any]) -> str:
                   "| host event | gap ms/step |", "|---|---|"]  # fmt: skip
         lines += [f"| {name[:70]} | {ms:.2f} |" for name, ms in list(gaps.items())[:15]]
     return "\n".join(lines)
+
+
+def part_times(events: list[Any], parts: tuple[str, ...], device: bool) -> dict[str, Any]:
+    """Forward and backward time (us) of the ops under each ``record_function`` range named in
+    ``parts``: the forward is the range's own total (its ops and kernels); the backward, every
+    autograd backward function whose forward op ran inside the range (matched by autograd's
+    sequence number and thread, as torch.profiler links them). ``device``: kernel time (eager
+    steps: replayed graphs attribute no kernel to an op), else host time."""
+
+    def total(ev: Any) -> float:
+        return float(ev.device_time_total if device else ev.cpu_time_total)
+
+    out: dict[str, Any] = {}
+    owner: dict[tuple[int, int], str] = {}
+    for ev in events:
+        if ev.name in parts and not _inside_named(ev.cpu_parent, parts):
+            entry = out.setdefault(ev.name, {"forward_us": 0.0, "backward_us": 0.0, "calls": 0})
+            entry["forward_us"] += total(ev)
+            entry["calls"] += 1
+            stack = list(ev.cpu_children)
+            while stack:
+                child = stack.pop()
+                if child.sequence_nr >= 0:
+                    owner[(child.sequence_nr, child.thread)] = ev.name
+                stack.extend(child.cpu_children)
+    for ev in events:
+        if getattr(ev, "scope", 0) == 1 and ev.sequence_nr >= 0:  # a backward function
+            name = owner.get((ev.sequence_nr, ev.fwd_thread))
+            if name is not None:
+                out[name]["backward_us"] += total(ev)
+    return out
+
+
+def _inside_named(ev: Any, parts: tuple[str, ...]) -> bool:
+    while ev is not None:
+        if ev.name in parts:
+            return True
+        ev = ev.cpu_parent
+    return False
 
 
 class SyncAudit:
@@ -170,8 +220,12 @@ class ProfileWindow:
     """torch.profiler over a window of steps: ``start()``, the steps, ``stop(steps)`` writes
     the op table and the per-step summary to ``out`` and returns the summary."""
 
-    def __init__(self, acc: Any, out: Path, title: str = "", row_limit: int = 70) -> None:
+    def __init__(
+        self, acc: Any, out: Path, title: str = "", row_limit: int = 70, parts: tuple[str, ...] = ()
+    ) -> None:
         self.acc, self.out, self.title, self.row_limit = acc, out, title, row_limit
+        self.parts = parts
+        """``record_function`` range names whose forward + backward time is reported."""
 
     def start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -209,6 +263,19 @@ class ProfileWindow:
             else:
                 host.append((ev.name, start, dur))
         summary = summarize(kernels, steps, wall) if kernels else None
+        if summary and self.parts:
+            all_events = list(self.prof.events())
+            dev = part_times(all_events, self.parts, device=True)
+            host = part_times(all_events, self.parts, device=False)
+            summary["parts_ms_per_step"] = {
+                name: {
+                    "device_forward": dev[name]["forward_us"] / 1e3 / steps,
+                    "device_backward": dev[name]["backward_us"] / 1e3 / steps,
+                    "host_forward": host[name]["forward_us"] / 1e3 / steps,
+                    "host_backward": host[name]["backward_us"] / 1e3 / steps,
+                }
+                for name in dev
+            }
         if summary:
             summary["host_syncs_per_step_by_caller"] = {k: v / steps for k, v in syncs.items()}
             gaps = idle_gaps(kernels, host)
@@ -254,9 +321,12 @@ class ProfileCallback:
 
     exact = False
 
-    def __init__(self, acc: Any, first: int, steps: int, out: Path, title: str = "") -> None:
+    def __init__(
+        self, acc: Any, first: int, steps: int, out: Path, title: str = "",
+        parts: tuple[str, ...] = (),
+    ) -> None:  # fmt: skip
         self.first, self.steps = first, steps
-        self.window = ProfileWindow(acc, out, title)
+        self.window = ProfileWindow(acc, out, title, parts=parts)
         self.summary: dict[str, Any] | None = None
 
     def on_step_end(self, trainer: Any, step: int, out: Any) -> None:

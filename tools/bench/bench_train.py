@@ -77,11 +77,13 @@ def train_timed(
     steps: int,
     profile_steps: int = 0,
     profile_out: Path | None = None,
+    profile_parts: tuple[str, ...] = (),
     prepare: Callable[[Any], None] | None = None,
     probe: Callable[[Any], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """``build_training(compose(...))`` run by ``Trainer`` for ``warmup + steps + 1`` steps (steps
-    ``warmup+1 .. warmup+steps`` timed), plus ``profile_steps`` profiled ones into ``profile_out``.
+    ``warmup+1 .. warmup+steps`` timed), plus ``profile_steps`` profiled ones into ``profile_out``
+    (with the forward + backward time of the ``record_function`` ranges ``profile_parts``).
     ``prepare(training)`` runs after the build (the loss alignments take the weights there),
     ``probe(training)`` after the run (its dict joins the result). Returns the ``Timing``, losses,
     peak memory, build time, ``items_per_step`` and ``notes`` (the trainer's output, the profile)."""
@@ -93,7 +95,9 @@ def train_timed(
     timer = StepTimer(acc, warmup, steps)
     callbacks = [timer]
     if profile_steps:
-        callbacks.append(ProfileCallback(acc, warmup + steps, profile_steps, profile_out))
+        callbacks.append(
+            ProfileCallback(acc, warmup + steps, profile_steps, profile_out, parts=profile_parts)
+        )
     with tempfile.TemporaryDirectory(prefix="longboat_bench_") as out_dir:
         leftover = free_memory(acc)
         t0 = time.perf_counter()

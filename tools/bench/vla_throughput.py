@@ -79,6 +79,9 @@ weights, the CUDA-graphed step and the one-pass kernel update). ``longboat_autoc
 params under autocast (eager); ``longboat_master``: master weights, eager steps;
 ``longboat_fsdp``: FSDP2 instead of DDP (at one process both train the model unwrapped; no
 master weights)."""
+PROFILE_PARTS = {"groot_n1_6": ("groot_n1_6.backbone", "groot_n1_6.action_head")}
+"""The model's ``record_function`` ranges a profile splits the step into (eager steps only:
+a replayed CUDA graph runs no op to attribute)."""
 PEERS = ("transformers", "av", "triton")
 """The distributions whose versions the result records."""
 TEXT_LEN = 24  # prompt tokens the FLOP counts assume
@@ -220,7 +223,7 @@ def run_longboat_variant(
     ov = [*longboat_overrides(args, root, world), *VARIANTS[name]]
     return train_timed("embodied", EXPERIMENT[args.model], ov, acc, warmup=args.warmup,
                        steps=args.steps, profile_steps=args.profile_steps, profile_out=out,
-                       probe=described)  # fmt: skip
+                       profile_parts=PROFILE_PARTS.get(args.model, ()), probe=described)  # fmt: skip
 
 
 def forever(loader: Any) -> Iterator[Any]:

@@ -23,3 +23,34 @@ def test_idle_gaps_are_attributed_to_the_host_events_overlapping_them():
     text = summary_text(s)
     assert "| longboat: next batch | 0.60 |" in text and "| step.py:375 run_step | 1.00 |" in text
     assert [categorize(k[0]) for k in kernels] == ["gemm", "triton", "other", "attention"]
+
+
+def test_part_times_split_a_groot_step_between_backbone_and_action_head():
+    """GR00T's named ranges: the forward under each range and the backward of its ops are
+    attributed to it (autograd sequence numbers), and together the two parts account for
+    the step's backward."""
+    import torch
+    from bench_profile import part_times
+    from torch.profiler import ProfilerActivity, profile
+
+    from longboat.embodied.models import apply_freezing, build_model, get_config
+    from longboat.embodied.models.synthetic import synthetic_batch
+
+    torch.manual_seed(0)
+    cfg = get_config("groot_n1_6", "tiny", {})
+    model = build_model("groot_n1_6", cfg)
+    apply_freezing(model, cfg)
+    batch = synthetic_batch(cfg, 2)
+    parts = ("groot_n1_6.backbone", "groot_n1_6.action_head")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(batch)["loss"].backward()
+    events = list(prof.events())
+    got = part_times(events, parts, device=False)
+    assert set(got) == set(parts) and all(got[p]["calls"] == 1 for p in parts)
+    assert all(got[p]["forward_us"] > 0 for p in parts)
+    head = got["groot_n1_6.action_head"]
+    assert head["backward_us"] > 0
+    backward = sum(e.cpu_time_total for e in events if getattr(e, "scope", 0) == 1)
+    attributed = sum(got[p]["backward_us"] for p in parts)
+    # AccumulateGrad (no sequence number) is the only backward work left unattributed.
+    assert 0.8 * backward <= attributed <= backward + 1e-6

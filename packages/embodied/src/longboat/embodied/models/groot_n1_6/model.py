@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from longboat.embodied.models.common.flow_matching import (
     euler_integrate,
@@ -128,10 +129,16 @@ class GrootN16(nn.Module):
     def forward(
         self, batch: dict[str, Tensor], generator: torch.Generator | None = None
     ) -> dict[str, Tensor]:
-        """Flow-matching training loss. Returns {"loss", "pred_velocity", "target_velocity"}."""
+        """Flow-matching training loss. Returns {"loss", "pred_velocity", "target_velocity"}.
+        The backbone and the action head run under named ``record_function`` ranges, so a
+        profile can split the step between them."""
         self._check(batch, need_action=True)
-        cond, state_tok = self._condition(batch, generator)
-        return self.flow_matching_loss(cond, state_tok, batch, generator)
+        with record_function("groot_n1_6.backbone"):
+            feats, valid, is_image = self.backbone(batch, generator, self._check_values())
+        self._value_checks_left = max(0, self._value_checks_left - 1)
+        with record_function("groot_n1_6.action_head"):
+            cond, state_tok = self.condition_on_features(feats, valid, is_image, batch, generator)
+            return self.flow_matching_loss(cond, state_tok, batch, generator)
 
     def flow_matching_loss(
         self,
