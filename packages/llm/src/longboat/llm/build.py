@@ -11,6 +11,7 @@ from longboat.core.megatron.models.build import build_decoder
 from longboat.core.megatron.parallel_state import current_layout
 from longboat.llm.config import LLMModelConfig
 from longboat.llm.layer_kernels import longboat_layer_kernels
+from longboat.llm.moe_aux_loss import pooled_aux_loss_problems, uses_pooled_aux_loss
 
 
 def build_model(
@@ -25,13 +26,38 @@ def build_model(
 
     ``kernel_options``: switches of ``longboat_layer_kernels`` (e.g. ``{"add_rms_norm":
     False}``) for the longboat backend, to measure or rule out one kernel.
+    An MoE model with ``moe_aux_loss=hf`` (and a non-zero coefficient) gets routers that
+    record transformers' pooled load-balancing loss (``longboat.llm.moe_aux_loss``) where the
+    layout allows it; training checks that first (``build_train_step``).
     """
+    moe_router = None
+    if uses_pooled_aux_loss(cfg) and not pooled_aux_loss_problems(
+        cfg, **aux_loss_layout(config_overrides)
+    ):
+        from longboat.llm.pooled_aux_router import PooledAuxRouter
+
+        # transformers' pooled term replaces megatron's per-layer one (train.step adds it).
+        config_overrides.setdefault("moe_router_load_balancing_type", "none")
+        moe_router = PooledAuxRouter
     return build_decoder(
         cfg,
         kernels=longboat_layer_kernels(**(kernel_options or {})),
+        moe_router=moe_router,
         precision=precision,
         device_type=device_type,
         layout=current_layout(),
         transformer_config=to_transformer_config,
         **config_overrides,
     )
+
+
+def aux_loss_layout(config_overrides: dict[str, Any]) -> dict[str, Any]:
+    """What ``moe_aux_loss.pooled_aux_loss_problems`` needs of the live parallel layout and
+    of megatron ``TransformerConfig`` overrides (sequence parallel, recompute)."""
+    layout = current_layout()
+    return {
+        "pipeline_parallel": layout.pipeline_parallel if layout else 1,
+        "context_parallel": layout.context_parallel if layout else 1,
+        "sequence_parallel": bool(config_overrides.get("sequence_parallel")),
+        "full_recompute": config_overrides.get("recompute_granularity") == "full",
+    }

@@ -11,7 +11,7 @@ FAMILIES = ("llama3", "qwen3", "qwen3_moe")
 
 def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
     """Model shape vs parallel sizes (TP divides heads, PP divides layers, EP divides experts);
-    ``data.format``."""
+    ``model.moe_aux_loss`` vs the layout; ``data.format``."""
     data = cfg.get("data") if hasattr(cfg, "get") else None
     if data is not None and data.get("name") == "prepared":
         from longboat.core.config.errors import require_choice
@@ -25,11 +25,23 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
     if model is None or model.get("name") not in FAMILIES:
         return
     from longboat.llm.config import LLMModelConfig
+    from longboat.llm.moe_aux_loss import pooled_aux_loss_problems
 
+    par = cfg.get("parallel") or {}
+    train = cfg.get("train") or {}
+    try:
+        for p in pooled_aux_loss_problems(
+            LLMModelConfig.from_mapping(model),
+            pipeline_parallel=int(par.get("pipeline_parallel", 1)),
+            context_parallel=int(par.get("context_parallel", 1)),
+            full_recompute=train.get("activation_checkpointing") == "full",
+        ):
+            problems.add(p.key, p.message, value=p.value, fix=p.fix)
+    except (TypeError, ValueError):  # malformed values: the schema checks report them
+        pass
     try:
         arch = LLMModelConfig.from_mapping(model).to_arch()
         arch.validate()
-        par = cfg.get("parallel") or {}
         arch.validate_parallel(
             tp=int(par.get("tensor_parallel", 1)),
             pp=int(par.get("pipeline_parallel", 1)),

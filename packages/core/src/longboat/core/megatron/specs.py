@@ -549,3 +549,27 @@ def decoder_layer_spec(
             mlp_bda=get_bias_dropout_add,
         ),
     )
+
+
+def with_moe_router(spec: ModuleSpec, router: type) -> ModuleSpec:
+    """``spec`` (a decoder layer of any backend) with its MoE layer's router built as
+    ``router`` (a megatron ``TopKRouter`` subclass); ValueError for a dense layer."""
+    import dataclasses
+    import functools
+
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+
+    mlp = getattr(spec.submodules, "mlp", None)
+    # megatron's MoE layer spec is a ModuleSpec or a partial of MoELayer(submodules=...).
+    if isinstance(mlp, functools.partial):
+        moe = mlp.keywords.get("submodules")
+    else:
+        moe = getattr(mlp, "submodules", None)
+    if not isinstance(moe, MoESubmodules):
+        raise ValueError("with_moe_router: the layer spec has no MoE layer")
+    moe = dataclasses.replace(moe, router=router)
+    if isinstance(mlp, functools.partial):
+        mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe})
+    else:
+        mlp = dataclasses.replace(mlp, submodules=moe)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))

@@ -103,7 +103,7 @@ class GraphedTrainStep:
         norm = self.step.update(found_inf=self.found_inf)
         for table in self.tables:
             table.advance()
-        out = {"loss": loss}
+        out = {"loss": loss, **self.step.metrics}
         if norm is not None:
             out["grad_norm"] = norm
         return out

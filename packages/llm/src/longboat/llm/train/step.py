@@ -19,27 +19,37 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from longboat.llm.pooled_aux_router import pooled_aux_loss
 from longboat.llm.train.loss import fused_lm_loss, fused_loss_applies
 
 
 def masked_lm_loss(
-    loss_mask: torch.Tensor | None, output: torch.Tensor
+    loss_mask: torch.Tensor | None,
+    output: torch.Tensor,
+    aux: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Mean of megatron's per-token losses ``[b, s]`` over the tokens ``loss_mask`` keeps.
 
     A scalar ``output`` is already that mean (the fused loss path); ``loss_mask=None`` keeps
-    every token.
+    every token. ``aux``: (transformers' MoE load-balancing loss, its coefficient)
+    (``model.moe_aux_loss=hf``): the loss optimised is ``lm + coeff * aux``; the reported
+    ``lm loss`` stays the LM term and ``moe aux loss`` is ``aux``.
     """
     if output.dim() == 0:
         loss = output.float()
-        return loss, {"lm loss": loss.detach().clone()}
-    losses = output.float()
-    if loss_mask is None:
-        loss = losses.mean()
     else:
-        loss = (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+        losses = output.float()
+        if loss_mask is None:
+            loss = losses.mean()
+        else:
+            loss = (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
     # clone: megatron divides the returned loss in place by the number of microbatches.
-    return loss, {"lm loss": loss.detach().clone()}
+    reported = {"lm loss": loss.detach().clone()}
+    if aux is not None:
+        value, coeff = aux
+        reported["moe aux loss"] = value.detach().clone()
+        loss = loss + coeff * value
+    return loss, reported
 
 
 def _forward_step(
@@ -56,7 +66,9 @@ def _forward_step(
         labels=batch["labels"],
         **kwargs,
     )
-    return output, partial(masked_lm_loss, batch["loss_mask"])
+    # model.moe_aux_loss=hf: every layer's router records of this forward, pooled.
+    aux = pooled_aux_loss(model)
+    return output, partial(masked_lm_loss, batch["loss_mask"], aux=aux)
 
 
 def _schedule(
@@ -82,7 +94,9 @@ def _schedule(
 
 
 def world_mean_of_last_stage(
-    values: list[dict[str, torch.Tensor]], device: torch.device | None = None
+    values: list[dict[str, torch.Tensor]],
+    device: torch.device | None = None,
+    key: str = "lm loss",
 ) -> torch.Tensor:
     """The mean microbatch loss, averaged over data-parallel ranks, known on every rank.
 
@@ -96,7 +110,7 @@ def world_mean_of_last_stage(
     # Built from device tensors only: writing a Python number into a device tensor is a
     # host-to-device copy, which synchronises (and breaks a CUDA-graph capture of the step).
     if mps.is_pipeline_last_stage() and values:
-        mean = torch.stack([v["lm loss"].double().to(device) for v in values]).mean()
+        mean = torch.stack([v[key].double().to(device) for v in values]).mean()
         local = torch.stack([mean, torch.ones_like(mean)])
     else:
         local = torch.zeros(2, dtype=torch.float64, device=device)
@@ -111,11 +125,14 @@ def forward_backward(
     device: torch.device | None = None,
     *,
     fused_ce: bool = False,
+    metrics: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Zero the grads, run forward + backward over ``microbatches``, reduce the grads.
 
-    Returns the step's mean loss on every rank as a 0-d device tensor (no host sync). The
-    optimizer step is the caller's, so a non-finite loss can skip it.
+    Returns the step's mean LM loss on every rank as a 0-d device tensor (no host sync). The
+    optimizer step is the caller's, so a non-finite loss can skip it. ``metrics``, when
+    given, receives ``moe_aux_loss`` (the mean of transformers' load-balancing loss,
+    ``model.moe_aux_loss=hf``) where the model computes it.
     """
     from megatron.core.distributed import finalize_model_grads
 
@@ -124,6 +141,8 @@ def forward_backward(
         chunk.zero_grad_buffer()
     losses = _schedule(model, microbatches, forward_only=False, fused_ce=fused_ce)
     finalize_model_grads(model)
+    if metrics is not None and losses and "moe aux loss" in losses[0]:
+        metrics["moe_aux_loss"] = world_mean_of_last_stage(losses, device, "moe aux loss")
     return world_mean_of_last_stage(losses, device)
 
 

@@ -48,6 +48,10 @@ class TrainStep:
     """``train.one_pass_adamw.OnePassAdamW`` when the update runs as one pass per shard."""
     one_pass_blocker: str | None = None
     """Why the one-pass update was asked for (``"auto"``) but does not apply, if so."""
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Extra 0-d device scalars of the last ``forward_backward`` (``moe_aux_loss``: the
+    step's mean MoE load-balancing loss as transformers reports it, with
+    ``model.moe_aux_loss=hf``)."""
     _positions: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def batch(
@@ -73,8 +77,13 @@ class TrainStep:
         from longboat.llm.train.step import forward_backward
 
         self.optimizer.zero_grad()
+        self.metrics = {}
         return forward_backward(
-            self.model, microbatches, self.device, fused_ce=self.fused_linear_ce
+            self.model,
+            microbatches,
+            self.device,
+            fused_ce=self.fused_linear_ce,
+            metrics=self.metrics,
         )
 
     def update(self, found_inf: torch.Tensor | None = None) -> Any:
@@ -184,8 +193,9 @@ def build_train_step(
     ``kernel_options``: ``build_model``'s switches of the longboat layer kernels (tests).
     ``model_overrides`` go to megatron's ``TransformerConfig`` (as in ``build_model``).
     """
-    from longboat.llm.build import build_model
+    from longboat.llm.build import aux_loss_layout, build_model
     from longboat.llm.lora import apply_lora
+    from longboat.llm.moe_aux_loss import check_pooled_aux_loss
     from longboat.llm.train.one_pass_adamw import OnePassAdamW
     from longboat.llm.train.one_pass_adamw import supported as one_pass_supported
     from longboat.llm.train.optimizer import wrap_and_build
@@ -215,6 +225,8 @@ def build_train_step(
     model_overrides.setdefault("gradient_accumulation_fusion", fusion)
     if model_overrides["gradient_accumulation_fusion"]:
         install_wgrad_fusion()  # megatron's apex extension, in torch
+    # Before the model is built: transformers' pooled load-balancing loss must apply here.
+    check_pooled_aux_loss(model_cfg, **aux_loss_layout(model_overrides))
     chunks = build_model(
         model_cfg,
         precision=precision,

@@ -206,13 +206,17 @@ class LLMTraining(MegatronTraining):
             out = self.graphed(micro[0])
             gate.allow(step, out["loss"])
             return StepOutput(
-                loss=out["loss"], grad_norm=self._norm_reader(gate, out.get("grad_norm"))
+                loss=out["loss"],
+                grad_norm=self._norm_reader(gate, out.get("grad_norm")),
+                metrics={k: v for k, v in out.items() if k not in ("loss", "grad_norm")},
             )
         loss = self.step_fn.forward_backward(micro)
         norm = None
         if gate.allow(step, loss):
             norm = self.step_fn.update(found_inf=getattr(gate, "found_inf", None))
-        return StepOutput(loss=loss, grad_norm=self._norm_reader(gate, norm))
+        return StepOutput(
+            loss=loss, grad_norm=self._norm_reader(gate, norm), metrics=dict(self.step_fn.metrics)
+        )
 
     def _norm_reader(self, gate: UpdateGate, norm: Any) -> Callable[[], Any]:
         """The step's grad norm, read only on log lines (after the gate is flushed): None for

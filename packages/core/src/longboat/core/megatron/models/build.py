@@ -13,7 +13,7 @@ from longboat.core.megatron.model import build_decoder_model
 from longboat.core.megatron.models.config import DecoderModelConfig
 from longboat.core.megatron.models.registry import get_family
 from longboat.core.megatron.parallel_state import current_layout
-from longboat.core.megatron.specs import resolve_backend
+from longboat.core.megatron.specs import resolve_backend, with_moe_router
 
 
 def build_decoder(
@@ -24,6 +24,7 @@ def build_decoder(
     device_type: str = "cpu",
     layout: Any = None,
     transformer_config: Callable[..., Any] = to_transformer_config,
+    moe_router: type | None = None,
     **config_overrides: Any,
 ) -> list[torch.nn.Module]:
     """This rank's model chunks; megatron parallel state must be initialised first.
@@ -35,6 +36,8 @@ def build_decoder(
     to a CPU init with the same seed; pass ``use_cpu_initialization=True`` for the CPU init.
     ``layout``: the parallel layout (default: megatron's current one); ``transformer_config``:
     what turns the architecture and layout into megatron's config (``to_transformer_config``).
+    ``moe_router``: a ``TopKRouter`` subclass to build the MoE layers' routers with (the layer
+    spec's ``MoESubmodules.router``); None keeps megatron's.
     """
     layout = layout if layout is not None else current_layout()
     if layout is None:
@@ -46,6 +49,8 @@ def build_decoder(
     backend = resolve_backend(cfg.layer_backend, device_type)
     kernels = kernels if backend == "longboat" else None
     spec = family.layer_spec(cfg, backend, kernels)
+    if moe_router is not None:
+        spec = with_moe_router(spec, moe_router)
     arch = cfg.to_arch()
     config_overrides.setdefault("use_cpu_initialization", device_type != "cuda")
     tcfg = transformer_config(

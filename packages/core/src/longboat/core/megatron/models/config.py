@@ -53,6 +53,10 @@ class DecoderModelConfig(ModelConfig):
     """Renormalise top-k routing weights."""
     moe_aux_loss_coeff: float = 0.0
     """Load-balancing loss weight."""
+    moe_aux_loss: str = "hf"
+    """Which load-balancing loss the llm stack trains with (when ``moe_aux_loss_coeff > 0``):
+    ``hf`` (transformers' term, every layer's router logits pooled) or ``megatron``
+    (megatron-core's per-layer ``aux_loss``). Other stacks use megatron's."""
     init_std: float = 0.02
     """Init std of the weights."""
     mrope_section: list[int] | None = None
@@ -86,7 +90,8 @@ ARCH_FIELDS = tuple(
         "init_std",
         "max_position_embeddings",
         "moe_aux_loss_coeff",
+        "moe_aux_loss",
     )
 )
 """The fields that describe the architecture: what a checkpoint's weights fix (the others
-may differ from the checkpoint's: layer backend, init, rotary table length, aux-loss weight)."""
+may differ from the checkpoint's: layer backend, init, rotary table length, aux-loss weight and kind)."""
