@@ -165,10 +165,15 @@ def test_megatron_setting_keeps_megatrons_per_layer_loss(
 
 def test_hf_setting_refuses_layouts_where_it_cannot_be_hf() -> None:
     from longboat.llm.models import get_family
-    from longboat.llm.moe_aux_loss import check_pooled_aux_loss
+    from longboat.llm.moe_aux_loss import (
+        check_pooled_aux_loss,
+        pooled_aux_loss_applies,
+        pooled_aux_loss_notice,
+    )
 
     cfg = get_family("qwen3_moe").flavor("tiny")
-    cfg.moe_aux_loss_coeff = 0.01
+    assert cfg.moe_aux_loss == "auto"  # the default
+    cfg.moe_aux_loss, cfg.moe_aux_loss_coeff = "hf", 0.01
     cases = {
         "pipeline_parallel": {"pipeline_parallel": 2},
         "context_parallel": {"context_parallel": 2},
@@ -181,6 +186,15 @@ def test_hf_setting_refuses_layouts_where_it_cannot_be_hf() -> None:
         text = str(err.value)
         assert "model.moe_aux_loss" in text and name in text, text
         assert "model.moe_aux_loss=megatron" in text, text
+    # auto: the same layouts fall back to megatron's term, said in one line naming the cause.
+    cfg.moe_aux_loss = "auto"
+    for name, layout in cases.items():
+        check_pooled_aux_loss(cfg, **layout)
+        assert not pooled_aux_loss_applies(cfg, **layout)
+        notice = pooled_aux_loss_notice(cfg, **layout)
+        assert notice.startswith("model.moe_aux_loss: megatron's per-layer") and name in notice
+    assert pooled_aux_loss_applies(cfg) and pooled_aux_loss_notice(cfg) is None
+    cfg.moe_aux_loss = "hf"
     # Where it does not apply, nothing to refuse: megatron's setting, or no coefficient.
     check_pooled_aux_loss(cfg, pipeline_parallel=1)
     cfg.moe_aux_loss = "megatron"
@@ -195,13 +209,14 @@ def test_hf_setting_refuses_layouts_where_it_cannot_be_hf() -> None:
 def test_validator_names_the_key_before_the_run_starts() -> None:
     base = ["model=qwen3_moe_tiny", "model.moe_aux_loss_coeff=0.01"]
     with pytest.raises(ConfigError) as err:
-        compose([*base, "parallel.pipeline_parallel=2"], world_size=2)
+        compose([*base, "model.moe_aux_loss=hf", "parallel.pipeline_parallel=2"], world_size=2)
     assert "model.moe_aux_loss" in str(err.value) and "pipeline_parallel=2" in str(err.value)
-    cfg = compose(
-        [*base, "model.moe_aux_loss=megatron", "parallel.pipeline_parallel=2"], world_size=2
-    )
-    assert cfg.model.moe_aux_loss == "megatron"
-    assert compose(base).model.moe_aux_loss == "hf"  # the default
+    for mode in ("megatron", "auto"):  # auto falls back to megatron's term there
+        cfg = compose(
+            [*base, f"model.moe_aux_loss={mode}", "parallel.pipeline_parallel=2"], world_size=2
+        )
+        assert cfg.model.moe_aux_loss == mode
+    assert compose(base).model.moe_aux_loss == "auto"  # the default
 
 
 def _hazards_worker(rank: int, world: int, mode: str) -> list[tuple[str, str]]:

@@ -11,7 +11,7 @@ from longboat.core.megatron.models.build import build_decoder
 from longboat.core.megatron.parallel_state import current_layout
 from longboat.llm.config import LLMModelConfig
 from longboat.llm.layer_kernels import longboat_layer_kernels
-from longboat.llm.moe_aux_loss import pooled_aux_loss_problems, uses_pooled_aux_loss
+from longboat.llm.moe_aux_loss import pooled_aux_loss_applies
 
 
 def build_model(
@@ -26,14 +26,13 @@ def build_model(
 
     ``kernel_options``: switches of ``longboat_layer_kernels`` (e.g. ``{"add_rms_norm":
     False}``) for the longboat backend, to measure or rule out one kernel.
-    An MoE model with ``moe_aux_loss=hf`` (and a non-zero coefficient) gets routers that
-    record transformers' pooled load-balancing loss (``longboat.llm.moe_aux_loss``) where the
-    layout allows it; training checks that first (``build_train_step``).
+    An MoE model with ``moe_aux_loss`` ``auto`` or ``hf`` (and a non-zero coefficient) gets
+    routers that record transformers' pooled load-balancing loss
+    (``longboat.llm.moe_aux_loss``) where the layout allows it; training refuses an explicit
+    ``hf`` it cannot honour first (``build_train_step``).
     """
     moe_router = None
-    if uses_pooled_aux_loss(cfg) and not pooled_aux_loss_problems(
-        cfg, **aux_loss_layout(config_overrides)
-    ):
+    if pooled_aux_loss_applies(cfg, **aux_loss_layout(config_overrides)):
         from longboat.llm.pooled_aux_router import PooledAuxRouter
 
         # transformers' pooled term replaces megatron's per-layer one (train.step adds it).

@@ -1,6 +1,6 @@
 """``model.moe_aux_loss``: the load-balancing loss an MoE model trains with.
 
-``hf`` (the default) is transformers' term (``load_balancing_loss_func`` of Qwen3-MoE /
+``hf`` is transformers' term (``load_balancing_loss_func`` of Qwen3-MoE /
 Mixtral): the router logits of every MoE layer of the forward are pooled, ``P_e`` is the
 mean softmax probability of expert ``e`` and ``f_e`` the mean number of top-k slots that pick
 it (so ``sum_e f_e = topk``), both over all layers' tokens together; ``aux = E * sum_e f_e
@@ -9,6 +9,10 @@ P_e`` and the objective is ``lm_loss + moe_aux_loss_coeff * aux``. Gradients flo
 
 ``megatron`` is megatron-core's ``aux_loss`` router type: every layer adds its own
 ``coeff * E / topk * sum_e f_e P_e`` (another scale, summed over layers instead of pooled).
+
+``auto`` (the default) is ``hf`` where the layout allows it and ``megatron`` elsewhere, said
+in one line at the start of the run (``pooled_aux_loss_notice``); an explicit ``hf`` where
+it cannot apply is a ``ConfigError``.
 
 Under ``hf`` megatron's term is off and the MoE layers are built with
 ``pooled_aux_router.PooledAuxRouter``, whose records ``pooled_aux_router.pooled_aux_loss``
@@ -22,35 +26,26 @@ from typing import Any
 
 from longboat.core.config.errors import ConfigError, ConfigProblem
 
-MODES = ("hf", "megatron")
+MODES = ("auto", "hf", "megatron")
 KEY = "model.moe_aux_loss"
 
 
 def uses_pooled_aux_loss(cfg: Any) -> bool:
-    """True when ``cfg`` (a ``DecoderModelConfig``) trains with the pooled (``hf``) term:
-    an MoE model with a non-zero ``moe_aux_loss_coeff`` and ``moe_aux_loss=hf``."""
-    return bool(cfg.num_experts) and cfg.moe_aux_loss_coeff > 0 and cfg.moe_aux_loss == "hf"
+    """True when ``cfg`` (a ``DecoderModelConfig``) asks for the pooled (``hf``) term where it
+    applies: an MoE model with a non-zero ``moe_aux_loss_coeff`` and ``moe_aux_loss`` ``auto``
+    or ``hf``."""
+    mode = getattr(cfg, "moe_aux_loss", "auto")
+    return bool(cfg.num_experts) and cfg.moe_aux_loss_coeff > 0 and mode in ("auto", "hf")
 
 
-def pooled_aux_loss_problems(
-    cfg: Any,
+def pooled_aux_loss_blockers(
     *,
     pipeline_parallel: int = 1,
     context_parallel: int = 1,
     sequence_parallel: bool = False,
     full_recompute: bool = False,
-) -> list[ConfigProblem]:
-    """Why ``cfg``'s ``model.moe_aux_loss`` cannot run under this layout (empty: it can)."""
-    mode = getattr(cfg, "moe_aux_loss", "hf")
-    if mode not in MODES:
-        return [
-            ConfigProblem(
-                key=KEY, value=mode, message=f"must be one of {list(MODES)}.", fix="pick one."
-            )
-        ]
-    if not uses_pooled_aux_loss(cfg):
-        return []
-    fix = f"set {KEY}=megatron (megatron's per-layer load-balancing loss)"
+) -> list[str]:
+    """Why transformers' pooled term cannot be computed under this layout (empty: it can)."""
     blockers = []
     if pipeline_parallel > 1:
         blockers.append(
@@ -72,6 +67,44 @@ def pooled_aux_loss_problems(
             "train.activation_checkpointing=full: the layers' forward runs without autograd "
             "and again in the backward, after the loss is formed"
         )
+    return blockers
+
+
+def pooled_aux_loss_applies(cfg: Any, **layout: Any) -> bool:
+    """``cfg`` trains with the pooled term under ``layout`` (``pooled_aux_loss_blockers``'
+    keywords)."""
+    return uses_pooled_aux_loss(cfg) and not pooled_aux_loss_blockers(**layout)
+
+
+def pooled_aux_loss_notice(cfg: Any, **layout: Any) -> str | None:
+    """The run's one line when ``auto`` falls back to megatron's term (else None)."""
+    if getattr(cfg, "moe_aux_loss", "auto") != "auto" or not uses_pooled_aux_loss(cfg):
+        return None
+    blockers = pooled_aux_loss_blockers(**layout)
+    if not blockers:
+        return None
+    why = blockers[0].split(":")[0]
+    return (
+        f"model.moe_aux_loss: megatron's per-layer load-balancing loss (transformers' pooled "
+        f"term cannot apply with {why})."
+    )
+
+
+def pooled_aux_loss_problems(cfg: Any, **layout: Any) -> list[ConfigProblem]:
+    """Why ``cfg``'s ``model.moe_aux_loss`` cannot run under this layout (empty: it can):
+    an unknown value, or an explicit ``hf`` that the layout blocks."""
+    mode = getattr(cfg, "moe_aux_loss", "auto")
+    if mode not in MODES:
+        return [
+            ConfigProblem(
+                key=KEY, value=mode, message=f"must be one of {list(MODES)}.", fix="pick one."
+            )
+        ]
+    if mode != "hf" or not uses_pooled_aux_loss(cfg):
+        return []
+    blockers = pooled_aux_loss_blockers(**layout)
+    fix = f"set {KEY}=auto or {KEY}=megatron (megatron's per-layer load-balancing loss)"
+    if layout.get("full_recompute"):
         fix += " or train.activation_checkpointing=selective"
     return [
         ConfigProblem(key=KEY, value=mode, message=f"'hf' cannot apply with {b}.", fix=fix)
@@ -90,6 +123,9 @@ __all__ = [
     "KEY",
     "MODES",
     "check_pooled_aux_loss",
+    "pooled_aux_loss_applies",
+    "pooled_aux_loss_blockers",
+    "pooled_aux_loss_notice",
     "pooled_aux_loss_problems",
     "uses_pooled_aux_loss",
 ]

@@ -48,6 +48,8 @@ class TrainStep:
     """``train.one_pass_adamw.OnePassAdamW`` when the update runs as one pass per shard."""
     one_pass_blocker: str | None = None
     """Why the one-pass update was asked for (``"auto"``) but does not apply, if so."""
+    aux_loss_notice: str | None = None
+    """Why ``model.moe_aux_loss=auto`` trains with megatron's term here, if so."""
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     """Extra 0-d device scalars of the last ``forward_backward`` (``moe_aux_loss``: the
     step's mean MoE load-balancing loss as transformers reports it, with
@@ -195,7 +197,7 @@ def build_train_step(
     """
     from longboat.llm.build import aux_loss_layout, build_model
     from longboat.llm.lora import apply_lora
-    from longboat.llm.moe_aux_loss import check_pooled_aux_loss
+    from longboat.llm.moe_aux_loss import check_pooled_aux_loss, pooled_aux_loss_notice
     from longboat.llm.train.one_pass_adamw import OnePassAdamW
     from longboat.llm.train.one_pass_adamw import supported as one_pass_supported
     from longboat.llm.train.optimizer import wrap_and_build
@@ -226,7 +228,9 @@ def build_train_step(
     if model_overrides["gradient_accumulation_fusion"]:
         install_wgrad_fusion()  # megatron's apex extension, in torch
     # Before the model is built: transformers' pooled load-balancing loss must apply here.
-    check_pooled_aux_loss(model_cfg, **aux_loss_layout(model_overrides))
+    aux_layout = aux_loss_layout(model_overrides)
+    check_pooled_aux_loss(model_cfg, **aux_layout)
+    aux_notice = pooled_aux_loss_notice(model_cfg, **aux_layout)
     chunks = build_model(
         model_cfg,
         precision=precision,
@@ -259,6 +263,7 @@ def build_train_step(
         graph_ready=cuda_graph,
         one_pass=OnePassAdamW(optimizer) if one_pass_adamw and blocker is None else None,
         one_pass_blocker=blocker,
+        aux_loss_notice=aux_notice,
     )
 
 

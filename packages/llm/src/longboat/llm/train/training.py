@@ -292,6 +292,8 @@ class LLMTraining(MegatronTraining):
             lines.append(f"llm.one_pass_adamw: megatron's step ({self.step_fn.one_pass_blocker}).")
         if self.graph_notice:
             lines.append(self.graph_notice)
+        if self.step_fn.aux_loss_notice:
+            lines.append(self.step_fn.aux_loss_notice)
         return lines
 
     def report(self, result: RunResult) -> list[str]:

@@ -53,10 +53,11 @@ class DecoderModelConfig(ModelConfig):
     """Renormalise top-k routing weights."""
     moe_aux_loss_coeff: float = 0.0
     """Load-balancing loss weight."""
-    moe_aux_loss: str = "hf"
+    moe_aux_loss: str = "auto"
     """Which load-balancing loss the llm stack trains with (when ``moe_aux_loss_coeff > 0``):
-    ``hf`` (transformers' term, every layer's router logits pooled) or ``megatron``
-    (megatron-core's per-layer ``aux_loss``). Other stacks use megatron's."""
+    ``hf`` (transformers' term, every layer's router logits pooled), ``megatron``
+    (megatron-core's per-layer ``aux_loss``) or ``auto`` (``hf`` where the parallel layout
+    allows it, else ``megatron``). Other stacks use megatron's."""
     init_std: float = 0.02
     """Init std of the weights."""
     mrope_section: list[int] | None = None
