@@ -97,7 +97,9 @@ def flops_per_token(m: Any, seq: int) -> float:
 class RouterStats:
     """Forward hooks on every megatron router of a built run: for each layer, the first
     ``calls`` training forwards' tokens per expert and the load-balancing loss the MoE metrics
-    tracker recorded in that call (device tensors until ``read``; no host sync in between)."""
+    tracker recorded in that call or, with transformers' pooled term on (``model.moe_aux_loss``
+    auto / hf: megatron records none), ``E * sum_e f_e P_e`` of the layer from the router's
+    record (device tensors until ``read``; no host sync in between)."""
 
     def __init__(self, calls: int) -> None:
         self.calls = calls
@@ -135,10 +137,17 @@ class RouterStats:
         layer, routing_map = router.layer_number, output[1]
         self.counts.setdefault(layer, []).append(routing_map.sum(0))
         entry = _tracker().metrics.get("load_balancing_loss")
+        stats = getattr(router, "aux_stats", None)
         if entry is not None:
             before = self._before.get(layer)
             after = entry.values[layer - 1]
             self.aux.setdefault(layer, []).append(after - before if before is not None else after.clone())  # fmt: skip
+        elif stats is not None:  # the pooled (transformers') term: this layer's share of it
+            counts, prob_sums, rows = stats
+            share = counts.shape[0] * torch.sum(
+                (counts.float() / rows) * (prob_sums.detach() / rows)
+            )
+            self.aux.setdefault(layer, []).append(share)
 
     def read(self, training: Any) -> dict[str, Any]:
         """``{"router": {layer: {"tokens_per_expert": [per call], "load_balancing_loss": [per
