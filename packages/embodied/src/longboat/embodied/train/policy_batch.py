@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from longboat.embodied.models.common.image_preprocessing import resize_with_pad
+from longboat.embodied.models.common.image_preprocessing import resize_with_pad, unit_float
 
 STATE_KEY = "observation.state"
 ACTION_KEY = "action"
@@ -141,14 +141,6 @@ def _pad_last(x: torch.Tensor, size: int, what: str) -> tuple[torch.Tensor, torc
     pad = x.new_zeros(*x.shape[:-1], size - d)
     mask = torch.cat([torch.ones(d, dtype=torch.bool), torch.zeros(size - d, dtype=torch.bool)])
     return torch.cat([x, pad], dim=-1), mask
-
-
-def unit_float(frames: torch.Tensor) -> torch.Tensor:
-    """Frames as float32 in [0, 1] (uint8 divided by 255, as the policies' preprocessing
-    divides them)."""
-    if frames.dtype == torch.uint8:
-        return frames.float() / 255.0
-    return frames.float()
 
 
 def fit_frames(frames: torch.Tensor, spec: PolicyBatchSpec) -> torch.Tensor:

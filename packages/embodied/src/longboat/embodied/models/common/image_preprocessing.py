@@ -141,7 +141,8 @@ def resize_with_pad(images: Tensor, size: int) -> Tensor:
     return F.pad(images, (left, size - rw - left, top, size - rh - top), value=0.0)
 
 
-def _to_unit_float(images: Tensor) -> Tensor:
+def unit_float(images: Tensor) -> Tensor:
+    """Frames as float32 in [0, 1]: uint8 divided by 255, floats as they are."""
     if images.dtype == torch.uint8:
         return images.float() / 255.0
     if not images.is_floating_point():
@@ -260,7 +261,7 @@ def preprocess_images(
         )
         return (x - mean) / std
     lead = images.shape[:-3]
-    x = _to_unit_float(images.reshape(-1, *images.shape[-3:]))
+    x = unit_float(images.reshape(-1, *images.shape[-3:]))
     h, w = x.shape[-2:]
     if cfg.pad_to_square is not None:
         x = resize_with_pad(x, cfg.pad_to_square)
