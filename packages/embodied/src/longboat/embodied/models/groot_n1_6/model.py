@@ -105,10 +105,15 @@ class GrootN16(nn.Module):
         # the first batches and always on CPU, not on every accelerator step.
         return self._value_checks_left > 0 or self.action_head.vlln.weight.device.type == "cpu"
 
-    def _condition(self, batch: dict[str, Tensor], generator: torch.Generator | None):
-        feats, valid, is_image = self.backbone(batch, generator, self._check_values())
+    def _features(self, batch: dict[str, Tensor], generator: torch.Generator | None):
+        """The backbone's (features, valid, is_image), under a named profiler range."""
+        with record_function("groot_n1_6.backbone"):
+            out = self.backbone(batch, generator, self._check_values())
         self._value_checks_left = max(0, self._value_checks_left - 1)
-        return self.condition_on_features(feats, valid, is_image, batch, generator)
+        return out
+
+    def _condition(self, batch: dict[str, Tensor], generator: torch.Generator | None):
+        return self.condition_on_features(*self._features(batch, generator), batch, generator)
 
     def condition_on_features(
         self,
@@ -133,11 +138,9 @@ class GrootN16(nn.Module):
         The backbone and the action head run under named ``record_function`` ranges, so a
         profile can split the step between them."""
         self._check(batch, need_action=True)
-        with record_function("groot_n1_6.backbone"):
-            feats, valid, is_image = self.backbone(batch, generator, self._check_values())
-        self._value_checks_left = max(0, self._value_checks_left - 1)
+        features = self._features(batch, generator)
         with record_function("groot_n1_6.action_head"):
-            cond, state_tok = self.condition_on_features(feats, valid, is_image, batch, generator)
+            cond, state_tok = self.condition_on_features(*features, batch, generator)
             return self.flow_matching_loss(cond, state_tok, batch, generator)
 
     def flow_matching_loss(
