@@ -143,11 +143,10 @@ class RouterStats:
             after = entry.values[layer - 1]
             self.aux.setdefault(layer, []).append(after - before if before is not None else after.clone())  # fmt: skip
         elif stats is not None:  # the pooled (transformers') term: this layer's share of it
+            from longboat.llm.pooled_aux_router import balance_loss
+
             counts, prob_sums, rows = stats
-            share = counts.shape[0] * torch.sum(
-                (counts.float() / rows) * (prob_sums.detach() / rows)
-            )
-            self.aux.setdefault(layer, []).append(share)
+            self.aux.setdefault(layer, []).append(balance_loss(counts, prob_sums.detach(), rows))
 
     def read(self, training: Any) -> dict[str, Any]:
         """``{"router": {layer: {"tokens_per_expert": [per call], "load_balancing_loss": [per

@@ -62,12 +62,16 @@ def pooled_aux_loss(model: torch.nn.Module) -> tuple[torch.Tensor, float] | None
         )
     for r in routers:
         r.aux_stats = None
-    counts = torch.stack([s[0] for s in stats]).sum(dim=0).float()
+    counts = torch.stack([s[0] for s in stats]).sum(dim=0)
     prob_sums = torch.stack([s[1] for s in stats]).sum(dim=0)
     rows = sum(s[2] for s in stats)
-    num_experts = counts.shape[0]
-    aux = num_experts * torch.sum((counts / rows) * (prob_sums / rows))
-    return aux, float(routers[0].config.moe_aux_loss_coeff)
+    return balance_loss(counts, prob_sums, rows), float(routers[0].config.moe_aux_loss_coeff)
 
 
-__all__ = ["PooledAuxRouter", "pooled_aux_loss"]
+def balance_loss(counts: torch.Tensor, prob_sums: torch.Tensor, rows: int) -> torch.Tensor:
+    """``E * sum_e f_e P_e`` of per-expert top-k ``counts`` and probability sums over
+    ``rows`` tokens (one layer's record, or several pooled)."""
+    return counts.shape[0] * torch.sum((counts.float() / rows) * (prob_sums / rows))
+
+
+__all__ = ["PooledAuxRouter", "balance_loss", "pooled_aux_loss"]

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from longboat.llm.pooled_aux_router import pooled_aux_loss
 from longboat.llm.train.loss import fused_lm_loss, fused_loss_applies
 
 
@@ -66,6 +65,8 @@ def _forward_step(
         labels=batch["labels"],
         **kwargs,
     )
+    from longboat.llm.pooled_aux_router import pooled_aux_loss  # imports megatron's router
+
     # model.moe_aux_loss=hf: every layer's router records of this forward, pooled.
     aux = pooled_aux_loss(model)
     return output, partial(masked_lm_loss, batch["loss_mask"], aux=aux)
