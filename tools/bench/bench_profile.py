@@ -264,9 +264,8 @@ class ProfileWindow:
                 host.append((ev.name, start, dur))
         summary = summarize(kernels, steps, wall) if kernels else None
         if summary and self.parts:
-            all_events = list(self.prof.events())
-            dev = part_times(all_events, self.parts, device=True)
-            host = part_times(all_events, self.parts, device=False)
+            dev = part_times(events, self.parts, device=True)
+            host = part_times(events, self.parts, device=False)
             summary["parts_ms_per_step"] = {
                 name: {
                     "device_forward": dev[name]["forward_us"] / 1e3 / steps,
@@ -283,12 +282,11 @@ class ProfileWindow:
                 k: v / 1e3 / steps for k, v in gaps.items()
             }
         key = "self_cuda_time_total" if self.acc.device_type == "cuda" else "self_cpu_time_total"
-        table = self.prof.key_averages().table(
-            sort_by=key, row_limit=self.row_limit, max_name_column_width=70
-        )
+        averages = self.prof.key_averages()
+        table = averages.table(sort_by=key, row_limit=self.row_limit, max_name_column_width=70)
         if self.acc.device_type == "cuda":  # which ops launched the kernels (eager steps)
             table += "\n\nsorted by cuda_time_total (an op's kernels and its children's)\n"
-            table += self.prof.key_averages().table(
+            table += averages.table(
                 sort_by="cuda_time_total", row_limit=40, max_name_column_width=70
             )
         self.out.parent.mkdir(parents=True, exist_ok=True)
