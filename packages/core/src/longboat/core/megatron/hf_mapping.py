@@ -11,7 +11,10 @@ made of and how it is split across tensor-parallel ranks (``kind``):
 * ``gate_up``: this rank's gate rows followed by its up rows (``linear_fc1``).
 
 Experts are not TP-split (expert tensor parallel is 1): ``local_experts.j`` of
-expert-parallel rank ``r`` is HF expert ``r * num_local_experts + j``.
+expert-parallel rank ``r`` is HF expert ``r * num_local_experts + j``. Grouped experts
+(``grouped_experts.GroupedExperts``) stack a rank's local experts in one tensor:
+``expert_stack_gate_up`` (``[E, 2F, H]``, each expert's gate rows then up rows) and
+``expert_stack_full`` (``[E, H, F]``), their HF names expert by expert.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from longboat.core.megatron.decoder_config import DecoderArch
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight(\d+)$")
+_STACKED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,14 @@ def megatron_to_hf_slot(
     }
     if rest in simple:
         return simple[rest]
+    sm = _STACKED_EXPERT.match(rest)
+    if sm is not None:
+        local = arch.num_experts // ep.ep_size
+        experts = [f"{hf}mlp.experts.{ep.ep_rank * local + j}." for j in range(local)]
+        if sm.group(1) == "linear_fc1":
+            names = [ex + p for ex in experts for p in ("gate_proj.weight", "up_proj.weight")]
+            return Slot("expert_stack_gate_up", tuple(names))
+        return Slot("expert_stack_full", tuple(ex + "down_proj.weight" for ex in experts))
     em = _LOCAL_EXPERT.match(rest) or _GROUPED_EXPERT.match(rest)
     if em is not None:
         if em.re is _LOCAL_EXPERT:
@@ -182,6 +194,13 @@ def shard_from_hf(
         return torch.cat(
             [read(slot.hf_names[0], full, full), read(slot.hf_names[1], full, full)], 0
         )
+    if kind == "expert_stack_full":
+        return torch.stack([read(n, full, full) for n in slot.hf_names])
+    if kind == "expert_stack_gate_up":
+        pairs = zip(slot.hf_names[0::2], slot.hf_names[1::2], strict=True)
+        return torch.stack(
+            [torch.cat([read(g, full, full), read(u, full, full)], 0) for g, u in pairs]
+        )
     if kind == "qkv":
         d = arch.head_dim
         hpg = arch.num_attention_heads // arch.num_query_groups
@@ -203,6 +222,11 @@ def unshard_to_hf(
     kind = slot.kind
     if kind in ("replicated", "expert_full"):
         return {slot.hf_names[0]: shards[0]}
+    if kind == "expert_stack_full":
+        return dict(zip(slot.hf_names, shards[0].unbind(0), strict=True))
+    if kind == "expert_stack_gate_up":
+        halves = [h for w in shards[0].unbind(0) for h in w.chunk(2, 0)]
+        return dict(zip(slot.hf_names, halves, strict=True))
     if kind == "column":
         return {slot.hf_names[0]: torch.cat(shards, 0)}
     if kind == "row":

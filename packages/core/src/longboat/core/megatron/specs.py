@@ -490,12 +490,15 @@ def decoder_layer_spec(
     qk_norm: bool = False,
     backend: str = "longboat",
     kernels: LayerKernels | None = None,
+    moe_experts: str = "auto",
 ) -> ModuleSpec:
     """The ``TransformerLayer`` spec of a Llama / Qwen style decoder layer.
 
     With ``kernels.add_rms_norm`` (longboat backend) the layer is ``AddNormTransformerLayer``
     and its pre-MLP norm takes the attention residual add (same modules and parameter names,
-    so checkpoints and the HF mapping are unchanged).
+    so checkpoints and the HF mapping are unchanged). An MoE layer of the longboat backend runs
+    its experts as ``moe_experts`` says (``DecoderModelConfig.moe_experts``; ``grouped``:
+    ``grouped_experts.GroupedMoELayer``).
     """
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import (
@@ -528,6 +531,8 @@ def decoder_layer_spec(
         moe_grouped_gemm=False,
         use_te_activation_func=provider.kernels.swiglu is not None,
     )
+    if num_experts and resolve_moe_experts(moe_experts) == "grouped":
+        mlp = _grouped_moe(mlp, kernels.swiglu)
     return ModuleSpec(
         module=_layer_module(kernels),
         submodules=TransformerLayerSubmodules(
@@ -551,25 +556,66 @@ def decoder_layer_spec(
     )
 
 
-def with_moe_router(spec: ModuleSpec, router: type) -> ModuleSpec:
-    """``spec`` (a decoder layer of any backend) with its MoE layer's router built as
-    ``router`` (a megatron ``TopKRouter`` subclass); ValueError for a dense layer."""
-    import dataclasses
+MOE_EXPERTS = ("auto", "grouped", "sequential")
+"""``DecoderModelConfig.moe_experts``' values."""
+
+
+def resolve_moe_experts(mode: str) -> str:
+    """``grouped`` or ``sequential`` for ``moe_experts`` ``mode`` (``auto``: grouped where this
+    torch has a grouped GEMM)."""
+    if mode not in MOE_EXPERTS:
+        raise ValueError(f"model.moe_experts={mode!r}: must be one of {list(MOE_EXPERTS)}")
+    if mode != "auto":
+        return mode
+    from longboat.core.megatron.grouped_experts import grouped_mm_available
+
+    return "grouped" if grouped_mm_available() else "sequential"
+
+
+def _moe_spec(mlp: Any, caller: str) -> tuple[Any, Any]:
+    """(the MoE layer spec ``mlp``, its ``MoESubmodules``); ValueError for a dense layer."""
     import functools
 
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
 
-    mlp = getattr(spec.submodules, "mlp", None)
     # megatron's MoE layer spec is a ModuleSpec or a partial of MoELayer(submodules=...).
     if isinstance(mlp, functools.partial):
         moe = mlp.keywords.get("submodules")
     else:
         moe = getattr(mlp, "submodules", None)
     if not isinstance(moe, MoESubmodules):
-        raise ValueError("with_moe_router: the layer spec has no MoE layer")
-    moe = dataclasses.replace(moe, router=router)
+        raise ValueError(f"{caller}: the layer spec has no MoE layer")
+    return mlp, moe
+
+
+def _replace_moe(mlp: Any, moe: Any, module: type | None = None) -> Any:
+    """The MoE layer spec ``mlp`` with submodules ``moe`` (and its class ``module``)."""
+    import dataclasses
+    import functools
+
     if isinstance(mlp, functools.partial):
-        mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe})
-    else:
-        mlp = dataclasses.replace(mlp, submodules=moe)
+        func = module or mlp.func
+        return functools.partial(func, *mlp.args, **{**mlp.keywords, "submodules": moe})
+    return dataclasses.replace(mlp, submodules=moe, module=module or mlp.module)
+
+
+def _grouped_moe(mlp: Any, glu: Any) -> Any:
+    """The MoE layer spec ``mlp`` as ``GroupedMoELayer`` with ``GroupedExperts`` (``glu``: the
+    fused SwiGLU, None for megatron's)."""
+    import dataclasses
+
+    from longboat.core.megatron.grouped_experts import GroupedMoELayer, grouped_experts_builder
+
+    mlp, moe = _moe_spec(mlp, "grouped experts")
+    moe = dataclasses.replace(moe, experts=grouped_experts_builder(glu))
+    return _replace_moe(mlp, moe, GroupedMoELayer)
+
+
+def with_moe_router(spec: ModuleSpec, router: type) -> ModuleSpec:
+    """``spec`` (a decoder layer of any backend) with its MoE layer's router built as
+    ``router`` (a megatron ``TopKRouter`` subclass); ValueError for a dense layer."""
+    import dataclasses
+
+    mlp, moe = _moe_spec(getattr(spec.submodules, "mlp", None), "with_moe_router")
+    mlp = _replace_moe(mlp, dataclasses.replace(moe, router=router))
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))

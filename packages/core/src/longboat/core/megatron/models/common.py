@@ -115,5 +115,9 @@ def dense_layer_spec(
     from longboat.core.megatron.specs import decoder_layer_spec
 
     return decoder_layer_spec(
-        num_experts=cfg.num_experts, qk_norm=cfg.qk_norm, backend=backend, kernels=kernels
+        num_experts=cfg.num_experts,
+        qk_norm=cfg.qk_norm,
+        backend=backend,
+        kernels=kernels,
+        moe_experts=cfg.moe_experts,
     )

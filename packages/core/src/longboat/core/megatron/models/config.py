@@ -58,6 +58,12 @@ class DecoderModelConfig(ModelConfig):
     ``hf`` (transformers' term, every layer's router logits pooled), ``megatron``
     (megatron-core's per-layer ``aux_loss``) or ``auto`` (``hf`` where the parallel layout
     allows it, else ``megatron``). Other stacks use megatron's."""
+    moe_experts: str = "auto"
+    """How the longboat layer spec runs the routed experts: ``grouped`` (all local experts'
+    projections as stacked weights, two grouped GEMMs a layer, no host sync at EP=1),
+    ``sequential`` (megatron's ``SequentialMLP``: one linear per expert, e.g. for LoRA on the
+    experts) or ``auto`` (``grouped`` where this torch has a grouped GEMM). The two store the
+    experts under different parameter names; HF checkpoints load into both."""
     init_std: float = 0.02
     """Init std of the weights."""
     mrope_section: list[int] | None = None
@@ -92,7 +98,8 @@ ARCH_FIELDS = tuple(
         "max_position_embeddings",
         "moe_aux_loss_coeff",
         "moe_aux_loss",
+        "moe_experts",
     )
 )
 """The fields that describe the architecture: what a checkpoint's weights fix (the others
-may differ from the checkpoint's: layer backend, init, rotary table length, aux-loss weight and kind)."""
+may differ from the checkpoint's: layer backend, init, rotary table length, aux-loss weight and kind, experts layout)."""

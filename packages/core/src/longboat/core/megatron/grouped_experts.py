@@ -1,0 +1,274 @@
+"""The routed experts of a megatron MoE layer as two grouped GEMMs, with no host sync at EP=1.
+
+megatron-core's experts without Transformer Engine are ``SequentialMLP``: a Python loop over
+the local experts (three GEMMs and an activation each, forward and backward), fed by a token
+dispatcher that copies the per-expert token counts to the host and waits for them, then splits
+and re-concatenates the permuted tokens by expert even where that order is already the
+experts' (one rank, no expert parallelism). At 128 experts that is thousands of small kernels
+and a device round trip per layer.
+
+``GroupedExperts`` holds each projection of all local experts as one ``[E, out, in]`` tensor
+and runs them as ``torch.nn.functional.grouped_mm`` over the rows sorted by expert, with the
+group ends computed on the device from the counts. ``GroupedMoELayer`` is megatron's
+``MoELayer`` whose alltoall dispatcher, with one expert-parallel and one tensor-parallel rank,
+keeps the counts on the device and skips the identity sort (``DeviceCountsDispatcher``), so a
+forward through the MoE layer never waits for the device. With expert parallelism the
+dispatcher is megatron's (the all-to-all needs its split sizes on the host).
+
+Where ``grouped_mm`` cannot run (an older torch, a dtype or a row width it does not take) the
+same weights run one GEMM per expert (``looped_linear``). Values equal ``SequentialMLP``'s on the
+same weights (``tests/megatron/test_grouped_experts.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.random import (
+    get_cuda_rng_tracker,
+    get_expert_parallel_rng_tracker_name,
+)
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+GLUFn = Callable[[torch.Tensor], torch.Tensor]
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm_available() -> bool:
+    """Whether this torch has a grouped GEMM (``torch.nn.functional.grouped_mm``)."""
+    return _GROUPED_MM is not None
+
+
+def grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``grouped_linear`` can run ``x @ weight[e].T`` as one grouped GEMM: a grouped
+    GEMM in this torch, bf16 on an accelerator (any float dtype on the CPU), and rows of both
+    operands aligned to 16 bytes."""
+    if _GROUPED_MM is None or x.dtype != weight.dtype:
+        return False
+    if x.device.type != "cpu" and x.dtype != torch.bfloat16:
+        return False
+    size = x.element_size()
+    return all((n * size) % 16 == 0 for n in weight.shape[1:])
+
+
+def group_ends(tokens_per_expert: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The int32 end row of every expert's group (cumulative counts), on ``device``; a count
+    tensor on the host is copied without waiting."""
+    counts = tokens_per_expert.to(device=device, non_blocking=True)
+    return torch.cumsum(counts, 0, dtype=torch.int32)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[T, in]`` (rows sorted by expert, expert ``e`` ending at row ``ends[e]``) times
+    each expert's ``weight[e]`` ``[out, in]`` transposed: ``[T, out]``, one grouped GEMM."""
+    return _GROUPED_MM(x, weight.transpose(1, 2), offs=ends)
+
+
+def looped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """``grouped_linear`` as one GEMM per expert (``counts``: rows per expert, on the host)."""
+    parts = [chunk @ w.t() for chunk, w in zip(torch.split(x, counts), weight, strict=True)]
+    return torch.cat(parts) if parts else x.new_empty(0, weight.shape[1])
+
+
+class ExpertWeights(torch.nn.Module):
+    """One projection of every local expert: ``weight`` ``[experts, out, in]``, each expert's
+    slice initialised like megatron's expert linears (``init_method``, the expert RNG stream)."""
+
+    def __init__(
+        self,
+        experts: int,
+        out_features: int,
+        in_features: int,
+        *,
+        config: Any,
+        init_method: Callable[[torch.Tensor], Any],
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        weight = torch.empty(
+            experts, out_features, in_features, dtype=config.params_dtype, device=device
+        )
+        if config.perform_initialization:
+            with _init_rng(device), torch.no_grad():
+                for w in weight:
+                    init_method(w)
+        self.weight = torch.nn.Parameter(weight)
+        # megatron's markers: reduced over the expert data-parallel group when experts are
+        # sharded, and a "tensor-parallel" tensor (not a duplicate) for the grad norm.
+        use_expert_groups = (
+            config.expert_model_parallel_size > 1
+            or config.expert_tensor_parallel_size != config.tensor_model_parallel_size
+        )
+        self.weight.allreduce = not use_expert_groups
+        set_tensor_model_parallel_attributes(self.weight, True, 1, 1)
+
+    def extra_repr(self) -> str:
+        return "experts={}, out={}, in={}".format(*self.weight.shape)
+
+
+def _init_rng(device: torch.device) -> Any:
+    """The expert-parallel RNG stream for an init on the accelerator (as megatron's expert
+    linears use); the process's default generator on the CPU."""
+    if device.type == "cpu":
+        return contextlib.nullcontext()
+    return get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name())
+
+
+class GroupedExperts(MegatronModule):
+    """megatron's experts contract (``forward(permuted_tokens, tokens_per_expert,
+    permuted_probs) -> (output, None)``) over stacked weights: ``linear_fc1.weight``
+    ``[E, 2F, H]`` (gate rows then up rows, as each expert's fc1 in megatron) and
+    ``linear_fc2.weight`` ``[E, H, F]``.
+
+    ``glu``: the fused SwiGLU on the packed fc1 output (the layer spec's kernel); None runs
+    ``activation_func(gate) * up``. The routing probability scales the activation before fc2,
+    as megatron's expert MLP does.
+    """
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        config: Any,
+        submodules: Any = None,
+        pg_collection: Any = None,
+        name: str | None = None,
+        *,
+        glu: GLUFn | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        unsupported = {
+            "add_bias_linear": config.add_bias_linear,
+            "moe_apply_probs_on_input": config.moe_apply_probs_on_input,
+            "fp8": bool(config.fp8),
+            "expert_tensor_parallel_size > 1": config.expert_tensor_parallel_size > 1,
+        }
+        bad = [k for k, v in unsupported.items() if v]
+        if bad:
+            raise ValueError(
+                f"GroupedExperts does not support {', '.join(bad)}; build the layer with "
+                "megatron's SequentialMLP experts instead."
+            )
+        self.num_local_experts = num_local_experts
+        hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
+        device = _param_device(config)
+        self.linear_fc1 = ExpertWeights(
+            num_local_experts,
+            2 * ffn if config.gated_linear_unit else ffn,
+            hidden,
+            config=config,
+            init_method=config.init_method,
+            device=device,
+        )
+        self.linear_fc2 = ExpertWeights(
+            num_local_experts,
+            hidden,
+            ffn,
+            config=config,
+            init_method=config.output_layer_init_method,
+            device=device,
+        )
+        self._glu = glu
+
+    def _activation(self, h: torch.Tensor) -> torch.Tensor:
+        if self._glu is not None:
+            return self._glu(h)
+        if self.config.gated_linear_unit:
+            gate, up = torch.chunk(h, 2, dim=-1)
+            return self.config.activation_func(gate) * up
+        return self.config.activation_func(h)
+
+    def forward(
+        self,
+        permuted_local_hidden_states: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        permuted_probs: torch.Tensor,
+    ) -> tuple[torch.Tensor, None]:
+        x = permuted_local_hidden_states
+        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        if grouped_mm_applies(x, w1) and grouped_mm_applies(x, w2):
+            ends = group_ends(tokens_per_expert, x.device)
+            h = grouped_linear(x, w1, ends)
+            h = self._scale(self._activation(h), permuted_probs)
+            return grouped_linear(h, w2, ends), None
+        counts = tokens_per_expert.tolist()
+        h = self._scale(self._activation(looped_linear(x, w1, counts)), permuted_probs)
+        return looped_linear(h, w2, counts), None
+
+    @staticmethod
+    def _scale(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        return (h * probs.unsqueeze(-1)).to(h.dtype)
+
+    def backward_dw(self) -> None:
+        """megatron's delayed weight-gradient hook: nothing is delayed here."""
+
+
+def _param_device(config: Any) -> torch.device:
+    if config.use_cpu_initialization:
+        return torch.device("cpu")
+    from longboat.core.device import get_accelerator
+
+    return get_accelerator().device()
+
+
+class DeviceCountsDispatcher(MoEAlltoAllTokenDispatcher):
+    """megatron's alltoall dispatcher that, with one expert-parallel and one tensor-parallel
+    rank and no token dropping, returns the per-expert counts as a device tensor (no copy to
+    the host, no wait) and skips the sort by local expert, which is then the identity. Every
+    other layout runs megatron's code unchanged."""
+
+    @property
+    def _single_rank(self) -> bool:
+        return (
+            self.ep_size == 1
+            and self.tp_size == 1
+            and not self.drop_and_pad
+            and self.config.moe_expert_capacity_factor is None
+            and not self.config.moe_router_padding_for_quantization
+        )
+
+    def _maybe_dtoh_and_synchronize(
+        self, point: str, tokens_per_expert: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        if self._single_rank:
+            return tokens_per_expert
+        return super()._maybe_dtoh_and_synchronize(point, tokens_per_expert)
+
+    def dispatch_postprocess(
+        self, global_input_tokens: torch.Tensor, global_probs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self._single_rank:
+            return super().dispatch_postprocess(global_input_tokens, global_probs)
+        tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
+        return global_input_tokens, tokens_per_expert, global_probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not self._single_rank:
+            return super().combine_preprocess(hidden_states)
+        return hidden_states
+
+
+class GroupedMoELayer(MoELayer):
+    """megatron's ``MoELayer`` whose alltoall dispatcher is ``DeviceCountsDispatcher`` when its
+    experts are ``GroupedExperts`` (which take the counts on the device)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if isinstance(self.experts, GroupedExperts) and (
+            type(self.token_dispatcher) is MoEAlltoAllTokenDispatcher
+        ):
+            # Same state, more behaviour: the subclass adds methods only.
+            self.token_dispatcher.__class__ = DeviceCountsDispatcher
+
+
+def grouped_experts_builder(glu: GLUFn | None) -> Any:
+    """The ``MoESubmodules.experts`` builder of ``GroupedExperts`` with ``glu``."""
+    return functools.partial(GroupedExperts, glu=glu)
