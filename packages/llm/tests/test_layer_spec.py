@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from longboat.core.megatron import specs
@@ -32,8 +34,18 @@ def test_longboat_spec_uses_the_kernels() -> None:
     for norm in (sub.input_layernorm, sub.pre_mlp_layernorm, attn.q_layernorm, attn.k_layernorm):
         assert norm.module is specs.KernelRMSNorm
         assert norm.params["rms_norm"] is kernels.rms_norm
-    experts = sub.mlp.keywords["submodules"].experts.keywords["submodules"]
-    assert experts.activation_func.module is specs.KernelGLU
+    # The default (grouped) experts run the SwiGLU kernel on their packed fc1 output.
+    from longboat.core.megatron.grouped_experts import GroupedExperts, GroupedMoELayer
+
+    assert sub.mlp.func is GroupedMoELayer
+    experts = sub.mlp.keywords["submodules"].experts
+    assert experts.func is GroupedExperts and experts.keywords["glu"] is kernels.swiglu
+    # megatron's per-expert loop gets the same kernel as its activation module.
+    seq_cfg = dataclasses.replace(cfg, moe_experts="sequential")
+    seq = get_family("qwen3_moe").layer_spec(seq_cfg, "longboat", kernels).submodules.mlp
+    seq_experts = seq.keywords["submodules"].experts.keywords["submodules"]
+    assert seq_experts.activation_func.module is specs.KernelGLU
+    assert seq_experts.activation_func.params["glu"] is kernels.swiglu
 
 
 def test_dense_spec_without_qk_norm_has_identity() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from longboat.core.config.errors import ConfigError
@@ -11,7 +12,7 @@ FAMILIES = ("llama3", "qwen3", "qwen3_moe")
 
 def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
     """Model shape vs parallel sizes (TP divides heads, PP divides layers, EP divides experts);
-    ``model.moe_aux_loss`` vs the layout; ``data.format``."""
+    ``model.moe_aux_loss`` vs the layout; ``model.moe_experts`` vs LoRA; ``data.format``."""
     data = cfg.get("data") if hasattr(cfg, "get") else None
     if data is not None and data.get("name") == "prepared":
         from longboat.core.config.errors import require_choice
@@ -26,6 +27,7 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
         return
     from longboat.llm.config import LLMModelConfig
     from longboat.llm.moe_aux_loss import pooled_aux_loss_problems
+    from longboat.llm.moe_experts import moe_experts_problems
 
     par = cfg.get("parallel") or {}
     train = cfg.get("train") or {}
@@ -38,6 +40,14 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
         ):
             problems.add(p.key, p.message, value=p.value, fix=p.fix)
     except (TypeError, ValueError):  # malformed values: the schema checks report them
+        pass
+    try:
+        lora = cfg.get("lora") or {}
+        lora_cfg = SimpleNamespace(enabled=bool(lora.get("enabled", False)),
+                                   targets=list(lora.get("targets") or ()))  # fmt: skip
+        for p in moe_experts_problems(LLMModelConfig.from_mapping(model), lora_cfg):
+            problems.add(p.key, p.message, value=p.value, fix=p.fix)
+    except (TypeError, ValueError):
         pass
     try:
         arch = LLMModelConfig.from_mapping(model).to_arch()

@@ -50,6 +50,8 @@ class TrainStep:
     """Why the one-pass update was asked for (``"auto"``) but does not apply, if so."""
     aux_loss_notice: str | None = None
     """Why ``model.moe_aux_loss=auto`` trains with megatron's term here, if so."""
+    experts_notice: str | None = None
+    """Why ``model.moe_experts=auto`` runs megatron's per-expert loop here, if so."""
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     """Extra 0-d device scalars of the last ``forward_backward`` (``moe_aux_loss``: the
     step's mean MoE load-balancing loss as transformers reports it, with
@@ -198,6 +200,7 @@ def build_train_step(
     from longboat.llm.build import aux_loss_layout, build_model
     from longboat.llm.lora import apply_lora
     from longboat.llm.moe_aux_loss import check_pooled_aux_loss, pooled_aux_loss_notice
+    from longboat.llm.moe_experts import moe_experts_for_run
     from longboat.llm.train.one_pass_adamw import OnePassAdamW
     from longboat.llm.train.one_pass_adamw import supported as one_pass_supported
     from longboat.llm.train.optimizer import wrap_and_build
@@ -231,6 +234,7 @@ def build_train_step(
     aux_layout = aux_loss_layout(model_overrides)
     check_pooled_aux_loss(model_cfg, **aux_layout)
     aux_notice = pooled_aux_loss_notice(model_cfg, **aux_layout)
+    model_cfg, experts_notice = moe_experts_for_run(model_cfg, lora)
     chunks = build_model(
         model_cfg,
         precision=precision,
@@ -264,6 +268,7 @@ def build_train_step(
         one_pass=OnePassAdamW(optimizer) if one_pass_adamw and blocker is None else None,
         one_pass_blocker=blocker,
         aux_loss_notice=aux_notice,
+        experts_notice=experts_notice,
     )
 
 

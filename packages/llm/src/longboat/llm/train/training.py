@@ -294,6 +294,8 @@ class LLMTraining(MegatronTraining):
             lines.append(self.graph_notice)
         if self.step_fn.aux_loss_notice:
             lines.append(self.step_fn.aux_loss_notice)
+        if self.step_fn.experts_notice:
+            lines.append(self.step_fn.experts_notice)
         return lines
 
     def report(self, result: RunResult) -> list[str]:
