@@ -65,7 +65,8 @@ def _run(model, tokens):  # type: ignore[no-untyped-def]
 
 
 def _stacked_grads(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Sequential gradients with the per-expert ones stacked like ``GroupedExperts``'."""
+    """Sequential tensors (gradients or weights) with the per-expert ones stacked like
+    ``GroupedExperts``'."""
     out: dict[str, list[torch.Tensor]] = {}
     plain = {}
     for name, g in grads.items():
@@ -95,6 +96,12 @@ def _worker(rank: int, world: int) -> dict[str, object]:
     try:
         out: dict[str, object] = {}
         sequential, grouped = _model("sequential"), _model("grouped")
+        # Same seed, same weights: the stacked init draws what the per-expert linears draw.
+        want = _stacked_grads(dict(sequential.named_parameters()))
+        got = dict(grouped.named_parameters())
+        out["init_equal"] = sorted(want) == sorted(got) and all(
+            torch.equal(got[k], v) for k, v in want.items()
+        )
         _stack_from_sequential(sequential, grouped)
         moe = grouped.decoder.layers[0].mlp
         out["types"] = (type(moe).__name__, type(moe.experts).__name__,
@@ -151,6 +158,7 @@ def test_grouped_experts_equal_sequential_mlp() -> None:
     (out,) = run_multiprocess(_worker, 1)
     assert out["types"] == ("GroupedMoELayer", "GroupedExperts", "DeviceCountsDispatcher")
     assert out["sequential_experts"] == "SequentialMLP"
+    assert out["init_equal"]
     for experts in (4, 8):
         rel, scale = out[f"logits_{experts}"]
         worst = out[f"grads_{experts}"]

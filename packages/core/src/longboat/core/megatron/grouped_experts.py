@@ -80,27 +80,16 @@ def looped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> t
 
 
 class ExpertWeights(torch.nn.Module):
-    """One projection of every local expert: ``weight`` ``[experts, out, in]``, each expert's
-    slice initialised like megatron's expert linears (``init_method``, the expert RNG stream)."""
+    """One projection of every local expert: ``weight`` ``[experts, out, in]`` (initialised by
+    ``init_expert_weights``)."""
 
     def __init__(
-        self,
-        experts: int,
-        out_features: int,
-        in_features: int,
-        *,
-        config: Any,
-        init_method: Callable[[torch.Tensor], Any],
-        device: torch.device,
+        self, experts: int, out_features: int, in_features: int, *, config: Any, device: Any
     ) -> None:
         super().__init__()
         weight = torch.empty(
             experts, out_features, in_features, dtype=config.params_dtype, device=device
         )
-        if config.perform_initialization:
-            with _init_rng(device), torch.no_grad():
-                for w in weight:
-                    init_method(w)
         self.weight = torch.nn.Parameter(weight)
         # megatron's markers: reduced over the expert data-parallel group when experts are
         # sharded, and a "tensor-parallel" tensor (not a duplicate) for the grad norm.
@@ -115,12 +104,30 @@ class ExpertWeights(torch.nn.Module):
         return "experts={}, out={}, in={}".format(*self.weight.shape)
 
 
-def _init_rng(device: torch.device) -> Any:
-    """The expert-parallel RNG stream for an init on the accelerator (as megatron's expert
-    linears use); the process's default generator on the CPU."""
-    if device.type == "cpu":
-        return contextlib.nullcontext()
-    return get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name())
+@torch.no_grad()
+def init_expert_weights(
+    projections: list[tuple[torch.Tensor, Callable[[torch.Tensor], Any]]],
+) -> None:
+    """Initialise stacked expert weights with the values megatron's per-expert linears get
+    from the same RNG state: expert by expert, each projection in turn (``(weight,
+    init_method)`` pairs in the experts' construction order); on the CPU each slice drawn in
+    fp32 and cast, as megatron's CPU init does; on an accelerator from the expert-parallel RNG
+    stream."""
+    on_cpu = projections[0][0].device.type == "cpu"
+    rng = (
+        contextlib.nullcontext()
+        if on_cpu
+        else get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name())
+    )
+    with rng:
+        for e in range(projections[0][0].shape[0]):
+            for weight, init_method in projections:
+                if on_cpu:
+                    master = torch.empty(weight.shape[1:], dtype=torch.float32)
+                    init_method(master)
+                    weight[e].copy_(master)
+                else:
+                    init_method(weight[e])
 
 
 class GroupedExperts(MegatronModule):
@@ -160,22 +167,20 @@ class GroupedExperts(MegatronModule):
         self.num_local_experts = num_local_experts
         hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
         device = _param_device(config)
+        fc1_out = 2 * ffn if config.gated_linear_unit else ffn
         self.linear_fc1 = ExpertWeights(
-            num_local_experts,
-            2 * ffn if config.gated_linear_unit else ffn,
-            hidden,
-            config=config,
-            init_method=config.init_method,
-            device=device,
+            num_local_experts, fc1_out, hidden, config=config, device=device
         )
         self.linear_fc2 = ExpertWeights(
-            num_local_experts,
-            hidden,
-            ffn,
-            config=config,
-            init_method=config.output_layer_init_method,
-            device=device,
+            num_local_experts, hidden, ffn, config=config, device=device
         )
+        if config.perform_initialization:
+            init_expert_weights(
+                [
+                    (self.linear_fc1.weight, config.init_method),
+                    (self.linear_fc2.weight, config.output_layer_init_method),
+                ]
+            )
         self._glu = glu
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
