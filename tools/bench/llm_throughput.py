@@ -6,7 +6,15 @@
 
 Model (BENCHMARKS.md): Llama-style, 886M parameters (hidden 2048, 16 layers, 16 heads / 8 KV,
 head_dim 128, SwiGLU 5632, vocab 32000, untied head), seq 2048, micro-batch 8 (``--tiny``: a
-CPU-sized shape), one device, random init, random tokens. Runs, in turn:
+CPU-sized shape), one device, random init, random tokens. ``--shape qwen3_1_7b``: Qwen3-1.7B;
+``--shape qwen3_moe_4l``: Qwen3-30B-A3B cut to 4 layers against transformers'
+``Qwen3MoeForCausalLM`` (its ``grouped_mm`` experts, the load-balancing loss in both losses;
+MFU on the active parameters)::
+
+    python3 tools/bench/llm_throughput.py --shape qwen3_moe_4l \
+        --runs hf_eager,longboat_sequential_experts,longboat --steps 10 --warmup 3
+
+Runs, in turn:
 
 - ``longboat``: ``longboat-llm train experiment=quickstart`` with only the benchmark's shape
   (``model=llama3_tiny`` + ``model.*``), batch, step count and ``data=synthetic``
@@ -21,7 +29,7 @@ CPU-sized shape), one device, random init, random tokens. Runs, in turn:
 Per run: median step time over ``--steps`` timed steps after ``--warmup`` (``bench_timing``:
 steps back to back, device events between them), tokens/s, the window's wall-clock tokens/s,
 MFU = tokens/s x FLOPs/token / 989 TFLOP/s (``llm_reference.flops_per_token``: 6 N + 6 L s
-d_attn), peak device memory (reset before the build: weights, grads and optimizer state count).
+d_attn, N the parameters a token passes through), peak device memory (reset before the build: weights, grads and optimizer state count).
 A failed run (or one over its share of ``--time-budget``) records its error; the others still
 run. Writes ``--out`` and ``<results-dir>/llm_throughput_<date>.{json,md,png}``; prints the table.
 """
@@ -79,13 +87,23 @@ QWEN3_1_7B = dict(
     tie=1,
 )
 """The real-vocabulary shape: Qwen3-1.7B (qk-norm, tied embeddings), seq 4096, micro-batch 2."""
-SHAPES = {"886m": FULL, "qwen3_1_7b": QWEN3_1_7B}
-TINY_SHAPES = {"886m": TINY, "qwen3_1_7b": {**TINY, "family": "qwen3", "tie": 1}}
+QWEN3_MOE_4L = dict(family="qwen3_moe", vocab=151936, hidden=2048, layers=4, heads=32, kv_heads=4,
+                    head_dim=128, ffn=6144, experts=128, topk=8, moe_ffn=768, aux=0.001, seq=4096,
+                    micro_batch=1, tie=0)  # fmt: skip
+"""Qwen3-30B-A3B cut to 4 layers (128 experts, top-8, expert SwiGLU 768, qk-norm, untied
+vocab 151,936, the released load-balancing loss weight 0.001), seq 4096, micro-batch 1."""
+QWEN3_MOE_TINY = dict(family="qwen3_moe", vocab=256, hidden=64, layers=2, heads=4, kv_heads=2,
+                      head_dim=16, ffn=128, experts=4, topk=2, moe_ffn=32, aux=0.001, seq=64,
+                      micro_batch=1, tie=0)  # fmt: skip
+SHAPES = {"886m": FULL, "qwen3_1_7b": QWEN3_1_7B, "qwen3_moe_4l": QWEN3_MOE_4L}
+TINY_SHAPES = {"886m": TINY, "qwen3_1_7b": {**TINY, "family": "qwen3", "tie": 1},
+               "qwen3_moe_4l": QWEN3_MOE_TINY}  # fmt: skip
 VARIANTS: dict[str, list[str]] = {
     "longboat": [],
     "longboat_compiled": ["train.compile=true"],
     "longboat_no_graph": ["llm.cuda_graph=false"],
     "longboat_megatron_step": ["llm.cuda_graph=false", "llm.one_pass_adamw=false"],
+    "longboat_sequential_experts": ["model.moe_experts=sequential"],
 }
 """Config keys each longboat run adds to the CLI's defaults."""
 # hf_liger after the HF runs (it patches transformers process-wide); the graphed runs (the
@@ -121,8 +139,17 @@ def shape_overrides(c: dict[str, int], world: int = 1) -> list[str]:
 
 def overrides(c: dict[str, int], world: int = 1) -> list[str]:
     """Shape, batch and random tokens (``data=synthetic``)."""
-    return [*shape_overrides(c, world), "data=synthetic", f"data.seq_len={c['seq']}",
-            f"data.num_documents={64 * c['micro_batch']}"]  # fmt: skip
+    return [*shape_overrides(c, world), *moe_overrides(c), "data=synthetic",
+            f"data.seq_len={c['seq']}", f"data.num_documents={64 * c['micro_batch']}"]  # fmt: skip
+
+
+def moe_overrides(c: dict[str, Any]) -> list[str]:
+    """An MoE shape's expert keys (none for a dense shape)."""
+    if "experts" not in c:
+        return []
+    return [f"model.num_experts={c['experts']}", f"model.moe_topk={c['topk']}",
+            f"model.moe_ffn_hidden_size={c['moe_ffn']}", "model.moe_norm_topk_prob=true",
+            f"model.moe_aux_loss_coeff={c['aux']}"]  # fmt: skip
 
 
 def run_longboat_variant(name: str, c: dict[str, int], acc: Any, args: Any) -> dict[str, Any]:
@@ -169,6 +196,8 @@ def run_baseline(name: str, cfg: Any, c: dict[str, int], acc: Any, args: Any) ->
                 model, cfg.optim, device, compiled=name == "hf_compiled", liger=name == "hf_liger"
             )
             notes["forward"] = step.forward_module
+            if cfg.model.num_experts:
+                notes["experts"] = model.config._experts_implementation
 
             def run(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                 return step(tokens)  # HF shifts the labels itself
@@ -208,8 +237,10 @@ def entry(name: str, r: dict[str, Any], flops: float) -> dict[str, Any]:
 
 def table(result: dict[str, Any]) -> str:
     runs = result["runs"]
-    base = next((r for r in runs if r["name"] == "hf_compiled" and "tokens_per_s" in r), None)
-    header = ["run", "tokens/s", "vs hf_compiled", "MFU", "peak mem (GB)", "median step (s)",
+    name = baseline_name(runs)
+    base = next((r for r in runs if r["name"] == name), None)
+    mfu = "MFU (active params)" if result["config"].get("experts") else "MFU"
+    header = ["run", "tokens/s", f"vs {name or 'hf'}", mfu, "peak mem (GB)", "median step (s)",
               "window tokens/s", "last loss"]  # fmt: skip
     rows = []
     for r in runs:
@@ -222,6 +253,12 @@ def table(result: dict[str, Any]) -> str:
                      fmt(r["median_step_s"]), fmt(r["window_tokens_per_s"], ".1f", 1e-3, "k"),
                      fmt(r["losses"][-1])])  # fmt: skip
     return md_table(header, rows)
+
+
+def baseline_name(runs: list[dict[str, Any]]) -> str | None:
+    """The run the ratios are against: ``hf_compiled``, else ``hf_eager`` (of those that ran)."""
+    done = {r["name"] for r in runs if "tokens_per_s" in r}
+    return next((n for n in ("hf_compiled", "hf_eager") if n in done), None)
 
 
 def plot(result: dict[str, Any]) -> Any:
@@ -270,12 +307,13 @@ def main(argv: list[str] | None = None) -> int:
         "overrides": overrides(c),
         "variants": VARIANTS,
         "params": ref.param_count(cfg.model),
+        "active_params": ref.param_counts(cfg.model)[1],
         "precision": cfg.train.precision,
         "optim": _plain(cfg.optim),
         "steps": args.steps,
         "warmup": args.warmup,
         "flops_per_token": flops,
-        "flops_formula": "6*N + 6*L*seq*heads*head_dim",
+        "flops_formula": "6*N_active + 6*L*seq*heads*head_dim",
         "peak_flops": env.PEAK_BF16_FLOPS,
     }
     result = env.result_meta("llm_throughput", on_gpu, PEERS, config)
@@ -293,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             + ("[tokens, vocab] logits materialised" if r["notes"].get("logits_materialised")
                else "no [tokens, vocab] logits (fused linear cross-entropy)")
             + (" (Liger: RoPE, RMSNorm, SwiGLU, fused linear CE)" if r["name"] == "hf_liger" else "")
+            + (f"; experts_implementation={r['notes']['experts']}" if "experts" in r["notes"] else "")
             for r in result["runs"]
             if "forward" in r.get("notes", {})
         )  # fmt: skip

@@ -50,17 +50,15 @@ BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH / "baselines")]
 
 import bench_env as env  # noqa: E402
+import llm_reference as ref  # noqa: E402
 import llm_throughput as lt  # noqa: E402
 from bench_env import failed_row, fmt, md_table  # noqa: E402
 from bench_procs import preflight, run_phases  # noqa: E402
 from bench_train import compose, train_timed  # noqa: E402
 
 SHAPE = "qwen3_moe_4l"
-FULL = dict(family="qwen3_moe", vocab=151936, hidden=2048, layers=4, heads=32, kv_heads=4,
-            head_dim=128, ffn=6144, experts=128, topk=8, moe_ffn=768, aux=0.001, seq=4096,
-            micro_batch=1, tie=0)  # fmt: skip
-TINY = dict(family="qwen3_moe", vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
-            ffn=128, experts=4, topk=2, moe_ffn=32, aux=0.001, seq=64, micro_batch=1, tie=0)  # fmt: skip
+FULL = lt.QWEN3_MOE_4L
+TINY = lt.QWEN3_MOE_TINY
 PHASES = {"ep1": (1, 2), "ep2": (2, 2), "ep1_gbs1": (1, 1)}
 """Each phase's processes and rows a step (micro-batch 1)."""
 EP_SCALING_TARGET = 1.7
@@ -70,28 +68,10 @@ assignments differ and the load-balancing losses are this close (relative)."""
 
 
 def overrides(c: dict[str, Any], world: int, rows: int, hf_dir: str | None) -> list[str]:
-    """The shape, a global batch of ``rows`` rows, random tokens, EP over ``world``."""
-    out = [*lt.overrides(c, rows // c["micro_batch"]), f"model.num_experts={c['experts']}",
-           f"model.moe_topk={c['topk']}", f"model.moe_ffn_hidden_size={c['moe_ffn']}",
-           "model.moe_norm_topk_prob=true", f"model.moe_aux_loss_coeff={c['aux']}",
-           f"parallel.expert_parallel={world}"]  # fmt: skip
+    """The shape (with its expert keys), a global batch of ``rows`` rows, random tokens, EP
+    over ``world``."""
+    out = [*lt.overrides(c, rows // c["micro_batch"]), f"parallel.expert_parallel={world}"]
     return out + ([f"llm.init_from_hf={hf_dir}"] if hf_dir else [])
-
-
-def param_counts(m: Any) -> tuple[int, int]:
-    """(total, active per token) parameters of the MoE model ``m`` (an ``LLMModelConfig``)."""
-    h, hd = m.hidden_size, m.head_dim
-    attn = h * m.num_attention_heads * hd * 2 + 2 * h * m.num_query_groups * hd + 2 * hd
-    expert = 3 * h * m.moe_ffn_hidden_size
-    base = attn + 2 * h + h * m.num_experts  # norms and the router
-    emb = (1 if m.tie_embeddings else 2) * m.vocab_size * h + h
-    total = emb + m.num_layers * (base + m.num_experts * expert)
-    return total, emb + m.num_layers * (base + m.moe_topk * expert)
-
-
-def flops_per_token(m: Any, seq: int) -> float:
-    """6 N_active + 6 L s d_attn (llm_reference's count on the active parameters)."""
-    return 6.0 * param_counts(m)[1] + 6.0 * m.num_layers * seq * m.num_attention_heads * m.head_dim
 
 
 class RouterStats:
@@ -333,8 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     preflight(p, args, "longboat.llm.train.training")
     args.shape = dict(TINY if args.tiny else FULL)
     model = compose("llm", lt.EXPERIMENT, overrides(args.shape, 1, 1, None), "unused").model
-    args.flops = flops_per_token(model, args.shape["seq"])
-    total, active = param_counts(model)
+    args.flops = ref.flops_per_token(model, args.shape["seq"])
+    total, active = ref.param_counts(model)
     config = {**args.shape, "shape": SHAPE, "flavor": "tiny" if args.tiny else SHAPE,
               "experiment": lt.EXPERIMENT, "phases": {n: PHASES[n] for n in phases},
               "overrides": {n: [*overrides(args.shape, *PHASES[n], "<hf dir>"), *args.override]

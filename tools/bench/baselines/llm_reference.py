@@ -44,21 +44,35 @@ import torch
 import torch.nn.functional as F
 
 
-def param_count(m: Any) -> int:
-    """Parameters of the Llama-style model ``m`` (an ``LLMModelConfig``)."""
+def param_counts(m: Any) -> tuple[int, int]:
+    """(every parameter, the parameters one token passes through) of the Llama / Qwen3 /
+    Qwen3-MoE model ``m`` (an ``LLMModelConfig``; equal for a dense model)."""
     h, hd = m.hidden_size, m.head_dim
     attn = h * m.num_attention_heads * hd * 2 + 2 * h * m.num_query_groups * hd
-    layer = (
-        attn + 3 * h * m.ffn_hidden_size + 2 * h + (2 * hd if getattr(m, "qk_norm", False) else 0)
-    )
-    return (1 if m.tie_embeddings else 2) * m.vocab_size * h + m.num_layers * layer + h
+    base = attn + 2 * h + (2 * hd if getattr(m, "qk_norm", False) else 0)
+    emb = (1 if m.tie_embeddings else 2) * m.vocab_size * h + h
+    experts = getattr(m, "num_experts", 0)
+    if not experts:
+        n = emb + m.num_layers * (base + 3 * h * m.ffn_hidden_size)
+        return n, n
+    expert = 3 * h * m.moe_ffn_hidden_size
+    base += h * experts  # the router
+    return (emb + m.num_layers * (base + experts * expert),
+            emb + m.num_layers * (base + m.moe_topk * expert))  # fmt: skip
+
+
+def param_count(m: Any) -> int:
+    """Parameters of the model ``m`` (an ``LLMModelConfig``)."""
+    return param_counts(m)[0]
 
 
 def flops_per_token(m: Any, seq: int) -> float:
-    """6 N + 6 L s d_attn: N = every parameter (embedding and head included); attention's
-    QK^T and AV, 2 * 2 * s * d_attn per token per layer forward, x3 for forward + backward,
-    /2 for the causal mask; d_attn = heads * head_dim."""
-    return 6.0 * param_count(m) + 6.0 * m.num_layers * seq * m.num_attention_heads * m.head_dim
+    """6 N + 6 L s d_attn: N = the parameters a token passes through (embedding and head
+    included; for an MoE model the top-k experts, not all of them); attention's QK^T and AV,
+    2 * 2 * s * d_attn per token per layer forward, x3 for forward + backward, /2 for the
+    causal mask; d_attn = heads * head_dim."""
+    active = param_counts(m)[1]
+    return 6.0 * active + 6.0 * m.num_layers * seq * m.num_attention_heads * m.head_dim
 
 
 def lr_factor(schedule: Any, total_steps: int) -> Callable[[int], float]:
@@ -83,15 +97,22 @@ def lr_factor(schedule: Any, total_steps: int) -> Callable[[int], float]:
 
 
 def hf_causal_lm(m: Any, device: torch.device) -> torch.nn.Module:
-    """``LlamaForCausalLM`` (or ``Qwen3ForCausalLM`` for ``m.name == "qwen3"``) with the
-    shapes of ``m``, in train mode."""
+    """``LlamaForCausalLM`` (``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` for ``m.name``
+    ``qwen3`` / ``qwen3_moe``: every layer sparse, the load-balancing loss in the training loss,
+    the ``grouped_mm`` experts) with the shapes of ``m``, in train mode."""
     import transformers
 
-    kind = {"llama3": "Llama", "qwen3": "Qwen3"}.get(m.name)
+    kind = {"llama3": "Llama", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}.get(m.name)
     if kind is None:
-        raise ValueError(f"model.name={m.name}: the HF baseline knows llama3 and qwen3")
+        raise ValueError(f"model.name={m.name}: the HF baseline knows llama3, qwen3, qwen3_moe")
     config_cls = getattr(transformers, f"{kind}Config")
     model_cls = getattr(transformers, f"{kind}ForCausalLM")
+    moe = {}
+    if m.name == "qwen3_moe":  # every layer sparse; the aux loss in the training loss
+        moe = dict(num_experts=m.num_experts, num_experts_per_tok=m.moe_topk,
+                   moe_intermediate_size=m.moe_ffn_hidden_size, norm_topk_prob=m.moe_norm_topk_prob,
+                   router_aux_loss_coef=m.moe_aux_loss_coeff, output_router_logits=True,
+                   decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
     cfg = config_cls(
         vocab_size=m.vocab_size,
         hidden_size=m.hidden_size,
@@ -107,8 +128,11 @@ def hf_causal_lm(m: Any, device: torch.device) -> torch.nn.Module:
         attention_bias=m.attention_bias,
         initializer_range=m.init_std,
         use_cache=False,
+        **moe,
     )
     cfg._attn_implementation = "sdpa"
+    if moe:  # transformers' fastest built-in experts: one grouped GEMM per projection
+        cfg._experts_implementation = "grouped_mm"
     with device:
         model = model_cls(cfg)
     return model.train()

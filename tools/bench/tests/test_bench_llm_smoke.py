@@ -164,3 +164,49 @@ def test_step_timer_times_trainer_steps_with_two_syncs() -> None:
     s = t.summary(items_per_step=100)
     assert s["median_step_s"] == pytest.approx(sorted(t.step_times)[1])
     assert s["items_per_s"] == pytest.approx(100 / s["median_step_s"])
+
+
+def test_moe_flop_accounting_counts_the_active_experts() -> None:
+    import llm_reference as ref
+
+    # Qwen3-30B-A3B cut to 4 layers, by hand: attention 2*2048*4096 + 2*2048*512 (q,o,k,v),
+    # qk-norm 2*128, two norms 2*2048, router 2048*128; 128 (8 active) experts of 3*2048*768;
+    # untied 151,936-row embedding and head, the final norm.
+    m = SimpleNamespace(
+        vocab_size=151936, hidden_size=2048, num_layers=4, num_attention_heads=32,
+        num_query_groups=4, head_dim=128, ffn_hidden_size=6144, tie_embeddings=False,
+        qk_norm=True, num_experts=128, moe_topk=8, moe_ffn_hidden_size=768,
+    )  # fmt: skip
+    layer = 2 * 2048 * 4096 + 2 * 2048 * 512 + 2 * 128 + 2 * 2048 + 2048 * 128
+    emb = 2 * 151936 * 2048 + 2048
+    total, active = ref.param_counts(m)
+    assert total == emb + 4 * (layer + 128 * 3 * 2048 * 768)
+    assert active == emb + 4 * (layer + 8 * 3 * 2048 * 768)
+    assert ref.flops_per_token(m, 4096) == 6 * active + 6 * 4 * 4096 * 32 * 128
+
+
+def test_moe_shape_runs_the_cli_assembly_against_qwen3_moe(tmp_path: Path) -> None:
+    """``--shape qwen3_moe_4l``: transformers' ``Qwen3MoeForCausalLM`` (grouped_mm experts)
+    and longboat with grouped and with per-expert experts train 2 timed steps; the two longboat
+    runs compute the same math on CPU (equal losses), all near ln(vocab) at random init."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "moe.json"
+    runs = "hf_eager,longboat_sequential_experts,longboat"
+    run_script(
+        "llm_throughput.py",
+        ["--out", str(out), "--tiny", "--shape", "qwen3_moe_4l", "--steps", "2", "--warmup",
+         "1", "--runs", runs, "--results-dir", str(tmp_path)],
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    by_name = {r["name"]: r for r in result["runs"]}
+    for name, r in by_name.items():
+        assert "error" not in r, (name, r.get("error"))
+        # ln(256) plus the load-balancing term (0.001 x about 1 a layer pooled, or per layer).
+        assert all(math.isfinite(x) and abs(x - math.log(256)) < 0.3 for x in r["losses"]), r
+    assert by_name["hf_eager"]["notes"]["experts"] == "grouped_mm"
+    assert by_name["hf_eager"]["notes"]["forward"].startswith("transformers.models.qwen3_moe")
+    lb, seq = by_name["longboat"]["losses"], by_name["longboat_sequential_experts"]["losses"]
+    assert lb == pytest.approx(seq, rel=1e-6, abs=0)
+    assert result["config"]["active_params"] < result["config"]["params"]
+    md = (tmp_path / f"llm_throughput_qwen3_moe_4l_{result['date']}.md").read_text()
+    assert "vs hf_eager" in md and "MFU (active params)" in md
