@@ -90,6 +90,7 @@ def _worker(rank: int, world: int) -> dict[str, object]:
         DeviceCountsDispatcher,
         GroupedExperts,
         GroupedMoELayer,
+        moe_host_sync,
     )
 
     parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"), seed=1)
@@ -103,6 +104,7 @@ def _worker(rank: int, world: int) -> dict[str, object]:
             torch.equal(got[k], v) for k, v in want.items()
         )
         _stack_from_sequential(sequential, grouped)
+        out["host_sync"] = (moe_host_sync(grouped.modules()), moe_host_sync(sequential.modules()))
         moe = grouped.decoder.layers[0].mlp
         out["types"] = (type(moe).__name__, type(moe.experts).__name__,
                         type(moe.token_dispatcher).__name__)  # fmt: skip
@@ -159,6 +161,10 @@ def test_grouped_experts_equal_sequential_mlp() -> None:
     assert out["types"] == ("GroupedMoELayer", "GroupedExperts", "DeviceCountsDispatcher")
     assert out["sequential_experts"] == "SequentialMLP"
     assert out["init_equal"]
+    # What llm.cuda_graph's blocker reads: only the per-expert loop waits for the host.
+    grouped_sync, sequential_sync = out["host_sync"]
+    assert grouped_sync is None
+    assert sequential_sync is not None and "model.moe_experts=sequential" in sequential_sync
     for experts in (4, 8):
         rel, scale = out[f"logits_{experts}"]
         worst = out[f"grads_{experts}"]

@@ -231,7 +231,9 @@ class DeviceCountsDispatcher(MoEAlltoAllTokenDispatcher):
     other layout runs megatron's code unchanged."""
 
     @property
-    def _single_rank(self) -> bool:
+    def single_rank(self) -> bool:
+        """One expert-parallel and one tensor-parallel rank, dropless: the counts stay on the
+        device."""
         return (
             self.ep_size == 1
             and self.tp_size == 1
@@ -243,20 +245,20 @@ class DeviceCountsDispatcher(MoEAlltoAllTokenDispatcher):
     def _maybe_dtoh_and_synchronize(
         self, point: str, tokens_per_expert: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        if self._single_rank:
+        if self.single_rank:
             return tokens_per_expert
         return super()._maybe_dtoh_and_synchronize(point, tokens_per_expert)
 
     def dispatch_postprocess(
         self, global_input_tokens: torch.Tensor, global_probs: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not self._single_rank:
+        if not self.single_rank:
             return super().dispatch_postprocess(global_input_tokens, global_probs)
         tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
         return global_input_tokens, tokens_per_expert, global_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not self._single_rank:
+        if not self.single_rank:
             return super().combine_preprocess(hidden_states)
         return hidden_states
 
@@ -272,6 +274,26 @@ class GroupedMoELayer(MoELayer):
         ):
             # Same state, more behaviour: the subclass adds methods only.
             self.token_dispatcher.__class__ = DeviceCountsDispatcher
+
+
+def moe_host_sync(modules: Any) -> str | None:
+    """Why the forward of an MoE layer among ``modules`` waits for the host (None: none does,
+    so the step can be captured as a CUDA graph)."""
+    for m in modules:
+        if not isinstance(m, MoELayer):
+            continue
+        if not isinstance(m.experts, GroupedExperts):
+            return (
+                "megatron's per-expert MoE experts (model.moe_experts=sequential) wait for the "
+                "token counts on the host"
+            )
+        dispatcher = m.token_dispatcher
+        if not (isinstance(dispatcher, DeviceCountsDispatcher) and dispatcher.single_rank):
+            return (
+                "expert parallelism in the MoE layers (megatron's all-to-all waits for its "
+                "split sizes on the host)"
+            )
+    return None
 
 
 def grouped_experts_builder(glu: GLUFn | None) -> Any:

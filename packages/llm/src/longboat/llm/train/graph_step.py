@@ -39,6 +39,11 @@ def graph_blocker(cfg: Any, microbatches: int, step: Any) -> str | None:
         )
     if cfg.parallel.pipeline_parallel > 1:
         return "pipeline parallelism (its point-to-point schedule is not captured)"
+    from longboat.core.megatron.grouped_experts import moe_host_sync
+
+    moe_sync = moe_host_sync(m for chunk in step.chunks for m in chunk.modules())
+    if moe_sync is not None:
+        return moe_sync
     parts = list(getattr(step.optimizer, "chained_optimizers", None) or [step.optimizer])
     if any(getattr(p, "grad_scaler", None) is not None for p in parts):
         return "fp16 loss scaling (megatron's step reads found_inf on the host)"
