@@ -7,12 +7,15 @@
 Model (BENCHMARKS.md): Llama-style, 886M parameters (hidden 2048, 16 layers, 16 heads / 8 KV,
 head_dim 128, SwiGLU 5632, vocab 32000, untied head), seq 2048, micro-batch 8 (``--tiny``: a
 CPU-sized shape), one device, random init, random tokens. ``--shape qwen3_1_7b``: Qwen3-1.7B;
-``--shape qwen3_moe_4l``: Qwen3-30B-A3B cut to 4 layers against transformers'
-``Qwen3MoeForCausalLM`` (its ``grouped_mm`` experts, the load-balancing loss in both losses;
-MFU on the active parameters)::
+``--shape qwen3_moe_4l``: Qwen3-30B-A3B cut to 4 layers (128 experts, top-8, expert SwiGLU
+768, hidden 2048, 32 heads / 4 KV, qk-norm, untied vocab 151,936, load-balancing loss weight
+0.001), seq 4096, micro-batch 1, against transformers' ``Qwen3MoeForCausalLM`` (its
+``grouped_mm`` experts; the load-balancing loss in both losses; MFU on the active parameters;
+``hf_liger`` skipped, ``longboat_sequential_experts``: megatron's per-expert loop)::
 
-    python3 tools/bench/llm_throughput.py --shape qwen3_moe_4l \
-        --runs hf_eager,longboat_sequential_experts,longboat --steps 10 --warmup 3
+    python3 tools/bench/llm_throughput.py --shape qwen3_moe_4l --runs hf_eager,longboat --steps 10 --warmup 3
+
+(``--runs hf_eager,longboat_sequential_experts,longboat`` adds the per-expert experts.)
 
 Runs, in turn:
 
@@ -29,7 +32,8 @@ Runs, in turn:
 Per run: median step time over ``--steps`` timed steps after ``--warmup`` (``bench_timing``:
 steps back to back, device events between them), tokens/s, the window's wall-clock tokens/s,
 MFU = tokens/s x FLOPs/token / 989 TFLOP/s (``llm_reference.flops_per_token``: 6 N + 6 L s
-d_attn, N the parameters a token passes through), peak device memory (reset before the build: weights, grads and optimizer state count).
+d_attn, N the parameters a token passes through: the top-k experts of an MoE model), peak
+device memory (reset before the build: weights, grads and optimizer state count).
 A failed run (or one over its share of ``--time-budget``) records its error; the others still
 run. Writes ``--out`` and ``<results-dir>/llm_throughput_<date>.{json,md,png}``; prints the table.
 """
@@ -120,6 +124,8 @@ ALL_RUNS = (
 )
 PEERS = ("transformers", "triton", "megatron-core")
 """The distributions whose versions the result records."""
+MOE_SKIPS = {"hf_liger": ref.LIGER_DENSE_ONLY}
+"""Runs an MoE shape leaves out (dropped from the default list, a skipped row when asked for)."""
 RUN_WEIGHT = {"hf_compiled": 4.0, "longboat_compiled": 2.5, "hf_eager": 1.5, "longboat": 1.5}
 
 
@@ -197,7 +203,7 @@ def run_baseline(name: str, cfg: Any, c: dict[str, int], acc: Any, args: Any) ->
             )
             notes["forward"] = step.forward_module
             if cfg.model.num_experts:
-                notes["experts"] = model.config._experts_implementation
+                notes["experts"] = ref.hf_experts_kernel(model, compiled=name == "hf_compiled")
 
             def run(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                 return step(tokens)  # HF shifts the labels itself
@@ -297,7 +303,11 @@ def main(argv: list[str] | None = None) -> int:
         default = tuple(r for r in default if r != "mcore_local_spec")
     if importlib.util.find_spec("liger_kernel") is None:  # a peer not installed is no failure
         default = tuple(r for r in default if r != "hf_liger")
+    if "experts" in c:
+        default = tuple(r for r in default if r not in MOE_SKIPS)
     runs = args.runs.split(",") if args.runs else list(default)
+    skipped = {r: MOE_SKIPS[r] for r in runs if "experts" in c and r in MOE_SKIPS}
+    runs = [r for r in runs if r not in skipped]
     cfg = compose("llm", EXPERIMENT, overrides(c), "unused")  # the baselines' shapes and optim
     flops = ref.flops_per_token(cfg.model, c["seq"])
     config = {
@@ -317,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         "peak_flops": env.PEAK_BF16_FLOPS,
     }
     result = env.result_meta("llm_throughput", on_gpu, PEERS, config)
+    for name, why in skipped.items():  # asked for, but no counterpart for this shape
+        print(f"== {name}: skipped ({why})", flush=True)
+        result["runs"].append({"name": name, "error": f"skipped: {why}"})
 
     def run_one(name: str) -> dict[str, Any]:
         if name in VARIANTS:

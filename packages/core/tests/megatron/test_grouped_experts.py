@@ -80,7 +80,7 @@ def _stacked_grads(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world: int) -> dict[str, object]:
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.moe import token_dispatcher
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from longboat.core.config.schema import ParallelConfig
@@ -125,18 +125,19 @@ def _worker(rank: int, world: int) -> dict[str, object]:
             tokens = torch.randint(0, 64, shape, generator=torch.Generator().manual_seed(3))
             want_logits, want_grads = _run(seq, tokens)
             # The grouped layer must not copy counts to the host nor sort chunks at EP=1.
-            saved = (token_dispatcher.sort_chunks_by_idxs, moe_utils.maybe_move_tensor_to_cpu)
+            names = ("sort_chunks_by_idxs", "maybe_move_tensor_to_cpu", "permute", "unpermute")
+            saved = {n: getattr(token_dispatcher, n) for n in names}
 
             def refuse(*a, **k):  # type: ignore[no-untyped-def]
-                raise AssertionError("host copy / chunk sort at EP=1")
+                raise AssertionError("host copy, chunk sort or scatter permutation at EP=1")
 
-            token_dispatcher.sort_chunks_by_idxs = refuse
-            token_dispatcher.maybe_move_tensor_to_cpu = refuse
+            for n in names:  # nor use megatron's (scattering) permutation
+                setattr(token_dispatcher, n, refuse)
             try:
                 got_logits, got_grads = _run(grp, tokens)
             finally:
-                token_dispatcher.sort_chunks_by_idxs = saved[0]
-                token_dispatcher.maybe_move_tensor_to_cpu = saved[1]
+                for n, f in saved.items():
+                    setattr(token_dispatcher, n, f)
             want_grads = _stacked_grads(want_grads)
             scale = want_logits.abs().max().item()
             out[f"logits_{experts}"] = (
@@ -257,6 +258,7 @@ def test_grouped_experts_on_cuda_bf16_match_and_never_sync() -> None:
     the MoE layer's forward free of host syncs (``set_sync_debug_mode("error")``)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    (out,) = run_multiprocess(_cuda_worker, 1)
+    # spawn: the test process may have initialised CUDA already, which a fork cannot inherit
+    (out,) = run_multiprocess(_cuda_worker, 1, backend="nccl", timeout=300, start_method="spawn")
     assert out["logits"] <= 2e-2, out
     assert out["grads"] <= 2e-2, out

@@ -224,11 +224,82 @@ def _param_device(config: Any) -> torch.device:
     return get_accelerator().device()
 
 
+def expert_order(
+    routing_map: torch.Tensor, probs: torch.Tensor, topk: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where every (token, expert) pair of a dropless top-k routing goes, in megatron's order
+    (by expert, then by token): ``rows`` (the token of each permuted row), ``inverse`` (each
+    token's ``topk`` permuted rows, ``[tokens, topk]``) and the permuted probabilities."""
+    tokens = routing_map.shape[0]
+    flat = routing_map.t().reshape(-1).argsort(descending=True, stable=True)[: tokens * topk]
+    rows = flat % tokens
+    inverse = rows.argsort(stable=True).view(tokens, topk)
+    return rows, inverse, probs.t().reshape(-1)[flat]
+
+
+class _GatherTokens(torch.autograd.Function):
+    """``x[rows]`` whose backward sums each token's rows by gathering them (``inverse``), not
+    by atomic adds."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor) -> Any:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        (inverse,) = ctx.saved_tensors
+        return _sum_rows(grad, inverse), None, None
+
+
+class _SumTokenRows(torch.autograd.Function):
+    """Each token's expert outputs summed (``y[inverse].sum(1)``); the backward hands every row
+    its token's gradient (a gather by ``rows``)."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor) -> Any:
+        ctx.save_for_backward(rows)
+        return _sum_rows(y, inverse)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        (rows,) = ctx.saved_tensors
+        return grad.index_select(0, rows), None, None
+
+
+def _sum_rows(y: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    tokens, topk = inverse.shape
+    return y.index_select(0, inverse.reshape(-1)).view(tokens, topk, -1).sum(1)
+
+
 class DeviceCountsDispatcher(MoEAlltoAllTokenDispatcher):
     """megatron's alltoall dispatcher that, with one expert-parallel and one tensor-parallel
     rank and no token dropping, returns the per-expert counts as a device tensor (no copy to
-    the host, no wait) and skips the sort by local expert, which is then the identity. Every
-    other layout runs megatron's code unchanged."""
+    the host, no wait), skips the sort by local expert (then the identity) and moves tokens
+    to and from the expert order by gathers in both directions (``expert_order``; megatron's
+    permutation scatters with atomic adds, forward or backward). Every other layout runs
+    megatron's code unchanged."""
+
+    def dispatch_preprocess(
+        self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.single_rank:
+            return super().dispatch_preprocess(hidden_states, routing_map, probs)
+        self.hidden_shape = hidden_states.shape
+        self.probs, self.routing_map = probs, routing_map
+        x = hidden_states.view(-1, self.hidden_shape[-1])
+        self.hidden_shape_before_permute = x.shape
+        self.tokens_per_expert = routing_map.sum(dim=0).long()
+        topk = self.config.moe_router_topk
+        self._rows, self._inverse, permuted_probs = expert_order(routing_map, probs, topk)
+        return _GatherTokens.apply(x, self._rows, self._inverse), permuted_probs
+
+    def combine_postprocess(self, permutated_local_input_tokens: torch.Tensor) -> torch.Tensor:
+        if not self.single_rank:
+            return super().combine_postprocess(permutated_local_input_tokens)
+        out = _SumTokenRows.apply(permutated_local_input_tokens, self._rows, self._inverse)
+        self._rows = self._inverse = None
+        return out.view(self.hidden_shape)
 
     @property
     def single_rank(self) -> bool:
@@ -240,6 +311,8 @@ class DeviceCountsDispatcher(MoEAlltoAllTokenDispatcher):
             and not self.drop_and_pad
             and self.config.moe_expert_capacity_factor is None
             and not self.config.moe_router_padding_for_quantization
+            and self.shared_experts is None
+            and not self.config.moe_permute_fusion
         )
 
     def _maybe_dtoh_and_synchronize(
