@@ -6,12 +6,16 @@ an ``LLMModelConfig``; ``cfg.optim``), so every run trains the same shapes with 
 hyperparameters; nothing else of longboat is used except ``longboat.core.megatron.parallel_state``
 for megatron's process groups.
 
-``HFStep`` (``hf_eager``, ``hf_compiled``, ``hf_liger``): ``LlamaForCausalLM`` (SDPA, random init
-with ``initializer_range = model.init_std``), fp32 weights under bf16 autocast (Trainer
-``bf16=True``), ``torch.optim.AdamW(fused=True)`` decaying matrices only (the Trainer exempts
-biases and norms), ``clip_grad_norm_`` at ``optim.grad_clip`` (``max_grad_norm``); ``compiled``:
-the whole model ``torch.compile``d; ``liger``: ``apply_liger_kernel_to_llama`` (RoPE, RMSNorm,
-SwiGLU, fused linear CE). How it differs from a user's HF Trainer run:
+``HFStep`` (``hf_eager``, ``hf_compiled``, ``hf_liger``): ``LlamaForCausalLM`` (``Qwen3`` /
+``Qwen3Moe`` for those families; SDPA, random init with ``initializer_range = model.init_std``),
+fp32 weights under bf16 autocast (Trainer ``bf16=True``), ``torch.optim.AdamW(fused=True)``
+decaying matrices only (the Trainer exempts biases and norms), ``clip_grad_norm_`` at
+``optim.grad_clip`` (``max_grad_norm``); ``compiled``: the whole model ``torch.compile``d;
+``liger``: ``apply_liger_kernel_to_llama`` / ``_qwen3`` (RoPE, RMSNorm, SwiGLU, fused linear
+CE; dense models only). Qwen3-MoE: every layer sparse, ``output_router_logits=True`` so the
+loss is cross-entropy + ``router_aux_loss_coef`` x the load-balancing loss, experts through
+transformers' ``grouped_mm`` implementation (``hf_experts_kernel`` says which kernel that is).
+How it differs from a user's HF Trainer run:
 
 1. No ``Trainer`` object: its per-step host work (logging, callbacks) is left out, which only
    favours the baseline; ``loss.item()`` is not read every step (the Trainer reads it at logging
@@ -141,6 +145,30 @@ def hf_causal_lm(m: Any, device: torch.device) -> torch.nn.Module:
 hf_llama = hf_causal_lm
 
 
+def hf_experts_kernel(model: torch.nn.Module, compiled: bool) -> str | None:
+    """What computes the experts of the HF MoE ``model`` (``None`` for a dense one): the
+    configured ``experts_implementation`` and, for ``grouped_mm``, the kernel transformers
+    dispatches to. It casts the activations to the expert weights' dtype (autocast does not
+    cover grouped GEMMs), so with fp32 weights the GEMMs run in fp32, and under
+    ``torch.compile`` it takes its per-expert ``torch.mm`` loop unless the weights are bf16."""
+    impl = getattr(model.config, "_experts_implementation", None)
+    weights = [p for n, p in model.named_parameters() if ".experts." in n]
+    if impl is None or not weights:
+        return None
+    if impl != "grouped_mm":
+        return impl
+    dtype = str(weights[0].dtype).removeprefix("torch.")
+    if compiled and weights[0].dtype != torch.bfloat16:
+        return f"grouped_mm: transformers' per-expert torch.mm loop ({dtype} weights under torch.compile)"
+    return f"grouped_mm: torch.nn.functional.grouped_mm on {dtype} operands"
+
+
+LIGER_DENSE_ONLY = (
+    "the baseline applies Liger's dense Llama / Qwen3 patches, which leave Qwen3-MoE's sparse "
+    "layers as they are; the MoE shape compares hf_eager and hf_compiled"
+)
+
+
 class HFStep:
     """One HF-Trainer-style step: ``step(tokens, shift_labels=None, i=0) -> loss``."""
 
@@ -155,6 +183,8 @@ class HFStep:
         autocast: bool = True,
         lr_factor: Callable[[int], float] | None = None,
     ) -> None:
+        if liger and type(model).__name__.startswith("Qwen3Moe"):
+            raise ValueError(f"liger: {LIGER_DENSE_ONLY}")
         if liger:
             import liger_kernel.transformers as liger_kernels
 

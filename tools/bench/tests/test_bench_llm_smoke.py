@@ -185,13 +185,51 @@ def test_moe_flop_accounting_counts_the_active_experts() -> None:
     assert ref.flops_per_token(m, 4096) == 6 * active + 6 * 4 * 4096 * 32 * 128
 
 
+def test_hf_moe_baseline_adds_the_aux_loss_and_runs_grouped_gemms() -> None:
+    """The tiny MoE shape's HF baseline step (as ``hf_eager`` runs it): its loss is the
+    cross-entropy plus 0.001 x transformers' load-balancing loss, and its experts ran as
+    ``aten::_grouped_mm`` (fp32 operands: the weights are fp32 under autocast), as the result's
+    note says."""
+    import llm_reference as ref
+    import llm_throughput as lt
+    import torch
+    from bench_train import compose
+
+    cfg = compose("llm", lt.EXPERIMENT, lt.overrides(lt.QWEN3_MOE_TINY), "unused")
+    torch.manual_seed(0)
+    model = ref.hf_causal_lm(cfg.model, torch.device("cpu"))
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    note = ref.hf_experts_kernel(model, compiled=False)
+    assert note == "grouped_mm: torch.nn.functional.grouped_mm on float32 operands"
+    assert "per-expert" in ref.hf_experts_kernel(model, compiled=True)
+    tokens = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(input_ids=tokens, labels=tokens)
+    ce = torch.nn.functional.cross_entropy(out.logits[0, :-1].float(), tokens[0, 1:])
+    # HF pools both layers' router logits into one term; balanced routing gives topk (2).
+    assert 1.5 < out.aux_loss.item() < 3.0
+    assert out.loss.item() == pytest.approx(ce.item() + 0.001 * out.aux_loss.item(), abs=1e-5)
+    assert abs(ce.item() - math.log(256)) < 0.3
+    step = ref.HFStep(model, cfg.optim, torch.device("cpu"))
+    with torch.profiler.profile() as prof:
+        loss = step(tokens)
+    ops = {e.key: e.count for e in prof.key_averages()}
+    # 2 layers x (gate-up, down) forward; the backward's grouped GEMMs come on top.
+    assert ops.get("aten::_grouped_mm", 0) >= 4, sorted(k for k in ops if "mm" in k)
+    assert math.isfinite(loss.item())
+    with pytest.raises(ValueError, match="dense Llama / Qwen3"):
+        ref.HFStep(model, cfg.optim, torch.device("cpu"), liger=True)
+
+
+@pytest.mark.slow
 def test_moe_shape_runs_the_cli_assembly_against_qwen3_moe(tmp_path: Path) -> None:
     """``--shape qwen3_moe_4l``: transformers' ``Qwen3MoeForCausalLM`` (grouped_mm experts)
     and longboat with grouped and with per-expert experts train 2 timed steps; the two longboat
-    runs compute the same math on CPU (equal losses), all near ln(vocab) at random init."""
+    runs compute the same math on CPU (equal losses), all near ln(vocab) at random init;
+    ``hf_liger`` asked for is a skipped row saying why."""
     pytest.importorskip("megatron.core")
     out = tmp_path / "moe.json"
-    runs = "hf_eager,longboat_sequential_experts,longboat"
+    runs = "hf_eager,hf_liger,longboat_sequential_experts,longboat"
     run_script(
         "llm_throughput.py",
         ["--out", str(out), "--tiny", "--shape", "qwen3_moe_4l", "--steps", "2", "--warmup",
@@ -199,11 +237,12 @@ def test_moe_shape_runs_the_cli_assembly_against_qwen3_moe(tmp_path: Path) -> No
     )  # fmt: skip
     result = json.loads(out.read_text())
     by_name = {r["name"]: r for r in result["runs"]}
+    assert by_name.pop("hf_liger")["error"].startswith("skipped: the baseline applies Liger's")
     for name, r in by_name.items():
         assert "error" not in r, (name, r.get("error"))
         # ln(256) plus the load-balancing term (0.001 x about 1 a layer pooled, or per layer).
         assert all(math.isfinite(x) and abs(x - math.log(256)) < 0.3 for x in r["losses"]), r
-    assert by_name["hf_eager"]["notes"]["experts"] == "grouped_mm"
+    assert by_name["hf_eager"]["notes"]["experts"].startswith("grouped_mm: torch.nn.functional")
     assert by_name["hf_eager"]["notes"]["forward"].startswith("transformers.models.qwen3_moe")
     lb, seq = by_name["longboat"]["losses"], by_name["longboat_sequential_experts"]["losses"]
     assert lb == pytest.approx(seq, rel=1e-6, abs=0)

@@ -87,6 +87,7 @@ def test_router_comparison_flags_moved_tokens() -> None:
 def test_param_counts_match_transformers() -> None:
     """The FLOP count's parameters: the tiny shape's total equals HF Qwen3MoeForCausalLM's;
     the active ones leave out all but top-k experts per layer."""
+    import llm_reference as ref
     import moe_scaling
     import torch
     from bench_train import compose
@@ -98,11 +99,11 @@ def test_param_counts_match_transformers() -> None:
     m = compose("llm", "quickstart", moe_scaling.overrides(c, 1, 1, None), "unused").model
     torch.manual_seed(0)
     hf = Qwen3MoeForCausalLM(get_family("qwen3_moe").to_hf_config(m))
-    total, active = moe_scaling.param_counts(m)
+    total, active = ref.param_counts(m)
     assert total == sum(p.numel() for p in hf.parameters())
     expert = 3 * c["hidden"] * c["moe_ffn"]
     assert total - active == c["layers"] * (c["experts"] - c["topk"]) * expert
     full = compose("llm", "quickstart", moe_scaling.overrides(moe_scaling.FULL, 1, 1, None), "u")
     # 30B-A3B's 4 layers: 2 x 151936 x 2048 embeddings + 4 x (attention 18.9M, 128 experts of
     # 4.7M, router, norms); active: 8 experts a layer.
-    assert moe_scaling.param_counts(full.model) == (3_114_814_464, 849_890_304)
+    assert ref.param_counts(full.model) == (3_114_814_464, 849_890_304)
