@@ -60,7 +60,8 @@ def _run(model, tokens):  # type: ignore[no-untyped-def]
     pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand(tokens.shape[0], -1)
     model.zero_grad(set_to_none=True)
     logits = model(tokens, pos, None)
-    (logits.float() * torch.randn(logits.shape, generator=g)).sum().backward()
+    weights = torch.randn(logits.shape, generator=g).to(logits.device)
+    (logits.float() * weights).sum().backward()
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
