@@ -201,3 +201,15 @@ def test_a_changed_parallel_layout_is_named_not_a_dcp_traceback(tmp_path: Path) 
     for msg in messages:
         assert "parallel.tensor_parallel=2 (this run: 1)" in msg, msg
         assert "checkpoint.resume=none" in msg and "Missing key" not in msg
+
+
+@pytest.mark.multiprocess
+def test_a_changed_moe_experts_layout_is_named(tmp_path: Path) -> None:
+    """Grouped and per-expert experts store different tensors: resuming across them stops
+    before anything loads, naming ``model.moe_experts`` and the fix."""
+    data, tok = make_tiny_dataset(tmp_path / "data")
+    base = ["model=qwen3_moe_tiny", *_overrides(data, tok, tmp_path / "run")]
+    run_multiprocess(_stop_at_worker, 1, [*base, "model.moe_experts=sequential"], 0)
+    (msg,) = run_multiprocess(_layout_worker, 1, [*base, "train.steps=12"])
+    assert "model.moe_experts='sequential' (this run: 'auto')" in msg, msg
+    assert "checkpoint.resume=none" in msg

@@ -63,6 +63,7 @@ RESUME_KEYS = (
     "model.ffn_hidden_size",
     "model.vocab_size",
     "model.num_experts",
+    "model.moe_experts",
 )
 """What a checkpoint's sharded model and optimizer state depend on."""
 
