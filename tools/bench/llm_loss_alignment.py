@@ -4,8 +4,10 @@
         [--micro-batch 4] [--seq 2048] [--results-dir DIR] [--override KEY=VALUE ...]
 
 A seeded fp32 ``transformers`` model of llm_throughput's shape (``--shape``: ``LlamaForCausalLM``
-for the 886M shape, ``Qwen3ForCausalLM`` for ``qwen3_1_7b``) is saved with
-``save_pretrained``; longboat starts from it (``llm.init_from_hf``), the reference loads it again.
+for the 886M shape, ``Qwen3ForCausalLM`` for ``qwen3_1_7b``, ``Qwen3MoeForCausalLM`` for
+``qwen3_moe_4l``) is saved with ``save_pretrained``; longboat starts from it
+(``llm.init_from_hf``), the reference loads it again. For the MoE shape both sides train with
+the load-balancing term in the objective and the curves are the LM losses.
 
 - ``longboat``: ``longboat-llm train experiment=quickstart`` with llm_throughput's shape and
   batch, ``--steps`` steps, its own data (``data=quickstart``: the shipped text under a BPE of at
@@ -108,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="llm_align_hf_") as hf_dir:
         ov = [
             *lt.shape_overrides(c),
+            *lt.moe_overrides(c),
             *data_overrides(c, cache),
             *extra,
             f"llm.init_from_hf={hf_dir}",

@@ -219,13 +219,17 @@ class HFStep:
         if self.logits_materialised is None:
             self.logits_materialised = out.logits is not None
         loss = out.loss
+        reported = loss.detach()
+        aux = getattr(out, "aux_loss", None)
+        if aux is not None:  # MoE: trains on CE + coeff x aux, reports the LM loss as longboat
+            reported = reported - self.model.config.router_aux_loss_coef * aux.detach()
         del out  # the logits must not outlive the forward (as when only .loss is kept)
         loss.backward()
         if self.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return reported
 
 
 @contextlib.contextmanager
