@@ -20,7 +20,7 @@ from longboat.core.distributed import run_multiprocess
 TOL = 1e-5  # fp32: max abs difference, relative to the reference's max
 
 
-def _model(moe_experts: str, experts: int = 4, topk: int = 2, **overrides):  # type: ignore[no-untyped-def]
+def _model(moe_experts: str, experts: int = 4, topk: int = 2, ffn: int = 16, **overrides):  # type: ignore[no-untyped-def]
     from longboat.core.megatron.decoder_config import DecoderArch, to_transformer_config
     from longboat.core.megatron.model import build_decoder_model
     from longboat.core.megatron.specs import decoder_layer_spec
@@ -28,7 +28,7 @@ def _model(moe_experts: str, experts: int = 4, topk: int = 2, **overrides):  # t
     arch = DecoderArch(
         vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4,
         num_query_groups=2, head_dim=8, ffn_hidden_size=48, num_experts=experts,
-        moe_topk=topk, moe_ffn_hidden_size=16,
+        moe_topk=topk, moe_ffn_hidden_size=ffn,
     )  # fmt: skip
     tcfg = to_transformer_config(arch, precision="fp32", use_cpu_initialization=True, **overrides)
     torch.manual_seed(0)
@@ -105,7 +105,8 @@ def _worker(rank: int, world: int) -> dict[str, object]:
             torch.equal(got[k], v) for k, v in want.items()
         )
         _stack_from_sequential(sequential, grouped)
-        out["host_sync"] = (moe_host_sync(grouped.modules()), moe_host_sync(sequential.modules()))
+        out["host_sync"] = (moe_host_sync(grouped.modules()), moe_host_sync(sequential.modules()),
+                            moe_host_sync(_model("grouped", ffn=10).modules()))  # fmt: skip
         moe = grouped.decoder.layers[0].mlp
         out["types"] = (type(moe).__name__, type(moe.experts).__name__,
                         type(moe.token_dispatcher).__name__)  # fmt: skip
@@ -164,9 +165,11 @@ def test_grouped_experts_equal_sequential_mlp() -> None:
     assert out["sequential_experts"] == "SequentialMLP"
     assert out["init_equal"]
     # What llm.cuda_graph's blocker reads: only the per-expert loop waits for the host.
-    grouped_sync, sequential_sync = out["host_sync"]
+    grouped_sync, sequential_sync, looped_sync = out["host_sync"]
     assert grouped_sync is None
     assert sequential_sync is not None and "model.moe_experts=sequential" in sequential_sync
+    # 10 fp32 values a row (40 bytes) are not 16-byte aligned: the grouped experts loop.
+    assert looped_sync is not None and "one GEMM per expert" in looped_sync
     for experts in (4, 8):
         rel, scale = out[f"logits_{experts}"]
         worst = out[f"grads_{experts}"]

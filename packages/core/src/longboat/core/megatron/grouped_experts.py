@@ -11,8 +11,8 @@ and a device round trip per layer.
 and runs them as ``torch.nn.functional.grouped_mm`` over the rows sorted by expert, with the
 group ends computed on the device from the counts. ``GroupedMoELayer`` is megatron's
 ``MoELayer`` whose alltoall dispatcher, with one expert-parallel and one tensor-parallel rank,
-keeps the counts on the device and skips the identity sort (``DeviceCountsDispatcher``), so a
-forward through the MoE layer never waits for the device. With expert parallelism the
+keeps the counts on the device, skips the identity sort and permutes by gathers
+(``DeviceCountsDispatcher``), so the host never waits for the device in the MoE layer. With expert parallelism the
 dispatcher is megatron's (the all-to-all needs its split sizes on the host).
 
 Where ``grouped_mm`` cannot run (an older torch, a dtype or a row width it does not take) the
@@ -359,6 +359,13 @@ def moe_host_sync(modules: Any) -> str | None:
             return (
                 "megatron's per-expert MoE experts (model.moe_experts=sequential) wait for the "
                 "token counts on the host"
+            )
+        w1, w2 = m.experts.linear_fc1.weight, m.experts.linear_fc2.weight
+        rows = w1.new_empty(0, w1.shape[2])
+        if not (grouped_mm_applies(rows, w1) and grouped_mm_applies(rows, w2)):
+            return (
+                f"the grouped experts run one GEMM per expert ({w1.dtype} on {w1.device.type}, "
+                "expert widths of this model), which waits for the token counts on the host"
             )
         dispatcher = m.token_dispatcher
         if not (isinstance(dispatcher, DeviceCountsDispatcher) and dispatcher.single_rank):
