@@ -52,11 +52,16 @@ def grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``grouped_linear`` can run ``x @ weight[e].T`` as one grouped GEMM: a grouped
     GEMM in this torch, bf16 on an accelerator (any float dtype on the CPU), and rows of both
     operands aligned to 16 bytes."""
-    if _GROUPED_MM is None or x.dtype != weight.dtype:
+    return x.dtype == weight.dtype and _grouped_mm_takes(weight)
+
+
+def _grouped_mm_takes(weight: torch.Tensor) -> bool:
+    """``grouped_mm_applies`` for operands of ``weight``'s dtype and device."""
+    if _GROUPED_MM is None:
         return False
-    if x.device.type != "cpu" and x.dtype != torch.bfloat16:
+    if weight.device.type != "cpu" and weight.dtype != torch.bfloat16:
         return False
-    size = x.element_size()
+    size = weight.element_size()
     return all((n * size) % 16 == 0 for n in weight.shape[1:])
 
 
@@ -75,8 +80,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) ->
 
 def looped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """``grouped_linear`` as one GEMM per expert (``counts``: rows per expert, on the host)."""
-    parts = [chunk @ w.t() for chunk, w in zip(torch.split(x, counts), weight, strict=True)]
-    return torch.cat(parts) if parts else x.new_empty(0, weight.shape[1])
+    return torch.cat([c @ w.t() for c, w in zip(torch.split(x, counts), weight, strict=True)])
 
 
 class ExpertWeights(torch.nn.Module):
@@ -199,7 +203,7 @@ class GroupedExperts(MegatronModule):
     ) -> tuple[torch.Tensor, None]:
         x = permuted_local_hidden_states
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
-        if grouped_mm_applies(x, w1) and grouped_mm_applies(x, w2):
+        if x.dtype == w1.dtype and self.runs_grouped():
             ends = group_ends(tokens_per_expert, x.device)
             h = grouped_linear(x, w1, ends)
             h = self._scale(self._activation(h), permuted_probs)
@@ -207,6 +211,13 @@ class GroupedExperts(MegatronModule):
         counts = tokens_per_expert.tolist()
         h = self._scale(self._activation(looped_linear(x, w1, counts)), permuted_probs)
         return looped_linear(h, w2, counts), None
+
+    def runs_grouped(self) -> bool:
+        """Whether both projections run as grouped GEMMs on the weights' dtype and device
+        (else one GEMM per expert, which reads the counts on the host)."""
+        return _grouped_mm_takes(self.linear_fc1.weight) and _grouped_mm_takes(
+            self.linear_fc2.weight
+        )
 
     @staticmethod
     def _scale(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -273,18 +284,16 @@ def _sum_rows(y: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
 
 
 class DeviceCountsDispatcher(MoEAlltoAllTokenDispatcher):
-    """megatron's alltoall dispatcher that, with one expert-parallel and one tensor-parallel
-    rank and no token dropping, returns the per-expert counts as a device tensor (no copy to
-    the host, no wait), skips the sort by local expert (then the identity) and moves tokens
-    to and from the expert order by gathers in both directions (``expert_order``; megatron's
-    permutation scatters with atomic adds, forward or backward). Every other layout runs
-    megatron's code unchanged."""
+    """megatron's alltoall dispatcher for one expert-parallel and one tensor-parallel rank
+    without token dropping (``GroupedMoELayer`` uses it only there, ``keeps_counts_on_device``):
+    it returns the per-expert counts as a device tensor (no copy to the host, no wait), skips
+    the sort by local expert (then the identity) and moves tokens to and from the expert order
+    by gathers in both directions (``expert_order``; megatron's permutation scatters with
+    atomic adds, forward or backward)."""
 
     def dispatch_preprocess(
         self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.single_rank:
-            return super().dispatch_preprocess(hidden_states, routing_map, probs)
         self.hidden_shape = hidden_states.shape
         self.probs, self.routing_map = probs, routing_map
         x = hidden_states.view(-1, self.hidden_shape[-1])
@@ -294,58 +303,54 @@ class DeviceCountsDispatcher(MoEAlltoAllTokenDispatcher):
         self._rows, self._inverse, permuted_probs = expert_order(routing_map, probs, topk)
         return _GatherTokens.apply(x, self._rows, self._inverse), permuted_probs
 
-    def combine_postprocess(self, permutated_local_input_tokens: torch.Tensor) -> torch.Tensor:
-        if not self.single_rank:
-            return super().combine_postprocess(permutated_local_input_tokens)
-        out = _SumTokenRows.apply(permutated_local_input_tokens, self._rows, self._inverse)
-        self._rows = self._inverse = None
-        return out.view(self.hidden_shape)
-
-    @property
-    def single_rank(self) -> bool:
-        """One expert-parallel and one tensor-parallel rank, dropless: the counts stay on the
-        device."""
-        return (
-            self.ep_size == 1
-            and self.tp_size == 1
-            and not self.drop_and_pad
-            and self.config.moe_expert_capacity_factor is None
-            and not self.config.moe_router_padding_for_quantization
-            and self.shared_experts is None
-            and not self.config.moe_permute_fusion
-        )
-
     def _maybe_dtoh_and_synchronize(
         self, point: str, tokens_per_expert: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        if self.single_rank:
-            return tokens_per_expert
-        return super()._maybe_dtoh_and_synchronize(point, tokens_per_expert)
+        return tokens_per_expert
 
     def dispatch_postprocess(
         self, global_input_tokens: torch.Tensor, global_probs: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not self.single_rank:
-            return super().dispatch_postprocess(global_input_tokens, global_probs)
         tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
         return global_input_tokens, tokens_per_expert, global_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not self.single_rank:
-            return super().combine_preprocess(hidden_states)
         return hidden_states
+
+    def combine_postprocess(self, permutated_local_input_tokens: torch.Tensor) -> torch.Tensor:
+        out = _SumTokenRows.apply(permutated_local_input_tokens, self._rows, self._inverse)
+        self._rows = self._inverse = None
+        return out.view(self.hidden_shape)
+
+
+def keeps_counts_on_device(dispatcher: Any) -> bool:
+    """Whether ``DeviceCountsDispatcher`` can stand in for megatron's alltoall ``dispatcher``:
+    one expert-parallel and one tensor-parallel rank, dropless, no shared experts, no fused
+    permutation."""
+    config = dispatcher.config
+    return (
+        type(dispatcher) is MoEAlltoAllTokenDispatcher
+        and dispatcher.ep_size == 1
+        and dispatcher.tp_size == 1
+        and not dispatcher.drop_and_pad
+        and config.moe_expert_capacity_factor is None
+        and not config.moe_router_padding_for_quantization
+        and dispatcher.shared_experts is None
+        and not config.moe_permute_fusion
+    )
 
 
 class GroupedMoELayer(MoELayer):
-    """megatron's ``MoELayer`` whose alltoall dispatcher is ``DeviceCountsDispatcher`` when its
-    experts are ``GroupedExperts`` (which take the counts on the device)."""
+    """megatron's ``MoELayer`` whose alltoall dispatcher becomes ``DeviceCountsDispatcher``
+    where its experts are ``GroupedExperts`` (which take the counts on the device) and the
+    layout allows it (``keeps_counts_on_device``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if isinstance(self.experts, GroupedExperts) and (
-            type(self.token_dispatcher) is MoEAlltoAllTokenDispatcher
+        if isinstance(self.experts, GroupedExperts) and keeps_counts_on_device(
+            self.token_dispatcher
         ):
-            # Same state, more behaviour: the subclass adds methods only.
+            # Same state, other behaviour: the subclass adds no attributes of its own.
             self.token_dispatcher.__class__ = DeviceCountsDispatcher
 
 
@@ -360,15 +365,13 @@ def moe_host_sync(modules: Any) -> str | None:
                 "megatron's per-expert MoE experts (model.moe_experts=sequential) wait for the "
                 "token counts on the host"
             )
-        w1, w2 = m.experts.linear_fc1.weight, m.experts.linear_fc2.weight
-        rows = w1.new_empty(0, w1.shape[2])
-        if not (grouped_mm_applies(rows, w1) and grouped_mm_applies(rows, w2)):
+        if not m.experts.runs_grouped():
+            w1 = m.experts.linear_fc1.weight
             return (
                 f"the grouped experts run one GEMM per expert ({w1.dtype} on {w1.device.type}, "
                 "expert widths of this model), which waits for the token counts on the host"
             )
-        dispatcher = m.token_dispatcher
-        if not (isinstance(dispatcher, DeviceCountsDispatcher) and dispatcher.single_rank):
+        if not isinstance(m.token_dispatcher, DeviceCountsDispatcher):
             return (
                 "expert parallelism in the MoE layers (megatron's all-to-all waits for its "
                 "split sizes on the host)"
