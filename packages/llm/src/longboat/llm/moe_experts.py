@@ -19,20 +19,25 @@ KEY = "model.moe_experts"
 EXPERT_LINEARS = ("linear_fc1", "linear_fc2")
 
 
-def _lora_on_experts(cfg: Any, lora: Any) -> list[str]:
-    """The LoRA targets that are expert linears of MoE model ``cfg`` (empty: none)."""
-    if not cfg.num_experts or lora is None or not getattr(lora, "enabled", True):
+def lora_targets(lora: Any) -> list[str]:
+    """The linears ``lora`` (a LoRA config or None) adapts; none when it is off."""
+    if lora is None or not getattr(lora, "enabled", True):
         return []
-    return [t for t in getattr(lora, "targets", ()) if t in EXPERT_LINEARS]
+    return list(getattr(lora, "targets", ()))
 
 
-def moe_experts_problems(cfg: Any, lora: Any = None) -> list[ConfigProblem]:
-    """Why ``cfg.moe_experts`` cannot run with ``lora`` (a LoRA config or None)."""
+def _on_experts(cfg: Any, targets: list[str]) -> list[str]:
+    """The LoRA ``targets`` that are expert linears of MoE model ``cfg`` (empty: none)."""
+    return [t for t in targets if t in EXPERT_LINEARS] if cfg.num_experts else []
+
+
+def moe_experts_problems(cfg: Any, targets: list[str]) -> list[ConfigProblem]:
+    """Why ``cfg.moe_experts`` cannot run with LoRA on ``targets`` (``lora_targets``)."""
     mode = getattr(cfg, "moe_experts", "auto")
     if mode not in MODES:
         return [ConfigProblem(key=KEY, value=mode, message=f"must be one of {list(MODES)}.",
                               fix="pick one.")]  # fmt: skip
-    on_experts = _lora_on_experts(cfg, lora)
+    on_experts = _on_experts(cfg, targets)
     if mode == "grouped" and on_experts:
         return [
             ConfigProblem(
@@ -50,10 +55,11 @@ def moe_experts_for_run(cfg: Any, lora: Any = None) -> tuple[Any, str | None]:
     """``cfg`` with ``moe_experts`` resolved for a run with ``lora``, and the run's one line
     when ``auto`` picks megatron's per-expert loop (else None). ``ConfigError`` for
     ``moe_experts_problems``."""
-    problems = moe_experts_problems(cfg, lora)
+    targets = lora_targets(lora)
+    problems = moe_experts_problems(cfg, targets)
     if problems:
         raise ConfigError(problems)
-    on_experts = _lora_on_experts(cfg, lora)
+    on_experts = _on_experts(cfg, targets)
     if getattr(cfg, "moe_experts", "auto") != "auto" or not on_experts:
         return cfg, None
     notice = (
@@ -63,4 +69,4 @@ def moe_experts_for_run(cfg: Any, lora: Any = None) -> tuple[Any, str | None]:
     return dataclasses.replace(cfg, moe_experts="sequential"), notice
 
 
-__all__ = ["KEY", "MODES", "moe_experts_for_run", "moe_experts_problems"]
+__all__ = ["KEY", "MODES", "lora_targets", "moe_experts_for_run", "moe_experts_problems"]

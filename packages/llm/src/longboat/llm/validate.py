@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 from longboat.core.config.errors import ConfigError
@@ -31,23 +30,19 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
 
     par = cfg.get("parallel") or {}
     train = cfg.get("train") or {}
+    lora = cfg.get("lora") or {}
     try:
-        for p in pooled_aux_loss_problems(
-            LLMModelConfig.from_mapping(model),
+        model_cfg = LLMModelConfig.from_mapping(model)
+        found = pooled_aux_loss_problems(
+            model_cfg,
             pipeline_parallel=int(par.get("pipeline_parallel", 1)),
             context_parallel=int(par.get("context_parallel", 1)),
             full_recompute=train.get("activation_checkpointing") == "full",
-        ):
+        )
+        targets = list(lora.get("targets") or ()) if lora.get("enabled") else []
+        for p in [*found, *moe_experts_problems(model_cfg, targets)]:
             problems.add(p.key, p.message, value=p.value, fix=p.fix)
     except (TypeError, ValueError):  # malformed values: the schema checks report them
-        pass
-    try:
-        lora = cfg.get("lora") or {}
-        lora_cfg = SimpleNamespace(enabled=bool(lora.get("enabled", False)),
-                                   targets=list(lora.get("targets") or ()))  # fmt: skip
-        for p in moe_experts_problems(LLMModelConfig.from_mapping(model), lora_cfg):
-            problems.add(p.key, p.message, value=p.value, fix=p.fix)
-    except (TypeError, ValueError):
         pass
     try:
         arch = LLMModelConfig.from_mapping(model).to_arch()
