@@ -13,7 +13,7 @@ CPU-sized shape), one device, random init, random tokens. ``--shape qwen3_1_7b``
 ``grouped_mm`` experts; the load-balancing loss in both losses; MFU on the active parameters;
 ``hf_liger`` skipped, ``longboat_sequential_experts``: megatron's per-expert loop)::
 
-    python3 tools/bench/llm_throughput.py --shape qwen3_moe_4l \
+    python3 tools/bench/llm_throughput.py --shape qwen3_moe_4l \\
         --runs hf_eager,longboat,longboat_no_graph,longboat_sequential_experts --steps 10 --warmup 3
 
 (the default run first: a longboat MoE run leaves memory allocated in the process, which
