@@ -29,12 +29,11 @@ class PooledAuxRouter(TopKRouter):
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None) -> Any:
         probs, routing_map = super().routing(logits, padding_mask=padding_mask)
         if self.training and torch.is_grad_enabled():
-            flat = logits.reshape(-1, self.config.num_moe_experts)
+            experts = self.config.num_moe_experts
+            flat = logits.reshape(-1, experts)
             scores = torch.softmax(flat, dim=-1, dtype=torch.float32)
-            picked = torch.topk(flat, self.topk, dim=-1).indices.reshape(-1)
-            # scatter_add on a fixed-size buffer: no data-dependent shape, no host read.
-            counts = torch.zeros(flat.shape[-1], dtype=torch.int64, device=flat.device)
-            counts.scatter_add_(0, picked, torch.ones_like(picked))
+            # megatron's routing map already marks each token's top-k experts (dropless).
+            counts = routing_map.reshape(-1, experts).sum(dim=0)
             self.aux_stats = (counts, scores.sum(dim=0), flat.shape[0])
         return probs, routing_map
 
