@@ -428,10 +428,21 @@ class AddNormTransformerLayer(TransformerLayer):
 
 
 class LongboatSpecProvider(LocalSpecProvider):
-    """megatron's local provider with longboat's attention and RMSNorm kernels."""
+    """megatron's local provider with longboat's attention and RMSNorm kernels, and linears
+    that add their bias inside the GEMM (``longboat.core.megatron.linears``)."""
 
     def __init__(self, kernels: LayerKernels) -> None:
         self.kernels = kernels
+
+    def column_parallel_linear(self) -> type:
+        from longboat.core.megatron.linears import EpilogueColumnParallelLinear
+
+        return EpilogueColumnParallelLinear
+
+    def row_parallel_linear(self) -> type:
+        from longboat.core.megatron.linears import EpilogueRowParallelLinear
+
+        return EpilogueRowParallelLinear
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
         if not rms_norm:
