@@ -11,8 +11,9 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as mps
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from longboat.core.layer_kernels import LayerKernels
 from longboat.core.megatron.decoder_config import unfused_layer_kwargs
@@ -91,11 +92,48 @@ class TwoLayerMLP(torch.nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
+class DiTMLP(MegatronModule):
+    """The blocks' feed-forward: ``linear_fc2(act(linear_fc1(x)))`` on the provider's column /
+    row parallel linears, each adding its bias inside its GEMM.
+
+    megatron's ``MLP`` asks its linears to hand the biases back and adds them as kernels of
+    their own (over the ``[tokens, ffn]`` activation for fc1); the parameters (``linear_fc1``
+    / ``linear_fc2`` weight and bias), their initialisation and their tensor-parallel split
+    are ``MLP``'s. ``forward`` returns ``(output, None)`` like ``MLP``.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        submodules: MLPSubmodules,
+        ffn_hidden_size: int | None = None,
+        **unused: Any,
+    ) -> None:
+        super().__init__(config=config)
+        ffn = ffn_hidden_size or config.ffn_hidden_size
+        self.linear_fc1 = build_module(
+            submodules.linear_fc1, config.hidden_size, ffn, config=config,
+            init_method=config.init_method, gather_output=False, bias=config.add_bias_linear,
+            skip_bias_add=False, is_expert=False, tp_comm_buffer_name="fc1",
+        )  # fmt: skip
+        self.activation_func = config.activation_func
+        self.linear_fc2 = build_module(
+            submodules.linear_fc2, ffn, config.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=config.add_bias_linear,
+            input_is_parallel=True, skip_bias_add=False, is_expert=False,
+            tp_comm_buffer_name="fc2",
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out, _ = self.linear_fc2(self.activation_func(self.linear_fc1(x)[0]))
+        return out, None
+
+
 def mlp_spec(provider: LongboatSpecProvider) -> ModuleSpec:
-    """megatron's ``MLP`` (fc1 -> (+ bias) -> ``config.activation_func`` -> fc2) on the
+    """``DiTMLP`` (fc1 -> ``config.activation_func`` -> fc2, biases in the GEMMs) on the
     provider's column / row parallel linears."""
     return ModuleSpec(
-        module=MLP,
+        module=DiTMLP,
         submodules=MLPSubmodules(
             linear_fc1=provider.column_parallel_linear(),
             linear_fc2=provider.row_parallel_linear(),
@@ -178,6 +216,7 @@ def build_options(precision: str, kernels: LayerKernels | None) -> tuple[torch.d
 __all__ = [
     "PRECISIONS",
     "AttentionFn",
+    "DiTMLP",
     "DiTShape",
     "TwoLayerMLP",
     "adaln_modulate",
