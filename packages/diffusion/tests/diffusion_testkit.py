@@ -51,18 +51,35 @@ def loss_and_grads(
     forward: Callable[[], torch.Tensor],
     target: torch.Tensor,
     recompute: int,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    *,
+    recompute_attention: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], int, int]:
     """Mean squared error of ``forward()`` against ``target`` with ``model.recompute_blocks =
-    recompute``, after its backward: ``(loss, full_grads(model), calls of first_block)`` (a
-    recomputed block runs twice)."""
+    recompute`` (and ``model.recompute_attention``), after its backward: ``(loss,
+    full_grads(model), calls of first_block, self-attention kernels run in the backward)`` (a
+    recomputed block runs twice; its self-attention kernel too unless its outputs are kept)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from longboat.diffusion.models.common.recompute import is_self_attention
+
+    class CountAttention(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            CountAttention.calls += is_self_attention(func, args)
+            return func(*args, **(kwargs or {}))
+
     calls: list[int] = []
     hook = first_block.register_forward_pre_hook(lambda *a: calls.append(1))
     model.recompute_blocks = recompute
+    model.recompute_attention = recompute_attention
     model.zero_grad(set_to_none=True)
     try:
         loss = (forward() - target).pow(2).mean()
-        loss.backward()
+        with CountAttention():
+            loss.backward()
     finally:
         hook.remove()
         model.recompute_blocks = 0
-    return loss.detach(), full_grads(model), len(calls)
+        model.recompute_attention = False
+    return loss.detach(), full_grads(model), len(calls), CountAttention.calls

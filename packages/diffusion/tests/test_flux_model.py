@@ -39,6 +39,7 @@ CONFIGS = {
     "dev": flavor("tiny").replace(guidance_embeds=True),
 }
 CFG = CONFIGS["dev"]
+ATTENTION_CALLS = CFG.num_blocks  # self-attention kernels of one forward (one per block)
 C = CFG.latent_channels
 # name -> (latent shape, timesteps in [0, 1000], caption length); timesteps / 1000 are exact
 DENSE: dict[str, tuple[tuple[int, ...], list[float], int]] = {
@@ -119,10 +120,12 @@ def _ref_call(ref: Any, inputs: dict[str, Any]) -> torch.Tensor:
 # -- the worker: our models under megatron -----------------------------------------------------
 
 
-def _loss_and_grads(model: Any, recompute: int) -> tuple[torch.Tensor, dict, int]:
+def _loss_and_grads(model: Any, recompute: int, **kw: Any) -> tuple[torch.Tensor, dict, int, int]:
     inputs = _masked_inputs()
     target = randn(*inputs["latents"].shape, seed=80)
-    return loss_and_grads(model, model.double_blocks[0], lambda: model(**inputs), target, recompute)
+    return loss_and_grads(
+        model, model.double_blocks[0], lambda: model(**inputs), target, recompute, **kw
+    )
 
 
 def _worker(rank: int, world: int, hf_states: dict, tmp: str) -> dict[str, Any]:
@@ -143,9 +146,12 @@ def _worker(rank: int, world: int, hf_states: dict, tmp: str) -> dict[str, Any]:
             res["masked"] = model(**masked)
             lat = masked.pop("latents")
             res["list"] = model(list(lat), **masked)
-        res["loss"], res["grads"], res["calls"] = _loss_and_grads(model, recompute=0)
+        res["loss"], res["grads"], res["calls"], res["attn"] = _loss_and_grads(model, recompute=0)
         if world == 1:
-            res["loss_rc"], res["grads_rc"], res["calls_rc"] = _loss_and_grads(model, -1)
+            for key, again in (("rc", False), ("rc_full", True)):
+                res[f"loss_{key}"], res[f"grads_{key}"], res[f"calls_{key}"], res[f"attn_{key}"] = (
+                    _loss_and_grads(model, -1, recompute_attention=again)
+                )
             sharded = Path(tmp) / "ref_sharded"  # sharded safetensors with an index
             other = build(read_config(sharded))
             res["loaded_tensors"] = load_diffusers(other, read_config(sharded), sharded)
@@ -235,10 +241,15 @@ def test_text_mask_equals_each_caption_at_its_length(refs: dict, ours_tp1: dict)
     assert _diff(ours_tp1["masked"][0], padded) > 100 * REF_TOL
 
 
-def test_recompute_gives_the_same_loss_and_grads(ours_tp1: dict[str, Any]) -> None:
-    assert ours_tp1["calls"] == 1 and ours_tp1["calls_rc"] == 2  # block 0 really re-ran
-    assert abs(ours_tp1["loss"] - ours_tp1["loss_rc"]).item() <= RECOMPUTE_TOL
-    grads, grads_rc = ours_tp1["grads"], ours_tp1["grads_rc"]
+@pytest.mark.parametrize("key", ["rc", "rc_full"])
+def test_recompute_gives_the_same_loss_and_grads(ours_tp1: dict[str, Any], key: str) -> None:
+    assert ours_tp1["calls"] == 1 and ours_tp1[f"calls_{key}"] == 2  # block 0 really re-ran
+    # Self-attention kernels in the backward: none without recompute nor with its outputs
+    # kept (the default); one per attention call of the forward when it is recomputed too.
+    assert ours_tp1["attn"] == 0
+    assert ours_tp1[f"attn_{key}"] == (ATTENTION_CALLS if key == "rc_full" else 0)
+    assert abs(ours_tp1["loss"] - ours_tp1[f"loss_{key}"]).item() <= RECOMPUTE_TOL
+    grads, grads_rc = ours_tp1["grads"], ours_tp1[f"grads_{key}"]
     assert grads.keys() == grads_rc.keys()
     nonzero = 0
     for name in grads:

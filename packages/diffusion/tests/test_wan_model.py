@@ -32,6 +32,7 @@ TP_TOL = 1e-5  # TP=2 vs TP=1 (outputs and gradients)
 RECOMPUTE_TOL = 1e-6  # recompute vs not (loss and gradients)
 
 CFG = flavor("tiny")
+ATTENTION_CALLS = CFG.num_layers  # self-attention kernels of one forward (one per block)
 C = CFG.in_channels
 # name -> (latent shape, timesteps); text of 7 tokens, no mask
 DENSE: dict[str, tuple[tuple[int, ...], list[float]]] = {
@@ -74,7 +75,7 @@ def _ref_model(seed: int = 0) -> WanTransformer3DModel:
 # -- the worker: our model under megatron ------------------------------------------------------
 
 
-def _loss_and_grads(model: Any, recompute: int) -> tuple[torch.Tensor, dict, int]:
+def _loss_and_grads(model: Any, recompute: int, **kw: Any) -> tuple[torch.Tensor, dict, int, int]:
     samples, ts = _packed_samples()
     text, mask = _masked_text()
     tokens, packing = pack_latents(samples, CFG.patch_size)
@@ -83,7 +84,7 @@ def _loss_and_grads(model: Any, recompute: int) -> tuple[torch.Tensor, dict, int
     def forward() -> torch.Tensor:
         return model.forward_packed(tokens, packing, ts, text, mask)
 
-    return loss_and_grads(model, model.blocks[0], forward, target, recompute)
+    return loss_and_grads(model, model.blocks[0], forward, target, recompute, **kw)
 
 
 def _worker(rank: int, world: int, hf_state: dict, tmp: str) -> dict[str, Any]:
@@ -112,10 +113,13 @@ def _worker(rank: int, world: int, hf_state: dict, tmp: str) -> dict[str, Any]:
                 model(x[None], ts[i : i + 1], text[i : i + 1], mask[i : i + 1])[0]
                 for i, x in enumerate(samples)
             ]
-        res["loss"], res["grads"], res["calls"] = _loss_and_grads(model, recompute=0)
+        res["loss"], res["grads"], res["calls"], res["attn"] = _loss_and_grads(model, recompute=0)
         save_diffusers(model, CFG, Path(tmp) / f"export_tp{world}")
         if world == 1:
-            res["loss_rc"], res["grads_rc"], res["calls_rc"] = _loss_and_grads(model, -1)
+            for key, again in (("rc", False), ("rc_full", True)):
+                res[f"loss_{key}"], res[f"grads_{key}"], res[f"calls_{key}"], res[f"attn_{key}"] = (
+                    _loss_and_grads(model, -1, recompute_attention=again)
+                )
             # a diffusers directory with sharded safetensors and an index
             sharded = Path(tmp) / "ref_sharded"
             other = build(read_config(sharded))
@@ -263,10 +267,15 @@ def test_is_the_flow_matching_objectives_packed_model_fn(ours_tp1: dict[str, Any
     assert abs(packed - one_by_one).item() < PACK_TOL
 
 
-def test_recompute_gives_the_same_loss_and_grads(ours_tp1: dict[str, Any]) -> None:
-    assert ours_tp1["calls"] == 1 and ours_tp1["calls_rc"] == 2  # block 0 really re-ran
-    assert abs(ours_tp1["loss"] - ours_tp1["loss_rc"]).item() <= RECOMPUTE_TOL
-    grads, grads_rc = ours_tp1["grads"], ours_tp1["grads_rc"]
+@pytest.mark.parametrize("key", ["rc", "rc_full"])
+def test_recompute_gives_the_same_loss_and_grads(ours_tp1: dict[str, Any], key: str) -> None:
+    assert ours_tp1["calls"] == 1 and ours_tp1[f"calls_{key}"] == 2  # block 0 really re-ran
+    # Self-attention kernels in the backward: none without recompute nor with its outputs
+    # kept (the default); one per attention call of the forward when it is recomputed too.
+    assert ours_tp1["attn"] == 0
+    assert ours_tp1[f"attn_{key}"] == (ATTENTION_CALLS if key == "rc_full" else 0)
+    assert abs(ours_tp1["loss"] - ours_tp1[f"loss_{key}"]).item() <= RECOMPUTE_TOL
+    grads, grads_rc = ours_tp1["grads"], ours_tp1[f"grads_{key}"]
     assert grads.keys() == grads_rc.keys()
     nonzero = 0
     for name in grads:

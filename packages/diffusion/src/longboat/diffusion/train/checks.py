@@ -35,13 +35,17 @@ def model_family(model: Any) -> Any:
     return get_family(model.name)
 
 
+_RUN_KEYS = ("recompute_blocks", "recompute_attention")
+"""Family config fields set from ``model.<key>``, not architecture overrides."""
+
+
 def _with_overrides(base: Any, overrides: dict[str, Any]) -> Any:
     fields = {f.name: f for f in dataclasses.fields(base)}
     p = ProblemCollector()
     changes = {}
     for key, value in overrides.items():
-        if key not in fields or key == "recompute_blocks":
-            names = [n for n in fields if n != "recompute_blocks"]
+        if key not in fields or key in _RUN_KEYS:
+            names = [n for n in fields if n not in _RUN_KEYS]
             p.add(
                 f"model.overrides.{key}",
                 "is not an architecture field of this family",
@@ -59,7 +63,7 @@ def _with_overrides(base: Any, overrides: dict[str, Any]) -> Any:
 def model_config(model: Any) -> Any:
     """The architecture of the run (the family's config dataclass, validated): the
     checkpoint's with ``model.init_from``, else the flavor's with ``model.overrides`` laid
-    over it; ``recompute_blocks`` from ``model.recompute_blocks``."""
+    over it; ``recompute_blocks`` / ``recompute_attention`` from ``model.<key>``."""
     family = model_family(model)
     module = family.load()
     if model.init_from:
@@ -80,7 +84,11 @@ def model_config(model: Any) -> Any:
         base = module.read_config(model.init_from)
     else:
         base = _with_overrides(module.flavor(model.flavor), dict(model.overrides))
-    arch = dataclasses.replace(base, recompute_blocks=model.recompute_blocks)
+    arch = dataclasses.replace(
+        base,
+        recompute_blocks=model.recompute_blocks,
+        recompute_attention=model.recompute_attention,
+    )
     try:
         arch.validate(prefix="model")
     except ConfigError as exc:  # name the key the user set: model.overrides.<field>

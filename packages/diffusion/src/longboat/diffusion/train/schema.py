@@ -28,6 +28,10 @@ class DiffusionModelConfig(ModelConfig):
     recompute_blocks: int = 0
     """Activation recompute: the first ``n`` blocks keep only their inputs and recompute the
     rest in the backward (less memory, one more block forward); ``-1``: every block."""
+    recompute_attention: bool = False
+    """Whether recomputed blocks run self-attention again. False keeps its outputs (about
+    2 bytes x hidden per token and block) so the backward skips the most expensive kernel of
+    the block's forward; true recomputes it too (the least memory)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Architecture fields laid over the flavor, e.g. ``{num_layers: 4, ffn_dim: 128}`` (the
     family config's field names); not allowed with ``init_from``."""

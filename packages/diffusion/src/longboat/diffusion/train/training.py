@@ -43,6 +43,13 @@ RESUME_KEYS = (
 """What a checkpoint's sharded model, optimizer shards and data position depend on."""
 
 
+def _recompute_kind(m: Any) -> str:
+    """How recomputed blocks treat attention, for the run summary."""
+    if not m.num_recomputed():
+        return ""
+    return " (attention too)" if m.recompute_attention else " (attention outputs kept)"
+
+
 class DiffusionTraining(MegatronTraining):
     """One ``longboat-diffusion train`` run, built (see the module doc)."""
 
@@ -174,7 +181,8 @@ class DiffusionTraining(MegatronTraining):
             f"({m.num_attention_heads} heads), patch {'x'.join(map(str, m.latent_patch))}, "
             f"{m.latent_channels} latent channels, text dim {m.text_dim}; {params / 1e6:.2f}M "
             f"parameters; {self.precision}; tp={lay.tensor_parallel} cp={lay.context_parallel} "
-            f"dp={lay.data_parallel}; recompute {m.num_recomputed()}/{m.num_blocks} blocks.",
+            f"dp={lay.data_parallel}; recompute {m.num_recomputed()}/{m.num_blocks} blocks"
+            f"{_recompute_kind(m)}.",
             f"Data {cfg.data.name}: {len(train.dataset)} samples, latent shapes "
             f"{', '.join('x'.join(map(str, s)) for s in shapes)}; {batching}; global batch "
             f"{self.global_batch} ({self.accumulation} per rank per step).",

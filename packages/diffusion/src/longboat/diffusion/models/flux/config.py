@@ -68,6 +68,9 @@ class FluxConfig(common.DiTConfigBase):
     """Activation recompute: the first ``n`` blocks (double-stream first, then single-stream)
     keep only their inputs and recompute their activations in the backward; ``-1``: every
     block. Not an architecture key."""
+    recompute_attention: bool = False
+    """Whether recomputed blocks also run the joint attention again (least memory); False
+    keeps its outputs (``common.recompute``). Not an architecture key."""
 
     # -- derived ----------------------------------------------------------------------------
 

@@ -55,6 +55,7 @@ from longboat.diffusion.models.common.patches import (
     patchify,
     unpatchify,
 )
+from longboat.diffusion.models.common.recompute import recompute_block
 from longboat.diffusion.models.flux.block import (
     JointLayout,
     flux_block_specs,
@@ -115,6 +116,8 @@ class FluxModel(MegatronModule):
         self.recompute_blocks = cfg.recompute_blocks
         """Blocks (from the first double-stream one) whose activations are recomputed in the
         backward; -1: all (``FluxConfig.recompute_blocks``; may be changed between steps)."""
+        self.recompute_attention = cfg.recompute_attention
+        """Whether recomputed blocks run the attention again (``FluxConfig.recompute_attention``)."""
         self._init_weights()
 
     @torch.no_grad()
@@ -286,7 +289,7 @@ class FluxModel(MegatronModule):
                 h = torch.cat([c, x], dim=1)
             args = (x, c, vec, layout) if i < n_double else (h, vec, layout)
             if i < recompute and torch.is_grad_enabled():
-                out = torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
+                out = recompute_block(block, *args, keep_attention=not self.recompute_attention)
             else:
                 out = block(*args)
             if i < n_double:

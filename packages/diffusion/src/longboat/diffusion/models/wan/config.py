@@ -65,6 +65,9 @@ class WanConfig(common.DiTConfigBase):
     recompute_blocks: int = 0
     """Activation recompute: the first ``n`` blocks keep only their inputs and recompute
     their activations in the backward; ``-1``: every block. Not an architecture key."""
+    recompute_attention: bool = False
+    """Whether recomputed blocks also run self-attention again (least memory); False keeps
+    its outputs (``common.recompute``). Not an architecture key."""
 
     # -- derived ----------------------------------------------------------------------------
 

@@ -68,6 +68,7 @@ from longboat.diffusion.models.common.layers import (
     kernel_attention,
     timestep_embedding,
 )
+from longboat.diffusion.models.common.recompute import recompute_block
 from longboat.diffusion.models.wan.block import (
     TokenLayout,
     per_sample,
@@ -128,6 +129,8 @@ class WanModel(MegatronModule):
         self.recompute_blocks = cfg.recompute_blocks
         """Blocks (from the first) whose activations are recomputed in the backward; -1: all
         (``WanConfig.recompute_blocks``; may be changed between steps)."""
+        self.recompute_attention = cfg.recompute_attention
+        """Whether recomputed blocks run self-attention again (``WanConfig.recompute_attention``)."""
         self.cp_group = None
         """megatron's context-parallel group when its size is > 1 (the tokens of every call
         are sharded over it, see the module doc), else None."""
@@ -267,8 +270,8 @@ class WanModel(MegatronModule):
         recompute = len(self.blocks) if self.recompute_blocks < 0 else self.recompute_blocks
         for i, block in enumerate(self.blocks):
             if i < recompute and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(
-                    block, x, text, time_proj, layout, use_reentrant=False
+                x = recompute_block(
+                    block, x, text, time_proj, layout, keep_attention=not self.recompute_attention
                 )
             else:
                 x = block(x, text, time_proj, layout)
