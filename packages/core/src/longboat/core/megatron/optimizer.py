@@ -18,12 +18,15 @@ def wrap_ddp(
     *,
     distributed_optimizer: bool = False,
     overlap_grad_reduce: bool = False,
+    grad_reduce_in_fp32: bool = True,
 ) -> list[torch.nn.Module]:
-    """Wrap each model chunk in megatron's ``DistributedDataParallel`` (fp32 grad buffers)."""
+    """Wrap each model chunk in megatron's ``DistributedDataParallel`` (fp32 grad buffers;
+    ``grad_reduce_in_fp32=False``: in the parameters' dtype, where
+    ``wgrad_fusion.single_pass_grads`` says that holds the same values)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
         overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=distributed_optimizer,
     )

@@ -106,6 +106,7 @@ class DiffusionTraining(MegatronTraining):
             objective=cfg.objective,
             seed=cfg.train.seed,
             device=self.device,
+            microbatches=self.accumulation,
         )
 
     def _samples_per_step(self) -> int:

@@ -1,0 +1,76 @@
+"""``DiffusionTrainStep``'s gradient buffer: in bf16 where a step's gradients land once (one
+micro-batch, no reduction between ranks), with exactly the update an fp32 buffer gives.
+
+Two tiny bf16 Wan models with equal weights take two steps on the same batch, one with the
+bf16 buffer (one micro-batch a step) and one with megatron's fp32 buffer (built for two
+micro-batches, given one); their losses, grad norms and updated weights must be identical.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="needs longboat-diffusion's megatron backend")
+
+from diffusion_testkit import randn, tensor_parallel_state
+
+from longboat.core.distributed import run_multiprocess
+
+
+def _worker(rank: int, world: int) -> dict[str, Any]:
+    from longboat.core.config.schema import OptimConfig
+    from longboat.diffusion.models.wan.config import flavor
+    from longboat.diffusion.models.wan.model import build
+    from longboat.diffusion.objective.flow_matching import FlowMatchingConfig
+    from longboat.diffusion.train.step import DiffusionTrainStep
+
+    cfg = flavor("tiny")
+    batch = {
+        "latents": randn(1, cfg.in_channels, 3, 8, 8, seed=1),
+        "text_embeds": randn(1, 6, cfg.text_dim, seed=2),
+        "text_mask": torch.ones(1, 6, dtype=torch.bool),
+        "captions": ["a red square"],
+    }
+    out: dict[str, Any] = {}
+    with tensor_parallel_state(1):
+        first = build(cfg, precision="bf16")
+        state = {k: v.detach().clone() for k, v in first.named_parameters()}
+        for name, microbatches in (("bf16", 1), ("fp32", 2)):
+            model = first if name == "bf16" else build(cfg, precision="bf16")
+            with torch.no_grad():
+                for k, v in model.named_parameters():
+                    v.copy_(state[k])
+            step = DiffusionTrainStep(
+                model, OptimConfig(lr=1e-2), precision="bf16", objective=FlowMatchingConfig(),
+                seed=0, device=torch.device("cpu"), microbatches=microbatches,
+            )  # fmt: skip
+            for i in range(2):  # the zero-initialised output projection moves first
+                loss = step.forward_backward(i, [batch])
+                norm = step.update()
+            buffers = {b.grad_data.dtype for b in step.ddp.buffers}
+            out[name] = {
+                "single": step.single_pass_grads,
+                "buffers": buffers,
+                "loss": float(loss),
+                "norm": float(norm),
+                "weights": {k: v.detach().clone() for k, v in model.named_parameters()},
+            }
+    out["start"] = state
+    return out
+
+
+@pytest.mark.multiprocess
+def test_bf16_grad_buffer_gives_the_fp32_buffers_update() -> None:
+    (out,) = run_multiprocess(_worker, 1)
+    bf16, fp32 = out["bf16"], out["fp32"]
+    assert bf16["single"] and bf16["buffers"] == {torch.bfloat16}
+    assert not fp32["single"] and fp32["buffers"] == {torch.float32}
+    assert bf16["loss"] == fp32["loss"] and bf16["norm"] == fp32["norm"] > 0
+    moved = 0
+    for name, w in bf16["weights"].items():
+        assert torch.equal(w, fp32["weights"][name]), name
+        moved += not torch.equal(w, out["start"][name])
+    assert moved > len(bf16["weights"]) // 2  # the step really updated the weights
