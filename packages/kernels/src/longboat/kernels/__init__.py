@@ -35,6 +35,11 @@ from longboat.kernels.fused_linear_ce import (
     fused_linear_cross_entropy_torch,
     fused_linear_cross_entropy_triton,
 )
+from longboat.kernels.gated_residual import (
+    gated_residual,
+    gated_residual_torch,
+    gated_residual_triton,
+)
 from longboat.kernels.layernorm import layer_norm, layer_norm_torch, layer_norm_triton
 from longboat.kernels.qkv_rope import (
     positions_for_layout,
@@ -88,6 +93,9 @@ __all__ = [
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_torch",
     "fused_linear_cross_entropy_triton",
+    "gated_residual",
+    "gated_residual_torch",
+    "gated_residual_triton",
     "geglu",
     "glu",
     "glu_torch",
