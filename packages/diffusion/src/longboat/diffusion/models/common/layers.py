@@ -63,10 +63,13 @@ def adaln_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, ep
     return ada_layer_norm(x, scale, shift, eps)
 
 
-def gated_add(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def gated_add(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> Any:
     """``x + y * gate`` with the residual sum in fp32 (as diffusers; the modulation is fp32);
-    ``x`` / ``y`` ``[b, s, D]``, ``gate`` ``[b, D]``."""
-    return (x.float() + y.float() * gate[:, None, :].float()).to(x.dtype)
+    ``x`` / ``y`` ``[b, s, D]``, ``gate`` ``[b, D]``. One pass over the tokens forward and one
+    backward through ``longboat.kernels.gated_residual`` (its torch reference on CPU)."""
+    from longboat.kernels.gated_residual import gated_residual
+
+    return gated_residual(x, y, gate)
 
 
 def timestep_embedding(timesteps: torch.Tensor, dim: int, max_period: float = 10000.0) -> Any:
