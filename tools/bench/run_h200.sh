@@ -35,7 +35,8 @@
 # train.master_weights=false, compiled = train.compile, master = master weights, eager
 # steps, graphed = both explicit, graphed_fp32master = + train.master_weight_storage=fp32,
 # graphed_slices = + train.master_weight_update=slices; diffusion_throughput.VARIANTS:
-# recompute = model.recompute_blocks=-1).
+# recompute = model.recompute_blocks=-1 (self-attention outputs kept), recompute_full = that and
+# model.recompute_attention=true).
 set -u
 ONLY=${ONLY:-"gpu_tests llm vla diffusion llm_align scaling scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling wan_scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")$([ "${WITH_VLA_LEVERS:-0}" = "1" ] && echo " vla_scaling_levers")"}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
