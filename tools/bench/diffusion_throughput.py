@@ -71,6 +71,8 @@ VARIANTS: dict[str, list[str]] = {
 """Config keys each longboat run adds to the CLI's defaults."""
 ALL_RUNS = ("hf_ckpt", "hf_compiled", "longboat")
 REFERENCE = "hf_ckpt"
+TARGET_VS_REFERENCE = 2.2
+"""BENCHMARKS.md's target for ``longboat`` against the reference (drawn in the chart)."""
 PEERS = ("diffusers", "megatron-core", "triton")
 RUN_WEIGHT = {"hf_compiled": 2.0}
 STEP0_TOL = {"bf16": 2e-2, "fp32": 1e-4}
@@ -301,13 +303,42 @@ def table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any]) -> Any:
+    """One panel per frame count: each run's speed against the reference (y) over its peak
+    memory (x), the trade-off between the runs at a glance."""
     runs = [r for r in result["runs"] if "samples_per_s" in r]
+    frames = sorted({r["frames"] for r in runs})
     title = f"diffusion_throughput {result['date']} {result['gpu']}: {result['config']['model']}"
-    return lambda plt: runs and env.bar_chart(
-        plt, title, [f"{r['name']} {r['frames']}f" for r in runs],
-        [([r["samples_per_s"] for r in runs], "samples/s"),
-         ([r["peak_mem_gb"] for r in runs], "peak memory (GB)")],
-    )  # fmt: skip
+
+    def draw(plt: Any) -> Any:
+        fig, axes = plt.subplots(1, len(frames), figsize=(6.5 * len(frames), 4.5), squeeze=False)
+        for ax, f in zip(axes[0], frames, strict=True):
+            mine = [r for r in runs if r["frames"] == f]
+            ref = next((r for r in mine if r["name"] == REFERENCE), None)
+            base = ref["samples_per_s"] if ref else 1.0
+            for r in mine:
+                x, y = r["peak_mem_gb"], r["samples_per_s"] / base
+                color = "tab:blue" if r["name"].startswith("longboat") else "tab:gray"
+                ax.scatter([x], [y], color=color, s=40)
+                ax.annotate(r["name"], (x, y), textcoords="offset points", xytext=(5, 4),
+                            fontsize=8)  # fmt: skip
+            if ref:
+                ax.axhline(TARGET_VS_REFERENCE, ls="--", color="tab:red", lw=1)
+                ax.axvline(ref["peak_mem_gb"], ls=":", color="tab:gray", lw=1)
+                ax.annotate(f"target {TARGET_VS_REFERENCE}x at <= {REFERENCE}'s memory",
+                            (0, TARGET_VS_REFERENCE), textcoords="offset points",
+                            xytext=(4, -12), fontsize=8, color="tab:red")  # fmt: skip
+            ax.set_xlabel("peak memory (GB)")
+            ax.set_ylabel(f"samples/s vs {REFERENCE}" if ref else "samples/s")
+            tokens = result["config"]["video_tokens"]  # int keys here, str after JSON
+            ax.set_title(f"{f} frames ({tokens.get(f, tokens.get(str(f))):,} tokens)")
+            ax.set_xlim(left=0)
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+        fig.suptitle(title)
+        fig.tight_layout()
+        return fig
+
+    return lambda plt: runs and draw(plt)
 
 
 def main(argv: list[str] | None = None) -> int:
