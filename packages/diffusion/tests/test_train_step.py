@@ -74,3 +74,21 @@ def test_bf16_grad_buffer_gives_the_fp32_buffers_update() -> None:
         assert torch.equal(w, fp32["weights"][name]), name
         moved += not torch.equal(w, out["start"][name])
     assert moved > len(bf16["weights"]) // 2  # the step really updated the weights
+
+
+def test_a_batch_with_an_empty_caption_is_refused_on_the_host() -> None:
+    # The model skips this check on an accelerator (it would read the mask back mid-step),
+    # so the step makes it on the host batch, naming the samples' dataset indices.
+    from longboat.diffusion.train.step import model_inputs
+
+    batch = {
+        "latents": torch.zeros(2, 4, 1, 2, 2),
+        "text_embeds": torch.zeros(2, 3, 8),
+        "text_mask": torch.tensor([[1, 1, 0], [0, 0, 0]], dtype=torch.bool),
+        "indices": torch.tensor([7, 9]),
+    }
+    with pytest.raises(ValueError, match=r"no caption token for the samples at indices \[9\]"):
+        model_inputs(batch)
+    batch["text_mask"][1, 0] = True
+    x0, _, mask, latent_mask = model_inputs(batch)
+    assert x0 is batch["latents"] and mask is batch["text_mask"] and latent_mask is None

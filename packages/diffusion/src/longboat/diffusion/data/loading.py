@@ -92,5 +92,8 @@ def build_latent_loader(
         batch_sampler=sampler,
         collate_fn=partial(collate_latents, packed=packed, dtype=_DTYPES[cfg.dtype]),
         num_workers=cfg.num_workers,
+        # The loader's thread pins each batch, so the step's host-to-device copy starts at
+        # once instead of pinning on the training thread.
+        pin_memory=torch.cuda.is_available(),
     )
     return LatentLoader(dataset=dataset, sampler=sampler, loader=loader, packed=packed)

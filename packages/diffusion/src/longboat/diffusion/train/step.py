@@ -39,6 +39,12 @@ def model_inputs(batch: dict[str, Any]) -> tuple[Any, torch.Tensor, torch.Tensor
     mask = batch.get("latent_mask")
     if mask is not None and bool(mask.all()):
         mask = None
+    from longboat.diffusion.models.common.layers import empty_captions
+
+    empty = empty_captions(batch["text_mask"])
+    if empty:
+        where = batch["indices"][empty].tolist() if "indices" in batch else empty
+        raise ValueError(f"text_mask has no caption token for the samples at indices {where}")
     return batch["latents"], batch["text_embeds"], batch["text_mask"], mask
 
 

@@ -72,6 +72,12 @@ def gated_add(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> Any:
     return gated_residual(x, y, gate)
 
 
+def empty_captions(mask: torch.Tensor) -> list[int]:
+    """Rows of a ``[n, L]`` text mask with no caption token (reads the mask: call it on
+    the host)."""
+    return (~mask.to(torch.bool).any(dim=1)).nonzero().flatten().tolist()
+
+
 def timestep_embedding(timesteps: torch.Tensor, dim: int, max_period: float = 10000.0) -> Any:
     """fp32 ``[n, dim]`` sinusoidal embedding ``[cos(t * f), sin(t * f)]`` with frequencies
     ``f_j = max_period ** (-j / (dim / 2))`` (diffusers' ``Timesteps(flip_sin_to_cos=True,
@@ -225,6 +231,7 @@ __all__ = [
     "adaln_modulate",
     "build_options",
     "dit_transformer_config",
+    "empty_captions",
     "gated_add",
     "gelu_tanh",
     "kernel_attention",

@@ -64,6 +64,7 @@ from longboat.diffusion.models.common.layers import (
     TwoLayerMLP,
     adaln_modulate,
     build_options,
+    empty_captions,
     gelu_tanh,
     kernel_attention,
     timestep_embedding,
@@ -234,9 +235,12 @@ class WanModel(MegatronModule):
                     f"{tuple(mask.shape)}"
                 )
             mask = mask.to(torch.bool)
-            empty = (~mask.any(dim=1)).nonzero().flatten().tolist()
-            if empty:
-                raise ValueError(f"text_mask has no caption token for samples {empty}")
+            # Reading a device mask back would stall the step: the training step checks its
+            # batch on the host (train.step.model_inputs) before the copy.
+            if mask.device.type == "cpu":
+                empty = empty_captions(mask)
+                if empty:
+                    raise ValueError(f"text_mask has no caption token for samples {empty}")
         return timesteps, mask
 
     def _run(
