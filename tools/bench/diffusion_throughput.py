@@ -199,7 +199,15 @@ def run_longboat(name: str, frames: int, base: list[str], acc: Any, args: Any) -
 
 
 def run_baseline(
-    name: str, frames: int, c: dict, state: dict, samples: list, cfg: Any, acc: Any, args: Any
+    name: str,
+    frames: int,
+    c: dict,
+    state: dict,
+    samples: list,
+    cfg: Any,
+    acc: Any,
+    args: Any,
+    lr_factor: Any = None,
 ) -> dict[str, Any]:
     from longboat.diffusion.train.data import noise_seed
 
@@ -210,6 +218,7 @@ def run_baseline(
     step = ref.WanRefStep(
         model, cfg.optim, device, compiled=name == "hf_compiled", shift=cfg.objective.shift,
         num_train_timesteps=cfg.objective.num_train_timesteps, compile_backend=args.compile_backend,
+        lr_factor=lr_factor,
     )  # fmt: skip
     build_s = time.perf_counter() - t0
     probe = InputProbe(model, PROBE_STEPS)
@@ -218,7 +227,7 @@ def run_baseline(
     def batch(i: int) -> dict[str, Any]:
         s = samples[i % len(samples)]
         return {"latents": s["latents"][None], "text": s["text"][None],
-                "seed": noise_seed(seed, i, 0)}  # fmt: skip
+                "seed": noise_seed(seed, i, 0), "step": i}  # fmt: skip
 
     batches = (batch(i) for i in itertools.count())
     timing, losses = time_loop(acc, batches, lambda b, i: step(b), args.warmup, args.steps)

@@ -48,7 +48,7 @@ train.py`` with ``diffsynth/diffusion/runner.py`` and ``loss.py``), and why:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -110,7 +110,11 @@ class WanRefStep:
     """``step(batch) -> loss``: noise, forward, backward, AdamW (see the module doc).
 
     ``batch``: ``latents`` ``[1, C, T, H, W]`` and ``text`` ``[1, L, D]`` (float32, any
-    device) and ``seed`` (this step's noise seed)."""
+    device), ``seed`` (this step's noise seed) and, with ``lr_factor``, ``step`` (its index).
+
+    ``lr_factor`` (loss alignment): the product's optimizer settings instead of DiffSynth's:
+    the LR ``optim.lr * lr_factor(step)``, weight decay on matrices only, clipping at
+    ``optim.grad_clip``."""
 
     def __init__(
         self,
@@ -122,6 +126,7 @@ class WanRefStep:
         shift: float,
         num_train_timesteps: int = 1000,
         compile_backend: str = "inductor",
+        lr_factor: Callable[[int], float] | None = None,
     ) -> None:
         if compiled:
             for block in model.blocks:
@@ -130,16 +135,26 @@ class WanRefStep:
             model.enable_gradient_checkpointing()
         self.checkpointing = bool(model.gradient_checkpointing)
         self.forward_module = type(model).forward.__module__
+        params: Any = model.parameters()
+        if lr_factor is not None:  # the product's optimizer: biases and norms do not decay
+            params = [{"params": [p for p in model.parameters() if p.dim() >= 2]},
+                      {"params": [p for p in model.parameters() if p.dim() < 2],
+                       "weight_decay": 0.0}]  # fmt: skip
         self.opt = torch.optim.AdamW(
-            model.parameters(), lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+            params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
             weight_decay=optim.weight_decay, fused=device.type == "cuda",
         )  # fmt: skip
+        self.lr, self.factor = optim.lr, lr_factor
+        self.clip = optim.grad_clip if lr_factor is not None else 0.0
         self.model, self.device = model, device
         self.shift, self.timesteps = float(shift), int(num_train_timesteps)
         self.autocast = device.type == "cuda"
         self.precision = "bf16 autocast, fp32 weights" if self.autocast else "fp32"
 
     def __call__(self, batch: dict[str, Any]) -> torch.Tensor:
+        if self.factor is not None:
+            for group in self.opt.param_groups:
+                group["lr"] = self.lr * self.factor(int(batch["step"]))
         x0 = batch["latents"].to(self.device, torch.float32, non_blocking=True)
         text = batch["text"].to(self.device, torch.float32, non_blocking=True)
         sigma, noise = draw_noise(int(batch["seed"]), tuple(x0.shape), self.shift)
@@ -152,6 +167,8 @@ class WanRefStep:
             pred = self.model(x_t, sigma * self.timesteps, text, return_dict=False)[0]
         loss = (weight * F.mse_loss(pred.float(), target.float())).sum()
         loss.backward()
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss.detach()

@@ -88,3 +88,32 @@ def test_reference_and_longboat_start_from_the_same_loss(tmp_path: Path) -> None
     assert json.loads(stem.with_suffix(".json").read_text()) == result
     assert "noise and timesteps identical" in stem.with_suffix(".md").read_text()
     assert stem.with_suffix(".png").is_file()
+
+
+def test_loss_alignment_reference_trains_the_longboat_curve(tmp_path: Path) -> None:
+    """diffusion_loss_alignment.py --tiny on CPU (fp32): with the run's optimizer (LR warm-up,
+    matrix-only weight decay, clipping) the diffusers reference and longboat-diffusion train
+    the same curve over 6 steps within 1e-5 relative per step; the verdict, JSON, table and
+    chart are written (whether it passes depends on the CPU's fp32 band, often exactly 0)."""
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("diffusers")
+    out = tmp_path / "align.json"
+    stdout = run_script(
+        "diffusion_loss_alignment.py",
+        ["--tiny", "--steps", "6", "--out", str(out), "--results-dir", str(tmp_path)],
+    )
+    result = json.loads(out.read_text())
+    curves = {r["name"]: r["losses"] for r in result["runs"]}
+    assert list(curves) == ["reference", "reference_perturbed", "longboat"]
+    assert all(len(v) == 6 for v in curves.values())
+    assert len(set(curves["reference"])) == 6  # a new noise level every step
+    for a, b in zip(curves["reference"], curves["longboat"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a)
+    v = result["verdict"]
+    assert v["relative"] and v["max_diff"] <= 1e-5 and "passes" in v
+    assert (
+        result["config"]["optim"]["warmup_steps"] > 0 and result["config"]["optim"]["grad_clip"] > 0
+    )
+    stem = tmp_path / f"diffusion_loss_alignment_{result['date']}"
+    assert stem.with_suffix(".png").exists() and stem.with_suffix(".md").exists()
+    assert stdout.rstrip().splitlines()[-1].startswith("| 6 | ")
