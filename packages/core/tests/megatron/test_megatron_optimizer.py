@@ -93,6 +93,86 @@ def _fused_copy_worker(rank: int, world: int, fused: bool) -> dict[str, torch.Te
         parallel_state.destroy()
 
 
+def _main_weights_worker(rank: int, world: int) -> dict[str, object]:
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import MegatronModule
+
+    from longboat.core.config.schema import OptimConfig, ParallelConfig
+    from longboat.core.device import get_accelerator
+    from longboat.core.megatron import parallel_state
+    from longboat.core.megatron.optimizer import build_optimizer, start_main_weights, wrap_ddp
+
+    class Tiny(MegatronModule):
+        def __init__(self, config: TransformerConfig) -> None:
+            super().__init__(config)
+            torch.manual_seed(0)
+            self.a = torch.nn.Linear(8, 13, dtype=torch.bfloat16)  # odd sizes: shards cut params
+            self.b = torch.nn.Linear(13, 5, bias=False, dtype=torch.bfloat16)
+
+    parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"))
+    try:
+        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                                   bf16=True, params_dtype=torch.bfloat16)  # fmt: skip
+        model = Tiny(config)
+        # fp32 values off the bf16 grid (what an fp32 checkpoint holds)
+        g = torch.Generator().manual_seed(5)
+        exact = {n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters()
+                 if n != "a.bias"}  # fmt: skip
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in exact:
+                    p.copy_(exact[n])  # the model holds their bf16 rounding
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        (ddp,) = wrap_ddp([model], distributed_optimizer=True)
+        opt = build_optimizer([ddp], OptimConfig(name="adamw"), precision="bf16",
+                              distributed_optimizer=True)  # fmt: skip
+        out: dict[str, object] = {"set": start_main_weights(opt, model, exact)}
+        # this rank's shard of every main weight, NaN elsewhere
+        names = {p: n for n, p in model.named_parameters()}
+        for p, n in names.items():  # a rank may hold no shard of a parameter
+            out[n] = torch.full(p.shape, float("nan"))
+        parts = getattr(opt, "chained_optimizers", None) or [opt]
+        for part in parts:
+            for mg, sg in zip(part.model_float16_groups, part.shard_fp32_from_float16_groups):
+                for param, main in zip(mg, sg):
+                    r = part._get_model_param_range_map(param)["param"]
+                    out[names[param]].view(-1)[r.start : r.end] = main.detach()
+        out["model_unchanged"] = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        out["exact"] = exact
+        out["rounded"] = {n: t.detach().float() for n, t in before.items()}
+        (plain,) = wrap_ddp([Tiny(config)], distributed_optimizer=False)
+        other = build_optimizer([plain], OptimConfig(name="adamw"), precision="bf16")
+        try:
+            start_main_weights(other, plain.module, exact)
+            out["plain_error"] = ""
+        except ValueError as exc:
+            out["plain_error"] = str(exc)
+        return out
+    finally:
+        parallel_state.destroy()
+
+
+@pytest.mark.multiprocess
+def test_start_main_weights_writes_each_ranks_shard_of_the_exact_values() -> None:
+    from longboat.core.distributed import run_multiprocess
+
+    ranks = run_multiprocess(_main_weights_worker, 2)
+    exact, rounded = ranks[0]["exact"], ranks[0]["rounded"]
+    for name in ("a.weight", "a.bias", "b.weight"):
+        shards = [r[name] for r in ranks]
+        held = [~torch.isnan(s) for s in shards]
+        assert torch.equal(held[0] ^ held[1], held[0] | held[1])  # each element on one rank
+        full = torch.where(held[0], shards[0], shards[1])
+        want = exact[name] if name in exact else rounded[name]
+        assert not torch.isnan(full).any() and torch.equal(full, want), name
+    names = ("a.weight", "a.bias", "b.weight")
+    assert all(any(not torch.isnan(r[n]).all() for n in names) for r in ranks)  # both hold some
+    assert not torch.equal(exact["a.weight"], rounded["a.weight"])  # off the bf16 grid
+    assert all(r["model_unchanged"] for r in ranks)
+    assert all(r["set"] >= 1 for r in ranks) and sum(r["set"] for r in ranks) >= 2
+    assert "needs megatron's distributed optimizer" in ranks[0]["plain_error"]
+
+
 @pytest.mark.multiprocess
 def test_fused_main_param_copy_updates_the_model_as_megatrons_loop() -> None:
     from longboat.core.distributed import run_multiprocess

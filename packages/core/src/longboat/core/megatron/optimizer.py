@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -150,6 +150,54 @@ def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     """The torch optimizers inside a (chained) megatron optimizer."""
     parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     return [p.optimizer for p in parts if getattr(p, "optimizer", None) is not None]
+
+
+@torch.no_grad()
+def start_main_weights(
+    optimizer: Any, model: torch.nn.Module, values: Mapping[str, torch.Tensor]
+) -> int:
+    """Start megatron's distributed optimizer's fp32 main weights from ``values`` (parameter
+    name in ``model`` -> its full-precision tensor, this rank's shape) instead of the model's
+    rounded bf16 / fp16 parameters; returns how many parameters were set.
+
+    Training from an fp32 checkpoint in bf16 otherwise starts every main weight on the bf16
+    grid, and the first updates, smaller than half a bf16 step, leave the model's weights
+    where they were until they add up to one, where fp32 weights would have moved from the
+    start. Only this rank's shard of each main weight is written (megatron's own parameter
+    ranges); parameters absent from ``values`` keep their main weights.
+    """
+    by_param = {p: values[n] for n, p in model.named_parameters() if n in values}
+    done = 0
+    for opt in _distributed_parts(optimizer):
+        for model_group, main_group in zip(
+            opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True
+        ):
+            for param, main in zip(model_group, main_group, strict=True):
+                src = by_param.get(param)
+                if src is None:
+                    continue
+                if src.shape != param.shape:
+                    raise ValueError(
+                        f"start_main_weights: a value of shape {tuple(src.shape)} for a "
+                        f"parameter of shape {tuple(param.shape)}"
+                    )
+                r = opt._get_model_param_range_map(param)["param"]
+                main.copy_(src.reshape(-1)[r.start : r.end].to(main.device, main.dtype))
+                done += 1
+    return done
+
+
+def _distributed_parts(optimizer: Any) -> list[Any]:
+    """The distributed optimizers inside a (chained) megatron optimizer; ValueError if one
+    is not (only the distributed optimizer keeps main-weight shards this helper can write)."""
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    for part in parts:
+        if not hasattr(part, "shard_fp32_from_float16_groups"):
+            raise ValueError(
+                f"start_main_weights needs megatron's distributed optimizer, got "
+                f"{type(part).__name__}"
+            )
+    return list(parts)
 
 
 class MegatronOptimizerState:
