@@ -263,6 +263,54 @@ def test_init_from_the_export_starts_where_the_run_ended(reference: dict[str, An
     assert abs(out["eval"][0]["eval_loss"] - reference["eval"][STEPS]["eval_loss"]) < 1e-6
 
 
+def _main_weights_worker(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
+    from longboat.core.train import typed_config
+    from longboat.diffusion.train.training import build_training
+
+    cfg = typed_config(compose(overrides))
+    training = build_training(cfg)
+    family = training.family.load()
+    exact = family.build(training.model_cfg, precision="fp32")
+    family.load_diffusers(exact, training.model_cfg, cfg.model.init_from)
+    want = dict(exact.named_parameters())
+    model = training.step_fn.model
+    names = {p: n for n, p in model.named_parameters()}
+    out: dict[str, Any] = {"set": training.exact_main_weights, "params": len(names),
+                           "describe": training.describe(), "main_equal": True,
+                           "off_grid": 0, "dtypes": {p.dtype for p in model.parameters()}}  # fmt: skip
+    opt = training.step_fn.optimizer
+    for part in getattr(opt, "chained_optimizers", None) or [opt]:
+        for mg, sg in zip(part.model_float16_groups, part.shard_fp32_from_float16_groups):
+            for param, main in zip(mg, sg):
+                r = part._get_model_param_range_map(param)["param"]
+                value = want[names[param]].detach().reshape(-1)[r.start : r.end]
+                out["main_equal"] &= torch.equal(main.detach(), value)
+                out["off_grid"] += int((value.bfloat16().float() != value).sum())
+    return out
+
+
+@pytest.mark.multiprocess
+def test_bf16_training_starts_its_main_weights_from_the_checkpoints_fp32_values(
+    reference: dict[str, Any],
+) -> None:
+    """The fp32 main weights of a bf16 run from an fp32 diffusers directory hold the file's
+    values, not their bf16 rounding (which the model's own parameters hold)."""
+    root = reference["root"]
+    overrides = [
+        o for o in tiny_overrides(root / "finetune", root / "data") if "model.overrides" not in o
+    ]
+    overrides += [
+        "~model.overrides",
+        f"model.init_from={reference['export']}",
+        "diffusion.cpu_precision=bf16",
+    ]
+    out = run_multiprocess(_main_weights_worker, 1, overrides, timeout=400)[0]
+    assert out["dtypes"] == {torch.bfloat16}
+    assert out["set"] == out["params"] > 0
+    assert out["main_equal"] and out["off_grid"] > 0  # the values are not on the bf16 grid
+    assert "fp32 main weights from the checkpoint's values" in out["describe"][0]
+
+
 def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     from longboat.diffusion.cli import main
 

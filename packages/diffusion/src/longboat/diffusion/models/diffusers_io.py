@@ -173,9 +173,13 @@ def load_model_dir(
     class_name: str,
     mapping: TensorMap,
     check: Callable[[Mapping[str, tuple[int, ...]]], None],
+    keep_fp32: dict[str, torch.Tensor] | None = None,
 ) -> int:
     """Load the diffusers model directory ``root`` into ``model`` (this rank's TP slice) after
-    ``check(shapes)`` has seen every tensor's shape; returns the number of tensors loaded."""
+    ``check(shapes)`` has seen every tensor's shape; returns the number of tensors loaded.
+
+    ``keep_fp32``: filled with this rank's fp32 slice of every fp32 tensor loaded into a
+    lower-precision parameter (by parameter name), for the optimizer's main weights."""
     index = weight_index(root, class_name)
     rank, size = tp_coords()
     params = dict(model.named_parameters())
@@ -184,7 +188,10 @@ def load_model_dir(
         for name, param in params.items():
             theirs, to_ours, _ = mapping[name]
             full = to_ours(reader.get(theirs))
-            param.copy_(local_slice(full, param, rank, size).to(param.dtype))
+            local = local_slice(full, param, rank, size)
+            param.copy_(local.to(param.dtype))
+            if keep_fp32 is not None and local.dtype == torch.float32 != param.dtype:
+                keep_fp32[name] = local.clone()  # not a view that would keep ``full`` alive
     return len(params)
 
 

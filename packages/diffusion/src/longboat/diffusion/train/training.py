@@ -96,8 +96,9 @@ class DiffusionTraining(MegatronTraining):
         seed_everything(cfg.train.seed, self.accelerator)
         family = self.family.load()
         model = family.build(self.model_cfg, precision=self.precision)
+        exact: dict[str, torch.Tensor] = {}
         if cfg.model.init_from:
-            family.load_diffusers(model, self.model_cfg, cfg.model.init_from)
+            family.load_diffusers(model, self.model_cfg, cfg.model.init_from, keep_fp32=exact)
         model.to(self.device)
         self.step_fn = DiffusionTrainStep(
             model,
@@ -108,6 +109,13 @@ class DiffusionTraining(MegatronTraining):
             device=self.device,
             microbatches=self.accumulation,
         )
+        self.exact_main_weights = 0
+        """Main weights started from the checkpoint's fp32 values (not its bf16 rounding)."""
+        if exact:
+            from longboat.core.megatron.optimizer import start_main_weights
+
+            self.exact_main_weights = start_main_weights(self.step_fn.optimizer, model, exact)
+            exact.clear()
 
     def _samples_per_step(self) -> int:
         """Samples of a step (packed batches: the mean samples per pack times the packs)."""
@@ -183,7 +191,12 @@ class DiffusionTraining(MegatronTraining):
             f"{m.latent_channels} latent channels, text dim {m.text_dim}; {params / 1e6:.2f}M "
             f"parameters; {self.precision}; tp={lay.tensor_parallel} cp={lay.context_parallel} "
             f"dp={lay.data_parallel}; recompute {m.num_recomputed()}/{m.num_blocks} blocks"
-            f"{_recompute_kind(m)}.",
+            f"{_recompute_kind(m)}"
+            + (
+                "; fp32 main weights from the checkpoint's values."
+                if self.exact_main_weights
+                else "."
+            ),
             f"Data {cfg.data.name}: {len(train.dataset)} samples, latent shapes "
             f"{', '.join('x'.join(map(str, s)) for s in shapes)}; {batching}; global batch "
             f"{self.global_batch} ({self.accumulation} per rank per step).",

@@ -189,13 +189,24 @@ def load_state_dict(model: torch.nn.Module, full: Mapping[str, torch.Tensor]) ->
     diffusers_io.load_full_state_dict(model, full, FluxCheckpointError)
 
 
-def load_diffusers(model: torch.nn.Module, cfg: FluxConfig, path: str | Path) -> int:
+def load_diffusers(
+    model: torch.nn.Module,
+    cfg: FluxConfig,
+    path: str | Path,
+    *,
+    keep_fp32: dict[str, torch.Tensor] | None = None,
+) -> int:
     """Load a diffusers ``FluxTransformer2DModel`` directory (``model.init_from``) into
     ``model`` (this rank's TP slice); returns the number of tensors loaded. Every missing,
     unexpected or mis-shaped tensor is reported before any is copied."""
     root = resolve_transformer_dir(path)
     return diffusers_io.load_model_dir(
-        model, root, DIFFUSERS_CLASS, tensor_map(cfg), lambda s: _check(s, cfg, str(path))
+        model,
+        root,
+        DIFFUSERS_CLASS,
+        tensor_map(cfg),
+        lambda s: _check(s, cfg, str(path)),
+        keep_fp32=keep_fp32,
     )
 
 

@@ -204,7 +204,13 @@ def diffusers_weight_index(path: str | Path) -> dict[str, Path]:
     return diffusers_io.weight_index(resolve_transformer_dir(path), DIFFUSERS_CLASS)
 
 
-def load_diffusers(model: torch.nn.Module, cfg: WanConfig, path: str | Path) -> int:
+def load_diffusers(
+    model: torch.nn.Module,
+    cfg: WanConfig,
+    path: str | Path,
+    *,
+    keep_fp32: dict[str, torch.Tensor] | None = None,
+) -> int:
     """Load a diffusers ``WanTransformer3DModel`` directory (``model.init_from``) into
     ``model`` (this rank's TP slice); returns the number of tensors loaded.
 
@@ -212,7 +218,12 @@ def load_diffusers(model: torch.nn.Module, cfg: WanConfig, path: str | Path) -> 
     """
     root = resolve_transformer_dir(path)
     return diffusers_io.load_model_dir(
-        model, root, DIFFUSERS_CLASS, tensor_map(cfg), lambda s: _check(s, cfg, str(path))
+        model,
+        root,
+        DIFFUSERS_CLASS,
+        tensor_map(cfg),
+        lambda s: _check(s, cfg, str(path)),
+        keep_fp32=keep_fp32,
     )
 
 
