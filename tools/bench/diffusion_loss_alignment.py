@@ -2,7 +2,7 @@
 from the same weights on the same latents, noise and timesteps.
 
     python tools/bench/diffusion_loss_alignment.py [--out results.json] [--tiny] [--steps 200]
-        [--frames 17] [--results-dir DIR]
+        [--frames 17] [--results-dir DIR] [--bf16]
 
 diffusion_throughput's setup at one frame count: one seeded diffusers Wan2.1 T2V-1.3B saved
 once (``--tiny``: its 2-block CPU shape), ``--samples`` random latents of ``--frames`` frames at
@@ -19,6 +19,9 @@ its noise level and noise from ``noise_seed(train.seed, i, 0)`` on both sides.
   the same attention, another summation order. Its distance to ``reference`` is the noise band
   (``bench_align``; per-step differences relative to the reference's loss, which swings with
   the noise level drawn each step).
+
+On CPU both sides train in fp32 unless ``--bf16`` (longboat: ``diffusion.cpu_precision=bf16``;
+the reference: bf16 autocast over its fp32 weights, as on a GPU).
 
 Writes the curves and the verdict to ``--out`` and
 ``<results-dir>/diffusion_loss_alignment_<date>.{json,md,png}``; prints the table last.
@@ -61,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frames", type=int, default=None, help="frames per clip (4k + 1)")
     p.add_argument("--samples", type=int, default=0, help="generated samples (0: the shape's)")
     p.add_argument("--seed", type=int, default=0, help="weights and data")
+    p.add_argument("--bf16", action="store_true", help="on CPU: train in bf16 as on a GPU")
     p.add_argument("--results-dir", type=Path, default=None,
                    help="default: benchmarks/results (none with --tiny)")  # fmt: skip
     args = p.parse_args(argv)
@@ -84,12 +88,15 @@ def main(argv: list[str] | None = None) -> int:
         weights, state = dt.make_weights(Path(tmp) / "weights", c["arch"], args.seed)
         samples = dt.make_data(Path(tmp) / "data", c, frames, args.seed)
         base = dt.overrides(weights, Path(tmp) / "data")
+        if args.bf16 and not on_gpu:
+            base.append("diffusion.cpu_precision=bf16")
         cfg = compose("diffusion", dt.EXPERIMENT, base, str(Path(tmp) / "run"))
         lb = dt.run_longboat("longboat", frames, base, acc, run_args)
         for name, ctx in (("reference", nullcontext()), ("reference_perturbed", off_cudnn(on_gpu))):
             with ctx:
                 r = dt.run_baseline("hf_ckpt", frames, c, state, samples, cfg, acc, run_args,
-                                    lr_factor=lr_factor(cfg.optim.schedule, cfg.train.steps))  # fmt: skip
+                                    lr_factor=lr_factor(cfg.optim.schedule, cfg.train.steps),
+                                    autocast=on_gpu or args.bf16)  # fmt: skip
             curves[name] = r["losses"][: args.steps]
             env.free_memory(acc)
     curves["longboat"] = lb["losses"][: args.steps]
@@ -99,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
               "video_tokens": dt.video_tokens(shape, c["arch"]["patch_size"]),
               "text_tokens": c["text_len"], "samples": c["samples"], "steps": n,
               "seed": args.seed, "experiment": dt.EXPERIMENT, "overrides": base[2:],
-              "precision": "bf16" if on_gpu else "fp32", "optim": {
+              "precision": "bf16" if on_gpu or args.bf16 else "fp32", "optim": {
                   "lr": cfg.optim.lr, "weight_decay": cfg.optim.weight_decay,
                   "betas": list(cfg.optim.betas), "grad_clip": cfg.optim.grad_clip,
                   "warmup_steps": cfg.optim.schedule.warmup_steps},

@@ -208,6 +208,7 @@ def run_baseline(
     acc: Any,
     args: Any,
     lr_factor: Any = None,
+    autocast: bool | None = None,
 ) -> dict[str, Any]:
     from longboat.diffusion.train.data import noise_seed
 
@@ -218,7 +219,7 @@ def run_baseline(
     step = ref.WanRefStep(
         model, cfg.optim, device, compiled=name == "hf_compiled", shift=cfg.objective.shift,
         num_train_timesteps=cfg.objective.num_train_timesteps, compile_backend=args.compile_backend,
-        lr_factor=lr_factor,
+        lr_factor=lr_factor, autocast=autocast,
     )  # fmt: skip
     build_s = time.perf_counter() - t0
     probe = InputProbe(model, PROBE_STEPS)

@@ -127,6 +127,7 @@ class WanRefStep:
         num_train_timesteps: int = 1000,
         compile_backend: str = "inductor",
         lr_factor: Callable[[int], float] | None = None,
+        autocast: bool | None = None,
     ) -> None:
         if compiled:
             for block in model.blocks:
@@ -148,7 +149,7 @@ class WanRefStep:
         self.clip = optim.grad_clip if lr_factor is not None else 0.0
         self.model, self.device = model, device
         self.shift, self.timesteps = float(shift), int(num_train_timesteps)
-        self.autocast = device.type == "cuda"
+        self.autocast = device.type == "cuda" if autocast is None else autocast
         self.precision = "bf16 autocast, fp32 weights" if self.autocast else "fp32"
 
     def __call__(self, batch: dict[str, Any]) -> torch.Tensor:

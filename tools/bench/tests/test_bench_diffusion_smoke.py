@@ -117,3 +117,25 @@ def test_loss_alignment_reference_trains_the_longboat_curve(tmp_path: Path) -> N
     stem = tmp_path / f"diffusion_loss_alignment_{result['date']}"
     assert stem.with_suffix(".png").exists() and stem.with_suffix(".md").exists()
     assert stdout.rstrip().splitlines()[-1].startswith("| 6 | ")
+
+
+def test_bf16_loss_alignment_has_no_early_bias(tmp_path: Path) -> None:
+    """diffusion_loss_alignment.py --tiny --bf16 on CPU, 40 steps of the LR warm-up: longboat
+    (bf16 weights, fp32 main weights started from the checkpoint's fp32 values) stays inside
+    the reference's band (bf16 autocast over fp32 weights, SDPA math vs flash kernels). With
+    the main weights started from the bf16 weights instead, 60 steps measured +0.10% (mean
+    signed difference over the last 30 steps) and a mean difference 7.5x the band's."""
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("diffusers")
+    out = tmp_path / "align.json"
+    run_script(
+        "diffusion_loss_alignment.py",
+        ["--tiny", "--bf16", "--steps", "40", "--out", str(out), "--results-dir", str(tmp_path)],
+    )
+    result = json.loads(out.read_text())
+    assert result["config"]["precision"] == "bf16"
+    v = result["verdict"]
+    assert v["band_max_diff"] > 0  # bf16: the band is not empty
+    assert v["max_diff"] <= 1.5 * v["band_max_diff"]
+    assert v["mean_diff"] <= 2.0 * v["band_mean_diff"]
+    assert abs(v["tail_mean_signed_diff"]) <= 2e-4
