@@ -59,6 +59,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
                 "weights": {k: v.detach().clone() for k, v in model.named_parameters()},
             }
     out["start"] = state
+    out["dtypes"] = {k: v.dtype for k, v in state.items()}
     return out
 
 
@@ -66,9 +67,18 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 def test_bf16_grad_buffer_gives_the_fp32_buffers_update() -> None:
     (out,) = run_multiprocess(_worker, 1)
     bf16, fp32 = out["bf16"], out["fp32"]
-    assert bf16["single"] and bf16["buffers"] == {torch.bfloat16}
+    # bf16 parameters' gradients in bf16; the fp32 ones (tables, norms) keep fp32 gradients
+    assert bf16["single"] and bf16["buffers"] == {torch.bfloat16, torch.float32}
     assert not fp32["single"] and fp32["buffers"] == {torch.float32}
     assert bf16["loss"] == fp32["loss"] and bf16["norm"] == fp32["norm"] > 0
+    # the modulation tables and norm weights stay fp32 in a bf16 model, everything else bf16
+    from longboat.diffusion.models.wan.block import FP32_PARAMETERS
+
+    kept = {k for k, d in out["dtypes"].items() if d == torch.float32}
+    assert kept and all(any(p in k.split(".") for p in FP32_PARAMETERS) for k in kept), kept
+    assert {d for k, d in out["dtypes"].items() if k not in kept} == {torch.bfloat16}
+    assert any(k.endswith("q_norm.weight") for k in kept)
+    assert any(k.startswith("blocks.") and k.endswith("scale_shift_table") for k in kept)
     moved = 0
     for name, w in bf16["weights"].items():
         assert torch.equal(w, fp32["weights"][name]), name

@@ -66,6 +66,13 @@ from longboat.diffusion.models.common.layers import (
 from longboat.diffusion.models.wan.packing import VideoPacking
 from longboat.diffusion.parallel.ulysses import ContextShard, heads_to_seq, seq_to_heads
 
+FP32_PARAMETERS = ("scale_shift_table", "q_norm", "k_norm", "cross_attn_norm")
+"""Parameters kept in fp32 when the model trains in bf16 / fp16: the modulation tables and the
+norms' weights. They feed fp32 arithmetic (the modulation sum, the norms' statistics and
+scale), as in a model of fp32 weights under autocast (and diffusers' ``_keep_in_fp32_modules``
+for the tables and the cross-attention norm); in bf16 their small updates would be rounded
+away and their values coarsened for no saving (a few hundred KB)."""
+
 
 @dataclass(frozen=True)
 class TokenLayout:
@@ -130,7 +137,8 @@ class HeadsRMSNorm(MegatronModule):
 
     The weight is split over the TP ranks like the projection's rows; under tensor
     parallelism each rank's sum of squares is all-reduced (forward and backward: every rank's
-    output depends on every rank's channels).
+    output depends on every rank's channels). The weight is fp32 in every precision (see
+    ``FP32_PARAMETERS``).
     """
 
     def __init__(
@@ -142,7 +150,7 @@ class HeadsRMSNorm(MegatronModule):
         self.eps = eps
         self._rms_norm = rms_norm
         local = hidden_size // self.tp
-        self.weight = torch.nn.Parameter(torch.ones(local, dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(torch.ones(local, dtype=torch.float32))
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,17 +163,18 @@ class HeadsRMSNorm(MegatronModule):
             copy_to_tensor_model_parallel_region(squares)
         )
         y = xf * torch.rsqrt(squares / self.full_width + self.eps)
-        return (self.weight * y.to(x.dtype)).to(x.dtype)
+        return (self.weight.float() * y).to(x.dtype)
 
 
 class AffineLayerNorm(torch.nn.Module):
-    """LayerNorm with weight and bias, statistics in fp32 (``cross_attn_norm``)."""
+    """LayerNorm with weight and bias, statistics in fp32 (``cross_attn_norm``); the weight and
+    bias are fp32 in every precision (see ``FP32_PARAMETERS``)."""
 
     def __init__(self, config: Any, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=torch.float32))
+        self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> Any:
         from longboat.kernels.layernorm import layer_norm
@@ -326,7 +335,7 @@ class WanBlock(MegatronModule):
             submodules.mlp, config=config, ffn_hidden_size=config.ffn_hidden_size
         )
         table = torch.randn(1, 6, width) / math.sqrt(width)
-        self.scale_shift_table = torch.nn.Parameter(table.to(config.params_dtype))
+        self.scale_shift_table = torch.nn.Parameter(table)  # fp32: see FP32_PARAMETERS
 
     def forward(
         self, x: torch.Tensor, text: torch.Tensor, time_proj: torch.Tensor, layout: TokenLayout
@@ -388,6 +397,7 @@ wan_transformer_config = dit_transformer_config
 Linears start Xavier-uniform with zero biases, as Wan initialises)."""
 
 __all__ = [
+    "FP32_PARAMETERS",
     "AffineLayerNorm",
     "AttentionFn",
     "HeadsRMSNorm",

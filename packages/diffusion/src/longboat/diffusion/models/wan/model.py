@@ -126,7 +126,7 @@ class WanModel(MegatronModule):
         )
         self.proj_out = torch.nn.Linear(width, cfg.out_patch_dim, dtype=dtype)
         table = torch.randn(1, 2, width) / math.sqrt(width)
-        self.scale_shift_table = torch.nn.Parameter(table.to(dtype))
+        self.scale_shift_table = torch.nn.Parameter(table)  # fp32 (block.FP32_PARAMETERS)
         self.recompute_blocks = cfg.recompute_blocks
         """Blocks (from the first) whose activations are recomputed in the backward; -1: all
         (``WanConfig.recompute_blocks``; may be changed between steps)."""
