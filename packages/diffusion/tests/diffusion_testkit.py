@@ -83,3 +83,24 @@ def loss_and_grads(
         model.recompute_blocks = 0
         model.recompute_attention = False
     return loss.detach(), full_grads(model), len(calls), CountAttention.calls
+
+
+def check_recompute(res: dict[str, Any], key: str, attention_calls: int, tol: float) -> None:
+    """Assert what a model test's worker recorded with ``loss_and_grads`` (no recompute under
+    ``loss`` / ``grads`` / ``calls`` / ``attn``, every block recomputed under the ``_<key>``
+    suffix: ``rc`` keeping the self-attention outputs, ``rc_full`` recomputing it): block 0
+    re-ran, the self-attention kernels ran in the backward only for ``rc_full`` (one per
+    forward call, ``attention_calls``), and the loss and every gradient equal within ``tol``
+    (max abs), every parameter getting one."""
+    assert res["calls"] == 1 and res[f"calls_{key}"] == 2  # block 0 really re-ran
+    assert res["attn"] == 0
+    assert res[f"attn_{key}"] == (attention_calls if key == "rc_full" else 0)
+    assert abs(res["loss"] - res[f"loss_{key}"]).item() <= tol
+    grads, grads_rc = res["grads"], res[f"grads_{key}"]
+    assert grads.keys() == grads_rc.keys()
+    nonzero = 0
+    for name, g in grads.items():
+        assert g.shape == grads_rc[name].shape, name
+        assert (g - grads_rc[name]).abs().max().item() <= tol, name
+        nonzero += bool(g.abs().max() > 0)
+    assert nonzero == len(grads)  # every parameter gets a gradient

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from diffusers import FluxTransformer2DModel
-from diffusion_testkit import loss_and_grads, randn, tensor_parallel_state
+from diffusion_testkit import check_recompute, loss_and_grads, randn, tensor_parallel_state
 
 import longboat.diffusion.models.flux.model  # noqa: F401  (megatron imported once, before forking)
 from longboat.core.distributed import run_multiprocess
@@ -243,19 +243,7 @@ def test_text_mask_equals_each_caption_at_its_length(refs: dict, ours_tp1: dict)
 
 @pytest.mark.parametrize("key", ["rc", "rc_full"])
 def test_recompute_gives_the_same_loss_and_grads(ours_tp1: dict[str, Any], key: str) -> None:
-    assert ours_tp1["calls"] == 1 and ours_tp1[f"calls_{key}"] == 2  # block 0 really re-ran
-    # Self-attention kernels in the backward: none without recompute nor with its outputs
-    # kept (the default); one per attention call of the forward when it is recomputed too.
-    assert ours_tp1["attn"] == 0
-    assert ours_tp1[f"attn_{key}"] == (ATTENTION_CALLS if key == "rc_full" else 0)
-    assert abs(ours_tp1["loss"] - ours_tp1[f"loss_{key}"]).item() <= RECOMPUTE_TOL
-    grads, grads_rc = ours_tp1["grads"], ours_tp1[f"grads_{key}"]
-    assert grads.keys() == grads_rc.keys()
-    nonzero = 0
-    for name in grads:
-        assert _diff(grads[name], grads_rc[name]) <= RECOMPUTE_TOL, name
-        nonzero += bool(grads[name].abs().max() > 0)
-    assert nonzero == len(grads)  # every parameter gets a gradient
+    check_recompute(ours_tp1, key, ATTENTION_CALLS, RECOMPUTE_TOL)
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
-from diffusion_testkit import loss_and_grads, randn, tensor_parallel_state
+from diffusion_testkit import check_recompute, loss_and_grads, randn, tensor_parallel_state
 
 import longboat.diffusion.models.wan.model  # noqa: F401  (megatron imported once, before forking)
 from longboat.core.distributed import run_multiprocess
@@ -269,19 +269,7 @@ def test_is_the_flow_matching_objectives_packed_model_fn(ours_tp1: dict[str, Any
 
 @pytest.mark.parametrize("key", ["rc", "rc_full"])
 def test_recompute_gives_the_same_loss_and_grads(ours_tp1: dict[str, Any], key: str) -> None:
-    assert ours_tp1["calls"] == 1 and ours_tp1[f"calls_{key}"] == 2  # block 0 really re-ran
-    # Self-attention kernels in the backward: none without recompute nor with its outputs
-    # kept (the default); one per attention call of the forward when it is recomputed too.
-    assert ours_tp1["attn"] == 0
-    assert ours_tp1[f"attn_{key}"] == (ATTENTION_CALLS if key == "rc_full" else 0)
-    assert abs(ours_tp1["loss"] - ours_tp1[f"loss_{key}"]).item() <= RECOMPUTE_TOL
-    grads, grads_rc = ours_tp1["grads"], ours_tp1[f"grads_{key}"]
-    assert grads.keys() == grads_rc.keys()
-    nonzero = 0
-    for name in grads:
-        assert _diff(grads[name], grads_rc[name]) <= RECOMPUTE_TOL, name
-        nonzero += bool(grads[name].abs().max() > 0)
-    assert nonzero == len(grads)  # every parameter gets a gradient
+    check_recompute(ours_tp1, key, ATTENTION_CALLS, RECOMPUTE_TOL)
 
 
 def test_export_loads_in_diffusers_with_equal_outputs(

@@ -45,31 +45,39 @@ def test_capturable_adamw_puts_the_lr_in_a_device_tensor_the_scheduler_fills() -
     assert all(g["lr"] is t for g, t in zip(adamw.param_groups, lrs))
 
 
+def _tiny(config: object, scale: bool = True) -> torch.nn.Module:
+    """A bf16 megatron module of two linears of odd sizes (so optimizer shards cut parameters)
+    and, with ``scale``, an fp32 parameter."""
+    from megatron.core.transformer.module import MegatronModule
+
+    class Tiny(MegatronModule):
+        def __init__(self) -> None:
+            super().__init__(config)
+            torch.manual_seed(0)
+            self.a = torch.nn.Linear(8, 13, dtype=torch.bfloat16)
+            self.b = torch.nn.Linear(13, 5, bias=False, dtype=torch.bfloat16)
+            if scale:
+                self.scale = torch.nn.Parameter(torch.ones(5))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.tanh(self.a(x))).float() * self.scale
+
+    return Tiny()
+
+
 def _fused_copy_worker(rank: int, world: int, fused: bool) -> dict[str, torch.Tensor]:
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import MegatronModule
 
     from longboat.core.config.schema import OptimConfig, ParallelConfig
     from longboat.core.device import get_accelerator
     from longboat.core.megatron import parallel_state
     from longboat.core.megatron.optimizer import build_optimizer, optimizer_step, wrap_ddp
 
-    class Tiny(MegatronModule):
-        def __init__(self, config: TransformerConfig) -> None:
-            super().__init__(config)
-            torch.manual_seed(0)
-            self.a = torch.nn.Linear(8, 13, dtype=torch.bfloat16)  # odd sizes: shards cut params
-            self.b = torch.nn.Linear(13, 5, bias=False, dtype=torch.bfloat16)
-            self.scale = torch.nn.Parameter(torch.ones(5))  # an fp32 parameter in a bf16 model
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.b(torch.tanh(self.a(x))).float() * self.scale
-
     parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"))
     try:
         config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
                                    bf16=True, params_dtype=torch.bfloat16)  # fmt: skip
-        (ddp,) = wrap_ddp([Tiny(config)], distributed_optimizer=True)
+        (ddp,) = wrap_ddp([_tiny(config)], distributed_optimizer=True)
         opt = build_optimizer([ddp], OptimConfig(name="adamw", lr=1e-2, grad_clip=0.1),
                               precision="bf16", distributed_optimizer=True)  # fmt: skip
         parts = getattr(opt, "chained_optimizers", None) or [opt]
@@ -95,25 +103,17 @@ def _fused_copy_worker(rank: int, world: int, fused: bool) -> dict[str, torch.Te
 
 def _main_weights_worker(rank: int, world: int) -> dict[str, object]:
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import MegatronModule
 
     from longboat.core.config.schema import OptimConfig, ParallelConfig
     from longboat.core.device import get_accelerator
     from longboat.core.megatron import parallel_state
     from longboat.core.megatron.optimizer import build_optimizer, start_main_weights, wrap_ddp
 
-    class Tiny(MegatronModule):
-        def __init__(self, config: TransformerConfig) -> None:
-            super().__init__(config)
-            torch.manual_seed(0)
-            self.a = torch.nn.Linear(8, 13, dtype=torch.bfloat16)  # odd sizes: shards cut params
-            self.b = torch.nn.Linear(13, 5, bias=False, dtype=torch.bfloat16)
-
     parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"))
     try:
         config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
                                    bf16=True, params_dtype=torch.bfloat16)  # fmt: skip
-        model = Tiny(config)
+        model = _tiny(config, scale=False)
         # fp32 values off the bf16 grid (what an fp32 checkpoint holds)
         g = torch.Generator().manual_seed(5)
         exact = {n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters()
@@ -140,7 +140,7 @@ def _main_weights_worker(rank: int, world: int) -> dict[str, object]:
         out["model_unchanged"] = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
         out["exact"] = exact
         out["rounded"] = {n: t.detach().float() for n, t in before.items()}
-        (plain,) = wrap_ddp([Tiny(config)], distributed_optimizer=False)
+        (plain,) = wrap_ddp([_tiny(config, scale=False)], distributed_optimizer=False)
         other = build_optimizer([plain], OptimConfig(name="adamw"), precision="bf16")
         try:
             start_main_weights(other, plain.module, exact)
