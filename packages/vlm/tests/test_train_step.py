@@ -180,3 +180,50 @@ def test_recompute_gives_the_same_steps(hf_dir: Path) -> None:
     for a, b in zip(out["losses"], ref["losses"], strict=True):
         assert abs(a - b) < 1e-6, (out["losses"], ref["losses"])
     assert (out["head"] - ref["head"]).abs().max().item() < 1e-6
+
+
+def _exact_main_worker(rank: int, world: int, hf_dir: Path) -> dict[str, Any]:
+    from longboat.core.config.schema import OptimConfig, ParallelConfig
+    from longboat.core.device import get_accelerator
+    from longboat.core.megatron import parallel_state
+    from longboat.vlm.models.qwen2_5_vl import model as family
+    from longboat.vlm.train.step import VLMTrainStep
+    from longboat.vlm.train.training import exact_main_weights
+
+    cfg = family.read_hf_config(hf_dir)
+    parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"))
+    try:
+        model = family.build(cfg, precision="bf16")
+        family.load_hf(model, cfg, hf_dir)
+        step = VLMTrainStep(model, OptimConfig(), precision="bf16")
+        exact = family.build(cfg, precision="fp32")
+        family.load_hf(exact, cfg, hf_dir)
+        want = dict(exact.named_parameters())
+        out: dict[str, Any] = {
+            "set": exact_main_weights(step.optimizer, model, family, cfg, str(hf_dir), "bf16"),
+            "fp32_run": exact_main_weights(step.optimizer, model, family, cfg, str(hf_dir), "fp32"),
+            "bf16_params": sum(p.dtype == torch.bfloat16 for p in model.parameters()),
+            "equal": True,
+            "off_grid": 0,
+        }
+        names = {p: n for n, p in model.named_parameters()}
+        opt = step.optimizer
+        for part in getattr(opt, "chained_optimizers", None) or [opt]:
+            for mg, sg in zip(part.model_float16_groups, part.shard_fp32_from_float16_groups):
+                for param, main in zip(mg, sg):
+                    r = part._get_model_param_range_map(param)["param"]
+                    value = want[names[param]].detach().reshape(-1)[r.start : r.end]
+                    out["equal"] &= torch.equal(main.detach(), value)
+                    out["off_grid"] += int((value.bfloat16().float() != value).sum())
+        return out
+    finally:
+        parallel_state.destroy()
+
+
+@pytest.mark.multiprocess
+def test_bf16_step_starts_main_weights_from_the_checkpoints_fp32_values(hf_dir: Path) -> None:
+    """From an fp32 HF checkpoint, a bf16 run's fp32 main weights hold the file's values (not
+    the bf16 model's rounding); an fp32 run leaves them alone."""
+    (out,) = run_multiprocess(_exact_main_worker, 1, hf_dir, timeout=300)
+    assert out["set"] == out["bf16_params"] > 0 and out["fp32_run"] == 0
+    assert out["equal"] and out["off_grid"] > 0

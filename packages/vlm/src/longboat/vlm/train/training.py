@@ -106,6 +106,38 @@ def _as_is(item: Any) -> Any:
     return item
 
 
+def exact_main_weights(
+    optimizer: Any,
+    model: torch.nn.Module,
+    family: Any,
+    mcfg: Any,
+    hf_dir: str,
+    precision: str,
+    **build: Any,
+) -> int:
+    """Start the fp32 main weights of a bf16 / fp16 run from an HF checkpoint's fp32 values
+    instead of their rounding in ``model``; returns how many parameters were set (0: the
+    precision is fp32 or the checkpoint holds no fp32 tensor).
+
+    The values come from an fp32 copy of this rank's model built on the host and loaded from
+    ``hf_dir`` (``family.build(mcfg, precision="fp32", **build)``, ``family.load_hf``), so
+    every family's name mapping and sharding applies. Started from the rounded weights, the
+    first updates (smaller than half a bf16 step early in an LR warm-up) leave the model's
+    weights where they are until they add up to one."""
+    from longboat.core.hf import safetensors_dtypes
+    from longboat.core.megatron.optimizer import start_main_weights
+
+    if precision not in ("bf16", "fp16") or "F32" not in safetensors_dtypes(hf_dir):
+        return 0
+    shadow = family.build(mcfg, precision="fp32", device_type="cpu", **build)
+    family.load_hf(shadow, mcfg, hf_dir)
+    values = {name: p.detach() for name, p in shadow.named_parameters()}
+    try:
+        return start_main_weights(optimizer, model, values)
+    finally:
+        del shadow, values
+
+
 class _StepRows(torch.utils.data.Dataset):
     """Item ``k``: the rows (``rows[i]`` for ``i`` in ``plan(start + k)``) of step
     ``start + k``, so a loader's workers build whole steps in order."""
@@ -229,7 +261,7 @@ class VLMTraining(MegatronTraining):
         )
         if cfg.model.init_from_hf:
             family.load_hf(model, mcfg, cfg.model.init_from_hf)
-        return VLMTrainStep(
+        step = VLMTrainStep(
             model,
             cfg.optim,
             precision=self.precision,
@@ -237,6 +269,14 @@ class VLMTraining(MegatronTraining):
             lora=cfg.lora,
             seed=cfg.train.seed,
         )
+        self.exact_main_weights = 0
+        """Main weights started from the checkpoint's fp32 values (``exact_main_weights``)."""
+        if cfg.model.init_from_hf and not cfg.lora.enabled:
+            self.exact_main_weights = exact_main_weights(
+                step.optimizer, model, family, mcfg, cfg.model.init_from_hf, self.precision,
+                kernels=kernels, vision_tensor_parallel=cfg.model.vision_tensor_parallel,
+            )  # fmt: skip
+        return step
 
     # --- what the trainer needs ----------------------------------------------------------
 
@@ -355,6 +395,8 @@ class VLMTraining(MegatronTraining):
             f"global batch {self.global_batch} rows."
         ]
         lines += self.data.notes
+        if self.exact_main_weights:
+            lines.append("fp32 main weights from the checkpoint's values (not their rounding).")
         summary = self.balance_summary()
         if summary is not None:
             lines.append(
