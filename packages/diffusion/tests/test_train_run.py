@@ -264,6 +264,7 @@ def test_init_from_the_export_starts_where_the_run_ended(reference: dict[str, An
 
 
 def _main_weights_worker(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
+    from longboat.core.megatron.optimizer import main_weight_shards
     from longboat.core.train import typed_config
     from longboat.diffusion.train.training import build_training
 
@@ -274,19 +275,14 @@ def _main_weights_worker(rank: int, world: int, overrides: list[str]) -> dict[st
     family.load_diffusers(exact, training.model_cfg, cfg.model.init_from)
     want = dict(exact.named_parameters())
     model = training.step_fn.model
-    names = {p: n for n, p in model.named_parameters()}
-    bf16 = sum(p.dtype == torch.bfloat16 for p in names)
+    bf16 = sum(p.dtype == torch.bfloat16 for p in model.parameters())
     out: dict[str, Any] = {"set": training.exact_main_weights, "params": bf16,
                            "describe": training.describe(), "main_equal": True,
                            "off_grid": 0, "dtypes": {p.dtype for p in model.parameters()}}  # fmt: skip
-    opt = training.step_fn.optimizer
-    for part in getattr(opt, "chained_optimizers", None) or [opt]:
-        for mg, sg in zip(part.model_float16_groups, part.shard_fp32_from_float16_groups):
-            for param, main in zip(mg, sg):
-                r = part._get_model_param_range_map(param)["param"]
-                value = want[names[param]].detach().reshape(-1)[r.start : r.end]
-                out["main_equal"] &= torch.equal(main.detach(), value)
-                out["off_grid"] += int((value.bfloat16().float() != value).sum())
+    for name, (start, end, shard) in main_weight_shards(training.step_fn.optimizer, model).items():
+        value = want[name].detach().reshape(-1)[start:end]
+        out["main_equal"] &= torch.equal(shard, value)
+        out["off_grid"] += int((value.bfloat16().float() != value).sum())
     return out
 
 

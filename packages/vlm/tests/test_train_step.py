@@ -186,6 +186,7 @@ def _exact_main_worker(rank: int, world: int, hf_dir: Path) -> dict[str, Any]:
     from longboat.core.config.schema import OptimConfig, ParallelConfig
     from longboat.core.device import get_accelerator
     from longboat.core.megatron import parallel_state
+    from longboat.core.megatron.optimizer import main_weight_shards
     from longboat.vlm.models.qwen2_5_vl import model as family
     from longboat.vlm.train.step import VLMTrainStep
     from longboat.vlm.train.training import exact_main_weights
@@ -206,15 +207,10 @@ def _exact_main_worker(rank: int, world: int, hf_dir: Path) -> dict[str, Any]:
             "equal": True,
             "off_grid": 0,
         }
-        names = {p: n for n, p in model.named_parameters()}
-        opt = step.optimizer
-        for part in getattr(opt, "chained_optimizers", None) or [opt]:
-            for mg, sg in zip(part.model_float16_groups, part.shard_fp32_from_float16_groups):
-                for param, main in zip(mg, sg):
-                    r = part._get_model_param_range_map(param)["param"]
-                    value = want[names[param]].detach().reshape(-1)[r.start : r.end]
-                    out["equal"] &= torch.equal(main.detach(), value)
-                    out["off_grid"] += int((value.bfloat16().float() != value).sum())
+        for name, (start, end, shard) in main_weight_shards(step.optimizer, model).items():
+            value = want[name].detach().reshape(-1)[start:end]
+            out["equal"] &= torch.equal(shard, value)
+            out["off_grid"] += int((value.bfloat16().float() != value).sum())
         return out
     finally:
         parallel_state.destroy()

@@ -107,7 +107,12 @@ def _main_weights_worker(rank: int, world: int) -> dict[str, object]:
     from longboat.core.config.schema import OptimConfig, ParallelConfig
     from longboat.core.device import get_accelerator
     from longboat.core.megatron import parallel_state
-    from longboat.core.megatron.optimizer import build_optimizer, start_main_weights, wrap_ddp
+    from longboat.core.megatron.optimizer import (
+        build_optimizer,
+        main_weight_shards,
+        start_main_weights,
+        wrap_ddp,
+    )
 
     parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"))
     try:
@@ -128,15 +133,10 @@ def _main_weights_worker(rank: int, world: int) -> dict[str, object]:
                               distributed_optimizer=True)  # fmt: skip
         out: dict[str, object] = {"set": start_main_weights(opt, model, exact)}
         # this rank's shard of every main weight, NaN elsewhere
-        names = {p: n for n, p in model.named_parameters()}
-        for p, n in names.items():  # a rank may hold no shard of a parameter
+        for n, p in model.named_parameters():
             out[n] = torch.full(p.shape, float("nan"))
-        parts = getattr(opt, "chained_optimizers", None) or [opt]
-        for part in parts:
-            for mg, sg in zip(part.model_float16_groups, part.shard_fp32_from_float16_groups):
-                for param, main in zip(mg, sg):
-                    r = part._get_model_param_range_map(param)["param"]
-                    out[names[param]].view(-1)[r.start : r.end] = main.detach()
+        for n, (start, end, shard) in main_weight_shards(opt, model).items():
+            out[n].view(-1)[start:end] = shard
         out["model_unchanged"] = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
         out["exact"] = exact
         out["rounded"] = {n: t.detach().float() for n, t in before.items()}
@@ -170,7 +170,7 @@ def test_start_main_weights_writes_each_ranks_shard_of_the_exact_values() -> Non
     assert not torch.equal(exact["a.weight"], rounded["a.weight"])  # off the bf16 grid
     assert all(r["model_unchanged"] for r in ranks)
     assert all(r["set"] >= 1 for r in ranks) and sum(r["set"] for r in ranks) >= 2
-    assert "needs megatron's distributed optimizer" in ranks[0]["plain_error"]
+    assert "need megatron's distributed optimizer" in ranks[0]["plain_error"]
 
 
 @pytest.mark.multiprocess

@@ -166,25 +166,40 @@ def start_main_weights(
     start. Only this rank's shard of each main weight is written (megatron's own parameter
     ranges); parameters absent from ``values`` keep their main weights.
     """
-    by_param = {p: values[n] for n, p in model.named_parameters() if n in values}
+    shapes = dict(model.named_parameters())
     done = 0
+    for name, (start, end, main) in main_weight_shards(optimizer, model).items():
+        src = values.get(name)
+        if src is None:
+            continue
+        if src.shape != shapes[name].shape:
+            raise ValueError(
+                f"start_main_weights: {name}: a value of shape {tuple(src.shape)} for a "
+                f"parameter of shape {tuple(shapes[name].shape)}"
+            )
+        main.copy_(src.reshape(-1)[start:end].to(main.device, main.dtype))
+        done += 1
+    return done
+
+
+def main_weight_shards(
+    optimizer: Any, model: torch.nn.Module
+) -> dict[str, tuple[int, int, torch.Tensor]]:
+    """This rank's fp32 main-weight shards of ``model``'s bf16 / fp16 parameters in megatron's
+    distributed optimizer: parameter name -> ``(start, end, shard)``, the shard holding
+    elements ``start:end`` of the flattened parameter (the live tensor: writing it sets the
+    main weight). Parameters of which this rank holds nothing are absent."""
+    names = {p: n for n, p in model.named_parameters()}
+    out: dict[str, tuple[int, int, torch.Tensor]] = {}
     for opt in _distributed_parts(optimizer):
         for model_group, main_group in zip(
             opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True
         ):
             for param, main in zip(model_group, main_group, strict=True):
-                src = by_param.get(param)
-                if src is None:
-                    continue
-                if src.shape != param.shape:
-                    raise ValueError(
-                        f"start_main_weights: a value of shape {tuple(src.shape)} for a "
-                        f"parameter of shape {tuple(param.shape)}"
-                    )
-                r = opt._get_model_param_range_map(param)["param"]
-                main.copy_(src.reshape(-1)[r.start : r.end].to(main.device, main.dtype))
-                done += 1
-    return done
+                if param in names:
+                    r = opt._get_model_param_range_map(param)["param"]
+                    out[names[param]] = (r.start, r.end, main.data)
+    return out
 
 
 def _distributed_parts(optimizer: Any) -> list[Any]:
@@ -194,7 +209,7 @@ def _distributed_parts(optimizer: Any) -> list[Any]:
     for part in parts:
         if not hasattr(part, "shard_fp32_from_float16_groups"):
             raise ValueError(
-                f"start_main_weights needs megatron's distributed optimizer, got "
+                f"main weights by parameter need megatron's distributed optimizer, got "
                 f"{type(part).__name__}"
             )
     return list(parts)
