@@ -14,14 +14,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["batch_to_device", "to_device"]
+__all__ = ["batch_to_device", "pins_host_memory", "to_device"]
+
+
+def pins_host_memory(device: torch.device) -> bool:
+    """Whether host tensors bound for ``device`` are pinned first (copies to CUDA)."""
+    return device.type == "cuda"
 
 
 def to_device(value: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
     """``value`` on ``device`` (a tensor, or a list / tuple of tensors; anything else as is),
     cast to ``dtype`` on the device when given."""
     if isinstance(value, torch.Tensor):
-        if device.type == "cuda" and value.device.type == "cpu":
+        if pins_host_memory(device) and value.device.type == "cpu":
             if not value.is_pinned():
                 value = value.pin_memory()
             value = value.to(device, non_blocking=True)

@@ -65,12 +65,15 @@ def build_latent_loader(
     num_replicas: int | None = None,
     rank: int | None = None,
     prefix: str = "data",
+    pin_memory: bool = False,
 ) -> LatentLoader:
     """Open ``cfg``'s datasets and batch them for one data-parallel rank.
 
     ``batch_size``: samples per micro-batch (``bucket``). Worker processes
     (``cfg.num_workers``) prefetch, so with workers the saved position runs ahead of what the
-    loop consumed by the prefetched batches (see core's sampler).
+    loop consumed by the prefetched batches (see core's sampler). ``pin_memory``: the
+    loader's thread pins each batch (for a device whose copies want pinned memory, core's
+    ``pins_host_memory``), so the step's copy starts at once.
     """
     cfg.validate(prefix)
     dataset = LatentDataset(dataset_paths(cfg, prefix), verify=cfg.verify)
@@ -92,8 +95,6 @@ def build_latent_loader(
         batch_sampler=sampler,
         collate_fn=partial(collate_latents, packed=packed, dtype=_DTYPES[cfg.dtype]),
         num_workers=cfg.num_workers,
-        # The loader's thread pins each batch, so the step's host-to-device copy starts at
-        # once instead of pinning on the training thread.
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=pin_memory,
     )
     return LatentLoader(dataset=dataset, sampler=sampler, loader=loader, packed=packed)

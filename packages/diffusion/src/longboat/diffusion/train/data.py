@@ -77,9 +77,16 @@ class RunData:
 
 
 def open_run_data(
-    cfg: Any, *, dp: int, dp_rank: int, is_main: bool, patch_size: tuple[int, ...]
+    cfg: Any,
+    *,
+    dp: int,
+    dp_rank: int,
+    is_main: bool,
+    patch_size: tuple[int, ...],
+    pin_memory: bool = False,
 ) -> RunData:
-    """Open (the quickstart: first write) the datasets of ``cfg.data`` for this rank."""
+    """Open (the quickstart: first write) the datasets of ``cfg.data`` for this rank
+    (``pin_memory``: the training loader pins its batches)."""
     data = cfg.data
     if is_main:  # the synthetic sets are written once, by one rank
         dataset_paths(data)
@@ -87,8 +94,9 @@ def open_run_data(
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
     train = build_latent_loader(
-        data, batch_size=cfg.train.micro_batch_size, num_replicas=dp, rank=dp_rank
-    )
+        data, batch_size=cfg.train.micro_batch_size, num_replicas=dp, rank=dp_rank,
+        pin_memory=pin_memory,
+    )  # fmt: skip
     held_out, batches, count = None, [], 0
     paths = eval_dataset_paths(data)
     if paths:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from longboat.core.config.errors import ConfigError
+from longboat.core.device.transfer import pins_host_memory
 from longboat.core.distributed import run_precision
 from longboat.core.megatron.training import MegatronTraining
 from longboat.core.train import RunResult, StepOutput, UpdateGate, run_training, typed_config
@@ -90,8 +91,9 @@ class DiffusionTraining(MegatronTraining):
         self.device = self.accelerator.device()
         patch = tuple(int(p) for p in self.model_cfg.latent_patch)
         self.data = open_run_data(
-            cfg, dp=self.dp, dp_rank=self.dp_rank, is_main=self.is_main, patch_size=patch
-        )
+            cfg, dp=self.dp, dp_rank=self.dp_rank, is_main=self.is_main, patch_size=patch,
+            pin_memory=pins_host_memory(self.device),
+        )  # fmt: skip
         self.items_per_step = self._samples_per_step()
         seed_everything(cfg.train.seed, self.accelerator)
         family = self.family.load()
