@@ -152,6 +152,16 @@ def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     return [p.optimizer for p in parts if getattr(p, "optimizer", None) is not None]
 
 
+def checkpoint_above_precision(checkpoint: Any, precision: str) -> bool:
+    """Whether training at ``precision`` from ``checkpoint`` (a safetensors file or folder)
+    should start its main weights from the checkpoint's values (``start_main_weights``):
+    bf16 / fp16 training and an fp32 tensor in the checkpoint (a bf16 checkpoint is already
+    on the bf16 grid)."""
+    from longboat.core.hf import safetensors_dtypes
+
+    return precision in ("bf16", "fp16") and "F32" in safetensors_dtypes(checkpoint)
+
+
 @torch.no_grad()
 def start_main_weights(
     optimizer: Any, model: torch.nn.Module, values: Mapping[str, torch.Tensor]

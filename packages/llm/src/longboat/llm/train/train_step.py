@@ -256,7 +256,9 @@ def build_train_step(
         chunks, optim, precision=precision, grad_reduce_in_fp32=fp32_grads, side_stream=cuda_graph
     )
     if exact_main_weights and init_weights is not None and precision in ("bf16", "fp16"):
-        main_weights_from_fp32_init(optimizer, model_cfg, device, init_weights, model_overrides)
+        main_weights_from_fp32_init(
+            optimizer, chunks, model_cfg, device, init_weights, model_overrides
+        )
     blocker = one_pass_supported(optimizer) if one_pass_adamw == "auto" else None
     return TrainStep(
         chunks=chunks,
@@ -274,38 +276,36 @@ def build_train_step(
 
 def wants_exact_main_weights(hf_dir: Any, precision: str, lora: bool) -> bool:
     """Whether training from ``hf_dir`` should start the main weights from its exact values:
-    bf16 / fp16 training, full fine-tuning (LoRA's frozen base has no main weights) and an
-    fp32 tensor in the checkpoint (a bf16 checkpoint is already on the bf16 grid)."""
-    from longboat.core.hf import safetensors_dtypes
+    full fine-tuning (LoRA's frozen base has no main weights) in bf16 / fp16 from a checkpoint
+    with fp32 tensors (``core.megatron.optimizer.checkpoint_above_precision``)."""
+    from longboat.core.megatron.optimizer import checkpoint_above_precision
 
-    if precision not in ("bf16", "fp16") or lora:
-        return False
-    return "F32" in safetensors_dtypes(hf_dir)
+    return not lora and checkpoint_above_precision(hf_dir, precision)
 
 
 def main_weights_from_fp32_init(
-    optimizer: Any, model_cfg: Any, device: torch.device, init_weights: Any, overrides: dict
+    optimizer: Any,
+    chunks: list[torch.nn.Module],
+    model_cfg: Any,
+    device: torch.device,
+    init_weights: Any,
+    overrides: dict,
 ) -> None:
-    """Run ``init_weights`` on an fp32 copy of the model and start megatron's main weights
-    from it (``reload_model_params(state_dict)``, which megatron's distributed optimizer
-    supports; its non-distributed one does not)."""
+    """Run ``init_weights`` on an fp32 copy of the model and start megatron's main weights of
+    ``chunks`` from it (``core.megatron.optimizer.start_main_weights``; ValueError without
+    megatron's distributed optimizer)."""
+    from longboat.core.megatron.optimizer import start_main_weights
     from longboat.llm.build import build_model
 
     shadow = build_model(model_cfg, precision="fp32", device_type=device.type, **overrides)
     init_weights(shadow)
-    if len(shadow) == 1:
-        state: dict[str, Any] = {"model": shadow[0].state_dict()}
-    else:
-        state = {f"model{i}": chunk.state_dict() for i, chunk in enumerate(shadow)}
     try:
-        optimizer.reload_model_params(state_dict=state)
-    except AssertionError as exc:
-        raise ValueError(
-            "exact_main_weights needs megatron's distributed optimizer (its non-distributed "
-            f"optimizer cannot start main weights from a state dict): {exc}"
-        ) from exc
+        for chunk, fp32 in zip(chunks, shadow, strict=True):
+            start_main_weights(
+                optimizer, chunk, {n: p.detach() for n, p in fp32.named_parameters()}
+            )
     finally:
-        del shadow, state
+        del shadow
 
 
 def compile_decoder_layers(chunks: list[torch.nn.Module]) -> int:

@@ -124,10 +124,9 @@ def exact_main_weights(
     every family's name mapping and sharding applies. Started from the rounded weights, the
     first updates (smaller than half a bf16 step early in an LR warm-up) leave the model's
     weights where they are until they add up to one."""
-    from longboat.core.hf import safetensors_dtypes
-    from longboat.core.megatron.optimizer import start_main_weights
+    from longboat.core.megatron.optimizer import checkpoint_above_precision, start_main_weights
 
-    if precision not in ("bf16", "fp16") or "F32" not in safetensors_dtypes(hf_dir):
+    if not checkpoint_above_precision(hf_dir, precision):
         return 0
     shadow = family.build(mcfg, precision="fp32", device_type="cpu", **build)
     family.load_hf(shadow, mcfg, hf_dir)
