@@ -185,3 +185,64 @@ def test_fused_main_param_copy_updates_the_model_as_megatrons_loop() -> None:
         for f, lp in zip(fused, loop, strict=True):
             assert torch.equal(f[key], lp[key]), key  # the same bits
         assert torch.equal(fused[0][key], fused[1][key]), key  # both ranks hold the update
+
+
+def _release_worker(rank: int, world: int) -> dict[str, bool]:
+    import gc
+    import weakref
+
+    from megatron.core.transformer import TransformerConfig
+
+    from longboat.core.config.schema import OptimConfig, ParallelConfig
+    from longboat.core.device import get_accelerator
+    from longboat.core.megatron import parallel_state
+    from longboat.core.megatron.optimizer import (
+        build_optimizer,
+        optimizer_step,
+        release_ddp,
+        wrap_ddp,
+    )
+
+    parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"))
+    try:
+        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                                   bf16=True, params_dtype=torch.bfloat16)  # fmt: skip
+
+        def trained(keep_graph: bool) -> tuple[list[torch.nn.Module], weakref.ref]:
+            model = _tiny(config)
+            (ddp,) = wrap_ddp([model], distributed_optimizer=True)
+            opt = build_optimizer([ddp], OptimConfig(name="adamw"), precision="bf16",
+                                  distributed_optimizer=True)  # fmt: skip
+            ddp.zero_grad_buffer()
+            out = ddp(torch.randn(4, 8, dtype=torch.bfloat16))
+            out.square().mean().backward()
+            optimizer_step(opt)
+            if keep_graph:  # what megatron's token dispatcher does with its routing probabilities
+                model.last_output = (out, 1)
+            return [ddp], weakref.ref(model)
+
+        out: dict[str, bool] = {}
+        for keep_graph in (False, True):
+            ddps, model = trained(keep_graph)
+            release_ddp(ddps)
+            del ddps
+            gc.collect()
+            out[f"freed_{keep_graph}"] = model() is None
+        ddps, model = trained(False)
+        del ddps
+        gc.collect()
+        out["kept_without_release"] = model() is not None
+        return out
+    finally:
+        parallel_state.destroy()
+
+
+@pytest.mark.multiprocess
+def test_release_ddp_lets_a_finished_run_be_freed() -> None:
+    from longboat.core.distributed import run_multiprocess
+
+    (out,) = run_multiprocess(_release_worker, 1)
+    # megatron's DDP keeps its model alive through its grad-accumulation hooks until released,
+    # also where a module attribute still holds the last step's autograd graph
+    assert out["kept_without_release"]
+    assert out["freed_False"] and out["freed_True"]

@@ -295,7 +295,10 @@ class DeviceCountsDispatcher(MoEAlltoAllTokenDispatcher):
         self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.hidden_shape = hidden_states.shape
-        self.probs, self.routing_map = probs, routing_map
+        # megatron's dispatcher keeps ``probs`` for its tensor-parallel combine, which this one
+        # never runs; kept, they would hold the step's autograd graph (and through the
+        # router's grad-accumulation hooks the whole DDP model) until the next forward.
+        self.routing_map = routing_map
         x = hidden_states.view(-1, self.hidden_shape[-1])
         self.hidden_shape_before_permute = x.shape
         self.tokens_per_expert = routing_map.sum(dim=0).long()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -31,6 +31,40 @@ def wrap_ddp(
         use_distributed_optimizer=distributed_optimizer,
     )
     return [DistributedDataParallel(config=c.config, ddp_config=ddp_cfg, module=c) for c in chunks]
+
+
+def release_ddp(modules: Iterable[torch.nn.Module]) -> None:
+    """Let a finished run's model, grad buffers and optimizer be freed; the modules cannot
+    train after it.
+
+    megatron's ``DistributedDataParallel`` keeps every parameter's grad-accumulation node in
+    ``grad_accs``, and each node holds a hook that holds the DDP itself. The cycle runs through
+    autograd's C++ nodes, which Python's collector cannot see, so without this the model, its
+    buffers and everything they reach outlive the run for the life of the process (a notebook,
+    a sweep, a benchmark of several runs). Dropping the nodes frees their hooks, unless a
+    tensor that still carries a step's autograd graph reaches them: such tensors kept as
+    attributes of the modules or of the plain objects they hold (e.g. megatron's token
+    dispatcher keeps the last routing probabilities) are dropped too."""
+    for module in modules:
+        accs = getattr(module, "grad_accs", None)
+        if isinstance(accs, list):
+            accs.clear()
+        for sub in module.modules():
+            owners = [sub, *(v for v in vars(sub).values() if _plain_object(v))]
+            for owner in owners:
+                for name, value in list(vars(owner).items()):
+                    if _holds_graph(value):
+                        setattr(owner, name, None)
+
+
+def _plain_object(value: object) -> bool:
+    return hasattr(value, "__dict__") and not isinstance(value, torch.nn.Module | type)
+
+
+def _holds_graph(value: object) -> bool:
+    if isinstance(value, tuple | list):
+        return any(_holds_graph(v) for v in value)
+    return isinstance(value, torch.Tensor) and value.grad_fn is not None
 
 
 def build_optimizer(

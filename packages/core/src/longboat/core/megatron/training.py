@@ -4,8 +4,10 @@
 count, runs the stack's ``check`` (cheap config checks, before any process group exists),
 joins torchrun's process group or makes a one-rank one (megatron needs groups), then calls
 the stack's ``_build``; a failure there tears down what was set up. ``init_layout`` builds
-megatron's parallel state; ``close`` undoes all of it. ``rank_view`` names a rank's shard
-of a model-parallel model by its coordinates for checkpoints.
+megatron's parallel state; ``close`` undoes all of it and releases the DDP-wrapped modules
+the stack put in ``ddp_modules`` (``optimizer.release_ddp``: otherwise they outlive the run).
+``rank_view`` names a rank's shard of a model-parallel model by its coordinates for
+checkpoints.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class MegatronTraining(Training):
         self.is_main = info.is_main
         self._owns_group = single_process_group(self.accelerator)
         self._layout_up = False
+        self.ddp_modules: list[torch.nn.Module] = []
         try:
             self._build(info.rank)
         except BaseException:
@@ -59,6 +62,10 @@ class MegatronTraining(Training):
         return self.layout
 
     def close(self) -> None:
+        from longboat.core.megatron.optimizer import release_ddp
+
+        release_ddp(self.ddp_modules)
+        self.ddp_modules = []
         if self._layout_up:
             from longboat.core.megatron import parallel_state as mparallel
 
