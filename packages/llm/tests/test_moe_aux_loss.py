@@ -264,11 +264,15 @@ def test_the_moe_step_has_no_capture_hazards(mode: str) -> None:
     assert found == [], found
 
 
-def _train_worker(rank: int, world: int, overrides: list[str]) -> list[dict]:
+def _train_worker(rank: int, world: int, overrides: list[str]) -> tuple[list[dict], int]:
+    import gc
+
     from longboat.llm.train.training import train
 
     result = train(compose(overrides))
-    return [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
+    gc.collect()
+    params_left = sum(isinstance(o, torch.nn.Parameter) for o in gc.get_objects())
+    return [json.loads(line) for line in result.metrics_path.read_text().splitlines()], params_left
 
 
 @pytest.mark.multiprocess
@@ -284,11 +288,12 @@ def test_training_logs_the_hf_aux_loss(tmp_path: Path) -> None:
         "logging.tensorboard=false", "llm.export_hf=false", "llm.generate_prompt=null",
     ]  # fmt: skip
     for mode in ("hf", "megatron"):
-        rows = run_multiprocess(
+        rows, params_left = run_multiprocess(
             _train_worker,
             1,
             [*base, f"model.moe_aux_loss={mode}", f"logging.dir={tmp_path}/{mode}"],
         )[0]
+        assert params_left == 0  # the finished run's model is freed (core's release_ddp)
         steps = [r for r in rows if "loss" in r]
         assert len(steps) == 2, rows
         aux = [r.get("moe_aux_loss") for r in steps]

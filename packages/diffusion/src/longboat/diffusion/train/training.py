@@ -111,6 +111,7 @@ class DiffusionTraining(MegatronTraining):
             device=self.device,
             microbatches=self.accumulation,
         )
+        self.ddp_modules = [self.step_fn.ddp]
         self.exact_main_weights = 0
         """Main weights started from the checkpoint's fp32 values (not its bf16 rounding)."""
         if exact:

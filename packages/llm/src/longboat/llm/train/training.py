@@ -116,6 +116,7 @@ class LLMTraining(MegatronTraining):
         self.device = self.accelerator.device()
         seed_everything(cfg.train.seed, self.accelerator)
         self.step_fn = self._build_step()
+        self.ddp_modules = list(self.step_fn.model)
         self.graphed: Any = None
 
     def _build_step(self) -> Any:

@@ -234,6 +234,7 @@ class VLMTraining(MegatronTraining):
             self.row_costs = row_costs(self.data.train, self.model_cfg)
         seed_everything(cfg.train.seed, self.accelerator)
         self.step_fn = self._build_step()
+        self.ddp_modules = [self.step_fn.ddp]
 
     def _build_step(self) -> Any:
         from longboat.kernels.layers import longboat_layer_kernels
