@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -45,6 +47,23 @@ def test_capturable_adamw_puts_the_lr_in_a_device_tensor_the_scheduler_fills() -
     assert all(g["lr"] is t for g, t in zip(adamw.param_groups, lrs))
 
 
+@contextmanager
+def _bf16_megatron() -> Iterator[object]:
+    """megatron's parallel state on this CPU rank; yields a bf16 ``TransformerConfig``."""
+    from megatron.core.transformer import TransformerConfig
+
+    from longboat.core.config.schema import ParallelConfig
+    from longboat.core.device import get_accelerator
+    from longboat.core.megatron import parallel_state
+
+    parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"))
+    try:
+        yield TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                                bf16=True, params_dtype=torch.bfloat16)  # fmt: skip
+    finally:
+        parallel_state.destroy()
+
+
 def _tiny(config: object, scale: bool = True) -> torch.nn.Module:
     """A bf16 megatron module of two linears of odd sizes (so optimizer shards cut parameters)
     and, with ``scale``, an fp32 parameter."""
@@ -66,17 +85,10 @@ def _tiny(config: object, scale: bool = True) -> torch.nn.Module:
 
 
 def _fused_copy_worker(rank: int, world: int, fused: bool) -> dict[str, torch.Tensor]:
-    from megatron.core.transformer import TransformerConfig
-
-    from longboat.core.config.schema import OptimConfig, ParallelConfig
-    from longboat.core.device import get_accelerator
-    from longboat.core.megatron import parallel_state
+    from longboat.core.config.schema import OptimConfig
     from longboat.core.megatron.optimizer import build_optimizer, optimizer_step, wrap_ddp
 
-    parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"))
-    try:
-        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
-                                   bf16=True, params_dtype=torch.bfloat16)  # fmt: skip
+    with _bf16_megatron() as config:
         (ddp,) = wrap_ddp([_tiny(config)], distributed_optimizer=True)
         opt = build_optimizer([ddp], OptimConfig(name="adamw", lr=1e-2, grad_clip=0.1),
                               precision="bf16", distributed_optimizer=True)  # fmt: skip
@@ -97,16 +109,10 @@ def _fused_copy_worker(rank: int, world: int, fused: bool) -> dict[str, torch.Te
         out.update({f"init.{k}": v for k, v in init.items()})
         out["swapped"] = torch.tensor(swapped)
         return out
-    finally:
-        parallel_state.destroy()
 
 
 def _main_weights_worker(rank: int, world: int) -> dict[str, object]:
-    from megatron.core.transformer import TransformerConfig
-
-    from longboat.core.config.schema import OptimConfig, ParallelConfig
-    from longboat.core.device import get_accelerator
-    from longboat.core.megatron import parallel_state
+    from longboat.core.config.schema import OptimConfig
     from longboat.core.megatron.optimizer import (
         build_optimizer,
         main_weight_shards,
@@ -114,10 +120,7 @@ def _main_weights_worker(rank: int, world: int) -> dict[str, object]:
         wrap_ddp,
     )
 
-    parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"))
-    try:
-        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
-                                   bf16=True, params_dtype=torch.bfloat16)  # fmt: skip
+    with _bf16_megatron() as config:
         model = _tiny(config, scale=False)
         # fp32 values off the bf16 grid (what an fp32 checkpoint holds)
         g = torch.Generator().manual_seed(5)
@@ -148,8 +151,6 @@ def _main_weights_worker(rank: int, world: int) -> dict[str, object]:
         except ValueError as exc:
             out["plain_error"] = str(exc)
         return out
-    finally:
-        parallel_state.destroy()
 
 
 @pytest.mark.multiprocess
@@ -191,11 +192,7 @@ def _release_worker(rank: int, world: int) -> dict[str, bool]:
     import gc
     import weakref
 
-    from megatron.core.transformer import TransformerConfig
-
-    from longboat.core.config.schema import OptimConfig, ParallelConfig
-    from longboat.core.device import get_accelerator
-    from longboat.core.megatron import parallel_state
+    from longboat.core.config.schema import OptimConfig
     from longboat.core.megatron.optimizer import (
         build_optimizer,
         optimizer_step,
@@ -203,10 +200,7 @@ def _release_worker(rank: int, world: int) -> dict[str, bool]:
         wrap_ddp,
     )
 
-    parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"))
-    try:
-        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
-                                   bf16=True, params_dtype=torch.bfloat16)  # fmt: skip
+    with _bf16_megatron() as config:
 
         def trained(keep_graph: bool) -> tuple[list[torch.nn.Module], weakref.ref]:
             model = _tiny(config)
@@ -233,8 +227,6 @@ def _release_worker(rank: int, world: int) -> dict[str, bool]:
         gc.collect()
         out["kept_without_release"] = model() is not None
         return out
-    finally:
-        parallel_state.destroy()
 
 
 @pytest.mark.multiprocess
