@@ -11,6 +11,7 @@ the same logits.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -213,3 +214,38 @@ def test_joints_are_validated() -> None:
     bad = dataclasses.replace(CFG, image_token_id=400)
     with pytest.raises(ConfigError, match=r"model.image_token_id=400: outside the vocabulary"):
         bad.validate()
+
+
+def _load_error_worker(rank: int, world: int, hf_dir: Path) -> str:
+    from longboat.core.config.errors import ConfigError
+    from longboat.core.config.schema import ParallelConfig
+    from longboat.core.device import get_accelerator
+    from longboat.core.megatron import parallel_state
+    from longboat.vlm.models.qwen2_5_vl.model import build_qwen2_5_vl, load_hf
+
+    cfg = read_hf_config(hf_dir)
+    parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"))
+    try:
+        load_hf(build_qwen2_5_vl(cfg), cfg, hf_dir)
+        return ""
+    except ConfigError as exc:
+        return str(exc)
+    finally:
+        parallel_state.destroy()
+
+
+@pytest.mark.multiprocess
+def test_a_tower_that_does_not_fit_is_a_config_error_naming_the_tensor(
+    hf_dir: Path, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(hf_dir, broken)
+    (weights,) = broken.glob("*.safetensors")
+    state = load_file(str(weights))
+    dropped = next(k for k in sorted(state) if "visual.merger" in k)
+    del state[dropped]
+    save_file(state, str(weights), metadata={"format": "pt"})
+    (message,) = run_multiprocess(_load_error_worker, 1, broken)
+    assert str(broken) in message and "merger" in message, message

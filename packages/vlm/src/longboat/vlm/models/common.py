@@ -233,6 +233,64 @@ def gather_split_tower(
     return unshard(per_rank)
 
 
+def load_decoder_and_tower(model: Any, cfg: Any, hf_dir: str | Path, vision_hf: Any) -> int:
+    """Read a checkpoint holding the decoder under ``model.*`` and the tower under
+    ``vision_hf.HF_PREFIXES`` into this rank's model (the tower on the stage that has it);
+    returns the number of tensors read. ``vision_hf`` is the family's conversion module
+    (``vision_from_hf``, ``shard_vision_state_dict``). A tower that does not fit raises
+    ``ConfigError`` naming every missing, unexpected and wrongly shaped tensor."""
+    from longboat.core.megatron.hf_io import hf_weight_index, load_hf_weights
+    from longboat.vlm.models.vit_state import VisionStateDictError
+
+    index = hf_weight_index(hf_dir)
+    prefixes = vision_hf.HF_PREFIXES
+    n = load_hf_weights(
+        [model.language], cfg.language.to_arch(), hf_dir, prefix=decoder_prefix(index),
+        other_prefixes=prefixes,
+    )  # fmt: skip
+    if model.vision is None:  # a later pipeline stage: the tower lives on the first
+        return n
+    try:
+        ours = vision_hf.vision_from_hf(read_tensors(index, prefixes), cfg.vision)
+    except VisionStateDictError as exc:
+        raise ConfigError(f"{hf_dir}: {exc}") from None
+    return n + load_split_tower(model, ours, hf_dir, vision_hf.shard_vision_state_dict)
+
+
+def save_decoder_and_tower[C](
+    model: Any,
+    cfg: C,
+    out_dir: str | Path,
+    vision_hf: Any,
+    to_hf_config: Callable[[C], Any],
+    *,
+    language_prefix: str,
+    visual_prefix: str,
+) -> Path:
+    """Write ``config.json`` + the safetensors weights in the layout ``transformers`` loads:
+    the decoder under ``language_prefix``, the tower under ``visual_prefix`` (``vision_hf``:
+    ``unshard_vision_state_dict``, ``vision_to_hf``). Collective over the world:
+    tensor-parallel shards are gathered; rank 0 writes the tower and the first stage's
+    layers, with pipeline parallelism each later stage's owner writes its own layers to a
+    shard listed in ``model.safetensors.index.json``."""
+    import torch.distributed as dist
+
+    from longboat.core.megatron.hf_io import save_hf_weights
+
+    out_dir = Path(out_dir)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    visual: dict[str, torch.Tensor] = {}
+    if model.vision is not None:  # the first pipeline stage: gather the tower's TP shards
+        full = gather_split_tower(model, vision_hf.unshard_vision_state_dict)
+        if rank == 0:
+            visual = vision_hf.vision_to_hf(full, cfg.vision, prefix=visual_prefix)
+    save_hf_weights(
+        [model.language], cfg.language.to_arch(), out_dir, prefix=language_prefix, extra=visual
+    )
+    write_hf_config(to_hf_config, cfg, out_dir, rank)
+    return out_dir
+
+
 def write_hf_config[C](to_hf_config: Callable[[C], Any], cfg: C, out_dir: Path, rank: int) -> None:
     """Rank 0 writes ``to_hf_config(cfg)`` (float32 weights) to ``out_dir``; every rank then
     waits for it (a barrier when distributed)."""

@@ -25,13 +25,10 @@ from longboat.vlm.models.common import (
     check_checkpoint_architecture,
     check_model_type,
     check_recompute,
-    decoder_prefix,
-    gather_split_tower,
-    load_split_tower,
+    load_decoder_and_tower,
     pick_flavor,
     read_config_json,
-    read_tensors,
-    write_hf_config,
+    save_decoder_and_tower,
 )
 from longboat.vlm.models.mrope import mrope_position_ids
 from longboat.vlm.models.qwen2_5_vl.vision_config import Qwen25VisionConfig
@@ -207,47 +204,26 @@ def load_hf(model: VisionLanguageModel, cfg: Qwen25VLConfig, hf_dir: str | Path)
     """Load a Hugging Face Qwen2.5-VL directory into this rank's model after checking that
     its config describes ``cfg``; returns the number of tensors read. A checkpoint that does
     not fit raises naming every missing, unexpected and wrongly shaped tensor."""
-    from longboat.core.megatron.hf_io import hf_weight_index, load_hf_weights
-    from longboat.vlm.models.qwen2_5_vl.vision_hf import (
-        HF_PREFIXES,
-        shard_vision_state_dict,
-        vision_from_hf,
-    )
+    from longboat.vlm.models.qwen2_5_vl import vision_hf
 
     check_checkpoint_architecture(cfg.architecture(), read_hf_config(hf_dir).architecture(), hf_dir)
-    index = hf_weight_index(hf_dir)
-    prefix = decoder_prefix(index)
-    n = load_hf_weights(
-        [model.language], cfg.language.to_arch(), hf_dir, prefix=prefix, other_prefixes=HF_PREFIXES
-    )
-    if model.vision is None:  # a later pipeline stage: the tower lives on the first
-        return n
-    ours = vision_from_hf(read_tensors(index, HF_PREFIXES), cfg.vision)
-    return n + load_split_tower(model, ours, hf_dir, shard_vision_state_dict)
+    return load_decoder_and_tower(model, cfg, hf_dir, vision_hf)
 
 
 def save_hf(model: VisionLanguageModel, cfg: Qwen25VLConfig, out_dir: str | Path) -> Path:
     """Write ``config.json`` + the safetensors weights in the layout ``transformers`` loads
-    (collective over the world: tensor-parallel shards are gathered; rank 0 writes the
-    vision tower and the first stage's layers, with pipeline parallelism each later stage's
-    owner writes its own layers to a shard listed in ``model.safetensors.index.json``)."""
-    import torch.distributed as dist
+    (collective over the world: ``common.save_decoder_and_tower``)."""
+    from longboat.vlm.models.qwen2_5_vl import vision_hf
 
-    from longboat.core.megatron.hf_io import save_hf_weights
-    from longboat.vlm.models.qwen2_5_vl.vision_hf import unshard_vision_state_dict, vision_to_hf
-
-    out_dir = Path(out_dir)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    visual: dict[str, torch.Tensor] = {}
-    if model.vision is not None:  # the first pipeline stage: gather the tower's TP shards
-        full = gather_split_tower(model, unshard_vision_state_dict)
-        if rank == 0:
-            visual = vision_to_hf(full, cfg.vision, prefix="visual.")
-    save_hf_weights(
-        [model.language], cfg.language.to_arch(), out_dir, prefix="model.", extra=visual
+    return save_decoder_and_tower(
+        model,
+        cfg,
+        out_dir,
+        vision_hf,
+        to_hf_config,
+        language_prefix="model.",
+        visual_prefix="visual.",
     )
-    write_hf_config(to_hf_config, cfg, out_dir, rank)
-    return out_dir
 
 
 def _flavors() -> dict[str, Qwen25VLConfig]:
