@@ -10,13 +10,19 @@ before the build (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy). Gradient c
 is off (the benchmark sample fits on one H200 without it).
 
 How it differs from a user's HF Trainer run: no ``Trainer`` object (its per-step host work is
-left out, which only favours the baseline) and a constant LR. It gets one sample per step,
+left out, which only favours the baseline) and a constant LR (the loss alignment passes
+``lr_factor``: the product's warm-up and decay, as the Trainer's scheduler would follow
+them). It gets one sample per step,
 unpacked (HF has no packing with per-sample attention under SDPA); the benchmark's samples
 each fill one longboat row, so both sides see the same tokens and images per step.
+
+``load_qwen2_5_vl`` (the loss alignment): the same model read from a saved checkpoint in fp32.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +43,17 @@ def hf_qwen2_5_vl(model_cfg: Any, device: torch.device, *, liger: bool = False) 
     with torch.device(device):
         model = Qwen2_5_VLForConditionalGeneration(cfg)
     return model.float().train()
+
+
+def load_qwen2_5_vl(hf_dir: str | Path, device: torch.device) -> Any:
+    """``Qwen2_5_VLForConditionalGeneration`` from ``hf_dir`` in fp32 with SDPA attention, on
+    ``device``, in training mode."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    return model.to(device).train()
 
 
 def hf_batch(row: dict[str, Any], image_token_id: int, video_token_id: int) -> dict[str, Any]:
@@ -60,9 +77,21 @@ def hf_batch(row: dict[str, Any], image_token_id: int, video_token_id: int) -> d
 
 
 class HFVLMStep:
-    """``step(batch) -> loss``: forward, backward, clip, AdamW (see the module doc)."""
+    """``step(batch, i=0) -> loss``: forward, backward, clip, AdamW (see the module doc).
 
-    def __init__(self, model: Any, optim: Any, device: torch.device, *, compiled: bool) -> None:
+    ``lr_factor``: the LR of update ``i`` is ``optim.lr * lr_factor(i)`` (else constant);
+    ``autocast``: bf16 autocast over the fp32 weights (default), else fp32 throughout."""
+
+    def __init__(
+        self,
+        model: Any,
+        optim: Any,
+        device: torch.device,
+        *,
+        compiled: bool,
+        lr_factor: Callable[[int], float] | None = None,
+        autocast: bool = True,
+    ) -> None:
         if compiled:
             inner = model.model
             for block in [*inner.visual.blocks, *inner.language_model.layers]:
@@ -79,10 +108,14 @@ class HFVLMStep:
             fused=device.type == "cuda",
         )
         self.model, self.device, self.clip = model, device, optim.grad_clip
+        self.lr, self.factor, self.autocast = optim.lr, lr_factor, autocast
 
-    def __call__(self, batch: dict[str, Any]) -> torch.Tensor:
+    def __call__(self, batch: dict[str, Any], i: int = 0) -> torch.Tensor:
+        if self.factor is not None:
+            for group in self.opt.param_groups:
+                group["lr"] = self.lr * self.factor(i)
         inputs = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             loss = self.model(**inputs, use_cache=False).loss  # training: no KV cache
         loss.backward()
         if self.clip > 0:
