@@ -7,7 +7,7 @@
 # with one GPU), with megatron-core 0.19, hydra, av, liger-kernel and diffusers importable and
 # the longboat packages installed (or PYTHONPATH pointing at packages/*/src). Each step has its
 # own time limit (seconds, env LIMIT_*), so one that overruns leaves the others their time;
-# results are written as each run ends. ONLY="gpu_tests llm vla diffusion diffusion_align llm_align scaling
+# results are written as each run ends. ONLY="gpu_tests llm vla diffusion diffusion_align vlm_align llm_align scaling
 # scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling wan_scaling vla_align pi05
 # vla_scaling_levers" picks
 # steps (default: all but pi05 and vla_scaling_levers, which WITH_PI05=1 / WITH_VLA_LEVERS=1
@@ -38,7 +38,7 @@
 # recompute = model.recompute_blocks=-1 (self-attention outputs kept), recompute_full = that and
 # model.recompute_attention=true).
 set -u
-ONLY=${ONLY:-"gpu_tests llm vla diffusion diffusion_align llm_align scaling scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling wan_scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")$([ "${WITH_VLA_LEVERS:-0}" = "1" ] && echo " vla_scaling_levers")"}
+ONLY=${ONLY:-"gpu_tests llm vla diffusion diffusion_align vlm_align llm_align scaling scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling wan_scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")$([ "${WITH_VLA_LEVERS:-0}" = "1" ] && echo " vla_scaling_levers")"}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 RESULTS=${RESULTS:-benchmarks/results}
 mkdir -p "$RESULTS"
@@ -70,6 +70,12 @@ want diffusion && step "diffusion throughput" timeout "${LIMIT_DIFFUSION:-720}" 
 want diffusion_align && step "diffusion loss alignment" timeout "${LIMIT_DIFFUSION_ALIGN:-420}" \
   python3 tools/bench/diffusion_loss_alignment.py --out /tmp/diffusion_loss_alignment.json \
   --results-dir "$RESULTS" --frames 17 --steps 200
+# Qwen2.5-VL-3B on the vlm_throughput samples (one 8K row a step), 200 steps:
+# longboat-vlm train's defaults vs the HF loop with the run's optimizer from one seeded fp32
+# checkpoint, judged against that loop's own band (SDPA moved off its default kernel).
+want vlm_align && step "vlm loss alignment" timeout "${LIMIT_VLM_ALIGN:-1200}" \
+  python3 tools/bench/vlm_loss_alignment.py --out /tmp/vlm_loss_alignment.json \
+  --results-dir "$RESULTS" --steps 200
 want llm_align && step "llm loss alignment" timeout "${LIMIT_LLM_ALIGN:-200}" python3 tools/bench/llm_loss_alignment.py \
   --out /tmp/llm_loss_alignment.json --results-dir "$RESULTS" --steps 200
 if want scaling && [ "$GPUS" -ge 2 ]; then
