@@ -1002,3 +1002,32 @@ def test_the_graphed_llm_step_has_no_capture_hazards() -> None:
         assert found == [], (variant, found)
     (control,) = run_multiprocess(_hazards_worker, 1, {"clip": 1.0})
     assert any("_local_scalar_dense" in op and "clip_grads" in where for op, where in control)
+
+
+def _weight_decay_worker(rank: int, world: int) -> list[tuple[int, float]]:
+    from longboat.core.config.schema import OptimConfig
+    from longboat.llm.train.train_step import build_train_step
+
+    ps = _init()
+    try:
+        ts = build_train_step(_tiny_cfg(), OptimConfig(weight_decay=0.1), precision="bf16",
+                              device="cpu")  # fmt: skip
+        out = []  # (largest model-parameter rank in the group, its weight decay)
+        for part in getattr(ts.optimizer, "chained_optimizers", None) or [ts.optimizer]:
+            for i, group in enumerate(part.optimizer.param_groups):
+                params = [*part.model_float16_groups[i], *part.model_fp32_groups[i]]
+                if params:
+                    out.append((max(p.dim() for p in params), float(group["weight_decay"])))
+        return out
+    finally:
+        ps.destroy()
+
+
+@pytest.mark.multiprocess
+def test_the_train_step_decays_matrices_only() -> None:
+    """Norm weights (and any bias) get no weight decay, as in megatron's own schedule and the
+    HF Trainer; the matrices get ``optim.weight_decay``."""
+    (groups,) = run_multiprocess(_weight_decay_worker, 1)
+    assert {ndim for ndim, _ in groups} == {1, 2}, groups
+    for ndim, decay in groups:
+        assert decay == (0.1 if ndim == 2 else 0.0), groups

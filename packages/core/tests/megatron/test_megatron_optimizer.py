@@ -238,3 +238,35 @@ def test_release_ddp_lets_a_finished_run_be_freed() -> None:
     # also where a module attribute still holds the last step's autograd graph
     assert out["kept_without_release"]
     assert out["freed_False"] and out["freed_True"]
+
+
+def _decay_worker(rank: int, world: int) -> dict[str, torch.Tensor]:
+    from longboat.core.config.schema import OptimConfig
+    from longboat.core.megatron.optimizer import build_optimizer, optimizer_step, wrap_ddp
+
+    with _bf16_megatron() as config:
+        model = _tiny(config)
+        (ddp,) = wrap_ddp([model], distributed_optimizer=True)
+        optim = OptimConfig(name="adamw", lr=0.1, weight_decay=0.5, grad_clip=0.0)
+        opt = build_optimizer([ddp], optim, precision="bf16", distributed_optimizer=True)
+        before = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        ddp.zero_grad_buffer()  # zero gradients: only weight decay can move a parameter
+        opt.zero_grad()
+        (ddp(torch.zeros(4, 8, dtype=torch.bfloat16)) * 0.0).sum().backward()
+        optimizer_step(opt)
+        return {n: p.detach().float() / before[n] for n, p in model.named_parameters()}
+
+
+@pytest.mark.multiprocess
+def test_biases_and_norm_weights_get_no_weight_decay() -> None:
+    """megatron's groups exempt 1-D parameters (wd_mult=0), as the HF Trainer does; matrices
+    decay by ``1 - lr * weight_decay`` a step (here with zero gradients)."""
+    from longboat.core.distributed import run_multiprocess
+
+    (ratio,) = run_multiprocess(_decay_worker, 1)
+    for name in ("a.weight", "b.weight"):  # 0.95 on the bf16 grid
+        torch.testing.assert_close(
+            ratio[name], torch.full_like(ratio[name], 0.95), atol=4e-3, rtol=0
+        )
+    for name in ("a.bias", "scale"):
+        assert torch.equal(ratio[name], torch.ones_like(ratio[name])), name

@@ -113,6 +113,7 @@ def build_optimizer(
         use_distributed_optimizer=distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(cfg, ddp_chunks)
+    apply_weight_decay_multipliers(optimizer, optim.weight_decay)
     if optim.fused:
         use_fused_torch_adamw(optimizer)
     fuse_main_param_copies(optimizer)
@@ -178,6 +179,23 @@ def _fused_param_copy(part: Any) -> Any:
             torch._foreach_copy_(dst, src)
 
     return copy_main_params_to_model_params
+
+
+def apply_weight_decay_multipliers(optimizer: Any, weight_decay: float) -> int:
+    """Set each param group's weight decay to ``weight_decay`` times the group's ``wd_mult``.
+
+    megatron's optimizer puts biases and the other 1-D parameters (norm weights) in groups
+    with ``wd_mult=0``, as the Hugging Face Trainer exempts them, but gives every group
+    ``weight_decay`` itself: only megatron's own ``OptimizerParamScheduler`` applies the
+    multiplier, and longboat's run schedule (``core.train.schedule``) sets learning rates
+    only. Without this every parameter decayed. Returns the number of exempted groups."""
+    exempted = 0
+    for inner in inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            mult = float(group.get("wd_mult", 1.0))
+            group["weight_decay"] = float(weight_decay) * mult
+            exempted += mult == 0.0
+    return exempted
 
 
 def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:

@@ -19,6 +19,7 @@ import torch
 from longboat.core.config.errors import ConfigError
 from longboat.core.megatron.optimizer import (
     MegatronOptimizerState,
+    apply_weight_decay_multipliers,
     inner_optimizers,
     use_fused_torch_adamw,
 )
@@ -82,6 +83,7 @@ def wrap_and_build(
         use_distributed_optimizer=True,
     )
     optimizer = get_megatron_optimizer(opt_cfg, model)
+    apply_weight_decay_multipliers(optimizer, float(optim.weight_decay))  # biases, norms: none
     if getattr(optim, "fused", True):
         use_fused_torch_adamw(optimizer)  # torch's fused AdamW on CUDA when TE / apex are absent
     return model, optimizer
