@@ -95,7 +95,8 @@ def test_a_failing_run_is_recorded_not_raised(tmp_path: Path) -> None:
 
 def test_tiny_loss_alignment_matches_hf(tmp_path: Path, quickstart_dir: Path) -> None:
     """Same HF weights, the very batches of the built run: on CPU (fp32 on both sides) the
-    curves agree to 1e-3; the loss falls (warm-up 2 instead of the quickstart's 20)."""
+    curves agree to float32 rounding (5e-7 measured; a reference that also decayed norm
+    weights was 5e-5 apart); the loss falls (warm-up 2 instead of the quickstart's 20)."""
     pytest.importorskip("megatron.core")
     out = tmp_path / "align.json"
     run_script("llm_loss_alignment.py", ["--out", str(out), "--tiny", "--steps", "8",
@@ -105,7 +106,7 @@ def test_tiny_loss_alignment_matches_hf(tmp_path: Path, quickstart_dir: Path) ->
     curves = {r["name"]: r["losses"] for r in result["runs"]}
     assert list(curves) == ["reference", "reference_perturbed", "longboat"]
     assert all(len(c) == 8 for c in curves.values())
-    assert result["max_abs_loss_diff"] < 1e-3
+    assert result["max_abs_loss_diff"] < 1e-5
     assert curves["reference"][-1] < curves["reference"][0] - 0.1
     assert curves["longboat"][0] == pytest.approx(curves["reference"][0], abs=1e-4)
     assert set(result["verdict"]) >= {"max_diff", "band_max_diff", "no_bias", "passes"}
@@ -116,7 +117,7 @@ def test_tiny_loss_alignment_matches_hf(tmp_path: Path, quickstart_dir: Path) ->
 def test_tiny_moe_loss_alignment_matches_hf(tmp_path: Path, quickstart_dir: Path) -> None:
     """``--shape qwen3_moe_4l``: the same from one ``Qwen3MoeForCausalLM`` (grouped experts,
     transformers' load-balancing term in both objectives, LM losses compared): fp32 on the CPU,
-    the curves agree to 1e-3 and the loss falls."""
+    the curves agree to float32 rounding and the loss falls."""
     pytest.importorskip("megatron.core")
     out = tmp_path / "align.json"
     run_script("llm_loss_alignment.py", ["--out", str(out), "--tiny", "--shape", "qwen3_moe_4l",
@@ -124,7 +125,7 @@ def test_tiny_moe_loss_alignment_matches_hf(tmp_path: Path, quickstart_dir: Path
                "--override", "optim.schedule.warmup_steps=2"])  # fmt: skip
     result = json.loads(out.read_text())
     curves = {r["name"]: r["losses"] for r in result["runs"]}
-    assert result["max_abs_loss_diff"] < 1e-3
+    assert result["max_abs_loss_diff"] < 1e-5
     assert curves["reference"][-1] < curves["reference"][0] - 0.1
     assert curves["longboat"][0] == pytest.approx(curves["reference"][0], abs=1e-4)
 

@@ -41,8 +41,8 @@ def test_baseline_and_longboat_train_the_same_rows(tmp_path: Path) -> None:
 
 def test_loss_alignment_reference_trains_the_longboat_curve(tmp_path: Path) -> None:
     """vlm_loss_alignment.py --tiny on CPU (fp32), 10 steps at a learning rate that moves the
-    weights (optim.lr=1e-3, a 4-step warm-up into the cosine decay; the experiment's weight
-    decay, 0): the HF reference with the run's optimizer and longboat-vlm train start from the
+    weights (optim.lr=1e-3, a 4-step warm-up into the cosine decay, weight decay 0.1 on the
+    matrices only, as the reference decays them): the HF reference with the run's optimizer and longboat-vlm train start from the
     same loss (step 0 equal within 1e-6 relative: the same weights, rows and token mean) and
     train the same curve within 1e-6 relative per step (a reference at a constant LR differs
     by 2.4% at step 1, one with a linear instead of the cosine decay by 1e-3 within the 10
@@ -51,7 +51,8 @@ def test_loss_alignment_reference_trains_the_longboat_curve(tmp_path: Path) -> N
     out = tmp_path / "align.json"
     stdout = run_script("vlm_loss_alignment.py", ["--tiny", "--steps", "10", "--out", str(out),
                         "--results-dir", str(tmp_path), "--override", "optim.lr=1e-3",
-                        "--override", "optim.schedule.warmup_steps=4"])  # fmt: skip
+                        "--override", "optim.schedule.warmup_steps=4",
+                        "--override", "optim.weight_decay=0.1"])  # fmt: skip
     result = json.loads(out.read_text())
     curves = {r["name"]: r["losses"] for r in result["runs"]}
     assert list(curves) == ["reference", "reference_perturbed", "longboat"]
@@ -64,6 +65,7 @@ def test_loss_alignment_reference_trains_the_longboat_curve(tmp_path: Path) -> N
     c = result["config"]
     assert c["precision"] == "fp32" and not c["reference_autocast_bf16"]
     assert c["optim"]["lr"] == 1e-3 and c["optim"]["warmup_steps"] == 4
+    assert c["optim"]["weight_decay"] == 0.1
     assert c["optim"]["grad_clip"] > 0 and c["optim"]["schedule"] == "cosine"
     assert len(set(c["rows_in_order"][:4])) == 4  # every sample once per epoch
     # the band's perturbation: every attention call of the reference on the CPU flash
