@@ -82,7 +82,7 @@ def build_optimizer(
     ``distributed_optimizer`` shards optimizer state over data-parallel ranks (ZeRO-1;
     megatron supports it for Adam only).
     """
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import OptimizerConfig
 
     kinds = {"adamw": "adam", "sgd": "sgd"}
     if optim.name not in kinds:
@@ -112,11 +112,22 @@ def build_optimizer(
         params_dtype=_PARAM_DTYPES[precision],
         use_distributed_optimizer=distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(cfg, ddp_chunks)
-    apply_weight_decay_multipliers(optimizer, optim.weight_decay)
-    if optim.fused:
-        use_fused_torch_adamw(optimizer)
+    optimizer = megatron_optimizer(cfg, ddp_chunks, fused=optim.fused)
     fuse_main_param_copies(optimizer)
+    return optimizer
+
+
+def megatron_optimizer(cfg: Any, ddp_chunks: list[torch.nn.Module], *, fused: bool) -> Any:
+    """megatron's optimizer for ``cfg`` (an ``OptimizerConfig``) over ``ddp_chunks`` as
+    longboat runs it: each group's weight decay scaled by its ``wd_mult``
+    (``apply_weight_decay_multipliers``) and, with ``fused``, torch's fused AdamW on CUDA
+    (``use_fused_torch_adamw``)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    optimizer = get_megatron_optimizer(cfg, ddp_chunks)
+    apply_weight_decay_multipliers(optimizer, cfg.weight_decay)
+    if fused:
+        use_fused_torch_adamw(optimizer)
     return optimizer
 
 
@@ -181,21 +192,17 @@ def _fused_param_copy(part: Any) -> Any:
     return copy_main_params_to_model_params
 
 
-def apply_weight_decay_multipliers(optimizer: Any, weight_decay: float) -> int:
+def apply_weight_decay_multipliers(optimizer: Any, weight_decay: float) -> None:
     """Set each param group's weight decay to ``weight_decay`` times the group's ``wd_mult``.
 
     megatron's optimizer puts biases and the other 1-D parameters (norm weights) in groups
     with ``wd_mult=0``, as the Hugging Face Trainer exempts them, but gives every group
     ``weight_decay`` itself: only megatron's own ``OptimizerParamScheduler`` applies the
     multiplier, and longboat's run schedule (``core.train.schedule``) sets learning rates
-    only. Without this every parameter decayed. Returns the number of exempted groups."""
-    exempted = 0
+    only. Without this every parameter decayed."""
     for inner in inner_optimizers(optimizer):
         for group in inner.param_groups:
-            mult = float(group.get("wd_mult", 1.0))
-            group["weight_decay"] = float(weight_decay) * mult
-            exempted += mult == 0.0
-    return exempted
+            group["weight_decay"] = float(weight_decay) * float(group.get("wd_mult", 1.0))
 
 
 def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:

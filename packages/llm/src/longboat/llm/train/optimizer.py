@@ -19,9 +19,8 @@ import torch
 from longboat.core.config.errors import ConfigError
 from longboat.core.megatron.optimizer import (
     MegatronOptimizerState,
-    apply_weight_decay_multipliers,
     inner_optimizers,
-    use_fused_torch_adamw,
+    megatron_optimizer,
 )
 
 _OPTIMIZERS = {"adamw": "adam", "sgd": "sgd"}
@@ -48,7 +47,7 @@ def wrap_and_build(
     ("operation would make the legacy stream depend on a capturing blocking stream").
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import OptimizerConfig
 
     if optim.name not in _OPTIMIZERS:
         raise ConfigError(
@@ -82,10 +81,8 @@ def wrap_and_build(
         params_dtype=_DTYPES[precision],
         use_distributed_optimizer=True,
     )
-    optimizer = get_megatron_optimizer(opt_cfg, model)
-    apply_weight_decay_multipliers(optimizer, float(optim.weight_decay))  # biases, norms: none
-    if getattr(optim, "fused", True):
-        use_fused_torch_adamw(optimizer)  # torch's fused AdamW on CUDA when TE / apex are absent
+    # matrix-only weight decay; torch's fused AdamW on CUDA when TE / apex are absent
+    optimizer = megatron_optimizer(opt_cfg, model, fused=getattr(optim, "fused", True))
     return model, optimizer
 
 
