@@ -13,6 +13,10 @@ from pathlib import Path
 import av
 import numpy as np
 
+X264_PARAMS = "scenecut=0:asm=0"
+"""libx264 settings of every synthetic video: keyframes only where forced, and the encoder's
+C paths, so one process writes the same bytes for the same frames every time."""
+
 
 def encode_mp4(
     path: Path,
@@ -27,7 +31,9 @@ def encode_mp4(
 
     Frame ``i`` of the whole file gets pts ``i / fps``; each segment's first frame is an IDR
     keyframe. ``gop`` bounds the distance between keyframes inside a segment (decode cost of
-    a random seek); B-frames are disabled so packet order equals presentation order.
+    a random seek); B-frames are disabled so packet order equals presentation order. The
+    same frames give the same file (``X264_PARAMS``), so two runs that write the same
+    synthetic dataset train on the same pixels.
     """
     if not segments:
         raise ValueError(f"{path}: nothing to encode (no segments)")
@@ -43,7 +49,11 @@ def encode_mp4(
         stream.codec_context.gop_size = gop
         stream.codec_context.max_b_frames = 0
         # scenecut=0 keeps keyframes exactly where we force them (episode starts, every gop).
-        stream.options = {"crf": str(crf), "forced-idr": "1", "x264-params": "scenecut=0"}
+        # asm=0: x264's SIMD paths do not always give the same bitstream for the same frames
+        # inside a training process (2-3% of the tiny GR00T runs' encodes differed, so
+        # two runs of one config decoded different pixels); its C paths do, at about 3x the
+        # encode time, which only the small synthetic videos written here pay.
+        stream.options = {"crf": str(crf), "forced-idr": "1", "x264-params": X264_PARAMS}
         pts = 0
         for seg in segments:
             if seg.shape[1:] != (height, width, 3) or seg.dtype != np.uint8:
