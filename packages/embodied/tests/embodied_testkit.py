@@ -28,6 +28,25 @@ def read_metrics(out: Path, run: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def tiny_run_overrides(out: Path, *extra: str) -> list[str]:
+    """Overrides of a 2-step ``groot_n1_6_tiny`` run in bf16 at ``out``: one micro-batch of 2 a
+    step, a 2-episode synthetic dataset, no progress bar, TensorBoard or exit checkpoint;
+    ``extra`` overrides follow (and win)."""
+    return [
+        f"output_dir={out}",
+        "train.steps=2",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=null",  # micro x dp: one micro-batch a step
+        "train.precision=bf16",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "checkpoint.save_on_exit=false",
+        "data.synthetic.num_episodes=2",
+        "data.synthetic.episode_length=12",
+        *extra,
+    ]
+
+
 def tiny_groot(
     optim: OptimConfig, *, master_weights: bool = True, storage: str = "fp32"
 ) -> tuple[nn.Module, torch.optim.Optimizer]:

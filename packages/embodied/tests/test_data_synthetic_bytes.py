@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from embodied_testkit import tiny_run_overrides
 
 from longboat.core.config.compose import compose_experiment
 from longboat.embodied.train.trainer import train
@@ -33,22 +34,7 @@ def test_datasets_written_between_training_runs_are_the_same_bytes(tmp_path: Pat
     for _ in range(120):
         out = tmp_path / "run"
         shutil.rmtree(out, ignore_errors=True)
-        cfg = compose_experiment(
-            "groot_n1_6_tiny",
-            [
-                f"output_dir={out}",
-                "train.steps=2",
-                "train.micro_batch_size=2",
-                "train.global_batch_size=null",
-                "train.precision=bf16",
-                "logging.progress=false",
-                "logging.tensorboard=false",
-                "checkpoint.save_on_exit=false",
-                "data.synthetic.num_episodes=2",
-                "data.synthetic.episode_length=12",
-            ],
-            world_size=1,
-        )
+        cfg = compose_experiment("groot_n1_6_tiny", tiny_run_overrides(out), world_size=1)
         train(cfg)
         key = str(sorted(_digest(out / "dataset" / "videos").items()))
         seen[key] = seen.get(key, 0) + 1

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from embodied_testkit import SETUP, cpu_train_step, tiny_groot
+from embodied_testkit import SETUP, cpu_train_step, tiny_groot, tiny_run_overrides
 from torch import nn
 
 from longboat.core.config.errors import ConfigError
@@ -326,21 +326,7 @@ def test_trainer_exports_the_fp32_master_weights(tmp_path):
     from longboat.embodied.train.trainer import train
 
     cfg = compose_experiment(
-        "groot_n1_6_tiny",
-        [
-            f"output_dir={tmp_path}",
-            "train.steps=2",
-            "train.micro_batch_size=2",
-            "train.global_batch_size=null",  # micro x dp: one micro-batch a step
-            "train.precision=bf16",
-            "train.master_weights=true",
-            "logging.progress=false",
-            "logging.tensorboard=false",
-            "checkpoint.save_on_exit=false",
-            "data.synthetic.num_episodes=2",
-            "data.synthetic.episode_length=12",
-        ],
-        world_size=1,
+        "groot_n1_6_tiny", tiny_run_overrides(tmp_path, "train.master_weights=true"), world_size=1
     )
     result = train(cfg)
     weights = load_file(str(Path(result.export_dir) / "model.safetensors"))
