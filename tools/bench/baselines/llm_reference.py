@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from reference_adamw import ReferenceAdamW
 
 
 def param_counts(m: Any) -> tuple[int, int]:
@@ -195,24 +196,13 @@ class HFStep:
         self.logits_materialised: bool | None = None
         """Whether the forward returned ``[tokens, vocab]`` logits (Liger's fused linear
         cross-entropy returns none in training with labels); set by the first step."""
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        rest = [p for p in model.parameters() if p.dim() < 2]
-        self.opt = torch.optim.AdamW(
-            [{"params": decay}, {"params": rest, "weight_decay": 0.0}],
-            lr=optim.lr,
-            betas=tuple(optim.betas),
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
-            fused=device.type == "cuda",
+        self.optimizer = ReferenceAdamW(
+            model, optim, device, clip=optim.grad_clip, lr_factor=lr_factor
         )
         self.model, self.device, self.autocast = model, device, autocast
         self.forward = torch.compile(model) if compiled else model
-        self.clip, self.lr, self.factor = optim.grad_clip, optim.lr, lr_factor
 
     def __call__(self, tokens: torch.Tensor, shift_labels: Any = None, i: int = 0) -> Any:
-        if self.factor is not None:
-            for group in self.opt.param_groups:
-                group["lr"] = self.lr * self.factor(i)
         kwargs = {} if shift_labels is None else {"shift_labels": shift_labels}
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = self.forward(input_ids=tokens, labels=tokens, **kwargs)
@@ -225,10 +215,7 @@ class HFStep:
             reported = reported - self.model.config.router_aux_loss_coef * aux.detach()
         del out  # the logits must not outlive the forward (as when only .loss is kept)
         loss.backward()
-        if self.clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        self.optimizer.update(i)
         return reported
 
 

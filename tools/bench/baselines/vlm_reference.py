@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from reference_adamw import ReferenceAdamW
 
 
 def hf_qwen2_5_vl(model_cfg: Any, device: torch.device, *, liger: bool = False) -> Any:
@@ -97,29 +98,15 @@ class HFVLMStep:
             for block in [*inner.visual.blocks, *inner.language_model.layers]:
                 block.compile(dynamic=True)
         self.forward_module = type(model).forward.__module__
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        rest = [p for p in model.parameters() if p.dim() < 2]
-        self.opt = torch.optim.AdamW(
-            [{"params": decay}, {"params": rest, "weight_decay": 0.0}],
-            lr=optim.lr,
-            betas=tuple(optim.betas),
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
-            fused=device.type == "cuda",
+        self.optimizer = ReferenceAdamW(
+            model, optim, device, clip=optim.grad_clip, lr_factor=lr_factor
         )
-        self.model, self.device, self.clip = model, device, optim.grad_clip
-        self.lr, self.factor, self.autocast = optim.lr, lr_factor, autocast
+        self.model, self.device, self.autocast = model, device, autocast
 
     def __call__(self, batch: dict[str, Any], i: int = 0) -> torch.Tensor:
-        if self.factor is not None:
-            for group in self.opt.param_groups:
-                group["lr"] = self.lr * self.factor(i)
         inputs = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             loss = self.model(**inputs, use_cache=False).loss  # training: no KV cache
         loss.backward()
-        if self.clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        self.optimizer.update(i)
         return loss.detach()

@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from reference_adamw import ReferenceAdamW
 
 WAN_T2V_1_3B: dict[str, Any] = dict(
     patch_size=[1, 2, 2], num_attention_heads=12, attention_head_dim=128, in_channels=16,
@@ -136,26 +137,17 @@ class WanRefStep:
             model.enable_gradient_checkpointing()
         self.checkpointing = bool(model.gradient_checkpointing)
         self.forward_module = type(model).forward.__module__
-        params: Any = model.parameters()
-        if lr_factor is not None:  # the product's optimizer: biases and norms do not decay
-            params = [{"params": [p for p in model.parameters() if p.dim() >= 2]},
-                      {"params": [p for p in model.parameters() if p.dim() < 2],
-                       "weight_decay": 0.0}]  # fmt: skip
-        self.opt = torch.optim.AdamW(
-            params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
-            weight_decay=optim.weight_decay, fused=device.type == "cuda",
+        product = lr_factor is not None  # the product's optimizer: matrices decay, clipping
+        self.optimizer = ReferenceAdamW(
+            model, optim, device, clip=optim.grad_clip if product else 0.0,
+            lr_factor=lr_factor, matrices_only=product,
         )  # fmt: skip
-        self.lr, self.factor = optim.lr, lr_factor
-        self.clip = optim.grad_clip if lr_factor is not None else 0.0
         self.model, self.device = model, device
         self.shift, self.timesteps = float(shift), int(num_train_timesteps)
         self.autocast = device.type == "cuda" if autocast is None else autocast
         self.precision = "bf16 autocast, fp32 weights" if self.autocast else "fp32"
 
     def __call__(self, batch: dict[str, Any]) -> torch.Tensor:
-        if self.factor is not None:
-            for group in self.opt.param_groups:
-                group["lr"] = self.lr * self.factor(int(batch["step"]))
         x0 = batch["latents"].to(self.device, torch.float32, non_blocking=True)
         text = batch["text"].to(self.device, torch.float32, non_blocking=True)
         sigma, noise = draw_noise(int(batch["seed"]), tuple(x0.shape), self.shift)
@@ -168,8 +160,5 @@ class WanRefStep:
             pred = self.model(x_t, sigma * self.timesteps, text, return_dict=False)[0]
         loss = (weight * F.mse_loss(pred.float(), target.float())).sum()
         loss.backward()
-        if self.clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        self.optimizer.update(int(batch.get("step", 0)))
         return loss.detach()
