@@ -228,22 +228,15 @@ def _check_parallel(cfg: DictConfig, world_size: int | None, p: ProblemCollector
 
 
 def _check_batch(cfg: DictConfig, dp: int | None, p: ProblemCollector) -> None:
+    from longboat.core.data.batch_plan import batch_size_problem
+
     gbs = _get(cfg, "train.global_batch_size")
     mbs = _get(cfg, "train.micro_batch_size")
     if gbs is None or not isinstance(mbs, int) or mbs < 1:
-        return
-    if gbs < 1:
-        p.add("train.global_batch_size", "must be >= 1 or null", value=gbs, fix="use null")
-        return
-    per_step = mbs * (dp or 1)
-    if gbs % per_step != 0:
-        dp_text = f" x data_parallel={dp}" if dp is not None else ""
-        p.add(
-            "train.global_batch_size",
-            f"is not divisible by micro_batch_size={mbs}{dp_text} = {per_step}",
-            value=gbs,
-            fix=f"use a multiple of {per_step} (gradient accumulation steps = gbs / {per_step})",
-        )
+        return  # a bad micro-batch size is the schema's to report
+    problem = batch_size_problem(gbs, mbs, dp)
+    if problem is not None:
+        p.problems.append(problem)
 
 
 def _looks_remote(path: str) -> bool:

@@ -19,9 +19,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sized
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
+
+from longboat.core.data.batch_plan import epoch_permutation
 
 __all__ = ["StatefulDistributedSampler"]
 
@@ -89,9 +90,7 @@ class StatefulDistributedSampler(Sampler[int]):
     def _global_order(self) -> list[int]:
         n = self.num_samples_total
         if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(n, generator=g).tolist()
+            order = epoch_permutation(n, self.seed, self.epoch, "torch").tolist()
         else:
             order = list(range(n))
         total = self._epoch_total()
