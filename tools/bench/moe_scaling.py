@@ -16,7 +16,7 @@ every phase):
 - ``ep1``: one process, a global batch of 2 rows (two microbatches of one step: the CLI's
   eager step, since a CUDA graph captures one microbatch).
 - ``ep2``: two processes with ``parallel.expert_parallel=2``: 64 experts per rank, the dense
-  part data-parallel, each rank one row of the same global batch of 2 (``GlobalBatchSchedule``:
+  part data-parallel, each rank one row of the same global batch of 2 (core's ``GlobalBatchPlan``:
   ep1's microbatch i is ep2's rank i), so both train the same curve.
 - ``ep1_gbs1``: one process, one row a step (one GPU as a user runs it by default: one
   microbatch, the CUDA-graph step where it applies).

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from longboat.llm.train.data import GlobalBatchSchedule, document_mask, split_documents
+from longboat.core.data.batch_plan import BatchLayout
+from longboat.llm.train.data import document_mask, row_plan, split_documents
 
 
 class _Docs:
@@ -25,13 +26,21 @@ class _Docs:
 
 
 def test_schedule_is_a_pure_function_of_the_step_and_covers_each_epoch() -> None:
-    s = GlobalBatchSchedule(num_rows=12, global_batch=4, micro_batch=1, data_parallel=2, seed=3)
-    assert s.num_microbatches == 2
-    epoch = [r for step in range(3) for d in range(2) for mb in s.rows(step, d) for r in mb]
+    s = row_plan(12, BatchLayout(global_batch=4, micro_batch=1, dp_size=2), seed=3)
+    assert s.layout.accum == 2
+    epoch = [
+        r for step in range(3) for d in range(2) for mb in s.rank_micro_batches(step, d) for r in mb
+    ]
     assert sorted(epoch) == list(range(12))  # one epoch = every row exactly once
-    again = GlobalBatchSchedule(12, 4, 1, 2, seed=3)
-    assert again.rows(5, 1) == s.rows(5, 1)
-    nxt = [r for step in range(3, 6) for d in range(2) for mb in s.rows(step, d) for r in mb]
+    again = row_plan(12, BatchLayout(4, 1, 2), seed=3)
+    assert again.rank_micro_batches(5, 1) == s.rank_micro_batches(5, 1)
+    nxt = [
+        r
+        for step in range(3, 6)
+        for d in range(2)
+        for mb in s.rank_micro_batches(step, d)
+        for r in mb
+    ]
     assert sorted(nxt) == list(range(12)) and nxt != epoch  # a new permutation per epoch
 
 

@@ -1,4 +1,5 @@
-"""Data primitives shared by every stack (stateful samplers, sequence packing, DP balancing).
+"""Data primitives shared by every stack (the global batch plan, stateful samplers, sequence
+packing, DP balancing).
 
 Import from the submodules, e.g. ``longboat.core.data.sampler``.
 """

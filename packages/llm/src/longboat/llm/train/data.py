@@ -4,14 +4,13 @@ Documents come from datasets written by ``longboat-llm data prepare``
 (``IndexedTokenDataset``) and are split into train / held-out documents by a seeded
 permutation. Rows are packed with core's
 ``PackedDataset`` (labels never cross documents). Which rows a step reads is a pure function
-of the step (:class:`GlobalBatchSchedule`), so resuming at step ``s`` needs no loader state.
+of the step (core's ``GlobalBatchPlan``, :func:`row_plan`), so resuming at step ``s`` needs no loader state.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 
 from longboat.core.config.errors import ConfigError
+from longboat.core.data.batch_plan import BatchLayout
 
 
 class Subset(Sequence):
@@ -197,37 +197,15 @@ def split_documents(docs: Any, eval_fraction: float, seed: int) -> tuple[Any, An
     return Subset(docs, np.sort(order[n_eval:])), Subset(docs, np.sort(order[:n_eval]))
 
 
-@dataclass(frozen=True)
-class GlobalBatchSchedule:
-    """Rows of every step: epoch ``e`` walks the rows in a permutation seeded by (seed, e)."""
+def row_plan(num_rows: int, layout: BatchLayout, seed: int, *, shuffle: bool = True) -> Any:
+    """Core's ``GlobalBatchPlan`` of the packed rows: epoch ``e`` walks the rows in a numpy
+    permutation seeded by ``(seed, e)``; micro-batch ``m`` of DP rank ``r`` is the step's
+    ``m x dp + r``-th."""
+    from longboat.core.data.batch_plan import GlobalBatchPlan
 
-    num_rows: int
-    global_batch: int
-    micro_batch: int
-    data_parallel: int
-    seed: int
-    shuffle: bool = True
-
-    @property
-    def num_microbatches(self) -> int:
-        """Gradient-accumulation steps per optimizer step."""
-        return self.global_batch // (self.micro_batch * self.data_parallel)
-
-    def _row(self, g: int) -> int:
-        epoch, at = divmod(g, self.num_rows)
-        if not self.shuffle:
-            return at
-        perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
-        return int(perm[at])
-
-    def rows(self, step: int, dp_rank: int) -> list[list[int]]:
-        """Row indices of ``step`` (0-based) for one DP rank, one list per microbatch."""
-        base = step * self.global_batch
-        out = []
-        for m in range(self.num_microbatches):
-            first = base + (m * self.data_parallel + dp_rank) * self.micro_batch
-            out.append([self._row(g) for g in range(first, first + self.micro_batch)])
-        return out
+    return GlobalBatchPlan(
+        num_rows, layout, seed=seed, shuffle=shuffle, permutation="numpy", deal="micro_major"
+    )
 
 
 def document_mask(position_ids: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from longboat.core.config.errors import ConfigError
 from longboat.core.device.transfer import batch_to_device
 from longboat.core.distributed import run_precision
 from longboat.core.megatron.quiet import quiet_megatron
@@ -86,13 +85,10 @@ class LLMTraining(MegatronTraining):
     def _build(self, rank: int) -> None:
         from megatron.core import parallel_state as mps
 
+        from longboat.core.data.batch_plan import batch_layout
         from longboat.core.data.packing import PackedDataset
         from longboat.core.rng import seed_everything
-        from longboat.llm.train.data import (
-            GlobalBatchSchedule,
-            open_run_data,
-            train_and_eval_documents,
-        )
+        from longboat.llm.train.data import open_run_data, row_plan, train_and_eval_documents
 
         cfg, data = self.cfg, self.cfg.data
         parts, self.tokenizer_dir = open_run_data(data, self.model_cfg.vocab_size, rank)
@@ -101,17 +97,11 @@ class LLMTraining(MegatronTraining):
         self.eval_rows = PackedDataset(eval_docs, data.seq_len) if len(eval_docs) else None
         self.precision = run_precision(cfg.train.precision, cfg.llm.cpu_precision, self.accelerator)
         self.init_layout(cfg.parallel, cfg.train.seed)
-        dp, mbs = self.layout.data_parallel, cfg.train.micro_batch_size
-        gbs = cfg.train.global_batch_size or mbs * dp
-        if gbs % (mbs * dp):
-            raise ConfigError(
-                f"is not divisible by micro_batch_size x data_parallel = {mbs * dp}",
-                key="train.global_batch_size",
-                value=gbs,
-                fix=f"use a multiple of {mbs * dp}",
-            )
-        self.schedule = GlobalBatchSchedule(len(self.train_rows), gbs, mbs, dp, seed=data.seed)
-        self.items_per_step = gbs * data.seq_len
+        batches = batch_layout(
+            cfg.train.global_batch_size, cfg.train.micro_batch_size, self.layout.data_parallel
+        )
+        self.plan = row_plan(len(self.train_rows), batches, data.seed)
+        self.items_per_step = batches.global_batch * data.seq_len
         self.dp_rank = mps.get_data_parallel_rank()
         self.device = self.accelerator.device()
         seed_everything(cfg.train.seed, self.accelerator)
@@ -130,7 +120,7 @@ class LLMTraining(MegatronTraining):
             cfg.optim,
             precision=self.precision,
             device=self.device,
-            microbatches=self.schedule.num_microbatches,
+            microbatches=self.plan.layout.accum,
             fused_linear_ce=cfg.llm.fused_linear_ce,
             wgrad_fusion=cfg.llm.wgrad_fusion,
             compile_layers=cfg.train.compile,
@@ -167,7 +157,7 @@ class LLMTraining(MegatronTraining):
         for step in itertools.count(start_step):
             yield [
                 microbatch([self.train_rows[i] for i in rows], cpu, document_attention=doc_attn)
-                for rows in self.schedule.rows(step, self.dp_rank)
+                for rows in self.plan.rank_micro_batches(step, self.dp_rank)
             ]
 
     def make_gate(self, guard: Any, schedule: Any) -> UpdateGate:
@@ -177,7 +167,7 @@ class LLMTraining(MegatronTraining):
         cfg, step_fn = self.cfg, self.step_fn
         self.graph_notice = None
         if cfg.llm.cuda_graph:
-            why = graph_blocker(cfg, self.schedule.num_microbatches, step_fn)
+            why = graph_blocker(cfg, self.plan.layout.accum, step_fn)
             if why is None:
                 self.graphed = GraphedTrainStep(
                     step_fn,
@@ -232,25 +222,18 @@ class LLMTraining(MegatronTraining):
         return read
 
     def evaluate(self) -> dict[str, float]:
-        from longboat.llm.train.data import GlobalBatchSchedule, microbatch
+        from longboat.llm.train.data import microbatch, row_plan
         from longboat.llm.train.step import evaluate
 
         if self.eval_rows is None:
             return {}
-        s, cfg = self.schedule, self.cfg
-        es = GlobalBatchSchedule(
-            len(self.eval_rows),
-            s.global_batch,
-            s.micro_batch,
-            s.data_parallel,
-            seed=0,
-            shuffle=False,
-        )
+        cfg = self.cfg
+        es = row_plan(len(self.eval_rows), self.plan.layout, seed=0, shuffle=False)
         doc_attn = cfg.data.document_attention
         micro = [
             microbatch([self.eval_rows[i] for i in rows], self.device, document_attention=doc_attn)
             for step in range(max(1, cfg.llm.eval_batches))
-            for rows in es.rows(step, self.dp_rank)
+            for rows in es.rank_micro_batches(step, self.dp_rank)
         ]
         loss = evaluate(self.step_fn.model, micro, self.device, fused_ce=cfg.llm.fused_linear_ce)
         return {"eval_loss": loss}
@@ -282,13 +265,13 @@ class LLMTraining(MegatronTraining):
         )
 
     def describe(self) -> list[str]:
-        m, s, lay, rows = self.model_cfg, self.schedule, self.layout, self.train_rows
+        m, s, lay, rows = self.model_cfg, self.plan.layout, self.layout, self.train_rows
         lines = [
             f"Model {m.name}/{m.flavor}: {m.num_layers} layers, hidden {m.hidden_size}, vocab "
             f"{m.vocab_size}; {self.precision}; tp={lay.tensor_parallel} "
             f"pp={lay.pipeline_parallel} dp={lay.data_parallel}. Data: {len(rows)} packed rows "
             f"of {rows.seq_len} tokens ({rows.fill:.0%} filled); global batch {s.global_batch} = "
-            f"{s.num_microbatches} microbatch(es) x {s.micro_batch} x dp {s.data_parallel}."
+            f"{s.accum} microbatch(es) x {s.micro_batch} x dp {s.dp_size}."
         ]
         if self.step_fn.one_pass_blocker:
             lines.append(f"llm.one_pass_adamw: megatron's step ({self.step_fn.one_pass_blocker}).")
