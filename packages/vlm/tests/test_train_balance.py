@@ -39,8 +39,7 @@ def _overrides(out: Path, data: Path, world: int) -> list[str]:
 def _worker(rank: int, world: int, overrides: list[str]) -> dict:
     from longboat.core.config.compose import compose_experiment
     from longboat.core.train import Trainer, typed_config
-    from longboat.vlm.train.balance import rank_rows
-    from longboat.vlm.train.training import build_training, rows_of_step
+    from longboat.vlm.train.training import build_training
 
     cfg = typed_config(compose_experiment("quickstart", overrides, stack="vlm"))
     training = build_training(cfg)
@@ -48,9 +47,8 @@ def _worker(rank: int, world: int, overrides: list[str]) -> dict:
         moved = 0
         if training.row_costs is not None:
             for step in range(20):
-                rows = rows_of_step(step, len(training.data.train), 4, cfg.data.seed)
-                plain = rank_rows(rows, training.row_costs, 2, balanced=False)
-                dealt = rank_rows(rows, training.row_costs, 2)
+                plain = training.plan.assignment(step, balanced=False)
+                dealt = training.plan.assignment(step)
                 moved += plain.ranks != dealt.ranks
                 assert max(dealt.costs) <= max(plain.costs) + 1e-6
         run = Trainer(cfg, training).fit()
@@ -74,9 +72,10 @@ def test_balanced_dp2_trains_the_dp1_losses(tmp_path: Path) -> None:
 def test_row_costs_grow_with_sample_length_and_images() -> None:
     from types import SimpleNamespace
 
+    from longboat.core.data.balance import balance
     from longboat.core.data.packing import Piece
     from longboat.vlm.models.qwen2_5_vl.model import flavor
-    from longboat.vlm.train.balance import cost_models, rank_rows, row_costs
+    from longboat.vlm.train.balance import cost_models, row_costs
 
     cfg = flavor("tiny")
     none = np.zeros((0, 3), np.int64)
@@ -95,7 +94,7 @@ def test_row_costs_grow_with_sample_length_and_images() -> None:
     # Same tokens: the single sample costs more by the attention term only.
     np.testing.assert_allclose(costs[0] - costs[1], decoder.quadratic * (200**2 - 2 * 100**2))
     np.testing.assert_allclose(costs[2] - costs[1], vision.cost([64]))
-    dealt = rank_rows([0, 1, 2, 0], np.array([10.0, 1.0, 1.0]), 2)
+    dealt = balance(np.array([10.0, 1.0, 1.0])[[0, 1, 2, 0]], 2, per_rank=2)
     assert sorted(len(r) for r in dealt.ranks) == [2, 2]
     assert max(dealt.costs) == 11.0  # each rank gets one of the two 10s
 

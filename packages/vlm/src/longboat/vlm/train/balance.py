@@ -1,11 +1,11 @@
-"""Data-parallel load balancing of packed rows (``vlm.dp_balance``).
+"""The cost of a packed row, for data-parallel load balancing (``vlm.dp_balance``).
 
-Every step takes the same global batch of packed rows (``rows_of_step``); instead of rank
-``r`` taking rows ``r, r + DP, ...``, the rows are dealt by cost with core's
+Every step takes the same global batch of packed rows (core's global batch plan,
+``data.row_plan``); with the costs here the plan deals them to the ranks by cost (core's
 :func:`~longboat.core.data.balance.balance`, each rank getting its ``global_batch / DP``
-microbatches. The global batch, and so the step's loss (the mean over every target token of
-it), stays the same; only who computes which row changes. The assignment is a pure function
-of the step, so resume is exact.
+microbatches) instead of rank ``r`` taking rows ``r, r + DP, ...``. The global batch, and so
+the step's loss (the mean over every target token of it), stays the same; only who computes
+which row changes. The assignment is a pure function of the step, so resume is exact.
 
 A row's cost is its decoder cost plus its vision tower's (:func:`cost_models`, from the
 model's shapes, in FLOPs): attention is quadratic in each packed sample's length (a row of
@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from longboat.core.data.balance import Assignment, CostModel, balance, round_robin
+from longboat.core.data.balance import CostModel
 
-__all__ = ["cost_models", "rank_rows", "row_costs"]
+__all__ = ["cost_models", "row_costs"]
 
 
 def cost_models(model_cfg: Any) -> tuple[CostModel, CostModel]:
@@ -70,14 +70,3 @@ def row_costs(dataset: Any, model_cfg: Any) -> np.ndarray:
                 cost += vision.cost(_vision_units(model_cfg, grid))
         out[i] = cost
     return out
-
-
-def rank_rows(
-    rows: Sequence[int], costs: np.ndarray, dp: int, *, balanced: bool = True
-) -> Assignment:
-    """The step's ``rows`` dealt to ``dp`` ranks (positions into ``rows`` per rank):
-    balanced by cost with ``len(rows) / dp`` each, or the plain ``r, r + dp, ...``."""
-    c = costs[np.asarray(rows, dtype=np.int64)]
-    if not balanced or dp == 1:
-        return round_robin(c, dp)
-    return balance(c, dp, per_rank=len(rows) // dp)

@@ -70,6 +70,19 @@ class RunData:
         )
 
 
+def row_plan(num_rows: int, layout: Any, seed: int, costs: np.ndarray | None = None) -> Any:
+    """Core's ``GlobalBatchPlan`` of the packed training rows: epoch ``e`` walks the rows in
+    a numpy permutation seeded by ``seed + e``; rank ``r`` trains the step's rows ``r, r + dp,
+    ...``, or with ``costs`` (``vlm.dp_balance``, :func:`~longboat.vlm.train.balance.row_costs`)
+    the rows dealt by cost. A pure function of the step, for exact resume."""
+    from longboat.core.data.batch_plan import GlobalBatchPlan
+
+    return GlobalBatchPlan(
+        num_rows, layout, seed=seed, permutation="numpy_summed_seed", deal="micro_major",
+        costs=costs,
+    )  # fmt: skip
+
+
 def _with_token_ids(
     model_cfg: Any, tokens: Any, vocab: int, source: str, checkpoint: str | None = None
 ) -> Any:

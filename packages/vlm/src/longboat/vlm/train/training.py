@@ -6,8 +6,8 @@ it): the process group (a one-rank group when not launched by torchrun), the dat
 processor, packed into rows of ``data.seq_len`` tokens; the quickstart generates its own),
 megatron's parallel state, the model (from its flavor or ``model.init_from_hf``), and the
 step on megatron's DDP + distributed optimizer (``VLMTrainStep``). The rows of every step
-are a pure function of the step (seeded per-epoch permutations), so a resumed run sees
-exactly the rows the uninterrupted one would have.
+are a pure function of the step (core's global batch plan, ``data.row_plan``), so a resumed
+run sees exactly the rows the uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -81,20 +80,6 @@ def model_config(cfg: Any) -> Any:
     if compose is not None:
         return compose(cfg.model)
     return family.flavor(cfg.model.flavor)
-
-
-def _row_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
-    return np.random.default_rng(seed + epoch).permutation(num_rows)
-
-
-def rows_of_step(step: int, num_rows: int, global_batch: int, seed: int) -> list[int]:
-    """The global batch of ``step``: ``global_batch`` row indices from seeded per-epoch
-    permutations laid end to end (a pure function of the step, for exact resume)."""
-    out = []
-    for k in range(step * global_batch, (step + 1) * global_batch):
-        epoch, pos = divmod(k, num_rows)
-        out.append(int(_row_order(num_rows, seed, epoch)[pos]))
-    return out
 
 
 HOST_KEYS = frozenset({"image_grid_thw", "video_grid_thw"})
@@ -198,8 +183,9 @@ class VLMTraining(MegatronTraining):
     def _build(self, rank: int) -> None:
         from megatron.core import parallel_state as mps
 
+        from longboat.core.data.batch_plan import batch_layout
         from longboat.core.rng import seed_everything
-        from longboat.vlm.train.data import open_run_data
+        from longboat.vlm.train.data import open_run_data, row_plan
 
         cfg = self.cfg
         self.family = model_family(cfg)
@@ -211,16 +197,9 @@ class VLMTraining(MegatronTraining):
         self.precision = run_precision(cfg.train.precision, cfg.vlm.cpu_precision, self.accelerator)
         self.init_layout(cfg.parallel, cfg.train.seed)
         dp = self.layout.data_parallel
-        gbs = cfg.train.global_batch_size or dp
-        if gbs % dp:
-            raise ConfigError(
-                f"is not divisible by data_parallel = {dp}",
-                key="train.global_batch_size",
-                value=gbs,
-                fix=f"use a multiple of {dp}",
-            )
-        self.global_batch = gbs
-        self.items_per_step = gbs * self.data.train.seq_len
+        batches = batch_layout(cfg.train.global_batch_size, cfg.train.micro_batch_size, dp)
+        self.global_batch = batches.global_batch
+        self.items_per_step = batches.global_batch * self.data.train.seq_len
         self.dp_rank, self.dp = mps.get_data_parallel_rank(), dp
         self.device = self.accelerator.device()
         workers = cfg.vlm.data_workers
@@ -232,6 +211,7 @@ class VLMTraining(MegatronTraining):
             from longboat.vlm.train.balance import row_costs
 
             self.row_costs = row_costs(self.data.train, self.model_cfg)
+        self.plan = row_plan(len(self.data.train), batches, cfg.data.seed, self.row_costs)
         seed_everything(cfg.train.seed, self.accelerator)
         self.step_fn = self._build_step()
         self.ddp_modules = [self.step_fn.ddp]
@@ -295,13 +275,7 @@ class VLMTraining(MegatronTraining):
 
     def rows_of_rank(self, step: int) -> list[int]:
         """The packed rows this rank trains on at ``step`` (a pure function of the step)."""
-        of_step = rows_of_step(step, len(self.data.train), self.global_batch, self.cfg.data.seed)
-        if self.row_costs is None:
-            return of_step[self.dp_rank :: self.dp]
-        from longboat.vlm.train.balance import rank_rows
-
-        dealt = rank_rows(of_step, self.row_costs, self.dp).ranks[self.dp_rank]
-        return [of_step[k] for k in dealt]
+        return [i for micro in self.plan.rank_micro_batches(step, self.dp_rank) for i in micro]
 
     def batches(self, start_step: int) -> Iterator[list[dict[str, Any]]]:
         """This rank's rows of every step from ``start_step``, built ahead of the training
@@ -326,17 +300,11 @@ class VLMTraining(MegatronTraining):
     def balance_summary(self, steps: int = 100) -> tuple[float, float] | None:
         """Mean max/mean rank cost over the first ``steps`` steps: plain, balanced (None
         without balancing)."""
-        if self.row_costs is None:
+        if not self.plan.balanced:
             return None
-        from longboat.vlm.train.balance import rank_rows
+        from longboat.core.data.batch_plan import mean_imbalance
 
-        n, seed = len(self.data.train), self.cfg.data.seed
-        plain, dealt = [], []
-        for step in range(steps):
-            of_step = rows_of_step(step, n, self.global_batch, seed)
-            plain.append(rank_rows(of_step, self.row_costs, self.dp, balanced=False).imbalance)
-            dealt.append(rank_rows(of_step, self.row_costs, self.dp).imbalance)
-        return float(np.mean(plain)), float(np.mean(dealt))
+        return mean_imbalance(self.plan, steps)
 
     def step(self, step: int, batch: list[dict[str, Any]], gate: UpdateGate) -> StepOutput:
         for b in batch:  # counted on the host, before the copy: no device read in the step
@@ -456,4 +424,4 @@ def train(cfg: Any, *, on_step: Callable[[int], None] | None = None) -> RunResul
     return run_training(cfg, build_training, on_step=on_step)
 
 
-__all__ = ["VLMTraining", "build_training", "rows_of_step", "train"]
+__all__ = ["VLMTraining", "build_training", "train"]
