@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from longboat.embodied.train.plan import BatchLayout, GlobalBatchPlan
+from longboat.core.data.batch_plan import BatchLayout, GlobalBatchPlan
+from longboat.embodied.train.plan import sample_plan
 
 
 def _plan(n: int, gb: int, mb: int, dp: int) -> GlobalBatchPlan:
-    return GlobalBatchPlan(n, BatchLayout(gb, mb, dp), seed=3, shuffle=True)
+    return sample_plan(n, BatchLayout(gb, mb, dp), seed=3, shuffle=True)
 
 
 def test_ranks_split_the_global_batch_like_accumulation_at_world_1() -> None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from longboat.core.config.compose import compose_experiment
 from longboat.core.config.errors import ConfigError
+from longboat.core.data.batch_plan import batch_layout
 from longboat.core.train import Trainer
 from longboat.embodied.cli import main
 from longboat.embodied.data import EmbodimentSpec, LeRobotFormatError, write_synthetic_dataset
@@ -24,7 +25,6 @@ from longboat.embodied.data.synthetic import synthetic_state
 from longboat.embodied.models import get_config
 from longboat.embodied.models.common.image_preprocessing import resize_with_pad
 from longboat.embodied.train import training as training_module
-from longboat.embodied.train.plan import batch_layout
 from longboat.embodied.train.policy_batch import ByteTokenizer, unit_float
 from longboat.embodied.train.training import build_training, open_run_data
 

@@ -20,10 +20,10 @@ from safetensors.torch import load_file
 from longboat.core.checkpoint import CheckpointError
 from longboat.core.config.compose import compose_experiment
 from longboat.core.config.errors import ConfigError
+from longboat.core.data.batch_plan import batch_layout
 from longboat.core.distributed import run_multiprocess
 from longboat.embodied.parallel import unwrap
 from longboat.embodied.train.export import load_exported_policy
-from longboat.embodied.train.plan import batch_layout
 from longboat.embodied.train.trainer import train
 from longboat.embodied.train.training import build_training
 

@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from longboat.core.config.errors import ProblemCollector
+from longboat.core.data.batch_plan import BatchLayout, GlobalBatchPlan, batch_layout
 from longboat.core.device import get_accelerator
 from longboat.core.distributed import init_distributed, resolve_parallel
 from longboat.core.loop.cuda_graph import GraphedStep
@@ -60,7 +61,7 @@ from longboat.embodied.train.datasets import ensure_synthetic, open_dataset
 from longboat.embodied.train.evaluate import HeldOutEval
 from longboat.embodied.train.export import export_policy
 from longboat.embodied.train.loader import RankMicroBatches, build_loader
-from longboat.embodied.train.plan import BatchLayout, DataPosition, GlobalBatchPlan, batch_layout
+from longboat.embodied.train.plan import data_position, sample_plan
 from longboat.embodied.train.policy_batch import (
     PolicyCollator,
     batch_spec,
@@ -168,9 +169,7 @@ def open_run_data(
         prompts=prompts,
     )
     image_hw = spec.image_size if resized else sizes[0]
-    plan = GlobalBatchPlan(
-        len(opened.dataset), layout, seed=cfg.data.seed, shuffle=cfg.data.shuffle
-    )
+    plan = sample_plan(len(opened.dataset), layout, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     return RunData(
         root,
         opened.dataset,
@@ -305,7 +304,7 @@ class EmbodiedTraining(Training):
             cfg, self.model_cfg, len(self.data.norm_stats)
         )
         self.reference_export: Path | None = None
-        self.position = DataPosition(self.data.plan, self.data.held_out)
+        self.position = data_position(self.data.plan, self.data.held_out)
         self.setup = ParallelSetup(
             strategy=parallel.strategy,
             world_size=info.world_size,
