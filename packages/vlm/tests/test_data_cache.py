@@ -96,7 +96,7 @@ def test_an_interrupted_build_leaves_no_entry(
 
 
 def test_prepare_with_a_bad_path_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from longboat.vlm.data.shapes import build_shapes_tokenizer
+    from longboat.vlm.data.shapes_dataset import build_shapes_tokenizer
 
     tok = build_shapes_tokenizer(tmp_path / "tok").path
     missing = tmp_path / "none.jsonl"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from longboat.vlm.data.cli import data_main
-from longboat.vlm.data.shapes import build_shapes_tokenizer, make_shapes_dataset
+from longboat.vlm.data.shapes_dataset import build_shapes_tokenizer, make_shapes_dataset
 
 ARGS = ["--seq-len", "256", "--patch-size", "4", "--min-pixels", "3136", "--max-pixels", "3136"]
 

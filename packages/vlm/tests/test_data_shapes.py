@@ -14,7 +14,7 @@ from PIL import Image
 from longboat.vlm.data.encoding import load_tokenizer
 from longboat.vlm.data.loading import load_packed_dataset
 from longboat.vlm.data.processor import QwenVisionProcessor, VisionProcessorConfig
-from longboat.vlm.data.shapes import (
+from longboat.vlm.data.shapes_dataset import (
     COLOURS,
     POSITIONS,
     QUESTIONS,

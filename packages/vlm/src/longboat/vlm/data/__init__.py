@@ -6,7 +6,7 @@
 - :mod:`~longboat.vlm.data.encoding`: chat template, vision placeholders, assistant-only mask.
 - :mod:`~longboat.vlm.data.packing`: packed rows with ``cu_seqlens`` and M-RoPE ids; resume.
 - :mod:`~longboat.vlm.data.loading`: files -> packed rows in one call.
-- :mod:`~longboat.vlm.data.shapes` / :mod:`~longboat.vlm.data.tiny_tokenizer`: the quickstart.
+- :mod:`~longboat.vlm.data.shapes_dataset` / :mod:`~longboat.vlm.data.tiny_tokenizer`: the quickstart.
 - :mod:`~longboat.vlm.data.errors`: errors naming the row, file and field.
 """
 

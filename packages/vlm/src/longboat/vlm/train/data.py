@@ -204,9 +204,9 @@ def open_run_data(
     data = cfg.data
     notes: list[str] = []
     if data.name == "shapes":
-        from longboat.vlm.train.shapes import prepare_shapes
+        from longboat.vlm.data.shapes_dataset import prepare_shapes_dataset
 
-        train_files, eval_files, tokenizer_dir = prepare_shapes(data, seed=cfg.train.seed)
+        train_files, eval_files, tokenizer_dir = prepare_shapes_dataset(data, seed=cfg.train.seed)
         paths = [str(p) for p in train_files]
         eval_paths = [str(p) for p in eval_files]
     else:

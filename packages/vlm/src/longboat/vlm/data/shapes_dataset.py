@@ -6,6 +6,9 @@ Each record is LLaVA-style JSON lines: the image path (relative to the dataset f
 one or two question/answer turns about the colour, the shape, the position, or all three
 (``"Describe the image."`` -> ``"a red circle on the left"``); the first question starts
 with ``<image>\\n``. The same seed gives the same files byte for byte.
+
+:func:`prepare_shapes_dataset` writes a run's set (``data=shapes``) and its tokenizer once,
+rank 0 first when several processes train.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -29,6 +33,7 @@ __all__ = [
     "build_shapes_tokenizer",
     "draw_shape",
     "make_shapes_dataset",
+    "prepare_shapes_dataset",
     "shapes_texts",
 ]
 
@@ -177,3 +182,37 @@ def build_shapes_tokenizer(out_dir: str | Path, *, vocab_size: int = 384) -> VLM
     """The quickstart tokenizer (:func:`~longboat.vlm.data.tiny_tokenizer.build_vlm_tokenizer`
     trained on :func:`shapes_texts`) and the ids a model config needs."""
     return build_vlm_tokenizer(shapes_texts(), out_dir, vocab_size=vocab_size)
+
+
+def prepare_shapes_dataset(data: Any, *, seed: int) -> tuple[list[Path], list[Path], Path]:
+    """``(train files, held-out files, tokenizer dir)`` of ``data`` (a ``ShapesDataConfig``)
+    under ``data.out_dir``; files already there with the same settings are reused. With
+    several ranks rank 0 writes them first (ranks writing one directory at once would read
+    each other's half-written files) and the others reuse them."""
+    import torch.distributed as dist
+
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not several:
+        return _prepare(data, seed)
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            _prepare(data, seed)
+        except Exception as exc:  # the others wait at the barrier below, then see it too
+            error = exc
+    dist.barrier()
+    if error is not None:
+        raise error
+    return _prepare(data, seed)
+
+
+def _prepare(data: Any, seed: int) -> tuple[list[Path], list[Path], Path]:
+    out = Path(data.out_dir)
+    n = data.num_train + data.num_eval
+    made = make_shapes_dataset(
+        out / "shapes", n, seed, size=data.image_size, held_out_fraction=data.num_eval / n
+    )
+    tok_dir = out / "tokenizer"
+    if not (tok_dir / "tokenizer.json").is_file():
+        build_shapes_tokenizer(tok_dir)
+    return [made.train], [made.held_out], tok_dir
