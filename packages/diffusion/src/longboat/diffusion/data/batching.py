@@ -109,7 +109,10 @@ class LatentBatchSampler(Sampler[list[int]]):
             num_batches, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed
         )
 
-    def _plan(self, epoch: int) -> list[list[int]]:
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """Every batch of ``epoch`` (sample indices), by batch number: the order the batches
+        are drawn in is apart from this (core's sampler here, the global batch plan in
+        training)."""
         if self._packs is not None:
             return self._packs
         batches: list[list[int]] = []
@@ -135,7 +138,7 @@ class LatentBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         order = iter(self._order)  # advances the epoch after a finished pass
-        plan = self._plan(self._order.epoch)
+        plan = self.epoch_batches(self._order.epoch)
         return (plan[b] for b in order)
 
     def __len__(self) -> int:

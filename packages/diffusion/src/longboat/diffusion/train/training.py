@@ -3,12 +3,13 @@
 ``build_training(cfg)`` is the stack's one assembly (the command line and benchmarks call
 it): the config checked whole (``checks.check_experiment``), the process group (a one-rank
 group when not launched by torchrun), megatron's parallel state (tensor, context and data
-parallel), the data (the quickstart writes its synthetic sets first; training batches from the
-resumable latent loader, the held-out set batched once), the model (its flavor, or a diffusers
+parallel), the data (the quickstart writes its synthetic sets first; training batches of
+every step from core's global batch plan, the held-out set batched once), the model (its flavor, or a diffusers
 directory with ``model.init_from``) and the step on megatron's DDP + distributed optimizer
-(``DiffusionTrainStep``). The checkpoint holds the model, the optimizer's shard and the data
-position; the step's noise is a function of the step, so a resumed run continues the loss
-curve of an uninterrupted one exactly.
+(``DiffusionTrainStep``). The checkpoint holds the model, the optimizer's shard and the
+identity of the data order; the step's batches (core's global batch plan) and noise are
+functions of the step, so a resumed run continues the loss curve of an uninterrupted one
+exactly.
 
 After a finished run the model is exported as a diffusers directory and, for the preview,
 held-out captions are sampled in a few Euler steps into an animated GIF under the run
@@ -24,7 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from longboat.core.config.errors import ConfigError
 from longboat.core.device.transfer import pins_host_memory
 from longboat.core.distributed import run_precision
 from longboat.core.megatron.training import MegatronTraining
@@ -66,6 +66,7 @@ class DiffusionTraining(MegatronTraining):
     def _build(self, rank: int) -> None:
         from megatron.core import parallel_state as mps
 
+        from longboat.core.data.batch_plan import batch_layout
         from longboat.core.rng import seed_everything
         from longboat.diffusion.train.data import open_run_data
         from longboat.diffusion.train.step import DiffusionTrainStep
@@ -77,21 +78,12 @@ class DiffusionTraining(MegatronTraining):
         )
         self.init_layout(cfg.parallel, cfg.train.seed)
         self.dp, self.dp_rank = mps.get_data_parallel_world_size(), mps.get_data_parallel_rank()
-        mbs = cfg.train.micro_batch_size
-        gbs = cfg.train.global_batch_size or mbs * self.dp
-        if gbs % (mbs * self.dp):
-            raise ConfigError(
-                f"is not divisible by micro_batch_size x data_parallel = {mbs} x {self.dp}",
-                key="train.global_batch_size",
-                value=gbs,
-                fix=f"use a multiple of {mbs * self.dp}",
-            )
-        self.global_batch = gbs
-        self.accumulation = gbs // (mbs * self.dp)
+        batches = batch_layout(cfg.train.global_batch_size, cfg.train.micro_batch_size, self.dp)
+        self.global_batch, self.accumulation = batches.global_batch, batches.accum
         self.device = self.accelerator.device()
         patch = tuple(int(p) for p in self.model_cfg.latent_patch)
         self.data = open_run_data(
-            cfg, dp=self.dp, dp_rank=self.dp_rank, is_main=self.is_main, patch_size=patch,
+            cfg, batches, dp_rank=self.dp_rank, is_main=self.is_main, patch_size=patch,
             pin_memory=pins_host_memory(self.device),
         )  # fmt: skip
         self.items_per_step = self._samples_per_step()
@@ -145,8 +137,7 @@ class DiffusionTraining(MegatronTraining):
         return inner_optimizers(self.step_fn.optimizer)
 
     def batches(self, start_step: int) -> Iterator[list[dict[str, Any]]]:
-        # The loader continues from its position (restored with the checkpoint's "data").
-        return self.data.micro_batches(self.accumulation)
+        return self.data.micro_batches(start_step)
 
     def step(self, step: int, batch: list[dict[str, Any]], gate: UpdateGate) -> StepOutput:
         loss = self.step_fn.forward_backward(step, batch)
@@ -211,11 +202,6 @@ class DiffusionTraining(MegatronTraining):
             lines.append(
                 f"Held-out: {self.data.eval_count} samples, velocity MSE at sigma {sig} "
                 "(fixed noise per sample)."
-            )
-        if cfg.data.num_workers > 0:
-            lines.append(
-                f"data.num_workers={cfg.data.num_workers}: the workers prefetch, so a resumed "
-                "run skips the batches prefetched when the checkpoint was saved."
             )
         return lines
 
