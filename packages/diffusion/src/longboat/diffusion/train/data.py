@@ -28,7 +28,7 @@ from longboat.diffusion.data.batching import LatentBatchSampler, collate_latents
 from longboat.diffusion.data.dataset import LatentDataset
 from longboat.diffusion.data.loading import dataset_paths, eval_dataset_paths
 
-__all__ = ["RunData", "TrainingBatches", "noise_seed", "open_run_data"]
+__all__ = ["RunData", "TrainingBatches", "batch_plan", "noise_seed", "open_run_data"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _EVAL_STREAM = 0x5EED_E7A1
@@ -160,6 +160,20 @@ class RunData:
         return out
 
 
+def batch_plan(
+    num_batches: int, layout: BatchLayout, *, seed: int, shuffle: bool
+) -> GlobalBatchPlan:
+    """Core's plan over an epoch's ``num_batches`` micro-batches for ``layout`` (in samples):
+    one ``torch`` permutation of the batch numbers per epoch (seed ``seed + epoch``), wrapped
+    around to a multiple of the data-parallel size; rank ``r``'s micro-batch ``a`` of a step
+    is its ``a * dp + r``-th."""
+    in_batches = BatchLayout(layout.global_batch // layout.micro_batch, 1, layout.dp_size)
+    return GlobalBatchPlan(
+        num_batches, in_batches, seed=seed, shuffle=shuffle, permutation="torch",
+        deal="micro_major", pad_epochs=True,
+    )  # fmt: skip
+
+
 def open_run_data(
     cfg: Any,
     layout: BatchLayout,
@@ -184,11 +198,7 @@ def open_run_data(
         max_tokens=data.max_tokens, patch_size=tuple(data.patch_size), shuffle=data.shuffle,
         seed=data.seed, drop_last=data.drop_last, num_replicas=1, rank=0,
     )  # fmt: skip
-    in_batches = BatchLayout(layout.global_batch // layout.micro_batch, 1, dp)
-    plan = GlobalBatchPlan(
-        sampler.num_batches, in_batches, seed=data.seed, shuffle=data.shuffle,
-        permutation="torch", deal="micro_major", pad_epochs=True,
-    )  # fmt: skip
+    plan = batch_plan(sampler.num_batches, layout, seed=data.seed, shuffle=data.shuffle)
     packed = data.batching == "pack"
     train = TrainingBatches(
         dataset=dataset, sampler=sampler, plan=plan, packed=packed,
