@@ -154,3 +154,19 @@ def test_data_position_refuses_another_order_naming_its_config() -> None:
     text = str(err.value)
     assert "global_batch=8 (this run: 4)" in text and "held=[2] (this run: [1])" in text
     assert "train.global_batch_size, data.x" in text
+
+
+def _rank_step(plan: GlobalBatchPlan, step: int) -> list[list[int]]:
+    return plan.rank_micro_batches(step, 1)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_step_batches_yield_the_plans_steps_in_order_from_any_step(workers: int) -> None:
+    from functools import partial
+
+    from longboat.core.data.step_loader import step_batches
+
+    plan = _plan(7, 4, 1, 2, deal="micro_major")
+    it = step_batches(partial(_rank_step, plan), 3, num_workers=workers)
+    got = [next(it) for _ in range(6)]
+    assert got == [plan.rank_micro_batches(s, 1) for s in range(3, 9)]

@@ -132,6 +132,13 @@ def _killed_run(overrides: list[str]) -> None:
     train(compose(overrides), on_step=on_step)
 
 
+def _full_run(overrides: list[str]) -> None:
+    from longboat.diffusion.train.training import train
+
+    torch.set_num_threads(1)
+    train(compose(overrides))
+
+
 def _logged_losses(metrics: Path) -> dict[int, float]:
     out: dict[int, float] = {}
     for line in metrics.read_text().splitlines():
@@ -240,6 +247,28 @@ def test_sigkill_then_resume_continues_the_loss_curve(reference: dict[str, Any])
         root / "reference" / "logs" / RUN / "metrics.jsonl"
     )
     assert torch.equal(resumed["probe"], ref["probe"])  # the same weights at the end
+
+
+@pytest.mark.multiprocess
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_loader_workers_resume_the_loss_curve_exactly(reference: dict[str, Any]) -> None:
+    """Steps built ahead by loader processes: a run killed with its workers prefetching
+    resumes at its checkpoint's step on the reference's batches (the plan needs only the
+    step), so it logs the reference's losses."""
+    root = reference["root"]
+    out = root / "interrupted_workers"
+    overrides = [*tiny_overrides(out, root / "data"), "data.num_workers=2"]
+    for run in (_killed_run, _full_run):  # loader workers need a non-daemon process
+        proc = mp.get_context("fork").Process(target=run, args=(overrides,))
+        proc.start()
+        proc.join(300)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+        assert proc.exitcode == (-signal.SIGKILL if run is _killed_run else 0)
+    assert _logged_losses(out / "logs" / RUN / "metrics.jsonl") == _logged_losses(
+        root / "reference" / "logs" / RUN / "metrics.jsonl"
+    )
 
 
 @pytest.mark.multiprocess

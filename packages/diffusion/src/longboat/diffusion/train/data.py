@@ -96,24 +96,6 @@ class TrainingBatches:
         self.position().load_state_dict(state)
 
 
-class _StepBatches(torch.utils.data.Dataset):
-    """Item ``k``: one rank's micro-batches of step ``start + k`` (a loader's workers build
-    whole steps, in order)."""
-
-    def __init__(self, batches: TrainingBatches, dp_rank: int, start: int) -> None:
-        self.batches, self.dp_rank, self.start = batches, dp_rank, start
-
-    def __len__(self) -> int:
-        return 2**40  # the trainer stops taking steps; the loader never runs dry
-
-    def __getitem__(self, k: int) -> list[dict[str, Any]]:
-        return self.batches.step_batches(self.start + k, self.dp_rank)
-
-
-def _as_is(item: Any) -> Any:
-    return item
-
-
 @dataclass
 class RunData:
     """What a run reads (see the module doc)."""
@@ -136,20 +118,16 @@ class RunData:
     """The loader pins each step's batches (for asynchronous copies to the device)."""
 
     def micro_batches(self, start_step: int) -> Iterator[list[dict[str, Any]]]:
-        """This rank's micro-batches of every step from ``start_step`` on, a list a step."""
-        from longboat.core.loop.signals import ignore_sigint
+        """This rank's micro-batches of every step from ``start_step`` on, a list a step
+        (built ahead by ``num_workers`` loader processes)."""
+        from longboat.core.data.step_loader import step_batches
 
-        workers = self.num_workers
-        loader = torch.utils.data.DataLoader(
-            _StepBatches(self.train, self.dp_rank, start_step),
-            batch_size=None,
-            num_workers=workers,
-            collate_fn=_as_is,
+        return step_batches(
+            partial(self.train.step_batches, dp_rank=self.dp_rank),
+            start_step,
+            num_workers=self.num_workers,
             pin_memory=self.pin_memory,
-            prefetch_factor=2 if workers else None,
-            worker_init_fn=ignore_sigint if workers else None,
         )
-        yield from loader
 
     def eval_noise(self, batch: dict[str, Any]) -> list[torch.Tensor]:
         """Fixed float32 noise of each held-out sample of ``batch`` (seeded by its index)."""

@@ -87,10 +87,6 @@ HOST_KEYS = frozenset({"image_grid_thw", "video_grid_thw"})
 a grid on the device would be read back every step."""
 
 
-def _as_is(item: Any) -> Any:
-    return item
-
-
 def exact_main_weights(
     optimizer: Any,
     model: torch.nn.Module,
@@ -120,20 +116,6 @@ def exact_main_weights(
         return start_main_weights(optimizer, model, values)
     finally:
         del shadow, values
-
-
-class _StepRows(torch.utils.data.Dataset):
-    """Item ``k``: the rows (``rows[i]`` for ``i`` in ``plan(start + k)``) of step
-    ``start + k``, so a loader's workers build whole steps in order."""
-
-    def __init__(self, rows: Any, plan: Callable[[int], list[int]], start: int) -> None:
-        self.rows, self.plan, self.start = rows, plan, start
-
-    def __len__(self) -> int:
-        return 2**40  # the trainer stops taking steps; the loader never runs dry
-
-    def __getitem__(self, k: int) -> list[dict[str, Any]]:
-        return [self.rows[i] for i in self.plan(self.start + k)]
 
 
 class VLMTraining(MegatronTraining):
@@ -281,21 +263,15 @@ class VLMTraining(MegatronTraining):
         """This rank's rows of every step from ``start_step``, built ahead of the training
         loop by ``vlm.data_workers`` loader processes (images decoded and resized there) and
         pinned for asynchronous copies on an accelerator."""
-        from torch.utils.data import DataLoader
+        from longboat.core.data.step_loader import step_batches
 
-        from longboat.core.loop.signals import ignore_sigint
-
-        workers = self.data_workers
-        loader = DataLoader(
-            _StepRows(self.data.train, self.rows_of_rank, start_step),
-            batch_size=None,
-            num_workers=workers,
-            collate_fn=_as_is,
+        rows = self.data.train
+        return step_batches(
+            lambda step: [rows[i] for i in self.rows_of_rank(step)],
+            start_step,
+            num_workers=self.data_workers,
             pin_memory=self.accelerator.device_type == "cuda",
-            prefetch_factor=2 if workers else None,
-            worker_init_fn=ignore_sigint if workers else None,
         )
-        yield from loader
 
     def balance_summary(self, steps: int = 100) -> tuple[float, float] | None:
         """Mean max/mean rank cost over the first ``steps`` steps: plain, balanced (None
