@@ -6,8 +6,8 @@ group when not launched by torchrun), megatron's parallel state (tensor, context
 parallel), the data (the quickstart writes its synthetic sets first; training batches of
 every step from core's global batch plan, the held-out set batched once), the model (its
 flavor, or a diffusers directory with ``model.init_from``) and the step on megatron's DDP +
-distributed optimizer (``DiffusionTrainStep``). The checkpoint holds the model, the optimizer's shard and the
-identity of the data order; the step's batches (core's global batch plan) and noise are
+distributed optimizer (``DiffusionTrainStep``). The checkpoint holds the model, the
+optimizer's shard and the identity of the data order; the step's batches and noise are
 functions of the step, so a resumed run continues the loss curve of an uninterrupted one
 exactly.
 
