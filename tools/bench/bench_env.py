@@ -66,7 +66,7 @@ def git_commit() -> str:
 def result_meta(
     benchmark: str, on_gpu: bool, distributions: Sequence[str], config: dict[str, Any]
 ) -> dict[str, Any]:
-    """The head of every result file (BENCHMARKS.md's format), with an empty run list."""
+    """The head of every result file (benchmarks/README.md), with an empty run list."""
     return {
         "benchmark": benchmark,
         "date": DATE,
