@@ -23,7 +23,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 DATE = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
 PEAK_BF16_FLOPS = 989e12
-"""H200 dense bf16 datasheet peak: the MFU denominator of every benchmark."""
+"""Dense bf16 datasheet peak of an H100 / H200 SXM: the MFU denominator of every benchmark."""
 
 
 def gpu_name() -> str:
