@@ -203,8 +203,9 @@ def _isolation_check(session: nox.Session, dist_name: str, wheel: pathlib.Path) 
 
 
 def _stub_wheel(folder: pathlib.Path, name: str, version: str) -> pathlib.Path:
-    """A minimal wheel that installs the distribution ``name`` at ``version`` (a stand-in for
-    a build of it this machine cannot download)."""
+    """A minimal wheel that installs the distribution ``name`` at ``version``: the resolver sees
+    that version installed without the real build being fetched (the CPU-install check only asks
+    what else an install would change)."""
     import base64
     import hashlib
     import zipfile

@@ -1,4 +1,4 @@
-"""Loss alignment judged against the baseline's own noise band (BENCHMARKS.md).
+"""Loss alignment judged against the baseline's own noise band (benchmarks/README.md).
 
 The band is the baseline run against itself with one harmless perturbation (the alignment
 scripts reverse the sample order inside every batch: the same samples, another reduction

@@ -23,7 +23,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 DATE = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
 PEAK_BF16_FLOPS = 989e12
-"""H200 dense bf16 datasheet peak: the MFU denominator of every benchmark."""
+"""Dense bf16 datasheet peak of an H100 / H200 SXM: the MFU denominator of every benchmark."""
 
 
 def gpu_name() -> str:
@@ -66,7 +66,7 @@ def git_commit() -> str:
 def result_meta(
     benchmark: str, on_gpu: bool, distributions: Sequence[str], config: dict[str, Any]
 ) -> dict[str, Any]:
-    """The head of every result file (BENCHMARKS.md's format), with an empty run list."""
+    """The head of every result file (benchmarks/README.md), with an empty run list."""
     return {
         "benchmark": benchmark,
         "date": DATE,

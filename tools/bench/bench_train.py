@@ -14,7 +14,7 @@ import importlib
 import io
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,15 +79,20 @@ def train_timed(
     profile_out: Path | None = None,
     profile_parts: tuple[str, ...] = (),
     prepare: Callable[[Any], None] | None = None,
+    feed: Callable[[Any], Callable[[int], Iterator[Any]]] | None = None,
     probe: Callable[[Any], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """``build_training(compose(...))`` run by ``Trainer`` for ``warmup + steps + 1`` steps (steps
     ``warmup+1 .. warmup+steps`` timed), plus ``profile_steps`` profiled ones into ``profile_out``
     (with the forward + backward time of the ``record_function`` ranges ``profile_parts``).
-    ``prepare(training)`` runs after the build (the loss alignments take the weights there),
-    ``probe(training)`` after the run (its dict joins the result). Returns the ``Timing``, losses,
+    ``prepare(training)`` runs after the build (the loss alignments take the weights there);
+    ``feed(training)``, if given, is the run's input (``start_step -> iterator``) in place of
+    ``training.batches`` (core's ``FedTraining``; the loss alignments' fixed batches);
+    ``probe(training)`` runs after the run (its dict joins the result). The wait for each
+    batch is timed by feeding the run its own input through ``StepTimer.timed_batches``. Returns the ``Timing``, losses,
     peak memory, build time, ``items_per_step`` and ``notes`` (the trainer's output, the profile)."""
     from longboat.core.train import Trainer
+    from longboat.core.train.training import FedTraining
 
     warmup = max(1, warmup)
     profile_steps = profile_steps if profile_out is not None else 0
@@ -108,11 +113,11 @@ def train_timed(
             build_s = time.perf_counter() - t0
             if prepare is not None:
                 prepare(training)
-            own = training.batches
-            training.batches = lambda start: timer.timed_batches(iter(own(start)))
+            source = training.batches if feed is None else feed(training)
+            timed = FedTraining(training, lambda start: timer.timed_batches(iter(source(start))))
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
-                run = Trainer(cfg, training, callbacks=callbacks).fit()
+                run = Trainer(cfg, timed, callbacks=callbacks).fit()
             extra = probe(training) if probe is not None else {}
         finally:
             training.close()

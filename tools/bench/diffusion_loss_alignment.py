@@ -30,21 +30,17 @@ Writes the curves and the verdict to ``--out`` and
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-sys.path[:0] = [str(BENCH), str(BENCH / "baselines")]
-
-import bench_align  # noqa: E402
-import bench_env as env  # noqa: E402
-import diffusion_throughput as dt  # noqa: E402
-from bench_train import compose  # noqa: E402
-from llm_reference import lr_factor  # noqa: E402
+import bench_align
+import bench_env as env
+import diffusion_throughput as dt
+from baselines.llm_reference import lr_factor
+from bench_train import compose
 
 
 def off_cudnn(on_gpu: bool) -> Any:

@@ -27,21 +27,17 @@ either way). Writes ``<results-dir>/diffusion_scaling_<date>[_tiny].{json,md,png
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-sys.path[:0] = [str(BENCH), str(BENCH / "baselines")]
-
-import bench_env as env  # noqa: E402
-import diffusion_throughput as dt  # noqa: E402
-from bench_align import curve_check, curve_check_line  # noqa: E402
-from bench_env import failed_row, fmt, md_table  # noqa: E402
-from bench_procs import preflight, run_phases  # noqa: E402
-from bench_train import train_timed  # noqa: E402
+import bench_env as env
+import diffusion_throughput as dt
+from bench_align import curve_check, curve_check_line
+from bench_env import failed_row, fmt, md_table
+from bench_procs import preflight, run_phases
+from bench_train import train_timed
 
 PHASES = [("cp1", 1), ("cp2", 2)]
 PHASE_KEYS = {"cp1": [], "cp2": ["parallel.context_parallel=2"]}

@@ -25,16 +25,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from bench_env import git_commit, versions, write_results
+from bench_env import gpu_name as _gpu_name
+
+from longboat import kernels as K
+from longboat.core.device import get_accelerator
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_env import git_commit, versions, write_results  # noqa: E402
-from bench_env import gpu_name as _gpu_name  # noqa: E402
-
-from longboat import kernels as K  # noqa: E402
-from longboat.core.device import get_accelerator  # noqa: E402
-
 Fn = Callable[..., Any]
 
 

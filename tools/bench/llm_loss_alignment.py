@@ -29,21 +29,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import bench_align
+import llm_throughput as lt
 import torch
-
-BENCH = Path(__file__).resolve().parent
-sys.path[:0] = [str(BENCH), str(BENCH / "baselines")]
-
-import bench_align  # noqa: E402
-import llm_reference as ref  # noqa: E402
-import llm_throughput as lt  # noqa: E402
-from bench_env import key_values, result_meta, write_results  # noqa: E402
-from bench_train import compose, train_timed  # noqa: E402
+from baselines import llm_reference as ref
+from bench_env import key_values, result_meta, write_results
+from bench_train import compose, train_timed
 
 CACHE = Path(os.environ.get("TMPDIR", "/tmp")) / "longboat_bench_quickstart"
 """Where the quickstart corpus is built once (``data.out_dir``)."""

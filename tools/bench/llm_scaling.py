@@ -33,25 +33,20 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import bench_align
+import bench_env as env
+import llm_loss_alignment as la
+import llm_throughput as lt
 import torch
-
-BENCH = Path(__file__).resolve().parent
-sys.path[:0] = [str(BENCH), str(BENCH / "baselines")]
-
-import bench_align  # noqa: E402
-import bench_env as env  # noqa: E402
-import llm_loss_alignment as la  # noqa: E402
-import llm_reference as ref  # noqa: E402
-import llm_throughput as lt  # noqa: E402
-from bench_env import failed_row, fmt, md_table  # noqa: E402
-from bench_procs import preflight, run_phases  # noqa: E402
-from bench_train import compose, train_timed  # noqa: E402
+from baselines import llm_reference as ref
+from bench_env import failed_row, fmt, md_table
+from bench_procs import preflight, run_phases
+from bench_train import compose, train_timed
 
 DP_SCALING_TARGET = 1.9
 PHASES = {"dp": (("dp1", 1), ("dp2", 2)), "tp": (("tp1", 1), ("tp2", 2))}

@@ -4,7 +4,7 @@
         [--runs hf_eager,hf_compiled,mcore_local_spec,longboat,...] [--results-dir DIR]
         [--time-budget S] [--profile-steps N --profile-dir DIR]
 
-Model (BENCHMARKS.md): Llama-style, 886M parameters (hidden 2048, 16 layers, 16 heads / 8 KV,
+Model (benchmarks/notes/llm.md): Llama-style, 886M parameters (hidden 2048, 16 layers, 16 heads / 8 KV,
 head_dim 128, SwiGLU 5632, vocab 32000, untied head), seq 2048, micro-batch 8 (``--tiny``: a
 CPU-sized shape), one device, random init, random tokens. ``--shape qwen3_1_7b``: Qwen3-1.7B;
 ``--shape qwen3_moe_4l``: Qwen3-30B-A3B cut to 4 layers (128 experts, top-8, expert SwiGLU
@@ -47,22 +47,17 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import bench_env as env
 import torch
-
-BENCH = Path(__file__).resolve().parent
-sys.path[:0] = [str(BENCH), str(BENCH / "baselines")]
-
-import bench_env as env  # noqa: E402
-import llm_reference as ref  # noqa: E402
-from bench_env import failed_row, fmt, md_table  # noqa: E402
-from bench_profile import profile_steps  # noqa: E402
-from bench_timing import time_loop  # noqa: E402
-from bench_train import compose, train_timed  # noqa: E402
+from baselines import llm_reference as ref
+from bench_env import failed_row, fmt, md_table
+from bench_profile import profile_steps
+from bench_timing import time_loop
+from bench_train import compose, train_timed
 
 EXPERIMENT = "quickstart"
 FULL = dict(

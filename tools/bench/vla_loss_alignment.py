@@ -39,18 +39,14 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+import bench_align
 import torch
 import torch.nn.functional as F
-
-BENCH = Path(__file__).resolve().parent
-sys.path[:0] = [str(BENCH), str(BENCH / "baselines")]
-
-import bench_align  # noqa: E402
-import groot_n1_6_reference as groot_ref  # noqa: E402
-import pi05_reference as pi05_ref  # noqa: E402
-import vla_throughput as vt  # noqa: E402
-from bench_env import REPO, key_values, result_meta, write_results  # noqa: E402
-from bench_train import train_timed  # noqa: E402
+import vla_throughput as vt
+from baselines import groot_n1_6_reference as groot_ref
+from baselines import pi05_reference as pi05_ref
+from bench_env import REPO, key_values, result_meta, write_results
+from bench_train import train_timed
 
 
 def _unshuffle_perm(d: int) -> torch.Tensor:
@@ -289,14 +285,16 @@ def main(argv: list[str] | None = None) -> int:
             batches = [with_draws(next(it)[0], training.model_cfg, args.model, g)
                        for _ in range(min(args.distinct or args.steps, args.steps))]  # fmt: skip
             seen.update(batches=batches, reference=Reference(args, training, training.device))
+
+    def feed(training: Any) -> Any:
         batches = seen["batches"]
-        training.batches = lambda start: ([batches[i % len(batches)]] for i in range(start, 10**9))
+        return lambda start: ([batches[i % len(batches)]] for i in range(start, 10**9))
 
     losses = {}
     for variant in names:
         ov = [*vt.longboat_overrides(args, root), *optim, *vt.VARIANTS[variant]]
         r = train_timed("embodied", vt.EXPERIMENT[args.model], ov, acc, warmup=1,
-                        steps=args.steps - 2, prepare=prepare)  # fmt: skip
+                        steps=args.steps - 2, prepare=prepare, feed=feed)  # fmt: skip
         losses[variant] = r["losses"]
     rf = seen["reference"]
     curves = {"reference": rf.losses(seen["batches"], args.steps, reverse=False),

@@ -27,16 +27,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import bench_env as env
+import torch
 import vla_throughput as vt
 from bench_env import failed_row, fmt, md_table
 from bench_procs import preflight, run_phases
@@ -213,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=None, help=f"comma list of {','.join(VARIANTS)} (default: {','.join(DEFAULT_VARIANTS)}; tiny: longboat_master)")  # fmt: skip
     p.add_argument("--time-budget", type=float, default=0, help="seconds for everything (0: none)")
     vt.add_data_args(p)
-    p.set_defaults(embodiments=8, episodes=6)  # run_h200.sh's vla throughput dataset, reused
+    p.set_defaults(embodiments=8, episodes=6)  # run_all.sh's vla throughput dataset, reused
     args = p.parse_args(argv)
     t_start = time.time()
     from longboat.embodied.models import get_config

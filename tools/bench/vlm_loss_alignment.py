@@ -41,7 +41,6 @@ with ``--tiny`` unless given); prints the table last.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
@@ -49,17 +48,13 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
+import bench_align
+import bench_env as env
 import torch
-
-BENCH = Path(__file__).resolve().parent
-sys.path[:0] = [str(BENCH), str(BENCH / "baselines")]
-
-import bench_align  # noqa: E402
-import bench_env as env  # noqa: E402
-import vlm_reference as ref  # noqa: E402
-import vlm_throughput as vt  # noqa: E402
-from bench_train import compose, train_timed  # noqa: E402
-from llm_reference import lr_factor  # noqa: E402
+import vlm_throughput as vt
+from baselines import vlm_reference as ref
+from baselines.llm_reference import lr_factor
+from bench_train import compose, train_timed
 
 
 def other_kernel(on_gpu: bool) -> AbstractContextManager[Any]:

@@ -28,24 +28,19 @@ the measured max and mean are reported either way). Writes
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import bench_env as env
 import torch
-
-BENCH = Path(__file__).resolve().parent
-sys.path[:0] = [str(BENCH), str(BENCH / "baselines")]
-
-import bench_env as env  # noqa: E402
-import vlm_reference as ref  # noqa: E402
-import vlm_throughput as vt  # noqa: E402
-from bench_align import curve_check, curve_check_line  # noqa: E402
-from bench_env import failed_row, fmt, md_table  # noqa: E402
-from bench_procs import preflight, run_phases  # noqa: E402
-from bench_train import compose, train_timed  # noqa: E402
+import vlm_throughput as vt
+from baselines import vlm_reference as ref
+from bench_align import curve_check, curve_check_line
+from bench_env import failed_row, fmt, md_table
+from bench_procs import preflight, run_phases
+from bench_train import compose, train_timed
 
 PHASES = [("tp2", 2), ("tp2_vit1", 2)]
 PHASE_KEYS = {"tp2": [], "tp2_vit1": ["model.vision_tensor_parallel=1"]}

@@ -28,24 +28,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import bench_env as env
 import numpy as np
 import torch
-
-BENCH = Path(__file__).resolve().parent
-sys.path[:0] = [str(BENCH), str(BENCH / "baselines")]
-
-import bench_env as env  # noqa: E402
-import vlm_reference as ref  # noqa: E402
-from bench_env import failed_row, fmt, md_table  # noqa: E402
-from bench_profile import profile_steps  # noqa: E402
-from bench_timing import time_loop  # noqa: E402
-from bench_train import compose, train_timed  # noqa: E402
+from baselines import vlm_reference as ref
+from bench_env import failed_row, fmt, md_table
+from bench_profile import profile_steps
+from bench_timing import time_loop
+from bench_train import compose, train_timed
 
 EXPERIMENT = "sft"
 FULL = dict(model="qwen2_5_vl_3b", seq=8192, images=((644, 644), (448, 896), (812, 588),

@@ -158,7 +158,7 @@ def test_dataloader_workers_decode_same_frames(tmp_path):
 
 def test_torchcodec_adapter_with_stand_in(root, monkeypatch):
     """TorchCodecDecoder's contract (shape, tolerance check) against a PyAV-backed stand-in
-    of ``torchcodec.decoders.VideoDecoder``, since torchcodec is not installed here."""
+    of ``torchcodec.decoders.VideoDecoder`` (torchcodec is the optional ``torchcodec`` extra, outside the test environment)."""
     import importlib.machinery
     import sys
     import types

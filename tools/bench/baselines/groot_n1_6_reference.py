@@ -15,21 +15,23 @@ Every way this differs from the official code, and why:
 
 1. The DiT is plain torch computing what diffusers' ``Attention`` (``AttnProcessor2_0``: SDPA,
    boolean key mask repeated per head), ``FeedForward`` (``gelu-approximate``) and ``Timesteps``
-   + ``TimestepEmbedding`` compute: diffusers is neither in this workspace nor on the GPU image,
-   and the benchmark does not add it. Same ops, shapes and launches (one q/k/v/out Linear each,
+   + ``TimestepEmbedding`` compute, so the reference needs only ``transformers``. Same ops,
+   shapes and launches (one q/k/v/out Linear each,
    one SDPA per block, separate dropout/GELU/Linear launches).
-2. Random init, no hub checkpoint (nothing can be downloaded here); N1.6's shapes
-   (EMBODIED_MODELS.md). Throughput does not depend on the weights' values.
+2. Random init: the reference is built from the same config as longboat's run (N1.6's published
+   shapes in the ``full`` flavour) without downloading weights. Throughput does not depend on
+   the weights' values; the loss alignment copies longboat's initial weights into it.
 3. Qwen3 is built with ``select_layer`` layers instead of 28 with the top 12 popped (same kept
    layers and compute; saves init time and memory only).
-4. No Eagle chat template / Qwen tokenizer (none on the hub here): the prompt is the task string
+4. No Eagle chat template / Qwen tokenizer (they come from the hub): the prompt is the task string
    through longboat's byte-level stand-in, after the image placeholders, so both loops see the
    same token count. The official template adds ~20 tokens per sample (only slower).
-5. ``attn_implementation="sdpa"``, not ``flash_attention_2``: flash-attn is not on the GPU image
-   (BENCHMARKS.md); SDPA's flash/cuDNN kernels are comparable at these lengths.
+5. ``attn_implementation="sdpa"``, not ``flash_attention_2``: flash-attn is an optional extra
+   that longboat's runs do not use either; SDPA's flash/cuDNN kernels are comparable at these
+   lengths.
 6. No DeepSpeed / DDP wrapper: one GPU, so DDP would only add its reducer hooks.
-7. No future/"target vision" tokens in the DiT sequence ([state, actions] only): N1.6 as in
-   EMBODIED_MODELS.md (N1.5 had 32 extra learned tokens).
+7. No future/"target vision" tokens in the DiT sequence ([state, actions] only), as in N1.6
+   (N1.5 had 32 extra learned tokens).
 8. Single-GPU step only: no gradient accumulation, constant LR (the HF Trainer's schedule step
    costs next to nothing).
 9. The vision tower's attention-pooling ``head`` is off (``vision_use_head=False``), as in
@@ -37,7 +39,7 @@ Every way this differs from the official code, and why:
 10. A batch may carry ``noise`` and ``time`` (the flow-matching draws): only
     ``vla_loss_alignment.py`` uses this, to feed both loops identical draws. Otherwise noise is
     ``torch.randn`` on the device and t a CPU ``Beta(1.5, 1)`` copied over, as in GR00T.
-11. The loader's worker count is a benchmark argument (both loops), not EMBODIED_MODELS.md's 2
+11. The loader's worker count is a benchmark argument (both loops), not the official config's 2
     workers; more workers only help the reference.
 """
 
@@ -49,8 +51,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from config_fields import from_cfg, read_shapes
 from torch import Tensor, nn
+
+from .config_fields import from_cfg, read_shapes
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -46,7 +46,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from reference_adamw import ReferenceAdamW
+
+from .reference_adamw import ReferenceAdamW
 
 
 def param_counts(m: Any) -> tuple[int, int]:

@@ -22,9 +22,10 @@ read every step, no torch.compile (openpi compiles only ``sample_actions``), TF3
 
 Every way this differs from the official code, and why:
 
-1. Random init, no hub checkpoint (nothing can be downloaded here); pi0.5's shapes
-   (EMBODIED_MODELS.md) or the tiny flavour, read from longboat's ``Pi05Config`` by
-   ``RefShapes.from_pi05_config`` so both loops train the same model.
+1. Random init: the reference is built from the same config as longboat's run, without
+   downloading weights: pi0.5's published shapes (the ``full`` flavour) or the tiny flavour,
+   read from longboat's ``Pi05Config`` by ``RefShapes.from_pi05_config`` so both loops train the
+   same model.
 2. openpi patches transformers 4.53 (``transformers_replace``) for an adaRMS ``GemmaRMSNorm``
    and ``_gated_residual``; stock transformers 5.x has neither, so the expert's norms are
    ``AdaRMSNormRef`` (fp32 statistics, zero-initialised ``dense`` -> scale, shift, gate, as the
@@ -40,7 +41,7 @@ Every way this differs from the official code, and why:
 5. The vision embeddings are fp32 and its encoder bf16; a forward hook casts the embeddings'
    output to the encoder's dtype, which stock torch needs for the bf16 LayerNorm (openpi's
    patched SigLIP handles it).
-6. No SentencePiece tokenizer (no hub files): the prompt is the task string through longboat's
+6. No SentencePiece tokenizer (it comes from the hub): the prompt is the task string through longboat's
    byte-level stand-in (capped at the same text length), then one token per real state dim
    (256 bins, ids at the top of the vocab, as longboat), padded to ``max_token_len`` (200 at
    full shapes) like ``TokenizePrompt``. openpi spells the bins as decimal text, several tokens
@@ -71,9 +72,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from config_fields import from_cfg, read_shapes
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
+from .config_fields import from_cfg, read_shapes
 
 MASK_MIN = -2.3819763e38
 """Additive mask value openpi uses for disallowed keys (``_prepare_attention_masks_4d``)."""

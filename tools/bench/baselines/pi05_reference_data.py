@@ -25,12 +25,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-import groot_n1_6_reference_data as groot_data
 import numpy as np
-import pi05_reference as ref
 import torch
-from groot_n1_6_reference_data import ACTION_KEY, STATE_KEY, ReferenceLeRobotDataset
 from torch import Tensor
+
+from . import groot_n1_6_reference_data as groot_data
+from . import pi05_reference as ref
+from .groot_n1_6_reference_data import ACTION_KEY, STATE_KEY, ReferenceLeRobotDataset
 
 
 def resize_with_pad(frame: np.ndarray, size: int) -> np.ndarray:

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from reference_adamw import ReferenceAdamW
+
+from .reference_adamw import ReferenceAdamW
 
 
 def hf_qwen2_5_vl(model_cfg: Any, device: torch.device, *, liger: bool = False) -> Any:

@@ -53,7 +53,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from reference_adamw import ReferenceAdamW
+
+from .reference_adamw import ReferenceAdamW
 
 WAN_T2V_1_3B: dict[str, Any] = dict(
     patch_size=[1, 2, 2], num_attention_heads=12, attention_head_dim=128, in_channels=16,

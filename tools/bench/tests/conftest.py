@@ -1,8 +1,10 @@
 """Tests of the benchmark scripts (``--tiny`` shapes on CPU).
 
-Puts ``tools/bench``, ``tools/bench/baselines`` and this folder on ``sys.path`` (pytest runs
-with ``--import-mode=importlib``, which adds no folder), so the tests import the scripts and
-the baselines as the scripts import each other, and the helpers of ``bench_testkit.py``.
+Puts ``tools/bench`` and this folder on ``sys.path`` (pytest runs with
+``--import-mode=importlib``, which adds no folder; every package's tests do the same for their
+testkit): the tests then import the scripts as Python does when it runs one
+(``python tools/bench/<script>.py`` puts the script's folder first), the baselines as the
+``baselines`` package, and the helpers of ``bench_testkit.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1]
-for _path in (BENCH, BENCH / "baselines", Path(__file__).resolve().parent):
+for _path in (BENCH, Path(__file__).resolve().parent):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 

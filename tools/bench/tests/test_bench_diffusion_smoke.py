@@ -12,11 +12,12 @@ from bench_testkit import run_script
 
 def test_flop_accounting_equals_torch_flop_counter() -> None:
     """``flops_per_sample`` / 3 is the forward's matmul, convolution and attention FLOPs as
-    torch's FlopCounterMode counts them on diffusers' Wan, exactly; the anchor of BENCHMARKS.md
-    (DiffSynth-style 0.685 samples/s at 49 frames) is 26.7% MFU by it."""
+    torch's FlopCounterMode counts them on diffusers' Wan, exactly; the published anchor of
+    benchmarks/notes/diffusion.md (DiffSynth-style 0.685 samples/s at 49 frames) is 26.7% MFU
+    by it."""
     import diffusion_throughput as dt
     import torch
-    import wan_reference as ref
+    from baselines import wan_reference as ref
     from bench_env import PEAK_BF16_FLOPS
     from torch.utils.flop_counter import FlopCounterMode
 

@@ -19,10 +19,11 @@ FULL_MODEL = SimpleNamespace(
 
 
 def test_flop_accounting_reproduces_the_anchors() -> None:
-    import llm_reference as ref
+    from baselines import llm_reference as ref
     from bench_env import PEAK_BF16_FLOPS
 
-    # BENCHMARKS.md: 886M parameters; HF eager 62.6k tokens/s = 36.2% MFU, longboat 99.0k = 57.2%.
+    # The MFU arithmetic of benchmarks/notes/llm.md: 886M parameters; 62.6k tokens/s = 36.2% MFU,
+    # 99.0k = 57.2%.
     assert ref.param_count(FULL_MODEL) == pytest.approx(886e6, rel=1e-3)
     for tokens_per_s, mfu in ((62.6e3, 0.362), (99.0e3, 0.572), (34.5e3, 0.199)):
         got = tokens_per_s * ref.flops_per_token(FULL_MODEL, 2048) / PEAK_BF16_FLOPS
@@ -185,7 +186,7 @@ def test_step_timer_times_trainer_steps_with_two_syncs() -> None:
 
 
 def test_moe_flop_accounting_counts_the_active_experts() -> None:
-    import llm_reference as ref
+    from baselines import llm_reference as ref
 
     # Qwen3-30B-A3B cut to 4 layers, by hand: attention 2*2048*4096 + 2*2048*512 (q,o,k,v),
     # qk-norm 2*128, two norms 2*2048, router 2048*128; 128 (8 active) experts of 3*2048*768;
@@ -208,9 +209,9 @@ def test_hf_moe_baseline_adds_the_aux_loss_and_runs_grouped_gemms() -> None:
     cross-entropy plus 0.001 x transformers' load-balancing loss, and its experts ran as
     ``aten::_grouped_mm`` (fp32 operands: the weights are fp32 under autocast), as the result's
     note says."""
-    import llm_reference as ref
     import llm_throughput as lt
     import torch
+    from baselines import llm_reference as ref
     from bench_train import compose
 
     cfg = compose("llm", lt.EXPERIMENT, lt.overrides(lt.QWEN3_MOE_TINY), "unused")

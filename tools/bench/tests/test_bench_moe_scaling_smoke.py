@@ -87,9 +87,9 @@ def test_router_comparison_flags_moved_tokens() -> None:
 def test_param_counts_match_transformers() -> None:
     """The FLOP count's parameters: the tiny shape's total equals HF Qwen3MoeForCausalLM's;
     the active ones leave out all but top-k experts per layer."""
-    import llm_reference as ref
     import moe_scaling
     import torch
+    from baselines import llm_reference as ref
     from bench_train import compose
     from transformers import Qwen3MoeForCausalLM
 

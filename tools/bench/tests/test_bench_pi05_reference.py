@@ -25,7 +25,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def ref():
-    import pi05_reference
+    from baselines import pi05_reference
 
     return pi05_reference
 
@@ -257,8 +257,8 @@ def test_vla_throughput_pi05_tiny(tmp_path, monkeypatch, ref):
     """``vla_throughput.py --model pi05 --tiny``: the reference (per-sample decode + PIL in the
     loader, openpi's step) and longboat's default, master-weights and graphed runs train 2
     steps on the same dataset (on CPU the graphed step runs eagerly: the master run's losses)."""
-    import pi05_reference_data as data
     import vla_throughput
+    from baselines import pi05_reference_data as data
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     rc = vla_throughput.main(

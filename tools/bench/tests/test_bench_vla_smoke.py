@@ -64,7 +64,7 @@ def test_reference_and_longboat_runs_train(tmp_path: Path) -> None:
 
 def test_reference_pieces_match_the_spec() -> None:
     """The reference's diffusers-equivalent pieces compute what the spec (and longboat) say."""
-    import groot_n1_6_reference as ref
+    from baselines import groot_n1_6_reference as ref
 
     from longboat.embodied.models.common.layers import sinusoidal_embedding
 

@@ -9,7 +9,7 @@ call the same ``build_training``, so what is measured is what a user runs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -103,4 +103,30 @@ class Training:
         """Release what ``build_training`` set up (process groups, parallel state, threads)."""
 
 
-__all__ = ["StepOutput", "Training"]
+class FedTraining:
+    """A built run that takes its input from ``batches(start_step)`` instead of its own
+    ``Training.batches``; every other attribute and method is the run's own (read through).
+
+    ``Trainer(cfg, FedTraining(training, batches))`` trains the same model, optimizer and step
+    on other input without changing the built run: the benchmarks time the wait for each batch
+    by wrapping the run's own iterator, and the loss alignments feed the batches they also give
+    a reference implementation.
+    """
+
+    def __init__(self, training: Training, batches: Callable[[int], Iterator[Any]]) -> None:
+        self.training = training
+        """The built run."""
+        self.feed = batches
+        """``start_step -> iterator`` of the input of every step from ``start_step`` on."""
+
+    def batches(self, start_step: int) -> Iterator[Any]:
+        """The fed input from ``start_step`` on."""
+        return self.feed(start_step)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("training", "feed"):  # not set yet (e.g. while unpickling)
+            raise AttributeError(name)
+        return getattr(self.training, name)
+
+
+__all__ = ["FedTraining", "StepOutput", "Training"]

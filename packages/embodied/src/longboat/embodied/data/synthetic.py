@@ -296,6 +296,8 @@ def write_synthetic_dataset(
     gop: int = 8,
     episodes_per_file: int | None = None,
     robot_type: str | None = None,
+    embodiment_ids: tuple[int, ...] | None = None,
+    image_stats_stride: tuple[int, int, int] = (1, 1, 1),
 ) -> list[Path]:
     """Write one synthetic LeRobot dataset per embodiment; return their roots.
 
@@ -303,6 +305,13 @@ def write_synthetic_dataset(
     ``image_size`` is (height, width), both even, of every camera not in ``camera_sizes``
     (camera name -> (height, width)); ``episodes_per_file`` (v3.0 only) splits data and
     videos into several files (default: all episodes in file-000).
+
+    ``embodiment_ids`` gives each embodiment its id (the ``embodiment_id`` column and the
+    ``embodiment`` argument of the known-value functions; default: its position in
+    ``embodiments``), so datasets written one call at a time can share one id space.
+    ``image_stats_stride`` = (frames, rows, columns) computes the camera statistics on every
+    n-th frame, row and column: exact quantiles read every pixel, which costs more than the
+    encode on large datasets whose statistics nothing reads; (1, 1, 1) reads every pixel.
     """
     if layout not in (V21, V30):
         raise ValueError(f"layout={layout!r} is not supported; use 'v2.1' or 'v3.0'")
@@ -313,20 +322,32 @@ def write_synthetic_dataset(
         raise ValueError("num_episodes, tasks and embodiments must all be non-empty")
     if episodes_per_file is not None and layout != V30:
         raise ValueError("episodes_per_file applies to layout='v3.0' only; drop it for v2.1")
+    ids = tuple(range(len(embodiments))) if embodiment_ids is None else tuple(embodiment_ids)
+    if len(ids) != len(embodiments) or len(set(ids)) != len(ids) or min(ids) < 0:
+        raise ValueError(
+            f"embodiment_ids={embodiment_ids} must give each of the {len(embodiments)} "
+            "embodiments its own id >= 0"
+        )
+    if len(image_stats_stride) != 3 or min(image_stats_stride) < 1:
+        raise ValueError(
+            f"image_stats_stride={image_stats_stride} must be 3 strides >= 1 (frames, rows, "
+            "columns)"
+        )
     unknown = sorted(set(camera_sizes or {}) - set(cameras))
     if unknown:
         raise ValueError(f"camera_sizes names cameras {unknown} not in cameras={cameras}")
     sizes = {cam: tuple((camera_sizes or {}).get(cam, image_size)) for cam in cameras}
     root = Path(root)
     roots = []
-    for emb_id, spec in enumerate(embodiments):
+    for position, (emb_id, spec) in enumerate(zip(ids, embodiments, strict=True)):
         ds_root = root if len(embodiments) == 1 else root / spec.name
-        rng = np.random.default_rng([seed, emb_id])
+        rng = np.random.default_rng([seed, position])
         _write_one(
             ds_root,
             layout=layout,
             spec=spec,
             emb_id=emb_id,
+            stats_stride=tuple(image_stats_stride),
             lengths=rng.integers(lo, hi + 1, size=num_episodes).tolist(),
             task_picks=rng.integers(0, len(tasks), size=num_episodes).tolist(),
             tasks=list(tasks),
@@ -348,6 +369,7 @@ def _write_one(
     layout: str,
     spec: EmbodimentSpec,
     emb_id: int,
+    stats_stride: tuple[int, ...],
     lengths: list[int],
     task_picks: list[int],
     tasks: list[str],
@@ -360,6 +382,11 @@ def _write_one(
     robot_type: str,
 ) -> None:
     video_keys = [f"observation.images.{cam}" for cam in cameras]
+    f_step, r_step, c_step = stats_stride
+
+    def frame_stats(frames: np.ndarray) -> dict[str, np.ndarray]:
+        return image_stats(frames[::f_step, ::r_step, ::c_step])
+
     key_sizes = {f"observation.images.{cam}": hw for cam, hw in sizes.items()}
     features = _features(spec, video_keys, key_sizes, fps, layout, gop, crf)
     # Task indices follow first appearance, as LeRobot assigns them while recording.
@@ -387,7 +414,7 @@ def _write_one(
         stats = {}
         for key in features:
             if key in frames:
-                stats[key] = image_stats(frames[key])
+                stats[key] = frame_stats(frames[key])
             else:
                 stats[key] = feature_stats(cols[key])
         episodes.append(_Episode(ep, length, task, used_tasks.index(task), cols, frames, stats))
@@ -396,7 +423,7 @@ def _write_one(
     all_stats = {}
     for key in features:
         if key in video_keys:
-            all_stats[key] = image_stats(np.concatenate([e.frames[key] for e in episodes]))
+            all_stats[key] = frame_stats(np.concatenate([e.frames[key] for e in episodes]))
         else:
             all_stats[key] = feature_stats(np.concatenate([e.columns[key] for e in episodes]))
     write_json(stats_to_json(all_stats), root / STATS_PATH)

@@ -1,6 +1,6 @@
 """Flow-matching pieces: time sampling, interpolation conventions, masked MSE, Euler.
 
-Two conventions (see EMBODIED_MODELS.md):
+Two conventions (the published GR00T N1.x and pi0 / pi0.5 training code):
 - GR00T: t = 0.999 * (1 - Beta(1.5, 1)); x_t = (1-t)*noise + t*action;
   target = action - noise; integrate t: 0 -> 1.
 - pi0 / pi0.5: t = Beta(1.5, 1) * 0.999 + 0.001; x_t = t*noise + (1-t)*action;

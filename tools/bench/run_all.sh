@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU benchmark in one go, as run for benchmarks/results/*_<date>.*:
 #
-#   RESULTS=benchmarks/results bash tools/bench/run_h200.sh
+#   RESULTS=benchmarks/results bash tools/bench/run_all.sh
 #
-# from the repo root on a machine with one H200 (two for the scaling runs, which are skipped
-# with one GPU), with megatron-core 0.19, hydra, av, liger-kernel and diffusers importable and
+# from the repo root on a machine with one GPU (two for the scaling runs, which are skipped
+# with one GPU; the results record the GPU's name), with megatron-core 0.19, hydra, av, liger-kernel and diffusers importable and
 # the longboat packages installed (or PYTHONPATH pointing at packages/*/src). Each step has its
 # own time limit (seconds, env LIMIT_*), so one that overruns leaves the others their time;
 # results are written as each run ends. ONLY="gpu_tests llm vla diffusion diffusion_align vlm_align llm_align scaling
@@ -46,7 +46,7 @@ export PYTHONUNBUFFERED=1
 step() { echo "== $1"; shift; "$@" 2>&1 | grep -v -i "userwarning\|warnings.warn\|deprecat\|MimoModelConfig\|Evict LRU"; }
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
 
-# The GPU-marked tests first (Triton kernels compiled for the H200 vs their references, the
+# The GPU-marked tests first (Triton kernels compiled for the GPU vs their references, the
 # CUDA-graph and one-pass steps vs eager): the benchmarks below rely on them.
 want gpu_tests && step "gpu tests" timeout "${LIMIT_GPU_TESTS:-240}" python3 -m pytest -q \
   -p no:cacheprovider --import-mode=importlib -m gpu -rs packages
