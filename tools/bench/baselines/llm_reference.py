@@ -2,7 +2,7 @@
 megatron-core ``GPTModel`` with megatron's own local layer spec.
 
 Both read the model shape and optimizer settings from the composed longboat config (``cfg.model``,
-an ``LLMModelConfig``; ``cfg.optim``), so every run trains the same shapes with the same
+a ``DecoderModelConfig``; ``cfg.optim``), so every run trains the same shapes with the same
 hyperparameters; nothing else of longboat is used except ``longboat.core.megatron.parallel_state``
 for megatron's process groups.
 
@@ -51,7 +51,7 @@ from reference_adamw import ReferenceAdamW
 
 def param_counts(m: Any) -> tuple[int, int]:
     """(every parameter, the parameters one token passes through) of the Llama / Qwen3 /
-    Qwen3-MoE model ``m`` (an ``LLMModelConfig``; equal for a dense model)."""
+    Qwen3-MoE model ``m`` (a ``DecoderModelConfig``; equal for a dense model)."""
     h, hd = m.hidden_size, m.head_dim
     attn = h * m.num_attention_heads * hd * 2 + 2 * h * m.num_query_groups * hd
     base = attn + 2 * h + (2 * hd if getattr(m, "qk_norm", False) else 0)
@@ -67,7 +67,7 @@ def param_counts(m: Any) -> tuple[int, int]:
 
 
 def param_count(m: Any) -> int:
-    """Parameters of the model ``m`` (an ``LLMModelConfig``)."""
+    """Parameters of the model ``m`` (a ``DecoderModelConfig``)."""
     return param_counts(m)[0]
 
 

@@ -81,6 +81,29 @@ class StateDictAdapter(Protocol):
         ...
 
 
+class LazyFlavors(Mapping[str, Any]):
+    """Flavors whose names are known up front and whose configs are made on first lookup
+    (``make(name)``), for families whose configs live in heavy modules."""
+
+    def __init__(self, names: Iterable[str], make: Callable[[str], Any]) -> None:
+        self._names = tuple(names)
+        self._make = make
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._make(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self) -> Any:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Family:
     """What longboat knows about one model family (the contract every stack's families
@@ -90,9 +113,9 @@ class Family:
     """Registry name: the ``model.name`` that selects the family."""
     stack: str
     """The stack that trains it (``llm``, ``vlm``, ``diffusion``, ``embodied``)."""
-    schema: type
+    schema: type | Callable[[], type]
     """Dataclass of the ``model`` config section of this family (``model.*`` keys are
-    checked against it)."""
+    checked against it), or a function returning it where importing it is heavy."""
     flavors: Mapping[str, Any]
     """Size flavors by name (architecture configs); ``tiny`` always exists and trains on CPU
     in seconds."""
@@ -126,11 +149,15 @@ class Family:
                 "ships one that trains on CPU in seconds"
             )
 
+    def model_schema(self) -> type:
+        """The dataclass of the ``model`` section (``schema``, called if it is a function)."""
+        return self.schema if isinstance(self.schema, type) else self.schema()
+
     def flavor(self, name: str) -> Any:
         """A copy of flavor ``name``; a ``ConfigError`` naming ``model.flavor`` otherwise."""
         if name not in self.flavors:
             raise ConfigError(
-                f"family {self.name!r} has no such flavor",
+                f"family {self.name!r} has flavors {sorted(self.flavors)}",
                 key="model.flavor",
                 value=name,
                 fix=did_you_mean(name, list(self.flavors), what=f"{self.name} flavors"),
@@ -338,6 +365,7 @@ __all__ = [
     "FAMILY_ATTRIBUTE",
     "FAMILY_PATH_ENV",
     "Family",
+    "LazyFlavors",
     "StateDictAdapter",
     "families",
     "family_conf_dirs",

@@ -132,7 +132,7 @@ class Stack:
             from longboat.core.family import families
 
             family = families(self.name).get(model_name)
-            return None if family is None else family.schema
+            return None if family is None else family.model_schema()
         return resolve_ref(ref)
 
     def data_schema(self, data_name: str) -> type[DataConfig] | None:

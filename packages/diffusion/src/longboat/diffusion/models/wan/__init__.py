@@ -1,6 +1,6 @@
 """The Wan 2.1 / 2.2 text-to-video DiT family (diffusers ``WanTransformer3DModel``).
 
-The family interface the registry hands out (``longboat.diffusion.models.registry``):
+The family package (``FAMILY``, on core's registry; ``longboat.diffusion.models.registry``):
 ``FLAVORS``, ``flavor(name)``, ``read_config(dir)``, ``build(cfg, *, precision, kernels)``,
 ``load_diffusers(model, cfg, dir)`` and ``save_diffusers(model, cfg, out_dir)``. The config
 names import no megatron; the rest load ``model.py`` / ``hf.py`` on first use.
@@ -8,7 +8,10 @@ names import no megatron; the rest load ``model.py`` / ``hf.py`` on first use.
 
 from __future__ import annotations
 
+import sys
+
 from longboat.diffusion.models.common.family import lazy_attributes
+from longboat.diffusion.models.registry import diffusion_family
 from longboat.diffusion.models.wan.config import (
     DIFFUSERS_CLASS,
     FLAVORS,
@@ -32,5 +35,14 @@ _LAZY = {
 
 __getattr__ = lazy_attributes(__name__, _LAZY)
 
+FAMILY = diffusion_family(
+    "wan",
+    sys.modules[__name__],
+    flavors=FLAVORS,
+    diffusers_classes=(DIFFUSERS_CLASS,),
+    description="Wan 2.1 / 2.2 text-to-video DiT: 3D patches, AdaLN-modulated blocks with "
+    "3D RoPE self-attention and UMT5 cross-attention",
+)
 
-__all__ = ["DIFFUSERS_CLASS", "FLAVORS", "WanConfig", "flavor", "read_config", *_LAZY]
+
+__all__ = ["DIFFUSERS_CLASS", "FAMILY", "FLAVORS", "WanConfig", "flavor", "read_config", *_LAZY]

@@ -1,4 +1,5 @@
-"""Build a decoder family's megatron model chunks for this rank from a ``DecoderModelConfig``."""
+"""Build a decoder's megatron model chunks for this rank from a ``DecoderModelConfig``, and
+the Llama-style layer spec every decoder in longboat uses by default."""
 
 from __future__ import annotations
 
@@ -8,12 +9,10 @@ from typing import Any
 import torch
 
 from longboat.core.layer_kernels import LayerKernels
-from longboat.core.megatron.decoder_config import to_transformer_config
+from longboat.core.megatron.decoder_config import DecoderModelConfig, to_transformer_config
 from longboat.core.megatron.model import build_decoder_model
-from longboat.core.megatron.models.config import DecoderModelConfig
-from longboat.core.megatron.models.registry import get_family
 from longboat.core.megatron.parallel_state import current_layout
-from longboat.core.megatron.specs import resolve_backend, with_moe_router
+from longboat.core.megatron.specs import decoder_layer_spec, resolve_backend, with_moe_router
 
 
 def build_decoder(
@@ -25,6 +24,7 @@ def build_decoder(
     layout: Any = None,
     transformer_config: Callable[..., Any] = to_transformer_config,
     moe_router: type | None = None,
+    layer_spec: Callable[..., Any] | None = None,
     **config_overrides: Any,
 ) -> list[torch.nn.Module]:
     """This rank's model chunks; megatron parallel state must be initialised first.
@@ -45,16 +45,14 @@ def build_decoder(
             "building a megatron model needs megatron's parallel state: call "
             "longboat.core.megatron.parallel_state.initialize(parallel, accelerator) first."
         )
-    family = get_family(cfg.name)
     backend = resolve_backend(cfg.layer_backend, device_type)
     kernels = kernels if backend == "longboat" else None
-    spec = family.layer_spec(cfg, backend, kernels)
+    spec = (layer_spec or dense_layer_spec)(cfg, backend, kernels)
     if moe_router is not None:
         spec = with_moe_router(spec, moe_router)
-    arch = cfg.to_arch()
     config_overrides.setdefault("use_cpu_initialization", device_type != "cuda")
     tcfg = transformer_config(
-        arch,
+        cfg,
         tensor_parallel=layout.tensor_parallel,
         pipeline_parallel=layout.pipeline_parallel,
         virtual_pipeline_parallel=layout.virtual_pipeline_parallel,
@@ -64,6 +62,19 @@ def build_decoder(
         kernel_activation=kernels is not None and kernels.swiglu is not None,
         **config_overrides,
     )
-    chunks = build_decoder_model(arch, tcfg, spec)
+    chunks = build_decoder_model(cfg, tcfg, spec)
     device = torch.device(device_type)
     return [c.to(device) for c in chunks]
+
+
+def dense_layer_spec(
+    cfg: DecoderModelConfig, backend: str = "longboat", kernels: LayerKernels | None = None
+) -> Any:
+    """The Llama-style decoder layer spec (qk-norm and MoE read from ``cfg``)."""
+    return decoder_layer_spec(
+        num_experts=cfg.num_experts,
+        qk_norm=cfg.qk_norm,
+        backend=backend,
+        kernels=kernels,
+        moe_experts=cfg.moe_experts,
+    )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from longboat.core.megatron.models.config import DecoderModelConfig
+from longboat.core.megatron.decoder_config import DecoderModelConfig
 
 _QWEN3 = dict(
     name="qwen3",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from longboat.core.megatron.models.config import DecoderModelConfig
+from longboat.core.megatron.decoder_config import DecoderModelConfig
 
 _LLAMA3 = dict(name="llama3", norm_eps=1e-5, rope_theta=500000.0)
 
