@@ -1,0 +1,66 @@
+"""A family added from a folder outside the package (``tests/toy_family``: its folder and one
+model YAML, found through ``LONGBOAT_FAMILY_PATH``) is listed, composes and trains two steps
+through ``longboat-llm train`` in this process, with nothing of the llm stack edited."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from longboat.core.family import FAMILY_PATH_ENV, find_family, list_families
+
+TOY = Path(__file__).with_name("toy_family")
+
+
+@pytest.fixture
+def toy_path(monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv(FAMILY_PATH_ENV, str(TOY))
+    return TOY
+
+
+def test_the_toy_family_is_found_by_its_folder(toy_path: Path) -> None:
+    assert list_families("llm") == ["llama3", "qwen3", "qwen3_moe", "toy_llm"]
+    family = find_family("llm", "toy_llm")
+    assert family.stack == "llm" and family.flavor("tiny").qk_norm
+    assert family.flops_per_sample(family.flavor("tiny"), 64) > 0
+
+
+def test_the_toy_family_trains_two_steps_through_the_cli(
+    toy_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from longboat.llm.cli import main
+
+    overrides = [
+        "model=toy_llm_tiny",
+        f"output_dir={tmp_path}",
+        "data.seq_len=32",
+        "parallel.tensor_parallel=1",
+        "parallel.pipeline_parallel=1",
+        "train.steps=2",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=2",
+        "train.eval_every=0",
+        "train.log_every=1",
+        "checkpoint.every_steps=0",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "llm.export_hf=false",
+        "llm.generate_prompt=null",
+    ]
+    code = main(["train", "qwen3_tiny", *overrides])
+    out = capsys.readouterr()
+    assert code == 0, out.out + out.err
+    toy = next(
+        m for name, m in sys.modules.items() if name.startswith("longboat_family_path.toy_llm")
+    )
+    assert toy.SPEC_CALLS, "the run did not build the toy family's layer spec"
+    metrics = next(tmp_path.rglob("metrics.jsonl")).read_text().splitlines()
+    losses = [json.loads(line)["loss"] for line in metrics if '"loss"' in line]
+    # two steps from a random init over the toy's 128-token vocabulary: about ln(128)
+    assert len(losses) == 2 and all(abs(loss - math.log(128)) < 0.5 for loss in losses), losses
+    manifest = json.loads(next(tmp_path.rglob("manifest.json")).read_text())
+    assert manifest["config"]["model"]["name"] == "toy_llm"
