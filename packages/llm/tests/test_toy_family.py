@@ -62,5 +62,5 @@ def test_the_toy_family_trains_two_steps_through_the_cli(
     losses = [json.loads(line)["loss"] for line in metrics if '"loss"' in line]
     # two steps from a random init over the toy's 128-token vocabulary: about ln(128)
     assert len(losses) == 2 and all(abs(loss - math.log(128)) < 0.5 for loss in losses), losses
-    manifest = json.loads(next(tmp_path.rglob("manifest.json")).read_text())
+    manifest = json.loads(next((tmp_path / "checkpoints").rglob("manifest.json")).read_text())
     assert manifest["config"]["model"]["name"] == "toy_llm"

@@ -57,5 +57,5 @@ def test_the_toy_family_trains_two_steps_through_the_cli(
     metrics = next(tmp_path.rglob("metrics.jsonl")).read_text().splitlines()
     losses = [json.loads(line)["loss"] for line in metrics if '"loss"' in line]
     assert len(losses) == 2 and all(0 < loss < 10 for loss in losses), losses
-    manifest = json.loads(next(tmp_path.rglob("manifest.json")).read_text())
+    manifest = json.loads(next((tmp_path / "checkpoints").rglob("manifest.json")).read_text())
     assert manifest["config"]["model"]["name"] == "toy_vlm"
