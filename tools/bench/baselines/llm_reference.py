@@ -72,12 +72,12 @@ def param_count(m: Any) -> int:
 
 
 def flops_per_token(m: Any, seq: int) -> float:
-    """6 N + 6 L s d_attn: N = the parameters a token passes through (embedding and head
-    included; for an MoE model the top-k experts, not all of them); attention's QK^T and AV,
-    2 * 2 * s * d_attn per token per layer forward, x3 for forward + backward, /2 for the
-    causal mask; d_attn = heads * head_dim."""
-    active = param_counts(m)[1]
-    return 6.0 * active + 6.0 * m.num_layers * seq * m.num_attention_heads * m.head_dim
+    """Training FLOPs of one token of a ``seq``-token sequence, as the llm families count them
+    (their ``Family.flops_per_sample`` is ``seq`` times this: 6 N + 6 L s d_attn, N the
+    parameters a token passes through)."""
+    from longboat.llm.models.family import flops_per_token as family_flops_per_token
+
+    return family_flops_per_token(m, seq)
 
 
 def lr_factor(schedule: Any, total_steps: int) -> Callable[[int], float]:

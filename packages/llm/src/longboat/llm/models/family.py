@@ -81,17 +81,19 @@ class LLMFamily(Family):
 
 def param_counts(cfg: DecoderModelConfig) -> tuple[int, int]:
     """``(every parameter, the parameters one token passes through)``: equal for a dense
-    model; an MoE model's token passes through its top-k experts only."""
+    model; an MoE model's token passes through its top-k experts only. ``cfg`` may be any
+    object with the decoder's shape fields (``qk_norm`` and ``num_experts`` default off)."""
     h, hd = cfg.hidden_size, cfg.head_dim
+    experts = getattr(cfg, "num_experts", 0)
     attn = h * cfg.num_attention_heads * hd * 2 + 2 * h * cfg.num_query_groups * hd
-    base = attn + 2 * h + (2 * hd if cfg.qk_norm else 0)
+    base = attn + 2 * h + (2 * hd if getattr(cfg, "qk_norm", False) else 0)
     emb = (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * h + h
-    if not cfg.num_experts:
+    if not experts:
         n = emb + cfg.num_layers * (base + 3 * h * cfg.ffn_hidden_size)
         return n, n
     expert = 3 * h * cfg.moe_ffn_hidden_size
-    base += h * cfg.num_experts  # the router
-    return (emb + cfg.num_layers * (base + cfg.num_experts * expert),
+    base += h * experts  # the router
+    return (emb + cfg.num_layers * (base + experts * expert),
             emb + cfg.num_layers * (base + cfg.moe_topk * expert))  # fmt: skip
 
 

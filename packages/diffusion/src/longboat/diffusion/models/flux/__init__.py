@@ -3,7 +3,7 @@
 The family package (``FAMILY``, on core's registry; ``longboat.diffusion.models.registry``):
 ``FLAVORS``, ``flavor(name)``, ``read_config(dir)``, ``build(cfg, *, precision, kernels)``,
 ``load_diffusers(model, cfg, dir)`` and ``save_diffusers(model, cfg, out_dir)``. The config
-names import no megatron; the rest load ``model.py`` / ``hf.py`` on first use.
+names import no megatron; the rest load ``model.py`` / ``diffusers.py`` on first use.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ _LAZY = {
     "FluxModel": "longboat.diffusion.models.flux.model",
     "build": "longboat.diffusion.models.flux.model",
     "rope_tables": "longboat.diffusion.models.flux.model",
-    "load_diffusers": "longboat.diffusion.models.flux.hf",
-    "save_diffusers": "longboat.diffusion.models.flux.hf",
+    "load_diffusers": "longboat.diffusion.models.flux.diffusers",
+    "save_diffusers": "longboat.diffusion.models.flux.diffusers",
 }
 
 

@@ -3,7 +3,7 @@
 The family package (``FAMILY``, on core's registry; ``longboat.diffusion.models.registry``):
 ``FLAVORS``, ``flavor(name)``, ``read_config(dir)``, ``build(cfg, *, precision, kernels)``,
 ``load_diffusers(model, cfg, dir)`` and ``save_diffusers(model, cfg, out_dir)``. The config
-names import no megatron; the rest load ``model.py`` / ``hf.py`` on first use.
+names import no megatron; the rest load ``model.py`` / ``diffusers.py`` on first use.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from longboat.diffusion.models.wan.config import (
     flavor,
     read_config,
 )
+from longboat.diffusion.models.wan.flops import flops_per_sample
 
 _LAZY = {
     "WanModel": "longboat.diffusion.models.wan.model",
     "build": "longboat.diffusion.models.wan.model",
-    "load_diffusers": "longboat.diffusion.models.wan.hf",
-    "save_diffusers": "longboat.diffusion.models.wan.hf",
+    "load_diffusers": "longboat.diffusion.models.wan.diffusers",
+    "save_diffusers": "longboat.diffusion.models.wan.diffusers",
     "VideoPacking": "longboat.diffusion.models.wan.packing",
     "pack_latents": "longboat.diffusion.models.wan.packing",
     "unpack_tokens": "longboat.diffusion.models.wan.packing",
@@ -40,6 +41,7 @@ FAMILY = diffusion_family(
     sys.modules[__name__],
     flavors=FLAVORS,
     diffusers_classes=(DIFFUSERS_CLASS,),
+    flops_per_sample=flops_per_sample,
     description="Wan 2.1 / 2.2 text-to-video DiT: 3D patches, AdaLN-modulated blocks with "
     "3D RoPE self-attention and UMT5 cross-attention",
 )

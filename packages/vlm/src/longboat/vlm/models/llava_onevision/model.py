@@ -368,7 +368,7 @@ def _tower_prefix(names: set[str], layout: HFLayout) -> str:
 
 def vision_to_hf(state: dict[str, torch.Tensor], cfg: LlavaOnevisionConfig) -> dict[str, Any]:
     """HF tensors (``LAYOUT``) of our ``LlavaOnevisionVision`` state dict."""
-    from longboat.vlm.models.siglip.hf import siglip_to_hf
+    from longboat.vlm.models.siglip.vision_hf import siglip_to_hf
 
     tower = {k[len("tower.") :]: v for k, v in state.items() if k.startswith("tower.")}
     out = siglip_to_hf(tower, cfg.vision, LAYOUT.vision)
@@ -383,7 +383,7 @@ def vision_from_hf(
     hf: dict[str, torch.Tensor], cfg: LlavaOnevisionConfig, layout: HFLayout = LAYOUT
 ) -> dict[str, Any]:
     """Our ``LlavaOnevisionVision`` state dict from the HF tensors."""
-    from longboat.vlm.models.siglip.hf import siglip_from_hf
+    from longboat.vlm.models.siglip.vision_hf import siglip_from_hf
 
     prefix = _tower_prefix(set(hf), layout)
     out = {f"tower.{k}": v for k, v in siglip_from_hf(hf, cfg.vision, prefix).items()}

@@ -2,6 +2,7 @@
 
 from types import ModuleType
 
+from longboat.vlm.models.qwen2_5_vl.flops import flops_per_sample
 from longboat.vlm.models.registry import vlm_family
 
 
@@ -16,5 +17,6 @@ FAMILY = vlm_family(
     implementation=_implementation,
     flavors=("tiny", "3b", "7b"),
     hf_model_types=("qwen2_5_vl",),
+    flops_per_sample=flops_per_sample,
     description="Qwen2.5-VL: window-attention ViT + patch merger + Qwen2 decoder, M-RoPE",
 )
