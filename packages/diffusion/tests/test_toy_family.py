@@ -6,6 +6,7 @@ edited."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 from longboat.core.family import FAMILY_PATH_ENV, find_family, list_families
 
 TOY = Path(__file__).with_name("toy_family")
+EXPECTED_COUNT = 3  # the stack's families and the toy
 
 
 @pytest.fixture
@@ -61,3 +63,18 @@ def test_the_toy_family_trains_two_steps_through_the_cli(
     assert len(losses) == 2 and all(0 < loss < 10 for loss in losses), losses
     manifest = json.loads(next((tmp_path / "checkpoints").rglob("manifest.json")).read_text())
     assert manifest["config"]["model"]["name"] == "toy_dit"
+
+
+def test_listing_and_finding_families_imports_no_torch(toy_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "from longboat.core.family import find_family, list_families\n"
+        "names = list_families('diffusion')\n"
+        "[find_family('diffusion', n).flavors for n in names]\n"
+        "print(len(names), 'torch' in sys.modules, 'megatron.core' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    count, torch_loaded, megatron_loaded = out.stdout.split()
+    assert (
+        int(count) == EXPECTED_COUNT and torch_loaded == "False" and megatron_loaded == "False"
+    ), out

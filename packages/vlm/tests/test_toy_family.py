@@ -5,6 +5,7 @@ through ``longboat-vlm train`` in this process, with nothing of the vlm stack ed
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from longboat.core.family import FAMILY_PATH_ENV, find_family, list_families
 
 TOY = Path(__file__).with_name("toy_family")
+EXPECTED_COUNT = 4  # the stack's families and the toy
 
 
 @pytest.fixture
@@ -59,3 +61,18 @@ def test_the_toy_family_trains_two_steps_through_the_cli(
     assert len(losses) == 2 and all(0 < loss < 10 for loss in losses), losses
     manifest = json.loads(next((tmp_path / "checkpoints").rglob("manifest.json")).read_text())
     assert manifest["config"]["model"]["name"] == "toy_vlm"
+
+
+def test_listing_and_finding_families_imports_no_torch(toy_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "from longboat.core.family import find_family, list_families\n"
+        "names = list_families('vlm')\n"
+        "[find_family('vlm', n).flavors for n in names]\n"
+        "print(len(names), 'torch' in sys.modules, 'megatron.core' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    count, torch_loaded, megatron_loaded = out.stdout.split()
+    assert (
+        int(count) == EXPECTED_COUNT and torch_loaded == "False" and megatron_loaded == "False"
+    ), out
