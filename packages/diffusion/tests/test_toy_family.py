@@ -78,3 +78,17 @@ def test_listing_and_finding_families_imports_no_torch(toy_path: Path) -> None:
     assert (
         int(count) == EXPECTED_COUNT and torch_loaded == "False" and megatron_loaded == "False"
     ), out
+
+
+def test_every_diffusion_family_implements_the_contract() -> None:
+    from longboat.core.family import StateDictAdapter
+    from longboat.diffusion.train.schema import DiffusionModelConfig
+
+    for name in list_families("diffusion"):
+        family = find_family("diffusion", name)
+        assert family.stack == "diffusion" and "tiny" in family.flavors
+        assert family.model_schema() is DiffusionModelConfig
+        assert isinstance(family.adapter, StateDictAdapter)
+        assert family.adapter.format == "diffusers"
+    wan = find_family("diffusion", "wan")
+    assert wan.flops_per_sample(wan.flavor("tiny"), 16, 8) > 0

@@ -81,3 +81,18 @@ def test_listing_and_finding_families_imports_no_torch(toy_path: Path) -> None:
     assert (
         int(count) == EXPECTED_COUNT and torch_loaded == "False" and megatron_loaded == "False"
     ), out
+
+
+def test_every_llm_family_implements_the_contract() -> None:
+    from longboat.core.family import StateDictAdapter
+    from longboat.core.megatron.decoder_config import DecoderModelConfig
+
+    for name in list_families("llm"):
+        family = find_family("llm", name)
+        tiny = family.flavor("tiny")
+        assert (family.stack, tiny.name) == ("llm", name)
+        assert family.model_schema() is DecoderModelConfig
+        assert isinstance(family.adapter, StateDictAdapter) and family.adapter.format == "hf"
+        # 6 N per token plus attention: more than 6 N x tokens, less than twice that here
+        n = family.flops_per_sample(tiny, 1) / 6
+        assert n > 0 and family.flops_per_sample(tiny, 64) > 64 * 6 * n

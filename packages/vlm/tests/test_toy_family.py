@@ -76,3 +76,16 @@ def test_listing_and_finding_families_imports_no_torch(toy_path: Path) -> None:
     assert (
         int(count) == EXPECTED_COUNT and torch_loaded == "False" and megatron_loaded == "False"
     ), out
+
+
+def test_every_vlm_family_implements_the_contract() -> None:
+    from longboat.core.family import StateDictAdapter
+    from longboat.vlm.train.schema import VLMModelConfig
+
+    for name in list_families("vlm"):
+        family = find_family("vlm", name)
+        assert family.stack == "vlm" and "tiny" in family.flavors
+        assert family.model_schema() is VLMModelConfig
+        assert isinstance(family.adapter, StateDictAdapter) and family.adapter.format == "hf"
+    qwen = find_family("vlm", "qwen2_5_vl")
+    assert qwen.flops_per_sample(qwen.flavor("tiny"), 64, [[1, 4, 4]]) > 0
