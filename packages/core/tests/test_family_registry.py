@@ -73,10 +73,13 @@ def fake(tmp_path, monkeypatch) -> str:
     _write(site / models / "helpers" / "__init__.py", "VALUE = 1\n")
     _write(site / models / "common.py", "FAMILY = None\n")
     ep_module = f"beta_family_{tag}"
-    _write(
-        site / f"{ep_module}.py",
-        FAMILY_MODULE.format(cls="BetaConfig", name="beta", stack="fake", ckpt="beta_hf"),
+    beta = FAMILY_MODULE.format(cls="BetaConfig", name="beta", stack="fake", ckpt="beta_hf")
+    beta = beta.replace(
+        "    flops_per_sample=",
+        f"    config_dir=Path({str(site / 'beta_conf')!r}),\n    flops_per_sample=",
     )
+    _write(site / f"{ep_module}.py", "from pathlib import Path\n" + beta)
+    _write(site / "beta_conf" / "model" / "beta_small.yaml", "name: beta\nflavor: tiny\nwidth: 4\n")
     dist = site / f"{ep_module}-0.1.dist-info"
     _write(dist / "METADATA", f"Metadata-Version: 2.1\nName: {ep_module}\nVersion: 0.1\n")
     _write(dist / "entry_points.txt", f"[longboat.families]\nbeta = {ep_module}:FAMILY\n")
@@ -115,6 +118,12 @@ def test_convention_and_entry_point_families(fake):
     assert alpha.flops_per_sample(alpha.flavor("tiny"), seq_len=10) == 480.0
     assert find_family("fake", "beta").schema.__name__ == "BetaConfig"
     assert list_families("core") == []
+
+
+def test_an_entry_point_family_brings_its_yaml(fake):
+    cfg = compose_experiment("tiny", ["model=beta_small"])
+    assert (cfg.model.name, cfg.model.width) == ("beta", 4)
+    assert cfg.model._metadata.object_type.__name__ == "BetaConfig"
 
 
 def test_unknown_name_and_flavor_are_config_errors_with_a_did_you_mean(fake):
