@@ -91,21 +91,14 @@ def video_tokens(shape: tuple[int, int, int], patch: list[int]) -> int:
 
 
 def flops_per_sample(arch: dict[str, Any], tokens: int, text_len: int) -> float:
-    """Training FLOPs (3x the forward) of one sample of ``tokens`` video tokens and ``text_len``
-    caption tokens. Forward, ``d`` = heads x head dim, ``f`` = FFN width, per block: self-
-    attention projections 8 d^2 and FFN 4 d f per token, cross-attention q / out 4 d^2 per token
-    and k / v 4 d^2 per caption token; attention 4 s d per token (QK^T and AV over all ``s``
-    video tokens, no mask) and 4 L d per token over the caption. Outside the blocks: the patch
-    embedding and output projection 2 d (C p) each per token, the text embedder 2 L (D_text d +
-    d^2), the time embedder and its projection 2 (freq d + d^2 + 6 d^2). Elementwise work
-    (norms, modulation, RoPE, GELU) is not counted."""
-    d = arch["num_attention_heads"] * arch["attention_head_dim"]
-    f, s, n, L = arch["ffn_dim"], tokens, arch["num_layers"], text_len
-    patch = math.prod(arch["patch_size"])
-    block = s * (12 * d * d + 4 * d * f) + 4 * L * d * d + 4 * s * s * d + 4 * s * L * d
-    outside = 2 * s * d * patch * (arch["in_channels"] + arch["out_channels"])
-    outside += 2 * L * (arch["text_dim"] * d + d * d) + 2 * (arch["freq_dim"] * d + 7 * d * d)
-    return 3.0 * (n * block + outside)
+    """Training FLOPs of one sample of ``tokens`` video tokens and ``text_len`` caption tokens
+    of the diffusers Wan config ``arch``, as the wan family counts them
+    (``Family.flops_per_sample``)."""
+    from longboat.core.family import find_family
+    from longboat.diffusion.models.wan import WanConfig
+
+    wan = find_family("diffusion", "wan")
+    return wan.flops_per_sample(WanConfig.from_diffusers(arch), tokens, text_len)
 
 
 def make_weights(out: Path, arch: dict[str, Any], seed: int) -> tuple[Path, dict]:

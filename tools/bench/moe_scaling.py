@@ -277,9 +277,9 @@ def save_hf_model(model_cfg: Any, out: str, seed: int) -> None:
     bf16 (what both phases load)."""
     from transformers import Qwen3MoeForCausalLM
 
-    from longboat.llm.models.registry import get_family
+    from longboat.core.family import find_family
 
-    hf_cfg = get_family(model_cfg.name).to_hf_config(model_cfg)
+    hf_cfg = find_family("llm", model_cfg.name).to_hf_config(model_cfg)
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(hf_cfg)
     model.to(torch.bfloat16).save_pretrained(out)

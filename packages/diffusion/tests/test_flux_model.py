@@ -24,7 +24,7 @@ import longboat.diffusion.models.flux.model  # noqa: F401  (megatron imported on
 from longboat.core.distributed import run_multiprocess
 from longboat.diffusion.models.common.patches import patchify, unpatchify
 from longboat.diffusion.models.flux.config import flavor, read_config
-from longboat.diffusion.models.flux.hf import (
+from longboat.diffusion.models.flux.diffusers import (
     FluxCheckpointError,
     from_diffusers_state_dict,
     to_diffusers_state_dict,
@@ -129,7 +129,11 @@ def _loss_and_grads(model: Any, recompute: int, **kw: Any) -> tuple[torch.Tensor
 
 
 def _worker(rank: int, world: int, hf_states: dict, tmp: str) -> dict[str, Any]:
-    from longboat.diffusion.models.flux.hf import load_diffusers, load_state_dict, save_diffusers
+    from longboat.diffusion.models.flux.diffusers import (
+        load_diffusers,
+        load_state_dict,
+        save_diffusers,
+    )
     from longboat.diffusion.models.flux.model import build
 
     with tensor_parallel_state(world):

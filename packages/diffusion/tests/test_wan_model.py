@@ -19,7 +19,7 @@ from diffusion_testkit import check_recompute, loss_and_grads, randn, tensor_par
 import longboat.diffusion.models.wan.model  # noqa: F401  (megatron imported once, before forking)
 from longboat.core.distributed import run_multiprocess
 from longboat.diffusion.models.wan.config import flavor, read_config
-from longboat.diffusion.models.wan.hf import (
+from longboat.diffusion.models.wan.diffusers import (
     WanCheckpointError,
     from_diffusers_state_dict,
     to_diffusers_state_dict,
@@ -89,7 +89,11 @@ def _loss_and_grads(model: Any, recompute: int, **kw: Any) -> tuple[torch.Tensor
 
 def _worker(rank: int, world: int, hf_state: dict, tmp: str) -> dict[str, Any]:
     from longboat.core.layer_kernels import LayerKernels
-    from longboat.diffusion.models.wan.hf import load_diffusers, load_state_dict, save_diffusers
+    from longboat.diffusion.models.wan.diffusers import (
+        load_diffusers,
+        load_state_dict,
+        save_diffusers,
+    )
     from longboat.diffusion.models.wan.model import build
 
     with tensor_parallel_state(world):

@@ -112,9 +112,9 @@ from longboat.core.config.schema import ParallelConfig
 from longboat.core.device import get_accelerator
 from longboat.core.megatron import parallel_state
 from longboat.llm import build
-from longboat.llm.models import get_family
+from longboat.core.family import find_family
 parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"), seed=1)
-cfg = get_family("llama3").flavor("tiny")
+cfg = find_family("llm", "llama3").flavor("tiny")
 """
 
 
@@ -181,9 +181,9 @@ def make_hf_dir(family: str, out: Path, *, seed: int = 0) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from longboat.llm.models import get_family
+    from longboat.core.family import find_family
 
-    fam = get_family(family)
+    fam = find_family("llm", family)
     hf_config = fam.to_hf_config(fam.flavor("tiny"))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config)

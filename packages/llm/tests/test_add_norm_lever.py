@@ -50,7 +50,7 @@ def _hf_worker(rank: int, world: int, hf_dir: Path, tokens: torch.Tensor) -> dic
     from pipeline_testkit import forward_logits
 
     from longboat.core.megatron.specs import AddNormTransformerLayer
-    from longboat.llm.hf import load_hf, read_hf_config
+    from longboat.llm.hf_checkpoint import load_hf, read_hf_config
 
     ps = _init()
     try:
@@ -98,12 +98,12 @@ def _train_worker(rank: int, world: int, fp32_residual: bool) -> dict[str, objec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from longboat.core.config.schema import OptimConfig
-    from longboat.llm.models import get_family
+    from longboat.core.family import find_family
     from longboat.llm.train.train_step import build_train_step
 
     ps = _init()
     try:
-        cfg = get_family("llama3").flavor("tiny")
+        cfg = find_family("llm", "llama3").flavor("tiny")
         seq = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
         tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
         out: dict[str, object] = {}
@@ -191,9 +191,9 @@ def test_triton_add_rmsnorm_in_the_model(tmp_path: Path, precision: str) -> None
     out = run_interpreted(TRITON_BODY, tmp_path / "add_norm_triton.py", precision)
     (result,) = [[float(v) for v in x] for x in out["RESULT"]]
     (launched,) = [int(x[0]) for x in out["LAUNCHED"]]
-    from longboat.llm.models import get_family
+    from longboat.core.family import find_family
 
-    assert launched == get_family("llama3").flavor("tiny").num_layers, launched
+    assert launched == find_family("llm", "llama3").flavor("tiny").num_layers, launched
     fused, ref, grad, scale = result
     loss_tol, grad_tol = (FP32_TOL, FP32_TOL) if precision == "fp32" else (2e-3, 2.0**-5)
     assert abs(fused - ref) <= loss_tol, (fused, ref)

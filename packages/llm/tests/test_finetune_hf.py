@@ -140,7 +140,7 @@ def _longboat_logits(rank: int, world: int, hf_dir: str, tokens: torch.Tensor) -
     from longboat.core.device import get_accelerator
     from longboat.core.megatron import parallel_state
     from longboat.llm.build import build_model
-    from longboat.llm.hf import load_hf, read_hf_config
+    from longboat.llm.hf_checkpoint import load_hf, read_hf_config
 
     cfg = read_hf_config(hf_dir)
     parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"), seed=1)

@@ -29,7 +29,7 @@ def _logits_worker(
     from longboat.core.device import get_accelerator
     from longboat.core.megatron import parallel_state
     from longboat.llm.build import build_model
-    from longboat.llm.hf import load_hf, read_hf_config, save_hf
+    from longboat.llm.hf_checkpoint import load_hf, read_hf_config, save_hf
 
     cfg = read_hf_config(hf_dir)
     parallel_state.initialize(ParallelConfig(**layout), get_accelerator("cpu"))

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
+from longboat.core.family import find_family
 from longboat.core.megatron import specs
-from longboat.llm.layer_kernels import longboat_layer_kernels
-from longboat.llm.models import get_family
+from longboat.kernels.layers import longboat_layer_kernels
 
 
 def test_auto_backend_picks_te_only_on_cuda_with_te(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -25,8 +25,8 @@ def test_auto_backend_picks_te_only_on_cuda_with_te(monkeypatch: pytest.MonkeyPa
 
 def test_longboat_spec_uses_the_kernels() -> None:
     kernels = longboat_layer_kernels()
-    cfg = get_family("qwen3_moe").flavor("tiny")
-    spec = get_family("qwen3_moe").layer_spec(cfg, "longboat", kernels)
+    cfg = find_family("llm", "qwen3_moe").flavor("tiny")
+    spec = find_family("llm", "qwen3_moe").layer_spec(cfg, "longboat", kernels)
     sub = spec.submodules
     attn = sub.self_attention.submodules
     assert attn.core_attention.module is specs.KernelCoreAttention
@@ -42,7 +42,7 @@ def test_longboat_spec_uses_the_kernels() -> None:
     assert experts.func is GroupedExperts and experts.keywords["glu"] is kernels.swiglu
     # megatron's per-expert loop gets the same kernel as its activation module.
     seq_cfg = dataclasses.replace(cfg, moe_experts="sequential")
-    seq = get_family("qwen3_moe").layer_spec(seq_cfg, "longboat", kernels).submodules.mlp
+    seq = find_family("llm", "qwen3_moe").layer_spec(seq_cfg, "longboat", kernels).submodules.mlp
     seq_experts = seq.keywords["submodules"].experts.keywords["submodules"]
     assert seq_experts.activation_func.module is specs.KernelGLU
     assert seq_experts.activation_func.params["glu"] is kernels.swiglu
@@ -51,6 +51,6 @@ def test_longboat_spec_uses_the_kernels() -> None:
 def test_dense_spec_without_qk_norm_has_identity() -> None:
     from megatron.core.transformer.identity_op import IdentityOp
 
-    cfg = get_family("llama3").flavor("tiny")
-    spec = get_family("llama3").layer_spec(cfg, "longboat", longboat_layer_kernels())
+    cfg = find_family("llm", "llama3").flavor("tiny")
+    spec = find_family("llm", "llama3").layer_spec(cfg, "longboat", longboat_layer_kernels())
     assert spec.submodules.self_attention.submodules.q_layernorm is IdentityOp

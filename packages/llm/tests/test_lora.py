@@ -21,9 +21,9 @@ def _lora_worker(
     from longboat.core.config.schema import ParallelConfig
     from longboat.core.device import get_accelerator
     from longboat.core.megatron import parallel_state
+    from longboat.core.megatron.lora import apply_lora, lora_parameters
     from longboat.llm.build import build_model
-    from longboat.llm.hf import load_hf, read_hf_config
-    from longboat.llm.lora import apply_lora, lora_parameters
+    from longboat.llm.hf_checkpoint import load_hf, read_hf_config
     from longboat.llm.train.export import export_hf
 
     cfg = read_hf_config(hf_dir)

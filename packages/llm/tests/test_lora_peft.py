@@ -29,9 +29,9 @@ def _adapted_worker(
     from longboat.core.config.schema import ParallelConfig
     from longboat.core.device import get_accelerator
     from longboat.core.megatron import parallel_state
+    from longboat.core.megatron.lora import apply_lora
     from longboat.llm.build import build_model
-    from longboat.llm.hf import load_hf, read_hf_config
-    from longboat.llm.lora import apply_lora
+    from longboat.llm.hf_checkpoint import load_hf, read_hf_config
     from longboat.llm.peft import load_peft, save_peft
 
     cfg = read_hf_config(hf_dir)

@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from longboat.core.config.errors import ConfigError
+from longboat.core.family import find_family
 from longboat.core.megatron.hf_io import HFCheckpointMismatch, check_hf_checkpoint
-from longboat.llm.hf import check_matches_flavor, read_hf_config
-from longboat.llm.models import get_family
+from longboat.llm.hf_checkpoint import check_matches_flavor, read_hf_config
 
 
 def test_every_bad_tensor_is_listed(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
@@ -26,7 +26,7 @@ def test_every_bad_tensor_is_listed(hf_dirs: dict[str, Path], tmp_path: Path) ->
     sd["model.layers.2.mlp.up_proj.weight"] = torch.zeros(7, 64)
     save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
 
-    arch = read_hf_config(bad).to_arch()
+    arch = read_hf_config(bad)
     with pytest.raises(HFCheckpointMismatch) as info:
         check_hf_checkpoint(bad, arch)
     problems = info.value.problems
@@ -42,12 +42,14 @@ def test_every_bad_tensor_is_listed(hf_dirs: dict[str, Path], tmp_path: Path) ->
 
 def test_clean_checkpoint_passes(hf_dirs: dict[str, Path]) -> None:
     for family, d in hf_dirs.items():
-        index = check_hf_checkpoint(d, read_hf_config(d).to_arch())
+        index = check_hf_checkpoint(d, read_hf_config(d))
         assert len(index) > 10, family
 
 
 def test_flavor_mismatch_lists_every_field(hf_dirs: dict[str, Path]) -> None:
-    flavor = dataclasses.replace(get_family("llama3").flavor("tiny"), num_layers=3, hidden_size=32)
+    flavor = dataclasses.replace(
+        find_family("llm", "llama3").flavor("tiny"), num_layers=3, hidden_size=32
+    )
     with pytest.raises(ConfigError) as info:
         check_matches_flavor(flavor, read_hf_config(hf_dirs["llama3"]), "ckpt/config.json")
     text = str(info.value)
@@ -58,7 +60,7 @@ def test_flavor_mismatch_lists_every_field(hf_dirs: dict[str, Path]) -> None:
 def test_wrong_family_is_named(hf_dirs: dict[str, Path]) -> None:
     with pytest.raises(ConfigError, match="'qwen3' checkpoint"):
         check_matches_flavor(
-            get_family("llama3").flavor("tiny"), read_hf_config(hf_dirs["qwen3"]), "c.json"
+            find_family("llm", "llama3").flavor("tiny"), read_hf_config(hf_dirs["qwen3"]), "c.json"
         )
 
 

@@ -38,7 +38,7 @@ def _step_worker(
     from longboat.core.config.schema import OptimConfig, ParallelConfig
     from longboat.core.device import get_accelerator
     from longboat.core.megatron import parallel_state
-    from longboat.llm.hf import load_hf, read_hf_config
+    from longboat.llm.hf_checkpoint import load_hf, read_hf_config
     from longboat.llm.train.train_step import build_train_step
 
     cfg = read_hf_config(hf_dir)
@@ -164,14 +164,14 @@ def test_megatron_setting_keeps_megatrons_per_layer_loss(
 
 
 def test_hf_setting_refuses_layouts_where_it_cannot_be_hf() -> None:
-    from longboat.llm.models import get_family
+    from longboat.core.family import find_family
     from longboat.llm.moe_aux_loss import (
         check_pooled_aux_loss,
         pooled_aux_loss_applies,
         pooled_aux_loss_notice,
     )
 
-    cfg = get_family("qwen3_moe").flavor("tiny")
+    cfg = find_family("llm", "qwen3_moe").flavor("tiny")
     assert cfg.moe_aux_loss == "auto"  # the default
     cfg.moe_aux_loss, cfg.moe_aux_loss_coeff = "hf", 0.01
     cases = {
@@ -222,14 +222,14 @@ def test_validator_names_the_key_before_the_run_starts() -> None:
 def _hazards_worker(rank: int, world: int, mode: str) -> list[tuple[str, str]]:
     from longboat.core.config.schema import OptimConfig, ParallelConfig
     from longboat.core.device import get_accelerator
+    from longboat.core.family import find_family
     from longboat.core.loop.capture_check import capture_hazards
     from longboat.core.megatron import parallel_state
-    from longboat.llm.models import get_family
     from longboat.llm.train.lagged_guard import _use_fused
     from longboat.llm.train.optimizer import inner_optimizers
     from longboat.llm.train.train_step import build_train_step
 
-    cfg = get_family("qwen3_moe").flavor("tiny")
+    cfg = find_family("llm", "qwen3_moe").flavor("tiny")
     cfg.moe_aux_loss, cfg.moe_aux_loss_coeff = mode, COEFF
     parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"), seed=1)
     try:

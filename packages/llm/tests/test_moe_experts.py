@@ -11,12 +11,12 @@ from llm_testkit import compose
 
 from longboat.core.config.errors import ConfigError
 from longboat.core.config.schema import LoRAConfig
-from longboat.llm.models import get_family
+from longboat.core.family import find_family
 from longboat.llm.moe_experts import moe_experts_for_run
 
 
 def test_auto_is_grouped_unless_lora_adapts_the_experts() -> None:
-    cfg = get_family("qwen3_moe").flavor("tiny")
+    cfg = find_family("llm", "qwen3_moe").flavor("tiny")
     assert cfg.moe_experts == "auto"
     assert moe_experts_for_run(cfg) == (cfg, None)
     attention_only = LoRAConfig(enabled=True, targets=["linear_qkv", "linear_proj"])
@@ -27,12 +27,14 @@ def test_auto_is_grouped_unless_lora_adapts_the_experts() -> None:
     assert notice is not None and notice.startswith("model.moe_experts: megatron's per-expert")
     assert "linear_fc1" in notice and "linear_fc2" in notice
 
-    dense = get_family("qwen3").flavor("tiny")  # no experts: LoRA on the MLP changes nothing
+    dense = find_family("llm", "qwen3").flavor(
+        "tiny"
+    )  # no experts: LoRA on the MLP changes nothing
     assert moe_experts_for_run(dense, LoRAConfig(enabled=True)) == (dense, None)
 
 
 def test_explicit_grouped_with_lora_on_the_experts_is_refused() -> None:
-    cfg = dataclasses.replace(get_family("qwen3_moe").flavor("tiny"), moe_experts="grouped")
+    cfg = dataclasses.replace(find_family("llm", "qwen3_moe").flavor("tiny"), moe_experts="grouped")
     with pytest.raises(ConfigError) as err:
         moe_experts_for_run(cfg, LoRAConfig(enabled=True, targets=["linear_fc2"]))
     assert "model.moe_experts" in str(err.value) and "linear_fc2" in str(err.value)

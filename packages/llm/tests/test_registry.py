@@ -10,8 +10,9 @@ import pytest
 import yaml
 
 from longboat.core.config.errors import ConfigError
-from longboat.llm.config import LLMModelConfig
-from longboat.llm.models import family_for_hf_config, get_family, list_families
+from longboat.core.family import find_family, list_families
+from longboat.core.megatron.decoder_config import DecoderModelConfig
+from longboat.llm.hf_checkpoint import family_for_hf_config
 from longboat.llm.stack import STACK
 
 CONF = Path(STACK.config_dir) / "model"
@@ -24,16 +25,16 @@ EXPECTED_FLAVORS = {
 
 
 def test_registry_lists_every_family_and_flavor() -> None:
-    assert list_families() == sorted(EXPECTED_FLAVORS)
+    assert list_families("llm") == sorted(EXPECTED_FLAVORS)
     for name, flavors in EXPECTED_FLAVORS.items():
-        assert set(get_family(name).flavors) == flavors
+        assert set(find_family("llm", name).flavors) == flavors
 
 
 def test_unknown_names_fail_with_the_choices() -> None:
     with pytest.raises(ConfigError, match="llama3"):
-        get_family("llama4")
+        find_family("llm", "llama4")
     with pytest.raises(ConfigError, match=r"\['1b', '70b', '8b', 'tiny'\]"):
-        get_family("llama3").flavor("405b")
+        find_family("llm", "llama3").flavor("405b")
 
 
 @pytest.mark.parametrize(
@@ -52,7 +53,7 @@ def test_unknown_names_fail_with_the_choices() -> None:
 def test_real_flavors_have_the_published_parameter_count(
     family: str, flavor: str, params_b: float
 ) -> None:
-    c = get_family(family).flavor(flavor)
+    c = find_family("llm", family).flavor(flavor)
     h, d = c.hidden_size, c.head_dim
     attn = h * d * (2 * c.num_attention_heads + 2 * c.num_query_groups)
     attn += 2 * d if c.qk_norm else 0
@@ -66,19 +67,19 @@ def test_real_flavors_have_the_published_parameter_count(
 
 
 def test_tied_embeddings_follow_the_real_models() -> None:
-    assert get_family("llama3").flavor("1b").tie_embeddings
-    assert not get_family("llama3").flavor("8b").tie_embeddings
-    assert get_family("qwen3").flavor("0.6b").tie_embeddings
-    assert get_family("qwen3").flavor("1.7b").tie_embeddings
-    assert not get_family("qwen3").flavor("8b").tie_embeddings
-    assert not get_family("qwen3").flavor("32b").tie_embeddings
+    assert find_family("llm", "llama3").flavor("1b").tie_embeddings
+    assert not find_family("llm", "llama3").flavor("8b").tie_embeddings
+    assert find_family("llm", "qwen3").flavor("0.6b").tie_embeddings
+    assert find_family("llm", "qwen3").flavor("1.7b").tie_embeddings
+    assert not find_family("llm", "qwen3").flavor("8b").tie_embeddings
+    assert not find_family("llm", "qwen3").flavor("32b").tie_embeddings
 
 
 def test_yaml_flavors_equal_python_flavors() -> None:
     seen = set()
     for path in sorted(CONF.glob("*.yaml")):
         data = yaml.safe_load(path.read_text())
-        fam = get_family(data["name"])
+        fam = find_family("llm", data["name"])
         flavor = str(data["flavor"])
         assert dataclasses.asdict(fam.flavor(flavor)) == data, path.name
         assert path.stem == f"{data['name']}_{flavor.replace('.', '_')}"
@@ -88,7 +89,7 @@ def test_yaml_flavors_equal_python_flavors() -> None:
 
 @pytest.mark.parametrize("family", sorted(EXPECTED_FLAVORS))
 def test_hf_config_round_trip(family: str, tmp_path: Path) -> None:
-    fam = get_family(family)
+    fam = find_family("llm", family)
     for flavor in fam.flavors:
         cfg = fam.flavor(flavor)
         fam.to_hf_config(cfg).save_pretrained(tmp_path)
@@ -99,7 +100,7 @@ def test_hf_config_round_trip(family: str, tmp_path: Path) -> None:
 
 
 def test_unsupported_rope_scaling_is_rejected() -> None:
-    fam = get_family("llama3")
+    fam = find_family("llm", "llama3")
     hf = fam.to_hf_config(fam.flavor("8b")).to_dict()
     hf["rope_parameters"]["high_freq_factor"] = 2.0
     with pytest.raises(ConfigError, match="high_freq_factor"):
@@ -110,7 +111,7 @@ def test_validator_reports_bad_parallel_sizes() -> None:
     from longboat.core.config.errors import ProblemCollector
     from longboat.llm.validate import validate_llm
 
-    model = dataclasses.asdict(get_family("qwen3_moe").flavor("tiny"))
+    model = dataclasses.asdict(find_family("llm", "qwen3_moe").flavor("tiny"))
     problems = ProblemCollector()
     validate_llm(
         {"model": model, "parallel": {"tensor_parallel": 3, "expert_parallel": 3}}, 6, problems
@@ -122,7 +123,7 @@ def test_validator_reports_bad_parallel_sizes() -> None:
 
 
 def test_default_model_config_is_llama3_tiny_shape() -> None:
-    assert LLMModelConfig().to_arch().num_layers == 2
+    assert DecoderModelConfig().num_layers == 2
 
 
 def test_declared_transformers_range_is_the_one_the_export_is_read_by() -> None:

@@ -26,9 +26,9 @@ FP32_TOL = 2e-5  # fp32: the paths differ only in summation order (measured <= 3
 
 
 def _tiny_cfg():
-    from longboat.llm.models import get_family
+    from longboat.core.family import find_family
 
-    return get_family("llama3").flavor("tiny")
+    return find_family("llm", "llama3").flavor("tiny")
 
 
 def _batch(cfg, b: int = 2, s: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,8 +54,8 @@ def _rope_worker(rank: int, world: int, precision: str, qkv: bool) -> dict[str, 
     from megatron.core.transformer.attention import SelfAttention
 
     from longboat.core.megatron.specs import KernelSelfAttention
+    from longboat.kernels.layers import longboat_layer_kernels
     from longboat.llm import build
-    from longboat.llm.layer_kernels import longboat_layer_kernels
 
     ps = _init()
     try:
@@ -118,7 +118,7 @@ def test_rope_rotation_in_bf16_is_at_least_as_accurate_as_megatrons() -> None:
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
     from longboat.core.megatron.specs import KernelSelfAttention
-    from longboat.llm.layer_kernels import longboat_layer_kernels
+    from longboat.kernels.layers import longboat_layer_kernels
 
     g = torch.Generator().manual_seed(0)
     s, b, h, hk, d = 24, 2, 4, 2, 32

@@ -39,7 +39,7 @@ def _step_worker(
     from longboat.core.megatron.hf_io import gather_hf_state_dict
     from longboat.core.megatron.optimizer import build_optimizer, wrap_ddp
     from longboat.llm.build import build_model
-    from longboat.llm.hf import load_hf, read_hf_config
+    from longboat.llm.hf_checkpoint import load_hf, read_hf_config
 
     cfg = read_hf_config(hf_dir)
     mp = parallel_state.initialize(ParallelConfig(**layout), get_accelerator("cpu"))
@@ -64,7 +64,7 @@ def _step_worker(
         micro = micro[dp_rank :: mp.data_parallel]
         loss, grad_norm = train_step(model, opt, micro)
         assert grad_norm > GRAD_CLIP, grad_norm
-        return loss, gather_hf_state_dict(chunks, cfg.to_arch())
+        return loss, gather_hf_state_dict(chunks, cfg)
     finally:
         parallel_state.destroy()
 

@@ -99,7 +99,7 @@ def _worker(
         head = model.language.shared_embedding_or_output_weight()
         full_head = torch.cat(tp_shards(head.detach(), coords), dim=0)
         # Every weight under its HF name: this stage's decoder layers, the tower (first stage).
-        weights = gather_hf_state_dict([model.language], cfg.language.to_arch())
+        weights = gather_hf_state_dict([model.language], cfg.language)
         if model.vision is not None and tp == 1:
             weights |= {f"visual.{k}": v.detach().clone() for k, v in
                         model.vision.state_dict().items() if isinstance(v, torch.Tensor)}  # fmt: skip

@@ -117,7 +117,7 @@ def _full_state(model: Any, cfg: Any, *, grads: bool) -> dict[str, torch.Tensor]
                 swapped.append((p, p.data))
                 p.data = p.main_grad.view_as(p)
     try:
-        out = gather_hf_state_dict([model.language], cfg.language.to_arch())
+        out = gather_hf_state_dict([model.language], cfg.language)
         if out:
             out |= {f"visual.{k}": v.detach().clone() for k, v in
                     model.vision.state_dict().items() if isinstance(v, torch.Tensor)}  # fmt: skip

@@ -2,7 +2,7 @@
 megatron-core ``GPTModel`` with megatron's own local layer spec.
 
 Both read the model shape and optimizer settings from the composed longboat config (``cfg.model``,
-an ``LLMModelConfig``; ``cfg.optim``), so every run trains the same shapes with the same
+a ``DecoderModelConfig``; ``cfg.optim``), so every run trains the same shapes with the same
 hyperparameters; nothing else of longboat is used except ``longboat.core.megatron.parallel_state``
 for megatron's process groups.
 
@@ -52,7 +52,7 @@ from .reference_adamw import ReferenceAdamW
 
 def param_counts(m: Any) -> tuple[int, int]:
     """(every parameter, the parameters one token passes through) of the Llama / Qwen3 /
-    Qwen3-MoE model ``m`` (an ``LLMModelConfig``; equal for a dense model)."""
+    Qwen3-MoE model ``m`` (a ``DecoderModelConfig``; equal for a dense model)."""
     h, hd = m.hidden_size, m.head_dim
     attn = h * m.num_attention_heads * hd * 2 + 2 * h * m.num_query_groups * hd
     base = attn + 2 * h + (2 * hd if getattr(m, "qk_norm", False) else 0)
@@ -68,17 +68,17 @@ def param_counts(m: Any) -> tuple[int, int]:
 
 
 def param_count(m: Any) -> int:
-    """Parameters of the model ``m`` (an ``LLMModelConfig``)."""
+    """Parameters of the model ``m`` (a ``DecoderModelConfig``)."""
     return param_counts(m)[0]
 
 
 def flops_per_token(m: Any, seq: int) -> float:
-    """6 N + 6 L s d_attn: N = the parameters a token passes through (embedding and head
-    included; for an MoE model the top-k experts, not all of them); attention's QK^T and AV,
-    2 * 2 * s * d_attn per token per layer forward, x3 for forward + backward, /2 for the
-    causal mask; d_attn = heads * head_dim."""
-    active = param_counts(m)[1]
-    return 6.0 * active + 6.0 * m.num_layers * seq * m.num_attention_heads * m.head_dim
+    """Training FLOPs of one token of a ``seq``-token sequence, as the llm families count them
+    (their ``Family.flops_per_sample`` is ``seq`` times this: 6 N + 6 L s d_attn, N the
+    parameters a token passes through)."""
+    from longboat.llm.models.family import flops_per_token as family_flops_per_token
+
+    return family_flops_per_token(m, seq)
 
 
 def lr_factor(schedule: Any, total_steps: int) -> Callable[[int], float]:

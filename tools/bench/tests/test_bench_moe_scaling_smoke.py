@@ -93,12 +93,12 @@ def test_param_counts_match_transformers() -> None:
     from bench_train import compose
     from transformers import Qwen3MoeForCausalLM
 
-    from longboat.llm.models.registry import get_family
+    from longboat.core.family import find_family
 
     c = moe_scaling.TINY
     m = compose("llm", "quickstart", moe_scaling.overrides(c, 1, 1, None), "unused").model
     torch.manual_seed(0)
-    hf = Qwen3MoeForCausalLM(get_family("qwen3_moe").to_hf_config(m))
+    hf = Qwen3MoeForCausalLM(find_family("llm", "qwen3_moe").to_hf_config(m))
     total, active = ref.param_counts(m)
     assert total == sum(p.numel() for p in hf.parameters())
     expert = 3 * c["hidden"] * c["moe_ffn"]

@@ -21,11 +21,11 @@ TOL = 1e-5  # fp32: max abs difference, relative to the reference's max
 
 
 def _model(moe_experts: str, experts: int = 4, topk: int = 2, ffn: int = 16, **overrides):  # type: ignore[no-untyped-def]
-    from longboat.core.megatron.decoder_config import DecoderArch, to_transformer_config
+    from longboat.core.megatron.decoder_config import DecoderModelConfig, to_transformer_config
     from longboat.core.megatron.model import build_decoder_model
     from longboat.core.megatron.specs import decoder_layer_spec
 
-    arch = DecoderArch(
+    arch = DecoderModelConfig(norm_eps=1e-6, max_position_embeddings=4096,
         vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4,
         num_query_groups=2, head_dim=8, ffn_hidden_size=48, num_experts=experts,
         moe_topk=topk, moe_ffn_hidden_size=ffn,

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="needs longboat-core[megatron]")
 
-from longboat.core.megatron.decoder_config import DecoderArch
+from longboat.core.megatron.decoder_config import DecoderModelConfig
 from longboat.core.megatron.hf_mapping import (
     RankCoords,
     expected_hf_shapes,
@@ -16,7 +16,9 @@ from longboat.core.megatron.hf_mapping import (
     unshard_to_hf,
 )
 
-ARCH = DecoderArch(
+ARCH = DecoderModelConfig(
+    norm_eps=1e-6,
+    max_position_embeddings=4096,
     vocab_size=32,
     hidden_size=16,
     num_layers=2,
@@ -110,7 +112,7 @@ def test_expert_parallel_rank_maps_to_global_experts() -> None:
 
 
 def test_tied_head_maps_to_the_embedding() -> None:
-    tied = DecoderArch(**{**ARCH.__dict__, "tie_embeddings": True})
+    tied = DecoderModelConfig(**{**ARCH.__dict__, "tie_embeddings": True})
     slot = megatron_to_hf_slot("output_layer.weight", tied, global_layer=None, ep=RankCoords())
     assert slot.hf_names == ("model.embed_tokens.weight",)
     assert "lm_head.weight" not in expected_hf_shapes(tied)
@@ -134,7 +136,7 @@ def test_fused_layouts_match_megatron_by_hand() -> None:
     want = torch.cat([q[0:8], k[0:4], v[0:4], q[8:16], k[4:8], v[4:8]])
     assert torch.equal(shard, want)
 
-    dense = DecoderArch(**{**ARCH.__dict__, "num_experts": 0, "moe_ffn_hidden_size": None})
+    dense = DecoderModelConfig(**{**ARCH.__dict__, "num_experts": 0, "moe_ffn_hidden_size": None})
     g = torch.Generator().manual_seed(1)
     hf = {n: torch.randn(s, generator=g) for n, s in expected_hf_shapes(dense).items()}
     coords = RankCoords(tp_rank=1, tp_size=2)

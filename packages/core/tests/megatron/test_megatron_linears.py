@@ -41,7 +41,7 @@ def _worker(rank: int, world: int) -> dict[str, object]:
     from longboat.core.device import get_accelerator
     from longboat.core.layer_kernels import LayerKernels
     from longboat.core.megatron import parallel_state
-    from longboat.core.megatron.decoder_config import DecoderArch, to_transformer_config
+    from longboat.core.megatron.decoder_config import DecoderModelConfig, to_transformer_config
     from longboat.core.megatron.linears import (
         EpilogueColumnParallelLinear,
         EpilogueRowParallelLinear,
@@ -50,7 +50,7 @@ def _worker(rank: int, world: int) -> dict[str, object]:
 
     parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"), seed=1)
     try:
-        arch = DecoderArch(vocab_size=64, hidden_size=24, num_layers=1, num_attention_heads=4,
+        arch = DecoderModelConfig(norm_eps=1e-6, max_position_embeddings=4096, vocab_size=64, hidden_size=24, num_layers=1, num_attention_heads=4,
                            num_query_groups=4, head_dim=6, ffn_hidden_size=40)  # fmt: skip
         cfg = to_transformer_config(arch, precision="fp32", use_cpu_initialization=True)
         out: dict[str, object] = {}

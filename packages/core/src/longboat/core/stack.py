@@ -65,7 +65,11 @@ class Stack:
     root_schema: type[ExperimentConfig] | Ref = ExperimentConfig
     """Root dataclass of this stack's experiments (a subclass of ``ExperimentConfig``)."""
     model_schemas: Mapping[str, type[ModelConfig] | Ref] = field(default_factory=dict)
-    """Model dataclass per ``model.name``; ``model.*`` keys are checked against it."""
+    """Model dataclass per ``model.name``; ``model.*`` keys are checked against it (a name
+    not listed here takes the ``schema`` of the stack's family of that name)."""
+    families_package: str | None = None
+    """The package whose subpackages are the stack's model families, each exposing a
+    ``FAMILY`` object (``longboat.llm.models``); see ``longboat.core.family``."""
     data_schemas: Mapping[str, type[DataConfig] | Ref] = field(default_factory=dict)
     """Data dataclass per ``data.name``; ``data.*`` keys are checked against it."""
     console_script: str | None = None
@@ -124,7 +128,12 @@ class Stack:
     def model_schema(self, model_name: str) -> type[ModelConfig] | None:
         """The dataclass registered for ``model.name``, or None."""
         ref = self.model_schemas.get(model_name)
-        return None if ref is None else resolve_ref(ref)
+        if ref is None:
+            from longboat.core.family import families
+
+            family = families(self.name).get(model_name)
+            return None if family is None else family.model_schema()
+        return resolve_ref(ref)
 
     def data_schema(self, data_name: str) -> type[DataConfig] | None:
         """The dataclass registered for ``data.name``, or None."""

@@ -8,14 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from longboat.core.stack import Stack
-from longboat.diffusion.models.registry import FAMILIES
 
 STACK = Stack(
     name="diffusion",
     description="Video and image diffusion transformers on megatron-core (Wan-style DiT) "
     "with flow matching and diffusers conversion.",
     config_dir=Path(__file__).with_name("conf"),
-    model_schemas=dict.fromkeys(FAMILIES, "longboat.diffusion.train.schema:DiffusionModelConfig"),
+    families_package="longboat.diffusion.models",
     root_schema="longboat.diffusion.train.schema:DiffusionExperimentConfig",
     data_schemas={
         "latents": "longboat.diffusion.data.schema:LatentsDataConfig",

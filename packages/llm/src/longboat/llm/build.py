@@ -1,4 +1,4 @@
-"""Build an LLM's megatron model chunks for this rank from an ``LLMModelConfig``."""
+"""Build an LLM's megatron model chunks for this rank from a ``DecoderModelConfig``."""
 
 from __future__ import annotations
 
@@ -6,23 +6,24 @@ from typing import Any
 
 import torch
 
-from longboat.core.megatron.decoder_config import to_transformer_config
-from longboat.core.megatron.models.build import build_decoder
+from longboat.core.family import find_family
+from longboat.core.megatron.decoder_build import build_decoder
+from longboat.core.megatron.decoder_config import DecoderModelConfig, to_transformer_config
 from longboat.core.megatron.parallel_state import current_layout
-from longboat.llm.config import LLMModelConfig
-from longboat.llm.layer_kernels import longboat_layer_kernels
+from longboat.kernels.layers import longboat_layer_kernels
 from longboat.llm.moe_aux_loss import pooled_aux_loss_applies
 
 
 def build_model(
-    cfg: LLMModelConfig,
+    cfg: DecoderModelConfig,
     *,
     precision: str = "fp32",
     device_type: str = "cpu",
     kernel_options: dict[str, bool] | None = None,
     **config_overrides: Any,
 ) -> list[torch.nn.Module]:
-    """This rank's model chunks on longboat's kernels (core's ``build_decoder``).
+    """This rank's model chunks on longboat's kernels (core's ``build_decoder`` with the
+    layer spec of the family ``cfg.name``).
 
     ``kernel_options``: switches of ``longboat_layer_kernels`` (e.g. ``{"add_rms_norm":
     False}``) for the longboat backend, to measure or rule out one kernel.
@@ -40,6 +41,7 @@ def build_model(
         moe_router = PooledAuxRouter
     return build_decoder(
         cfg,
+        layer_spec=find_family("llm", cfg.name).layer_spec,
         kernels=longboat_layer_kernels(**(kernel_options or {})),
         moe_router=moe_router,
         precision=precision,

@@ -19,11 +19,11 @@ import torch.distributed as dist
 
 from longboat.core.config.errors import ConfigError
 from longboat.core.config.schema import CheckpointConfig, ParallelConfig
+from longboat.core.family import find_family
 from longboat.core.megatron import parallel_state as mparallel
+from longboat.core.megatron.decoder_config import DecoderModelConfig
 from longboat.llm.build import build_model
-from longboat.llm.config import LLMModelConfig
-from longboat.llm.hf import check_matches_flavor, load_hf, read_hf_config, save_hf
-from longboat.llm.models.registry import get_family
+from longboat.llm.hf_checkpoint import check_matches_flavor, load_hf, read_hf_config, save_hf
 
 Progress = Callable[[int, int], None]
 
@@ -65,13 +65,13 @@ def hf_to_native(
 
     cfg = read_hf_config(hf_dir)
     if model is not None and model != cfg.name:
-        get_family(model)  # an unknown name fails listing the families
+        find_family("llm", model)  # an unknown name fails listing the families
         raise ConfigError(
             f"--model {model} but {hf_dir}/config.json is a {cfg.name!r} checkpoint. "
             f"Fix: pass --model {cfg.name} or omit it."
         )
     if flavor is not None:
-        wanted = get_family(cfg.name).flavor(flavor)
+        wanted = find_family("llm", cfg.name).flavor(flavor)
         check_matches_flavor(wanted, cfg, f"{hf_dir}/config.json")
         cfg = dataclasses.replace(cfg, flavor=wanted.flavor)
     with single_process_megatron():
@@ -97,7 +97,7 @@ def _resolve_native(path: Path) -> Path:
     return latest
 
 
-def native_config(path: str | Path) -> LLMModelConfig:
+def native_config(path: str | Path) -> DecoderModelConfig:
     """The model config stored in a native checkpoint's manifest."""
     from longboat.core.checkpoint import read_manifest
 
@@ -105,8 +105,8 @@ def native_config(path: str | Path) -> LLMModelConfig:
     model = dict(manifest.config.get("model") or {})
     if not model:
         raise ValueError(f"{path}: the manifest has no model config; was it written by longboat?")
-    names = {f.name for f in dataclasses.fields(LLMModelConfig)}
-    return LLMModelConfig(**{k: v for k, v in model.items() if k in names})
+    names = {f.name for f in dataclasses.fields(DecoderModelConfig)}
+    return DecoderModelConfig(**{k: v for k, v in model.items() if k in names})
 
 
 def run_sources(path: str | Path) -> tuple[Path | None, Path | None]:
@@ -152,7 +152,7 @@ def native_to_hf(
     return out
 
 
-def describe(cfg: LLMModelConfig) -> dict[str, Any]:
+def describe(cfg: DecoderModelConfig) -> dict[str, Any]:
     """A short summary for the CLI."""
     return {
         "model": cfg.name,

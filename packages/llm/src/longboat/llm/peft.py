@@ -11,7 +11,7 @@ PEFT trained) is represented exactly by stacking them: the fused ``A`` gets rank
 and each projection's ``B`` its own block of columns; its scale stays ``alpha / r``.
 
 Both are collective under tensor parallelism (the adapter shards follow the base weight's
-split; see ``longboat.llm.lora``); rank 0 writes.
+split; see ``longboat.core.megatron.lora``); rank 0 writes.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from longboat.core.megatron.decoder_config import DecoderModelConfig
 from longboat.core.megatron.hf_io import is_owner, rank_coords, tp_shards
 from longboat.core.megatron.hf_mapping import (
     RankCoords,
@@ -32,8 +33,7 @@ from longboat.core.megatron.hf_mapping import (
     shard_from_hf,
     unshard_to_hf,
 )
-from longboat.llm.config import LLMModelConfig
-from longboat.llm.lora import _HOOK
+from longboat.core.megatron.lora import is_lora_adapted
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -42,19 +42,18 @@ _ROW_KINDS = ("row",)  # A split over columns, B replicated; the other kinds spl
 
 
 def _adapted(
-    chunks: list[torch.nn.Module], cfg: LLMModelConfig, coords: RankCoords, prefix: str
+    chunks: list[torch.nn.Module], cfg: DecoderModelConfig, coords: RankCoords, prefix: str
 ) -> Iterator[tuple[torch.nn.Module, Slot]]:
-    arch = cfg.to_arch()
     for chunk in chunks:
         layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
         for name, module in chunk.named_modules():
-            if getattr(module, _HOOK, None) is None:
+            if not is_lora_adapted(module):
                 continue
             layer = None
             if name.startswith("decoder.layers."):
                 layer = layers[int(name.split(".")[2])].layer_number - 1
             slot = megatron_to_hf_slot(
-                f"{name}.weight", arch, global_layer=layer, ep=coords, prefix=prefix
+                f"{name}.weight", cfg, global_layer=layer, ep=coords, prefix=prefix
             )
             yield module, slot
 
@@ -67,7 +66,7 @@ def _module_key(hf_weight: str) -> str:
 @torch.no_grad()
 def save_peft(
     chunks: list[torch.nn.Module],
-    cfg: LLMModelConfig,
+    cfg: DecoderModelConfig,
     out_dir: str | Path,
     *,
     rank: int,
@@ -77,9 +76,9 @@ def save_peft(
     """Write this model's LoRA adapters as a PEFT adapter directory (collective)."""
     from safetensors.torch import save_file
 
-    from longboat.llm.models.registry import get_family
+    from longboat.core.family import find_family
 
-    prefix = get_family(cfg.name).hf_prefix
+    prefix = find_family("llm", cfg.name).hf_prefix
     coords = rank_coords()
     tensors: dict[str, torch.Tensor] = {}
     ranks: dict[str, int] = {}
@@ -90,7 +89,7 @@ def save_peft(
             a_full, bs = torch.cat(tp_shards(a, coords), 1), {slot.hf_names[0]: b}
         else:  # experts are not split over tensor-parallel ranks
             shards = [b] if slot.kind.startswith("expert") else tp_shards(b, coords)
-            a_full, bs = a, unshard_to_hf(slot, shards, cfg.to_arch())
+            a_full, bs = a, unshard_to_hf(slot, shards, cfg)
         if not is_owner(slot):
             continue
         for hf_name, b_i in bs.items():
@@ -159,18 +158,20 @@ def read_peft(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.
 
 
 @torch.no_grad()
-def load_peft(chunks: list[torch.nn.Module], cfg: LLMModelConfig, adapter_dir: str | Path) -> int:
+def load_peft(
+    chunks: list[torch.nn.Module], cfg: DecoderModelConfig, adapter_dir: str | Path
+) -> int:
     """Set every adapter of ``chunks`` (``apply_lora`` first) from a PEFT adapter; returns how
     many were set. Each adapted linear's HF projections must be in the adapter."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-    from longboat.llm.models.registry import get_family
+    from longboat.core.family import find_family
 
     config, tensors = read_peft(adapter_dir)
     patterns = config.get("rank_pattern") or {}
     alphas = config.get("alpha_pattern") or {}
-    prefix = get_family(cfg.name).hf_prefix
-    arch, coords = cfg.to_arch(), rank_coords()
+    prefix = find_family("llm", cfg.name).hf_prefix
+    arch, coords = cfg, rank_coords()
     count = 0
     for module, slot in _adapted(chunks, cfg, coords, prefix):
         keys = [_module_key(n) for n in slot.hf_names]

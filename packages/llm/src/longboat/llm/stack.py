@@ -13,11 +13,7 @@ STACK = Stack(
     name="llm",
     description="Text LLMs on megatron-core (Llama 3, Qwen3, Qwen3-MoE) with HF conversion.",
     config_dir=Path(__file__).with_name("conf"),
-    model_schemas={
-        "llama3": "longboat.llm.config:LLMModelConfig",
-        "qwen3": "longboat.llm.config:LLMModelConfig",
-        "qwen3_moe": "longboat.llm.config:LLMModelConfig",
-    },
+    families_package="longboat.llm.models",
     root_schema="longboat.llm.train.schema:LLMExperimentConfig",
     data_schemas={
         "quickstart": "longboat.llm.train.schema:QuickstartDataConfig",

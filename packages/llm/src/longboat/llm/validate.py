@@ -6,8 +6,6 @@ from typing import Any
 
 from longboat.core.config.errors import ConfigError
 
-FAMILIES = ("llama3", "qwen3", "qwen3_moe")
-
 
 def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
     """Model shape vs parallel sizes (TP divides heads, PP divides layers, EP divides experts);
@@ -22,9 +20,11 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
         except ConfigError as exc:
             problems.extend(exc)
     model = cfg.get("model") if hasattr(cfg, "get") else None
-    if model is None or model.get("name") not in FAMILIES:
+    from longboat.core.family import list_families
+
+    if model is None or model.get("name") not in list_families("llm"):
         return
-    from longboat.llm.config import LLMModelConfig
+    from longboat.core.megatron.decoder_config import DecoderModelConfig
     from longboat.llm.moe_aux_loss import pooled_aux_loss_problems
     from longboat.llm.moe_experts import moe_experts_problems
 
@@ -32,7 +32,7 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
     train = cfg.get("train") or {}
     lora = cfg.get("lora") or {}
     try:
-        model_cfg = LLMModelConfig.from_mapping(model)
+        model_cfg = DecoderModelConfig.from_mapping(model)
         found = pooled_aux_loss_problems(
             model_cfg,
             pipeline_parallel=int(par.get("pipeline_parallel", 1)),
@@ -45,7 +45,7 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
     except (TypeError, ValueError):  # malformed values: the schema checks report them
         pass
     try:
-        arch = LLMModelConfig.from_mapping(model).to_arch()
+        arch = DecoderModelConfig.from_mapping(model)
         arch.validate()
         arch.validate_parallel(
             tp=int(par.get("tensor_parallel", 1)),
@@ -73,8 +73,8 @@ def model_from_checkpoint(composed: dict[str, Any], given: set[str], problems: A
     path = Path(str(init)) / "config.json" if init else None
     if path is None or not path.is_file():
         return  # none, or a missing one: the run's checks name it
-    from longboat.llm.config import ARCH_FIELDS
-    from longboat.llm.models.registry import family_for_hf_config
+    from longboat.core.megatron.decoder_config import ARCH_FIELDS
+    from longboat.llm.hf_checkpoint import family_for_hf_config
 
     try:
         hf = json.loads(path.read_text())

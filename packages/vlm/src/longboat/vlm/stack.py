@@ -8,14 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from longboat.core.stack import Stack
-from longboat.vlm.models.registry import FAMILIES
 
 STACK = Stack(
     name="vlm",
     description="Vision-language models on megatron-core (Qwen2.5-VL, Qwen3-VL, "
     "LLaVA-OneVision-style composition) with HF conversion.",
     config_dir=Path(__file__).with_name("conf"),
-    model_schemas=dict.fromkeys(FAMILIES, "longboat.vlm.train.schema:VLMModelConfig"),
+    families_package="longboat.vlm.models",
     root_schema="longboat.vlm.train.schema:VLMExperimentConfig",
     data_schemas={
         "conversations": "longboat.vlm.train.schema:ConversationsDataConfig",

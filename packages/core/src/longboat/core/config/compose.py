@@ -39,12 +39,16 @@ _PRIMARY_NODE = "_longboat_primary"
 
 
 def _conf_dirs(owner: Stack, stacks: Mapping[str, Stack]) -> list[Path]:
+    from longboat.core.family import family_conf_dirs
+
     ordered = [owner] + [s for s in stacks.values() if s is not owner]
     dirs = []
     for stack in ordered:
         path = stack.conf_path()
         if path is not None and path.is_dir() and path not in dirs:
             dirs.append(path)
+    # out-of-tree families' YAMLs come after the installed stacks' (which win name clashes)
+    dirs += [d for d in family_conf_dirs() if d not in dirs]
     return dirs
 
 
@@ -260,9 +264,13 @@ def _lookup_schema(kind: str, name: Any, owner: Stack, stacks: Mapping[str, Stac
 
 
 def _registered(kind: str, stacks: Mapping[str, Stack]) -> list[str]:
+    from longboat.core.family import list_families
+
     names: set[str] = set()
     for stack in stacks.values():
         names.update(stack.model_schemas if kind == "model" else stack.data_schemas)
+        if kind == "model":
+            names.update(list_families(stack.name))
     return sorted(names)
 
 

@@ -1,71 +1,96 @@
 """Decoder-only transformer architecture -> megatron ``TransformerConfig``.
 
-``DecoderArch`` is the backend-neutral description of a Llama-style decoder
-(RMSNorm, rotary, GQA, SwiGLU, optional qk-norm and mixture-of-experts) that
-llm / vlm stacks fill from their model configs; ``to_transformer_config`` turns
-it plus a parallel layout into megatron-core's config.
+``DecoderModelConfig`` is the one description of a Llama-style decoder (RMSNorm,
+rotary, GQA, SwiGLU, optional qk-norm and mixture-of-experts): the model config of
+the llm stack's families and the language model of the vlm stack's;
+``to_transformer_config`` turns it plus a parallel layout into megatron-core's config.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 from longboat.core.config.errors import ConfigError, ConfigProblem
+from longboat.core.config.schema import ModelConfig
 
 # torch is imported where a TransformerConfig is built: composing and validating a config
-# (``DecoderArch.validate``) must stay free of it.
+# (``DecoderModelConfig.validate``) must stay free of it.
 _PRECISIONS = ("fp32", "bf16", "fp16")
 
 
-@dataclass(kw_only=True)
-class DecoderArch:
-    """Shape of a decoder-only LM; every field maps onto one HF config key."""
+@dataclass
+class DecoderModelConfig(ModelConfig):
+    """A Llama-style decoder-only LM (RMSNorm, rotary, GQA, SwiGLU, optional qk-norm and
+    mixture-of-experts): the model config of an LLM family and the language model of a VLM.
+    Every architecture field maps onto one HF config key; defaults are the llama3 tiny flavor."""
 
-    vocab_size: int
+    vocab_size: int = 256
     """Embedding rows (HF ``vocab_size``)."""
-    hidden_size: int
-    """Model width (HF ``hidden_size``)."""
-    num_layers: int
-    """Decoder layers (HF ``num_hidden_layers``)."""
-    num_attention_heads: int
-    """Query heads (HF ``num_attention_heads``)."""
-    num_query_groups: int
-    """Key/value heads for GQA (HF ``num_key_value_heads``)."""
-    head_dim: int
-    """Per-head width (HF ``head_dim``; Qwen3 decouples it from hidden/heads)."""
-    ffn_hidden_size: int
-    """Dense SwiGLU width (HF ``intermediate_size``)."""
-    max_position_embeddings: int = 4096
-    """Longest sequence rotary tables are built for."""
+    hidden_size: int = 64
+    """Model width."""
+    num_layers: int = 2
+    """Decoder layers."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: int = 2
+    """Key/value heads (GQA)."""
+    head_dim: int = 16
+    """Per-head width."""
+    ffn_hidden_size: int = 128
+    """Dense SwiGLU width (MoE: the width HF reports as ``intermediate_size``)."""
+    max_position_embeddings: int = 256
+    """Longest sequence the rotary tables cover."""
     rope_theta: float = 10000.0
-    """Rotary base (HF ``rope_theta``)."""
+    """Rotary base."""
     rope_scaling_factor: float | None = None
-    """Llama-3 rotary scaling factor (HF ``rope_scaling.factor``); None: no scaling."""
-    norm_eps: float = 1e-6
-    """RMSNorm epsilon (HF ``rms_norm_eps``)."""
+    """Llama-3 rotary scaling factor (None: no scaling)."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
     qk_norm: bool = False
-    """RMSNorm on each query / key head before rotary (Qwen3)."""
+    """Per-head RMSNorm on queries and keys (Qwen3)."""
     attention_bias: bool = False
-    """Bias on the q/k/v projections (HF ``attention_bias``)."""
+    """Bias on q/k/v projections."""
     tie_embeddings: bool = False
-    """Share input embedding and output head (HF ``tie_word_embeddings``)."""
+    """Share the input embedding with the output head."""
     num_experts: int = 0
-    """Routed experts per MoE layer; 0 means a dense MLP."""
+    """Routed experts per layer (0 = dense)."""
     moe_topk: int = 2
-    """Experts each token is routed to (HF ``num_experts_per_tok``)."""
+    """Experts per token."""
     moe_ffn_hidden_size: int | None = None
-    """Per-expert SwiGLU width (HF ``moe_intermediate_size``)."""
+    """Per-expert SwiGLU width."""
     moe_norm_topk_prob: bool = True
-    """Renormalise the top-k routing probabilities to sum to one (HF ``norm_topk_prob``)."""
+    """Renormalise top-k routing weights."""
     moe_aux_loss_coeff: float = 0.0
-    """Load-balancing loss weight (HF ``router_aux_loss_coef``)."""
+    """Load-balancing loss weight."""
+    moe_aux_loss: str = "auto"
+    """Which load-balancing loss the llm stack trains with (when ``moe_aux_loss_coeff > 0``):
+    ``hf`` (transformers' term, every layer's router logits pooled), ``megatron``
+    (megatron-core's per-layer ``aux_loss``) or ``auto`` (``hf`` where the parallel layout
+    allows it, else ``megatron``). Other stacks use megatron's."""
+    moe_experts: str = "auto"
+    """How the longboat layer spec runs the routed experts: ``grouped`` (all local experts'
+    projections as stacked weights, two grouped GEMMs a layer, no host sync at EP=1),
+    ``sequential`` (megatron's ``SequentialMLP``: one linear per expert, e.g. for LoRA on the
+    experts) or ``auto`` (``grouped`` where this torch has a grouped GEMM). The two store the
+    experts under different parameter names; HF checkpoints load into both."""
     init_std: float = 0.02
-    """Std of the normal weight init (HF ``initializer_range``)."""
+    """Init std of the weights."""
     mrope_section: list[int] | None = None
-    """Multimodal rotary (Qwen2-VL / Qwen2.5-VL M-RoPE): how many of the ``head_dim // 2``
-    rotary frequencies follow the temporal, height and width position (HF
-    ``rope_scaling.mrope_section``); None: plain 1D rotary."""
+    """M-RoPE sizes (temporal, height, width) summing to head_dim/2 (a VLM's language model,
+    HF ``rope_scaling.mrope_section``); None: 1D rotary."""
+    layer_backend: str = "auto"
+    """auto (Transformer Engine on CUDA when installed, else longboat kernels), longboat, te, local."""
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> DecoderModelConfig:
+        """The config from a composed ``model`` section (keys of other schemas ignored)."""
+        return cls(**{f.name: raw[f.name] for f in fields(cls) if f.name in raw})
+
+    def architecture(self) -> dict[str, Any]:
+        """The fields a checkpoint's weights fix (``ARCH_FIELDS``) with their values."""
+        return {name: getattr(self, name) for name in ARCH_FIELDS}
 
     def validate(self, *, prefix: str = "model") -> None:
         """Raise ``ConfigError`` for inconsistent shapes, naming each key."""
@@ -153,6 +178,25 @@ class DecoderArch:
             raise ConfigError(problems)
 
 
+ARCH_FIELDS = tuple(
+    f.name
+    for f in fields(DecoderModelConfig)
+    if f.name
+    not in (
+        "name",
+        "flavor",
+        "layer_backend",
+        "init_std",
+        "max_position_embeddings",
+        "moe_aux_loss_coeff",
+        "moe_aux_loss",
+        "moe_experts",
+    )
+)
+"""The fields that describe the architecture: what a checkpoint's weights fix (the others
+may differ from the checkpoint's: layer backend, init, rotary table length, aux-loss weight and kind, experts layout)."""
+
+
 def unfused_layer_kwargs(dtype: Any) -> dict[str, Any]:
     """``TransformerConfig`` fields every longboat megatron model shares: no megatron fusions
     (the longboat kernels replace them), no dropout, CPU init, weights and pipeline
@@ -177,7 +221,7 @@ def unfused_layer_kwargs(dtype: Any) -> dict[str, Any]:
 
 
 def to_transformer_config(
-    arch: DecoderArch,
+    arch: DecoderModelConfig,
     *,
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,

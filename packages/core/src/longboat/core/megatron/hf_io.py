@@ -26,7 +26,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from longboat.core.megatron.decoder_config import DecoderArch
+from longboat.core.megatron.decoder_config import DecoderModelConfig
 from longboat.core.megatron.hf_mapping import (
     RankCoords,
     Slot,
@@ -82,7 +82,7 @@ def rank_coords() -> RankCoords:
 
 
 def _named_slots(
-    chunks: list[torch.nn.Module], arch: DecoderArch, coords: RankCoords, prefix: str
+    chunks: list[torch.nn.Module], arch: DecoderModelConfig, coords: RankCoords, prefix: str
 ) -> Iterator[tuple[str, torch.nn.Parameter, Slot]]:
     for chunk in chunks:
         layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
@@ -102,7 +102,7 @@ def _named_slots(
 
 def check_hf_checkpoint(
     hf_dir: str | Path,
-    arch: DecoderArch,
+    arch: DecoderModelConfig,
     *,
     prefix: str = "model.",
     other_prefixes: tuple[str, ...] = (),
@@ -141,7 +141,7 @@ def check_hf_checkpoint(
 @torch.no_grad()
 def load_hf_weights(
     chunks: list[torch.nn.Module],
-    arch: DecoderArch,
+    arch: DecoderModelConfig,
     hf_dir: str | Path,
     *,
     prefix: str = "model.",
@@ -215,7 +215,7 @@ def tp_shards(local: torch.Tensor, coords: RankCoords) -> list[torch.Tensor]:
 
 
 def gather_hf_state_dict(
-    chunks: list[torch.nn.Module], arch: DecoderArch, *, prefix: str = "model."
+    chunks: list[torch.nn.Module], arch: DecoderModelConfig, *, prefix: str = "model."
 ) -> dict[str, torch.Tensor]:
     """This rank's share of the full HF state dict (empty on non-owner ranks).
 
@@ -238,7 +238,7 @@ def gather_hf_state_dict(
 
 def save_hf_weights(
     chunks: list[torch.nn.Module],
-    arch: DecoderArch,
+    arch: DecoderModelConfig,
     out_dir: str | Path,
     *,
     prefix: str = "model.",

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longboat.core.megatron.decoder_config import DecoderArch
+from longboat.core.megatron.decoder_config import DecoderModelConfig
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
@@ -53,7 +53,7 @@ class RankCoords:
 
 def megatron_to_hf_slot(
     name: str,
-    arch: DecoderArch,
+    arch: DecoderModelConfig,
     *,
     global_layer: int | None,
     ep: RankCoords,
@@ -121,7 +121,9 @@ def megatron_to_hf_slot(
     raise KeyError(name)
 
 
-def expected_hf_shapes(arch: DecoderArch, *, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
+def expected_hf_shapes(
+    arch: DecoderModelConfig, *, prefix: str = "model."
+) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF checkpoint of ``arch`` holds, with its shape."""
     h, d, v = arch.hidden_size, arch.head_dim, arch.vocab_size
     nq, nkv = arch.num_attention_heads * d, arch.num_query_groups * d
@@ -171,7 +173,7 @@ def _rows(n: int, coords: RankCoords) -> slice:
 
 
 def shard_from_hf(
-    slot: Slot, read: Callable[..., torch.Tensor], arch: DecoderArch, coords: RankCoords
+    slot: Slot, read: Callable[..., torch.Tensor], arch: DecoderModelConfig, coords: RankCoords
 ) -> torch.Tensor:
     """Build this rank's megatron tensor from HF data.
 
@@ -216,7 +218,7 @@ def shard_from_hf(
 
 
 def unshard_to_hf(
-    slot: Slot, shards: list[torch.Tensor], arch: DecoderArch
+    slot: Slot, shards: list[torch.Tensor], arch: DecoderModelConfig
 ) -> dict[str, torch.Tensor]:
     """HF tensors from every TP rank's megatron shard (in TP rank order)."""
     kind = slot.kind

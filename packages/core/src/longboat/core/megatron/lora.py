@@ -30,9 +30,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["apply_lora", "lora_parameters", "merge_lora", "merged_lora"]
+__all__ = ["apply_lora", "is_lora_adapted", "lora_parameters", "merge_lora", "merged_lora"]
 
 _HOOK = "_longboat_lora_hook"
+
+
+def is_lora_adapted(module: torch.nn.Module) -> bool:
+    """Whether ``apply_lora`` put an adapter on ``module`` (and it is not merged)."""
+    return getattr(module, _HOOK, None) is not None
 
 
 def _is_row_parallel(module: torch.nn.Module) -> bool:

@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from longboat.core.megatron.decoder_config import DecoderArch
+from longboat.core.megatron.decoder_config import DecoderModelConfig
 
 
 def build_decoder_model(
-    arch: DecoderArch,
+    arch: DecoderModelConfig,
     config: Any,
     layer_spec: Any,
     *,

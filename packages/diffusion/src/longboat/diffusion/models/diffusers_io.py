@@ -1,4 +1,4 @@
-"""Reading and writing diffusers model directories, shared by the families' ``hf.py``.
+"""Reading and writing diffusers model directories, shared by the families' ``diffusers.py``.
 
 A family supplies the tensor mapping (``TensorMap``: our name -> ``(diffusers name, to_ours,
 to_diffusers)``) and the shapes a diffusers model of its config has; this module checks a

@@ -1,83 +1,103 @@
-"""The diffusion model families: one module each, found by name (``model.name``) or by a
-diffusers ``config.json``'s ``_class_name`` (``model.init_from``).
+"""The diffusion families on core's registry: each folder of ``longboat.diffusion.models``
+whose ``__init__`` exposes ``FAMILY = diffusion_family(...)`` is a family (``model.name``),
+also found by a diffusers ``config.json``'s ``_class_name`` (``model.init_from``).
 
-A family module (``longboat.diffusion.models.<family>``) provides ``FLAVORS`` and
-``flavor(name) -> config``, ``read_config(dir) -> config`` (the architecture of a diffusers
-directory), ``build(config, *, precision, kernels) -> model`` and ``load_diffusers(model,
-config, dir)`` / ``save_diffusers(model, config, out_dir)``. Modules are imported on first use,
-so naming the families imports no megatron.
+A family package (its ``__init__``, the implementation ``load()`` returns) provides
+``FLAVORS`` and ``flavor(name) -> config``, ``read_config(dir) -> config`` (the architecture
+of a diffusers directory), ``build(config, *, precision, kernels) -> model`` and
+``load_diffusers(model, config, dir)`` / ``save_diffusers(model, config, out_dir)``; the
+names beyond the config import megatron on first use.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from longboat.core.config.errors import ConfigError
+from longboat.core.family import Family, families, family_for_checkpoint, find_family
 
 
 @dataclass(frozen=True)
-class DiffusionFamily:
-    """One registered model family."""
+class DiffusersAdapter:
+    """A diffusion family's weights to and from a diffusers directory (its package's
+    ``read_config`` / ``load_diffusers`` / ``save_diffusers``)."""
 
-    name: str
-    """Registry name (``model.name``)."""
-    module: str
-    """The family module (see the module doc)."""
-    diffusers_classes: tuple[str, ...]
-    """diffusers ``_class_name`` values of the checkpoints this family reads."""
-    description: str
+    implementation: ModuleType
+    format: str = "diffusers"
+
+    def read_config(self, directory: str | Path) -> Any:
+        """The architecture of a diffusers model directory."""
+        return self.implementation.read_config(directory)
+
+    def load(self, model: Any, config: Any, directory: str | Path) -> int:
+        """Load the directory's weights into ``model``."""
+        return self.implementation.load_diffusers(model, config, directory)
+
+    def save(self, model: Any, config: Any, directory: str | Path) -> Path:
+        """Write ``model`` as a directory diffusers loads."""
+        return self.implementation.save_diffusers(model, config, directory)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiffusionFamily(Family):
+    """A diffusion family: the core ``Family`` plus the package that implements it."""
+
+    implementation: ModuleType
+    """The family package (see the module doc)."""
+
+    @property
+    def diffusers_classes(self) -> tuple[str, ...]:
+        """diffusers ``_class_name`` values of the checkpoints this family reads."""
+        return self.checkpoint_types
 
     def load(self) -> ModuleType:
-        """The family module (imported now)."""
-        return importlib.import_module(self.module)
+        """The family package."""
+        return self.implementation
 
 
-FAMILIES: dict[str, DiffusionFamily] = {}
+def _model_schema() -> type:
+    from longboat.diffusion.train.schema import DiffusionModelConfig
+
+    return DiffusionModelConfig
 
 
-def register(family: DiffusionFamily) -> DiffusionFamily:
-    """Make ``family`` reachable by name and by its diffusers class names."""
-    if family.name in FAMILIES:
-        raise ValueError(f"diffusion family {family.name!r} is registered twice")
-    FAMILIES[family.name] = family
-    return family
-
-
-register(
-    DiffusionFamily(
-        name="wan",
-        module="longboat.diffusion.models.wan",
-        diffusers_classes=("WanTransformer3DModel",),
-        description="Wan 2.1 / 2.2 text-to-video DiT: 3D patches, AdaLN-modulated blocks with "
-        "3D RoPE self-attention and UMT5 cross-attention",
+def diffusion_family(
+    name: str,
+    implementation: ModuleType,
+    *,
+    flavors: Mapping[str, Any],
+    diffusers_classes: tuple[str, ...],
+    description: str,
+    flops_per_sample: Callable[..., float] | None = None,
+) -> DiffusionFamily:
+    """The ``DiffusionFamily`` of a family package (pass ``sys.modules[__name__]``)."""
+    return DiffusionFamily(
+        name=name,
+        stack="diffusion",
+        schema=_model_schema,
+        flavors=flavors,
+        description=description,
+        build=lambda cfg, **options: implementation.build(cfg, **options),
+        adapter=DiffusersAdapter(implementation),
+        checkpoint_types=diffusers_classes,
+        flops_per_sample=flops_per_sample,
+        implementation=implementation,
     )
-)
-register(
-    DiffusionFamily(
-        name="flux",
-        module="longboat.diffusion.models.flux",
-        diffusers_classes=("FluxTransformer2DModel",),
-        description="FLUX.1 text-to-image MMDiT: 2x2 latent patches, double-stream (image / "
-        "text) and single-stream blocks with joint attention, 3-axis RoPE, T5 tokens + CLIP "
-        "pooled text + timestep (+ guidance) conditioning",
-    )
-)
 
 
 def get_family(name: str) -> DiffusionFamily:
-    """The family registered as ``name``; a ``ConfigError`` naming ``model.name`` otherwise."""
-    if name not in FAMILIES:
-        raise ConfigError(
-            "unknown diffusion model family",
-            key="model.name",
-            value=name,
-            fix=f"use one of {sorted(FAMILIES)}",
-        )
-    return FAMILIES[name]
+    """The diffusion family ``name``; a ``ConfigError`` naming ``model.name`` otherwise."""
+    return find_family("diffusion", name)
+
+
+def list_diffusion_families() -> list[str]:
+    """Names of the diffusion families."""
+    return sorted(families("diffusion"))
 
 
 def family_of_diffusers_dir(path: str | Path) -> DiffusionFamily:
@@ -94,15 +114,13 @@ def family_of_diffusers_dir(path: str | Path) -> DiffusionFamily:
             fix="point at a diffusers model directory (or a pipeline directory with transformer/)",
         )
     class_name = json.loads(file.read_text()).get("_class_name")
-    for family in FAMILIES.values():
-        if class_name in family.diffusers_classes:
-            return family
-    known = sorted(c for f in FAMILIES.values() for c in f.diffusers_classes)
-    raise ConfigError(
-        f"{file}: _class_name={class_name!r} is not a supported diffusion transformer",
-        key="model.init_from",
-        fix=f"longboat-diffusion reads {known}",
-    )
+    return family_for_checkpoint("diffusion", [class_name], key="model.init_from", where=str(file))
 
 
-__all__ = ["FAMILIES", "DiffusionFamily", "family_of_diffusers_dir", "get_family", "register"]
+__all__ = [
+    "DiffusionFamily",
+    "diffusion_family",
+    "family_of_diffusers_dir",
+    "get_family",
+    "list_diffusion_families",
+]

@@ -6,12 +6,12 @@ from pathlib import Path
 from typing import Any
 
 from longboat.core.config.errors import ConfigError
-from longboat.llm.config import LLMModelConfig
+from longboat.core.megatron.decoder_config import DecoderModelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def check_run(cfg: Any, model: LLMModelConfig) -> None:
+def check_run(cfg: Any, model: DecoderModelConfig) -> None:
     """Cross-section checks: sequence length, vocabulary, tokenizer, init dir, LoRA."""
     data = cfg.data
     seq_len = data.seq_len
@@ -50,7 +50,7 @@ def check_run(cfg: Any, model: LLMModelConfig) -> None:
     _require_file(init, "config.json", "llm.init_from_hf",
                   "point at a Hugging Face model directory, or null for random init")  # fmt: skip
     if init is not None:
-        from longboat.llm.hf import check_matches_flavor, read_hf_config
+        from longboat.llm.hf_checkpoint import check_matches_flavor, read_hf_config
 
         check_matches_flavor(model, read_hf_config(init), f"{init}/config.json")
     export = cfg.llm.export_dir or f"{cfg.output_dir}/hf"

@@ -8,14 +8,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from longboat.llm.config import LLMModelConfig
-from longboat.llm.hf import save_hf
-from longboat.llm.lora import merge_lora
+from longboat.core.megatron.decoder_config import DecoderModelConfig
+from longboat.core.megatron.lora import merge_lora
+from longboat.llm.hf_checkpoint import save_hf
 
 
 def export_hf(
     chunks: list[torch.nn.Module],
-    cfg: LLMModelConfig,
+    cfg: DecoderModelConfig,
     out_dir: str | Path,
     *,
     tokenizer_dir: str | Path | None = None,

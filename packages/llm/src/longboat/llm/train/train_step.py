@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from longboat.core.config.schema import OptimConfig
+from longboat.core.megatron.decoder_config import DecoderModelConfig
 from longboat.core.megatron.parallel_state import current_layout
 from longboat.core.megatron.wgrad_fusion import grad_plan, install_wgrad_fusion
-from longboat.llm.config import LLMModelConfig
 
 
 @dataclass
@@ -152,7 +152,7 @@ class TrainStep:
 
 
 def build_train_step(
-    model_cfg: LLMModelConfig,
+    model_cfg: DecoderModelConfig,
     optim: OptimConfig,
     *,
     precision: str = "bf16",
@@ -197,8 +197,8 @@ def build_train_step(
     ``kernel_options``: ``build_model``'s switches of the longboat layer kernels (tests).
     ``model_overrides`` go to megatron's ``TransformerConfig`` (as in ``build_model``).
     """
+    from longboat.core.megatron.lora import apply_lora
     from longboat.llm.build import aux_loss_layout, build_model
-    from longboat.llm.lora import apply_lora
     from longboat.llm.moe_aux_loss import check_pooled_aux_loss, pooled_aux_loss_notice
     from longboat.llm.moe_experts import moe_experts_for_run
     from longboat.llm.train.one_pass_adamw import OnePassAdamW

@@ -110,7 +110,7 @@ class LLMTraining(MegatronTraining):
         self.graphed: Any = None
 
     def _build_step(self) -> Any:
-        from longboat.llm.hf import load_hf
+        from longboat.llm.hf_checkpoint import load_hf
         from longboat.llm.train.train_step import build_train_step, wants_exact_main_weights
 
         cfg, init = self.cfg, self.cfg.llm.init_from_hf

@@ -103,7 +103,7 @@ def build_decoder_stage(
     """This rank's decoder (one pipeline stage), every layer recomputed when ``recompute``
     names ``language``; ``extra`` goes to core's ``build_decoder``. Interleaved virtual
     pipeline stages are refused."""
-    from longboat.core.megatron.models.build import build_decoder
+    from longboat.core.megatron.decoder_build import build_decoder
 
     chunks = build_decoder(
         language,
@@ -245,7 +245,7 @@ def load_decoder_and_tower(model: Any, cfg: Any, hf_dir: str | Path, vision_hf: 
     index = hf_weight_index(hf_dir)
     prefixes = vision_hf.HF_PREFIXES
     n = load_hf_weights(
-        [model.language], cfg.language.to_arch(), hf_dir, prefix=decoder_prefix(index),
+        [model.language], cfg.language, hf_dir, prefix=decoder_prefix(index),
         other_prefixes=prefixes,
     )  # fmt: skip
     if model.vision is None:  # a later pipeline stage: the tower lives on the first
@@ -284,9 +284,7 @@ def save_decoder_and_tower[C](
         full = gather_split_tower(model, vision_hf.unshard_vision_state_dict)
         if rank == 0:
             visual = vision_hf.vision_to_hf(full, cfg.vision, prefix=visual_prefix)
-    save_hf_weights(
-        [model.language], cfg.language.to_arch(), out_dir, prefix=language_prefix, extra=visual
-    )
+    save_hf_weights([model.language], cfg.language, out_dir, prefix=language_prefix, extra=visual)
     write_hf_config(to_hf_config, cfg, out_dir, rank)
     return out_dir
 

@@ -1,7 +1,8 @@
-"""The VLM families: one module each, found by name (``model.name``) or by a Hugging Face
-``config.json``'s ``model_type`` (``model.init_from_hf``).
+"""The VLM families on core's registry: each folder of ``longboat.vlm.models`` whose
+``__init__`` exposes ``FAMILY = vlm_family(...)`` is a family (``model.name``), also found
+by a Hugging Face ``config.json``'s ``model_type`` (``model.init_from_hf``).
 
-A family module (``longboat.vlm.models.<family>.model``) provides
+A family's implementation module (``load()``: its ``model.py``) provides
 
 - ``flavor(name) -> config`` and ``FLAVORS`` (the names it knows),
 - ``read_hf_config(dir_or_dict) -> config`` (the architecture of a checkpoint),
@@ -13,84 +14,90 @@ A family module (``longboat.vlm.models.<family>.model``) provides
 A config holds ``language`` (a core ``DecoderModelConfig``), ``vision`` (its tower's config
 with ``patch_size``, ``spatial_merge_size``, ``temporal_patch_size``, ``depth`` and
 ``hidden_size``), the placeholder token ids and ``tokens_per_second``, plus
-``architecture()`` and ``validate()``. Modules are imported on first use, so naming the
-families imports no megatron.
+``architecture()`` and ``validate()``. The implementation is imported on first use, so
+listing the families imports no megatron.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from longboat.core.config.errors import ConfigError
+from longboat.core.family import Family, LazyFlavors, families, family_for_checkpoint, find_family
 
 
 @dataclass(frozen=True)
-class VLMFamily:
-    """One registered VLM family."""
+class HFImplementationAdapter:
+    """A VLM family's weights to and from a Hugging Face directory (its module's
+    ``read_hf_config`` / ``load_hf`` / ``save_hf``)."""
 
-    name: str
-    module: str
-    """The family module (see the module doc)."""
-    hf_model_types: tuple[str, ...]
-    """``config.json`` ``model_type`` values this family reads."""
-    description: str
+    implementation: Callable[[], ModuleType]
+    format: str = "hf"
+
+    def read_config(self, directory: str | Path) -> Any:
+        """The model config of ``<directory>/config.json``."""
+        return self.implementation().read_hf_config(directory)
+
+    def load(self, model: Any, config: Any, directory: str | Path) -> int:
+        """Load the directory's weights into ``model``."""
+        return self.implementation().load_hf(model, config, directory)
+
+    def save(self, model: Any, config: Any, directory: str | Path) -> Path:
+        """Write ``model`` as a directory ``transformers`` loads (collective)."""
+        return self.implementation().save_hf(model, config, directory)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VLMFamily(Family):
+    """A VLM family: the core ``Family`` plus the module that implements it."""
+
+    implementation: Callable[[], ModuleType]
+    """Imports and returns the family's implementation module (see the module doc)."""
+
+    @property
+    def hf_model_types(self) -> tuple[str, ...]:
+        """``config.json`` ``model_type`` values this family reads."""
+        return self.checkpoint_types
 
     def load(self) -> ModuleType:
-        return importlib.import_module(self.module)
+        """The implementation module (imported now)."""
+        return self.implementation()
 
 
-FAMILIES: dict[str, VLMFamily] = {}
+def vlm_family(
+    name: str,
+    *,
+    implementation: Callable[[], ModuleType],
+    flavors: tuple[str, ...],
+    hf_model_types: tuple[str, ...],
+    description: str,
+    flops_per_sample: Callable[..., float] | None = None,
+) -> VLMFamily:
+    """The ``VLMFamily`` of an implementation module with the given flavor names."""
+    from longboat.vlm.train.schema import VLMModelConfig
 
-
-def register(family: VLMFamily) -> VLMFamily:
-    FAMILIES[family.name] = family
-    return family
-
-
-register(
-    VLMFamily(
-        name="qwen2_5_vl",
-        module="longboat.vlm.models.qwen2_5_vl.model",
-        hf_model_types=("qwen2_5_vl",),
-        description="Qwen2.5-VL: window-attention ViT + patch merger + Qwen2 decoder, M-RoPE",
+    return VLMFamily(
+        name=name,
+        stack="vlm",
+        schema=VLMModelConfig,
+        flavors=LazyFlavors(flavors, lambda flavor: implementation().flavor(flavor)),
+        description=description,
+        build=lambda cfg, **options: implementation().build(cfg, **options),
+        adapter=HFImplementationAdapter(implementation),
+        checkpoint_types=hf_model_types,
+        flops_per_sample=flops_per_sample,
+        implementation=implementation,
     )
-)
-
-register(
-    VLMFamily(
-        name="qwen3_vl",
-        module="longboat.vlm.models.qwen3_vl.model",
-        hf_model_types=("qwen3_vl",),
-        description="Qwen3-VL (dense): ViT with deepstack mergers + Qwen3 decoder, interleaved "
-        "M-RoPE, deepstack features added after the first decoder layers",
-    )
-)
-
-register(
-    VLMFamily(
-        name="llava_onevision",
-        module="longboat.vlm.models.llava_onevision.model",
-        hf_model_types=("llava_onevision",),
-        description="LLaVA-OneVision-style composition: SigLIP + projector + any core decoder, "
-        "anyres tiling, 1D RoPE",
-    )
-)
 
 
 def get_family(name: str) -> VLMFamily:
-    """The family registered as ``name``; a ``ConfigError`` naming ``model.name`` otherwise."""
-    if name not in FAMILIES:
-        raise ConfigError(
-            "unknown VLM family",
-            key="model.name",
-            value=name,
-            fix=f"use one of {sorted(FAMILIES)}",
-        )
-    return FAMILIES[name]
+    """The VLM family ``name``; a ``ConfigError`` naming ``model.name`` otherwise."""
+    return find_family("vlm", name)
 
 
 def family_of_hf_dir(hf_dir: str | Path) -> VLMFamily:
@@ -103,15 +110,12 @@ def family_of_hf_dir(hf_dir: str | Path) -> VLMFamily:
             fix="point at a Hugging Face vision-language model directory",
         )
     model_type = json.loads(path.read_text()).get("model_type")
-    for family in FAMILIES.values():
-        if model_type in family.hf_model_types:
-            return family
-    known = sorted(t for f in FAMILIES.values() for t in f.hf_model_types)
-    raise ConfigError(
-        f"{path}: model_type={model_type!r} is not a supported vision-language model",
-        key="model.init_from_hf",
-        fix=f"longboat-vlm reads model_type {known}",
-    )
+    return family_for_checkpoint("vlm", [model_type], key="model.init_from_hf", where=str(path))
 
 
-__all__ = ["FAMILIES", "VLMFamily", "family_of_hf_dir", "get_family", "register"]
+def list_vlm_families() -> list[str]:
+    """Names of the VLM families."""
+    return sorted(families("vlm"))
+
+
+__all__ = ["VLMFamily", "family_of_hf_dir", "get_family", "list_vlm_families", "vlm_family"]

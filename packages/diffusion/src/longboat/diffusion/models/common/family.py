@@ -1,5 +1,5 @@
 """The lazy attributes of a family module's ``__init__``: the config names import no megatron,
-the rest load the family's ``model.py`` / ``hf.py`` on first use."""
+the rest load the family's ``model.py`` / ``diffusers.py`` on first use."""
 
 from __future__ import annotations
 

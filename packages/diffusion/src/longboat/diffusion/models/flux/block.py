@@ -26,7 +26,7 @@ q / k / v, the feed-forward's first linear and the modulation linears are megatr
 parallel linears (the modulation gathers its output: every rank needs all six vectors), the
 output projections row parallel. The qk-norm weight is one ``[head_dim]`` vector shared by all
 heads, so under tensor parallelism its gradient is summed over the ranks' heads
-(``HeadRMSNorm``). Each head's q / k channels are stored de-interleaved (even, then odd; ``hf.py``
+(``HeadRMSNorm``). Each head's q / k channels are stored de-interleaved (even, then odd; ``diffusers.py``
 permutes), so FLUX's interleaved-pair rotation runs as the half-split ``kernels.rope``.
 """
 

@@ -29,7 +29,7 @@ tokens; everything but self-attention runs on the slice, self-attention exchange
 head groups (``longboat.diffusion.parallel.ulysses``).
 
 The query / key channels of each head are stored de-interleaved (the even channels of a
-diffusers head, then its odd ones; ``hf.py`` permutes on load and export), so Wan's
+diffusers head, then its odd ones; ``diffusers.py`` permutes on load and export), so Wan's
 interleaved-pair rotation becomes the half-split rotation of ``longboat.kernels.rope``; the
 dot products, hence the outputs, are unchanged.
 """

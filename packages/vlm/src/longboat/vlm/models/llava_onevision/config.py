@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from longboat.core.config.errors import ConfigError
-from longboat.core.megatron.models import DecoderModelConfig, get_family, list_families
+from longboat.core.megatron.decoder_config import DecoderModelConfig
 from longboat.vlm.models.common import pick_flavor
+from longboat.vlm.models.language_flavors import language_flavor, language_names
 from longboat.vlm.models.llava_onevision.anyres import max_tiles
 from longboat.vlm.models.projector.config import ProjectorConfig
 from longboat.vlm.models.siglip.config import VISION_FLAVORS, SiglipVisionConfig
@@ -88,12 +89,12 @@ class LlavaOnevisionConfig:
     def validate(self) -> None:
         """Raise one ``ConfigError`` naming every joint that does not fit."""
         lang = self.language
-        if lang.name not in list_families():
+        if lang.name not in language_names():
             raise ConfigError(
                 f"model.language.name={lang.name!r}: unknown decoder family",
-                fix=f"use one of {list_families()} (model/llm@model.language=<option>)",
+                fix=f"use one of {language_names()} (model/llm@model.language=<option>)",
             )
-        lang.to_arch().validate(prefix="model.language")
+        lang.validate(prefix="model.language")
         self.vision.validate()
         self.projector.validate()
         problems = []
@@ -148,7 +149,7 @@ class LlavaOnevisionConfig:
 
 
 def _language(raw: Mapping[str, Any], base: DecoderModelConfig) -> DecoderModelConfig:
-    """``model.language``: ``name`` + ``flavor`` pick a core flavor, other keys override it."""
+    """``model.language``: ``name`` + ``flavor`` pick a language flavor (``language_flavors``), other keys override it."""
     raw = dict(raw)
     name = raw.pop("name", None)
     flavor = raw.pop("flavor", None)
@@ -156,20 +157,12 @@ def _language(raw: Mapping[str, Any], base: DecoderModelConfig) -> DecoderModelC
         cfg = dataclasses.replace(base)
     else:
         name = name or base.name
-        if name not in list_families():
+        if name not in language_names():
             raise ConfigError(
                 f"model.language.name={name!r}: unknown decoder family",
-                fix=f"use one of {list_families()} (model/llm@model.language=<option>)",
+                fix=f"use one of {language_names()} (model/llm@model.language=<option>)",
             )
-        family = get_family(name)
-        flavor = flavor or "tiny"
-        if flavor not in family.flavors:
-            raise ConfigError(
-                f"model.language.flavor={flavor!r}: decoder family {name!r} has flavors "
-                f"{sorted(family.flavors)}",
-                fix="pick one of them",
-            )
-        cfg = family.flavor(flavor)
+        cfg = language_flavor(name, flavor or "tiny")
     names = {f.name for f in dataclasses.fields(DecoderModelConfig)}
     unknown = sorted(set(raw) - names)
     if unknown:
@@ -228,8 +221,6 @@ def compose(
 
 
 def _flavors() -> dict[str, LlavaOnevisionConfig]:
-    qwen2 = get_family("qwen2")
-
     def released(language: DecoderModelConfig) -> LlavaOnevisionConfig:
         vision = VISION_FLAVORS["so400m"]
         return LlavaOnevisionConfig(
@@ -238,7 +229,7 @@ def _flavors() -> dict[str, LlavaOnevisionConfig]:
             projector=ProjectorConfig().resolved(vision.hidden_size, language.hidden_size),
         )
 
-    tiny_language = dataclasses.replace(qwen2.flavor("tiny"), vocab_size=384)
+    tiny_language = dataclasses.replace(language_flavor("qwen2", "tiny"), vocab_size=384)
     tiny_vision = VISION_FLAVORS["tiny"]
     return {
         "tiny": LlavaOnevisionConfig(
@@ -251,8 +242,8 @@ def _flavors() -> dict[str, LlavaOnevisionConfig]:
             video_token_id=311,
             image_grid_pinpoints=TINY_PINPOINTS,
         ),
-        "0.5b": released(qwen2.flavor("0.5b")),
-        "7b": released(qwen2.flavor("7b")),
+        "0.5b": released(language_flavor("qwen2", "0.5b")),
+        "7b": released(language_flavor("qwen2", "7b")),
     }
 
 

@@ -31,7 +31,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from longboat.core.config.errors import ConfigError
-from longboat.core.megatron.models import family_for_hf_config, get_family
+from longboat.core.megatron.hf_decoder_config import hf_dialect, hf_dialect_for
 from longboat.vlm.models.common import (
     build_decoder_stage,
     check_checkpoint_architecture,
@@ -272,7 +272,7 @@ def read_hf_config(source: str | Path | dict[str, Any]) -> LlavaOnevisionConfig:
     text["tie_word_embeddings"] = bool(
         hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     )
-    language = family_for_hf_config(text).from_hf_config(text)
+    language = hf_dialect_for(text, where).from_hf_config(text)
     vision_hf = dict(hf.get("vision_config") or {})
     if vision_hf.get("model_type", "siglip_vision_model") != "siglip_vision_model":
         raise ConfigError(
@@ -308,7 +308,7 @@ def to_hf_config(cfg: LlavaOnevisionConfig) -> Any:
     """``transformers.LlavaOnevisionConfig`` for ``cfg``."""
     from transformers import LlavaOnevisionConfig as HFConfig
 
-    text = get_family(cfg.language.name).to_hf_config(cfg.language).to_dict()
+    text = hf_dialect(cfg.language.name).to_hf_config(cfg.language).to_dict()
     for key in ("architectures", "transformers_version", "dtype", "torch_dtype"):
         text.pop(key, None)
     return HFConfig(
@@ -368,7 +368,7 @@ def _tower_prefix(names: set[str], layout: HFLayout) -> str:
 
 def vision_to_hf(state: dict[str, torch.Tensor], cfg: LlavaOnevisionConfig) -> dict[str, Any]:
     """HF tensors (``LAYOUT``) of our ``LlavaOnevisionVision`` state dict."""
-    from longboat.vlm.models.siglip.hf import siglip_to_hf
+    from longboat.vlm.models.siglip.vision_hf import siglip_to_hf
 
     tower = {k[len("tower.") :]: v for k, v in state.items() if k.startswith("tower.")}
     out = siglip_to_hf(tower, cfg.vision, LAYOUT.vision)
@@ -383,7 +383,7 @@ def vision_from_hf(
     hf: dict[str, torch.Tensor], cfg: LlavaOnevisionConfig, layout: HFLayout = LAYOUT
 ) -> dict[str, Any]:
     """Our ``LlavaOnevisionVision`` state dict from the HF tensors."""
-    from longboat.vlm.models.siglip.hf import siglip_from_hf
+    from longboat.vlm.models.siglip.vision_hf import siglip_from_hf
 
     prefix = _tower_prefix(set(hf), layout)
     out = {f"tower.{k}": v for k, v in siglip_from_hf(hf, cfg.vision, prefix).items()}
@@ -432,7 +432,7 @@ def load_hf(model: VisionLanguageModel, cfg: LlavaOnevisionConfig, hf_dir: str |
     others = layout.others
     with _decoder_view(hf_dir, index) as decoder_dir:
         n = load_hf_weights(
-            [model.language], cfg.language.to_arch(), decoder_dir, prefix=layout.language,
+            [model.language], cfg.language, decoder_dir, prefix=layout.language,
             other_prefixes=others,
         )  # fmt: skip
     try:
@@ -458,7 +458,7 @@ def save_hf(model: VisionLanguageModel, cfg: LlavaOnevisionConfig, out_dir: str 
     from longboat.core.megatron.hf_io import gather_hf_state_dict
 
     out_dir = Path(out_dir)
-    state = gather_hf_state_dict([model.language], cfg.language.to_arch(), prefix=LANGUAGE_PREFIX)
+    state = gather_hf_state_dict([model.language], cfg.language, prefix=LANGUAGE_PREFIX)
     local = tower_state(model.vision)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:

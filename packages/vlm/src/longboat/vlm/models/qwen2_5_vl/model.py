@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from longboat.core.config.errors import ConfigError
-from longboat.core.megatron.models import DecoderModelConfig, get_family
+from longboat.core.megatron.decoder_config import DecoderModelConfig
+from longboat.core.megatron.hf_decoder_config import hf_dialect
 from longboat.vlm.models.common import (
     build_decoder_stage,
     build_split_tower,
@@ -30,6 +31,7 @@ from longboat.vlm.models.common import (
     read_config_json,
     save_decoder_and_tower,
 )
+from longboat.vlm.models.language_flavors import language_flavor
 from longboat.vlm.models.mrope import mrope_position_ids
 from longboat.vlm.models.qwen2_5_vl.vision_config import Qwen25VisionConfig
 from longboat.vlm.models.vlm import VisionLanguageModel
@@ -65,7 +67,7 @@ class Qwen25VLConfig:
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming each joint that does not fit."""
-        self.language.to_arch().validate(prefix="model.language")
+        self.language.validate(prefix="model.language")
         problems = []
         if self.vision.out_hidden_size != self.language.hidden_size:
             problems.append(
@@ -96,7 +98,7 @@ def read_hf_config(source: str | Path | dict[str, Any]) -> Qwen25VLConfig:
     text["model_type"] = "qwen2_5_vl_text"
     tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     text["tie_word_embeddings"] = bool(tie)
-    language = get_family("qwen2").from_hf_config(text)
+    language = hf_dialect("qwen2").from_hf_config(text)
     vision_hf = dict(hf.get("vision_config") or {})
     cfg = Qwen25VLConfig(
         language=language,
@@ -116,7 +118,7 @@ def to_hf_config(cfg: Qwen25VLConfig) -> Any:
     from transformers import Qwen2_5_VLConfig
 
     lang = cfg.language
-    text = get_family("qwen2").to_hf_config(dataclasses.replace(lang, mrope_section=None))
+    text = hf_dialect("qwen2").to_hf_config(dataclasses.replace(lang, mrope_section=None))
     text_dict = {
         k: v
         for k, v in text.to_dict().items()
@@ -229,9 +231,8 @@ def save_hf(model: VisionLanguageModel, cfg: Qwen25VLConfig, out_dir: str | Path
 def _flavors() -> dict[str, Qwen25VLConfig]:
     from longboat.vlm.models.qwen2_5_vl.vision_config import vision_flavor
 
-    qwen2 = get_family("qwen2")
     tiny_language = dataclasses.replace(
-        qwen2.flavor("tiny"), vocab_size=384, mrope_section=[2, 3, 3]
+        language_flavor("qwen2", "tiny"), vocab_size=384, mrope_section=[2, 3, 3]
     )
     return {
         "tiny": Qwen25VLConfig(
@@ -242,8 +243,12 @@ def _flavors() -> dict[str, Qwen25VLConfig]:
             vision_start_token_id=312,
             vision_end_token_id=313,
         ),
-        "3b": Qwen25VLConfig(language=qwen2.flavor("vl_3b"), vision=vision_flavor("3b")),
-        "7b": Qwen25VLConfig(language=qwen2.flavor("vl_7b"), vision=vision_flavor("7b")),
+        "3b": Qwen25VLConfig(
+            language=language_flavor("qwen2", "vl_3b"), vision=vision_flavor("3b")
+        ),
+        "7b": Qwen25VLConfig(
+            language=language_flavor("qwen2", "vl_7b"), vision=vision_flavor("7b")
+        ),
     }
 
 

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from longboat.core.config.errors import ConfigError
-from longboat.core.megatron.models import DecoderModelConfig, get_family
+from longboat.core.megatron.decoder_config import DecoderModelConfig
+from longboat.core.megatron.hf_decoder_config import hf_dialect
 from longboat.vlm.models.common import (
     build_decoder_stage,
     build_split_tower,
@@ -35,6 +36,7 @@ from longboat.vlm.models.common import (
     read_config_json,
     save_decoder_and_tower,
 )
+from longboat.vlm.models.language_flavors import language_flavor
 from longboat.vlm.models.mrope import (
     interleaved_mrope_sections,
     interleaved_mrope_streams,
@@ -81,7 +83,7 @@ class Qwen3VLConfig:
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming each joint that does not fit."""
-        self.language.to_arch().validate(prefix="model.language")
+        self.language.validate(prefix="model.language")
         self.vision.validate()
         problems = []
         lang = self.language
@@ -173,7 +175,7 @@ def read_hf_config(source: str | Path | dict[str, Any]) -> Qwen3VLConfig:
     text["tie_word_embeddings"] = bool(
         hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     )
-    language = dataclasses.replace(get_family("qwen3").from_hf_config(text), mrope_section=section)
+    language = dataclasses.replace(hf_dialect("qwen3").from_hf_config(text), mrope_section=section)
     cfg = Qwen3VLConfig(
         language=language,
         vision=Qwen3VisionConfig.from_hf(dict(hf.get("vision_config") or {})),
@@ -190,7 +192,7 @@ def to_hf_config(cfg: Qwen3VLConfig) -> Any:
     """``transformers.Qwen3VLConfig`` for ``cfg``."""
     from transformers import Qwen3VLConfig as HFConfig
 
-    from longboat.core.megatron.models.common import common_to_hf
+    from longboat.core.megatron.hf_decoder_config import common_to_hf
 
     lang = cfg.language
     text = common_to_hf(lang)
@@ -303,12 +305,11 @@ def save_hf(model: VisionLanguageModel, cfg: Qwen3VLConfig, out_dir: str | Path)
 
 
 def _flavors() -> dict[str, Qwen3VLConfig]:
-    qwen3 = get_family("qwen3")
     vl = dict(max_position_embeddings=262144, rope_theta=5000000.0,
               mrope_section=list(QWEN3_VL_MROPE))  # fmt: skip
     # 4 decoder layers: 2 take deepstack features, and a pipeline split keeps them together.
     tiny_language = dataclasses.replace(
-        qwen3.flavor("tiny"), vocab_size=384, num_layers=4, mrope_section=[4, 2, 2]
+        language_flavor("qwen3", "tiny"), vocab_size=384, num_layers=4, mrope_section=[4, 2, 2]
     )
     return {
         "tiny": Qwen3VLConfig(
@@ -321,12 +322,12 @@ def _flavors() -> dict[str, Qwen3VLConfig]:
         ),
         # The decoders of the released checkpoints are Qwen3-1.7B / 4B / 8B shaped.
         "2b": Qwen3VLConfig(
-            language=dataclasses.replace(qwen3.flavor("1.7b"), flavor="vl_2b", **vl),
+            language=dataclasses.replace(language_flavor("qwen3", "1.7b"), flavor="vl_2b", **vl),
             vision=vision_flavor("2b"),
         ),
         "4b": Qwen3VLConfig(
             language=dataclasses.replace(
-                qwen3.flavor("1.7b"),
+                language_flavor("qwen3", "1.7b"),
                 flavor="vl_4b",
                 hidden_size=2560,
                 num_layers=36,
@@ -337,7 +338,7 @@ def _flavors() -> dict[str, Qwen3VLConfig]:
             vision=vision_flavor("4b"),
         ),
         "8b": Qwen3VLConfig(
-            language=dataclasses.replace(qwen3.flavor("8b"), flavor="vl_8b", **vl),
+            language=dataclasses.replace(language_flavor("qwen3", "8b"), flavor="vl_8b", **vl),
             vision=vision_flavor("8b"),
         ),
     }
