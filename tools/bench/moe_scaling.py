@@ -10,7 +10,7 @@ load-balancing loss weight 0.001), seq 4096, micro-batch 1. Both phases are
 ``longboat-llm train`` (``build_training`` + ``Trainer``, the CLI's defaults plus the shape,
 ``data=synthetic`` and the keys below) in their own processes (``bench_procs``: one per GPU,
 NCCL; gloo on CPU with ``--tiny``), from one seeded HF ``Qwen3MoeForCausalLM`` the parent saves
-in bf16 (``llm.init_from_hf``), on the same random-token rows (``--override``: more keys for
+in bf16 (``model.init_from``), on the same random-token rows (``--override``: more keys for
 every phase):
 
 - ``ep1``: one process, a global batch of 2 rows (two microbatches of one step: the CLI's
@@ -71,7 +71,7 @@ def overrides(c: dict[str, Any], world: int, rows: int, hf_dir: str | None) -> l
     """The shape (with its expert keys), a global batch of ``rows`` rows, random tokens, EP
     over ``world``."""
     out = [*lt.overrides(c, rows // c["micro_batch"]), f"parallel.expert_parallel={world}"]
-    return out + ([f"llm.init_from_hf={hf_dir}"] if hf_dir else [])
+    return out + ([f"model.init_from={hf_dir}"] if hf_dir else [])
 
 
 class RouterStats:
@@ -91,8 +91,8 @@ class RouterStats:
     def attach(self, training: Any) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
 
-        if training.cfg.train.activation_checkpointing != "none":
-            raise ValueError("router statistics need train.activation_checkpointing=none")
+        if training.cfg.train.recompute != "none":
+            raise ValueError("router statistics need train.recompute=none")
         routers = [m for chunk in training.step_fn.chunks for m in chunk.modules()
                    if isinstance(m, TopKRouter)]  # fmt: skip
         if not routers:

@@ -38,7 +38,7 @@ def check_matches_flavor(cfg: LLMModelConfig, hf_cfg: LLMModelConfig, source: st
             f"model flavor {cfg.name}/{cfg.flavor} does not match {source}:\n  "
             + "\n  ".join(diffs)
             + "\nFix: drop the model.* overrides (and model=<option>): with "
-            "llm.init_from_hf the architecture comes from config.json."
+            "model.init_from the architecture comes from config.json."
         )
 
 

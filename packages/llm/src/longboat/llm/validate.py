@@ -22,6 +22,7 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
         except ConfigError as exc:
             problems.extend(exc)
     model = cfg.get("model") if hasattr(cfg, "get") else None
+    _check_recompute_and_eval(cfg, data, model, problems)
     if model is None or model.get("name") not in FAMILIES:
         return
     from longboat.llm.config import LLMModelConfig
@@ -37,7 +38,7 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
             model_cfg,
             pipeline_parallel=int(par.get("pipeline_parallel", 1)),
             context_parallel=int(par.get("context_parallel", 1)),
-            full_recompute=train.get("activation_checkpointing") == "full",
+            full_recompute=train.get("recompute") == "full",
         )
         targets = list(lora.get("targets") or ()) if lora.get("enabled") else []
         for p in [*found, *moe_experts_problems(model_cfg, targets)]:
@@ -60,8 +61,41 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
                 problems.add(problem.key, problem.message, value=problem.value, fix=problem.fix)
 
 
+def _check_recompute_and_eval(cfg: Any, data: Any, model: Any, problems: Any) -> None:
+    """``train.recompute_layers`` only with full recompute (megatron's selective recompute
+    covers every layer) and within a pipeline stage; ``train.eval_every`` needs a held-out
+    split."""
+    train = cfg.get("train") or {}
+    layers = train.get("recompute_layers")
+    if isinstance(layers, int) and train.get("recompute") == "selective":
+        problems.add(
+            "train.recompute_layers",
+            "selective recompute covers every layer (megatron recomputes each layer's core "
+            "attention)",
+            value=layers,
+            fix="use train.recompute=full to recompute only the first n layers, or null",
+        )
+    pp = (cfg.get("parallel") or {}).get("pipeline_parallel") or 1
+    total = model.get("num_layers") if model is not None else None
+    if isinstance(layers, int) and isinstance(total, int) and layers > total // max(1, pp):
+        problems.add(
+            "train.recompute_layers",
+            f"is more than the {total // max(1, pp)} layers of a pipeline stage",
+            value=layers,
+            fix=f"use at most {total // max(1, pp)} (null: every layer)",
+        )
+    every = train.get("eval_every") or 0
+    if data is not None and every > 0 and data.get("eval_fraction") == 0:
+        problems.add(
+            "train.eval_every",
+            "evaluates the held-out split, but data.eval_fraction=0 holds nothing out",
+            value=every,
+            fix="set data.eval_fraction above 0, or train.eval_every=0",
+        )
+
+
 def model_from_checkpoint(composed: dict[str, Any], given: set[str], problems: Any) -> None:
-    """With ``llm.init_from_hf``, the model is the checkpoint's: its ``config.json`` gives the
+    """With ``model.init_from``, the model is the checkpoint's: its ``config.json`` gives the
     family and every architecture field (whatever the experiment's model group says), and a
     field the command line set (``model.<field>=`` or ``model=<option>``) must agree with it.
     The other model keys (``layer_backend``, ``init_std``, ...) keep their values; the rotary
@@ -69,7 +103,7 @@ def model_from_checkpoint(composed: dict[str, Any], given: set[str], problems: A
     import json
     from pathlib import Path
 
-    init = (composed.get("llm") or {}).get("init_from_hf")
+    init = (composed.get("model") or {}).get("init_from")
     path = Path(str(init)) / "config.json" if init else None
     if path is None or not path.is_file():
         return  # none, or a missing one: the run's checks name it
@@ -82,11 +116,11 @@ def model_from_checkpoint(composed: dict[str, Any], given: set[str], problems: A
     except ConfigError as exc:
         for problem in exc.problems:
             problems.add(
-                "llm.init_from_hf", f"{path}: {problem.message}", value=str(init), fix=problem.fix
+                "model.init_from", f"{path}: {problem.message}", value=str(init), fix=problem.fix
             )
         return
     except ValueError as exc:  # not JSON
-        problems.add("llm.init_from_hf", f"{path} is not valid JSON: {exc}", value=str(init))
+        problems.add("model.init_from", f"{path} is not valid JSON: {exc}", value=str(init))
         return
     model = composed.setdefault("model", {})
     whole_group = "model" in given

@@ -1,5 +1,5 @@
 """The VLM families: one module each, found by name (``model.name``) or by a Hugging Face
-``config.json``'s ``model_type`` (``model.init_from_hf``).
+``config.json``'s ``model_type`` (``model.init_from``).
 
 A family module (``longboat.vlm.models.<family>.model``) provides
 
@@ -99,7 +99,7 @@ def family_of_hf_dir(hf_dir: str | Path) -> VLMFamily:
     if not path.is_file():
         raise ConfigError(
             f"{path}: not found",
-            key="model.init_from_hf",
+            key="model.init_from",
             fix="point at a Hugging Face vision-language model directory",
         )
     model_type = json.loads(path.read_text()).get("model_type")
@@ -109,7 +109,7 @@ def family_of_hf_dir(hf_dir: str | Path) -> VLMFamily:
     known = sorted(t for f in FAMILIES.values() for t in f.hf_model_types)
     raise ConfigError(
         f"{path}: model_type={model_type!r} is not a supported vision-language model",
-        key="model.init_from_hf",
+        key="model.init_from",
         fix=f"longboat-vlm reads model_type {known}",
     )
 
