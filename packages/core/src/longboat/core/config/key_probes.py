@@ -143,11 +143,17 @@ def renamed_key_outcomes(
     experiment: str, stack: str, renamed: Mapping[str, str], base: Sequence[str] = ()
 ) -> dict[str, ConfigError | None]:
     """For every old key of ``renamed``: the ``ConfigError`` composing ``experiment`` with
-    ``<old>=null`` raises (None when it composes: the key is still the schema's)."""
+    ``<old>=null`` raises (None where the schema still has the key)."""
+    from omegaconf import OmegaConf
+
     from longboat.core.config.compose import compose_experiment
 
+    plain = compose_experiment(experiment, list(base), stack=stack, validate=False)
     out: dict[str, Any] = {}
     for old in renamed:
+        if OmegaConf.select(plain, old, default=KeyError) is not KeyError:
+            out[old] = None
+            continue
         try:
             compose_experiment(experiment, [*base, f"{old}=null"], stack=stack, world_size=1)
             out[old] = None
