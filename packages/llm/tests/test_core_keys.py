@@ -49,7 +49,6 @@ def test_refusals_of_the_stack_name_the_key(capsys: pytest.CaptureFixture[str]) 
     cases = {
         "train.recompute_layers": ["train.recompute=selective", "train.recompute_layers=1"],
         "export.adapter_dir": ["lora.enabled=false", "export.adapter_dir=/tmp/a"],
-        "train.eval_every": ["data.eval_fraction=0", "train.eval_every=5"],
     }
     for key, overrides in cases.items():
         with pytest.raises(Exception) as err:

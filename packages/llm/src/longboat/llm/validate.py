@@ -22,7 +22,7 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
         except ConfigError as exc:
             problems.extend(exc)
     model = cfg.get("model") if hasattr(cfg, "get") else None
-    _check_core_keys(cfg, data, model, problems)
+    _check_core_keys(cfg, model, problems)
     if model is None or model.get("name") not in FAMILIES:
         return
     from longboat.llm.config import LLMModelConfig
@@ -61,10 +61,9 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
                 problems.add(problem.key, problem.message, value=problem.value, fix=problem.fix)
 
 
-def _check_core_keys(cfg: Any, data: Any, model: Any, problems: Any) -> None:
+def _check_core_keys(cfg: Any, model: Any, problems: Any) -> None:
     """``train.recompute_layers`` only with full recompute (megatron's selective recompute
-    covers every layer) and within a pipeline stage; ``export.adapter_dir`` only with LoRA;
-    ``train.eval_every`` needs a held-out split."""
+    covers every layer) and within a pipeline stage; ``export.adapter_dir`` only with LoRA."""
     train = cfg.get("train") or {}
     layers = train.get("recompute_layers")
     if isinstance(layers, int) and train.get("recompute") == "selective":
@@ -91,14 +90,6 @@ def _check_core_keys(cfg: Any, data: Any, model: Any, problems: Any) -> None:
             "is where LoRA adapters go, but lora.enabled=false",
             value=adapter,
             fix="set lora.enabled=true, or leave export.adapter_dir null",
-        )
-    every = train.get("eval_every") or 0
-    if data is not None and every > 0 and data.get("eval_fraction") == 0:
-        problems.add(
-            "train.eval_every",
-            "evaluates the held-out split, but data.eval_fraction=0 holds nothing out",
-            value=every,
-            fix="set data.eval_fraction above 0, or train.eval_every=0",
         )
 
 
