@@ -118,7 +118,9 @@ def run_sources(path: str | Path) -> tuple[Path | None, Path | None]:
 
     config = read_manifest(_resolve_native(Path(path))).config
     data, model = config.get("data") or {}, config.get("model") or {}
-    source = Path(model["init_from"]) if model.get("init_from") else None
+    # Checkpoints written before model.init_from kept the HF source in llm.init_from_hf.
+    init = model.get("init_from") or (config.get("llm") or {}).get("init_from_hf")
+    source = Path(init) if init else None
     candidates = [data.get("tokenizer"), data.get("out_dir") and f"{data['out_dir']}/tokenizer"]
     candidates.append(source)
     tokenizer = next(
