@@ -70,7 +70,7 @@ def capability_problems(
     layers = _get(cfg, "train.recompute_layers")
     if layers is not None:
         if not caps.recompute_layers:
-            refuse("train.recompute_layers", layers, "recomputes every layer or none",
+            refuse("train.recompute_layers", layers, "cannot recompute only the first n layers",
                    "no train.recompute_layers (leave it null)")  # fmt: skip
         elif isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
             problems.add("train.recompute_layers", "must be >= 1 or null (every layer)",
