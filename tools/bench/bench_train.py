@@ -30,10 +30,10 @@ QUIET = (
     "checkpoint.every_steps=0",
 )
 EXPORT_OFF = {
-    "llm": "llm.export_hf=false",
-    "vlm": "vlm.export_hf=false",
+    "llm": "export.enabled=false",
+    "vlm": "export.enabled=false",
     "embodied": "export.enabled=false",
-    "diffusion": "diffusion.export=false",
+    "diffusion": "export.enabled=false",
 }
 
 

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--samples", type=int, default=0, help="generated samples (0: the shape's)")
     p.add_argument("--keys", nargs="*", default=[], help="config keys both phases add, e.g. "
-                   "model.recompute_blocks=-1 (a variant: not the CLI's defaults)")  # fmt: skip
+                   "train.recompute=selective (a variant: not the CLI's defaults)")  # fmt: skip
     p.add_argument("--time-budget", type=float, default=0, help="seconds for everything (0: none)")
     p.add_argument("--seed", type=int, default=0, help="weights and data")
     args = p.parse_args(argv)

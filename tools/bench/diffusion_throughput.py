@@ -60,8 +60,8 @@ TINY = dict(model="wan_tiny", arch=ref.WAN_TINY, latent_hw=(4, 6), text_len=8, s
             frames=(5, 9))  # fmt: skip
 VARIANTS: dict[str, list[str]] = {
     "longboat": [],
-    "longboat_recompute": ["model.recompute_blocks=-1"],
-    "longboat_recompute_full": ["model.recompute_blocks=-1", "model.recompute_attention=true"],
+    "longboat_recompute": ["train.recompute=selective"],
+    "longboat_recompute_full": ["train.recompute=full"],
 }
 """Config keys each longboat run adds to the CLI's defaults."""
 ALL_RUNS = ("hf_ckpt", "hf_compiled", "longboat")

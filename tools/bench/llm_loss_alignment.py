@@ -6,7 +6,7 @@
 A seeded fp32 ``transformers`` model of llm_throughput's shape (``--shape``: ``LlamaForCausalLM``
 for the 886M shape, ``Qwen3ForCausalLM`` for ``qwen3_1_7b``, ``Qwen3MoeForCausalLM`` for
 ``qwen3_moe_4l``) is saved with ``save_pretrained``; longboat starts from it
-(``llm.init_from_hf``), the reference loads it again. For the MoE shape both sides train with
+(``model.init_from``), the reference loads it again. For the MoE shape both sides train with
 the load-balancing term in the objective and the curves are the LM losses.
 
 - ``longboat``: ``longboat-llm train experiment=quickstart`` with llm_throughput's shape and
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             *lt.moe_overrides(c),
             *data_overrides(c, cache),
             *extra,
-            f"llm.init_from_hf={hf_dir}",
+            f"model.init_from={hf_dir}",
         ]
         model_cfg = compose("llm", lt.EXPERIMENT, ov[:-1], "unused").model
         torch.manual_seed(args.seed)

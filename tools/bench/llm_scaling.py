@@ -68,7 +68,7 @@ def run_phase(rank: int, world: int, name: str, args: Any) -> dict[str, Any]:
         return lt.entry(name, r, args.flops)
     c = args.tp_shape
     ov = [*lt.shape_overrides(c), *la.data_overrides(c, args.data_dir),
-          f"llm.init_from_hf={args.hf_dir}", f"parallel.tensor_parallel={world}"]  # fmt: skip
+          f"model.init_from={args.hf_dir}", f"parallel.tensor_parallel={world}"]  # fmt: skip
     r = train_timed("llm", lt.EXPERIMENT, ov, acc, warmup=1, steps=args.tp_steps - 2)
     return lt.entry(name, r, args.tp_flops)
 

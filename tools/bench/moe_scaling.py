@@ -10,7 +10,7 @@ load-balancing loss weight 0.001), seq 4096, micro-batch 1. Both phases are
 ``longboat-llm train`` (``build_training`` + ``Trainer``, the CLI's defaults plus the shape,
 ``data=synthetic`` and the keys below) in their own processes (``bench_procs``: one per GPU,
 NCCL; gloo on CPU with ``--tiny``), from one seeded HF ``Qwen3MoeForCausalLM`` the parent saves
-in bf16 (``llm.init_from_hf``), on the same random-token rows (``--override``: more keys for
+in bf16 (``model.init_from``), on the same random-token rows (``--override``: more keys for
 every phase):
 
 - ``ep1``: one process, a global batch of 2 rows (two microbatches of one step: the CLI's
@@ -66,7 +66,7 @@ def overrides(c: dict[str, Any], world: int, rows: int, hf_dir: str | None) -> l
     """The shape (with its expert keys), a global batch of ``rows`` rows, random tokens, EP
     over ``world``."""
     out = [*lt.overrides(c, rows // c["micro_batch"]), f"parallel.expert_parallel={world}"]
-    return out + ([f"llm.init_from_hf={hf_dir}"] if hf_dir else [])
+    return out + ([f"model.init_from={hf_dir}"] if hf_dir else [])
 
 
 class RouterStats:
@@ -86,8 +86,8 @@ class RouterStats:
     def attach(self, training: Any) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
 
-        if training.cfg.train.activation_checkpointing != "none":
-            raise ValueError("router statistics need train.activation_checkpointing=none")
+        if training.cfg.train.recompute != "none":
+            raise ValueError("router statistics need train.recompute=none")
         routers = [m for chunk in training.step_fn.chunks for m in chunk.modules()
                    if isinstance(m, TopKRouter)]  # fmt: skip
         if not routers:
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-budget", type=float, default=0, help="seconds for everything (0: none)")
     p.add_argument("--seed", type=int, default=0, help="the HF model's init")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="another config key for every phase (e.g. llm.cuda_graph=false)")  # fmt: skip
+                   help="another config key for every phase (e.g. train.cuda_graph=false)")  # fmt: skip
     args = p.parse_args(argv)
     t_start = time.time()
     phases = args.phases.split(",")

@@ -29,14 +29,14 @@
 #
 # Run names (each script's docstring has the detail): `longboat` is always the CLI's defaults
 # for the model; `longboat_<variant>` adds config keys (llm_throughput.VARIANTS:
-# compiled = train.compile, no_graph = llm.cuda_graph=false, megatron_step = that and
+# compiled = train.compile, no_graph = train.cuda_graph=false, megatron_step = that and
 # llm.one_pass_adamw=false;
 # vla_throughput.VARIANTS (the defaults: master weights + graph + kernel update): autocast =
 # train.master_weights=false, compiled = train.compile, master = master weights, eager
 # steps, graphed = both explicit, graphed_fp32master = + train.master_weight_storage=fp32,
 # graphed_slices = + train.master_weight_update=slices; diffusion_throughput.VARIANTS:
-# recompute = model.recompute_blocks=-1 (self-attention outputs kept), recompute_full = that and
-# model.recompute_attention=true).
+# recompute = train.recompute=selective (self-attention outputs kept), recompute_full =
+# train.recompute=full).
 set -u
 ONLY=${ONLY:-"gpu_tests llm vla diffusion diffusion_align vlm_align llm_align scaling scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling wan_scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")$([ "${WITH_VLA_LEVERS:-0}" = "1" ] && echo " vla_scaling_levers")"}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
@@ -116,7 +116,7 @@ if want vlm_scaling && [ "$GPUS" -ge 2 ]; then
     --steps 20 --warmup 3 --time-budget "$(( ${LIMIT_VLM_SCALING:-480} - 20 ))"
 fi
 if want wan_scaling && [ "$GPUS" -ge 2 ]; then
-  # WAN_SCALING_KEYS (e.g. model.recompute_blocks=-1) adds keys to both phases: a variant, for
+  # WAN_SCALING_KEYS (e.g. train.recompute=selective) adds keys to both phases: a variant, for
   # when the CLI's defaults do not fit 81 frames on one GPU.
   step "wan scaling (CP=2 vs one GPU, 81 frames)" timeout "${LIMIT_WAN_SCALING:-600}" \
     python3 tools/bench/diffusion_scaling.py --out /tmp/diffusion_scaling.json \

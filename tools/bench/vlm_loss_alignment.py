@@ -10,7 +10,7 @@ generated conversations of four mixed-size images and an answer that fills one p
 benchmark tokenizer's token ids, is saved once in fp32; every run starts from it.
 
 - ``longboat``: ``longboat-vlm train experiment=sft`` with the benchmark's data, seq_len and
-  global batch 1 (vlm_throughput's ``overrides``) and ``model.init_from_hf`` at the saved
+  global batch 1 (vlm_throughput's ``overrides``) and ``model.init_from`` at the saved
   weights; the CLI's defaults for everything else (optimizer, LR warm-up and cosine decay,
   clipping, bf16 with fp32 main weights started from the checkpoint's values): ``build_training``
   + ``Trainer`` (``bench_train``), plus any ``--override`` (both sides read the optimizer from
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             seen["precision"] = training.precision
             seen["exact_main_weights"] = training.exact_main_weights
 
-        ov = [*base, f"model.init_from_hf={hf_dir}"]
+        ov = [*base, f"model.init_from={hf_dir}"]
         lb = train_timed("vlm", vt.EXPERIMENT, ov, acc, warmup=1, steps=args.steps - 2,
                          prepare=prepare, probe=lambda t: {"cfg": t.cfg,
                                                            "describe": t.describe()})  # fmt: skip

@@ -9,7 +9,7 @@ parent saves one seeded HF ``Qwen2_5_VLForConditionalGeneration`` of those shape
 benchmark tokenizer's token ids (``vlm_reference.hf_qwen2_5_vl``, bf16), so both phases start
 from the same weights (a tower sharded over TP and an unsharded one draw different random
 inits). Both phases are ``longboat-vlm train experiment=sft`` (``build_training`` + ``Trainer``)
-with vlm_throughput's keys plus ``model.init_from_hf`` and ``parallel.tensor_parallel=2``, in two
+with vlm_throughput's keys plus ``model.init_from`` and ``parallel.tensor_parallel=2``, in two
 processes (``bench_procs``: one per GPU, NCCL; gloo on CPU with ``--tiny``), data parallel 1, the
 same rows in the same order:
 
@@ -44,12 +44,12 @@ from bench_train import compose, train_timed
 
 PHASES = [("tp2", 2), ("tp2_vit1", 2)]
 PHASE_KEYS = {"tp2": [], "tp2_vit1": ["model.vision_tensor_parallel=1"]}
-"""Keys each phase adds to vlm_throughput's, ``model.init_from_hf`` and TP=2."""
+"""Keys each phase adds to vlm_throughput's, ``model.init_from`` and TP=2."""
 LOSS_REL_TOL = 1e-3
 
 
 def phase_overrides(base: list[str], name: str, hf_dir: str) -> list[str]:
-    return [*base, f"model.init_from_hf={hf_dir}", "parallel.tensor_parallel=2", *PHASE_KEYS[name]]
+    return [*base, f"model.init_from={hf_dir}", "parallel.tensor_parallel=2", *PHASE_KEYS[name]]
 
 
 def run_phase(rank: int, world: int, name: str, args: Any) -> dict[str, Any]:

@@ -65,6 +65,7 @@ STACK = Stack(
     data_schemas={{"files": "{module}:FilesDataConfig"}},
     console_script="longboat-{name}",
     validators=("{module}:check_output_dir",),
+    renamed_keys={{"train.old_steps": "train.steps"}},
 )
 '''
 

@@ -45,7 +45,7 @@ def _overrides(out: Path, data: Path, extra: list[str]) -> list[str]:
         "logging.tensorboard=false",
         "checkpoint.every_steps=0",
         "checkpoint.save_on_exit=false",
-        "diffusion.export=false",
+        "export.enabled=false",
         "diffusion.preview=false",
         *extra,
     ]

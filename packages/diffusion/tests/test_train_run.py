@@ -283,7 +283,7 @@ def test_init_from_the_export_starts_where_the_run_ended(reference: dict[str, An
         "train.steps=1",
         "checkpoint.every_steps=0",
         "checkpoint.save_on_exit=false",
-        "diffusion.export=false",
+        "export.enabled=false",
         "diffusion.preview=false",
     ]
     out = run_multiprocess(_run_worker, 1, overrides, timeout=400)[0]

@@ -66,7 +66,7 @@ def test_activation_checkpointing_modes(mode: str, wrapped: int) -> None:
 
 def test_unknown_checkpointing_mode_names_the_key() -> None:
     model = nn.Sequential(nn.Linear(2, 2))
-    with pytest.raises(ConfigError, match=r"train\.activation_checkpointing"):
+    with pytest.raises(ConfigError, match=r"train\.recompute"):
         apply_activation_checkpointing(model, [], "some")
 
 

@@ -231,9 +231,7 @@ def test_fast_path_defaults_resolve_on_where_they_apply_and_say_why_not():
     cases = {
         "train.cuda_graph: eager steps (gradient accumulation of 2": _resolve(accum=2),
         "train.cuda_graph: eager steps (the cpu device has no CUDA graphs)": _resolve("cpu"),
-        "train.cuda_graph: eager steps (train.activation_checkpointing=full); set": _resolve(
-            activation_checkpointing="full"
-        ),
+        "train.cuda_graph: eager steps (train.recompute=full); set": _resolve(recompute="full"),
         "train.cuda_graph: eager steps (train.compile=true)": _resolve(compile=True),
         "train.cuda_graph: eager steps (data parallel over 2 ranks); set": _resolve(dp_size=2),
     }
@@ -254,7 +252,7 @@ def test_fast_path_defaults_resolve_on_where_they_apply_and_say_why_not():
     # Explicit values stay as given, and an explicit graph fails loudly on a host sync.
     off = _resolve(master_weights=False)
     assert (off.master_weights, off.cuda_graph, off.notices) == (False, False, ())
-    forced = _resolve(cuda_graph=True, activation_checkpointing="full")
+    forced = _resolve(cuda_graph=True, recompute="full")
     assert forced.cuda_graph and not forced.graph_auto and forced.notices == ()
     assert not _resolve(cuda_graph=False).cuda_graph
 

@@ -79,7 +79,7 @@ def _distributed_run(rank: int, world: int, out: str, strategy: str, model: str,
             *data.split(),
             f"parallel.strategy={strategy}",
             "train.global_batch_size=4",
-            "train.activation_checkpointing=full",
+            "train.recompute=full",
         ),
         world_size=world,
     )

@@ -84,7 +84,7 @@ def tiny_overrides(data_dir: Path, tokenizer: Path, out: Path, *, steps: int = 1
         f"logging.dir={out}/logs",
         "logging.progress=false",
         "logging.tensorboard=false",
-        "llm.export_hf=false",
+        "export.enabled=false",
         "llm.generate_prompt=null",
         "llm.eval_batches=1",
     ]

@@ -30,7 +30,7 @@ def test_version_and_help_examples(capsys) -> None:
     with contextlib.suppress(SystemExit):
         main(["train", "--help"])
     out = capsys.readouterr().out
-    assert "examples:" in out and "experiment=sft llm.init_from_hf=" in out
+    assert "examples:" in out and "experiment=sft model.init_from=" in out
 
 
 def test_composing_a_config_imports_no_torch() -> None:

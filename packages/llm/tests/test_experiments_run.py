@@ -25,7 +25,7 @@ ONE_PROCESS = [
     "checkpoint.every_steps=0",
     "logging.progress=false",
     "logging.tensorboard=false",
-    "llm.export_hf=false",
+    "export.enabled=false",
     "llm.generate_prompt=null",
 ]
 
@@ -50,7 +50,7 @@ def _overrides(name: str, files: dict[str, Path], out: Path) -> list[str]:
     if name.endswith("_pretrain"):  # from scratch: the tiny flavor, the checkpoint's tokenizer
         return [*extra, f"model={family}_tiny", f"data.paths=[{files['jsonl']}]",
                 f"data.tokenizer={ckpt}", "data.seq_len=64"]  # fmt: skip
-    return [*extra, f"llm.init_from_hf={ckpt}", f"data.paths=[{files['jsonl']}]"]
+    return [*extra, f"model.init_from={ckpt}", f"data.paths=[{files['jsonl']}]"]
 
 
 def _run(rank: int, world: int, name: str, overrides: list[str]) -> list[float]:

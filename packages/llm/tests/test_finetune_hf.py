@@ -36,7 +36,7 @@ def test_the_architecture_and_tokenizer_come_from_the_checkpoint(user_files) -> 
         hf = json.loads((ckpt / "config.json").read_text())
         # qwen3_sft's model group is Qwen3-8B on TP=2: the checkpoint's config.json wins.
         cfg = _compose(
-            f"llm.init_from_hf={ckpt}",
+            f"model.init_from={ckpt}",
             f"data.paths=[{user_files['jsonl']}]",
             "parallel.tensor_parallel=1",
             experiment="qwen3_sft",
@@ -52,7 +52,7 @@ def test_the_architecture_and_tokenizer_come_from_the_checkpoint(user_files) -> 
 
 def test_overrides_are_checked_against_the_checkpoint(user_files) -> None:
     ckpt = user_files["llama3"]
-    base = [f"llm.init_from_hf={ckpt}", f"data.paths=[{user_files['jsonl']}]"]
+    base = [f"model.init_from={ckpt}", f"data.paths=[{user_files['jsonl']}]"]
     with pytest.raises(ConfigError) as err:
         _compose(*base, "model.hidden_size=128")
     assert err.value.keys == ["model.hidden_size"]
@@ -71,11 +71,11 @@ def test_the_export_may_not_overwrite_the_checkpoint_it_starts_from(user_files) 
     from longboat.llm.train.checks import check_run
 
     ckpt = user_files["qwen3"]
-    base = [f"llm.init_from_hf={ckpt}", f"data.paths=[{user_files['jsonl']}]"]
-    cfg = OmegaConf.to_object(_compose(*base, f"llm.export_dir={ckpt}/."))
+    base = [f"model.init_from={ckpt}", f"data.paths=[{user_files['jsonl']}]"]
+    cfg = OmegaConf.to_object(_compose(*base, f"export.dir={ckpt}/."))
     with pytest.raises(ConfigError) as err:
         check_run(cfg, cfg.model)
-    assert err.value.keys == ["llm.export_dir"] and "overwrite" in str(err.value)
+    assert err.value.keys == ["export.dir"] and "overwrite" in str(err.value)
     check_run(OmegaConf.to_object(_compose(*base)), cfg.model)  # <output_dir>/hf is fine
 
 
@@ -84,8 +84,8 @@ def test_a_checkpoint_of_an_unknown_family_is_named(user_files, tmp_path: Path) 
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["X"]}))
     with pytest.raises(ConfigError) as err:
-        _compose(f"llm.init_from_hf={bad}", f"data.paths=[{user_files['jsonl']}]")
-    assert err.value.keys == ["llm.init_from_hf"] and "gpt2" in str(err.value)
+        _compose(f"model.init_from={bad}", f"data.paths=[{user_files['jsonl']}]")
+    assert err.value.keys == ["model.init_from"] and "gpt2" in str(err.value)
 
 
 def test_raw_files_are_prepared_once_and_reused(user_files, tmp_path: Path) -> None:
@@ -164,7 +164,7 @@ def test_one_command_fine_tunes_and_the_export_generates_correctly(user_files) -
 
     out = user_files["root"] / "run"
     overrides = [
-        f"llm.init_from_hf={user_files['qwen3']}",
+        f"model.init_from={user_files['qwen3']}",
         f"data.paths=[{user_files['jsonl']}]",
         f"data.cache_dir={user_files['root'] / 'cache'}",
         f"output_dir={out}",
@@ -225,7 +225,7 @@ def test_the_readmes_first_example_runs_as_written(user_files, tmp_path: Path) -
     argv = shlex.split(block.group(1))
     assert "experiment=sft" in argv and any(a.startswith("data.paths=") for a in argv)
     argv = [
-        f"llm.init_from_hf={user_files['qwen3']}" if a.startswith("llm.init_from_hf=")
+        f"model.init_from={user_files['qwen3']}" if a.startswith("model.init_from=")
         else f"data.paths=[{user_files['jsonl']}]" if a.startswith("data.paths=")
         else "train.steps=2" if a.startswith("train.steps=") else a
         for a in argv[1:]

@@ -121,7 +121,7 @@ def test_a_run_continues_training_a_peft_adapter(tmp_path: Path):
     peft_cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
     get_peft_model(base, peft_cfg).save_pretrained(tmp_path / "start")
     overrides = [
-        f"llm.init_from_hf={ckpt}", f"data.paths=[{jsonl}]", f"data.cache_dir={tmp_path}/cache",
+        f"model.init_from={ckpt}", f"data.paths=[{jsonl}]", f"data.cache_dir={tmp_path}/cache",
         f"output_dir={tmp_path}/run", "lora.enabled=true", "lora.rank=4", "lora.alpha=8",
         f"lora.init_from={tmp_path}/start", "train.steps=2", "train.global_batch_size=2",
         "optim.lr=1e-2", "logging.progress=false", "logging.tensorboard=false",

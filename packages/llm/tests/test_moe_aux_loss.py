@@ -178,7 +178,7 @@ def test_hf_setting_refuses_layouts_where_it_cannot_be_hf() -> None:
         "pipeline_parallel": {"pipeline_parallel": 2},
         "context_parallel": {"context_parallel": 2},
         "sequence_parallel": {"sequence_parallel": True},
-        "activation_checkpointing=full": {"full_recompute": True},
+        "recompute=full": {"full_recompute": True},
     }
     for name, layout in cases.items():
         with pytest.raises(ConfigError) as err:
@@ -285,7 +285,7 @@ def test_training_logs_the_hf_aux_loss(tmp_path: Path) -> None:
         "train.global_batch_size=2", "train.eval_every=0", "train.log_every=1",
         "checkpoint.every_steps=0", "checkpoint.save_on_exit=false", "checkpoint.resume=none",
         f"checkpoint.dir={tmp_path}/ckpt", "logging.progress=false",
-        "logging.tensorboard=false", "llm.export_hf=false", "llm.generate_prompt=null",
+        "logging.tensorboard=false", "export.enabled=false", "llm.generate_prompt=null",
     ]  # fmt: skip
     for mode in ("hf", "megatron"):
         rows, params_left = run_multiprocess(

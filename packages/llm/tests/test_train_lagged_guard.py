@@ -301,7 +301,7 @@ def test_ranks_skip_together_and_follow_one_rank(tiny, hf_dirs, layout: str) -> 
     """At DP=2 / TP=2 the loss is reduced over the world before the device check, so every
     rank skips the same steps with no collective for the verdict; the curve is the one-rank
     lagged run's within fp32 reduction-order noise (1e-4, as test_train_parity)."""
-    init = f"llm.init_from_hf={hf_dirs['qwen3']}"  # megatron's random init differs at TP=2
+    init = f"model.init_from={hf_dirs['qwen3']}"  # megatron's random init differs at TP=2
     (one,) = run_multiprocess(_run_worker, 1, _overrides(tiny, "w1", init), BAD, {})
     name = layout.replace("parallel.", "").replace("=", "")
     ranks = run_multiprocess(_run_worker, 2, _overrides(tiny, name, init, layout), BAD, {})

@@ -25,7 +25,7 @@ def tiny(
     root = tmp_path_factory.mktemp("tiny")
     data, tok = make_tiny_dataset(root / "data")
     # Start from an HF checkpoint: megatron's random init draws differently per pipeline stage.
-    return data, tok, root, f"llm.init_from_hf={hf_dirs['qwen3']}"
+    return data, tok, root, f"model.init_from={hf_dirs['qwen3']}"
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +66,7 @@ def test_activation_recompute_keeps_the_losses(
 ) -> None:
     data, tok, root, init = tiny
     overrides = [*tiny_overrides(data, tok, root / mode), init]
-    (losses,) = run_multiprocess(
-        _train_worker, 1, [*overrides, f"train.activation_checkpointing={mode}"]
-    )
+    (losses,) = run_multiprocess(_train_worker, 1, [*overrides, f"train.recompute={mode}"])
     diffs = [abs(a - b) for a, b in zip(losses, tp1_losses, strict=True)]
     assert max(diffs) <= 1e-5, f"recompute={mode}: max |loss - loss_none| = {max(diffs):.2e}"
 

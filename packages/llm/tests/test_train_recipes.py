@@ -29,7 +29,7 @@ def test_recipe_composes_and_validates(name: str, tmp_path: Path) -> None:
     model = cfg.model
     assert model.name == name.rsplit("_", 1)[0] or name == "quickstart"
     # The llm run checks that need no files (sequence length vs model, LoRA rank).
-    cfg.llm.init_from_hf = None
+    cfg.model.init_from = None
     if cfg.data.name == "prepared":  # the tokenizer directory is checked at run time
         (tmp_path / "tokenizer.json").write_text("{}")
         cfg.data.tokenizer = str(tmp_path)
@@ -40,7 +40,7 @@ def test_recipe_composes_and_validates(name: str, tmp_path: Path) -> None:
 def test_finetune_recipes_start_from_hf(kind: str) -> None:
     for fam in FAMILIES:
         cfg = compose_experiment(f"{fam}_{kind}", [], stack="llm")
-        assert cfg.llm.init_from_hf, f"{fam}_{kind} must start from a Hugging Face checkpoint"
+        assert cfg.model.init_from, f"{fam}_{kind} must start from a Hugging Face checkpoint"
         assert cfg.lora.enabled == (kind == "lora")
 
 
@@ -79,9 +79,9 @@ def test_lora_recipe_trains_and_saves_adapters_only(
         "parallel.expert_parallel=1",
         "train.precision=fp32",
         "checkpoint.save_on_exit=true",
-        f"llm.init_from_hf={hf_dirs['qwen3']}",
-        "llm.export_hf=true",
-        f"llm.export_dir={tmp_path / 'hf'}",
+        f"model.init_from={hf_dirs['qwen3']}",
+        "export.enabled=true",
+        f"export.dir={tmp_path / 'hf'}",
         "optim.lr=0.01",
     ]
     out = run_multiprocess(_lora_worker, 1, overrides)[0]
@@ -115,7 +115,7 @@ def test_sft_recipe_trains_on_chat_data(tmp_path: Path) -> None:
         *tiny_overrides(data, tok, tmp_path, steps=12),
         "parallel.tensor_parallel=1",
         "parallel.pipeline_parallel=1",
-        "llm.init_from_hf=null",
+        "model.init_from=null",
         "optim.lr=0.01",
     ]
     losses, held_out = run_multiprocess(_sft_worker, 1, overrides)[0]

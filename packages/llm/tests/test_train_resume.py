@@ -104,7 +104,7 @@ def _sigterm_worker(rank: int, world: int, overrides: list[str]) -> tuple[str | 
 @pytest.mark.multiprocess
 def test_sigterm_saves_a_checkpoint_and_stops(tmp_path: Path) -> None:
     data, tok = make_tiny_dataset(tmp_path / "data")
-    overrides = [*_overrides(data, tok, tmp_path / "run"), "llm.export_hf=true"]
+    overrides = [*_overrides(data, tok, tmp_path / "run"), "export.enabled=true"]
     stopped, step, exported = run_multiprocess(_sigterm_worker, 1, overrides)[0]
     assert (stopped, step, exported) == ("SIGTERM", 4, False)
     assert (tmp_path / "run" / "ckpt" / "step_00000004").is_dir()

@@ -84,7 +84,7 @@ def test_pipeline_parallel_run_equals_single(tmp_path: Path) -> None:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     data = tmp_path / "data"
-    init = f"model.init_from_hf={_initial_hf(tmp_path, data)}"
+    init = f"model.init_from={_initial_hf(tmp_path, data)}"
     ref_out, pp_out = tmp_path / "pp1", tmp_path / "pp2"
     (ref,) = run_multiprocess(_run_worker, 1, _overrides(ref_out, data, init), timeout=400)
     pp2 = _overrides(pp_out, data, init, "parallel.pipeline_parallel=2")

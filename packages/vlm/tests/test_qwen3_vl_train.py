@@ -33,7 +33,7 @@ def _overrides(out: Path, data: Path, *extra: str) -> list[str]:
         "logging.tensorboard=false",
         "checkpoint.every_steps=0",
         "vlm.answer_eval_samples=0",
-        "vlm.export_hf=false",
+        "export.enabled=false",
         "vlm.eval_batches=1",
         *extra,
     ]
@@ -61,8 +61,8 @@ def test_train_recompute_export_answer(tmp_path: Path) -> None:
     from transformers import Qwen3VLForConditionalGeneration
 
     data = tmp_path / "data"
-    plain = _overrides(tmp_path / "plain", data, "vlm.export_hf=true", "vlm.answer_eval_samples=2")
-    recompute = _overrides(tmp_path / "recompute", data, "model.recompute=[vision,language]")
+    plain = _overrides(tmp_path / "plain", data, "export.enabled=true", "vlm.answer_eval_samples=2")
+    recompute = _overrides(tmp_path / "recompute", data, "train.recompute=full")
     got, again = run_multiprocess(_train_worker, 1, [plain, recompute], timeout=400)[0]
     losses = got["losses"]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, losses

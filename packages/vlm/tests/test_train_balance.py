@@ -30,7 +30,7 @@ def _overrides(out: Path, data: Path, world: int) -> list[str]:
         "logging.tensorboard=false",
         "checkpoint.every_steps=0",
         "checkpoint.save_on_exit=false",
-        "vlm.export_hf=false",
+        "export.enabled=false",
         "vlm.answer_eval_samples=0",
         f"parallel.data_parallel={world}",
     ]

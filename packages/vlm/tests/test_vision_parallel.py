@@ -322,7 +322,7 @@ def test_run_with_vit_tp1_takes_the_tp2_steps(
     printed = " ".join(capfd.readouterr().out.split())
     assert "dp=1, ViT tp=1 (data-parallel encoding over the TP group)" in printed
     plain = run_multiprocess(
-        _run, 2, [*base, f"output_dir={tmp_path / 'b'}", "vlm.export_hf=false"], timeout=300
+        _run, 2, [*base, f"output_dir={tmp_path / 'b'}", "export.enabled=false"], timeout=300
     )
     assert "ViT tp=1" not in capfd.readouterr().out
     diff = max(abs(a - b) for a, b in zip(split[0], plain[0], strict=True))

@@ -86,7 +86,7 @@ def test_llm_two_nodes_of_two_train_like_one_node_of_four(tmp_path: Path) -> Non
         "data=synthetic",
         "data.seq_len=32",
         "data.num_documents=64",
-        "llm.export_hf=false",
+        "export.enabled=false",
         "llm.generate_prompt=null",
         *COMMON,
     ]

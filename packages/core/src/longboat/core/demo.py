@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from longboat.core.config.schema import DataConfig, ModelConfig
@@ -238,6 +239,19 @@ class DemoTraining(Training):
 
     def evaluate(self) -> dict[str, float]:
         return {"eval_mse": _eval_mse(self.net, self.eval_set)}
+
+    def export(self) -> Path | None:
+        """The trained MLP's weights as ``model.safetensors`` in ``export.dir`` (default
+        ``<output_dir>/export``)."""
+        from longboat.core.hf import save_safetensors
+
+        if not self.cfg.export.enabled:
+            return None
+        out = Path(self.cfg.export.dir or f"{self.cfg.output_dir}/export")
+        if self.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            save_safetensors(self.net.state_dict(), out)
+        return out
 
     def describe(self) -> list[str]:
         m = self.model_cfg

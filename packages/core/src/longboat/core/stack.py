@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from longboat.core.config.capabilities import Capabilities
 from longboat.core.config.schema import DataConfig, ExperimentConfig, ModelConfig
 
 ENTRY_POINT_GROUP = "longboat.stacks"
@@ -86,6 +87,12 @@ class Stack:
     """Command lines shown at the end of the stack command's ``--help``."""
     distribution: str | None = None
     """The distribution that installs the stack (``longboat-llm``), for ``--version``."""
+    capabilities: Capabilities = field(default_factory=Capabilities)
+    """What the stack honours of core's ``train.*`` / ``export.*`` keys; other values are
+    refused at compose time, naming the key and what the stack offers."""
+    renamed_keys: Mapping[str, str] = field(default_factory=dict)
+    """The stack's old key names -> their replacements (an old name is refused naming the
+    replacement; core's own renames are in ``longboat.core.config.renamed``)."""
 
     def conf_path(self) -> Path | None:
         """The config directory on disk, or None when the stack ships no configs."""
@@ -167,6 +174,7 @@ CORE_STACK = Stack(
     data_schemas={"synthetic_regression": "longboat.core.demo:SyntheticRegressionConfig"},
     console_script="longboat",
     train="longboat.core.demo:run",
+    capabilities=Capabilities(),
     examples=(
         "longboat demo                                  # train, checkpoint, resume an MLP on CPU",
         "longboat config show demo optim.lr=3e-3        # the resolved config",

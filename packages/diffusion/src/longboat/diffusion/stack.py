@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from longboat.core.config.capabilities import Capabilities
 from longboat.core.stack import Stack
 
 STACK = Stack(
@@ -23,6 +24,16 @@ STACK = Stack(
     console_script="longboat-diffusion",
     train="longboat.diffusion.train.training:train",
     validators=("longboat.diffusion.train.checks:validate_diffusion",),
+    capabilities=Capabilities(
+        recompute=("none", "full", "selective"),  # selective: attention outputs kept
+        recompute_layers=True,  # the first n blocks
+    ),
+    renamed_keys={
+        "model.recompute_blocks": "train.recompute_layers (with train.recompute=selective)",
+        "model.recompute_attention": "train.recompute=full",
+        "diffusion.export": "export.enabled",
+        "diffusion.export_dir": "export.dir",
+    },
     examples=(
         "longboat-diffusion train experiment=quickstart                 # tiny Wan DiT on moving squares, CPU",
         "longboat-diffusion train experiment=finetune model.init_from=Wan2.1-T2V-1.3B-Diffusers data.paths=[data/latents]",

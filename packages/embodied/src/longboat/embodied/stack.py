@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from longboat.core.config.capabilities import Capabilities
 from longboat.core.stack import Stack
 
 STACK = Stack(
@@ -23,6 +24,12 @@ STACK = Stack(
     console_script="longboat-embodied",
     train="longboat.embodied.train.trainer:train",
     validators=("longboat.embodied.config:validate_embodied",),
+    capabilities=Capabilities(
+        recompute=("none", "full", "selective"),  # selective: every second block
+        compile=True,  # every parallel block
+        precisions=("fp32", "bf16"),  # no fp16 loss scaling
+        export_formats=("auto", "native", "lerobot", "isaac"),
+    ),
     examples=(
         "longboat-embodied train experiment=groot_n1_6_tiny             # GR00T-N1.6 tiny, synthetic data",
         "longboat-embodied train experiment=pi05_tiny data.path=/data/my_lerobot_set",

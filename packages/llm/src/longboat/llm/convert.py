@@ -112,13 +112,15 @@ def native_config(path: str | Path) -> DecoderModelConfig:
 def run_sources(path: str | Path) -> tuple[Path | None, Path | None]:
     """``(tokenizer dir, source HF dir)`` of the training run that wrote a native checkpoint
     (from its manifest's config: ``data.tokenizer``, the quickstart's tokenizer,
-    ``llm.init_from_hf``), each None when unknown or gone."""
+    ``model.init_from``), each None when unknown or gone."""
     from longboat.core.checkpoint import read_manifest
     from longboat.llm.train.checks import TOKENIZER_FILES
 
     config = read_manifest(_resolve_native(Path(path))).config
-    data, llm = config.get("data") or {}, config.get("llm") or {}
-    source = Path(llm["init_from_hf"]) if llm.get("init_from_hf") else None
+    data, model = config.get("data") or {}, config.get("model") or {}
+    # Checkpoints written before model.init_from kept the HF source in llm.init_from_hf.
+    init = model.get("init_from") or (config.get("llm") or {}).get("init_from_hf")
+    source = Path(init) if init else None
     candidates = [data.get("tokenizer"), data.get("out_dir") and f"{data['out_dir']}/tokenizer"]
     candidates.append(source)
     tokenizer = next(

@@ -58,7 +58,7 @@ def check_matches_flavor(cfg: DecoderModelConfig, hf_cfg: DecoderModelConfig, so
             f"model flavor {cfg.name}/{cfg.flavor} does not match {source}:\n  "
             + "\n  ".join(diffs)
             + "\nFix: drop the model.* overrides (and model=<option>): with "
-            "llm.init_from_hf the architecture comes from config.json."
+            "model.init_from the architecture comes from config.json."
         )
 
 

@@ -64,7 +64,7 @@ def pooled_aux_loss_blockers(
         )
     if full_recompute:
         blockers.append(
-            "train.activation_checkpointing=full: the layers' forward runs without autograd "
+            "train.recompute=full: the layers' forward runs without autograd "
             "and again in the backward, after the loss is formed"
         )
     return blockers
@@ -105,7 +105,7 @@ def pooled_aux_loss_problems(cfg: Any, **layout: Any) -> list[ConfigProblem]:
     blockers = pooled_aux_loss_blockers(**layout)
     fix = f"set {KEY}=auto or {KEY}=megatron (megatron's per-layer load-balancing loss)"
     if layout.get("full_recompute"):
-        fix += " or train.activation_checkpointing=selective"
+        fix += " or train.recompute=selective"
     return [
         ConfigProblem(key=KEY, value=mode, message=f"'hf' cannot apply with {b}.", fix=fix)
         for b in blockers

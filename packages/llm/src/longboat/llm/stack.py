@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from longboat.core.config.capabilities import Capabilities
 from longboat.core.stack import Stack
 
 STACK = Stack(
@@ -24,9 +25,22 @@ STACK = Stack(
     train="longboat.llm.train.training:train",
     validators=("longboat.llm.validate:validate_llm",),
     config_hooks=("longboat.llm.validate:model_from_checkpoint",),
+    capabilities=Capabilities(
+        recompute=("none", "full", "selective"),
+        recompute_layers=True,  # with full: the first n layers of each pipeline stage
+        compile=True,  # each decoder layer
+        export_adapter=True,  # with LoRA
+    ),
+    renamed_keys={
+        "llm.init_from_hf": "model.init_from",
+        "llm.export_hf": "export.enabled",
+        "llm.export_dir": "export.dir",
+        "llm.export_adapter_dir": "export.adapter_dir",
+        "llm.cuda_graph": "train.cuda_graph",
+    },
     examples=(
         "longboat-llm train experiment=quickstart                       # tiny LLM, end to end on CPU",
-        "longboat-llm train experiment=sft llm.init_from_hf=checkpoints/Qwen3-0.6B data.paths=[chats.jsonl]",
+        "longboat-llm train experiment=sft model.init_from=checkpoints/Qwen3-0.6B data.paths=[chats.jsonl]",
         "torchrun --nproc-per-node 8 -m longboat.llm.cli train experiment=llama3_pretrain",
     ),
     distribution="longboat-llm",

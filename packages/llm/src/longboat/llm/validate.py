@@ -22,6 +22,7 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
     model = cfg.get("model") if hasattr(cfg, "get") else None
     from longboat.core.family import list_families
 
+    _check_core_keys(cfg, model, problems)
     if model is None or model.get("name") not in list_families("llm"):
         return
     from longboat.core.megatron.decoder_config import DecoderModelConfig
@@ -37,7 +38,7 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
             model_cfg,
             pipeline_parallel=int(par.get("pipeline_parallel", 1)),
             context_parallel=int(par.get("context_parallel", 1)),
-            full_recompute=train.get("activation_checkpointing") == "full",
+            full_recompute=train.get("recompute") == "full",
         )
         targets = list(lora.get("targets") or ()) if lora.get("enabled") else []
         for p in [*found, *moe_experts_problems(model_cfg, targets)]:
@@ -60,8 +61,40 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
                 problems.add(problem.key, problem.message, value=problem.value, fix=problem.fix)
 
 
+def _check_core_keys(cfg: Any, model: Any, problems: Any) -> None:
+    """``train.recompute_layers`` only with full recompute (megatron's selective recompute
+    covers every layer) and within a pipeline stage; ``export.adapter_dir`` only with LoRA."""
+    train = cfg.get("train") or {}
+    layers = train.get("recompute_layers")
+    if isinstance(layers, int) and train.get("recompute") == "selective":
+        problems.add(
+            "train.recompute_layers",
+            "selective recompute covers every layer (megatron recomputes each layer's core "
+            "attention)",
+            value=layers,
+            fix="use train.recompute=full to recompute only the first n layers, or null",
+        )
+    pp = (cfg.get("parallel") or {}).get("pipeline_parallel") or 1
+    total = model.get("num_layers") if model is not None else None
+    if isinstance(layers, int) and isinstance(total, int) and layers > total // max(1, pp):
+        problems.add(
+            "train.recompute_layers",
+            f"is more than the {total // max(1, pp)} layers of a pipeline stage",
+            value=layers,
+            fix=f"use at most {total // max(1, pp)} (null: every layer)",
+        )
+    adapter = (cfg.get("export") or {}).get("adapter_dir")
+    if adapter is not None and not (cfg.get("lora") or {}).get("enabled"):
+        problems.add(
+            "export.adapter_dir",
+            "is where LoRA adapters go, but lora.enabled=false",
+            value=adapter,
+            fix="set lora.enabled=true, or leave export.adapter_dir null",
+        )
+
+
 def model_from_checkpoint(composed: dict[str, Any], given: set[str], problems: Any) -> None:
-    """With ``llm.init_from_hf``, the model is the checkpoint's: its ``config.json`` gives the
+    """With ``model.init_from``, the model is the checkpoint's: its ``config.json`` gives the
     family and every architecture field (whatever the experiment's model group says), and a
     field the command line set (``model.<field>=`` or ``model=<option>``) must agree with it.
     The other model keys (``layer_backend``, ``init_std``, ...) keep their values; the rotary
@@ -69,7 +102,7 @@ def model_from_checkpoint(composed: dict[str, Any], given: set[str], problems: A
     import json
     from pathlib import Path
 
-    init = (composed.get("llm") or {}).get("init_from_hf")
+    init = (composed.get("model") or {}).get("init_from")
     path = Path(str(init)) / "config.json" if init else None
     if path is None or not path.is_file():
         return  # none, or a missing one: the run's checks name it
@@ -82,11 +115,11 @@ def model_from_checkpoint(composed: dict[str, Any], given: set[str], problems: A
     except ConfigError as exc:
         for problem in exc.problems:
             problems.add(
-                "llm.init_from_hf", f"{path}: {problem.message}", value=str(init), fix=problem.fix
+                "model.init_from", f"{path}: {problem.message}", value=str(init), fix=problem.fix
             )
         return
     except ValueError as exc:  # not JSON
-        problems.add("llm.init_from_hf", f"{path} is not valid JSON: {exc}", value=str(init))
+        problems.add("model.init_from", f"{path} is not valid JSON: {exc}", value=str(init))
         return
     model = composed.setdefault("model", {})
     whole_group = "model" in given

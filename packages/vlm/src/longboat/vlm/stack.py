@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from longboat.core.config.capabilities import Capabilities
 from longboat.core.stack import Stack
 
 STACK = Stack(
@@ -22,9 +23,19 @@ STACK = Stack(
     },
     console_script="longboat-vlm",
     train="longboat.vlm.train.training:train",
+    capabilities=Capabilities(
+        recompute=("none", "full"),  # whole ViT blocks and decoder layers
+        recompute_components=("vision", "language"),
+    ),
+    renamed_keys={
+        "model.init_from_hf": "model.init_from",
+        "model.recompute": "train.recompute=full with train.recompute_components",
+        "vlm.export_hf": "export.enabled",
+        "vlm.export_dir": "export.dir",
+    },
     examples=(
         "longboat-vlm train experiment=quickstart                       # tiny VLM, end to end on CPU",
-        "longboat-vlm train experiment=sft model.init_from_hf=checkpoints/Qwen2.5-VL-3B-Instruct data.paths=[llava.jsonl]",
+        "longboat-vlm train experiment=sft model.init_from=checkpoints/Qwen2.5-VL-3B-Instruct data.paths=[llava.jsonl]",
     ),
     distribution="longboat-vlm",
 )

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from longboat.core.config.errors import ConfigError, ProblemCollector
+from longboat.core.config.renamed import CORE_RENAMED_KEYS, take_renamed_keys
 from longboat.core.config.schema import ExperimentConfig
 from longboat.core.config.suggest import close_matches, did_you_mean
 from longboat.core.config.typecheck import merge_checked, missing_keys, to_plain, unresolvable
@@ -422,6 +423,8 @@ def compose_experiment(
 
     typed = _typed_root(composed, owner, stacks, problems)
     bad_keys: set[str] = set()
+    renamed = {**CORE_RENAMED_KEYS, **owner.renamed_keys}
+    take_renamed_keys(composed, typed, renamed, problems, bad_keys)
     merge_checked(typed, composed, problems, bad_keys)
     typed.experiment = experiment
     typed.stack = owner.name

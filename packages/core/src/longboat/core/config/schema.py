@@ -20,8 +20,9 @@ PARALLEL_STRATEGIES = ("ddp", "zero1", "fsdp", "hsdp")
 """``parallel.strategy``: the data-parallel strategies of torch-native stacks."""
 PRECISIONS = ("fp32", "bf16", "fp16")
 """``train.precision``."""
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
-"""``train.activation_checkpointing``."""
+RECOMPUTE_MODES = ("none", "full", "selective")
+"""``train.recompute``: what each mode recomputes is the stack's (its README says; every
+stack declares the modes it honours in ``Stack.capabilities``)."""
 LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
 """``optim.schedule.name``."""
 
@@ -34,6 +35,11 @@ class ModelConfig:
     """Registered model family name, e.g. ``qwen3`` or ``groot_n1_6``."""
     flavor: str = "tiny"
     """Size flavor inside the family (``tiny`` always exists)."""
+    init_from: str | None = None
+    """Weights to start from (null: the family's random init): a directory or native
+    checkpoint in a format the stack reads (llm and vlm: a Hugging Face model directory;
+    diffusion: a diffusers transformer or pipeline directory; embodied: a LeRobot, an
+    Isaac-GR00T or a Hugging Face backbone directory)."""
 
 
 @dataclass
@@ -155,10 +161,19 @@ class TrainConfig:
     """Write metrics every N steps."""
     eval_every: int = 0
     """Run evaluation every N steps (0 disables)."""
-    activation_checkpointing: str = "none"
-    """none, full or selective."""
+    recompute: str = "none"
+    """Activation recompute: none (keep every activation), full (recompute whole layers in
+    the backward) or selective (recompute a part of each layer); which layers and parts
+    each stack recomputes is in its README, and a mode a stack does not offer is refused."""
+    recompute_layers: int | None = None
+    """With recompute full or selective: recompute only the first ``n`` layers (blocks) of
+    the model (null: every layer), where the stack offers it; unused with none."""
+    recompute_components: list[str] | None = None
+    """With recompute full or selective: the parts of a composed model that recompute (vlm:
+    ``vision`` and / or ``language``; null: every part), where the stack offers it; unused
+    with none."""
     compile: bool = False
-    """torch.compile the model where the stack supports it."""
+    """torch.compile the model where the stack supports it (refused where it does not)."""
     nan_guard: NaNGuardConfig = field(default_factory=NaNGuardConfig)
     """Non-finite loss handling."""
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
@@ -217,6 +232,28 @@ class LoRAConfig:
     """Names of the megatron linears that get adapters (attention: qkv/proj, MLP: fc1/fc2)."""
 
 
+EXPORT_FORMAT_AUTO = "auto"
+"""``export.format`` default: the stack's own interchange format."""
+
+
+@dataclass
+class ExportConfig:
+    """The export of the trained model when a run finishes (every stack; its format is the
+    stack's: Hugging Face, diffusers, a policy directory)."""
+
+    enabled: bool = True
+    """Write the export after the last step."""
+    dir: str | None = None
+    """Where the export goes (null: a folder under ``output_dir`` the stack names: llm and
+    vlm ``hf``, diffusion ``diffusers``, embodied ``export``)."""
+    format: str = EXPORT_FORMAT_AUTO
+    """Which format to write; the values are the stack's (auto: its usual one) and it
+    refuses others (embodied: native, lerobot, isaac)."""
+    adapter_dir: str | None = None
+    """With LoRA, where the stack also writes the adapters alone as a PEFT adapter (null:
+    ``<output_dir>/hf_adapter``), where the stack offers it."""
+
+
 @dataclass
 class ExperimentConfig:
     """Root config composed from the groups below."""
@@ -235,5 +272,7 @@ class ExperimentConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    """The export of the trained model."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form stack extensions that have no schema yet (avoid)."""

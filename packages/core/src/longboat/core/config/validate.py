@@ -19,10 +19,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from longboat.core.config.errors import ConfigError, ConfigProblem, ProblemCollector
 from longboat.core.config.schema import (
-    ACTIVATION_CHECKPOINTING,
     LR_SCHEDULES,
     PARALLEL_STRATEGIES,
     PRECISIONS,
+    RECOMPUTE_MODES,
 )
 
 HEAD_KEYS = ("num_attention_heads", "num_heads", "n_heads")
@@ -33,7 +33,7 @@ EXPERT_KEYS = ("num_experts", "num_moe_experts", "n_routed_experts")
 CHOICES: dict[str, tuple[str, ...]] = {
     "parallel.strategy": PARALLEL_STRATEGIES,
     "train.precision": PRECISIONS,
-    "train.activation_checkpointing": ACTIVATION_CHECKPOINTING,
+    "train.recompute": RECOMPUTE_MODES,
     "optim.schedule.name": LR_SCHEDULES,
 }
 """String fields whose values are a closed set."""
@@ -314,6 +314,11 @@ def collect_problems(
     stack_name = _get(node, "stack")
     stacks = discover_stacks() if stacks is None else stacks
     stack = stacks.get(stack_name) if isinstance(stack_name, str) else None
+    caps = getattr(stack, "capabilities", None)
+    if caps is not None:
+        from longboat.core.config.capabilities import capability_problems
+
+        capability_problems(node, caps, stack_name, p)
     for validator in getattr(stack, "validators", ()):
         try:
             resolve_ref(validator)(node, world_size, p)

@@ -185,6 +185,7 @@ ARCH_FIELDS = tuple(
     not in (
         "name",
         "flavor",
+        "init_from",
         "layer_backend",
         "init_std",
         "max_position_embeddings",

@@ -18,7 +18,13 @@ from typing import Any
 from longboat.core.config.errors import ConfigError, ProblemCollector
 from longboat.core.config.suggest import did_you_mean
 
-__all__ = ["check_experiment", "model_config", "model_family", "validate_diffusion"]
+__all__ = [
+    "check_experiment",
+    "model_config",
+    "model_family",
+    "recompute_fields",
+    "validate_diffusion",
+]
 
 DATA_KINDS = ("latents", "synthetic_squares")
 """``data.name`` values a training run reads."""
@@ -60,10 +66,26 @@ def _with_overrides(base: Any, overrides: dict[str, Any]) -> Any:
     return dataclasses.replace(base, **changes)
 
 
-def model_config(model: Any) -> Any:
+def recompute_fields(train: Any) -> dict[str, Any]:
+    """The family config's ``recompute_blocks`` / ``recompute_attention`` for ``train``
+    (``train.recompute``: none, selective (the blocks run again in the backward, their
+    self-attention's outputs kept) or full (attention too); ``train.recompute_layers``: the
+    first n blocks, null every block)."""
+    mode = getattr(train, "recompute", "none") if train is not None else "none"
+    if mode == "none":
+        return {"recompute_blocks": 0, "recompute_attention": False}
+    layers = train.recompute_layers
+    return {
+        "recompute_blocks": -1 if layers is None else int(layers),
+        "recompute_attention": mode == "full",
+    }
+
+
+def model_config(model: Any, train: Any = None) -> Any:
     """The architecture of the run (the family's config dataclass, validated): the
     checkpoint's with ``model.init_from``, else the flavor's with ``model.overrides`` laid
-    over it; ``recompute_blocks`` / ``recompute_attention`` from ``model.<key>``."""
+    over it; ``recompute_blocks`` / ``recompute_attention`` from ``train`` (``train.recompute``
+    and ``train.recompute_layers``; None: no recompute)."""
     family = model_family(model)
     module = family.load()
     if model.init_from:
@@ -84,11 +106,7 @@ def model_config(model: Any) -> Any:
         base = module.read_config(model.init_from)
     else:
         base = _with_overrides(module.flavor(model.flavor), dict(model.overrides))
-    arch = dataclasses.replace(
-        base,
-        recompute_blocks=model.recompute_blocks,
-        recompute_attention=model.recompute_attention,
-    )
+    arch = dataclasses.replace(base, **recompute_fields(train))
     try:
         arch.validate(prefix="model")
     except ConfigError as exc:  # name the key the user set: model.overrides.<field>
@@ -258,7 +276,7 @@ def check_experiment(cfg: Any) -> Any:
     p = ProblemCollector()
     arch = None
     try:
-        arch = model_config(cfg.model)
+        arch = model_config(cfg.model, cfg.train)
     except ConfigError as exc:
         p.extend(exc)
     try:
@@ -267,6 +285,14 @@ def check_experiment(cfg: Any) -> Any:
         p.extend(exc)
     _check_data(p, cfg, arch)
     _check_run(p, cfg)
+    layers = cfg.train.recompute_layers
+    if arch is not None and layers is not None and layers > arch.num_blocks:
+        p.add(
+            "train.recompute_layers",
+            f"is more than the model's {arch.num_blocks} blocks",
+            value=layers,
+            fix=f"use at most {arch.num_blocks} (null: every block)",
+        )
     if arch is not None:
         par = cfg.parallel
         try:

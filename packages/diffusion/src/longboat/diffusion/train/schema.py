@@ -25,13 +25,6 @@ class DiffusionModelConfig(ModelConfig):
     """A diffusers transformer directory (or a pipeline directory with ``transformer/``) to
     start from: its ``config.json`` gives the family and the architecture, its safetensors
     the weights."""
-    recompute_blocks: int = 0
-    """Activation recompute: the first ``n`` blocks keep only their inputs and recompute the
-    rest in the backward (less memory, one more block forward); ``-1``: every block."""
-    recompute_attention: bool = False
-    """Whether recomputed blocks run self-attention again. False keeps its outputs (about
-    2 bytes x hidden per token and block) so the backward skips the most expensive kernel of
-    the block's forward; true recomputes it too (the least memory)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Architecture fields laid over the flavor, e.g. ``{num_layers: 4, ffn_dim: 128}`` (the
     family config's field names); not allowed with ``init_from``."""
@@ -39,7 +32,7 @@ class DiffusionModelConfig(ModelConfig):
 
 @dataclass
 class DiffusionRunConfig:
-    """Diffusion-specific run settings: held-out loss, export, preview."""
+    """Diffusion-specific run settings: held-out loss, preview."""
 
     cpu_precision: str = "fp32"
     """Precision used instead of ``train.precision`` on CPU."""
@@ -53,10 +46,6 @@ class DiffusionRunConfig:
     """Held-out samples per forward."""
     eval_samples: int = 0
     """Held-out samples used (the first ones; 0: all)."""
-    export: bool = True
-    """Write a diffusers directory when training finishes."""
-    export_dir: str | None = None
-    """Where the export goes (null: ``<output_dir>/diffusers``)."""
     preview: bool = True
     """At the end, sample latents for held-out captions in ``sample_steps`` Euler steps and
     write them as an animated GIF next to the held-out latents (``<output_dir>/preview``)."""
@@ -77,4 +66,4 @@ class DiffusionExperimentConfig(ExperimentConfig):
     objective: FlowMatchingConfig = field(default_factory=FlowMatchingConfig)
     """How noise levels are drawn and weighted (flow matching as Wan trains it)."""
     diffusion: DiffusionRunConfig = field(default_factory=DiffusionRunConfig)
-    """Diffusion run settings (held-out loss, export, preview)."""
+    """Diffusion run settings (held-out loss, preview)."""

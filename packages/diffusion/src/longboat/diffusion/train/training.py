@@ -161,9 +161,9 @@ class DiffusionTraining(MegatronTraining):
         return {"eval_loss": float(sums[:-1].sum()) / n / len(sigmas), **per_sigma}
 
     def export(self) -> Path | None:
-        if not self.cfg.diffusion.export:
+        if not self.cfg.export.enabled:
             return None
-        out = Path(self.cfg.diffusion.export_dir or f"{self.cfg.output_dir}/diffusers")
+        out = Path(self.cfg.export.dir or f"{self.cfg.output_dir}/diffusers")
         return self.family.load().save_diffusers(self.step_fn.model, self.model_cfg, out)
 
     def describe(self) -> list[str]:

@@ -9,10 +9,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from longboat.core.config.errors import require_choice
-from longboat.core.config.schema import ACTIVATION_CHECKPOINTING
+from longboat.core.config.schema import RECOMPUTE_MODES
 
-AC_MODES = ACTIVATION_CHECKPOINTING
-"""``none``, ``full``, ``selective``: core's closed set for the key (checked at compose time)."""
+AC_MODES = RECOMPUTE_MODES
+"""``none``, ``full``, ``selective``: core's ``train.recompute`` (checked at compose time)."""
 
 
 def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module], mode: str) -> int:
@@ -23,9 +23,7 @@ def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module], mo
     selective mode); ``none`` wraps nothing. Wrapping swaps the block in its
     parent module, so it must run before FSDP sharding and optimizer creation.
     """
-    require_choice(
-        mode, AC_MODES, key="train.activation_checkpointing", what="activation checkpointing mode"
-    )
+    require_choice(mode, AC_MODES, key="train.recompute", what="activation recompute mode")
     if mode == "none":
         return 0
     chosen = blocks if mode == "full" else blocks[::2]

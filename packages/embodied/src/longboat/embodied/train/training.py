@@ -9,7 +9,7 @@ config key read here:
   ``train.global_batch_size`` and this rank's ``RankMicroBatches`` loader
   (``data.num_workers``), rebuilt from any start step;
 - the policy: ``model.*`` (the same initial weights on every rank), frozen as configured,
-  ``parallelize``d (``parallel.strategy``, ``train.activation_checkpointing``,
+  ``parallelize``d (``parallel.strategy``, ``train.recompute``,
   ``train.master_weights``), its blocks compiled (``train.compile``), and its optimizer
   (``optim.*``, ``train.master_weight_storage``, ``train.master_weight_update``);
 - the step: with master weights and one micro-batch a step, the sync-free ``GraphableStep``
@@ -209,7 +209,7 @@ def build_policy(
         model,
         setup,
         precision=cfg.train.precision,
-        activation_checkpointing=cfg.train.activation_checkpointing,
+        activation_checkpointing=cfg.train.recompute,
         device_ids=[device.index] if accelerator.device_type == "cuda" else None,
         master_weights=cfg.train.master_weights,
     )

@@ -46,20 +46,20 @@ def check_run(cfg: Any, model: DecoderModelConfig) -> None:
                 value=list(data.weights),
                 fix="give one weight per data.paths entry, or null",
             )
-    init = cfg.llm.init_from_hf
-    _require_file(init, "config.json", "llm.init_from_hf",
+    init = cfg.model.init_from
+    _require_file(init, "config.json", "model.init_from",
                   "point at a Hugging Face model directory, or null for random init")  # fmt: skip
     if init is not None:
         from longboat.llm.hf_checkpoint import check_matches_flavor, read_hf_config
 
         check_matches_flavor(model, read_hf_config(init), f"{init}/config.json")
-    export = cfg.llm.export_dir or f"{cfg.output_dir}/hf"
-    if init is not None and cfg.llm.export_hf and Path(export).resolve() == Path(init).resolve():
+    export = cfg.export.dir or f"{cfg.output_dir}/hf"
+    if init is not None and cfg.export.enabled and Path(export).resolve() == Path(init).resolve():
         raise ConfigError(
             "is the checkpoint the run starts from: exporting would overwrite its weights",
-            key="llm.export_dir",
+            key="export.dir",
             value=export,
-            fix="choose another llm.export_dir (null: <output_dir>/hf)",
+            fix="choose another export.dir (null: <output_dir>/hf)",
         )
     if cfg.lora.enabled and cfg.lora.rank < 1:
         raise ConfigError("must be >= 1", key="lora.rank", value=cfg.lora.rank)

@@ -49,7 +49,7 @@ class PreparedDataConfig(DataConfig):
     """Blend weight per path (None: proportional to size)."""
     tokenizer: str | None = None
     """Hugging Face tokenizer directory (saved with the HF export; null with
-    ``llm.init_from_hf``: the checkpoint's)."""
+    ``model.init_from``: the checkpoint's)."""
     seq_len: int = 2048
     """Tokens per packed training row (must be <= model.max_position_embeddings)."""
     eval_fraction: float = 0.01
@@ -87,19 +87,10 @@ class LoRAConfig(CoreLoRAConfig):
 class LLMRunConfig:
     """LLM-specific run settings."""
 
-    init_from_hf: str | None = None
-    """Hugging Face model directory to start from (None: random init from model.init_std)."""
     cpu_precision: str = "fp32"
     """Precision used instead of train.precision when running on CPU (bf16 is slow there)."""
     eval_batches: int = 2
     """Global batches of the held-out split per evaluation."""
-    export_hf: bool = True
-    """Write a Hugging Face directory (LoRA merged) when training finishes."""
-    export_dir: str | None = None
-    """Where the HF export goes (null: ``<output_dir>/hf``); with LoRA the adapters merged."""
-    export_adapter_dir: str | None = None
-    """With LoRA: where the adapters go as a PEFT adapter for the base checkpoint (null:
-    ``<output_dir>/hf_adapter``)."""
     generate_prompt: str | None = None
     """After export, load it with transformers and greedily continue this prompt (None: skip)."""
     generate_tokens: int = 40
@@ -143,6 +134,6 @@ class LLMExperimentConfig(ExperimentConfig):
 
     stack: str = "llm"
     llm: LLMRunConfig = field(default_factory=LLMRunConfig)
-    """LLM run settings (init, export, eval)."""
+    """LLM run settings (eval, generation, kernels, levers)."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Low-rank adapters."""

@@ -46,7 +46,22 @@ RECOMPUTE: dict[str, dict[str, Any]] = {
         "recompute_num_layers": 1,
     },
 }
-"""megatron's recompute settings per ``train.activation_checkpointing``."""
+"""megatron's recompute settings per ``train.recompute``: selective recomputes each layer's
+core attention (softmax and its dropout), full every layer whole."""
+
+
+def recompute_settings(mode: str, layers: int | None) -> dict[str, Any]:
+    """megatron's ``TransformerConfig`` recompute fields for ``train.recompute`` /
+    ``train.recompute_layers`` (full only: whole the first ``layers`` layers of each pipeline
+    stage, megatron's ``block`` method)."""
+    if mode == "full" and layers is not None:
+        return {
+            "recompute_granularity": "full",
+            "recompute_method": "block",
+            "recompute_num_layers": layers,
+        }
+    return dict(RECOMPUTE[mode])
+
 
 RESUME_KEYS = (
     "parallel.tensor_parallel",
@@ -113,7 +128,7 @@ class LLMTraining(MegatronTraining):
         from longboat.llm.hf_checkpoint import load_hf
         from longboat.llm.train.train_step import build_train_step, wants_exact_main_weights
 
-        cfg, init = self.cfg, self.cfg.llm.init_from_hf
+        cfg, init = self.cfg, self.cfg.model.init_from
         lora = cfg.lora if cfg.lora.enabled else None
         return build_train_step(
             self.model_cfg,
@@ -131,7 +146,7 @@ class LLMTraining(MegatronTraining):
             seed=cfg.train.seed,
             cuda_graph=cfg.llm.cuda_graph,
             one_pass_adamw="auto" if cfg.llm.one_pass_adamw else False,
-            **RECOMPUTE[cfg.train.activation_checkpointing],
+            **recompute_settings(cfg.train.recompute, cfg.train.recompute_layers),
         )
 
     # --- what the trainer needs ----------------------------------------------------------
@@ -239,7 +254,7 @@ class LLMTraining(MegatronTraining):
         return {"eval_loss": loss}
 
     def export(self) -> Path | None:
-        if not self.cfg.llm.export_hf:
+        if not self.cfg.export.enabled:
             return None
         from longboat.llm.train.export import export_hf
 
@@ -250,18 +265,18 @@ class LLMTraining(MegatronTraining):
             self.adapter_dir = save_peft(
                 self.step_fn.chunks,
                 self.model_cfg,
-                cfg.llm.export_adapter_dir or f"{cfg.output_dir}/hf_adapter",
+                cfg.export.adapter_dir or f"{cfg.output_dir}/hf_adapter",
                 rank=cfg.lora.rank,
                 alpha=cfg.lora.alpha,
-                base_model=cfg.llm.init_from_hf,
+                base_model=cfg.model.init_from,
             )
-        out = cfg.llm.export_dir or f"{cfg.output_dir}/hf"
+        out = cfg.export.dir or f"{cfg.output_dir}/hf"
         return export_hf(
             self.step_fn.chunks,
             self.model_cfg,
             out,
             tokenizer_dir=self.tokenizer_dir,
-            source_dir=self.cfg.llm.init_from_hf,
+            source_dir=self.cfg.model.init_from,
         )
 
     def describe(self) -> list[str]:
@@ -317,7 +332,7 @@ class LLMTraining(MegatronTraining):
         native checkpoint ``longboat-llm convert native-to-hf`` reads. Otherwise a view whose
         names carry this rank's (tp, pp, ep) coordinates, since every rank holds a different
         shard under the same megatron names; with LoRA only the adapters (the base comes from
-        ``llm.init_from_hf`` or the seed).
+        ``model.init_from`` or the seed).
         """
         from longboat.core.megatron.training import rank_prefix, rank_view
 
@@ -349,4 +364,11 @@ def train(cfg: Any, *, on_step: Callable[[int], None] | None = None) -> RunResul
     return run_training(cfg, build_training, on_step=on_step)
 
 
-__all__ = ["RECOMPUTE", "LLMTraining", "build_training", "quiet_megatron", "train"]
+__all__ = [
+    "RECOMPUTE",
+    "LLMTraining",
+    "build_training",
+    "quiet_megatron",
+    "recompute_settings",
+    "train",
+]

@@ -20,7 +20,8 @@ if TYPE_CHECKING:  # torch is imported when a model is built, not to read a conf
     import torch
 
 RECOMPUTE_COMPONENTS = ("vision", "language")
-"""What ``model.recompute`` may name: each ViT block and / or each decoder layer."""
+"""What ``train.recompute_components`` may name: each ViT block and / or each decoder
+layer."""
 
 _FULL_RECOMPUTE = {
     "recompute_granularity": "full",
@@ -71,7 +72,7 @@ def check_checkpoint_architecture(
         raise ConfigError(
             f"{hf_dir}/config.json describes a different model than the one built: "
             + "; ".join(architecture_diff(want, found)),
-            fix="build the model from read_hf_config(<dir>) (model.init_from_hf reads it)",
+            fix="build the model from read_hf_config(<dir>) (model.init_from reads it)",
         )
 
 
@@ -83,11 +84,13 @@ def params_dtype(precision: str) -> torch.dtype:
 
 
 def check_recompute(recompute: Iterable[str]) -> None:
-    """Refuse ``model.recompute`` entries other than ``vision`` / ``language``."""
+    """Refuse recompute components other than ``vision`` / ``language``."""
     unknown = sorted(set(recompute) - set(RECOMPUTE_COMPONENTS))
     if unknown:
         raise ConfigError(
-            f"model.recompute: unknown component(s) {unknown}", fix="use vision and / or language"
+            f"unknown component(s) {unknown}",
+            key="train.recompute_components",
+            fix="use vision and / or language",
         )
 
 

@@ -1,6 +1,6 @@
 """The VLM families on core's registry: each folder of ``longboat.vlm.models`` whose
 ``__init__`` exposes ``FAMILY = vlm_family(...)`` is a family (``model.name``), also found
-by a Hugging Face ``config.json``'s ``model_type`` (``model.init_from_hf``).
+by a Hugging Face ``config.json``'s ``model_type`` (``model.init_from``).
 
 A family's implementation module (``load()``: its ``model.py``) provides
 
@@ -106,11 +106,11 @@ def family_of_hf_dir(hf_dir: str | Path) -> VLMFamily:
     if not path.is_file():
         raise ConfigError(
             f"{path}: not found",
-            key="model.init_from_hf",
+            key="model.init_from",
             fix="point at a Hugging Face vision-language model directory",
         )
     model_type = json.loads(path.read_text()).get("model_type")
-    return family_for_checkpoint("vlm", [model_type], key="model.init_from_hf", where=str(path))
+    return family_for_checkpoint("vlm", [model_type], key="model.init_from", where=str(path))
 
 
 def list_vlm_families() -> list[str]:

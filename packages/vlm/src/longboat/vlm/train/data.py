@@ -211,12 +211,12 @@ def open_run_data(
         eval_paths = [str(p) for p in eval_files]
     else:
         paths, eval_paths = list(data.paths), []
-        tokenizer_dir = data.tokenizer or cfg.model.init_from_hf
+        tokenizer_dir = data.tokenizer or cfg.model.init_from
         if tokenizer_dir is None:
             raise ConfigError(
                 "no tokenizer",
                 key="data.tokenizer",
-                fix="give a tokenizer directory (or model.init_from_hf, whose tokenizer is used)",
+                fix="give a tokenizer directory (or model.init_from, whose tokenizer is used)",
             )
     tokenizer = load_tokenizer(tokenizer_dir)
     processor = _processor(cfg, model_cfg)
@@ -226,7 +226,7 @@ def open_run_data(
         encoder.tokens,
         len(tokenizer),
         str(tokenizer_dir),
-        checkpoint=getattr(cfg.model, "init_from_hf", None),
+        checkpoint=getattr(cfg.model, "init_from", None),
     )
 
     cache_dir = getattr(data, "cache_dir", None)

@@ -15,17 +15,14 @@ class VLMModelConfig(ModelConfig):
     name: str = "qwen2_5_vl"
     flavor: str = "tiny"
     """``tiny`` (CPU tests) or a released size (``3b``, ``7b`` of qwen2_5_vl; ``2b``, ``4b``,
-    ``8b`` of qwen3_vl); ignored with ``init_from_hf`` (the checkpoint's config.json gives
+    ``8b`` of qwen3_vl); ignored with ``init_from`` (the checkpoint's config.json gives
     the architecture)."""
-    init_from_hf: str | None = None
+    init_from: str | None = None
     """A Hugging Face vision-language model directory to start from; its ``config.json``'s
     ``model_type`` picks the family and gives the architecture."""
     freeze: list[str] = field(default_factory=list)
     """Components that do not train: any of ``vision`` (the ViT blocks), ``projector`` (the
     patch merger; Qwen3-VL's deepstack mergers too), ``language`` (the decoder)."""
-    recompute: list[str] = field(default_factory=list)
-    """Components whose activations are recomputed in the backward instead of kept (less
-    memory, one more forward): ``vision`` (each ViT block), ``language`` (each decoder layer)."""
     vision_tensor_parallel: int | None = None
     """Tensor-parallel size of the vision tower: null (the decoder's
     ``parallel.tensor_parallel``) or 1 under a TP decoder (Qwen-VL families, no pipeline
@@ -56,7 +53,7 @@ class ConversationsDataConfig(DataConfig):
     root: str | None = None
     """Where relative image / video paths start (default: each file's folder)."""
     tokenizer: str | None = None
-    """Tokenizer directory with a chat template (default: ``model.init_from_hf``)."""
+    """Tokenizer directory with a chat template (default: ``model.init_from``)."""
     seq_len: int = 2048
     """Tokens per packed row."""
     eval_fraction: float = 0.02
@@ -100,10 +97,6 @@ class VLMRunConfig:
     """Precision used instead of train.precision on CPU."""
     eval_batches: int = 2
     """Microbatches of the held-out split per evaluation."""
-    export_hf: bool = True
-    """Write a Hugging Face directory when training finishes."""
-    export_dir: str | None = None
-    """Where the export goes (null: ``<output_dir>/hf``)."""
     answer_eval_samples: int = 0
     """After export, answer this many held-out questions with ``transformers`` from the
     export and report how many it gets right (0: skip)."""
@@ -125,7 +118,7 @@ class VLMExperimentConfig(ExperimentConfig):
     stack: str = "vlm"
     model: VLMModelConfig = field(default_factory=VLMModelConfig)
     vlm: VLMRunConfig = field(default_factory=VLMRunConfig)
-    """VLM run settings (export, eval)."""
+    """VLM run settings (eval, data loading)."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Low-rank adapters on the language model (its base weights frozen; the vision tower
     and projector follow ``model.freeze``); the HF export has them merged."""

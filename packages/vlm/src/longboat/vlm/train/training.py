@@ -4,7 +4,7 @@
 it): the process group (a one-rank group when not launched by torchrun), the data
 (conversations read, encoded with the tokenizer's chat template and the model's vision
 processor, packed into rows of ``data.seq_len`` tokens; the quickstart generates its own),
-megatron's parallel state, the model (from its flavor or ``model.init_from_hf``), and the
+megatron's parallel state, the model (from its flavor or ``model.init_from``), and the
 step on megatron's DDP + distributed optimizer (``VLMTrainStep``). The rows of every step
 are a pure function of the step (core's global batch plan, ``data.row_plan``), so a resumed
 run sees exactly the rows the uninterrupted one would have.
@@ -40,7 +40,7 @@ RESUME_KEYS = (
     "model.vision_tensor_parallel",
     "model.name",
     "model.flavor",
-    "model.init_from_hf",
+    "model.init_from",
     "model.freeze",
     "data.seq_len",
     "lora.enabled",
@@ -52,34 +52,45 @@ RESUME_KEYS = (
 
 def model_family(cfg: Any) -> Any:
     """The run's ``VLMFamily``: the checkpoint's (its ``model_type``) with
-    ``model.init_from_hf``, else ``model.name``'s."""
+    ``model.init_from``, else ``model.name``'s."""
     from longboat.vlm.models.registry import family_of_hf_dir, get_family
 
-    if cfg.model.init_from_hf:
-        return family_of_hf_dir(cfg.model.init_from_hf)
+    if cfg.model.init_from:
+        return family_of_hf_dir(cfg.model.init_from)
     return get_family(cfg.model.name)
 
 
 def model_config(cfg: Any) -> Any:
-    """The model config of the run: the checkpoint's with ``model.init_from_hf``, else the
+    """The model config of the run: the checkpoint's with ``model.init_from``, else the
     flavor's (the tokenizer's token ids are set later, with the data)."""
     family = model_family(cfg).load()
     sections = [k for k in ("vision", "projector", "language") if getattr(cfg.model, k, None)]
     compose = getattr(family, "from_model_config", None)
-    if sections and (compose is None or cfg.model.init_from_hf):
+    if sections and (compose is None or cfg.model.init_from):
         raise ConfigError(
             "composes a model, but "
-            + ("model.init_from_hf gives the architecture" if compose else
+            + ("model.init_from gives the architecture" if compose else
                f"model.name={cfg.model.name} is not a composed family"),
             key=f"model.{sections[0]}",
             fix="drop model.vision / model.projector / model.language, or use a composed "
             "family (model=llava_onevision_tiny)",
         )  # fmt: skip
-    if cfg.model.init_from_hf:
-        return family.read_hf_config(cfg.model.init_from_hf)
+    if cfg.model.init_from:
+        return family.read_hf_config(cfg.model.init_from)
     if compose is not None:
         return compose(cfg.model)
     return family.flavor(cfg.model.flavor)
+
+
+def recompute_components(train: Any) -> tuple[str, ...]:
+    """The components whose activations are recomputed (``train.recompute=full``: each ViT
+    block of ``vision``, each decoder layer of ``language``; ``train.recompute_components``
+    picks some, null: both)."""
+    from longboat.vlm.models.common import RECOMPUTE_COMPONENTS
+
+    if train.recompute == "none":
+        return ()
+    return tuple(train.recompute_components or RECOMPUTE_COMPONENTS)
 
 
 HOST_KEYS = frozenset({"image_grid_thw", "video_grid_thw"})
@@ -218,11 +229,11 @@ class VLMTraining(MegatronTraining):
             precision=self.precision,
             device_type=self.accelerator.device_type,
             kernels=kernels,
-            recompute=tuple(cfg.model.recompute),
+            recompute=recompute_components(cfg.train),
             vision_tensor_parallel=cfg.model.vision_tensor_parallel,
         )
-        if cfg.model.init_from_hf:
-            family.load_hf(model, mcfg, cfg.model.init_from_hf)
+        if cfg.model.init_from:
+            family.load_hf(model, mcfg, cfg.model.init_from)
         step = VLMTrainStep(
             model,
             cfg.optim,
@@ -233,9 +244,9 @@ class VLMTraining(MegatronTraining):
         )
         self.exact_main_weights = 0
         """Main weights started from the checkpoint's fp32 values (``exact_main_weights``)."""
-        if cfg.model.init_from_hf and not cfg.lora.enabled:
+        if cfg.model.init_from and not cfg.lora.enabled:
             self.exact_main_weights = exact_main_weights(
-                step.optimizer, model, family, mcfg, cfg.model.init_from_hf, self.precision,
+                step.optimizer, model, family, mcfg, cfg.model.init_from, self.precision,
                 kernels=kernels, vision_tensor_parallel=cfg.model.vision_tensor_parallel,
             )  # fmt: skip
         return step
@@ -311,11 +322,11 @@ class VLMTraining(MegatronTraining):
         return {"eval_loss": float(loss[0])}
 
     def export(self) -> Path | None:
-        if not self.cfg.vlm.export_hf:
+        if not self.cfg.export.enabled:
             return None
         from longboat.vlm.train.lora import merged_language
 
-        out = Path(self.cfg.vlm.export_dir or f"{self.cfg.output_dir}/hf")
+        out = Path(self.cfg.export.dir or f"{self.cfg.output_dir}/hf")
         with merged_language(self.step_fn.model):  # the adapters folded in, then put back
             self.family.load().save_hf(self.step_fn.model, self.model_cfg, out)
         if self.is_main:
@@ -330,7 +341,7 @@ class VLMTraining(MegatronTraining):
             vit_tp = ", ViT tp=1 (data-parallel encoding over the TP group)"
         lines = [
             f"Model {self.family.name}/"
-            f"{self.cfg.model.flavor if not self.cfg.model.init_from_hf else 'hf'}:"
+            f"{self.cfg.model.flavor if not self.cfg.model.init_from else 'hf'}:"
             f" ViT {vis.depth} layers x {vis.hidden_size}, decoder {lang.num_layers} layers x "
             f"{lang.hidden_size}, vocab {lang.vocab_size}; {self.precision}; "
             f"tp={lay.tensor_parallel} pp={lay.pipeline_parallel} dp={lay.data_parallel}"
@@ -400,4 +411,4 @@ def train(cfg: Any, *, on_step: Callable[[int], None] | None = None) -> RunResul
     return run_training(cfg, build_training, on_step=on_step)
 
 
-__all__ = ["VLMTraining", "build_training", "train"]
+__all__ = ["VLMTraining", "build_training", "recompute_components", "train"]

@@ -1,0 +1,114 @@
+"""What a stack honours of core's ``train.*`` and ``export.*`` keys.
+
+Every stack reads the same core keys, but not every stack can act on every value: a stack
+without a compiled path cannot honour ``train.compile=true``, one whose recompute is per
+layer has no components to pick. A stack declares what it offers in
+``Stack.capabilities`` (a ``Capabilities``); ``capability_problems`` refuses, before any
+work, every key set to a value the run's stack would not act on, naming the key and what
+the stack offers instead. Keys core's trainer itself carries out for every stack (steps,
+batch sizes, seed, logging, the NaN guard) need no declaration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from longboat.core.config.errors import ProblemCollector
+from longboat.core.config.schema import EXPORT_FORMAT_AUTO, PRECISIONS, RECOMPUTE_MODES
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    """The values of core's ``train.*`` / ``export.*`` keys a stack acts on; any other
+    value is refused at compose time (``capability_problems``)."""
+
+    recompute: tuple[str, ...] = ("none",)
+    """``train.recompute`` modes the stack implements (``none`` always)."""
+    recompute_layers: bool = False
+    """Whether ``train.recompute_layers`` (only the first n layers) is honoured."""
+    recompute_components: tuple[str, ...] = ()
+    """Names ``train.recompute_components`` may list (empty: the key is not offered)."""
+    compile: bool = False
+    """Whether ``train.compile=true`` compiles anything."""
+    precisions: tuple[str, ...] = PRECISIONS
+    """``train.precision`` values the stack trains in."""
+    eval: bool = True
+    """Whether the stack evaluates (``train.eval_every > 0``)."""
+    profiler: bool = True
+    """Whether ``train.profiler.*`` traces the stack's steps (core's trainer runs it)."""
+    export: bool = True
+    """Whether the stack writes an export (``export.enabled`` / ``export.dir``)."""
+    export_formats: tuple[str, ...] = (EXPORT_FORMAT_AUTO,)
+    """``export.format`` values the stack writes."""
+    export_adapter: bool = False
+    """Whether ``export.adapter_dir`` (LoRA adapters as a PEFT adapter) is written."""
+
+
+def _get(node: Any, key: str) -> Any:
+    for part in key.split("."):
+        if node is None:
+            return None
+        node = node.get(part) if hasattr(node, "get") else getattr(node, part, None)
+    return node
+
+
+def capability_problems(
+    cfg: Any, caps: Capabilities, stack: str, problems: ProblemCollector
+) -> None:
+    """Add a problem for every ``train.*`` / ``export.*`` key of ``cfg`` (a composed node or
+    an ``ExperimentConfig``) set to a value stack ``stack`` does not act on."""
+    who = f"the {stack} stack"
+
+    def refuse(key: str, value: Any, what: str, offers: str) -> None:
+        problems.add(key, f"{who} {what}", value=value, fix=f"{who} offers {offers}")
+
+    mode = _get(cfg, "train.recompute")
+    if mode in RECOMPUTE_MODES and mode not in caps.recompute:  # others: core's choice check
+        refuse("train.recompute", mode, "does not implement this mode",
+               "train.recompute=" + " | ".join(caps.recompute))  # fmt: skip
+    layers = _get(cfg, "train.recompute_layers")
+    if layers is not None:
+        if not caps.recompute_layers:
+            refuse("train.recompute_layers", layers, "cannot recompute only the first n layers",
+                   "no train.recompute_layers (leave it null)")  # fmt: skip
+        elif isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            problems.add("train.recompute_layers", "must be >= 1 or null (every layer)",
+                         value=layers, fix="set a number of layers, or null")  # fmt: skip
+    parts = _get(cfg, "train.recompute_components")
+    if parts is not None:
+        parts = list(parts)
+        unknown = sorted(set(parts) - set(caps.recompute_components))
+        if not caps.recompute_components:
+            refuse("train.recompute_components", parts, "has no components to choose from",
+                   "no train.recompute_components (leave it null)")  # fmt: skip
+        elif unknown or not parts:
+            problems.add("train.recompute_components",
+                         f"unknown component(s) {unknown}" if unknown else "is empty",
+                         value=parts, fix="list some of " + ", ".join(caps.recompute_components)
+                         + " (null: all)")  # fmt: skip
+    if _get(cfg, "train.compile") and not caps.compile:
+        refuse("train.compile", True, "has no compiled path", "train.compile=false only")
+    precision = _get(cfg, "train.precision")
+    if precision in PRECISIONS and precision not in caps.precisions:
+        refuse("train.precision", precision, "does not train in this precision",
+               "train.precision=" + " | ".join(caps.precisions))  # fmt: skip
+    every = _get(cfg, "train.eval_every")
+    if isinstance(every, int) and every > 0 and not caps.eval:
+        refuse("train.eval_every", every, "has no evaluation", "train.eval_every=0 only")
+    if _get(cfg, "train.profiler.enabled") and not caps.profiler:
+        refuse("train.profiler.enabled", True, "cannot be profiled", "no profiler")
+    enabled = _get(cfg, "export.enabled")
+    if enabled and not caps.export:
+        refuse("export.enabled", True, "writes no export", "export.enabled=false only")
+    fmt = _get(cfg, "export.format")
+    if fmt is not None and fmt not in caps.export_formats:
+        refuse("export.format", fmt, "does not write this format",
+               "export.format=" + " | ".join(caps.export_formats))  # fmt: skip
+    adapter = _get(cfg, "export.adapter_dir")
+    if adapter is not None and not caps.export_adapter:
+        refuse("export.adapter_dir", adapter, "writes no separate adapter",
+               "no export.adapter_dir (leave it null)")  # fmt: skip
+
+
+__all__ = ["Capabilities", "capability_problems"]
