@@ -107,8 +107,8 @@ TINY_SHAPES = {"886m": TINY, "qwen3_1_7b": {**TINY, "family": "qwen3", "tie": 1}
 VARIANTS: dict[str, list[str]] = {
     "longboat": [],
     "longboat_compiled": ["train.compile=true"],
-    "longboat_no_graph": ["llm.cuda_graph=false"],
-    "longboat_megatron_step": ["llm.cuda_graph=false", "llm.one_pass_adamw=false"],
+    "longboat_no_graph": ["train.cuda_graph=false"],
+    "longboat_megatron_step": ["train.cuda_graph=false", "llm.one_pass_adamw=false"],
     "longboat_sequential_experts": ["model.moe_experts=sequential"],
 }
 """Config keys each longboat run adds to the CLI's defaults."""

@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-budget", type=float, default=0, help="seconds for everything (0: none)")
     p.add_argument("--seed", type=int, default=0, help="the HF model's init")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="another config key for every phase (e.g. llm.cuda_graph=false)")  # fmt: skip
+                   help="another config key for every phase (e.g. train.cuda_graph=false)")  # fmt: skip
     args = p.parse_args(argv)
     t_start = time.time()
     phases = args.phases.split(",")

@@ -146,7 +146,7 @@ def _counting_one_pass_worker(
     rank: int, world: int, overrides: list[str]
 ) -> tuple[list[float], list, int]:
     """``_train_metrics_worker`` that also counts the updates the one-pass path took."""
-    from longboat.llm.train import one_pass_adamw
+    from longboat.core.megatron.engine import one_pass_adamw
 
     taken = []
     original = one_pass_adamw.OnePassAdamW.step

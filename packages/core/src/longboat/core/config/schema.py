@@ -159,6 +159,14 @@ class TrainConfig:
     """none, full or selective."""
     compile: bool = False
     """torch.compile the model where the stack supports it."""
+    cuda_graph: bool | None = None
+    """Replay each training step (forward, backward, update) as one CUDA graph, captured
+    after 3 eager steps: the launch overhead of thousands of small kernels goes away. null
+    (the default): on where it applies (an accelerator with CUDA graphs and a step that can
+    be captured: the stack's conditions, e.g. one microbatch a step, no pipeline parallelism,
+    no host read in the update), else eager steps and one line saying why; true: on (an
+    error where the step cannot be captured, except on an accelerator without CUDA graphs,
+    where the same step runs eagerly, logged); false: eager steps."""
     nan_guard: NaNGuardConfig = field(default_factory=NaNGuardConfig)
     """Non-finite loss handling."""
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)

@@ -12,6 +12,10 @@ pipeline parallelism the microbatches run through megatron's 1F1B schedule with 
 loss (``longboat.vlm.train.pipeline``). An unsharded tower under a tensor-parallel decoder
 (``model.vision_tensor_parallel=1``) has its gradients summed over the TP ranks, which
 encoded different images, before DDP's reduction.
+
+``VLMTrainStep`` is a core ``MegatronStepEngine``: it gives the engine its optimizer and
+``forward_backward``; the engine owns the update, the NaN gate (lagged where the update can
+skip on the device) and the CUDA-graph step.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from longboat.core.config.errors import ConfigError
+from longboat.core.megatron.engine import MegatronStepEngine
 from longboat.vlm.train.pipeline import (
     from_last_stage,
     pipeline_parallel_size,
@@ -76,8 +81,8 @@ MODEL_INPUTS = (
 )
 
 
-class VLMTrainStep:
-    """Forward / backward over a step's microbatches, then the distributed optimizer's update."""
+class VLMTrainStep(MegatronStepEngine):
+    """Forward / backward over a step's microbatches; the engine's update and gate."""
 
     def __init__(
         self,
@@ -155,15 +160,8 @@ class VLMTrainStep:
             total = total / dp
         return from_last_stage(total) if pipelined else total
 
-    def update(self) -> Any:
-        """The optimizer step; returns the grad norm when the step computed one."""
-        from longboat.core.megatron.optimizer import optimizer_step
-
-        _, norm = optimizer_step(self.optimizer)
-        return norm
-
-    def grad_norm(self) -> Any:
-        return self.optimizer.get_grad_norm()
+    def graph_modules(self) -> Any:
+        return self.model.modules()
 
     @torch.no_grad()
     def evaluate(self, microbatches: list[dict[str, Any]]) -> float:

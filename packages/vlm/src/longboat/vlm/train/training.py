@@ -338,15 +338,14 @@ class VLMTraining(MegatronTraining):
             dealt.append(rank_rows(of_step, self.row_costs, self.dp).imbalance)
         return float(np.mean(plain)), float(np.mean(dealt))
 
+    def make_gate(self, guard: Any, schedule: Any) -> UpdateGate:
+        return self.engine_gate(guard, schedule, microbatches=self.global_batch // self.dp)
+
     def step(self, step: int, batch: list[dict[str, Any]], gate: UpdateGate) -> StepOutput:
         for b in batch:  # counted on the host, before the copy: no device read in the step
             b["num_targets"] = float(b["loss_mask"].sum())
         micro = [batch_to_device(b, self.device, keep_on_host=HOST_KEYS) for b in batch]
-        loss = self.step_fn.forward_backward(micro)
-        norm = None
-        if gate.allow(step, loss):
-            norm = self.step_fn.update()
-        return StepOutput(loss=loss, grad_norm=norm)
+        return self.step_fn.run_step(step, micro, gate)
 
     def evaluate(self) -> dict[str, float]:
         rows = self.data.eval
@@ -395,6 +394,7 @@ class VLMTraining(MegatronTraining):
             f"global batch {self.global_batch} rows."
         ]
         lines += self.data.notes
+        lines += self.step_fn.notices()  # levers that cannot apply, and what runs instead
         if self.exact_main_weights:
             lines.append("fp32 main weights from the checkpoint's values (not their rounding).")
         summary = self.balance_summary()
