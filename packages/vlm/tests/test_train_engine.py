@@ -11,10 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from longboat.core.distributed import run_multiprocess
 
 STEPS = 4
+GRAPH_STEPS = 7  # 3 eager warm-up steps, the capture, 3 replays
+GRAPH_TOL = 1e-5  # relative: the graphed step's LR is an fp32 device table, eager's a float
+GRAPH_TOL_CUDA = 1e-4  # relative, fp32 on CUDA: the same, and kernels picked per capture
+ONE_SAMPLE_ROWS = "data.seq_len=96"  # one sample a row, one image size: one set of shapes
 
 
 def _overrides(tmp: Path, *extra: str) -> list[str]:
@@ -36,7 +41,9 @@ def _overrides(tmp: Path, *extra: str) -> list[str]:
     ]
 
 
-def _steps_worker(rank: int, world: int, overrides: list[str], sync: bool) -> dict[str, Any]:
+def _steps_worker(
+    rank: int, world: int, overrides: list[str], sync: bool, steps: int = STEPS
+) -> dict[str, Any]:
     """``STEPS`` trainer steps through the gate the engine picks (``sync``: the synchronous
     gate instead, the reference): the gate, the pending verdicts after each step, the
     losses."""
@@ -55,7 +62,7 @@ def _steps_worker(rank: int, world: int, overrides: list[str], sync: bool) -> di
         gate = UpdateGate(guard, schedule) if sync else training.make_gate(guard, schedule)
         batches = training.batches(0)
         losses, pending, resolved = [], [], []
-        for step in range(STEPS):
+        for step in range(steps):
             out = training.step(step, next(batches), gate)
             pending.append(list(getattr(gate, "pending", [])))
             resolved.append(None if gate.last is None else gate.last.step)
@@ -67,6 +74,8 @@ def _steps_worker(rank: int, world: int, overrides: list[str], sync: bool) -> di
             "gate": type(gate).__name__,
             "lagged": gate.lagged,
             "graphed": training.step_fn.graph_step is not None,
+            "captured": training.step_fn.graph_step is not None
+            and training.step_fn.graph_step.graph.active,
             "pending": pending,
             "resolved": resolved,
             "losses": [float(v) for v in losses],
@@ -96,3 +105,53 @@ def test_the_engine_picks_the_lagged_gate_with_the_synchronous_losses(tmp_path: 
     for a, b in zip(lagged["losses"], sync["losses"], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (lagged["losses"], sync["losses"])
     assert any("train.cuda_graph: eager steps" in line for line in lagged["describe"])
+
+
+@pytest.mark.multiprocess
+def test_the_graphed_step_gives_the_eager_losses_on_cpu(tmp_path: Path) -> None:
+    """train.cuda_graph=true on CPU, rows of one shape: the engine's graphed step (the loss
+    denominator a device input, the LR from a device table) runs eagerly and trains as the
+    eager step does."""
+    import megatron.core.optimizer  # noqa: F401  (import once; forked processes share it)
+
+    over = _overrides(tmp_path, ONE_SAMPLE_ROWS)
+    graphed = run_multiprocess(
+        _steps_worker, 1, [*over, "train.cuda_graph=true"], False, timeout=400
+    )[0]
+    eager = run_multiprocess(_steps_worker, 1, [*over, "train.cuda_graph=false"], False)[0]
+    assert graphed["graphed"] and not graphed["captured"] and graphed["lagged"], graphed
+    assert not eager["graphed"] and eager["gate"] == "LaggedLossGuard"
+    assert graphed["resolved"] == eager["resolved"] == [None, *range(STEPS - 1)]
+    assert graphed["losses"][0] == eager["losses"][0]
+    for a, b in zip(graphed["losses"], eager["losses"], strict=True):
+        assert abs(a - b) <= GRAPH_TOL * abs(b), (graphed["losses"], eager["losses"])
+
+
+def test_rows_of_different_shapes_are_not_graphed(tmp_path: Path) -> None:
+    """Packed rows of different sample counts: train.cuda_graph=true is refused naming the
+    key and why (the default runs eagerly and says so: the engine's CPU test above)."""
+    with pytest.raises(Exception, match=r"train\.cuda_graph.*rows of different"):
+        run_multiprocess(
+            _steps_worker, 1, _overrides(tmp_path, "train.cuda_graph=true"), False, 1,
+            timeout=400,
+        )  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_the_cuda_graph_step_is_selected_on_cuda_and_matches_eager(tmp_path: Path) -> None:
+    """On CUDA the engine captures the VLM step by default (train.cuda_graph=null) for rows of
+    one shape; its losses over 3 replays follow the eager step's within GRAPH_TOL_CUDA."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    over = _overrides(
+        tmp_path, ONE_SAMPLE_ROWS, "train.precision=fp32", f"train.steps={GRAPH_STEPS}"
+    )
+    kw = {"backend": "nccl", "start_method": "spawn", "timeout": 400}
+    graphed = run_multiprocess(_steps_worker, 1, over, False, GRAPH_STEPS, **kw)[0]
+    eager = run_multiprocess(
+        _steps_worker, 1, [*over, "train.cuda_graph=false"], False, GRAPH_STEPS, **kw
+    )[0]
+    assert graphed["graphed"] and graphed["captured"], graphed["describe"]
+    assert not eager["graphed"]
+    for a, b in zip(graphed["losses"], eager["losses"], strict=True):
+        assert abs(a - b) <= GRAPH_TOL_CUDA * abs(b), (graphed["losses"], eager["losses"])

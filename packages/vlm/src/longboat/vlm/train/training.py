@@ -268,7 +268,9 @@ class VLMTraining(MegatronTraining):
             frozen=tuple(cfg.model.freeze),
             lora=cfg.lora,
             seed=cfg.train.seed,
+            cuda_graph=cfg.train.cuda_graph is not False,
         )
+        step.static_shapes_blocker = self._graph_shapes_blocker()
         self.exact_main_weights = 0
         """Main weights started from the checkpoint's fp32 values (``exact_main_weights``)."""
         if cfg.model.init_from_hf and not cfg.lora.enabled:
@@ -277,6 +279,29 @@ class VLMTraining(MegatronTraining):
                 kernels=kernels, vision_tensor_parallel=cfg.model.vision_tensor_parallel,
             )  # fmt: skip
         return step
+
+    def _graph_shapes_blocker(self) -> str | None:
+        """Why the rows change shape between steps, if they do (``train.cuda_graph`` replays
+        one set): a row's shapes and host values follow its samples' images and videos and
+        how many samples it packs."""
+        rows = self.data.train
+        shapes = set()
+        for pieces in rows.rows:
+            media = tuple(
+                (
+                    tuple(map(tuple, rows.samples[p.doc].image_grid_thw.tolist())),
+                    tuple(map(tuple, rows.samples[p.doc].video_grid_thw.tolist())),
+                )
+                for p in pieces
+            )
+            full = sum(p.stop - p.start for p in pieces) == rows.seq_len
+            shapes.add((media, full))
+            if len(shapes) > 1:
+                return (
+                    "rows of different images, videos or sample counts (a graph replays one "
+                    "set of shapes)"
+                )
+        return None
 
     # --- what the trainer needs ----------------------------------------------------------
 
