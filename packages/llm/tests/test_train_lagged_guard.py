@@ -42,7 +42,7 @@ def _overrides(tiny: tuple[Path, Path, Path], name: str, *extra: str) -> list[st
     """megatron's step (one-pass update and CUDA graph off) unless ``extra`` turns them on."""
     data, tok, root = tiny
     given = {e.split("=")[0] for e in extra}
-    levers = [f"{k}=false" for k in ("llm.one_pass_adamw", "train.cuda_graph") if k not in given]
+    levers = [f"{k}=false" for k in ("optim.one_pass_adamw", "train.cuda_graph") if k not in given]
     return [*tiny_overrides(data, tok, root / name), "optim.grad_clip=0.0", *levers, *extra]
 
 
@@ -219,10 +219,10 @@ def test_lagged_guard_equals_the_synchronous_guard_exactly(tiny) -> None:
 
 @pytest.mark.multiprocess
 def test_one_pass_update_with_clipping_keeps_the_lagged_guard_exactly(tiny) -> None:
-    """llm.one_pass_adamw skips (found_inf) and clips (a device grad norm) on the device, so
+    """optim.one_pass_adamw skips (found_inf) and clips (a device grad norm) on the device, so
     with clipping on the loop still takes the lagged guard: same numbers as the synchronous
     guard over the same one-pass update, bit for bit."""
-    extra = ("train.log_every=4", "llm.one_pass_adamw=true", "optim.grad_clip=0.5")
+    extra = ("train.log_every=4", "optim.one_pass_adamw=true", "optim.grad_clip=0.5")
     sync_run, lagged_run = _overrides(tiny, "op_sync", *extra), _overrides(tiny, "op_lag", *extra)
     (sync,) = run_multiprocess(_run_worker, 1, sync_run, BAD, {"sync": True})
     (lagged,) = run_multiprocess(_run_worker, 1, lagged_run, BAD, {})
@@ -372,7 +372,7 @@ def test_lagged_guard_blocker_names_why_the_guard_stays_synchronous() -> None:
         "train.nan_guard.enabled=false": lagged_guard_blocker(_fake_optimizer(adamw), off),
         "optim.grad_clip > 0": lagged_guard_blocker(_fake_optimizer(adamw, clip=1.0), on),
         "fp16 loss scaling": lagged_guard_blocker(_fake_optimizer(adamw, scaler=object()), on),
-        "the one-pass update cannot": lagged_guard_blocker(
+        "optim.one_pass_adamw cannot": lagged_guard_blocker(
             _fake_optimizer(adamw), on, one_pass=SimpleNamespace(handles=lambda: False)
         ),
         "optim.fused=false": lagged_guard_blocker(_fake_optimizer(adamw), on, fused=False),

@@ -74,6 +74,7 @@ def _steps_worker(
             "gate": type(gate).__name__,
             "lagged": gate.lagged,
             "graphed": training.step_fn.graph_step is not None,
+            "one_pass": training.step_fn.one_pass is not None,
             "captured": training.step_fn.graph_step is not None
             and training.step_fn.graph_step.graph.active,
             "pending": pending,
@@ -92,15 +93,19 @@ def test_the_engine_picks_the_lagged_gate_with_the_synchronous_losses(tmp_path: 
 
     over = _overrides(tmp_path)
     lagged = run_multiprocess(_steps_worker, 1, over, False, timeout=400)[0]
-    sync = run_multiprocess(_steps_worker, 1, over, True, timeout=400)[0]
+    # The reference is the step as it was: megatron's update under the synchronous gate.
+    before = [*over, "optim.one_pass_adamw=false"]
+    sync = run_multiprocess(_steps_worker, 1, before, True, timeout=400)[0]
     assert lagged["gate"] == "LaggedLossGuard" and lagged["lagged"], lagged
+    assert lagged["one_pass"] and not sync["one_pass"]
     assert not lagged["graphed"]
     # After step n's allow, step n is staged and only step n-1's verdict is known.
     assert lagged["pending"] == [[n] for n in range(STEPS)], lagged
     assert lagged["resolved"] == [None, *range(STEPS - 1)], lagged
     assert lagged["updates"] == sync["updates"] == STEPS
     assert sync["gate"] == "UpdateGate" and sync["pending"] == [[]] * STEPS
-    # The same first loss; then fused AdamW (lagged) vs foreach (sync): float rounding only.
+    # The same first loss; then the one-pass update (lagged) vs torch's foreach AdamW (sync):
+    # one update rule, float rounding only.
     assert lagged["losses"][0] == sync["losses"][0]
     for a, b in zip(lagged["losses"], sync["losses"], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (lagged["losses"], sync["losses"])

@@ -109,6 +109,15 @@ class OptimConfig:
     """Max global grad norm (0 disables clipping)."""
     fused: bool = True
     """Use the fused optimizer implementation where the device has one."""
+    one_pass_adamw: bool = True
+    """Megatron stacks: the AdamW update as one kernel pass per parameter shard
+    (``longboat.core.megatron.engine.one_pass_adamw``): grads read from the grad buffer,
+    main weights and moments updated in place, gradient clipping on the device, the bf16
+    weight written into the param buffer (no fp32 grad copy, no separate main-to-model copy,
+    no host read of the grad norm). Same update rule and checkpoint state as megatron's step.
+    Where it cannot apply (another optimizer than AdamW, megatron-FSDP, a quantized param
+    gather) the run takes megatron's step and says why; steps with fp16 loss scaling, or
+    clipping over expert-parallel parts, take megatron's step."""
     schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     """The LR schedule."""
 

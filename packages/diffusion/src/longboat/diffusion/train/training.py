@@ -69,6 +69,7 @@ class DiffusionTraining(MegatronTraining):
         from longboat.core.rng import seed_everything
         from longboat.diffusion.train.data import open_run_data
         from longboat.diffusion.train.step import DiffusionTrainStep
+        from longboat.kernels import adamw_master_step_
 
         cfg = self.cfg
         self.family = model_family(cfg.model)
@@ -113,6 +114,8 @@ class DiffusionTraining(MegatronTraining):
             cuda_graph=cfg.train.cuda_graph is not False,
         )
         self.step_fn.static_shapes_blocker = self._graph_shapes_blocker()
+        one_pass = "auto" if cfg.optim.one_pass_adamw else False
+        self.step_fn.use_one_pass(one_pass, adamw_master_step_)
         self.ddp_modules = [self.step_fn.ddp]
         self.exact_main_weights = 0
         """Main weights started from the checkpoint's fp32 values (not its bf16 rounding)."""

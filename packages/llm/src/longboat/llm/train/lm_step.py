@@ -182,7 +182,7 @@ def build_train_step(
     (megatron's DDP constructed under a side stream: see core's ``engine.ddp.wrap_and_build``).
     ``one_pass_adamw``: the update as one kernel pass per parameter shard (core's
     ``engine.one_pass_adamw``, ``MegatronStepEngine.use_one_pass``); True requires it (an
-    error where the optimizer cannot take it), ``"auto"`` (what ``llm.one_pass_adamw=true``
+    error where the optimizer cannot take it), ``"auto"`` (what ``optim.one_pass_adamw=true``
     means) uses it where it applies and records why not in ``TrainStep.one_pass_blocker``.
     ``kernel_options``: ``build_model``'s switches of the longboat layer kernels (tests).
     ``model_overrides`` go to megatron's ``TransformerConfig`` (as in ``build_model``).

@@ -118,15 +118,6 @@ class LLMRunConfig:
     (``longboat.core.megatron.wgrad_fusion``; no per-parameter add pass). With one microbatch per
     step and DP / CP / PP 1 the buffer is bf16 (same gradient values, half the memory),
     otherwise fp32 (the GEMM accumulates its fp32 product). Off with ``train.compile``."""
-    one_pass_adamw: bool = True
-    """The optimizer update as one kernel pass per parameter shard (core's
-    ``longboat.core.megatron.engine.one_pass_adamw``): grads read from the grad buffer, main
-    weights and moments updated in place, gradient clipping on the device, the bf16 weight written into
-    the param buffer (no fp32 grad copy, no separate main-to-model copy, no host read of the
-    grad norm). Same update rule and checkpoint state as megatron's step. Where it cannot
-    apply (another optimizer than AdamW, megatron-FSDP, a quantized param gather) the run
-    takes megatron's step and says why; steps with fp16 loss scaling, or clipping over
-    expert-parallel parts, take megatron's step."""
 
 
 @dataclass

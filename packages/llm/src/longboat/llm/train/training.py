@@ -5,7 +5,7 @@ benchmarks alike: checks of the config (core validated every key before), the pr
 (a one-rank group when not launched by torchrun: megatron needs one), the data (the
 quickstart prepares its own), megatron's parallel state, then ``build_train_step`` (model,
 initial HF weights, LoRA, megatron DDP + distributed optimizer, the update) and the step's
-levers from the config (``llm.one_pass_adamw``, ``train.cuda_graph``, ``train.compile``,
+levers from the config (``optim.one_pass_adamw``, ``train.cuda_graph``, ``train.compile``,
 ``llm.fused_linear_ce``, ``llm.wgrad_fusion``). ``longboat.core.train.Trainer`` runs the loop.
 
 A step reads nothing on the host where it can: the microbatches go to the device through
@@ -138,7 +138,7 @@ class LLMTraining(MegatronTraining):
             lora=lora,
             seed=cfg.train.seed,
             cuda_graph=cfg.train.cuda_graph is not False,
-            one_pass_adamw="auto" if cfg.llm.one_pass_adamw else False,
+            one_pass_adamw="auto" if cfg.optim.one_pass_adamw else False,
             **RECOMPUTE[cfg.train.activation_checkpointing],
         )
 

@@ -237,6 +237,7 @@ class VLMTraining(MegatronTraining):
         self.ddp_modules = [self.step_fn.ddp]
 
     def _build_step(self) -> Any:
+        from longboat.kernels import adamw_master_step_
         from longboat.kernels.layers import longboat_layer_kernels
         from longboat.vlm.train.step import VLMTrainStep
 
@@ -271,6 +272,7 @@ class VLMTraining(MegatronTraining):
             cuda_graph=cfg.train.cuda_graph is not False,
         )
         step.static_shapes_blocker = self._graph_shapes_blocker()
+        step.use_one_pass("auto" if cfg.optim.one_pass_adamw else False, adamw_master_step_)
         self.exact_main_weights = 0
         """Main weights started from the checkpoint's fp32 values (``exact_main_weights``)."""
         if cfg.model.init_from_hf and not cfg.lora.enabled:

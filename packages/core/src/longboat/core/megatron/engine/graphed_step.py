@@ -65,7 +65,7 @@ def graph_blocker(
     if grad_clip > 0 and (one_pass is None or not one_pass.handles()):
         return (
             "optim.grad_clip > 0 through megatron's step (it reads the grad norm on the "
-            "host): the one-pass update, which clips on the device, is off or cannot apply"
+            "host): set optim.one_pass_adamw=true, which clips on the device"
         )
     if not fused and one_pass is None:
         return "optim.fused=false (only torch's fused AdamW skips an update on found_inf)"

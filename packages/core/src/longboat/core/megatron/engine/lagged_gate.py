@@ -64,7 +64,7 @@ def lagged_guard_blocker(
     if one_pass is not None:
         if one_pass.handles():
             return None  # it skips (and clips) on the device itself
-        return "the one-pass update cannot take this step: fp16 loss scaling or mixed groups"
+        return "optim.one_pass_adamw cannot take this step: fp16 loss scaling or mixed groups"
     parts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
     if any(float(getattr(p.config, "clip_grad", 0.0) or 0.0) > 0.0 for p in parts):
         return "optim.grad_clip > 0: megatron's step() reads the grad norm on the host"

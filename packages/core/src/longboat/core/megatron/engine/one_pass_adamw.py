@@ -127,8 +127,8 @@ class OnePassAdamW:
         reason = supported(optimizer)
         if reason:
             raise ValueError(
-                f"this optimizer cannot take the one-pass update ({reason}); turn the "
-                "one-pass update off"
+                f"optim.one_pass_adamw: this optimizer cannot take the one-pass update "
+                f"({reason}); set optim.one_pass_adamw=false"
             )
         self.optimizer = optimizer
         self.kernel = kernel

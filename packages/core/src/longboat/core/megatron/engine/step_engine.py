@@ -238,7 +238,7 @@ class MegatronStepEngine:
         """One line per lever that was asked for and cannot apply (what runs instead)."""
         lines = []
         if self.one_pass_blocker:
-            lines.append(f"one-pass AdamW update: megatron's step ({self.one_pass_blocker}).")
+            lines.append(f"optim.one_pass_adamw: megatron's step ({self.one_pass_blocker}).")
         if self.gate_notice:
             lines.append(self.gate_notice)
         return lines
