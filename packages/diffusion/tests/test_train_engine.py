@@ -75,9 +75,17 @@ def _steps_worker(
             resolved.append(None if gate.last is None else gate.last.step)
             gate.end_step()
             losses.append(out.loss)
+        hazards = []
+        if training.step_fn.graph_step is not None:  # what a CUDA capture would reject
+            from longboat.core.loop.capture_check import find_capture_hazards
+
+            inputs = training.step_fn.graph_inputs(steps, next(batches))
+            found = find_capture_hazards(training.step_fn.graph_step._step, inputs)
+            hazards = [f"{h.why} at {h.where}" for h in found]
         gate.flush()
         gate.close()
         return {
+            "hazards": hazards,
             "gate": type(gate).__name__,
             "lagged": gate.lagged,
             "graphed": training.step_fn.graph_step is not None,
@@ -133,6 +141,9 @@ def test_the_graphed_step_gives_the_eager_losses_on_cpu(tmp_path: Path) -> None:
     for a, b in zip(graphed["losses"], eager["losses"], strict=True):
         assert abs(a - b) <= GRAPH_TOL * abs(b), (graphed["losses"], eager["losses"])
     assert graphed["losses"][-1] < graphed["losses"][0]
+    # Nothing in the step reads the device on the host or copies Python data to it, but the
+    # model's check of a CPU text mask (on CUDA the step checks the batch before the copy).
+    assert [h for h in graphed["hazards"] if "empty_captions" not in h] == [], graphed
 
 
 def test_a_step_whose_shapes_change_is_not_graphed(tmp_path: Path) -> None:

@@ -51,11 +51,20 @@ def _steps_worker(rank: int, world: int, overrides: list[str]) -> dict[str, Any]
         for step in range(STEPS):
             losses.append(training.step(step, next(batches), gate).loss)
             gate.end_step()
+        graph = training.step_fn.graph_step
+        hazards = []
+        if graph is not None:  # what a CUDA capture would reject
+            from longboat.core.device.transfer import batch_to_device
+            from longboat.core.loop.capture_check import find_capture_hazards
+
+            micro = [batch_to_device(b, training.device) for b in next(batches)]
+            found = find_capture_hazards(graph._step, training.step_fn.graph_inputs(STEPS, micro))
+            hazards = [f"{h.why} at {h.where}" for h in found]
         gate.flush()
         gate.close()
-        graph = training.step_fn.graph_step
         return {
             "gate": type(gate).__name__,
+            "hazards": hazards,
             "graphed": graph is not None,
             "captured": graph is not None and graph.graph.active,
             "losses": [float(v) for v in losses],
@@ -89,3 +98,13 @@ def test_the_cuda_graph_step_is_selected_on_cuda_and_matches_eager(tiny) -> None
     assert graphed["gate"] == "_GraphGate" and eager["gate"] == "LaggedLossGuard"
     for a, b in zip(graphed["losses"], eager["losses"], strict=True):
         assert abs(a - b) <= GRAPH_TOL_CUDA * abs(b), (graphed["losses"], eager["losses"])
+
+
+@pytest.mark.multiprocess
+def test_the_graphed_step_has_nothing_a_capture_rejects(tiny) -> None:
+    """train.cuda_graph=true on CPU: the engine's graphed step runs (eagerly) and nothing in
+    it reads the device on the host, copies Python data to it or reseeds an RNG."""
+    over = _overrides(tiny, "forced", "train.cuda_graph=true")
+    (run,) = run_multiprocess(_steps_worker, 1, over, timeout=400)
+    assert run["graphed"] and not run["captured"] and run["gate"] == "_GraphGate", run
+    assert run["hazards"] == [], run["hazards"]
