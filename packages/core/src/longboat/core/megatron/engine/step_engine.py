@@ -144,8 +144,8 @@ class MegatronStepEngine:
 
         self.graph_step, self.gate_notice = None, None
         if cuda_graph is not False:
-            why = self._graph_blocker(accelerator, cuda_graph, microbatches, pipeline_parallel,
-                                      optim)  # fmt: skip
+            layout = (microbatches, pipeline_parallel)
+            why = self._graph_blocker(accelerator, cuda_graph, *layout, optim)
             if why is None:
                 self.graph_step = graphed_step.GraphedTrainStep(
                     self,
