@@ -103,7 +103,7 @@ VARIANTS: dict[str, list[str]] = {
     "longboat": [],
     "longboat_compiled": ["train.compile=true"],
     "longboat_no_graph": ["train.cuda_graph=false"],
-    "longboat_megatron_step": ["train.cuda_graph=false", "llm.one_pass_adamw=false"],
+    "longboat_megatron_step": ["train.cuda_graph=false", "optim.one_pass_adamw=false"],
     "longboat_sequential_experts": ["model.moe_experts=sequential"],
 }
 """Config keys each longboat run adds to the CLI's defaults."""

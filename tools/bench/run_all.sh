@@ -30,7 +30,7 @@
 # Run names (each script's docstring has the detail): `longboat` is always the CLI's defaults
 # for the model; `longboat_<variant>` adds config keys (llm_throughput.VARIANTS:
 # compiled = train.compile, no_graph = train.cuda_graph=false, megatron_step = that and
-# llm.one_pass_adamw=false;
+# optim.one_pass_adamw=false;
 # vla_throughput.VARIANTS (the defaults: master weights + graph + kernel update): autocast =
 # train.master_weights=false, compiled = train.compile, master = master weights, eager
 # steps, graphed = both explicit, graphed_fp32master = + train.master_weight_storage=fp32,

@@ -99,7 +99,7 @@ def _train_worker(rank: int, world: int, fp32_residual: bool) -> dict[str, objec
 
     from longboat.core.config.schema import OptimConfig
     from longboat.core.family import find_family
-    from longboat.llm.train.train_step import build_train_step
+    from longboat.llm.train.lm_step import build_train_step
 
     ps = _init()
     try:

@@ -39,7 +39,7 @@ def _step_worker(
     from longboat.core.device import get_accelerator
     from longboat.core.megatron import parallel_state
     from longboat.llm.hf_checkpoint import load_hf, read_hf_config
-    from longboat.llm.train.train_step import build_train_step
+    from longboat.llm.train.lm_step import build_train_step
 
     cfg = read_hf_config(hf_dir)
     cfg.moe_aux_loss = mode
@@ -225,15 +225,15 @@ def _hazards_worker(rank: int, world: int, mode: str) -> list[tuple[str, str]]:
     from longboat.core.family import find_family
     from longboat.core.loop.capture_check import capture_hazards
     from longboat.core.megatron import parallel_state
-    from longboat.llm.train.lagged_guard import _use_fused
-    from longboat.llm.train.optimizer import inner_optimizers
-    from longboat.llm.train.train_step import build_train_step
+    from longboat.core.megatron.engine.lagged_gate import use_fused_adamw as _use_fused
+    from longboat.core.megatron.optimizer import inner_optimizers
+    from longboat.llm.train.lm_step import build_train_step
 
     cfg = find_family("llm", "qwen3_moe").flavor("tiny")
     cfg.moe_aux_loss, cfg.moe_aux_loss_coeff = mode, COEFF
     parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"), seed=1)
     try:
-        # As llm.cuda_graph builds it; without clipping (megatron's clipped step reads the
+        # As train.cuda_graph builds it; without clipping (megatron's clipped step reads the
         # grad norm on the host) and with the fused AdamW that CUDA runs.
         step = build_train_step(
             cfg, OptimConfig(lr=1e-3, grad_clip=0.0), precision="bf16", device="cpu",
@@ -259,7 +259,7 @@ def test_the_moe_step_has_no_capture_hazards(mode: str) -> None:
     """The MoE step of either setting (for hf: its routers' records, the pooled term and the
     reported metric) reads nothing on the host, makes no data-dependent shape and copies no
     Python data to the device (core's capture_check sees every aten op on CPU), so
-    ``llm.cuda_graph`` can capture it."""
+    ``train.cuda_graph`` can capture it."""
     (found,) = run_multiprocess(_hazards_worker, 1, mode)
     assert found == [], found
 

@@ -50,7 +50,7 @@ def test_the_toy_family_trains_two_steps_through_the_cli(
         "checkpoint.every_steps=0",
         "logging.progress=false",
         "logging.tensorboard=false",
-        "llm.export_hf=false",
+        "export.enabled=false",
         "llm.generate_prompt=null",
     ]
     code = main(["train", "qwen3_tiny", *overrides])

@@ -42,7 +42,7 @@ def _overrides(tiny: tuple[Path, Path, Path], name: str, *extra: str) -> list[st
     """megatron's step (one-pass update and CUDA graph off) unless ``extra`` turns them on."""
     data, tok, root = tiny
     given = {e.split("=")[0] for e in extra}
-    levers = [f"{k}=false" for k in ("llm.one_pass_adamw", "llm.cuda_graph") if k not in given]
+    levers = [f"{k}=false" for k in ("optim.one_pass_adamw", "train.cuda_graph") if k not in given]
     return [*tiny_overrides(data, tok, root / name), "optim.grad_clip=0.0", *levers, *extra]
 
 
@@ -63,7 +63,10 @@ class _Probe:
         device_lr: bool = False,
     ) -> None:
         import longboat.core.train.trainer as core_trainer
-        from longboat.llm.train import lagged_guard, optimizer, step
+        from longboat.core.megatron import optimizer as core_optimizer
+        from longboat.core.megatron.engine import ddp as optimizer
+        from longboat.core.megatron.engine import lagged_gate as lagged_guard
+        from longboat.llm.train import megatron_schedule as step
 
         self.step: int | None = None
         self.calls = 0
@@ -105,8 +108,8 @@ class _Probe:
 
             def reference(opt, *args, **kwargs):
                 assert blocker(opt, *args, **kwargs) is None  # the lagged path would apply
-                for inner in optimizer.inner_optimizers(opt):
-                    lagged_guard._use_fused(inner)
+                for inner in core_optimizer.inner_optimizers(opt):
+                    lagged_guard.use_fused_adamw(inner)
                 if device_lr:  # the LR in an fp32 tensor, as the CUDA-graph step keeps it
                     from longboat.core.megatron.optimizer import capturable_torch_adamw
 
@@ -125,7 +128,7 @@ class _Probe:
             register_optimizer_step_pre_hook(pre_hook)
 
     def weights_and_state(self) -> tuple[list[torch.Tensor], list]:
-        from longboat.llm.train.optimizer import inner_optimizers
+        from longboat.core.megatron.optimizer import inner_optimizers
 
         model, opt = self.built[-1]
         weights = [p.detach().clone() for chunk in model for p in chunk.parameters()]
@@ -216,10 +219,10 @@ def test_lagged_guard_equals_the_synchronous_guard_exactly(tiny) -> None:
 
 @pytest.mark.multiprocess
 def test_one_pass_update_with_clipping_keeps_the_lagged_guard_exactly(tiny) -> None:
-    """llm.one_pass_adamw skips (found_inf) and clips (a device grad norm) on the device, so
+    """optim.one_pass_adamw skips (found_inf) and clips (a device grad norm) on the device, so
     with clipping on the loop still takes the lagged guard: same numbers as the synchronous
     guard over the same one-pass update, bit for bit."""
-    extra = ("train.log_every=4", "llm.one_pass_adamw=true", "optim.grad_clip=0.5")
+    extra = ("train.log_every=4", "optim.one_pass_adamw=true", "optim.grad_clip=0.5")
     sync_run, lagged_run = _overrides(tiny, "op_sync", *extra), _overrides(tiny, "op_lag", *extra)
     (sync,) = run_multiprocess(_run_worker, 1, sync_run, BAD, {"sync": True})
     (lagged,) = run_multiprocess(_run_worker, 1, lagged_run, BAD, {})
@@ -237,14 +240,14 @@ def test_one_pass_update_with_clipping_keeps_the_lagged_guard_exactly(tiny) -> N
 
 @pytest.mark.multiprocess
 def test_cuda_graph_step_equals_the_synchronous_guard_exactly(tiny) -> None:
-    """llm.cuda_graph: the step that is captured on a GPU (run eagerly here: the CPU has no
+    """train.cuda_graph: the step that is captured on a GPU (run eagerly here: the CPU has no
     CUDA graphs) skips on the device and takes its LR from a device table indexed by the
     updates taken. The reference is the synchronous guard with the same fused AdamW reading
     its LR from an fp32 tensor (the table's precision): the same numbers bit for bit (losses,
     log lines, counters, weights, optimizer state, every applied update's LR)."""
     one_micro = ("train.log_every=4", "train.global_batch_size=2")
     sync_run = _overrides(tiny, "g_sync", *one_micro)
-    graph_run = _overrides(tiny, "g_graph", *one_micro, "llm.cuda_graph=true")
+    graph_run = _overrides(tiny, "g_graph", *one_micro, "train.cuda_graph=true")
     (sync,) = run_multiprocess(_run_worker, 1, sync_run, BAD, {"sync": True, "device_lr": True})
     (graph,) = run_multiprocess(_run_worker, 1, graph_run, BAD, {})
     assert [skip for _, skip in graph["updates"]] == [float(s in BAD) for s in range(10)]
@@ -359,7 +362,7 @@ def _fake_optimizer(inner: torch.optim.Optimizer, clip: float = 0.0, scaler=None
 
 
 def test_lagged_guard_blocker_names_why_the_guard_stays_synchronous() -> None:
-    from longboat.llm.train.lagged_guard import lagged_guard_blocker
+    from longboat.core.megatron.engine.lagged_gate import lagged_guard_blocker
 
     on, off = SimpleNamespace(enabled=True), SimpleNamespace(enabled=False)
     p = torch.nn.Parameter(torch.zeros(3))
@@ -369,7 +372,7 @@ def test_lagged_guard_blocker_names_why_the_guard_stays_synchronous() -> None:
         "train.nan_guard.enabled=false": lagged_guard_blocker(_fake_optimizer(adamw), off),
         "optim.grad_clip > 0": lagged_guard_blocker(_fake_optimizer(adamw, clip=1.0), on),
         "fp16 loss scaling": lagged_guard_blocker(_fake_optimizer(adamw, scaler=object()), on),
-        "llm.one_pass_adamw cannot": lagged_guard_blocker(
+        "optim.one_pass_adamw cannot": lagged_guard_blocker(
             _fake_optimizer(adamw), on, one_pass=SimpleNamespace(handles=lambda: False)
         ),
         "optim.fused=false": lagged_guard_blocker(_fake_optimizer(adamw), on, fused=False),
@@ -388,7 +391,7 @@ def test_fused_adamw_skips_on_found_inf_and_foreach_refuses_it() -> None:
     """What the lagged path relies on, in the installed torch: fused AdamW (CPU here) leaves
     weights, moments and step count untouched when ``found_inf`` is 1 and updates when it is
     0; the foreach implementation refuses ``found_inf`` (so the path switches to fused)."""
-    from longboat.llm.train.lagged_guard import _use_fused
+    from longboat.core.megatron.engine.lagged_gate import use_fused_adamw as _use_fused
 
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(8))

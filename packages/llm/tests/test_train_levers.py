@@ -146,8 +146,8 @@ def test_rope_rotation_in_bf16_is_at_least_as_accurate_as_megatrons() -> None:
 
 def _flce_worker(rank: int, world: int) -> dict[str, float]:
     from longboat.core.config.schema import OptimConfig
-    from longboat.llm.train.step import forward_backward
-    from longboat.llm.train.train_step import build_train_step
+    from longboat.llm.train.lm_step import build_train_step
+    from longboat.llm.train.megatron_schedule import forward_backward
 
     ps = _init()
     try:
@@ -225,7 +225,7 @@ def test_fused_ce_is_off_where_the_vocab_or_tokens_are_split() -> None:
 def _step_worker(rank: int, world: int, clip: float) -> dict[str, object]:
     from longboat.core.config.schema import OptimConfig
     from longboat.core.megatron import optimizer as core_opt
-    from longboat.llm.train.train_step import build_train_step
+    from longboat.llm.train.lm_step import build_train_step
 
     ps = _init()
     try:
@@ -251,7 +251,7 @@ def _step_worker(rank: int, world: int, clip: float) -> dict[str, object]:
             if sync_free:
                 losses = [ts.step(tokens, labels) for _ in range(2)]
             else:  # the loop's pieces with megatron's plain step()
-                from longboat.llm.train.step import forward_backward
+                from longboat.llm.train.megatron_schedule import forward_backward
 
                 losses = []
                 for _ in range(2):
@@ -404,8 +404,8 @@ def _single_pass_worker(rank: int, world: int) -> dict[str, object]:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from longboat.core.config.schema import OptimConfig
-    from longboat.llm.train.step import forward_backward
-    from longboat.llm.train.train_step import build_train_step
+    from longboat.llm.train.lm_step import build_train_step
+    from longboat.llm.train.megatron_schedule import forward_backward
 
     ps = _init()
     try:
@@ -465,10 +465,10 @@ def _fp32_buffer_fusion_worker(rank: int, world: int) -> dict[str, float]:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from longboat.core.config.schema import OptimConfig
+    from longboat.core.megatron.engine.ddp import wrap_and_build
     from longboat.core.megatron.wgrad_fusion import install_wgrad_fusion
     from longboat.llm.build import build_model
-    from longboat.llm.train.optimizer import wrap_and_build
-    from longboat.llm.train.step import forward_backward
+    from longboat.llm.train.megatron_schedule import forward_backward
 
     ps = _init()
     try:
@@ -531,7 +531,7 @@ def _fp32_residual_worker(rank: int, world: int) -> dict[str, float]:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from longboat.core.config.schema import OptimConfig
-    from longboat.llm.train.train_step import build_train_step
+    from longboat.llm.train.lm_step import build_train_step
 
     ps = _init()
     try:
@@ -568,7 +568,7 @@ def _exact_main_worker(rank: int, world: int) -> dict[str, float]:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from longboat.core.config.schema import OptimConfig
-    from longboat.llm.train.train_step import build_train_step
+    from longboat.llm.train.lm_step import build_train_step
 
     def value(name: str, n: int) -> torch.Tensor:
         """fp32 values off the bf16 grid, a function of the parameter's name only."""
@@ -630,7 +630,7 @@ def test_exact_main_weights_only_for_fp32_checkpoints_in_mixed_precision(
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    from longboat.llm.train.train_step import wants_exact_main_weights
+    from longboat.llm.train.lm_step import wants_exact_main_weights
 
     fp32_dir = hf_dirs["llama3"]  # saved from an fp32 model
     assert wants_exact_main_weights(fp32_dir, "bf16", lora=False)
@@ -649,7 +649,7 @@ def _graph_ready_worker(rank: int, world: int) -> dict[str, object]:
 
     from longboat.core import device as core_device
     from longboat.core.config.schema import OptimConfig
-    from longboat.llm.train.train_step import build_train_step
+    from longboat.llm.train.lm_step import build_train_step
 
     real_acc = core_device.get_accelerator()
     inside = {"depth": 0, "ddp_on_side_stream": [], "streams": 0}
@@ -730,7 +730,7 @@ def _grad_buffer_worker(rank: int, world: int) -> dict[str, object]:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from longboat.core.config.schema import OptimConfig
-    from longboat.llm.train.train_step import build_train_step
+    from longboat.llm.train.lm_step import build_train_step
 
     ps = _init()
     try:
@@ -774,10 +774,13 @@ def _one_pass_worker(rank: int, world: int, clip: float = 0.0) -> dict[str, obje
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from longboat.core.config.schema import OptimConfig
-    from longboat.core.megatron.optimizer import optimizer_step
-    from longboat.llm.train.optimizer import MegatronOptimizerState, inner_optimizers
-    from longboat.llm.train.step import forward_backward
-    from longboat.llm.train.train_step import build_train_step
+    from longboat.core.megatron.optimizer import (
+        MegatronOptimizerState,
+        inner_optimizers,
+        optimizer_step,
+    )
+    from longboat.llm.train.lm_step import build_train_step
+    from longboat.llm.train.megatron_schedule import forward_backward
 
     ps = _init()
     try:
@@ -912,7 +915,7 @@ def _cuda_levers_worker(rank: int, world: int) -> dict[str, object]:
     from longboat.core.config.schema import OptimConfig, ParallelConfig
     from longboat.core.device import get_accelerator
     from longboat.core.megatron import parallel_state
-    from longboat.llm.train.train_step import build_train_step
+    from longboat.llm.train.lm_step import build_train_step
 
     torch.cuda.set_device(0)
     acc = get_accelerator("cuda")
@@ -965,9 +968,9 @@ def _hazards_worker(rank: int, world: int, variant: dict) -> list[tuple[str, str
 
     from longboat.core.config.schema import OptimConfig
     from longboat.core.loop.capture_check import capture_hazards
-    from longboat.llm.train.lagged_guard import _use_fused
-    from longboat.llm.train.optimizer import inner_optimizers
-    from longboat.llm.train.train_step import build_train_step
+    from longboat.core.megatron.engine.lagged_gate import use_fused_adamw as _use_fused
+    from longboat.core.megatron.optimizer import inner_optimizers
+    from longboat.llm.train.lm_step import build_train_step
 
     ps = _init()
     try:
@@ -1006,7 +1009,7 @@ def test_the_graphed_llm_step_has_no_capture_hazards() -> None:
 
 def _weight_decay_worker(rank: int, world: int) -> list[tuple[int, float]]:
     from longboat.core.config.schema import OptimConfig
-    from longboat.llm.train.train_step import build_train_step
+    from longboat.llm.train.lm_step import build_train_step
 
     ps = _init()
     try:

@@ -144,7 +144,7 @@ def _counting_one_pass_worker(
     rank: int, world: int, overrides: list[str]
 ) -> tuple[list[float], list, int]:
     """``_train_metrics_worker`` that also counts the updates the one-pass path took."""
-    from longboat.llm.train import one_pass_adamw
+    from longboat.core.megatron.engine import one_pass_adamw
 
     taken = []
     original = one_pass_adamw.OnePassAdamW.step
@@ -161,17 +161,17 @@ def _counting_one_pass_worker(
 
 @pytest.mark.multiprocess
 def test_one_pass_adamw_keeps_the_losses(tiny: tuple[Path, Path, Path, str]) -> None:
-    """llm.one_pass_adamw: the same update as megatron's step, so the same curve within bf16
+    """optim.one_pass_adamw: the same update as megatron's step, so the same curve within bf16
     noise (measured 1.5e-4), without and with gradient clipping (clipped on the device); the
     logged grad norm is megatron's norm of the same grads."""
     data, tok, root, init = tiny
     base = [init, "llm.cpu_precision=bf16"]
     runs = {}
     for name, extra in {
-        "megatron": ["optim.grad_clip=0.0", "llm.one_pass_adamw=false"],
-        "one_pass": ["optim.grad_clip=0.0", "llm.one_pass_adamw=true"],
-        "megatron_clipped": ["optim.grad_clip=0.5", "llm.one_pass_adamw=false"],
-        "one_pass_clipped": ["optim.grad_clip=0.5", "llm.one_pass_adamw=true"],
+        "megatron": ["optim.grad_clip=0.0", "optim.one_pass_adamw=false"],
+        "one_pass": ["optim.grad_clip=0.0", "optim.one_pass_adamw=true"],
+        "megatron_clipped": ["optim.grad_clip=0.5", "optim.one_pass_adamw=false"],
+        "one_pass_clipped": ["optim.grad_clip=0.5", "optim.one_pass_adamw=true"],
     }.items():
         overrides = [*tiny_overrides(data, tok, root / f"onepass_{name}"), *base, *extra]
         (runs[name],) = run_multiprocess(_counting_one_pass_worker, 1, overrides)

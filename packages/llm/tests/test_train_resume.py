@@ -168,7 +168,7 @@ def test_resume_with_new_steps_and_lr_follows_the_new_schedule(tmp_path: Path) -
     # megatron's step, whose inner AdamW.step() the worker's hook sees (the one-pass update
     # reads the same param-group LR without calling it).
     base = [*tiny_overrides(data, tok, tmp_path / "run", steps=6), "checkpoint.resume=auto",
-            "checkpoint.save_on_exit=true", "llm.one_pass_adamw=false"]  # fmt: skip
+            "checkpoint.save_on_exit=true", "optim.one_pass_adamw=false"]  # fmt: skip
     start, first, _ = run_multiprocess(_lr_worker, 1, base)[0]
     assert start == 0 and len(first) == 6
     new = ["train.steps=10", "optim.lr=0.02", "optim.schedule.min_lr_ratio=0.5"]

@@ -164,7 +164,7 @@ def test_grouped_experts_equal_sequential_mlp() -> None:
     assert out["types"] == ("GroupedMoELayer", "GroupedExperts", "DeviceCountsDispatcher")
     assert out["sequential_experts"] == "SequentialMLP"
     assert out["init_equal"]
-    # What llm.cuda_graph's blocker reads: only the per-expert loop waits for the host.
+    # What the train.cuda_graph blocker reads: only the per-expert loop waits for the host.
     grouped_sync, sequential_sync, looped_sync = out["host_sync"]
     assert grouped_sync is None
     assert sequential_sync is not None and "model.moe_experts=sequential" in sequential_sync

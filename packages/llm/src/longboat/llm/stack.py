@@ -37,6 +37,7 @@ STACK = Stack(
         "llm.export_dir": "export.dir",
         "llm.export_adapter_dir": "export.adapter_dir",
         "llm.cuda_graph": "train.cuda_graph",
+        "llm.one_pass_adamw": "optim.one_pass_adamw",
     },
     examples=(
         "longboat-llm train experiment=quickstart                       # tiny LLM, end to end on CPU",

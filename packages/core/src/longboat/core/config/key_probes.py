@@ -69,6 +69,8 @@ def key_probes(tmp: Path | str) -> list[KeyProbe]:
             "train.recompute_components=[vision]",
         ),
         probe("train.compile", "train.compile=true"),
+        probe("train.cuda_graph", "train.cuda_graph=false"),
+        probe("train.cuda_graph", "train.cuda_graph=true"),
         probe("train.precision", "train.precision=fp32"),
         probe("train.precision", "train.precision=bf16"),
         probe("train.precision", "train.precision=fp16"),

@@ -115,6 +115,15 @@ class OptimConfig:
     """Max global grad norm (0 disables clipping)."""
     fused: bool = True
     """Use the fused optimizer implementation where the device has one."""
+    one_pass_adamw: bool = True
+    """Megatron stacks: the AdamW update as one kernel pass per parameter shard
+    (``longboat.core.megatron.engine.one_pass_adamw``): grads read from the grad buffer,
+    main weights and moments updated in place, gradient clipping on the device, the bf16
+    weight written into the param buffer (no fp32 grad copy, no separate main-to-model copy,
+    no host read of the grad norm). Same update rule and checkpoint state as megatron's step.
+    Where it cannot apply (another optimizer than AdamW, megatron-FSDP, a quantized param
+    gather) the run takes megatron's step and says why; steps with fp16 loss scaling, or
+    clipping over expert-parallel parts, take megatron's step."""
     schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     """The LR schedule."""
 
@@ -174,6 +183,14 @@ class TrainConfig:
     with none."""
     compile: bool = False
     """torch.compile the model where the stack supports it (refused where it does not)."""
+    cuda_graph: bool | None = None
+    """Replay each training step (forward, backward, update) as one CUDA graph, captured
+    after 3 eager steps: the launch overhead of thousands of small kernels goes away. null
+    (the default): on where it applies (an accelerator with CUDA graphs and a step that can
+    be captured: the stack's conditions, e.g. one microbatch a step, no pipeline parallelism,
+    no host read in the update), else eager steps and one line saying why; true: on (an
+    error where the step cannot be captured, except on an accelerator without CUDA graphs,
+    where the same step runs eagerly, logged); false: eager steps."""
     nan_guard: NaNGuardConfig = field(default_factory=NaNGuardConfig)
     """Non-finite loss handling."""
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)

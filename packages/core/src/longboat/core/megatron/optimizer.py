@@ -19,18 +19,26 @@ def wrap_ddp(
     distributed_optimizer: bool = False,
     overlap_grad_reduce: bool = False,
     grad_reduce_in_fp32: bool = True,
+    side_stream: bool = False,
 ) -> list[torch.nn.Module]:
     """Wrap each model chunk in megatron's ``DistributedDataParallel`` (fp32 grad buffers;
     ``grad_reduce_in_fp32=False``: in the parameters' dtype, where
-    ``wgrad_fusion.single_pass_grads`` says that holds the same values)."""
+    ``wgrad_fusion.single_pass_grads`` says that holds the same values). ``side_stream``:
+    constructed under a side stream, as a step captured as a CUDA graph needs
+    (``engine.ddp.construction_stream``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from longboat.core.megatron.engine.ddp import construction_stream
 
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32,
         overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=distributed_optimizer,
     )
-    return [DistributedDataParallel(config=c.config, ddp_config=ddp_cfg, module=c) for c in chunks]
+    with construction_stream(side_stream):
+        return [
+            DistributedDataParallel(config=c.config, ddp_config=ddp_cfg, module=c) for c in chunks
+        ]
 
 
 def release_ddp(modules: Iterable[torch.nn.Module]) -> None:

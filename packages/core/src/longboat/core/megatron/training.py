@@ -6,6 +6,8 @@ joins torchrun's process group or makes a one-rank one (megatron needs groups), 
 the stack's ``_build``; a failure there tears down what was set up. ``init_layout`` builds
 megatron's parallel state; ``close`` undoes all of it and releases the DDP-wrapped modules
 the stack put in ``ddp_modules`` (``optimizer.release_ddp``: otherwise they outlive the run).
+``engine_gate`` is the update gate of the stack's step (a ``MegatronStepEngine`` in
+``step_fn``: CUDA-graph step, lagged or synchronous NaN gate, by the engine's rules).
 ``rank_view`` names a rank's shard of a model-parallel model by its coordinates for
 checkpoints.
 """
@@ -60,6 +62,22 @@ class MegatronTraining(Training):
         self.layout = mparallel.initialize(parallel, self.accelerator, seed=seed)
         self._layout_up = True
         return self.layout
+
+    def engine_gate(self, guard: Any, schedule: Any, *, microbatches: int) -> Any:
+        """The gate ``step_fn`` (a ``MegatronStepEngine``) picks for this run from
+        ``train.cuda_graph``, ``optim.*`` and the NaN guard (called after the resume);
+        ``microbatches``: this rank's microbatches a step."""
+        cfg = self.cfg
+        return self.step_fn.make_gate(
+            guard,
+            schedule,
+            self.accelerator,
+            cuda_graph=cfg.train.cuda_graph,
+            microbatches=microbatches,
+            pipeline_parallel=cfg.parallel.pipeline_parallel,
+            optim=cfg.optim,
+            total_steps=cfg.train.steps,
+        )
 
     def close(self) -> None:
         from longboat.core.megatron.optimizer import release_ddp

@@ -28,6 +28,7 @@ __all__ = [
     "WEIGHTINGS",
     "FlowMatchingConfig",
     "ModelFn",
+    "draw_noise",
     "flow_matching_loss",
     "timestep_weights",
 ]
@@ -123,6 +124,15 @@ def _noise_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
     return to_device(noise, x.device, x.dtype)
 
 
+def draw_noise(
+    x0: torch.Tensor, config: FlowMatchingConfig, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(sigmas, noise)`` ``flow_matching_loss`` draws for a padded batch ``x0`` from
+    ``generator`` (the same draws in the same order), on ``x0``'s device: its ``drawn``."""
+    sigmas = draw_sigmas(x0.shape[0], config, generator, device=x0.device)
+    return sigmas, _noise_like(x0, generator)
+
+
 def _expand(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return v.reshape(-1, *([1] * (like.dim() - 1))).to(like.dtype)
 
@@ -150,13 +160,16 @@ def flow_matching_loss(
     generator: torch.Generator | None = None,
     latent_mask: torch.Tensor | None = None,
     model_kwargs: dict[str, Any] | None = None,
+    drawn: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One flow-matching loss of ``model_fn`` on clean latents ``x0``.
 
     ``x0``: ``[B, C, T, H, W]`` (padded, with ``latent_mask [B, T, H, W]`` True on real
     positions) or a list of ``[C, T_i, H_i, W_i]`` (packed: each sample its own shape).
     ``text_embeds`` ``[B, L, D]`` / ``text_mask`` ``[B, L]`` go to the model unchanged, as do
-    ``model_kwargs``. Returns ``(loss, aux)``: the scalar weighted loss (float32) and, detached,
+    ``model_kwargs``. ``drawn``: the ``(sigmas, noise)`` of a padded batch drawn beforehand
+    (``draw_noise``: the same draws; a CUDA-graph-captured step reads them as inputs) instead
+    of drawing from ``generator``. Returns ``(loss, aux)``: the scalar weighted loss (float32) and, detached,
     ``sigmas``, ``timesteps``, ``weights`` and the unweighted ``sample_loss`` ``[B]``.
     """
     config.validate()
@@ -172,7 +185,12 @@ def flow_matching_loss(
             f"{tuple(text_mask.shape)}: give one text per sample"
         )
     first = x0[0]
-    sigmas = draw_sigmas(batch, config, generator, device=first.device)
+    if drawn is not None and packed:
+        raise ValueError("drawn noise is for padded batches; packed samples draw their own")
+    if drawn is not None:
+        sigmas, noise = drawn
+    else:
+        sigmas = draw_sigmas(batch, config, generator, device=first.device)
     timesteps = sigmas * config.num_train_timesteps
     if packed:
         noise = [_noise_like(x, generator) for x in x0]
@@ -181,7 +199,8 @@ def flow_matching_loss(
         ]
         target = [n - x for x, n in zip(x0, noise, strict=True)]
     else:
-        noise = _noise_like(x0, generator)
+        if drawn is None:
+            noise = _noise_like(x0, generator)
         s = _expand(sigmas, x0)
         x_t = (1 - s) * x0 + s * noise
         target = noise - x0

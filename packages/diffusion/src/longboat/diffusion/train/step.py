@@ -16,6 +16,10 @@ each of its micro-batches and one optimizer update:
 - **Context parallelism**: every rank of a context-parallel group computes the same loss from
   the same full outputs, but holds only its tokens' share of the gradients; megatron's DDP
   averages over data x context parallel ranks, so the backward runs on ``loss * cp``.
+
+``DiffusionTrainStep`` is a core ``MegatronStepEngine``: it gives the engine its optimizer and
+the step's forward + loss + backward; the engine owns the update, the NaN gate (lagged where
+the update can skip on the device) and the CUDA-graph step.
 """
 
 from __future__ import annotations
@@ -26,7 +30,12 @@ import torch
 import torch.distributed as dist
 
 from longboat.core.device.transfer import to_device
-from longboat.diffusion.objective.flow_matching import FlowMatchingConfig, flow_matching_loss
+from longboat.core.megatron.engine import MegatronStepEngine
+from longboat.diffusion.objective.flow_matching import (
+    FlowMatchingConfig,
+    draw_noise,
+    flow_matching_loss,
+)
 from longboat.diffusion.train.data import noise_seed
 
 __all__ = ["DiffusionTrainStep"]
@@ -53,8 +62,8 @@ def _on_device(batch: dict[str, Any], device: torch.device) -> tuple[Any, ...]:
     return tuple(to_device(v, device) for v in model_inputs(batch))
 
 
-class DiffusionTrainStep:
-    """Forward / backward over a step's micro-batches, then the optimizer's update."""
+class DiffusionTrainStep(MegatronStepEngine):
+    """Forward / backward over a step's micro-batches; the engine's update and gate."""
 
     def __init__(
         self,
@@ -66,6 +75,7 @@ class DiffusionTrainStep:
         seed: int,
         device: torch.device,
         microbatches: int = 1,
+        cuda_graph: bool = False,
     ) -> None:
         from megatron.core import parallel_state as mps
 
@@ -83,8 +93,12 @@ class DiffusionTrainStep:
             context_parallel=mps.get_context_parallel_world_size(),
         )
         (self.ddp,) = wrap_ddp(
-            [model], distributed_optimizer=True, grad_reduce_in_fp32=not self.single_pass_grads
+            [model],
+            distributed_optimizer=True,
+            grad_reduce_in_fp32=not self.single_pass_grads,
+            side_stream=cuda_graph,
         )
+        self.graph_ready = cuda_graph
         self.optimizer = build_optimizer(
             [self.ddp], optim, precision=precision, distributed_optimizer=True
         )
@@ -136,12 +150,43 @@ class DiffusionTrainStep:
         self.ddp.finish_grad_sync()
         return self._all_reduce(total) / count
 
-    def update(self) -> Any:
-        """The optimizer step; returns the grad norm when the step computed one."""
-        from longboat.core.megatron.optimizer import optimizer_step
+    def loss_and_grads(self, step: int, microbatches: list[dict[str, Any]]) -> torch.Tensor:
+        return self.forward_backward(step, microbatches)  # the noise is the step's
 
-        _, norm = optimizer_step(self.optimizer)
-        return norm
+    def graph_inputs(self, step: int, microbatches: list[dict[str, Any]]) -> dict[str, Any]:
+        """The captured step's inputs: the one micro-batch on the device and its noise levels
+        and noise, drawn on the host from the step's generator (the eager step's draws)."""
+        (mb,) = microbatches
+        x0, text, text_mask, latent_mask = _on_device(mb, self.device)
+        sigmas, noise = draw_noise(x0, self.objective, self.generator(step, 0))
+        out = {"x0": x0, "text": text, "text_mask": text_mask, "sigmas": sigmas, "noise": noise}
+        if latent_mask is not None:
+            out["latent_mask"] = latent_mask
+        return out
+
+    def graph_forward_backward(self, inputs: dict[str, Any]) -> torch.Tensor:
+        """``forward_backward`` of one micro-batch from ``graph_inputs`` (no host value that
+        changes between steps: every rank's micro-batch holds ``micro_batch_size`` samples)."""
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        x0 = inputs["x0"]
+        count = float(x0.shape[0] * self.dp)
+        loss, _ = flow_matching_loss(
+            self.ddp,
+            x0,
+            inputs["text"],
+            inputs["text_mask"],
+            config=self.objective,
+            latent_mask=inputs.get("latent_mask"),
+            drawn=(inputs["sigmas"], inputs["noise"]),
+        )
+        summed = loss * x0.shape[0]
+        (summed * ((self.dp * self.cp) / count)).backward()
+        self.ddp.finish_grad_sync()
+        return self._all_reduce(summed.detach()) / count
+
+    def graph_modules(self) -> Any:
+        return self.model.modules()
 
     @torch.no_grad()
     def held_out(

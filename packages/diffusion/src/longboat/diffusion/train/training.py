@@ -70,6 +70,7 @@ class DiffusionTraining(MegatronTraining):
         from longboat.core.rng import seed_everything
         from longboat.diffusion.train.data import open_run_data
         from longboat.diffusion.train.step import DiffusionTrainStep
+        from longboat.kernels import adamw_master_step_
 
         cfg = self.cfg
         self.family = model_family(cfg.model)
@@ -102,7 +103,11 @@ class DiffusionTraining(MegatronTraining):
             seed=cfg.train.seed,
             device=self.device,
             microbatches=self.accumulation,
+            cuda_graph=cfg.train.cuda_graph is not False,
         )
+        self.step_fn.static_shapes_blocker = self._graph_shapes_blocker()
+        one_pass = "auto" if cfg.optim.one_pass_adamw else False
+        self.step_fn.use_one_pass(one_pass, adamw_master_step_)
         self.ddp_modules = [self.step_fn.ddp]
         self.exact_main_weights = 0
         """Main weights started from the checkpoint's fp32 values (not its bf16 rounding)."""
@@ -111,6 +116,23 @@ class DiffusionTraining(MegatronTraining):
 
             self.exact_main_weights = start_main_weights(self.step_fn.optimizer, model, exact)
             exact.clear()
+
+    def _graph_shapes_blocker(self) -> str | None:
+        """Why the training batches change shape between steps, if they do (``train.cuda_graph``
+        replays one set of shapes)."""
+        train = self.data.train
+        if train.packed:
+            return "packed batches (each step's latent shapes differ)"
+        shapes = {tuple(int(v) for v in s) for s in train.dataset.shapes.tolist()}
+        if len(shapes) > 1:
+            return f"{len(shapes)} latent shapes (a graph replays one: data with one shape)"
+        mbs = self.cfg.train.micro_batch_size
+        if not self.cfg.data.drop_last and len(train.dataset) % (mbs * self.dp):
+            return (
+                f"an epoch's last micro-batch holds fewer than {mbs} samples "
+                "(set data.drop_last=true)"
+            )
+        return None
 
     def _samples_per_step(self) -> int:
         """Samples of a step (packed batches: the mean samples per pack times the packs)."""
@@ -139,12 +161,11 @@ class DiffusionTraining(MegatronTraining):
     def batches(self, start_step: int) -> Iterator[list[dict[str, Any]]]:
         return self.data.micro_batches(start_step)
 
+    def make_gate(self, guard: Any, schedule: Any) -> UpdateGate:
+        return self.engine_gate(guard, schedule, microbatches=self.accumulation)
+
     def step(self, step: int, batch: list[dict[str, Any]], gate: UpdateGate) -> StepOutput:
-        loss = self.step_fn.forward_backward(step, batch)
-        norm = None
-        if gate.allow(step, loss):
-            norm = self.step_fn.update()
-        return StepOutput(loss=loss, grad_norm=norm)
+        return self.step_fn.run_step(step, batch, gate)
 
     def evaluate(self) -> dict[str, float]:
         data = self.data
@@ -197,6 +218,7 @@ class DiffusionTraining(MegatronTraining):
             f"Objective: flow matching, shift {cfg.objective.shift:g}, "
             f"{cfg.objective.timestep_sampling} timesteps, {cfg.objective.weighting} weighting.",
         ]
+        lines += self.step_fn.notices()  # levers that cannot apply, and what runs instead
         if self.data.held_out is not None:
             sig = ", ".join(f"{float(s):g}" for s in cfg.diffusion.eval_sigmas)
             lines.append(

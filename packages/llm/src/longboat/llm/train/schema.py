@@ -109,23 +109,6 @@ class LLMRunConfig:
     (``longboat.core.megatron.wgrad_fusion``; no per-parameter add pass). With one microbatch per
     step and DP / CP / PP 1 the buffer is bf16 (same gradient values, half the memory),
     otherwise fp32 (the GEMM accumulates its fp32 product). Off with ``train.compile``."""
-    cuda_graph: bool = True
-    """Replay each training step (forward, backward, update) as one CUDA graph, captured after
-    3 eager steps: the launch overhead of thousands of small kernels goes away. Applies with
-    one microbatch per step, no pipeline parallelism and no host read in the update (gradient
-    clipping through ``llm.one_pass_adamw``, which clips on the device); the NaN guard then
-    skips on the device and the LR comes from a device table. Where it cannot apply (the
-    accelerator has no CUDA graphs, several microbatches a step, a host sync found in the
-    step during the warm-up) the steps run eagerly and the run says why in one line."""
-    one_pass_adamw: bool = True
-    """The optimizer update as one kernel pass per parameter shard
-    (``longboat.llm.train.one_pass_adamw``): grads read from the grad buffer, main weights and
-    moments updated in place, gradient clipping on the device, the bf16 weight written into
-    the param buffer (no fp32 grad copy, no separate main-to-model copy, no host read of the
-    grad norm). Same update rule and checkpoint state as megatron's step. Where it cannot
-    apply (another optimizer than AdamW, megatron-FSDP, a quantized param gather) the run
-    takes megatron's step and says why; steps with fp16 loss scaling, or clipping over
-    expert-parallel parts, take megatron's step."""
 
 
 @dataclass

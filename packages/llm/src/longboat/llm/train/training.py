@@ -5,15 +5,14 @@ benchmarks alike: checks of the config (core validated every key before), the pr
 (a one-rank group when not launched by torchrun: megatron needs one), the data (the
 quickstart prepares its own), megatron's parallel state, then ``build_train_step`` (model,
 initial HF weights, LoRA, megatron DDP + distributed optimizer, the update) and the step's
-levers from the config (``llm.one_pass_adamw``, ``llm.cuda_graph``, ``train.compile``,
+levers from the config (``optim.one_pass_adamw``, ``train.cuda_graph``, ``train.compile``,
 ``llm.fused_linear_ce``, ``llm.wgrad_fusion``). ``longboat.core.train.Trainer`` runs the loop.
 
 A step reads nothing on the host where it can: the microbatches go to the device through
-pinned memory without waiting, the loss is read at log lines, and the NaN guard's skip is
-decided on the device with its host side one step late (``train.lagged_guard``), except
-where megatron's step reads on the host anyway (gradient clipping, fp16 loss scaling) or
-the update cannot skip on the device (``lagged_guard_blocker``): there the guard reads the
-loss every step before the update (the synchronous gate).
+pinned memory without waiting, the loss is read at log lines, and the step, its update and
+its NaN gate are core's megatron step engine's (``core.megatron.engine``: the CUDA-graph
+step, else the skip decided on the device with its host side one step late, else the
+synchronous gate where megatron's step reads on the host anyway).
 """
 
 from __future__ import annotations
@@ -122,11 +121,10 @@ class LLMTraining(MegatronTraining):
         seed_everything(cfg.train.seed, self.accelerator)
         self.step_fn = self._build_step()
         self.ddp_modules = list(self.step_fn.model)
-        self.graphed: Any = None
 
     def _build_step(self) -> Any:
         from longboat.llm.hf_checkpoint import load_hf
-        from longboat.llm.train.train_step import build_train_step, wants_exact_main_weights
+        from longboat.llm.train.lm_step import build_train_step, wants_exact_main_weights
 
         cfg, init = self.cfg, self.cfg.model.init_from
         lora = cfg.lora if cfg.lora.enabled else None
@@ -144,15 +142,15 @@ class LLMTraining(MegatronTraining):
             and wants_exact_main_weights(init, self.precision, lora is not None),
             lora=lora,
             seed=cfg.train.seed,
-            cuda_graph=cfg.llm.cuda_graph,
-            one_pass_adamw="auto" if cfg.llm.one_pass_adamw else False,
+            cuda_graph=cfg.train.cuda_graph is not False,
+            one_pass_adamw="auto" if cfg.optim.one_pass_adamw else False,
             **recompute_settings(cfg.train.recompute, cfg.train.recompute_layers),
         )
 
     # --- what the trainer needs ----------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        from longboat.llm.train.optimizer import MegatronOptimizerState
+        from longboat.core.megatron.optimizer import MegatronOptimizerState
 
         return {
             "model": self._checkpoint_module(),
@@ -160,7 +158,7 @@ class LLMTraining(MegatronTraining):
         }
 
     def optimizers(self) -> list[Any]:
-        from longboat.llm.train.optimizer import inner_optimizers
+        from longboat.core.megatron.optimizer import inner_optimizers
 
         return inner_optimizers(self.step_fn.optimizer)
 
@@ -176,69 +174,20 @@ class LLMTraining(MegatronTraining):
             ]
 
     def make_gate(self, guard: Any, schedule: Any) -> UpdateGate:
-        from longboat.llm.train import lagged_guard
-        from longboat.llm.train.graph_step import GraphedTrainStep, graph_blocker
+        return self.engine_gate(guard, schedule, microbatches=self.plan.layout.accum)
 
-        cfg, step_fn = self.cfg, self.step_fn
-        self.graph_notice = None
-        if cfg.llm.cuda_graph:
-            why = graph_blocker(cfg, self.plan.layout.accum, step_fn)
-            if why is None:
-                self.graphed = GraphedTrainStep(
-                    step_fn,
-                    schedule,
-                    self.accelerator,
-                    total_steps=cfg.train.steps,
-                    skip_non_finite=guard.cfg.enabled,
-                )
-                return self.graphed.gate(guard, schedule, self.accelerator)
-            self.graph_notice = f"llm.cuda_graph: eager steps ({why})."
-        # After the resume: it switches the param groups it loaded to fused AdamW.
-        why_sync = lagged_guard.lagged_guard_blocker(
-            step_fn.optimizer, guard.cfg, one_pass=step_fn.one_pass, fused=cfg.optim.fused
-        )
-        if why_sync is None:
-            return lagged_guard.LaggedLossGuard(
-                guard,
-                schedule,
-                step_fn.optimizer,
-                self.accelerator,
-                one_pass=step_fn.one_pass is not None,
-            )
-        return UpdateGate(guard, schedule, why_sync=why_sync)
+    @property
+    def graphed(self) -> Any:
+        """The engine's CUDA-graph step when the run took it (``train.cuda_graph``), else None."""
+        return self.step_fn.graph_step
 
     def step(self, step: int, batch: list[dict[str, Any]], gate: UpdateGate) -> StepOutput:
         micro = [batch_to_device(b, self.device) for b in batch]
-        if self.graphed is not None:
-            out = self.graphed(micro[0])
-            gate.allow(step, out["loss"])
-            return StepOutput(
-                loss=out["loss"],
-                grad_norm=self._norm_reader(gate, out.get("grad_norm")),
-                metrics={k: v for k, v in out.items() if k not in ("loss", "grad_norm")},
-            )
-        loss = self.step_fn.forward_backward(micro)
-        norm = None
-        if gate.allow(step, loss):
-            norm = self.step_fn.update(found_inf=getattr(gate, "found_inf", None))
-        return StepOutput(
-            loss=loss, grad_norm=self._norm_reader(gate, norm), metrics=dict(self.step_fn.metrics)
-        )
-
-    def _norm_reader(self, gate: UpdateGate, norm: Any) -> Callable[[], Any]:
-        """The step's grad norm, read only on log lines (after the gate is flushed): None for
-        a skipped step, else the norm the update computed or one reduction."""
-
-        def read() -> Any:
-            if gate.last is not None and not gate.last.stepped:
-                return None
-            return norm if norm is not None else self.step_fn.grad_norm()
-
-        return read
+        return self.step_fn.run_step(step, micro, gate)
 
     def evaluate(self) -> dict[str, float]:
         from longboat.llm.train.data import microbatch, row_plan
-        from longboat.llm.train.step import evaluate
+        from longboat.llm.train.megatron_schedule import evaluate
 
         if self.eval_rows is None:
             return {}
@@ -288,10 +237,7 @@ class LLMTraining(MegatronTraining):
             f"of {rows.seq_len} tokens ({rows.fill:.0%} filled); global batch {s.global_batch} = "
             f"{s.accum} microbatch(es) x {s.micro_batch} x dp {s.dp_size}."
         ]
-        if self.step_fn.one_pass_blocker:
-            lines.append(f"llm.one_pass_adamw: megatron's step ({self.step_fn.one_pass_blocker}).")
-        if self.graph_notice:
-            lines.append(self.graph_notice)
+        lines += self.step_fn.notices()  # levers that cannot apply, and what runs instead
         if self.step_fn.aux_loss_notice:
             lines.append(self.step_fn.aux_loss_notice)
         if self.step_fn.experts_notice:

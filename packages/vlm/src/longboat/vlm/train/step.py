@@ -12,6 +12,10 @@ pipeline parallelism the microbatches run through megatron's 1F1B schedule with 
 loss (``longboat.vlm.train.pipeline``). An unsharded tower under a tensor-parallel decoder
 (``model.vision_tensor_parallel=1``) has its gradients summed over the TP ranks, which
 encoded different images, before DDP's reduction.
+
+``VLMTrainStep`` is a core ``MegatronStepEngine``: it gives the engine its optimizer and
+``forward_backward``; the engine owns the update, the NaN gate (lagged where the update can
+skip on the device) and the CUDA-graph step.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from longboat.core.config.errors import ConfigError
+from longboat.core.megatron.engine import MegatronStepEngine
 from longboat.vlm.train.pipeline import (
     from_last_stage,
     pipeline_parallel_size,
@@ -76,8 +81,8 @@ MODEL_INPUTS = (
 )
 
 
-class VLMTrainStep:
-    """Forward / backward over a step's microbatches, then the distributed optimizer's update."""
+class VLMTrainStep(MegatronStepEngine):
+    """Forward / backward over a step's microbatches; the engine's update and gate."""
 
     def __init__(
         self,
@@ -88,6 +93,7 @@ class VLMTrainStep:
         frozen: Sequence[str] = (),
         lora: Any = None,
         seed: int = 0,
+        cuda_graph: bool = False,
     ) -> None:
         from longboat.core.megatron.optimizer import build_optimizer, wrap_ddp
         from longboat.vlm.train.lora import apply_language_lora
@@ -96,7 +102,8 @@ class VLMTrainStep:
         # Before DDP: only parameters that require grad get grad buffers and optimizer state.
         self.lora_adapters = apply_language_lora(model, lora, frozen=frozen, seed=seed)
         self.frozen_params = freeze(model, frozen) if frozen else 0
-        (self.ddp,) = wrap_ddp([model], distributed_optimizer=True)
+        (self.ddp,) = wrap_ddp([model], distributed_optimizer=True, side_stream=cuda_graph)
+        self.graph_ready = cuda_graph
         self.optimizer = build_optimizer(
             [self.ddp], optim, precision=precision, distributed_optimizer=True
         )
@@ -117,23 +124,30 @@ class VLMTrainStep:
         mask = mb["loss_mask"].to(per_token.dtype)
         return (per_token.float() * mask.float()).sum() / denominator
 
+    @staticmethod
+    def denominator(microbatches: list[dict[str, Any]]) -> torch.Tensor:
+        """The step's loss denominator on the host: its target tokens over every DP rank,
+        over the DP size (megatron's DDP averages gradients over DP ranks)."""
+        from megatron.core import parallel_state as mps
+
+        # ``num_targets``: counted on the host before the copy (no device read here).
+        tokens = torch.tensor(
+            sum(float(mb.get("num_targets", mb["loss_mask"].sum())) for mb in microbatches),
+            dtype=torch.float64,
+        )
+        dp = mps.get_data_parallel_world_size()
+        if dp > 1:
+            dist.all_reduce(tokens, group=mps.get_data_parallel_group_gloo())
+        return (tokens.clamp(min=1.0) / dp).float()
+
     def forward_backward(self, microbatches: list[dict[str, Any]]) -> torch.Tensor:
         """Backward of the global-token-mean loss; returns it (a 0-d tensor, all ranks equal)."""
         from megatron.core import parallel_state as mps
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        # ``num_targets``: counted on the host before the copy (no device read here).
-        tokens = torch.tensor(
-            sum(float(mb.get("num_targets", mb["loss_mask"].sum())) for mb in microbatches),
-            dtype=torch.float64,
-        )
-        dp_group = mps.get_data_parallel_group_gloo()
         dp = mps.get_data_parallel_world_size()
-        if dp > 1:
-            dist.all_reduce(tokens, group=dp_group)
-        # megatron's DDP averages gradients over DP ranks: scale each rank's sum by dp.
-        denominator = (tokens.clamp(min=1.0) / dp).float()
+        denominator = self.denominator(microbatches)
         pipelined = pipeline_parallel_size() > 1
         total = torch.zeros((), dtype=torch.float32)
         if pipelined:  # megatron's 1F1B schedule; grads finalised there
@@ -155,15 +169,39 @@ class VLMTrainStep:
             total = total / dp
         return from_last_stage(total) if pipelined else total
 
-    def update(self) -> Any:
-        """The optimizer step; returns the grad norm when the step computed one."""
-        from longboat.core.megatron.optimizer import optimizer_step
+    def graph_modules(self) -> Any:
+        return self.model.modules()
 
-        _, norm = optimizer_step(self.optimizer)
-        return norm
+    def graph_inputs(self, step: int, microbatches: list[dict[str, Any]]) -> dict[str, Any]:
+        """The captured step's inputs: the one row's model inputs, labels and loss mask, and
+        the step's loss denominator on the device (the row's host values left out)."""
+        (mb,) = microbatches
+        device = mb["input_ids"].device
+        out = {k: mb[k] for k in (*MODEL_INPUTS, "labels", "loss_mask") if mb.get(k) is not None}
+        out["denominator"] = self.denominator(microbatches).to(device)
+        return out
 
-    def grad_norm(self) -> Any:
-        return self.optimizer.get_grad_norm()
+    def graph_forward_backward(self, inputs: dict[str, Any]) -> torch.Tensor:
+        """``forward_backward`` of one row from ``graph_inputs`` (no host read)."""
+        from megatron.core import parallel_state as mps
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss = self.loss(inputs, inputs["denominator"])
+        loss.backward()
+        split = self.model.vision_split
+        if split is not None:
+            from longboat.vlm.models.vision_parallel import reduce_tower_grads
+
+            reduce_tower_grads(self.model.vision, split)
+        self.ddp.finish_grad_sync()
+        total = loss.detach()
+        dp = mps.get_data_parallel_world_size()
+        if dp > 1:
+            total = total.clone()
+            dist.all_reduce(total, group=mps.get_data_parallel_group())
+            total = total / dp
+        return total
 
     @torch.no_grad()
     def evaluate(self, microbatches: list[dict[str, Any]]) -> float:

@@ -210,6 +210,7 @@ class VLMTraining(MegatronTraining):
         self.ddp_modules = [self.step_fn.ddp]
 
     def _build_step(self) -> Any:
+        from longboat.kernels import adamw_master_step_
         from longboat.kernels.layers import longboat_layer_kernels
         from longboat.vlm.train.step import VLMTrainStep
 
@@ -241,7 +242,10 @@ class VLMTraining(MegatronTraining):
             frozen=tuple(cfg.model.freeze),
             lora=cfg.lora,
             seed=cfg.train.seed,
+            cuda_graph=cfg.train.cuda_graph is not False,
         )
+        step.static_shapes_blocker = self._graph_shapes_blocker()
+        step.use_one_pass("auto" if cfg.optim.one_pass_adamw else False, adamw_master_step_)
         self.exact_main_weights = 0
         """Main weights started from the checkpoint's fp32 values (``exact_main_weights``)."""
         if cfg.model.init_from and not cfg.lora.enabled:
@@ -250,6 +254,29 @@ class VLMTraining(MegatronTraining):
                 kernels=kernels, vision_tensor_parallel=cfg.model.vision_tensor_parallel,
             )  # fmt: skip
         return step
+
+    def _graph_shapes_blocker(self) -> str | None:
+        """Why the rows change shape between steps, if they do (``train.cuda_graph`` replays
+        one set): a row's shapes and host values follow its samples' images and videos and
+        how many samples it packs."""
+        rows = self.data.train
+        shapes = set()
+        for pieces in rows.rows:
+            media = tuple(
+                (
+                    tuple(map(tuple, rows.samples[p.doc].image_grid_thw.tolist())),
+                    tuple(map(tuple, rows.samples[p.doc].video_grid_thw.tolist())),
+                )
+                for p in pieces
+            )
+            full = sum(p.stop - p.start for p in pieces) == rows.seq_len
+            shapes.add((media, full))
+            if len(shapes) > 1:
+                return (
+                    "rows of different images, videos or sample counts (a graph replays one "
+                    "set of shapes)"
+                )
+        return None
 
     # --- what the trainer needs ----------------------------------------------------------
 
@@ -293,15 +320,14 @@ class VLMTraining(MegatronTraining):
 
         return mean_imbalance(self.plan, steps)
 
+    def make_gate(self, guard: Any, schedule: Any) -> UpdateGate:
+        return self.engine_gate(guard, schedule, microbatches=self.global_batch // self.dp)
+
     def step(self, step: int, batch: list[dict[str, Any]], gate: UpdateGate) -> StepOutput:
         for b in batch:  # counted on the host, before the copy: no device read in the step
             b["num_targets"] = float(b["loss_mask"].sum())
         micro = [batch_to_device(b, self.device, keep_on_host=HOST_KEYS) for b in batch]
-        loss = self.step_fn.forward_backward(micro)
-        norm = None
-        if gate.allow(step, loss):
-            norm = self.step_fn.update()
-        return StepOutput(loss=loss, grad_norm=norm)
+        return self.step_fn.run_step(step, micro, gate)
 
     def evaluate(self) -> dict[str, float]:
         rows = self.data.eval
@@ -350,6 +376,7 @@ class VLMTraining(MegatronTraining):
             f"global batch {self.global_batch} rows."
         ]
         lines += self.data.notes
+        lines += self.step_fn.notices()  # levers that cannot apply, and what runs instead
         if self.exact_main_weights:
             lines.append("fp32 main weights from the checkpoint's values (not their rounding).")
         summary = self.balance_summary()

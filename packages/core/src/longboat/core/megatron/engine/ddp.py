@@ -1,11 +1,11 @@
-"""megatron's DDP + distributed optimizer for longboat configs, and their checkpoint state.
+"""megatron's DDP + distributed optimizer of the step engine, built from ``optim.*``.
 
 ``wrap_and_build`` wraps each model chunk in megatron's ``DistributedDataParallel`` (grads in
-contiguous fp32 buffers, reduce-scattered over data-parallel ranks) and builds the
-``DistributedOptimizer`` through ``get_megatron_optimizer`` (optimizer state and fp32 main
-weights sharded over DP ranks). ``MegatronOptimizerState`` makes that optimizer checkpointable
-by ``CheckpointManager`` (per-rank: each rank saves its own shard of main weights and moments);
-core's trainer runs the LR schedule on every inner torch optimizer (``inner_optimizers``).
+contiguous buffers, reduce-scattered over data-parallel ranks) and builds the
+``DistributedOptimizer`` through ``core.megatron.optimizer.megatron_optimizer`` (optimizer
+state and fp32 main weights sharded over DP ranks, matrix-only weight decay, torch's fused
+AdamW). ``construction_stream`` is the side stream under which DDP must be constructed for a
+step captured as a CUDA graph. Checkpoint state: ``core.megatron.optimizer.MegatronOptimizerState``.
 """
 
 from __future__ import annotations
@@ -17,11 +17,7 @@ from typing import Any
 import torch
 
 from longboat.core.config.errors import ConfigError
-from longboat.core.megatron.optimizer import (
-    MegatronOptimizerState,
-    inner_optimizers,
-    megatron_optimizer,
-)
+from longboat.core.megatron.optimizer import megatron_optimizer
 
 _OPTIMIZERS = {"adamw": "adam", "sgd": "sgd"}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -58,7 +54,7 @@ def wrap_and_build(
         use_distributed_optimizer=True,
         overlap_grad_reduce=False,
     )
-    with _construction_stream(side_stream):
+    with construction_stream(side_stream):
         model = [
             DistributedDataParallel(
                 config=c.config, ddp_config=ddp_cfg, module=c, disable_bucketing=i > 0
@@ -87,7 +83,7 @@ def wrap_and_build(
 
 
 @contextlib.contextmanager
-def _construction_stream(side: bool) -> Iterator[None]:
+def construction_stream(side: bool) -> Iterator[None]:
     """Run the body under a fresh side stream of the accelerator (``side``), ordered after
     the current stream's work and followed by it."""
     if not side:
@@ -103,4 +99,4 @@ def _construction_stream(side: bool) -> Iterator[None]:
     acc.current_stream().wait_stream(stream)
 
 
-__all__ = ["MegatronOptimizerState", "inner_optimizers", "wrap_and_build"]
+__all__ = ["construction_stream", "wrap_and_build"]

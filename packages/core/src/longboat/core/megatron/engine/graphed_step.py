@@ -1,12 +1,13 @@
-"""``llm.cuda_graph``: the whole training step replayed as one CUDA graph.
+"""``train.cuda_graph``: the whole training step replayed as one CUDA graph.
 
-The captured function is one step on one microbatch: zero the grads, forward + backward
-through megatron's schedule, ``found_inf = not isfinite(loss)`` (the NaN guard's skip, on
-the device), each param group's LR from a device table indexed by a device count of the
-updates taken (core's ``DeviceLRTable``: a skipped update does not advance it), the update
-(megatron's fused AdamW reading ``found_inf``, or ``OnePassAdamW.step(found_inf=...)``) and
-the table's advance. Nothing in it reads on the host, so the host never waits for the
-device; the NaN guard's host side runs one step late (core's ``LaggedUpdateGate``).
+The captured function is one step on one microbatch: zero the grads, the stack's forward +
+backward (``MegatronStepEngine.graph_forward_backward``), ``found_inf = not isfinite(loss)``
+(the NaN guard's skip, on the device), each param group's LR from a device table indexed by
+a device count of the updates taken (core's ``DeviceLRTable``: a skipped update does not
+advance it), the update (megatron's fused AdamW reading ``found_inf``, or
+``OnePassAdamW.step(found_inf=...)``) and the table's advance. Nothing in it reads on the
+host, so the host never waits for the device; the NaN guard's host side runs one step late
+(core's ``LaggedUpdateGate``).
 
 ``graph_blocker`` says where the graph cannot apply; the run then steps eagerly (the start
 of the run says why).
@@ -14,52 +15,66 @@ of the run says why).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from longboat.core.train.gate import LaggedUpdateGate
-from longboat.core.train.schedule import DeviceLRTable
-from longboat.llm.train.lagged_guard import (
+from longboat.core.megatron.engine.lagged_gate import (
     device_found_inf,
     install_found_inf,
     mark_non_finite,
     remove_found_inf,
 )
-from longboat.llm.train.optimizer import inner_optimizers
+from longboat.core.megatron.optimizer import inner_optimizers
+from longboat.core.train.gate import LaggedUpdateGate
+from longboat.core.train.schedule import DeviceLRTable
+
+GRAPH_WARMUP = 3
+"""Eager steps before the capture."""
 
 
-def graph_blocker(cfg: Any, microbatches: int, step: Any) -> str | None:
-    """None when ``llm.cuda_graph`` can capture this run's step, else why not. (An accelerator
-    without CUDA graphs runs the same step eagerly: ``GraphedStep`` says so.)"""
+def graph_blocker(
+    *,
+    microbatches: int,
+    pipeline_parallel: int,
+    optimizer: Any,
+    one_pass: Any,
+    grad_clip: float,
+    fused: bool,
+    modules: Iterable[torch.nn.Module] = (),
+) -> str | None:
+    """None when the step can be captured, else why not. (An accelerator without CUDA graphs
+    runs the same step eagerly: ``GraphedStep`` says so.) ``modules``: the model's, searched
+    for a layer that reads on the host (megatron's MoE token counts)."""
     if microbatches != 1:
         return (
             f"{microbatches} microbatches a step (a graph captures one: set "
             "train.global_batch_size = train.micro_batch_size x data parallel)"
         )
-    if cfg.parallel.pipeline_parallel > 1:
+    if pipeline_parallel > 1:
         return "pipeline parallelism (its point-to-point schedule is not captured)"
     from longboat.core.megatron.grouped_experts import moe_host_sync
 
-    moe_sync = moe_host_sync(m for chunk in step.chunks for m in chunk.modules())
+    moe_sync = moe_host_sync(modules)
     if moe_sync is not None:
         return moe_sync
-    parts = list(getattr(step.optimizer, "chained_optimizers", None) or [step.optimizer])
+    parts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
     if any(getattr(p, "grad_scaler", None) is not None for p in parts):
         return "fp16 loss scaling (megatron's step reads found_inf on the host)"
-    clipped = cfg.optim.grad_clip > 0
-    if clipped and (step.one_pass is None or not step.one_pass.handles()):
+    if grad_clip > 0 and (one_pass is None or not one_pass.handles()):
         return (
             "optim.grad_clip > 0 through megatron's step (it reads the grad norm on the "
-            "host): set llm.one_pass_adamw=true, which clips on the device"
+            "host): set optim.one_pass_adamw=true, which clips on the device"
         )
-    if not cfg.optim.fused and step.one_pass is None:
+    if not fused and one_pass is None:
         return "optim.fused=false (only torch's fused AdamW skips an update on found_inf)"
     return None
 
 
 class GraphedTrainStep:
-    """``TrainStep`` + the run's LR schedule as one CUDA-graph-replayed step (module doc).
+    """A ``MegatronStepEngine`` + the run's LR schedule as one CUDA-graph-replayed step
+    (module doc).
 
     Build it after the resume, with the trainer's ``RunSchedule`` (its schedulers become the
     device tables; the inner AdamW param groups get device-tensor LRs).
@@ -73,6 +88,7 @@ class GraphedTrainStep:
         *,
         total_steps: int,
         skip_non_finite: bool = True,
+        name: str = "train.cuda_graph",
     ) -> None:
         from longboat.core.loop import GraphedStep
         from longboat.core.megatron.optimizer import capturable_torch_adamw
@@ -94,13 +110,13 @@ class GraphedTrainStep:
         self.graph = GraphedStep(
             self._step,
             accelerator=accelerator,
-            warmup=3,
-            name="llm.cuda_graph",
+            warmup=GRAPH_WARMUP,
+            name=name,
             eager_on_sync=True,
         )
 
     def _step(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        loss = self.step.forward_backward([batch])
+        loss = self.step.graph_forward_backward(batch)
         if self.skip_non_finite:
             mark_non_finite(self.found_inf, loss)
         for table in self.tables:
@@ -138,4 +154,4 @@ class _GraphGate(LaggedUpdateGate):
         self.graphed.close()
 
 
-__all__ = ["GraphedTrainStep", "graph_blocker"]
+__all__ = ["GRAPH_WARMUP", "GraphedTrainStep", "graph_blocker"]

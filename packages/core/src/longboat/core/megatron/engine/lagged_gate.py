@@ -1,4 +1,4 @@
-"""The NaN guard of ``longboat-llm train`` without a host read of the loss every step.
+"""The step engine's NaN gate without a host read of the loss every step.
 
 The synchronous guard (core's ``NaNGuard.check``) reads each step's loss on the host before
 deciding whether to run the optimizer step: a full device sync per step, so the host cannot
@@ -26,12 +26,14 @@ and moves the decision:
 
 ``flush()`` resolves the last pending verdict (core's trainer calls it before a log line, an
 eval, a checkpoint, an exact callback, the end and after an interruption: those read the
-counters or the LR schedule). The guard judges the loss only, as the loop's synchronous guard does (the
-grad norm is not computed without clipping), so the staged grad norm is a constant 0.
+counters or the LR schedule). The guard judges the loss only, as the loop's synchronous
+guard does (the grad norm is not computed without clipping), so the staged grad norm is a
+constant 0.
 
-With ``llm.one_pass_adamw`` the update is ``OnePassAdamW.step(found_inf=...)`` instead, which
-skips on the device itself and clips on the device (no ``.item()`` of the grad norm), so there
-gradient clipping keeps the lagged guard too.
+With the one-pass update (``engine.one_pass_adamw``) the update is
+``OnePassAdamW.step(found_inf=...)`` instead, which skips on the device itself and clips on
+the device (no ``.item()`` of the grad norm), so there gradient clipping keeps the lagged
+guard too.
 
 ``lagged_guard_blocker`` says where this does not apply; the loop keeps the synchronous guard
 there: gradient clipping through megatron's step (its ``step()`` reads the grad norm on the
@@ -47,8 +49,8 @@ from typing import Any
 import torch
 
 from longboat.core.loop.nan_guard import NaNGuard
+from longboat.core.megatron.optimizer import inner_optimizers
 from longboat.core.train.gate import LaggedUpdateGate
-from longboat.llm.train.optimizer import inner_optimizers
 
 
 def lagged_guard_blocker(
@@ -62,7 +64,7 @@ def lagged_guard_blocker(
     if one_pass is not None:
         if one_pass.handles():
             return None  # it skips (and clips) on the device itself
-        return "llm.one_pass_adamw cannot take this step: fp16 loss scaling or mixed groups"
+        return "optim.one_pass_adamw cannot take this step: fp16 loss scaling or mixed groups"
     parts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
     if any(float(getattr(p.config, "clip_grad", 0.0) or 0.0) > 0.0 for p in parts):
         return "optim.grad_clip > 0: megatron's step() reads the grad norm on the host"
@@ -142,7 +144,7 @@ def mark_non_finite(found_inf: torch.Tensor, loss: torch.Tensor) -> None:
 def install_found_inf(inners: list[torch.optim.Optimizer], found_inf: torch.Tensor) -> None:
     """Make each torch Adam / AdamW fused and read ``found_inf`` in its ``step()``."""
     for inner in inners:
-        _use_fused(inner)
+        use_fused_adamw(inner)
         inner.found_inf = found_inf  # read by torch Adam's step()
 
 
@@ -153,7 +155,7 @@ def remove_found_inf(inners: list[torch.optim.Optimizer], found_inf: torch.Tenso
             del inner.found_inf
 
 
-def _use_fused(inner: torch.optim.Optimizer) -> None:
+def use_fused_adamw(inner: torch.optim.Optimizer) -> None:
     """Switch every param group of a torch Adam / AdamW to the fused implementation (the one
     that honours ``found_inf``), with its step counts as fp32 tensors on the param's device
     (what fused AdamW keeps; a non-fused state from a checkpoint holds them on the CPU)."""

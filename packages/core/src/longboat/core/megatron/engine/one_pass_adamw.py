@@ -1,11 +1,12 @@
-"""megatron's distributed-optimizer update as one pass per parameter (``llm.one_pass_adamw``).
+"""megatron's distributed-optimizer update as one pass per parameter (the one-pass update).
 
 megatron's ``DistributedOptimizer`` step, without Transformer Engine / apex, is three passes
 over every parameter shard: the grad is cast from the bf16 grad buffer into an fp32 copy
 (``_copy_model_grads_to_main_grads``), torch's AdamW updates the fp32 main weight and the
 moments, and the updated main weight is copied back into the bf16 param buffer
 (``_copy_main_params_to_model_params``), about 40 bytes of memory traffic a parameter.
-``OnePassAdamW`` replaces the three with ``longboat.kernels.adamw_master_step_`` per shard:
+``OnePassAdamW`` replaces the three with one fused AdamW kernel per shard (the stack passes
+``longboat.kernels.adamw_master_step_``, whose signature ``MasterStepKernel`` spells out):
 it reads the grad straight from the grad buffer, updates the main weight and moments in place
 and writes the rounded weight into the param buffer (28 bytes a parameter with a bf16 grad
 buffer), then runs the same param all-gather megatron does (skipped at one data-parallel
@@ -25,7 +26,7 @@ counted twice) and reduction group, and the kernel divides the grads by
 no host read either (megatron's ``step()`` reads the norm with ``.item()``). ``step(found_inf=)``
 skips the update on the device where that tensor is nonzero (every buffer and the step count
 unchanged), as does a non-finite grad norm when clipping: the NaN guard's skip without a host
-read (``train.lagged_guard``).
+read (``engine.lagged_gate``).
 
 ``supported(optimizer)`` says whether an optimizer can take this path: megatron's
 ``DistributedOptimizer`` parts around torch ``AdamW`` (no amsgrad / maximize), no fp8 / fp4
@@ -38,13 +39,36 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from longboat.kernels import adamw_master_step_
+
+class MasterStepKernel(Protocol):
+    """One AdamW step of an fp32 main weight in place (``longboat.kernels.adamw_master_step_``):
+    reads ``grad`` (any float dtype, divided by ``grad_scale`` when given), updates ``master``,
+    ``exp_avg`` and ``exp_avg_sq``, writes it rounded into ``param_out`` (None: no copy), and
+    changes nothing where ``found_inf`` is nonzero."""
+
+    def __call__(
+        self,
+        master: Tensor,
+        grad: Tensor,
+        exp_avg: Tensor,
+        exp_avg_sq: Tensor,
+        param_out: Tensor | None,
+        *,
+        lr: Tensor,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        step: Tensor,
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
+    ) -> Any: ...
 
 
 @dataclass
@@ -99,14 +123,16 @@ def supported(optimizer: Any) -> str | None:
 class OnePassAdamW:
     """The one-pass update for a (chained) megatron distributed optimizer (module doc)."""
 
-    def __init__(self, optimizer: Any) -> None:
+    def __init__(self, optimizer: Any, kernel: MasterStepKernel) -> None:
         reason = supported(optimizer)
         if reason:
             raise ValueError(
-                f"llm.one_pass_adamw: this optimizer cannot take the one-pass update ({reason}); "
-                "set llm.one_pass_adamw=false"
+                f"optim.one_pass_adamw: this optimizer cannot take the one-pass update "
+                f"({reason}); set optim.one_pass_adamw=false"
             )
         self.optimizer = optimizer
+        self.kernel = kernel
+        """The per-shard update (``MasterStepKernel``)."""
         parts = _parts(optimizer)
         self.clip_norm = max(float(getattr(p.config, "clip_grad", 0.0) or 0.0) for p in parts)
         """The configured clipping norm (0: off)."""
@@ -229,7 +255,7 @@ class OnePassAdamW:
                 grp = inner.param_groups[shard.group]
                 state = inner.state[shard.main]
                 beta1, beta2 = grp["betas"]
-                adamw_master_step_(
+                self.kernel(
                     shard.main,
                     shard.grad,
                     state["exp_avg"],

@@ -1,18 +1,20 @@
-"""The model, megatron DDP + optimizer and one optimizer step of ``longboat-llm train``.
+"""The LLM's step on core's megatron step engine: model, DDP + optimizer, forward + loss.
 
 ``build_train_step`` builds the part of a run below the data: the longboat layer spec
 (``build_model``: SDPA flash / cuDNN attention, Triton RMSNorm, SwiGLU and RoPE, weights
 initialised on the device on CUDA), optional initial weights and LoRA adapters, megatron DDP +
-distributed optimizer (``wrap_and_build``) with torch's fused AdamW, in bf16 weight-gradient
-GEMMs that accumulate into megatron's grad buffer (``core.megatron.wgrad_fusion``), the loss
-through fused linear cross-entropy (``train.loss``) wherever it applies, and the update
-(megatron's step without the grad-norm host read when clipping is off, or
-``OnePassAdamW``). ``longboat.llm.train.training.build_training`` (what the command line and
-the benchmarks run) calls it with the values of the run's config.
+distributed optimizer (core's ``engine.ddp.wrap_and_build``) with torch's fused AdamW, in bf16
+weight-gradient GEMMs that accumulate into megatron's grad buffer
+(``core.megatron.wgrad_fusion``), the loss through fused linear cross-entropy (``train.loss``)
+wherever it applies, and the update (the engine's: megatron's step without the grad-norm host
+read when clipping is off, or the one-pass AdamW update). ``longboat.llm.train.training.
+build_training`` (what the command line and the benchmarks run) calls it with the values of
+the run's config.
 
-``TrainStep.step(tokens, labels)`` is one whole step on one microbatch and reads nothing on
-the host; ``forward_backward`` and ``update`` are its two halves, between which a NaN guard
-decides. megatron's parallel state must be initialised first
+``TrainStep`` is a ``MegatronStepEngine`` whose ``forward_backward`` runs megatron's pipeline
+schedules (``train.megatron_schedule``); the engine owns the update, the NaN gate and the
+CUDA-graph step. ``TrainStep.step(tokens, labels)`` is one whole step on one microbatch and
+reads nothing on the host. megatron's parallel state must be initialised first
 (``longboat.core.megatron.parallel_state.initialize``).
 """
 
@@ -25,12 +27,13 @@ import torch
 
 from longboat.core.config.schema import OptimConfig
 from longboat.core.megatron.decoder_config import DecoderModelConfig
+from longboat.core.megatron.engine import MegatronStepEngine
 from longboat.core.megatron.parallel_state import current_layout
 from longboat.core.megatron.wgrad_fusion import grad_plan, install_wgrad_fusion
 
 
 @dataclass
-class TrainStep:
+class TrainStep(MegatronStepEngine):
     """A built training step (see the module docstring); call ``step`` once per batch."""
 
     chunks: list[torch.nn.Module]
@@ -45,7 +48,8 @@ class TrainStep:
     graph_ready: bool = False
     """Built with ``cuda_graph=True`` (DDP constructed under a side stream): ``graphed`` works."""
     one_pass: Any = None
-    """``train.one_pass_adamw.OnePassAdamW`` when the update runs as one pass per shard."""
+    """Core's ``engine.one_pass_adamw.OnePassAdamW`` when the update runs as one pass per
+    shard (set by ``use_one_pass``)."""
     one_pass_blocker: str | None = None
     """Why the one-pass update was asked for (``"auto"``) but does not apply, if so."""
     aux_loss_notice: str | None = None
@@ -78,7 +82,7 @@ class TrainStep:
     def forward_backward(self, microbatches: list[dict[str, Any]]) -> torch.Tensor:
         """Zero the grads, forward + backward over ``microbatches`` (megatron's schedule),
         reduce the grads; the step's mean loss as a 0-d device tensor (no host sync)."""
-        from longboat.llm.train.step import forward_backward
+        from longboat.llm.train.megatron_schedule import forward_backward
 
         self.optimizer.zero_grad()
         self.metrics = {}
@@ -90,22 +94,8 @@ class TrainStep:
             metrics=self.metrics,
         )
 
-    def update(self, found_inf: torch.Tensor | None = None) -> Any:
-        """The optimizer update of the grads just computed; the grad norm when the update
-        computed one (clipping), else None. ``found_inf`` (nonzero: skip on the device) is
-        passed to ``OnePassAdamW``; megatron's fused AdamW reads its own ``found_inf``."""
-        from longboat.core.megatron.optimizer import optimizer_step
-
-        if self.one_pass is not None and self.one_pass.step(found_inf=found_inf):
-            return self.one_pass.last_grad_norm
-        return optimizer_step(self.optimizer)[1]
-
-    def grad_norm(self) -> Any:
-        """The global grad norm of the step just taken (until the next ``zero_grad``): for log
-        lines, where a norm the update did not compute costs one reduction."""
-        if self.one_pass is not None and self.one_pass.handles():
-            return self.one_pass.logged_grad_norm()
-        return self.optimizer.get_grad_norm()
+    def graph_modules(self) -> Any:
+        return (m for chunk in self.chunks for m in chunk.modules())
 
     def step(
         self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None
@@ -188,22 +178,21 @@ def build_train_step(
     training applies them. Costs an fp32 copy of the model at build time.
     ``lora``: a ``LoRAConfig`` whose adapters go on the linears after ``init_weights``
     (initialised from ``seed``); only they train.
-    ``cuda_graph``: build for ``TrainStep.graphed`` (megatron's DDP constructed under a side
-    stream: see ``train.optimizer.wrap_and_build``).
-    ``one_pass_adamw``: the update as one kernel pass per parameter shard
-    (``train.one_pass_adamw``); True requires it (an error where the optimizer cannot take
-    it), ``"auto"`` (what ``llm.one_pass_adamw=true`` means) uses it where it applies and
-    records why not in ``TrainStep.one_pass_blocker``.
+    ``cuda_graph``: build for ``TrainStep.graphed`` and the engine's CUDA-graph step
+    (megatron's DDP constructed under a side stream: see core's ``engine.ddp.wrap_and_build``).
+    ``one_pass_adamw``: the update as one kernel pass per parameter shard (core's
+    ``engine.one_pass_adamw``, ``MegatronStepEngine.use_one_pass``); True requires it (an
+    error where the optimizer cannot take it), ``"auto"`` (what ``optim.one_pass_adamw=true``
+    means) uses it where it applies and records why not in ``TrainStep.one_pass_blocker``.
     ``kernel_options``: ``build_model``'s switches of the longboat layer kernels (tests).
     ``model_overrides`` go to megatron's ``TransformerConfig`` (as in ``build_model``).
     """
+    from longboat.core.megatron.engine import ddp
     from longboat.core.megatron.lora import apply_lora
+    from longboat.kernels import adamw_master_step_
     from longboat.llm.build import aux_loss_layout, build_model
     from longboat.llm.moe_aux_loss import check_pooled_aux_loss, pooled_aux_loss_notice
     from longboat.llm.moe_experts import moe_experts_for_run
-    from longboat.llm.train.one_pass_adamw import OnePassAdamW
-    from longboat.llm.train.one_pass_adamw import supported as one_pass_supported
-    from longboat.llm.train.optimizer import wrap_and_build
 
     if device is None:
         from longboat.core.device import get_accelerator
@@ -252,26 +241,25 @@ def build_train_step(
             load_peft(chunks, model_cfg, lora.init_from)
     if compile_layers:
         compile_decoder_layers(chunks)
-    model, optimizer = wrap_and_build(
+    model, optimizer = ddp.wrap_and_build(
         chunks, optim, precision=precision, grad_reduce_in_fp32=fp32_grads, side_stream=cuda_graph
     )
     if exact_main_weights and init_weights is not None and precision in ("bf16", "fp16"):
         main_weights_from_fp32_init(
             optimizer, chunks, model_cfg, device, init_weights, model_overrides
         )
-    blocker = one_pass_supported(optimizer) if one_pass_adamw == "auto" else None
-    return TrainStep(
+    step = TrainStep(
         chunks=chunks,
         model=model,
         optimizer=optimizer,
         device=device,
         fused_linear_ce=fused_linear_ce,
         graph_ready=cuda_graph,
-        one_pass=OnePassAdamW(optimizer) if one_pass_adamw and blocker is None else None,
-        one_pass_blocker=blocker,
         aux_loss_notice=aux_notice,
         experts_notice=experts_notice,
     )
+    step.use_one_pass(one_pass_adamw, adamw_master_step_)
+    return step
 
 
 def wants_exact_main_weights(hf_dir: Any, precision: str, lora: bool) -> bool:

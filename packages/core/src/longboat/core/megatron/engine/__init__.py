@@ -1,0 +1,14 @@
+"""The megatron backend of the step engine (llm, vlm, diffusion).
+
+- ``step_engine.MegatronStepEngine``: the base of a stack's step: the update, the gate, one
+  trainer step; a stack gives it its optimizer and ``forward_backward``.
+- ``ddp.wrap_and_build``: megatron DDP + distributed optimizer from ``optim.*`` (optionally
+  constructed under a side stream for a captured step).
+- ``lagged_gate``: the NaN gate with the skip on the device and the verdict one step late.
+- ``graphed_step``: the whole step replayed as one CUDA graph (``train.cuda_graph``).
+- ``one_pass_adamw``: the distributed optimizer's update as one kernel pass per shard.
+"""
+
+from longboat.core.megatron.engine.step_engine import MegatronStepEngine
+
+__all__ = ["MegatronStepEngine"]
