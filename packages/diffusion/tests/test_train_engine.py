@@ -42,7 +42,7 @@ def _overrides(tmp: Path, *extra: str) -> list[str]:
         "logging.progress=false",
         "logging.tensorboard=false",
         "checkpoint.save_on_exit=false",
-        "diffusion.export=false",
+        "export.enabled=false",
         "diffusion.preview=false",
         *extra,
     ]

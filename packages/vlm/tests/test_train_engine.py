@@ -35,7 +35,7 @@ def _overrides(tmp: Path, *extra: str) -> list[str]:
         "logging.tensorboard=false",
         "checkpoint.save_on_exit=false",
         "vlm.answer_eval_samples=0",
-        "vlm.export_hf=false",
+        "export.enabled=false",
         "optim.grad_clip=0.0",
         *extra,
     ]
