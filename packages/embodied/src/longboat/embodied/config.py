@@ -326,7 +326,8 @@ def check_cuda_graph_layout(train: Any, dp_size: int | None, problems: ProblemCo
     if not get("master_weights"):
         problems.add(
             "train.cuda_graph",
-            "needs the capturable optimizer step of train.master_weights",
+            "the embodied stack captures the step only with the capturable optimizer step of "
+            "train.master_weights",
             value=True,
             fix="set train.master_weights=true (and train.precision=bf16) or "
             "train.cuda_graph=false",
