@@ -1,13 +1,40 @@
 """The embodied stack as core sees it (entry point ``longboat.stacks: embodied``).
 
-Everything heavy is a ``"module:attr"`` reference, so listing stacks imports no torch model code.
+Everything heavy is a ``"module:attr"`` reference, so listing stacks imports no torch model code;
+the policies' names come from their folders (``models.registry.candidate_names``), unimported.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from longboat.core.stack import Stack
+
+POLICY_SCHEMA = "longboat.embodied.config:PolicyModelConfig"
+"""Every policy's ``model.*`` keys: the name, flavor, overrides, init_from and tokenizer."""
+
+
+class PolicySchemas(Mapping[str, str]):
+    """``model.name`` -> the policy schema, for every policy folder found (read when a config
+    is composed, so policies on ``LONGBOAT_FAMILY_PATH`` count)."""
+
+    def _names(self) -> list[str]:
+        from longboat.embodied.models.registry import candidate_names
+
+        return candidate_names()
+
+    def __getitem__(self, name: str) -> str:
+        if name not in self._names():
+            raise KeyError(name)
+        return POLICY_SCHEMA
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
 
 STACK = Stack(
     name="embodied",
@@ -15,10 +42,7 @@ STACK = Stack(
     "DDP / ZeRO-1 / FSDP2 / HSDP.",
     config_dir=Path(__file__).with_name("conf"),
     root_schema="longboat.embodied.config:EmbodiedExperimentConfig",
-    model_schemas={
-        "groot_n1_6": "longboat.embodied.config:PolicyModelConfig",
-        "pi05": "longboat.embodied.config:PolicyModelConfig",
-    },
+    model_schemas=PolicySchemas(),
     data_schemas={"lerobot": "longboat.embodied.config:LeRobotDataConfig"},
     console_script="longboat-embodied",
     train="longboat.embodied.train.trainer:train",

@@ -23,11 +23,10 @@ from longboat.embodied.data import (
 from longboat.embodied.data.normalize import Normalizer
 from longboat.embodied.data.verify import VerifyReport, verify_dataset
 from longboat.embodied.models.groot_n1_6.isaac_processor import embodiment_tags
-from longboat.embodied.train.policy_batch import ACTION_KEY, STATE_KEY
+from longboat.embodied.models.registry import policy
+from longboat.embodied.train.policy_batch import ACTION_KEY, STATE_KEY, feature_limits
 
 _DONE = ".longboat_complete"
-# Synthetic frame size per model family: what its tiny flavor is specified on.
-_SYNTHETIC_IMAGE_HW = {"groot_n1_6": (56, 84), "pi05": (56, 56)}
 
 
 def _barrier() -> None:
@@ -53,12 +52,13 @@ def dataset_roots(path: Path) -> list[Path]:
 def ensure_synthetic(
     data: LeRobotDataConfig, model_name: str, model_cfg: Any, output_dir: Path, is_main: bool
 ) -> Path:
-    """Generate the synthetic dataset into ``<output_dir>/dataset`` once (rank 0), then share it."""
+    """Generate the synthetic dataset into ``<output_dir>/dataset`` once (rank 0), then share
+    it: frames of the policy's ``synthetic_image_hw``, state and action within its widths."""
     root = output_dir / "dataset"
     if is_main and not (root / _DONE).exists():
         syn = data.synthetic
-        max_state = model_cfg.max_state_dim
-        max_action = getattr(model_cfg, "max_action_dim", getattr(model_cfg, "action_dim", 8))
+        limits = feature_limits(model_name, model_cfg)
+        max_state, max_action = limits[STATE_KEY][1], limits[ACTION_KEY][1]
         specs = tuple(
             EmbodimentSpec(
                 name=f"robot{i}",
@@ -74,7 +74,7 @@ def ensure_synthetic(
             layout=syn.layout,
             num_episodes=syn.num_episodes,
             episode_length=(syn.episode_length, syn.episode_length),
-            image_size=_SYNTHETIC_IMAGE_HW.get(model_name, (56, 56)),
+            image_size=policy(model_name).synthetic_image_hw,
             embodiments=specs,
             seed=syn.seed,
         )
