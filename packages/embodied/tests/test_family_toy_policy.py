@@ -45,6 +45,26 @@ def test_a_family_path_folder_is_a_policy_and_only_with_the_variable(
     )
 
 
+def test_the_builtin_policies_carry_what_the_run_asks_of_them() -> None:
+    pi05, groot = policy("pi05"), policy("groot_n1_6")
+    assert [f.name for f in pi05.export_formats] == ["lerobot"]
+    assert [f.name for f in groot.export_formats] == ["isaac"]
+    assert (pi05.action_width_key, groot.action_width_key) == ("action_dim", "max_action_dim")
+    assert (pi05.synthetic_image_hw, groot.synthetic_image_hw) == ((56, 56), (56, 84))
+    assert set(pi05.backbones.kinds) == {"paligemma", "siglip_vision_model", "siglip", "gemma"}
+    assert set(groot.backbones.kinds) == {"siglip2_vision_model", "siglip2", "qwen3"}
+    assert pi05.checkpoints.statistics is None and groot.checkpoints.statistics is not None
+    assert dict(pi05.prompts.config_overrides) == {
+        "state_in_prompt": True,
+        "image.crop_fraction": 1.0,
+    }
+    assert dict(groot.prompts.config_overrides) == {"image_tokens_in_text": True}
+    cfg = groot.flavors["tiny"]()
+    spec = groot.batch_spec(cfg, 2, (56, 84))
+    assert (spec.with_embodiment, spec.with_image_mask, spec.num_cameras) == (True, False, None)
+    assert spec.vocab_limit == min(cfg.llm.vocab_size, cfg.image_token_id)
+
+
 def test_the_toy_policy_trains_two_steps_through_the_cli(
     family_path: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

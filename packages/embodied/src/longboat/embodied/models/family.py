@@ -90,6 +90,9 @@ class PromptProcessor:
     """What a run without a tokenizer is told to set."""
 
 
+StatisticsFn = Callable[[str, list[str], int, dict[str, int]], Mapping[str, Any] | None]
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointAdapter:
     """``model.init_from`` of a released checkpoint of the policy (its ecosystem format)."""
@@ -101,9 +104,10 @@ class CheckpointAdapter:
     the overrides, its weights' names and shapes checked (a CheckpointError otherwise)."""
     load_weights: Callable[[nn.Module, str], None]
     """Copy the checkpoint's weights into a model built from that config."""
-    statistics: Callable[[str, str, dict[str, int]], Mapping[str, Any] | None] | None = None
-    """``(directory, embodiment tag, {feature: width}) -> normaliser statistics or None``:
-    the checkpoint's own statistics of a sub-dataset (None: the dataset's are used)."""
+    statistics: StatisticsFn | None = None
+    """``(directory, sub-dataset names, index, {feature: width}) -> normaliser statistics or
+    None``: the checkpoint's own statistics of sub-dataset ``index`` (None: the dataset's
+    ``meta/stats.json`` is used)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -317,7 +317,7 @@ def to_reference_names(
     checked against ``want`` (reference key -> shape, filtered here to the parts held):
     one CheckpointError naming every missing, unexpected and mis-shaped key in the HF
     file's own names. Reference keys starting with ``ignored`` are read past."""
-    from longboat.embodied.models.groot_n1_6.weight_names import (
+    from longboat.embodied.models.common.checkpoint_files import (
         mismatch_report,
         raise_on_mismatch,
     )

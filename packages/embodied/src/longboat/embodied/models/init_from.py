@@ -66,7 +66,7 @@ def resolve_model_config(
         backbone = hf_backbones.read_backbone(init_from, name)
         cfg = get_config(name, flavor, overrides)
         hf_backbones.check_backbone_config(backbone, cfg)
-        from longboat.embodied.models.groot_n1_6.isaac_format import read_shapes
+        from longboat.embodied.models.common.checkpoint_files import read_shapes
 
         adapter.backbone_state(
             build_model(name, cfg, device="meta"), backbone, read_shapes(init_from)
@@ -84,7 +84,7 @@ def load_initial_weights(model: nn.Module, name: str, init_from: str) -> str | N
     if hf_backbones.is_hf_backbone(init_from):
         adapter = _supporting(name, init_from, "backbones").backbones
         assert adapter is not None
-        from longboat.embodied.models.groot_n1_6.isaac_format import read_tensors
+        from longboat.embodied.models.common.checkpoint_files import read_tensors
 
         backbone = hf_backbones.read_backbone(init_from, name)
         hf_backbones.check_backbone_config(backbone, model.cfg)

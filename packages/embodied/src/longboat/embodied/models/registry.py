@@ -142,8 +142,18 @@ def find_policy(name: str) -> PolicyFamily | None:
 
 
 def policy_names() -> list[str]:
-    """Names of every policy found (imports each candidate)."""
-    return [n for n in candidate_names() if find_policy(n) is not None]
+    """Names of every policy found (imports each candidate). A candidate that cannot be
+    imported here (e.g. a family of another stack on ``LONGBOAT_FAMILY_PATH``, needing what
+    this install lacks) is not listed; naming it (``policy``) shows its error."""
+    names = []
+    for name in candidate_names():
+        try:
+            found = find_policy(name)
+        except ImportError:
+            continue
+        if found is not None:
+            names.append(name)
+    return names
 
 
 class UnknownPolicyError(ConfigError, KeyError):

@@ -22,7 +22,6 @@ from longboat.embodied.data import (
 )
 from longboat.embodied.data.normalize import Normalizer
 from longboat.embodied.data.verify import VerifyReport, verify_dataset
-from longboat.embodied.models.groot_n1_6.isaac_processor import embodiment_tags
 from longboat.embodied.models.registry import policy
 from longboat.embodied.train.policy_batch import ACTION_KEY, STATE_KEY, feature_limits
 
@@ -249,8 +248,9 @@ def open_dataset(
 
     Each sample carries an action chunk of ``horizon`` steps (``delta_timestamps``) with
     ``action_is_pad``; state and action are min-max normalised to [-1, 1] from the stats:
-    ``stats_for(index, tag, meta)`` (a checkpoint's, ``reference_formats``) where it gives
-    some, else the sub-dataset's ``meta/stats.json``.
+    ``stats_for(index, names, meta)`` (a checkpoint's for sub-dataset ``index`` of those
+    named ``names``, ``reference_formats``) where it gives some, else the sub-dataset's
+    ``meta/stats.json``.
     """
     roots = dataset_roots(root)
     metas = [LeRobotMetadata.load(r) for r in roots]
@@ -285,9 +285,9 @@ def open_dataset(
     eval_parts: list[LeRobotDataset] = []
     norm_stats, from_checkpoint = [], []
     modes = {STATE_KEY: "min_max", ACTION_KEY: "min_max"}
-    tags = embodiment_tags([r.name for r in roots])
+    names = [r.name for r in roots]
     for emb_id, (ds_root, meta, out) in enumerate(zip(roots, metas, held, strict=True)):
-        given = stats_for(emb_id, tags[emb_id], meta) if stats_for is not None else None
+        given = stats_for(emb_id, names, meta) if stats_for is not None else None
         used = (
             dict(given)
             if given is not None

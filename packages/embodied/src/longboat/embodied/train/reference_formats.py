@@ -53,8 +53,8 @@ def prompt_tokenizer(path: Path, model_name: str, model_cfg: Any) -> Any:
 
 def checkpoint_statistics(cfg: Any) -> Any:
     """For a run from a released checkpoint that carries normaliser statistics:
-    ``stats_for(index, tag, meta)``, the checkpoint's statistics of a sub-dataset's tag
-    (None where it has none); else None."""
+    ``stats_for(index, names, meta)``, the checkpoint's statistics of sub-dataset ``index``
+    of those named ``names`` (None where it has none); else None."""
     init_from = cfg.model.init_from
     checkpoints = policy(cfg.model.name).checkpoints
     if (
@@ -66,9 +66,9 @@ def checkpoint_statistics(cfg: Any) -> Any:
         return None
     statistics = checkpoints.statistics
 
-    def stats_for(index: int, tag: str, meta: LeRobotMetadata) -> Mapping[str, Any] | None:
+    def stats_for(index: int, names: list[str], meta: LeRobotMetadata) -> Mapping[str, Any] | None:
         widths = {k: int(meta.features[k]["shape"][0]) for k in (STATE_KEY, ACTION_KEY)}
-        return statistics(init_from, tag, widths)
+        return statistics(init_from, names, index, widths)
 
     return stats_for
 

@@ -27,7 +27,7 @@ from longboat.embodied.models.groot_n1_6 import (
 )
 from longboat.embodied.models.groot_n1_6.config import GrootN16Config
 from longboat.embodied.models.groot_n1_6.flops import flops_per_sample
-from longboat.embodied.models.groot_n1_6.isaac_processor import checkpoint_stats
+from longboat.embodied.models.groot_n1_6.isaac_processor import checkpoint_stats, embodiment_tags
 from longboat.embodied.models.groot_n1_6.model import GrootN16
 from longboat.embodied.models.registry import apply_overrides
 
@@ -95,6 +95,14 @@ def resolve_isaac_config(overrides: Mapping[str, Any], init_from: str) -> GrootN
     return cfg
 
 
+def checkpoint_statistics(
+    directory: str, names: list[str], index: int, widths: dict[str, int]
+) -> Mapping[str, Any] | None:
+    """The Isaac checkpoint's ``statistics.json`` entry of sub-dataset ``index`` (its
+    embodiment tag: ``new_embodiment`` for one dataset, else its folder name)."""
+    return checkpoint_stats(directory, embodiment_tags(names)[index], widths)
+
+
 POLICY = PolicyFamily(
     name="groot_n1_6",
     config_class=GrootN16Config,
@@ -116,7 +124,7 @@ POLICY = PolicyFamily(
         description="Isaac-GR00T N1.6 directories (e.g. nvidia/GR00T-N1.6-3B)",
         resolve_config=resolve_isaac_config,
         load_weights=isaac_format.load_isaac_weights,
-        statistics=checkpoint_stats,
+        statistics=checkpoint_statistics,
     ),
     backbones=BackboneAdapter(
         kinds=hf_backbone.KINDS,

@@ -60,7 +60,7 @@ def batch_spec(
 def resolve_lerobot_config(overrides: Mapping[str, Any], init_from: str) -> Pi05Config:
     """A LeRobot pi0.5 policy's architecture + ``overrides``; its weights' names and shapes
     checked (a CheckpointError listing every mismatch)."""
-    from longboat.embodied.models.groot_n1_6.isaac_format import read_shapes
+    from longboat.embodied.models.common.checkpoint_files import read_shapes
 
     cfg = apply_overrides(config_from_lerobot(read_lerobot_config(init_from)), overrides)
     path = Path(init_from) / WEIGHTS_NAME
