@@ -7,28 +7,26 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from longboat.core.config.errors import ProblemCollector
+from longboat.core.config.errors import ConfigError, ProblemCollector
 from longboat.core.config.schema import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
 
 MASTER_WEIGHT_STRATEGIES = ("ddp",)
 """``parallel.strategy`` values that support ``train.master_weights`` (flat bf16 params +
 fp32 masters: the sharded or wrapped params of the others cannot be views of one buffer)."""
 LAYOUTS = ("v2.1", "v3.0")
+VIDEO_BACKENDS = ("pyav", "torchcodec")
 
 
 def export_formats() -> dict[str, list[str]]:
     """``export.format`` values and the policies each is written for (empty: any policy):
     ``auto``, ``native`` and every policy's reference formats."""
-    from longboat.embodied.models.registry import find_policy, policy_names
+    from longboat.embodied.models.registry import policy, policy_names
 
     out: dict[str, list[str]] = {"auto": [], "native": []}
     for name in policy_names():
-        for fmt in getattr(find_policy(name), "export_formats", ()):
+        for fmt in policy(name).export_formats:
             out.setdefault(fmt.name, []).append(name)
     return out
-
-
-VIDEO_BACKENDS = ("pyav", "torchcodec")
 
 
 @dataclass
@@ -185,7 +183,6 @@ class EmbodiedExperimentConfig(ExperimentConfig):
 
 def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollector) -> None:
     """Embodied-specific checks (core's validator runs the generic ones)."""
-    from longboat.core.config.errors import ConfigError
     from longboat.embodied.models.registry import policy
 
     model_name = cfg.model.get("name") if "model" in cfg else None
