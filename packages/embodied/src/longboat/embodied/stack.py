@@ -1,7 +1,6 @@
 """The embodied stack as core sees it (entry point ``longboat.stacks: embodied``).
 
-Everything heavy is a ``"module:attr"`` reference, so listing stacks imports no torch model code;
-the policies' names come from their folders (``models.registry.candidate_names``), unimported.
+Everything heavy is a ``"module:attr"`` reference, so listing stacks imports no torch model code.
 """
 
 from __future__ import annotations
@@ -16,18 +15,21 @@ POLICY_SCHEMA = "longboat.embodied.config:PolicyModelConfig"
 
 
 class PolicySchemas(Mapping[str, str]):
-    """``model.name`` -> the policy schema, for every policy folder found (read when a config
-    is composed, so policies on ``LONGBOAT_FAMILY_PATH`` count)."""
-
-    def _names(self) -> list[str]:
-        from longboat.embodied.models.registry import candidate_names
-
-        return candidate_names()
+    """``model.name`` -> the policy schema, for every policy found (looked up when a config
+    is composed, so policies on ``LONGBOAT_FAMILY_PATH`` count). A lookup reads folder names
+    only; listing the names (a did-you-mean) imports the candidates to keep the policies."""
 
     def __getitem__(self, name: str) -> str:
-        if name not in self._names():
+        from longboat.embodied.models.registry import candidate_names
+
+        if name not in candidate_names():
             raise KeyError(name)
         return POLICY_SCHEMA
+
+    def _names(self) -> list[str]:
+        from longboat.embodied.models.registry import policy_names
+
+        return policy_names()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names())
