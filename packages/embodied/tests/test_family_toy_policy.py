@@ -45,6 +45,21 @@ def test_a_family_path_folder_is_a_policy_and_only_with_the_variable(
     )
 
 
+def test_an_installed_package_names_its_policy_by_entry_point(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # An installed distribution: its dist-info on sys.path declares the entry point.
+    monkeypatch.delenv("LONGBOAT_FAMILY_PATH", raising=False)
+    info = tmp_path / "toy_policy_dist-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-policy-dist\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[longboat.families]\ntoy_policy = toy_policy:POLICY\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(FAMILIES))
+    assert policy_names() == ["groot_n1_6", "pi05", "toy_policy"]
+    assert policy("toy_policy").model_class.__module__ == "toy_policy"
+
+
 def test_the_builtin_policies_carry_what_the_run_asks_of_them() -> None:
     pi05, groot = policy("pi05"), policy("groot_n1_6")
     assert [f.name for f in pi05.export_formats] == ["lerobot"]
