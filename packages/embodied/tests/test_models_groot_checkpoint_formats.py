@@ -19,6 +19,7 @@ from longboat.core.checkpoint import CheckpointError
 from longboat.core.config.compose import compose_experiment
 from longboat.core.config.errors import ConfigError
 from longboat.embodied.models.groot_n1_6 import config as groot_config
+from longboat.embodied.models.groot_n1_6.isaac_export import export_groot
 from longboat.embodied.models.groot_n1_6.isaac_format import (
     config_from_isaac,
     isaac_config_for,
@@ -39,7 +40,6 @@ from longboat.embodied.models.groot_n1_6.weight_names import (
 )
 from longboat.embodied.models.init_from import resolve_model_config
 from longboat.embodied.train.export import load_exported_policy
-from longboat.embodied.train.lerobot_export import export_groot
 from longboat.embodied.train.trainer import train
 
 # Gr00tN1d6Config's defaults (Isaac-GR00T N1.6), the fields that shape the model.

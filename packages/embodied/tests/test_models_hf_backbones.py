@@ -24,10 +24,10 @@ from longboat.embodied.models.init_from import (  # noqa: E402
     load_initial_weights,
     resolve_model_config,
 )
+from longboat.embodied.models.pi05.lerobot_export import export_lerobot_pi05  # noqa: E402
 from longboat.embodied.models.pi05.lerobot_format import load_lerobot_pi05  # noqa: E402
 from longboat.embodied.models.registry import build_model  # noqa: E402
 from longboat.embodied.train.export import load_exported_policy  # noqa: E402
-from longboat.embodied.train.lerobot_export import export_lerobot_pi05  # noqa: E402
 from longboat.embodied.train.trainer import train  # noqa: E402
 
 TOL = 1e-4

@@ -18,6 +18,7 @@ from longboat.core.checkpoint import CheckpointError
 from longboat.core.config.compose import compose_experiment
 from longboat.core.config.errors import ConfigError
 from longboat.embodied.models.init_from import resolve_model_config
+from longboat.embodied.models.pi05.lerobot_export import export_lerobot_pi05
 from longboat.embodied.models.pi05.lerobot_format import (
     config_from_lerobot,
     lerobot_config_for,
@@ -28,7 +29,6 @@ from longboat.embodied.models.pi05.lerobot_format import (
 from longboat.embodied.models.pi05.lerobot_processors import save_lerobot_processors
 from longboat.embodied.models.pi05.model import Pi05
 from longboat.embodied.train.export import load_exported_policy
-from longboat.embodied.train.lerobot_export import export_lerobot_pi05
 from longboat.embodied.train.trainer import train
 
 ARTIFACT = Path(__file__).parent / "test_data_lerobot_artifacts" / "pi05_tiny_lerobot_0.6.1"

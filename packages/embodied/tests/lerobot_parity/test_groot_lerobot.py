@@ -306,8 +306,8 @@ def test_trained_run_exports_to_lerobot(lerobot_dir: Path, tmp_path: Path) -> No
     features, and its action unnormaliser inverts our training's normalisation."""
     from longboat.core.config.compose import compose_experiment
     from longboat.embodied.data import LeRobotDataset
+    from longboat.embodied.models.groot_n1_6.isaac_export import export_groot
     from longboat.embodied.train.export import load_exported_policy
-    from longboat.embodied.train.lerobot_export import export_groot
     from longboat.embodied.train.trainer import train
 
     run = tmp_path / "run"

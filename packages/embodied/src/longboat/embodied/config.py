@@ -7,23 +7,26 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from longboat.core.config.errors import ProblemCollector
+from longboat.core.config.errors import ConfigError, ProblemCollector
 from longboat.core.config.schema import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
 
-MODEL_NAMES = ("groot_n1_6", "pi05")
 MASTER_WEIGHT_STRATEGIES = ("ddp",)
 """``parallel.strategy`` values that support ``train.master_weights`` (flat bf16 params +
 fp32 masters: the sharded or wrapped params of the others cannot be views of one buffer)."""
 LAYOUTS = ("v2.1", "v3.0")
-EXPORT_FORMATS = {"auto": None, "native": None, "lerobot": "pi05", "isaac": "groot_n1_6"}
-"""``export.format`` values and the family each is written for (None: any). The export
-(core's ``export.*``) writes ``<dir>/model.safetensors`` and ``<dir>/config.json`` (dir
-null: ``<output_dir>/export``) and, per ``export.format``, a second one in
-``<dir>/<format>``: lerobot (pi05: a LeRobot policy directory with processors, statistics
-and tokenizer), isaac (groot_n1_6: the Isaac-GR00T N1.6 layout with its statistics),
-native (none), or auto (lerobot for pi05 runs with a real tokenizer, isaac for groot_n1_6,
-else none)."""
 VIDEO_BACKENDS = ("pyav", "torchcodec")
+
+
+def export_formats() -> dict[str, list[str]]:
+    """``export.format`` values and the policies each is written for (empty: any policy):
+    ``auto``, ``native`` and every policy's reference formats."""
+    from longboat.embodied.models.registry import policy, policy_names
+
+    out: dict[str, list[str]] = {"auto": [], "native": []}
+    for name in policy_names():
+        for fmt in policy(name).export_formats:
+            out.setdefault(fmt.name, []).append(name)
+    return out
 
 
 @dataclass
@@ -31,7 +34,7 @@ class PolicyModelConfig(ModelConfig):
     """A registered policy family, one of its flavors, and field overrides."""
 
     name: str = MISSING
-    """Model family: groot_n1_6 or pi05."""
+    """The policy (``models/registry``: a policy folder's name, e.g. groot_n1_6 or pi05)."""
     flavor: str = "tiny"
     """Flavor of the family (tiny, full)."""
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -163,14 +166,15 @@ class EmbodiedExperimentConfig(ExperimentConfig):
 
 def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollector) -> None:
     """Embodied-specific checks (core's validator runs the generic ones)."""
+    from longboat.embodied.models.registry import policy
+
     model_name = cfg.model.get("name") if "model" in cfg else None
-    if isinstance(model_name, str) and model_name not in MODEL_NAMES:
-        problems.add(
-            "model.name",
-            "is not an embodied policy",
-            value=model_name,
-            fix=f"use one of {', '.join(MODEL_NAMES)}",
-        )
+    if isinstance(model_name, str):
+        try:
+            policy(model_name)
+        except ConfigError as err:
+            problems.extend(err)
+            model_name = None
     data = cfg.get("data")
     if data is not None:
         backend = data.get("video_backend")
@@ -253,20 +257,16 @@ def check_export_keys(cfg: Any, model_name: Any, problems: ProblemCollector) -> 
     one)."""
     export = cfg.get("export")
     fmt = export.get("format", "auto") if export is not None else "auto"
-    if fmt not in EXPORT_FORMATS:
+    if fmt in ("auto", "native"):
         return
-    if isinstance(model_name, str) and EXPORT_FORMATS[fmt] not in (None, model_name):
+    formats = export_formats()
+    if fmt in formats and isinstance(model_name, str) and model_name not in formats[fmt]:
         problems.add(
             "export.format",
-            f"{fmt} is written for {EXPORT_FORMATS[fmt]}, not model.name={model_name}",
+            f"{fmt} is written for {', '.join(formats[fmt])}, not model.name={model_name}",
             value=fmt,
-            fix="use export.format=auto"
-            + (
-                " (groot_n1_6 in LeRobot's format: python -m "
-                "longboat.embodied.train.lerobot_export --lerobot-backbone)"
-                if fmt == "lerobot"
-                else ""
-            ),
+            fix="use export.format=auto (other layouts of an export: python -m "
+            "longboat.embodied.train.lerobot_export --help)",
         )
 
 

@@ -5,10 +5,46 @@ Everything heavy is a ``"module:attr"`` reference, so listing stacks imports no 
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from longboat.core.config.capabilities import Capabilities
 from longboat.core.stack import Stack
+
+
+def _export_formats() -> tuple[str, ...]:
+    from longboat.embodied.config import export_formats
+
+    return tuple(export_formats())
+
+
+POLICY_SCHEMA = "longboat.embodied.config:PolicyModelConfig"
+"""Every policy's ``model.*`` keys: the name, flavor, overrides, init_from and tokenizer."""
+
+
+class PolicySchemas(Mapping[str, str]):
+    """``model.name`` -> the policy schema, for every policy found (looked up when a config
+    is composed, so policies on ``LONGBOAT_FAMILY_PATH`` count). A lookup reads folder names
+    only; listing the names (a did-you-mean) imports the candidates to keep the policies."""
+
+    def __getitem__(self, name: str) -> str:
+        from longboat.embodied.models.registry import candidate_names
+
+        if name not in candidate_names():
+            raise KeyError(name)
+        return POLICY_SCHEMA
+
+    def _names(self) -> list[str]:
+        from longboat.embodied.models.registry import policy_names
+
+        return policy_names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
 
 STACK = Stack(
     name="embodied",
@@ -16,10 +52,7 @@ STACK = Stack(
     "DDP / ZeRO-1 / FSDP2 / HSDP.",
     config_dir=Path(__file__).with_name("conf"),
     root_schema="longboat.embodied.config:EmbodiedExperimentConfig",
-    model_schemas={
-        "groot_n1_6": "longboat.embodied.config:PolicyModelConfig",
-        "pi05": "longboat.embodied.config:PolicyModelConfig",
-    },
+    model_schemas=PolicySchemas(),
     data_schemas={"lerobot": "longboat.embodied.config:LeRobotDataConfig"},
     console_script="longboat-embodied",
     train="longboat.embodied.train.trainer:train",
@@ -28,7 +61,7 @@ STACK = Stack(
         recompute=("none", "full", "selective"),  # selective: every second block
         compile=True,  # every parallel block
         precisions=("fp32", "bf16"),  # no fp16 loss scaling
-        export_formats=("auto", "native", "lerobot", "isaac"),
+        export_formats=_export_formats,  # auto, native and every policy's own
     ),
     examples=(
         "longboat-embodied train experiment=groot_n1_6_tiny             # GR00T-N1.6 tiny, synthetic data",

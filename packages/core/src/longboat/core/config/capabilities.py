@@ -11,6 +11,7 @@ batch sizes, seed, logging, the NaN guard) need no declaration.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +40,9 @@ class Capabilities:
     """Whether ``train.profiler.*`` traces the stack's steps (core's trainer runs it)."""
     export: bool = True
     """Whether the stack writes an export (``export.enabled`` / ``export.dir``)."""
-    export_formats: tuple[str, ...] = (EXPORT_FORMAT_AUTO,)
-    """``export.format`` values the stack writes."""
+    export_formats: tuple[str, ...] | Callable[[], Sequence[str]] = (EXPORT_FORMAT_AUTO,)
+    """``export.format`` values the stack writes, or a function returning them when they
+    depend on what is installed (a stack whose families bring their own formats)."""
     export_adapter: bool = False
     """Whether ``export.adapter_dir`` (LoRA adapters as a PEFT adapter) is written."""
 
@@ -102,9 +104,11 @@ def capability_problems(
     if enabled and not caps.export:
         refuse("export.enabled", True, "writes no export", "export.enabled=false only")
     fmt = _get(cfg, "export.format")
-    if fmt is not None and fmt not in caps.export_formats:
+    formats = caps.export_formats
+    formats = tuple(formats() if callable(formats) else formats)
+    if fmt is not None and fmt not in formats:
         refuse("export.format", fmt, "does not write this format",
-               "export.format=" + " | ".join(caps.export_formats))  # fmt: skip
+               "export.format=" + " | ".join(formats))  # fmt: skip
     adapter = _get(cfg, "export.adapter_dir")
     if adapter is not None and not caps.export_adapter:
         refuse("export.adapter_dir", adapter, "writes no separate adapter",

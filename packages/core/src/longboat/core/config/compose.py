@@ -14,6 +14,7 @@ dataclass, with ``model``/``data`` swapped for the dataclass registered for
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -39,6 +40,17 @@ _PRIMARY_NODE = "_longboat_primary"
 """Name under which the primary config is stored in Hydra's ConfigStore (see ``_store_primary``)."""
 
 
+FAMILY_PATH_ENV = "LONGBOAT_FAMILY_PATH"
+"""Folders (``os.pathsep``-separated) of families kept outside the installed packages: each
+sub-folder a family package (found by its stack), ``<folder>/conf/`` its YAMLs."""
+
+
+def family_conf_dirs() -> list[Path]:
+    """The ``conf/`` folders of the ``LONGBOAT_FAMILY_PATH`` folders, in order."""
+    raw = os.environ.get(FAMILY_PATH_ENV, "")
+    return [Path(p) / "conf" for p in raw.split(os.pathsep) if p and (Path(p) / "conf").is_dir()]
+
+
 def _conf_dirs(owner: Stack, stacks: Mapping[str, Stack]) -> list[Path]:
     from longboat.core.family import family_conf_dirs
 
@@ -48,7 +60,7 @@ def _conf_dirs(owner: Stack, stacks: Mapping[str, Stack]) -> list[Path]:
         path = stack.conf_path()
         if path is not None and path.is_dir() and path not in dirs:
             dirs.append(path)
-    # out-of-tree families' YAMLs come after the installed stacks' (which win name clashes)
+    # After the stacks' own: a family folder adds options, it does not replace them.
     dirs += [d for d in family_conf_dirs() if d not in dirs]
     return dirs
 

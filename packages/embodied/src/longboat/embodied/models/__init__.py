@@ -1,19 +1,23 @@
-"""Embodied model families (GR00T N1.6, pi0.5) and their shared blocks."""
+"""Embodied policies (one folder each, found by ``registry``) and their shared blocks."""
 
 from longboat.embodied.models.common.freezing import apply_freezing
 from longboat.embodied.models.common.init import init_weights
+from longboat.embodied.models.family import PolicyFamily
 from longboat.embodied.models.registry import (
     build_model,
     get_config,
-    register_model,
+    policy,
+    policy_names,
     registered_models,
 )
 
 __all__ = [
+    "PolicyFamily",
     "apply_freezing",
     "build_model",
     "get_config",
     "init_weights",
-    "register_model",
+    "policy",
+    "policy_names",
     "registered_models",
 ]

@@ -1,8 +1,9 @@
 """``model.init_from=<Hugging Face backbone directory>``: load one part of a policy.
 
 A directory written by transformers' ``save_pretrained`` (``config.json`` +
-``model.safetensors`` or shards) whose ``model_type`` is one of ``KINDS`` loads only the
-parts it holds; every other weight keeps its initialisation:
+``model.safetensors`` or shards) whose ``model_type`` is one of the policy's
+``BackboneAdapter.kinds`` loads only the parts it holds; every other weight keeps its
+initialisation:
 
 - pi05: ``paligemma`` (vision tower + projector + Gemma LM), ``siglip_vision_model`` or
   ``siglip`` (vision tower; a dual SiglipModel's text tower is read past), ``gemma``
@@ -33,8 +34,8 @@ from torch import Tensor
 
 from longboat.core.config.errors import ConfigError, ConfigProblem
 
-# model_type -> (family, parts, {part: HF key prefixes, longest first}, ignored HF prefixes)
-_PALIGEMMA_PREFIXES = {
+# HF key prefixes of the parts of the backbones the policies read (their ``KINDS`` use them).
+PALIGEMMA_PREFIXES = {
     "vision": (
         "model.vision_tower.vision_model.",
         "model.vision_tower.",
@@ -49,59 +50,32 @@ _PALIGEMMA_PREFIXES = {
         "language_model.",
     ),
 }
-_VISION_ONLY = {"vision": ("vision_model.", "")}
-_DUAL_VISION = {"vision": ("vision_model.",)}
-_LM_ONLY = {"llm": ("model.", "")}
-_DUAL_IGNORED = ("text_model.", "logit_scale", "logit_bias")
+VISION_ONLY = {"vision": ("vision_model.", "")}
+DUAL_VISION = {"vision": ("vision_model.",)}
+LM_ONLY = {"llm": ("model.", "")}
+DUAL_IGNORED = ("text_model.", "logit_scale", "logit_bias")
+NESTED_VISION = ("paligemma", "siglip", "siglip2")
+"""``model_type``s whose vision settings sit under ``vision_config``."""
 
 
 @dataclass(frozen=True)
 class BackboneKind:
-    """What one ``model_type`` holds and where its tensors are named."""
+    """What one ``model_type`` holds and where its tensors are named (a policy's
+    ``BackboneAdapter.kinds``)."""
 
-    family: str
-    """The policy family it initialises."""
     architecture: str
     """transformers' class name (for messages)."""
     prefixes: dict[str, tuple[str, ...]]
     """part ('vision', 'projector', 'llm') -> HF key prefixes of that part."""
     ignored: tuple[str, ...] = ()
     """HF key prefixes that belong to no part (read past)."""
+    lm_style: str = "gemma"
+    """The policy's language-model style (``gemma`` or ``qwen3``): the defaults of the LM
+    config fields and the checks on them."""
+    square_positions: bool = False
+    """SigLIP2's position table (a square of ``num_patches``) instead of SigLIP's fixed
+    ``(image_size / patch_size)^2``."""
 
-
-KINDS: dict[tuple[str, str], BackboneKind] = {
-    ("pi05", "paligemma"): BackboneKind(
-        family="pi05",
-        architecture="PaliGemmaForConditionalGeneration",
-        prefixes=_PALIGEMMA_PREFIXES,
-        ignored=("lm_head.",),
-    ),
-    ("pi05", "siglip_vision_model"): BackboneKind(
-        family="pi05", architecture="SiglipVisionModel", prefixes=_VISION_ONLY
-    ),
-    ("pi05", "siglip"): BackboneKind(
-        family="pi05", architecture="SiglipModel", prefixes=_DUAL_VISION, ignored=_DUAL_IGNORED
-    ),
-    ("pi05", "gemma"): BackboneKind(
-        family="pi05", architecture="GemmaForCausalLM", prefixes=_LM_ONLY, ignored=("lm_head.",)
-    ),
-    ("groot_n1_6", "siglip2_vision_model"): BackboneKind(
-        family="groot_n1_6", architecture="Siglip2VisionModel", prefixes=_VISION_ONLY
-    ),
-    ("groot_n1_6", "siglip2"): BackboneKind(
-        family="groot_n1_6",
-        architecture="Siglip2Model",
-        prefixes=_DUAL_VISION,
-        ignored=_DUAL_IGNORED,
-    ),
-    ("groot_n1_6", "qwen3"): BackboneKind(
-        family="groot_n1_6",
-        architecture="Qwen3ForCausalLM",
-        prefixes=_LM_ONLY,
-        ignored=("lm_head.",),
-    ),
-}
-"""(family, model_type) -> the backbone kinds ``model.init_from`` loads."""
 
 PART_NAMES = {"vision": "vision tower", "projector": "projector", "llm": "language model"}
 
@@ -168,13 +142,23 @@ def _read_raw(directory: str | Path) -> dict[str, Any] | None:
     return raw if isinstance(raw, dict) else None
 
 
+def _kinds(family: str) -> dict[str, BackboneKind]:
+    from longboat.embodied.models.registry import policy
+
+    adapter = policy(family).backbones
+    return dict(adapter.kinds) if adapter is not None else {}
+
+
 def is_hf_backbone(directory: str | Path) -> bool:
-    """Whether ``directory/config.json`` is a transformers backbone of a kind in ``KINDS``
-    (a LeRobot policy carries ``type``, an Isaac-GR00T one ``model_type`` Gr00tN1d6)."""
+    """Whether ``directory/config.json`` is a transformers backbone of a kind some policy
+    initialises from (a LeRobot policy carries ``type``, an Isaac-GR00T one ``model_type``
+    Gr00tN1d6)."""
+    from longboat.embodied.models.registry import policy_names
+
     raw = _read_raw(directory)
     if raw is None or "type" in raw:
         return False
-    return any(mt == raw.get("model_type") for _, mt in KINDS)
+    return any(str(raw.get("model_type")) in _kinds(name) for name in policy_names())
 
 
 def _filled(part: dict[str, Any] | None, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -194,9 +178,10 @@ def read_backbone(directory: str | Path, family: str) -> BackboneDir:
     the kinds that family takes otherwise)."""
     raw = _read_raw(directory) or {}
     model_type = raw.get("model_type")
-    kind = KINDS.get((family, str(model_type)))
+    kinds = _kinds(family)
+    kind = kinds.get(str(model_type))
     if kind is None:
-        takes = ", ".join(f"{k.architecture} ({mt})" for (f, mt), k in KINDS.items() if f == family)
+        takes = ", ".join(f"{k.architecture} ({mt})" for mt, k in kinds.items()) or "nothing"
         raise ConfigError(
             f"{Path(directory) / 'config.json'} is a {model_type!r} model; {family} "
             f"initialises from {takes}",
@@ -205,12 +190,11 @@ def read_backbone(directory: str | Path, family: str) -> BackboneDir:
         )
     vision = text = None
     if "vision" in kind.prefixes:
-        sub = raw.get("vision_config") if model_type in ("paligemma", "siglip", "siglip2") else raw
+        sub = raw.get("vision_config") if model_type in NESTED_VISION else raw
         vision = _filled(sub, _SIGLIP_DEFAULTS)
     if "llm" in kind.prefixes:
         sub = raw.get("text_config") if model_type == "paligemma" else raw
-        lm_type = "gemma" if family == "pi05" else "qwen3"
-        text = _filled(sub, _LM_DEFAULTS[lm_type])
+        text = _filled(sub, _LM_DEFAULTS[kind.lm_style])
     return BackboneDir(Path(directory), str(model_type), kind, vision, text)
 
 
@@ -242,7 +226,7 @@ def check_backbone_config(backbone: BackboneDir, cfg: Any) -> None:
     listing each mismatching field)."""
     problems: list[ConfigProblem] = []
     name = backbone.path / "config.json"
-    nested = backbone.model_type in ("paligemma", "siglip", "siglip2")
+    nested = backbone.model_type in NESTED_VISION
     if backbone.vision is not None:
         v = cfg.vision
         gh, gw = v.pos_grid
@@ -256,7 +240,7 @@ def check_backbone_config(backbone: BackboneDir, cfg: Any) -> None:
             ("num_channels", "vision (RGB input)", 3),
             ("hidden_act", "vision (gelu-tanh MLP)", "gelu_pytorch_tanh"),
         ]
-        if backbone.kind.family == "groot_n1_6":  # SigLIP2: a square table of num_patches
+        if backbone.kind.square_positions:  # SigLIP2: a square table of num_patches
             pairs.append(("num_patches", "vision.pos_grid rows*cols", gh * gw))
             if gh != gw:
                 problems.append(
@@ -277,7 +261,7 @@ def check_backbone_config(backbone: BackboneDir, cfg: Any) -> None:
         )
     if backbone.text is not None:
         lm = cfg.llm
-        style = "gemma" if backbone.kind.family == "pi05" else "qwen3"
+        style = backbone.kind.lm_style
         pairs = [
             ("hidden_size", "llm.hidden_size", lm.hidden_size),
             ("num_attention_heads", "llm.num_heads", lm.num_heads),
@@ -333,7 +317,7 @@ def to_reference_names(
     checked against ``want`` (reference key -> shape, filtered here to the parts held):
     one CheckpointError naming every missing, unexpected and mis-shaped key in the HF
     file's own names. Reference keys starting with ``ignored`` are read past."""
-    from longboat.embodied.models.groot_n1_6.weight_names import (
+    from longboat.embodied.models.common.checkpoint_files import (
         mismatch_report,
         raise_on_mismatch,
     )

@@ -5,12 +5,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from longboat.embodied.models.groot_n1_6.config import GrootN16Config
-from longboat.embodied.models.pi05.config import Pi05Config
+from longboat.embodied.models.registry import policy_of_config
 
 
 def synthetic_batch(
-    model_or_cfg: nn.Module | GrootN16Config | Pi05Config,
+    model_or_cfg: nn.Module | object,
     batch_size: int = 4,
     *,
     seed: int = 0,
@@ -23,20 +22,20 @@ def synthetic_batch(
     device: torch.device | str = "cpu",
 ) -> dict[str, Tensor]:
     """A random batch with padded state/action (real dims ``state_dim`` / ``action_dim``,
-    real horizon ``horizon``), right-padded text, uint8 images, and for GR00T embodiment
-    ids cycling over the first two embodiments."""
+    real horizon ``horizon``), right-padded text, uint8 images (the policy's
+    ``synthetic_image_hw`` unless ``image_size``; its own camera count where its batch spec
+    fixes one), and, where the policy takes them, embodiment ids cycling over the first two
+    embodiments and an image mask with the last camera missing."""
     cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
+    family = policy_of_config(cfg)
+    hw = image_size or family.synthetic_image_hw
+    spec = family.batch_spec(cfg, num_cameras, hw)
+    if spec.num_cameras is not None:
+        num_cameras = spec.num_cameras
     g = torch.Generator().manual_seed(seed)
     b = batch_size
-    if isinstance(cfg, GrootN16Config):
-        s_max, a_max, vocab = cfg.max_state_dim, cfg.max_action_dim, cfg.llm.vocab_size
-        h_max, hw = cfg.action_horizon, image_size or (56, 84)
-    elif isinstance(cfg, Pi05Config):
-        s_max, a_max, vocab = cfg.max_state_dim, cfg.action_dim, cfg.bin_offset
-        h_max, hw = cfg.action_horizon, image_size or (56, 56)
-        num_cameras = cfg.num_cameras
-    else:
-        raise TypeError(f"no synthetic batch for {type(cfg).__name__}")
+    s_max, a_max, vocab = spec.max_state_dim, spec.action_dim, spec.vocab_limit
+    h_max = spec.horizon
     s_real = state_dim or max(1, s_max - 2)
     a_real = action_dim or max(1, a_max - 3)
     h_real = horizon or max(1, h_max - 2)
@@ -59,9 +58,9 @@ def synthetic_batch(
         "action": action,
         "action_mask": action_mask,
     }
-    if isinstance(cfg, GrootN16Config):
-        batch["embodiment_id"] = torch.arange(b) % min(2, cfg.num_embodiments)
-    else:
+    if spec.with_embodiment:
+        batch["embodiment_id"] = torch.arange(b) % min(2, getattr(cfg, "num_embodiments", 1))
+    if spec.with_image_mask:
         image_mask = torch.ones(b, num_cameras, dtype=torch.bool)
         image_mask[:, -1] = False  # one camera missing
         batch["image_mask"] = image_mask

@@ -22,12 +22,10 @@ from longboat.embodied.data import (
 )
 from longboat.embodied.data.normalize import Normalizer
 from longboat.embodied.data.verify import VerifyReport, verify_dataset
-from longboat.embodied.models.groot_n1_6.isaac_processor import embodiment_tags
-from longboat.embodied.train.policy_batch import ACTION_KEY, STATE_KEY
+from longboat.embodied.models.registry import policy
+from longboat.embodied.train.policy_batch import ACTION_KEY, STATE_KEY, feature_limits
 
 _DONE = ".longboat_complete"
-# Synthetic frame size per model family: what its tiny flavor is specified on.
-_SYNTHETIC_IMAGE_HW = {"groot_n1_6": (56, 84), "pi05": (56, 56)}
 
 
 def _barrier() -> None:
@@ -53,12 +51,13 @@ def dataset_roots(path: Path) -> list[Path]:
 def ensure_synthetic(
     data: LeRobotDataConfig, model_name: str, model_cfg: Any, output_dir: Path, is_main: bool
 ) -> Path:
-    """Generate the synthetic dataset into ``<output_dir>/dataset`` once (rank 0), then share it."""
+    """Generate the synthetic dataset into ``<output_dir>/dataset`` once (rank 0), then share
+    it: frames of the policy's ``synthetic_image_hw``, state and action within its widths."""
     root = output_dir / "dataset"
     if is_main and not (root / _DONE).exists():
         syn = data.synthetic
-        max_state = model_cfg.max_state_dim
-        max_action = getattr(model_cfg, "max_action_dim", getattr(model_cfg, "action_dim", 8))
+        limits = feature_limits(model_name, model_cfg)
+        max_state, max_action = limits[STATE_KEY][1], limits[ACTION_KEY][1]
         specs = tuple(
             EmbodimentSpec(
                 name=f"robot{i}",
@@ -74,7 +73,7 @@ def ensure_synthetic(
             layout=syn.layout,
             num_episodes=syn.num_episodes,
             episode_length=(syn.episode_length, syn.episode_length),
-            image_size=_SYNTHETIC_IMAGE_HW.get(model_name, (56, 56)),
+            image_size=policy(model_name).synthetic_image_hw,
             embodiments=specs,
             seed=syn.seed,
         )
@@ -249,8 +248,9 @@ def open_dataset(
 
     Each sample carries an action chunk of ``horizon`` steps (``delta_timestamps``) with
     ``action_is_pad``; state and action are min-max normalised to [-1, 1] from the stats:
-    ``stats_for(index, tag, meta)`` (a checkpoint's, ``reference_formats``) where it gives
-    some, else the sub-dataset's ``meta/stats.json``.
+    ``stats_for(index, names, meta)`` (a checkpoint's for sub-dataset ``index`` of those
+    named ``names``, ``reference_formats``) where it gives some, else the sub-dataset's
+    ``meta/stats.json``.
     """
     roots = dataset_roots(root)
     metas = [LeRobotMetadata.load(r) for r in roots]
@@ -285,9 +285,9 @@ def open_dataset(
     eval_parts: list[LeRobotDataset] = []
     norm_stats, from_checkpoint = [], []
     modes = {STATE_KEY: "min_max", ACTION_KEY: "min_max"}
-    tags = embodiment_tags([r.name for r in roots])
+    names = [r.name for r in roots]
     for emb_id, (ds_root, meta, out) in enumerate(zip(roots, metas, held, strict=True)):
-        given = stats_for(emb_id, tags[emb_id], meta) if stats_for is not None else None
+        given = stats_for(emb_id, names, meta) if stats_for is not None else None
         used = (
             dict(given)
             if given is not None

@@ -1,31 +1,32 @@
-"""LeRobot samples -> the batch dict a policy's ``forward`` takes (GR00T N1.6, pi0.5).
+"""LeRobot samples -> the batch dict a policy's ``forward`` takes, shaped by its
+``PolicyBatchSpec`` (``PolicyFamily.batch_spec``).
 
-Both policies take ``images [B, n_cams, 3, H, W]``, uint8 as decoded (float in [0, 1] where
+The policies take ``images [B, n_cams, 3, H, W]``, uint8 as decoded (float in [0, 1] where
 cameras of different sizes are resized to the model's image size first:
 ``PolicyBatchSpec.resize_cameras``),
 ``input_ids``/``attention_mask``, padded ``state``/``state_mask`` and
 ``action``/``action_mask`` (``action_mask`` combines the ``action_is_pad`` steps of
 ``delta_timestamps`` with the padded dims);
-GR00T also takes ``embodiment_id`` and pi0.5 an ``image_mask`` for missing cameras.
+and, as their spec asks, ``embodiment_id`` and an ``image_mask`` for missing cameras.
 
-With a Hugging Face tokenizer (``model.tokenizer``) pi0.5 tokenises LeRobot's prompt, the
-task and the normalised state as text (``models.pi05.processor.PromptTokenizer``), padded
-to LeRobot's ``tokenizer_max_length``, and GR00T Isaac-GR00T N1.6's chat prompt with one
-``<IMG_CONTEXT>`` per image token (``models.groot_n1_6.processor.GrootPromptTokenizer``).
-Otherwise (from-scratch runs) task strings go through ``ByteTokenizer``, a deterministic
-byte-level stand-in that no pretrained language model understands.
+With a Hugging Face tokenizer (``model.tokenizer``) the prompts are the policy's reference
+processor's (``PolicyFamily.prompts``: e.g. pi0.5 tokenises LeRobot's prompt, GR00T
+Isaac-GR00T N1.6's chat prompt). Otherwise (from-scratch runs) task strings go through
+``ByteTokenizer``, a deterministic byte-level stand-in that no pretrained language model
+understands.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from longboat.embodied.models.common.image_preprocessing import resize_with_pad, unit_float
+from longboat.embodied.models.family import PolicyBatchSpec
+from longboat.embodied.models.registry import policy
 
 STATE_KEY = "observation.state"
 ACTION_KEY = "action"
@@ -44,40 +45,9 @@ class ByteTokenizer:
         return [1 + b % (self.limit - 1) for b in text.encode("utf-8")]
 
 
-@dataclass(frozen=True)
-class PolicyBatchSpec:
-    """Shapes a policy expects, read from its config."""
-
-    max_state_dim: int
-    """State is zero-padded to this many dims."""
-    action_dim: int
-    """Actions are zero-padded to this many dims."""
-    horizon: int
-    """Action-chunk length (``delta_timestamps`` of the action key)."""
-    max_text_tokens: int
-    """Prompt tokens kept per sample (the rest is cut)."""
-    vocab_limit: int
-    """Text ids are drawn below this (keeps special ids such as the image token free)."""
-    num_cameras: int | None
-    """Cameras the model expects (missing ones are zero images masked out); None: as read."""
-    with_embodiment: bool
-    """Emit ``embodiment_id`` (category-specific layers)."""
-    with_image_mask: bool
-    """Emit ``image_mask`` (pi0.5)."""
-    image_size: tuple[int, int] = (0, 0)
-    """The model's image size (``input_image_size()`` of its config)."""
-    pad_to_size: bool = False
-    """Resize to ``image_size`` keeping the aspect ratio with black padding (openpi's
-    ``resize_with_pad``, pi0.5); False: a plain bilinear resize (GR00T)."""
-    resize_cameras: bool = False
-    """Resize every frame not at ``image_size`` (the cameras differ in size). False: frames
-    go to the model as read (its own preprocessing resizes them), unless a batch's frames
-    differ in size after all."""
-
-
 def feature_limits(model_name: str, cfg: Any) -> dict[str, tuple[str, int]]:
     """``{feature: (model config key, width)}``: the widest state and action a policy takes."""
-    action_key = "max_action_dim" if model_name == "groot_n1_6" else "action_dim"
+    action_key = policy(model_name).action_width_key
     return {
         STATE_KEY: ("max_state_dim", int(cfg.max_state_dim)),
         ACTION_KEY: (action_key, int(getattr(cfg, action_key))),
@@ -92,43 +62,12 @@ def batch_spec(
     *,
     resize_cameras: bool = False,
 ) -> PolicyBatchSpec:
-    """The ``PolicyBatchSpec`` of a built policy config (groot_n1_6 or pi05); ``image_hw`` is
-    the frame size batches carry (the model's ``input_image_size()`` with
+    """The ``PolicyBatchSpec`` of a built policy config (the policy's ``batch_spec``);
+    ``image_hw`` is the frame size batches carry (the model's ``input_image_size()`` with
     ``resize_cameras``)."""
     if resize_cameras:
         image_hw = tuple(cfg.input_image_size())
-    if model_name == "groot_n1_6":
-        image_tokens = num_cameras * cfg.tokens_per_image(*image_hw)
-        text = max(4, min(32, cfg.max_seq_len - image_tokens))
-        return PolicyBatchSpec(
-            max_state_dim=cfg.max_state_dim,
-            action_dim=cfg.max_action_dim,
-            horizon=cfg.action_horizon,
-            max_text_tokens=text,
-            vocab_limit=min(cfg.llm.vocab_size, cfg.image_token_id),
-            num_cameras=None,
-            with_embodiment=True,
-            with_image_mask=False,
-            image_size=tuple(cfg.input_image_size()),
-            pad_to_size=False,
-            resize_cameras=resize_cameras,
-        )
-    if model_name == "pi05":
-        text = max(4, min(32, cfg.max_token_len - cfg.max_state_dim))
-        return PolicyBatchSpec(
-            max_state_dim=cfg.max_state_dim,
-            action_dim=cfg.action_dim,
-            horizon=cfg.action_horizon,
-            max_text_tokens=text,
-            vocab_limit=cfg.llm.vocab_size,
-            num_cameras=getattr(cfg, "num_cameras", None),
-            with_embodiment=False,
-            with_image_mask=True,
-            image_size=tuple(cfg.input_image_size()),
-            pad_to_size=True,
-            resize_cameras=resize_cameras,
-        )
-    raise ValueError(f"no batch spec for model.name={model_name!r}; use groot_n1_6 or pi05")
+    return policy(model_name).batch_spec(cfg, num_cameras, image_hw, resize_cameras=resize_cameras)
 
 
 def _pad_last(x: torch.Tensor, size: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,10 +118,8 @@ class PolicyCollator:
         """``fixed_text_length``: pad the text to ``spec.max_text_tokens`` in every batch (not
         to the batch's longest), so every batch has the same shapes (a CUDA-graphed step).
         ``prompts``: a Hugging Face tokenizer's prompts, called with the tasks, the states and
-        the frames' layout (pi0.5's ``PromptTokenizer``: the task and the normalised state as
-        text, always its ``max_length`` tokens; GR00T's ``GrootPromptTokenizer``: Isaac-GR00T's
-        chat prompt with the image placeholders); None: the task alone through
-        ``ByteTokenizer``."""
+        the frames' layout (the policy's ``PromptProcessor.build``); None: the task alone
+        through ``ByteTokenizer``."""
         self.spec = spec
         self.camera_keys = list(camera_keys)
         self.fixed_text_length = fixed_text_length

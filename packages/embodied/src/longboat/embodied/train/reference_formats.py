@@ -1,6 +1,7 @@
-"""What a run takes from and gives back to the reference formats besides weights: the
-prompt tokenizer (pi0.5: LeRobot's prompt; GR00T: Isaac-GR00T's), the normaliser statistics of an Isaac-GR00T checkpoint (GR00T),
-and the export in LeRobot's or Isaac-GR00T's layout at the end (``export.format``)."""
+"""What a run takes from and gives back to its policy's reference formats besides weights:
+the prompt tokenizer (``PolicyFamily.prompts``), the normaliser statistics of a released
+checkpoint (``CheckpointAdapter.statistics``), and the export in a reference format at the
+end (``export.format``, ``PolicyFamily.export_formats``)."""
 
 from __future__ import annotations
 
@@ -11,66 +12,63 @@ from typing import Any
 from longboat.core.config.errors import ConfigError
 from longboat.embodied.data import LeRobotMetadata
 from longboat.embodied.models import hf_backbones
-from longboat.embodied.models.pi05 import processor as pi05_processor
+from longboat.embodied.models.registry import policy
 from longboat.embodied.train.policy_batch import ACTION_KEY, STATE_KEY
-
-FORMAT_DIRS = {"lerobot": "lerobot", "isaac": "isaac"}
-"""Sub-folder of the export directory each reference format is written to."""
-FORMAT_NAMES = {"lerobot": "LeRobot pi0.5", "isaac": "Isaac-GR00T N1.6"}
 
 
 def run_tokenizer(cfg: Any) -> Path | None:
     """The tokenizer directory of a run (``model.tokenizer``, else found in
     ``model.init_from``); None for from-scratch runs without one. A run whose pretrained
     language model needs one and has none is a ConfigError naming ``model.tokenizer``
-    (pi0.5 from LeRobot / PaliGemma weights, GR00T from the released Eagle backbone)."""
-    processor = _family_processor(cfg.model.name)
-    found = processor.find_tokenizer(cfg.model.tokenizer, cfg.model.init_from)
-    if found is None and processor.needs_tokenizer(cfg.model.init_from):
-        raise processor.missing_tokenizer_error(cfg.model.init_from)
+    (e.g. pi0.5 from LeRobot / PaliGemma weights, GR00T from the released Eagle backbone),
+    and so is a tokenizer for a policy that reads none."""
+    prompts = policy(cfg.model.name).prompts
+    if prompts is None:
+        if cfg.model.tokenizer:
+            raise ConfigError(
+                f"model.name={cfg.model.name} reads no Hugging Face tokenizer's prompts",
+                key="model.tokenizer",
+                value=cfg.model.tokenizer,
+                fix="set model.tokenizer=null (the byte-level stand-in tokenizer)",
+            )
+        return None
+    found = prompts.find_tokenizer(cfg.model.tokenizer, cfg.model.init_from)
+    if found is None and prompts.needs_tokenizer(cfg.model.init_from):
+        raise prompts.missing_tokenizer_error(cfg.model.init_from)
     return found
 
 
-def _family_processor(name: str) -> Any:
-    if name == "groot_n1_6":
-        from longboat.embodied.models.groot_n1_6 import processor
-
-        return processor
-    return pi05_processor
-
-
 def prompt_tokenizer(path: Path, model_name: str, model_cfg: Any) -> Any:
-    """The run's prompt tokenizer, checked against the model before it is built: pi0.5's
-    ``PromptTokenizer`` (LeRobot's ``tokenizer_max_length`` tokens, no id past the
-    vocabulary), GR00T's ``GrootPromptTokenizer`` (Eagle's image tokens, the model's image
-    token id, no id past the vocabulary)."""
-    if model_name == "groot_n1_6":
-        from longboat.embodied.models.groot_n1_6.processor import GrootPromptTokenizer
-
-        return GrootPromptTokenizer(path, model_cfg)
-    tokenizer = pi05_processor.PromptTokenizer(path, model_cfg.prompt_length())
-    if tokenizer.vocab_size > model_cfg.llm.vocab_size:
+    """The run's prompt tokenizer (the policy's ``PromptProcessor.build``), checked against
+    the model before it is built (e.g. no id past the vocabulary)."""
+    prompts = policy(model_name).prompts
+    if prompts is None:
         raise ConfigError(
-            f"has {tokenizer.vocab_size} ids, more than the model's vocabulary of "
-            f"{model_cfg.llm.vocab_size}",
+            f"model.name={model_name} reads no Hugging Face tokenizer's prompts",
             key="model.tokenizer",
             value=str(path),
-            fix="use the tokenizer the checkpoint was trained with (PaliGemma's for pi0.5)",
         )
-    return tokenizer
+    return prompts.build(path, model_cfg)
 
 
 def checkpoint_statistics(cfg: Any) -> Any:
-    """For a GR00T run from an Isaac-GR00T directory: ``stats_for(index, tag, meta)``, the
-    checkpoint's statistics of a sub-dataset's tag (None where it has none); else None."""
+    """For a run from a released checkpoint that carries normaliser statistics:
+    ``stats_for(index, names, meta)``, the checkpoint's statistics of sub-dataset ``index``
+    of those named ``names`` (None where it has none); else None."""
     init_from = cfg.model.init_from
-    if cfg.model.name != "groot_n1_6" or not init_from or hf_backbones.is_hf_backbone(init_from):
+    checkpoints = policy(cfg.model.name).checkpoints
+    if (
+        checkpoints is None
+        or checkpoints.statistics is None
+        or not init_from
+        or hf_backbones.is_hf_backbone(init_from)
+    ):
         return None
-    from longboat.embodied.models.groot_n1_6.isaac_processor import checkpoint_stats
+    statistics = checkpoints.statistics
 
-    def stats_for(index: int, tag: str, meta: LeRobotMetadata) -> Mapping[str, Any] | None:
+    def stats_for(index: int, names: list[str], meta: LeRobotMetadata) -> Mapping[str, Any] | None:
         widths = {k: int(meta.features[k]["shape"][0]) for k in (STATE_KEY, ACTION_KEY)}
-        return checkpoint_stats(init_from, tag, widths)
+        return statistics(init_from, names, index, widths)
 
     return stats_for
 
@@ -81,32 +79,29 @@ def plan_export(cfg: Any, model_cfg: Any, num_datasets: int) -> tuple[str, str |
     fmt = cfg.export.format
     if not cfg.export.enabled or fmt == "native":
         return "native", None
-    if cfg.model.name == "groot_n1_6":
-        return "isaac", None
-    why = None
-    if not getattr(model_cfg, "state_in_prompt", False):
-        why = (
-            "the byte-level stand-in tokenizer spells no state in the prompt (set "
-            "model.tokenizer=<dir> for LeRobot's prompt)"
+    family = policy(cfg.model.name)
+    chosen = family.export_format(fmt) if fmt != "auto" else next(iter(family.export_formats), None)
+    if chosen is None:
+        if fmt == "auto":
+            return "native", None
+        formats = [f.name for f in family.export_formats]
+        raise ConfigError(
+            f"model.name={cfg.model.name} is written in "
+            + (", ".join(formats) if formats else "no reference format"),
+            key="export.format",
+            value=fmt,
+            fix="use export.format=auto or native",
         )
-    elif model_cfg.image.crop_fraction != 1.0:
-        why = (
-            f"the policy crops its frames (image.crop_fraction={model_cfg.image.crop_fraction}), "
-            "LeRobot's pi0.5 does not"
-        )
-    elif num_datasets > 1:
-        why = (
-            f"{num_datasets} sub-datasets, and LeRobot's pi0.5 normaliser holds one set of "
-            "statistics"
-        )
+    why = chosen.unavailable(model_cfg, num_datasets)
     if why is None:
-        return "lerobot", None
-    if fmt == "lerobot":
+        return chosen.name, None
+    if fmt != "auto":
         raise ConfigError(f"cannot be written for this run: {why}", key="export.format", value=fmt)
     return "native", why
 
 
 def write_export(
+    model_name: str,
     fmt: str,
     export_dir: Path,
     *,
@@ -115,19 +110,16 @@ def write_export(
     cameras: list[str],
     stats: list[dict[str, Any]],
 ) -> Path:
-    """Write the native export ``export_dir`` in ``fmt`` into ``export_dir/<fmt>`` with the
-    statistics each sub-dataset was normalised with; returns that directory."""
-    from longboat.embodied.train import lerobot_export
-
-    out = export_dir / FORMAT_DIRS[fmt]
-    if fmt == "lerobot":
-        return lerobot_export.export_lerobot_pi05(
-            export_dir, out, dataset=root, tokenizer=tokenizer, stats=stats[0]
-        )
-    embodiments = lerobot_export.run_embodiments(root, cameras, stats)
-    out = lerobot_export.export_groot(export_dir, out, dataset=root, embodiments=embodiments)
-    if tokenizer is not None:  # model.init_from finds it there (Isaac-GR00T reads past it)
-        from longboat.embodied.models.groot_n1_6 import processor
-
-        processor.copy_tokenizer(tokenizer, out / processor.TOKENIZER_DIR)
-    return out
+    """Write the native export ``export_dir`` of a ``model_name`` run in ``fmt`` into
+    ``export_dir/<fmt>`` with the statistics each sub-dataset was normalised with; returns
+    that directory."""
+    chosen = policy(model_name).export_format(fmt)
+    assert chosen is not None, fmt  # plan_export chose it
+    return chosen.write(
+        export_dir,
+        export_dir / chosen.name,
+        root=root,
+        tokenizer=tokenizer,
+        cameras=cameras,
+        stats=stats,
+    )

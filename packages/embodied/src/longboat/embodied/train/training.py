@@ -48,6 +48,7 @@ from longboat.embodied.config import (
 )
 from longboat.embodied.models import apply_freezing, build_model, hf_backbones
 from longboat.embodied.models.init_from import load_initial_weights, resolve_model_config
+from longboat.embodied.models.registry import policy
 from longboat.embodied.parallel import (
     MasterWeightAdamW,
     ParallelSetup,
@@ -69,7 +70,6 @@ from longboat.embodied.train.policy_batch import (
     to_device,
 )
 from longboat.embodied.train.reference_formats import (
-    FORMAT_NAMES,
     checkpoint_statistics,
     plan_export,
     prompt_tokenizer,
@@ -115,15 +115,13 @@ class RunData:
 
 def model_overrides(cfg: EmbodiedExperimentConfig, *, tokenizer: bool = False) -> dict[str, Any]:
     """``model.overrides`` as the family config gets them; ``tokenizer``: the prompts come
-    from a Hugging Face tokenizer, so pi0.5 takes LeRobot's pi0.5 inputs (the state spelled
-    in the prompt; frames not cropped inside the policy, as LeRobot's are not) and GR00T
-    Isaac-GR00T's (the image placeholders are in the prompt)."""
+    from a Hugging Face tokenizer, so the policy takes its reference processor's inputs
+    (``PromptProcessor.config_overrides``: e.g. pi0.5 LeRobot's, GR00T Isaac-GR00T's)."""
     overrides = dict(cfg.model.overrides)
-    if tokenizer and cfg.model.name == "pi05":
-        overrides.setdefault("state_in_prompt", True)
-        overrides.setdefault("image.crop_fraction", 1.0)
-    if tokenizer and cfg.model.name == "groot_n1_6":
-        overrides.setdefault("image_tokens_in_text", True)
+    prompts = policy(cfg.model.name).prompts
+    if tokenizer and prompts is not None:
+        for key, value in prompts.config_overrides.items():
+            overrides.setdefault(key, value)
     # fp32 runs keep frozen weights in fp32 too (the bf16 split is the reference's
     # mixed-precision layout; without autocast it would only cost accuracy).
     if cfg.train.precision == "fp32":
@@ -141,8 +139,8 @@ def open_run_data(
 ) -> RunData:
     """The dataset (synthetic on first use when ``data.path`` is null), its collator (prompts
     through ``prompts``, a Hugging Face tokenizer's, when given) and the global batch
-    plan; an Isaac-GR00T ``model.init_from``'s statistics normalise the sub-datasets whose
-    tag it knows."""
+    plan; a released ``model.init_from``'s statistics (e.g. Isaac-GR00T's) normalise the
+    sub-datasets whose tag it knows."""
     root = (
         Path(cfg.data.path)
         if cfg.data.path
@@ -476,6 +474,7 @@ class EmbodiedTraining(Training):
         if self.export_format != "native":
             if self.is_main:  # from the files just written: one process, no collective
                 self.reference_export = write_export(
+                    cfg.model.name,
                     self.export_format,
                     out,
                     root=self.data.root,
@@ -554,12 +553,10 @@ class EmbodiedTraining(Training):
     def _prompt_line(self) -> str:
         if self.prompts is not None:
             return self.prompts.describe()
-        wanted = (
-            "set model.tokenizer=<dir> for LeRobot's pi0.5 prompt"
-            if self.cfg.model.name == "pi05"
-            else "set model.tokenizer=<dir> (nvidia/Eagle-Block2A-2B-v2's tokenizer) for "
-            "Isaac-GR00T's prompt"
-        )
+        prompts = policy(self.cfg.model.name).prompts
+        if prompts is None:
+            return "Prompts: task text through the byte-level stand-in tokenizer (ByteTokenizer)."
+        wanted = prompts.hint
         if self._pretrained_lm():  # only where that LM may have learnt the stand-in's ids
             return (
                 "Prompts: task text through the byte-level stand-in tokenizer (ByteTokenizer), "
@@ -585,11 +582,9 @@ class EmbodiedTraining(Training):
         if result.export_dir is None:
             return []
         lines = [f"Policy:      {result.export_dir} (load_exported_policy)"]
-        if self.reference_export is not None:
-            lines.append(
-                f"{FORMAT_NAMES[self.export_format]}: {self.reference_export} (model.init_from"
-                + (", PI05Policy.from_pretrained)" if self.export_format == "lerobot" else ")")
-            )
+        chosen = policy(self.cfg.model.name).export_format(self.export_format)
+        if self.reference_export is not None and chosen is not None:
+            lines.append(f"{chosen.label}: {self.reference_export} ({chosen.loaded_by})")
         return lines
 
 

@@ -1,6 +1,7 @@
-"""GR00T N1.6-style VLA."""
+"""GR00T N1.6-style VLA (``POLICY``: its ``PolicyFamily``)."""
 
 from longboat.embodied.models.groot_n1_6.config import GrootN16Config
 from longboat.embodied.models.groot_n1_6.model import GrootN16
+from longboat.embodied.models.groot_n1_6.policy import POLICY
 
-__all__ = ["GrootN16", "GrootN16Config"]
+__all__ = ["POLICY", "GrootN16", "GrootN16Config"]

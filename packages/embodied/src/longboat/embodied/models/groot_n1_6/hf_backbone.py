@@ -11,7 +11,31 @@ from torch import Tensor
 
 from longboat.embodied.models import hf_backbones
 from longboat.embodied.models.groot_n1_6 import weight_names as wn
-from longboat.embodied.models.hf_backbones import BackboneDir
+from longboat.embodied.models.hf_backbones import BackboneDir, BackboneKind
+
+KINDS = {
+    "siglip2_vision_model": BackboneKind(
+        architecture="Siglip2VisionModel",
+        prefixes=hf_backbones.VISION_ONLY,
+        lm_style="qwen3",
+        square_positions=True,
+    ),
+    "siglip2": BackboneKind(
+        architecture="Siglip2Model",
+        prefixes=hf_backbones.DUAL_VISION,
+        ignored=hf_backbones.DUAL_IGNORED,
+        lm_style="qwen3",
+        square_positions=True,
+    ),
+    "qwen3": BackboneKind(
+        architecture="Qwen3ForCausalLM",
+        prefixes=hf_backbones.LM_ONLY,
+        ignored=("lm_head.",),
+        lm_style="qwen3",
+        square_positions=True,
+    ),
+}
+"""The Hugging Face backbones GR00T N1.6 initialises from (``model_type`` -> kind)."""
 
 TARGETS = {"vision": wn.ISAAC_VISION, "llm": wn.ISAAC_LLM}
 """Backbone part -> its prefix in the Isaac-GR00T layout."""

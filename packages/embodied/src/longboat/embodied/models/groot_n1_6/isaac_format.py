@@ -22,20 +22,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-from torch import Tensor
+from safetensors.torch import save_file
 
-from longboat.core.checkpoint.errors import CheckpointError
 from longboat.core.config.errors import ConfigError
+from longboat.embodied.models.common.checkpoint_files import (
+    WEIGHTS_NAME,
+    read_shapes,
+    read_tensors,
+)
 from longboat.embodied.models.common.dit import DiTConfig
 from longboat.embodied.models.groot_n1_6 import config as groot_config
 from longboat.embodied.models.groot_n1_6.config import GrootN16Config
 from longboat.embodied.models.groot_n1_6.weight_names import from_isaac, to_isaac
 
 CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 MODEL_TYPE = "Gr00tN1d6"
 
 EAGLE_VARIANTS = {
@@ -240,53 +240,6 @@ def isaac_config_for(model: torch.nn.Module, base: dict[str, Any] | None = None)
         tune_top_llm_layers=cfg.tune_top_llm_layers,
         load_bf16=cfg.frozen_dtype == "bfloat16",
     )
-    return out
-
-
-# ---- weight files ------------------------------------------------------------------------
-
-
-def weight_files(directory: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint: ``model.safetensors`` or the shards its
-    ``model.safetensors.index.json`` lists."""
-    directory = Path(directory)
-    single, index = directory / WEIGHTS_NAME, directory / INDEX_NAME
-    if single.is_file():
-        return [single]
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{index} is not a safetensors index ({err})") from err
-        files = [directory / f for f in sorted(set(weight_map.values()))]
-        absent = [str(f) for f in files if not f.is_file()]
-        if absent:
-            raise CheckpointError(f"{index} lists shards that do not exist: {absent}")
-        return files
-    raise CheckpointError(f"{directory} holds neither {WEIGHTS_NAME} nor {INDEX_NAME}")
-
-
-def read_shapes(directory: str | Path) -> dict[str, Tensor]:
-    """Every tensor of a checkpoint as a meta tensor of its shape (nothing is read)."""
-    out: dict[str, Tensor] = {}
-    for path in weight_files(directory):
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for k in list(f.keys()):
-                    out[k] = torch.empty(f.get_slice(k).get_shape(), device="meta")
-        except Exception as err:  # safetensors raises its own error types
-            raise CheckpointError(f"{path} is not a readable safetensors file ({err})") from err
-    return out
-
-
-def read_tensors(directory: str | Path) -> dict[str, Tensor]:
-    """Every tensor of a checkpoint (all shards), on the CPU."""
-    out: dict[str, Tensor] = {}
-    for path in weight_files(directory):
-        try:
-            out.update(load_file(str(path)))
-        except Exception as err:  # safetensors raises its own error types
-            raise CheckpointError(f"{path} is not a readable safetensors file ({err})") from err
     return out
 
 

@@ -40,10 +40,8 @@ from longboat.embodied.models.common.freezing import FreezingGroups
 from longboat.embodied.models.groot_n1_6.action_head import GrootActionHead
 from longboat.embodied.models.groot_n1_6.backbone import EagleBackbone
 from longboat.embodied.models.groot_n1_6.config import GrootN16Config
-from longboat.embodied.models.registry import register_model
 
 
-@register_model("groot_n1_6")
 class GrootN16(nn.Module):
     """GR00T N1.6-style VLA (our implementation, random init)."""
 

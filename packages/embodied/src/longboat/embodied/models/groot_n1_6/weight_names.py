@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor
 
-from longboat.core.checkpoint.errors import CheckpointError
+from longboat.embodied.models.common.checkpoint_files import mismatch_report, raise_on_mismatch
 from longboat.embodied.models.groot_n1_6.config import GrootN16Config
 
 ISAAC_VISION = "backbone.model.vision_model.vision_model."
@@ -161,51 +161,6 @@ def to_isaac(model: torch.nn.Module) -> dict[str, Tensor]:
             out[name] = t
     out[ISAAC_PATCH_WEIGHT] = conv_to_linear_patch(ours["backbone.vision." + PATCH_WEIGHT])
     return {k: v.contiguous().clone() for k, v in out.items()}
-
-
-def mismatch_report(
-    want: Mapping[str, tuple[int, ...]],
-    have: Mapping[str, Tensor],
-    *,
-    ignored: tuple[str, ...] = (),
-) -> tuple[list[str], list[str], list[str]]:
-    """(missing, unexpected, mis-shaped) keys of ``have`` against ``want``; keys starting
-    with an ``ignored`` prefix are never unexpected."""
-    missing = sorted(k for k in want if k not in have)
-    unexpected = sorted(k for k in have if k not in want and not k.startswith(ignored))
-    misshaped = [
-        f"{k}: {tuple(have[k].shape)} in the file, {tuple(want[k])} expected"
-        for k in sorted(want)
-        if k in have and tuple(have[k].shape) != tuple(want[k])
-    ]
-    return missing, unexpected, misshaped
-
-
-def raise_on_mismatch(
-    source: str,
-    what: str,
-    report: tuple[list[str], list[str], list[str]],
-    fix: str,
-    *,
-    note: str | None = None,
-) -> None:
-    """One CheckpointError listing every missing / unexpected / mis-shaped key (if any)."""
-    missing, unexpected, misshaped = report
-    if not (missing or unexpected or misshaped):
-        return
-    lines = [f"{source} does not fit {what}:"]
-    for title, keys in (
-        ("missing", missing),
-        ("unexpected", unexpected),
-        ("mis-shaped", misshaped),
-    ):
-        if keys:
-            shown = keys[:20] + ([f"... and {len(keys) - 20} more"] if len(keys) > 20 else [])
-            lines.append(f"  {len(keys)} {title}: " + ", ".join(shown))
-    if note:
-        lines.append(f"  {note}")
-    lines.append(f"  Fix: {fix}")
-    raise CheckpointError("\n".join(lines))
 
 
 def from_isaac(

@@ -1,6 +1,7 @@
-"""pi0.5-style VLA."""
+"""pi0.5-style VLA (``POLICY``: its ``PolicyFamily``)."""
 
 from longboat.embodied.models.pi05.config import Pi05Config
 from longboat.embodied.models.pi05.model import Pi05
+from longboat.embodied.models.pi05.policy import POLICY
 
-__all__ = ["Pi05", "Pi05Config"]
+__all__ = ["POLICY", "Pi05", "Pi05Config"]

@@ -10,8 +10,28 @@ import torch
 from torch import Tensor
 
 from longboat.embodied.models import hf_backbones
-from longboat.embodied.models.hf_backbones import BackboneDir
+from longboat.embodied.models.hf_backbones import BackboneDir, BackboneKind
 from longboat.embodied.models.pi05 import lerobot_format as lf
+
+KINDS = {
+    "paligemma": BackboneKind(
+        architecture="PaliGemmaForConditionalGeneration",
+        prefixes=hf_backbones.PALIGEMMA_PREFIXES,
+        ignored=("lm_head.",),
+    ),
+    "siglip_vision_model": BackboneKind(
+        architecture="SiglipVisionModel", prefixes=hf_backbones.VISION_ONLY
+    ),
+    "siglip": BackboneKind(
+        architecture="SiglipModel",
+        prefixes=hf_backbones.DUAL_VISION,
+        ignored=hf_backbones.DUAL_IGNORED,
+    ),
+    "gemma": BackboneKind(
+        architecture="GemmaForCausalLM", prefixes=hf_backbones.LM_ONLY, ignored=("lm_head.",)
+    ),
+}
+"""The Hugging Face backbones pi0.5 initialises from (``model_type`` -> kind)."""
 
 TARGETS = {
     "vision": lf.VISION_PREFIX,

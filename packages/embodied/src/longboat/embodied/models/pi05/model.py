@@ -41,7 +41,6 @@ from longboat.embodied.models.common.layers import AdaRMSNorm, sincos_period_emb
 from longboat.embodied.models.common.vit import VisionTransformer
 from longboat.embodied.models.pi05.config import Pi05Config
 from longboat.embodied.models.pi05.joint import JointTransformer
-from longboat.embodied.models.registry import register_model
 
 
 def discretize_state(state: Tensor, num_bins: int) -> Tensor:
@@ -52,7 +51,6 @@ def discretize_state(state: Tensor, num_bins: int) -> Tensor:
     return idx.clamp(0, num_bins - 1)
 
 
-@register_model("pi05")
 class Pi05(nn.Module):
     """pi0.5-style VLA (our implementation, random init)."""
 

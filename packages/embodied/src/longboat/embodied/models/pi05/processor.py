@@ -201,3 +201,18 @@ class PromptTokenizer:
             f"Prompts: pi0.5's 'Task: ..., State: ...;\\nAction: ' tokenised by {self.path} "
             f"({self.vocab_size} ids, padded / cut to {self.max_length} tokens)."
         )
+
+
+def build_prompt_tokenizer(path: Path, cfg: Any) -> PromptTokenizer:
+    """The run's ``PromptTokenizer`` (LeRobot's ``tokenizer_max_length`` tokens), checked
+    against the model before it is built: no id past its vocabulary."""
+    tokenizer = PromptTokenizer(path, cfg.prompt_length())
+    if tokenizer.vocab_size > cfg.llm.vocab_size:
+        raise ConfigError(
+            f"has {tokenizer.vocab_size} ids, more than the model's vocabulary of "
+            f"{cfg.llm.vocab_size}",
+            key="model.tokenizer",
+            value=str(path),
+            fix="use the tokenizer the checkpoint was trained with (PaliGemma's for pi0.5)",
+        )
+    return tokenizer

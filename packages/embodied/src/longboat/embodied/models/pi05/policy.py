@@ -1,0 +1,113 @@
+"""pi0.5 as longboat-embodied sees it: its ``PolicyFamily`` (``registry`` finds ``POLICY``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from longboat.core.checkpoint.errors import CheckpointError
+from longboat.embodied.models.family import (
+    BackboneAdapter,
+    CheckpointAdapter,
+    ExportFormat,
+    PolicyBatchSpec,
+    PolicyFamily,
+    PromptProcessor,
+)
+from longboat.embodied.models.pi05 import hf_backbone, lerobot_export, processor
+from longboat.embodied.models.pi05.config import Pi05Config
+from longboat.embodied.models.pi05.flops import flops_per_sample
+from longboat.embodied.models.pi05.lerobot_format import (
+    WEIGHTS_NAME,
+    config_from_lerobot,
+    from_lerobot_state_dict,
+    load_lerobot_weights,
+    read_lerobot_config,
+)
+from longboat.embodied.models.pi05.model import Pi05
+from longboat.embodied.models.registry import apply_overrides
+
+
+def batch_spec(
+    cfg: Pi05Config,
+    num_cameras: int,
+    image_hw: tuple[int, int],
+    *,
+    resize_cameras: bool = False,
+) -> PolicyBatchSpec:
+    """pi0.5's batches: ``cfg.num_cameras`` camera slots with an ``image_mask``, frames
+    padded to its square image size, text and discrete state tokens within
+    ``max_token_len``."""
+    text = max(4, min(32, cfg.max_token_len - cfg.max_state_dim))
+    return PolicyBatchSpec(
+        max_state_dim=cfg.max_state_dim,
+        action_dim=cfg.action_dim,
+        horizon=cfg.action_horizon,
+        max_text_tokens=text,
+        vocab_limit=cfg.llm.vocab_size,
+        num_cameras=getattr(cfg, "num_cameras", None),
+        with_embodiment=False,
+        with_image_mask=True,
+        image_size=tuple(cfg.input_image_size()),
+        pad_to_size=True,
+        resize_cameras=resize_cameras,
+    )
+
+
+def resolve_lerobot_config(overrides: Mapping[str, Any], init_from: str) -> Pi05Config:
+    """A LeRobot pi0.5 policy's architecture + ``overrides``; its weights' names and shapes
+    checked (a CheckpointError listing every mismatch)."""
+    from longboat.embodied.models.common.checkpoint_files import read_shapes
+
+    cfg = apply_overrides(config_from_lerobot(read_lerobot_config(init_from)), overrides)
+    path = Path(init_from) / WEIGHTS_NAME
+    if not path.is_file():
+        raise CheckpointError(f"{path} does not exist (a LeRobot policy holds model.safetensors)")
+    with torch.device("meta"):
+        model = Pi05(cfg)
+    from_lerobot_state_dict(model, read_shapes(init_from), source=str(path))
+    return cfg
+
+
+POLICY = PolicyFamily(
+    name="pi05",
+    config_class=Pi05Config,
+    model_class=Pi05,
+    batch_spec=batch_spec,
+    action_width_key="action_dim",
+    synthetic_image_hw=(56, 56),
+    prompts=PromptProcessor(
+        find_tokenizer=processor.find_tokenizer,
+        needs_tokenizer=processor.needs_tokenizer,
+        missing_tokenizer_error=processor.missing_tokenizer_error,
+        build=processor.build_prompt_tokenizer,
+        # LeRobot's pi0.5 inputs: the state spelled in the prompt, frames not cropped inside
+        # the policy (LeRobot's are not).
+        config_overrides={"state_in_prompt": True, "image.crop_fraction": 1.0},
+        hint="set model.tokenizer=<dir> for LeRobot's pi0.5 prompt",
+    ),
+    checkpoints=CheckpointAdapter(
+        description="LeRobot pi0.5 policies (e.g. lerobot/pi05_base)",
+        resolve_config=resolve_lerobot_config,
+        load_weights=load_lerobot_weights,
+    ),
+    backbones=BackboneAdapter(
+        kinds=hf_backbone.KINDS,
+        backbone_state=hf_backbone.backbone_state,
+        initialised_parts=hf_backbone.initialised_parts,
+    ),
+    export_formats=(
+        ExportFormat(
+            name="lerobot",
+            label="LeRobot pi0.5",
+            loaded_by="model.init_from, PI05Policy.from_pretrained",
+            write=lerobot_export.write_run_export,
+            convert=lerobot_export.convert,
+            unavailable=lerobot_export.unavailable,
+        ),
+    ),
+    flops_per_sample=flops_per_sample,
+)
