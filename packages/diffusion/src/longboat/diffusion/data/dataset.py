@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,9 +36,9 @@ __all__ = ["LatentDataset"]
 
 def _inside(root: Path, file: str, where: str) -> None:
     """``DataError`` unless shard ``file`` of the manifest resolves inside ``root``."""
-    base = root.resolve()
-    target = (root / file).resolve()
-    if not target.is_relative_to(base):
+    base = os.path.abspath(root)
+    target = os.path.abspath(root / file)
+    if os.path.commonpath([base, target]) != base:
         raise DataError(
             f"{where}: shard file {file!r} resolves to {target}, outside the dataset folder "
             f"{base}; a manifest lists only files inside its own folder (a damaged or crafted "
