@@ -130,3 +130,50 @@ def test_crafted_per_rank_state_file_is_refused_naming_it(tmp_path: Path) -> Non
     assert str(crafted) in text and ("os.system" in text or "posix.system" in text)
     assert "weights_only" not in text and "\n" not in text
     assert err.value.exit_code == 2
+
+
+def test_a_training_run_on_a_full_disk_stops_with_one_line_and_keeps_its_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from longboat.core.config.compose import compose_experiment
+    from longboat.core.demo import run
+
+    saves: list[int] = []
+
+    class FillsUpWriter(FileSystemWriter):
+        """The disk fills up at the second checkpoint."""
+
+        def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+            saves.append(1)
+            if len(saves) > 1:
+                _no_space()
+            return super().write_data(plan, planner)
+
+    monkeypatch.setattr(manager_module, "FileSystemWriter", FillsUpWriter)
+    cfg = compose_experiment(
+        "demo",
+        [
+            f"checkpoint.dir={tmp_path / 'ckpt'}",
+            f"logging.dir={tmp_path / 'logs'}",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "train.steps=40",
+            "checkpoint.every_steps=20",
+        ],
+        stack="core",
+    )
+
+    def train() -> int:
+        run(cfg)
+        return 0
+
+    assert _dispatch(train, "longboat") == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert f"saving checkpoint {tmp_path / 'ckpt' / 'step_00000040'} failed: no space" in err
+    assert f"the previous checkpoint {tmp_path / 'ckpt' / 'step_00000020'} is intact" in err
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000020"]
+    monkeypatch.undo()
+    resumed = run(cfg)
+    assert resumed.resumed_from == tmp_path / "ckpt" / "step_00000020"
+    assert (resumed.start_step, resumed.end_step) == (20, 40)
