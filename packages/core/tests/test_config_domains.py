@@ -66,3 +66,24 @@ def test_pixels_range_and_a_warmup_longer_than_the_run() -> None:
     assert "is below data.min_pixels=4096" in problems["data.max_pixels"]
     with pytest.warns(ConfigWarning, match=r"optim.schedule.warmup_steps=50 is longer"):
         assert _keys(_cfg(**{"optim.schedule.warmup_steps": 50, "train.steps": 10})) == {}
+
+
+def test_a_stack_command_refuses_a_negative_lr_before_training(
+    tmp_path, monkeypatch, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    import uuid
+
+    from fake_stack import write_fake_stack
+
+    from longboat.core.cli import stack_main
+
+    site = tmp_path / "site"
+    write_fake_stack(site, "fake", module=f"fake_domains_{uuid.uuid4().hex[:8]}")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    calls: list[object] = []
+    code = stack_main("fake", ["train", "tiny", "optim.lr=-1"], train=calls.append)
+    assert code == 2 and calls == []  # train (data, model) never started
+    err = capsys.readouterr().err
+    assert "optim.lr=-1.0: must be > 0 Fix: set optim.lr to a number above 0" in err
+    assert "Traceback" not in err
