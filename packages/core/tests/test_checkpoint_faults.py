@@ -177,3 +177,16 @@ def test_a_training_run_on_a_full_disk_stops_with_one_line_and_keeps_its_checkpo
     resumed = run(cfg)
     assert resumed.resumed_from == tmp_path / "ckpt" / "step_00000020"
     assert (resumed.start_step, resumed.end_step) == (20, 40)
+
+
+def test_full_disk_during_an_async_save_is_one_error_at_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mgr = _mgr(tmp_path)
+    previous = mgr.save(1, _state(1))
+    monkeypatch.setattr(manager_module, "FileSystemWriter", _FullDiskWriter)
+    mgr.save(2, _state(2), async_save=True)
+    with pytest.raises(CheckpointError) as err:
+        mgr.wait()
+    _assert_full_disk_error(err.value, tmp_path, previous)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000001"]
