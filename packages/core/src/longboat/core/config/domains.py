@@ -56,6 +56,9 @@ DOMAINS: dict[str, str] = {
     "data.num_episodes": "at_least_1",
     "data.episode_length": "at_least_1",
     "data.max_chars": "at_least_1",
+    "data.synthetic.num_episodes": "at_least_1",
+    "data.synthetic.episode_length": "at_least_1",
+    "data.synthetic.num_embodiments": "at_least_1",
     "data.vocab_size": "at_least_1",
     # stack run settings (diffusion checks its own)
     "llm.eval_batches": "non_negative",
