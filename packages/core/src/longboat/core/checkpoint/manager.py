@@ -386,7 +386,8 @@ class CheckpointManager:
             split = split_state(state)
             try:
                 data = serialize_extras(split.extras)
-                needed = (_tensor_bytes(split.sharded) + len(data)) * world
+                # Global tensor sizes (DTensors report theirs; replicas are written once).
+                needed = _tensor_bytes(split.sharded) + len(data) * world
                 _write_file(tmp / f"extra_rank{rank}.pt", data)
             except BaseException as exc:
                 error = _save_failure(exc, self.dir, final, needed)
