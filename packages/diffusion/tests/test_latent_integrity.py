@@ -123,3 +123,28 @@ def test_a_shard_path_outside_the_dataset_folder_is_refused(tmp_path: Path) -> N
     (root / MANIFEST).write_text(json.dumps(m))
     with pytest.raises(DataError, match="outside the dataset folder"):
         LatentDataset(root)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", "folder"])
+def test_a_non_utf8_input_list_names_the_line(tmp_path: Path, suffix: str) -> None:
+    from longboat.diffusion.data.sources import list_sources
+
+    if suffix == ".jsonl":
+        bad = tmp_path / "in.jsonl"
+        bad.write_bytes(
+            b'{"path": "a.png", "caption": "ok"}\n{"path": "b.png", "caption": "\xff"}\n'
+        )
+        given, line = bad, 2
+    elif suffix == ".csv":
+        bad = tmp_path / "in.csv"
+        bad.write_bytes(b"path,caption\na.png,ok\nb.png,caf\xe9\n")
+        given, line = bad, 3
+    else:
+        given = tmp_path / "media"
+        given.mkdir()
+        (given / "a.png").write_bytes(b"")
+        bad = given / "a.txt"
+        bad.write_bytes(b"a red \xff square")
+        line = 1
+    with pytest.raises(DataError, match=rf"^{bad} line {line}: not UTF-8 text \(byte 0x"):
+        list_sources(given)
