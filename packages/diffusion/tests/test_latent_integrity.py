@@ -148,3 +148,13 @@ def test_a_non_utf8_input_list_names_the_line(tmp_path: Path, suffix: str) -> No
         line = 1
     with pytest.raises(DataError, match=rf"^{bad} line {line}: not UTF-8 text \(byte 0x"):
         list_sources(given)
+
+
+def test_inspect_lists_the_samples_holding_nan(tmp_path: Path) -> None:
+    from longboat.diffusion.data.inspection import inspect_dataset
+
+    _write(tmp_path, _records(6, bad={2: float("nan")}))
+    text = inspect_dataset(tmp_path, captions=1)
+    assert "5 samples in 2 shards" in text
+    assert "samples holding NaN / Inf (left out above; training refuses them unless" in text
+    assert "shard-00000.safetensors sample 2 (dataset index 2): latents holds NaN" in text
