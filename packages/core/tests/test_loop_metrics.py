@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,3 +55,19 @@ def test_tensorboard_events_written(tmp_path):
     assert acc.Tags()["scalars"] == ["loss"]  # the string metric is JSONL-only
     values = [(e.step, e.value) for e in acc.Scalars("loss")]
     assert values == [(0, 1.0), (1, pytest.approx(0.5)), (2, pytest.approx(1 / 3))]
+
+
+def test_a_sink_left_open_by_a_failed_run_leaks_no_file(tmp_path: Path) -> None:
+    """A run that dies between rows never closes its sink: no ResourceWarning, rows kept."""
+    import gc
+    import warnings
+
+    sink = MetricsSink(tmp_path, run_name="failed", tensorboard=False)
+    sink.log(1, {"loss": 2.5})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del sink
+        gc.collect()
+    assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
+    rows = (tmp_path / "failed" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 1 and json.loads(rows[0])["loss"] == 2.5

@@ -27,6 +27,7 @@ from longboat.diffusion.data import (
 )
 from longboat.diffusion.data.shards import (
     MANIFEST,
+    file_sha256,
     new_manifest,
     read_manifest,
     write_manifest,
@@ -109,7 +110,9 @@ def test_corruption_names_the_shard_and_sample(tmp_path: Path) -> None:
     # A flipped byte in the tensor data: same size, caught by the checksum.
     data[-3] ^= 0xFF
     shard1.write_bytes(bytes(data))
-    LatentDataset(tmp_path)  # sizes match: opens
+    # Sizes match; the checksum, checked by default, does not.
+    with pytest.raises(DataError, match=r"shard-00001\.safetensors: SHA-256"):
+        LatentDataset(tmp_path)
     with pytest.raises(DataError, match=r"shard-00001\.safetensors: SHA-256"):
         LatentDataset(tmp_path, verify=True)
     # Truncated.
@@ -132,6 +135,7 @@ def test_manifest_disagreeing_with_a_sample_names_it(tmp_path: Path) -> None:
         ds[1]
     (tmp_path / "shards" / "shard-00002.safetensors").write_bytes(b"\x00" * 10)
     m["shards"][2]["bytes"] = 10
+    m["shards"][2]["sha256"] = file_sha256(tmp_path / "shards" / "shard-00002.safetensors")
     (tmp_path / MANIFEST).write_text(json.dumps(m))
     with pytest.raises(DataError, match=r"shard-00002\.safetensors: not a readable"):
         LatentDataset(tmp_path)[6]

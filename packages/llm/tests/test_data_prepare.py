@@ -83,7 +83,7 @@ def test_jsonl_parquet_and_hf_dir_give_the_same_tokens(tok_dir: Path, tmp_path: 
         assert ds.num_tokens == sum(map(len, expected))
         assert tok.decode(ds[5].tolist()) == texts[5] + "<|endoftext|>"
         m = ds.manifest
-        assert m["report"] == {"records": 60, "docs": 60, "skipped_empty": 0}
+        assert m["report"] == {"records": 60, "docs": 60, "skipped_null": 0, "skipped_empty": 0}
         assert m["fingerprint"]["tokenizer"]["sha256"] and m["fingerprint"]["input"][0]["size"] > 0
 
 
@@ -251,7 +251,8 @@ def test_null_and_empty_texts_are_skipped_and_counted(tok_dir: Path, tmp_path: P
         pa.table({"text": ["a quick fox", None, "", "a lazy dog"]}), tmp_path / "n.parquet"
     )
     res, _ = _prepare(tmp_path / "n.parquet", tok_dir, tmp_path / "out")
-    assert res.manifest["report"] == {"records": 4, "docs": 2, "skipped_empty": 2}
+    report = {"records": 4, "docs": 2, "skipped_null": 1, "skipped_empty": 1}
+    assert res.manifest["report"] == report
     assert len(IndexedTokenDataset(res.path)) == 2
     with pytest.raises(FileNotFoundError, match="does not exist"):
         IndexedTokenDataset(tmp_path / "nowhere")

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
+import pickle
 import re
 import secrets
 import shutil
@@ -124,6 +126,89 @@ def _dcp_failure(what: str, exc: CheckpointException) -> CheckpointError:
     cause = first[0] if first else type(exc.failures[ranks[0]][0]).__name__
     where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
     return CheckpointError(f"{what} failed on {where}: {cause}")
+
+
+def _tensor_bytes(tree: Any) -> int:
+    """Bytes of every tensor in a nested state dict (what a save writes, give or take)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in tree)
+    return 0
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MB"
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _save_failure(exc: BaseException, directory: Path, final: Path, needed: int) -> BaseException:
+    """An OS error of a save (a full disk above all) as one ``CheckpointError`` naming the
+    checkpoint folder and the space needed and free; anything else unchanged."""
+    if isinstance(exc, CheckpointException):
+        causes = [exc.failures[r][0] for r in sorted(exc.failures)]
+        full = [c for c in causes if isinstance(c, OSError) and c.errno in _NO_SPACE]
+        exc = full[0] if full else _dcp_failure(f"writing shards of {final}", exc)
+    if not isinstance(exc, OSError):
+        return exc
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        free = -1
+    space = f"{_mb(free)} free" if free >= 0 else "free space unknown"
+    kept = _checkpoints_in(directory)
+    intact = (
+        f"the previous checkpoint {kept[-1][1]} is intact"
+        if kept
+        else "no earlier checkpoint exists there"
+    )
+    if exc.errno in _NO_SPACE:
+        return CheckpointError(
+            f"saving checkpoint {final} failed: no space left on the device of {directory} "
+            f"(about {_mb(needed)} needed, {space}); {intact}. Fix: free space there or set "
+            "checkpoint.dir to a folder on a larger disk (checkpoint.keep_last bounds how many "
+            "checkpoints are kept)"
+        )
+    where = f" ({exc.filename})" if exc.filename else ""
+    return CheckpointError(
+        f"saving checkpoint {final} failed: {exc.strerror or exc}{where}; {intact}. Fix: make "
+        f"{directory} writable or set checkpoint.dir to another folder"
+    )
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and fsync it."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+_UNSUPPORTED_GLOBAL = re.compile(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)")
+
+
+def _load_extras(path: Path) -> dict[str, Any]:
+    """``torch.load`` of a per-rank state file, weights only; a file holding anything else
+    (code, foreign classes) or unreadable is refused naming the file."""
+    try:
+        extras = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError) as exc:
+        found = _UNSUPPORTED_GLOBAL.search(str(exc))
+        what = f"references {found.group(1)}, which" if found else "holds data that"
+        raise CheckpointCorruptError(
+            f"{path} {what} a longboat checkpoint never contains (only tensors, numbers, "
+            "strings, lists, tuples and dicts); it is damaged or was crafted, and is not loaded"
+        ) from None
+    if not isinstance(extras, dict):
+        raise CheckpointCorruptError(
+            f"{path} holds a {type(extras).__name__}, not the dict of per-rank state a "
+            "checkpoint writes; it is damaged or was crafted, and is not loaded"
+        )
+    return extras
 
 
 def _checkpoints_in(directory: Path) -> list[tuple[int, Path]]:
@@ -296,16 +381,16 @@ class CheckpointManager:
                 error = CheckpointError(f"cannot create {tmp}: {exc}")
         self._raise_if_any(error, "creating the checkpoint folder")
 
+        needed = 0
         try:
             split = split_state(state)
             try:
                 data = serialize_extras(split.extras)
-                with open(tmp / f"extra_rank{rank}.pt", "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+                # Global tensor sizes (DTensors report theirs; replicas are written once).
+                needed = _tensor_bytes(split.sharded) + len(data) * world
+                _write_file(tmp / f"extra_rank{rank}.pt", data)
             except BaseException as exc:
-                error = exc
+                error = _save_failure(exc, self.dir, final, needed)
             self._raise_if_any(error, "writing per-rank state")
             _test_pause("extras")
 
@@ -315,13 +400,14 @@ class CheckpointManager:
                     with _quiet_single_process():
                         dcp.save(split.sharded, storage_writer=writer)
                 except CheckpointException as exc:
-                    raise _dcp_failure(f"writing shards of {final}", exc) from None
+                    error = _save_failure(exc, self.dir, final, needed)
+                    raise error from None
                 _test_pause("shards")
                 if rank == 0:
                     try:
                         self._finalize(step, tmp, final, world)
                     except BaseException as exc:
-                        error = exc
+                        error = _save_failure(exc, self.dir, final, needed)
                 self._raise_if_any(error, f"finalising checkpoint {final}")
                 self.last_saved_step = step
                 return final
@@ -341,10 +427,8 @@ class CheckpointManager:
                     _test_pause("shards")
                     if rank == 0:
                         self._finalize(step, tmp, final, world)
-                except CheckpointException as exc:
-                    pending.error = _dcp_failure(f"writing shards of {final}", exc)
                 except BaseException as exc:
-                    pending.error = exc
+                    pending.error = _save_failure(exc, self.dir, final, needed)
                 if pending.error is not None and rank == 0:
                     shutil.rmtree(tmp, ignore_errors=True)
 
@@ -559,8 +643,7 @@ class CheckpointManager:
                 stacklevel=2,
             )
             extra_rank = 0
-        extras_path = path / f"extra_rank{extra_rank}.pt"
-        extras = torch.load(extras_path, map_location="cpu", weights_only=True)
+        extras = _load_extras(path / f"extra_rank{extra_rank}.pt")
         apply_extras(state, extras, strict=strict)
         self.last_loaded = path
         logger.info("loaded checkpoint %s (step %d)", path, manifest.step)

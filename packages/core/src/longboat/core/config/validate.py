@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from longboat.core.config.domains import check_domains
 from longboat.core.config.errors import ConfigError, ConfigProblem, ProblemCollector
 from longboat.core.config.schema import (
     LR_SCHEDULES,
@@ -308,6 +309,7 @@ def collect_problems(
         p.add(None, "world size must be >= 1", value=world_size)
         world_size = None
     _check_scalars(node, p)
+    check_domains(node, p)
     dp = _check_parallel(node, world_size, p)
     _check_batch(node, dp, p)
     _check_paths(node, p)

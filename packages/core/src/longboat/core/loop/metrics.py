@@ -63,7 +63,9 @@ class MetricsSink:
     appended to, so a resumed run continues it; with ``start_step`` (the step a run starts
     from) the rows of later steps, left by a run that died after its last checkpoint, are
     dropped first (and TensorBoard purges its events past that step), so every step appears
-    once. With ``enabled=False`` (non-zero ranks) every call is a no-op.
+    once. Each row is appended with the file opened only for that write, so a run that
+    fails without closing its sink leaves no open file behind. With ``enabled=False``
+    (non-zero ranks) every call is a no-op.
     """
 
     def __init__(
@@ -79,14 +81,15 @@ class MetricsSink:
         self.run_dir = Path(log_dir) / run_name
         self.jsonl_path = self.run_dir / "metrics.jsonl"
         self.tb_dir = self.run_dir / "tensorboard"
-        self._file = None
+        self._open = False
         self._tb: Any = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if start_step is not None:
             _drop_rows_after(self.jsonl_path, start_step)
-        self._file = self.jsonl_path.open("a", encoding="utf-8")
+        self.jsonl_path.touch()
+        self._open = True
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -103,12 +106,12 @@ class MetricsSink:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Record ``metrics`` at ``step`` (numbers also go to TensorBoard as scalars)."""
-        if self._file is None:
+        if not self._open:
             return
         row = {"step": int(step), "time": time.time()}
         row.update({k: _to_jsonable(v) for k, v in metrics.items()})
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        with self.jsonl_path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
         if self._tb is not None:
             for key in metrics:
                 scalar = _scalar(metrics[key])
@@ -117,9 +120,7 @@ class MetricsSink:
 
     def close(self) -> None:
         """Flush and close the files (safe to call twice)."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._open = False
         if self._tb is not None:
             self._tb.close()
             self._tb = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -18,10 +19,12 @@ def _mib(n: int) -> str:
 def inspect_dataset(
     path: str | Path, *, captions: int = 3, verify: bool = False, patch_size=(1, 2, 2)
 ) -> str:
-    """A human summary of the dataset at ``path``; ``verify`` checks every shard's SHA-256 and
-    reads every sample."""
+    """A human summary of the dataset at ``path`` (samples holding NaN / Inf are listed);
+    ``verify`` checks every shard's SHA-256 again and reads every sample."""
     manifest = read_manifest(path)
-    ds = LatentDataset(path, verify=verify, allow_incomplete=True)
+    with warnings.catch_warnings():  # samples holding NaN / Inf are listed below instead
+        warnings.simplefilter("ignore", UserWarning)
+        ds = LatentDataset(path, verify=verify, allow_incomplete=True, skip_bad_samples=True)
     state = "complete" if manifest["complete"] else "NOT complete (re-run prepare to finish)"
     lines = [
         f"{path}: {len(ds):,} samples in {manifest['num_shards']:,} shards, "
@@ -41,6 +44,14 @@ def inspect_dataset(
         lines.append(
             f"inputs: {src['done']:,} of {src['total']:,} done, {len(src['skipped']):,} skipped"
         )
+    if ds.skipped:
+        lines.append(
+            f"samples holding NaN / Inf (left out above; training refuses them unless "
+            f"data.skip_bad_samples=true): {len(ds.skipped):,}"
+        )
+        lines += [f"  {name}" for name in ds.skipped[:5]]
+        if len(ds.skipped) > 5:
+            lines.append(f"  ... {len(ds.skipped) - 5} more")
     tokens = ds.lengths(patch_size)
     lines.append(
         f"model tokens per sample (patch {'x'.join(map(str, patch_size))}): min {tokens.min():,}, "

@@ -76,7 +76,9 @@ def build_latent_loader(
     ``pins_host_memory``), so the step's copy starts at once.
     """
     cfg.validate(prefix)
-    dataset = LatentDataset(dataset_paths(cfg, prefix), verify=cfg.verify)
+    dataset = LatentDataset(
+        dataset_paths(cfg, prefix), verify=cfg.verify, skip_bad_samples=cfg.skip_bad_samples
+    )
     packed = cfg.batching == "pack"
     sampler = LatentBatchSampler(
         dataset.shapes,

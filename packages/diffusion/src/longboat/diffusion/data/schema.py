@@ -56,7 +56,12 @@ class LatentsDataConfig(DataConfig):
     drop_last: bool = False
     """``bucket``: drop each shape's last micro-batch when it is not full."""
     verify: bool = False
-    """Check every shard's SHA-256 against the manifest when opening (reads every byte)."""
+    """Every shard's SHA-256 and values (no NaN / Inf) are checked the first time a dataset
+    is opened and cached per shard file, size and mtime; ``true`` checks every shard again
+    at every open (reads every byte)."""
+    skip_bad_samples: bool = False
+    """Leave out (and count) samples whose latents or text embeddings hold NaN / Inf instead
+    of refusing the dataset."""
     dtype: str = "float32"
     """Batch dtype of latents and text embeddings (shards keep their own)."""
     eval_paths: list[str] = field(default_factory=list)

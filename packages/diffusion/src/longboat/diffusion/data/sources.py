@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,21 @@ class Source:
     """Where the caption is (or was expected): a sidecar file, or ``<list> line <n>``."""
 
 
+def _utf8_text(path: Path) -> str:
+    """The file's text; ``DataError`` naming the line and column of the first byte that is
+    not UTF-8."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise DataError(
+            f"{path} line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at column "
+            f"{column}); re-encode the file as UTF-8"
+        ) from None
+
+
 def _from_folder(folder: Path) -> list[Source]:
     media = sorted(
         (
@@ -51,7 +67,7 @@ def _from_folder(folder: Path) -> list[Source]:
     out = []
     for p in media:
         side = p.with_suffix(".txt")
-        caption = side.read_text(encoding="utf-8").strip() if side.is_file() else ""
+        caption = _utf8_text(side).strip() if side.is_file() else ""
         out.append(Source(p, caption or None, p.relative_to(folder).as_posix(), str(side)))
     return out
 
@@ -63,7 +79,7 @@ def _resolve(raw: str, base: Path) -> Path:
 
 def _from_jsonl(file: Path, base: Path) -> list[Source]:
     out = []
-    for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+    for n, line in enumerate(_utf8_text(file).splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -81,7 +97,7 @@ def _from_jsonl(file: Path, base: Path) -> list[Source]:
 
 
 def _from_csv(file: Path, base: Path) -> list[Source]:
-    with open(file, newline="", encoding="utf-8") as f:
+    with io.StringIO(_utf8_text(file), newline="") as f:
         reader = csv.DictReader(f)
         cols = reader.fieldnames or []
         if "path" not in cols or "caption" not in cols:

@@ -170,7 +170,9 @@ def open_run_data(
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
     data.validate("data")
-    dataset = LatentDataset(dataset_paths(data), verify=data.verify)
+    dataset = LatentDataset(
+        dataset_paths(data), verify=data.verify, skip_bad_samples=data.skip_bad_samples
+    )
     sampler = LatentBatchSampler(
         dataset.shapes, batch_size=layout.micro_batch, mode=data.batching,
         max_tokens=data.max_tokens, patch_size=tuple(data.patch_size), shuffle=data.shuffle,
@@ -185,7 +187,7 @@ def open_run_data(
     held_out, batches, count = None, [], 0
     paths = eval_dataset_paths(data)
     if paths:
-        held_out = LatentDataset(paths, verify=data.verify)
+        held_out = LatentDataset(paths, verify=data.verify, skip_bad_samples=data.skip_bad_samples)
         shapes = held_out.shapes
         limit = cfg.diffusion.eval_samples
         if limit > 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,14 +153,23 @@ def _check_info(info: dict[str, Any], info_path: Path) -> None:
 
 
 def _format_path(info: dict[str, Any], key: str, root: Path, **fields: Any) -> Path:
-    """``root / info[key].format(**fields)``, naming info.json when the template is wrong."""
+    """``root / info[key].format(**fields)``, naming info.json when the template is wrong or
+    the path it gives leads outside the dataset root (``..``, an absolute path elsewhere)."""
     try:
-        return root / info[key].format(**fields)
-    except (KeyError, IndexError, ValueError) as exc:
+        path = root / info[key].format(**fields)
+    except (KeyError, IndexError, ValueError, AttributeError) as exc:
         raise LeRobotFormatError(
             f"{root / INFO_PATH}: {key} template {info[key]!r} cannot be filled with "
             f"{sorted(fields)} ({type(exc).__name__}: {exc})"
         ) from exc
+    base = os.path.abspath(root)
+    if os.path.commonpath([base, os.path.abspath(path)]) != base:
+        raise LeRobotFormatError(
+            f"{root / INFO_PATH}: {key} template {info[key]!r} gives {os.path.abspath(path)}, "
+            f"outside the dataset root {base}; a dataset's files lie under its root (a damaged "
+            "or crafted info.json)"
+        )
+    return path
 
 
 def _video_keys(info: dict[str, Any]) -> list[str]:

@@ -53,13 +53,14 @@ def _concat(docs: list[np.ndarray]) -> np.ndarray:
 def encode_pretrain(
     texts: list[Any], append_eos: bool, tokenizer: Any = None, first_index: int = 0
 ) -> ChunkResult:
-    """Token ids of each text (+ EOS); empty texts are skipped and counted."""
+    """Token ids of each text (+ EOS); null and empty texts are skipped and counted
+    (``skipped_null``, ``skipped_empty``)."""
     tok = tokenizer if tokenizer is not None else _TOKENIZER
     docs: list[np.ndarray] = []
-    empty = 0
+    empty = null = 0
     for i, text in enumerate(texts):
-        if text is None:  # a null cell (Parquet/Arrow): nothing to train on
-            empty += 1
+        if text is None:  # a JSON null or a null cell: nothing to train on
+            null += 1
             continue
         if not isinstance(text, str):
             raise ValueError(
@@ -73,7 +74,8 @@ def encode_pretrain(
         if append_eos and tok.eos_token_id is not None and ids[-1] != tok.eos_token_id:
             ids = [*ids, tok.eos_token_id]
         docs.append(np.asarray(ids, dtype=np.int64))
-    stats = {"records": len(texts), "docs": len(docs), "skipped_empty": empty}
+    stats = {"records": len(texts), "docs": len(docs), "skipped_null": null}
+    stats["skipped_empty"] = empty
     return ChunkResult(_concat(docs), np.asarray([len(d) for d in docs], np.int64), None, stats)
 
 

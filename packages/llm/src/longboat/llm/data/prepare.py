@@ -145,7 +145,7 @@ def _validate(opts: PrepareOptions) -> tuple[Any, sources.InputSpec]:
                 "with it (set tokenizer.chat_template and save it)"
             )
         tk.render_sft(tok, first, 0)  # a template/record mismatch fails here, not in a worker
-    elif not isinstance(first, str):
+    elif first is not None and not isinstance(first, str):  # nulls are counted, not refused
         raise ValueError(
             f"--input {opts.input}: key {key!r} holds {type(first).__name__}, not text; pass "
             "the right --text-key, or --format sft for chat records"
@@ -259,11 +259,15 @@ def prepare_dataset(
                 pool.terminate()
                 pool.join()
         num_docs, num_tokens = writer.close()
+        dropped = _dropped_records(stats, key)
         if num_docs == 0:
             raise ValueError(
-                f"--input {opts.input}: no documents left after tokenising ({stats}); check "
-                "the input, --max-seq-len and --sft-overflow"
+                f"--input {opts.input}: no documents left after tokenising "
+                f"({dropped or stats}); check the input, --text-key, --max-seq-len and "
+                "--sft-overflow"
             )
+        if dropped:
+            log(f"{opts.input}: {dropped}")
         manifest = {
             "format_version": FORMAT_VERSION,
             "kind": opts.format,
@@ -285,6 +289,23 @@ def prepare_dataset(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return PrepareResult(output, False, manifest)
+
+
+def _dropped_records(stats: dict[str, int], key: str) -> str:
+    """What was left out of ``stats['records']`` and why, or "" when nothing was."""
+    reasons = {
+        "skipped_null": f"with a null {key!r}",
+        "skipped_empty": f"with an empty {key!r}",
+        "dropped_overflow": "too long (--sft-overflow=drop)",
+        "dropped_no_assistant": "without an assistant turn",
+    }
+    parts = [f"{stats[k]:,} {why}" for k, why in reasons.items() if stats.get(k)]
+    if not parts:
+        return ""
+    return (
+        f"{sum(stats[k] for k in reasons if stats.get(k)):,} of {stats.get('records', 0):,} "
+        f"records left out ({', '.join(parts)})"
+    )
 
 
 def _ordered_bounded(pool: Any, jobs: Iterator[Any], depth: int) -> Iterator[tk.ChunkResult]:

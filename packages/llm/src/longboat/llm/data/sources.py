@@ -79,11 +79,24 @@ def resolve_input(path: str | Path) -> InputSpec:
     return InputSpec(kind, tuple(files), root)
 
 
+def _decode_line(f: Path, lineno: int, raw: bytes) -> str:
+    """A JSONL line as text; ``ValueError`` naming the file, line and column when it is not
+    UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{f}:{lineno}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column "
+            f"{exc.start + 1}: {exc.reason}); re-encode the file as UTF-8"
+        ) from None
+
+
 def _jsonl_chunks(spec: InputSpec, key: str, size: int) -> Iterator[list[Any]]:
     chunk: list[Any] = []
     for f in spec.files:
-        with f.open("r", encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
+        with f.open("rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                line = _decode_line(f, lineno, raw)
                 if not line.strip():
                     continue
                 try:
@@ -112,28 +125,61 @@ def _check_column(f: Path, names: list[str], key: str) -> None:
         )
 
 
-def _parquet_chunks(spec: InputSpec, key: str, size: int) -> Iterator[list[Any]]:
+def _unreadable(f: Path, what: str, exc: BaseException, where: str = "") -> ValueError:
+    """A library's read error as one line naming the file (and the rows it reached)."""
+    lines = str(exc).strip().splitlines()
+    reason = lines[0] if lines else type(exc).__name__
+    return ValueError(
+        f"{f}: unreadable {what}{where} ({reason}); the file is damaged or truncated: "
+        "restore or rewrite it"
+    )
+
+
+def _parquet_file(f: Path) -> Any:
+    """``pyarrow.parquet.ParquetFile`` of ``f``; ``ValueError`` naming it when unreadable."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
+    try:
+        return pq.ParquetFile(f)
+    except (pa.ArrowException, OSError) as exc:
+        raise _unreadable(f, "Parquet file", exc) from None
+
+
+def _parquet_chunks(spec: InputSpec, key: str, size: int) -> Iterator[list[Any]]:
+    import pyarrow as pa
+
     for f in spec.files:
-        pf = pq.ParquetFile(f)
+        pf = _parquet_file(f)
         _check_column(f, pf.schema_arrow.names, key)
-        for batch in pf.iter_batches(batch_size=size, columns=[key]):
+        row = 0
+        batches = pf.iter_batches(batch_size=size, columns=[key])
+        while True:
+            try:
+                batch = next(batches, None)
+            except (pa.ArrowException, OSError) as exc:
+                raise _unreadable(f, "Parquet file", exc, f" after row {row}") from None
+            if batch is None:
+                break
+            row += batch.num_rows
             yield batch.column(0).to_pylist()
 
 
 def _arrow_batches(f: Path) -> Iterator[Any]:
     import pyarrow as pa
 
-    with pa.memory_map(str(f), "r") as source:
-        try:
-            reader = pa.ipc.open_stream(source)
-        except pa.ArrowInvalid:  # some writers use the IPC file format
-            source.seek(0)
-            reader = pa.ipc.open_file(source)
-            yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
-            return
-        yield from reader
+    try:
+        with pa.memory_map(str(f), "r") as source:
+            try:
+                reader = pa.ipc.open_stream(source)
+            except pa.ArrowInvalid:  # some writers use the IPC file format
+                source.seek(0)
+                reader = pa.ipc.open_file(source)
+                yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
+                return
+            yield from reader
+    except (pa.ArrowException, OSError) as exc:
+        raise _unreadable(f, "Arrow file", exc) from None
 
 
 def _hf_chunks(spec: InputSpec, key: str, size: int) -> Iterator[list[Any]]:
@@ -168,9 +214,7 @@ def iter_record_chunks(spec: InputSpec, key: str, chunk_size: int = 512) -> Iter
 def count_records(spec: InputSpec) -> int | None:
     """Number of records when cheap to know (Parquet metadata, Arrow batches, JSONL lines)."""
     if spec.kind == "parquet":
-        import pyarrow.parquet as pq
-
-        return sum(pq.ParquetFile(f).metadata.num_rows for f in spec.files)
+        return sum(_parquet_file(f).metadata.num_rows for f in spec.files)
     if spec.kind == "hf_dir":
         return sum(b.num_rows for f in spec.files for b in _arrow_batches(f))
     total = 0

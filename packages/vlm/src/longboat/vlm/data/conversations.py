@@ -9,8 +9,9 @@ Accepted record shapes (one record per JSON list item, JSONL line or Parquet row
   {"type": "image"}, ...]}]}`` (content parts become text with placeholders in order).
 
 ``image`` / ``images`` and ``video`` / ``videos`` hold one item or a list. An image item is
-a path (relative to the ``root`` folder, default: the input file's folder), raw bytes, or a
-``{"bytes": ..., "path": ...}`` struct (Parquet's image columns). A video item is a path to
+a path (relative to the ``root`` folder, default: the input file's folder; a path leading
+outside that folder is refused, so ``data.root`` is also what admits a folder of media),
+raw bytes, or a ``{"bytes": ..., "path": ...}`` struct (Parquet's image columns). A video item is a path to
 a video file (mp4, read with PyAV) or to a folder of frame images, a list of frame paths,
 or embedded bytes. Each ``<image>`` / ``<video>`` placeholder stands for the next item in
 order; their counts must equal the items' (:class:`PlaceholderCountError` otherwise).
@@ -19,6 +20,7 @@ order; their counts must equal the items' (:class:`PlaceholderCountError` otherw
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,9 +157,19 @@ def _items(record: Mapping[str, Any], keys: tuple[str, ...]) -> tuple[str, Any]:
     return keys[0], None
 
 
-def _resolve(root: Path, name: str) -> Path:
+def _resolve(root: Path, name: str, field: str, at: str) -> Path:
+    """``name`` against ``root``; a path that leads outside ``root`` (``..``, an absolute path
+    elsewhere) is refused, so a record cannot make training read any file of the machine."""
     p = Path(name)
-    return p if p.is_absolute() else root / p
+    path = p if p.is_absolute() else root / p
+    base = os.path.abspath(root)
+    if os.path.commonpath([base, os.path.abspath(path)]) != base:
+        raise DataError(
+            f"{at}: field {field!r}: {name!r} resolves to {os.path.abspath(path)}, outside the "
+            f"media root {base}; media paths must lie under it: move the file there, or set "
+            "data.root to a folder that holds every media file"
+        )
+    return path
 
 
 def _image_ref(item: Any, field: str, root: Path, at: str) -> MediaRef:
@@ -166,11 +178,11 @@ def _image_ref(item: Any, field: str, root: Path, at: str) -> MediaRef:
         if data is not None:
             return MediaRef(field, data=bytes(data))
         if path:
-            return MediaRef(field, path=_resolve(root, str(path)))
+            return MediaRef(field, path=_resolve(root, str(path), field, at))
     elif isinstance(item, bytes | bytearray | memoryview):
         return MediaRef(field, data=bytes(item))
     elif isinstance(item, str) and item:
-        return MediaRef(field, path=_resolve(root, item))
+        return MediaRef(field, path=_resolve(root, item, field, at))
     raise DataError(
         f"{at}: field {field!r}: {str(item)[:60]!r} is not a path, bytes or a "
         "{'bytes', 'path'} struct"
@@ -187,7 +199,9 @@ def _is_frame_list(value: Any) -> bool:
 
 def _video_ref(item: Any, field: str, root: Path, at: str) -> MediaRef:
     if _is_frame_list(item):
-        return MediaRef(field, frames=tuple(_resolve(root, f) for f in item))
+        return MediaRef(
+            field, frames=tuple(_resolve(root, f, f"{field}[{i}]", at) for i, f in enumerate(item))
+        )
     return _image_ref(item, field, root, at)
 
 
@@ -229,18 +243,51 @@ def _check_placeholders(conv: Conversation) -> None:
             )
 
 
+def _utf8_text(path: Path) -> str:
+    """The file's text; ``DataError`` naming the line and column of the first byte that is
+    not UTF-8."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise DataError(
+            f"{path} line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at column "
+            f"{column}: {exc.reason}); re-encode the file as UTF-8"
+        ) from None
+
+
+def _parquet_records(path: Path) -> Iterator[tuple[int, int | None, Any]]:
+    """``(row, None, record)`` of a Parquet file; ``DataError`` naming the file and the rows
+    read when it is damaged or truncated."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    row = 0
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=256)
+        for batch in batches:
+            records = batch.to_pylist()
+            for record in records:
+                yield row, None, record
+                row += 1
+    except (pa.ArrowException, OSError) as exc:
+        lines = str(exc).strip().splitlines()
+        reason = lines[0] if lines else type(exc).__name__
+        after = f" after row {row - 1}" if row else ""
+        raise DataError(
+            f"{path}: unreadable Parquet file{after} ({reason}); the file is damaged or "
+            "truncated: restore or rewrite it"
+        ) from None
+
+
 def _records(path: Path) -> Iterator[tuple[int, int | None, Any]]:
     """``(row, line, record)`` of every record of one file."""
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        row = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
-            for record in batch.to_pylist():
-                yield row, None, record
-                row += 1
+        yield from _parquet_records(path)
         return
-    text = path.read_text(encoding="utf-8")
+    text = _utf8_text(path)
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             records = json.loads(text)
