@@ -1,4 +1,5 @@
-"""``longboat-llm train``'s NaN guard without a per-step host read (``train.lagged_guard``).
+"""``longboat-llm train``'s NaN guard without a per-step host read (core's
+``megatron.engine.lagged_gate``).
 
 Without clipping the loop skips a non-finite step on the device (torch's fused AdamW with
 ``found_inf``) and runs the guard's host side one step late. On CPU a run with non-finite
