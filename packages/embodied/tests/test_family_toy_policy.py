@@ -11,6 +11,7 @@ import torch
 from embodied_testkit import read_metrics
 
 from longboat.core.config.errors import ConfigError
+from longboat.core.family import Family, find_family
 from longboat.embodied.cli import main
 from longboat.embodied.models import build_model, policy, policy_names
 from longboat.embodied.models.synthetic import synthetic_batch
@@ -33,6 +34,10 @@ def test_a_family_path_folder_is_a_policy_and_only_with_the_variable(
     monkeypatch.setenv("LONGBOAT_FAMILY_PATH", str(FAMILIES))
     assert policy_names() == ["groot_n1_6", "pi05", "toy_policy"]
     toy = policy("toy_policy")
+    # core's one registry found it: a core Family of the embodied stack, imported by location
+    assert isinstance(toy, Family) and toy.stack == "embodied"
+    assert toy.model_class.__module__.startswith("longboat_family_path.toy_policy_")
+    assert find_family("embodied", "toy_policy") is toy
     assert list(toy.flavors) == ["tiny"]
     model = build_model("toy_policy", "tiny")
     batch = synthetic_batch(model, 3, seed=0)
