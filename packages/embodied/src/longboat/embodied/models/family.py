@@ -158,8 +158,10 @@ def flavors_of(config_class: type) -> LazyFlavors:
 @dataclass(frozen=True, kw_only=True)
 class PolicyFamily(Family):
     """Everything longboat-embodied knows about one policy (module doc): core's ``Family``
-    with ``stack="embodied"``, ``schema`` the policy's config dataclass, ``build(config)``
-    its ``nn.Module`` (usually the class), plus the fields only the embodied run reads."""
+    with ``stack="embodied"``, ``schema`` the policy's architecture config dataclass (what
+    ``model.overrides`` keys name; the ``model`` section itself is ``PolicyModelConfig`` for
+    every policy), ``build(config)`` its ``nn.Module`` (usually the class), plus the fields
+    only the embodied run reads."""
 
     stack: str = "embodied"
     """Always ``embodied``."""
