@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides = env.key_values(args.override, "--override")
     flavor, hw = ("tiny", (56, 84)) if args.tiny else ("full", (256, 256))
     cfg = get_config(MODEL, flavor, args.overrides)
-    args.flops = vt.flops_per_sample(cfg, 2, hw, text_len=vt.TEXT_LEN)
+    args.flops = vt.flops_per_sample(MODEL, cfg, 2, hw)
     args.data_dir = vt.dataset_for(args, cfg, hw)
     config = {"model": MODEL, "flavor": flavor, "variants": args.variants,
               "longboat_overrides": vt.longboat_overrides(args, args.data_dir, 2),

@@ -30,8 +30,9 @@ longboat masks them.
 Per run: samples/s over the timed window's wall clock (data loading included), the median device
 step (``bench_timing``: steps back to back, device events between them; a loop reading its loss
 every step, as the reference's ``loss.item()``, pays that sync in its step), the host's median
-batch wait and loop iteration, peak device memory, MFU from an analytic count of the useful FLOPs
-(the reference's discarded LM head not counted) against 989 TFLOP/s. A run over its share of
+batch wait and loop iteration, peak device memory, MFU from the policy family's analytic count
+of the useful FLOPs (``flops_per_sample``; the reference's discarded LM head not counted)
+against 989 TFLOP/s. A run over its share of
 ``--time-budget`` fails alone. Writes ``<results-dir>/vla_throughput_<date>[_pi05][_tiny]
 .{json,md,png}`` and ``--out``; prints the table last.
 """
@@ -128,63 +129,15 @@ def dataset_for(args: Any, cfg: Any, hw: tuple[int, int]) -> Path:
     return root
 
 
-def flops_per_sample(cfg: Any, n_cams: int, image_hw: tuple[int, int], text_len: int) -> float:
-    """Useful training FLOPs of one GR00T N1.6 sample (matmuls + attention; forward, and
-    backward where gradients flow: the top LM layers and the action head)."""
-    v, lm, dit = cfg.vision, cfg.llm, cfg.dit
-    oh, ow = cfg.image.output_size(*image_hw)
-    t_img = (oh // v.patch_size) * (ow // v.patch_size)
-    d = v.hidden_size
-    vit_layer = 2 * t_img * (4 * d * d + 2 * d * v.intermediate_size) + 4 * t_img * t_img * d
-    vit = n_cams * v.num_layers * vit_layer
-    t_tok = t_img // cfg.pixel_unshuffle**2
-    proj = n_cams * 2 * t_tok * (4 * d * lm.hidden_size + lm.hidden_size**2)
-    seq, h = n_cams * t_tok + text_len, lm.hidden_size
-    attn_w = h * lm.num_heads * lm.head_dim * 2 + h * lm.num_kv_heads * lm.head_dim * 2
-    lm_layer = (
-        2 * seq * (attn_w + 3 * h * lm.intermediate_size)
-        + 4 * seq * seq * lm.num_heads * lm.head_dim
-    )
-    lm_fwd, lm_bwd = cfg.select_layer * lm_layer, 2 * cfg.tune_top_llm_layers * lm_layer
-    inner, t = dit.inner_dim, cfg.action_horizon + 1
-    dit_fwd = 0.0
-    for i in range(dit.num_layers):
-        ctx = seq if i % 2 == 0 else t
-        kv_in = dit.cross_attention_dim if i % 2 == 0 else inner
-        dit_fwd += 2 * t * 2 * inner * inner + 2 * ctx * 2 * kv_in * inner
-        dit_fwd += 4 * t * ctx * inner + 2 * t * 2 * inner * dit.ff_mult * inner
-    a = cfg.max_action_dim
-    enc = 2 * cfg.action_horizon * (a * inner + 2 * inner * inner + inner * inner)
-    dec = 2 * t * (dit.output_dim * cfg.action_decoder_hidden + cfg.action_decoder_hidden * a)
-    return float(vit + proj + lm_fwd + lm_bwd + 3 * (dit_fwd + enc + dec))
+def flops_per_sample(model: str, cfg: Any, n_cams: int, image_hw: tuple[int, int]) -> float:
+    """Useful training FLOPs of one sample of ``n_cams`` frames of ``image_hw`` and
+    ``TEXT_LEN`` prompt tokens: the policy family's ``flops_per_sample``."""
+    from longboat.embodied.models import policy
 
-
-def flops_per_sample_pi05(cfg: Any, text_len: int) -> float:
-    """Useful training FLOPs of one pi0.5 sample (fwd + bwd = 3x fwd; everything trains): the
-    ViT on every camera slot, the projector, the joint LM + expert layers over longboat's
-    prefix (images + text + state tokens) and the action suffix; not counted: the last LM
-    layer's prefix queries / output / MLP (never read) and the reference's prompt padding."""
-    v, lm, ex = cfg.vision, cfg.llm, cfg.expert
-    t_img = (cfg.image.pad_to_square // v.patch_size) ** 2
-    d = v.hidden_size
-    vit_layer = 2 * t_img * (4 * d * d + 2 * d * v.intermediate_size) + 4 * t_img * t_img * d
-    vit = cfg.num_cameras * (v.num_layers * vit_layer + 2 * t_img * d * lm.hidden_size)
-    p, s = cfg.num_cameras * t_img + text_len + cfg.max_state_dim, cfg.action_horizon
-    hd, nh, nkv = lm.head_dim, lm.num_heads, lm.num_kv_heads
-
-    def proj(width: int, mlp: int, tokens: int, with_q_out: bool = True) -> float:
-        qo, mlp_f = (2 * width * nh * hd, 3 * width * mlp) if with_q_out else (0, 0)
-        return 2 * tokens * (qo + 2 * width * nkv * hd + mlp_f)
-
-    layers = 0.0
-    for i in range(lm.num_layers):
-        last = i == lm.num_layers - 1
-        layers += proj(lm.hidden_size, lm.intermediate_size, p, with_q_out=not last)
-        layers += proj(ex.hidden_size, ex.intermediate_size, s)
-        layers += 4 * (s + (0 if last else p)) * (p + s) * nh * hd
-        layers += 2 * s * 3 * ex.hidden_size * ex.hidden_size * 2  # adaRMS modulations
-    a, we = cfg.action_dim, ex.hidden_size
-    return float(3 * (vit + layers + 2 * s * (2 * a * we) + 2 * 2 * we * we))
+    count = policy(model).flops_per_sample
+    if count is None:
+        raise SystemExit(f"policy {model!r} declares no flops_per_sample: no MFU to report")
+    return count(cfg, n_cams, image_hw, TEXT_LEN)
 
 
 def longboat_overrides(args: Any, root: Path, world: int = 1) -> list[str]:
@@ -343,10 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     hw = (56, 84) if args.tiny else (256, 256)
     root = dataset_for(args, cfg, hw)
     roots = sorted(d for d in root.iterdir() if d.is_dir())
-    if args.model == "pi05":
-        flops = flops_per_sample_pi05(cfg, text_len=TEXT_LEN)
-    else:
-        flops = flops_per_sample(cfg, 2, hw, text_len=TEXT_LEN)
+    flops = flops_per_sample(args.model, cfg, 2, hw)
     default = "reference,longboat,longboat_compiled" if on_gpu else "reference,longboat"
     runs = (args.runs or default).split(",")
     config = {"model": args.model, "flavor": flavor, "experiment": EXPERIMENT[args.model],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import textwrap
 import uuid
+import warnings
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,35 @@ def test_family_path_is_read_each_call(fake, family_path, monkeypatch):
 def test_a_family_without_a_tiny_flavor_is_refused():
     with pytest.raises(ValueError, match="tiny"):
         Family(name="x", stack="fake", schema=object, flavors={"big": 1})
+
+
+def test_families_of_another_stack_are_left_out_silently_and_imported_once(
+    fake, family_path, tmp_path, monkeypatch
+):
+    # An entry point and a family-path folder whose families belong to another stack: each
+    # module records every time it runs.
+    site = tmp_path / "other_site"
+    record = "with Path(__file__).with_suffix('.runs').open('a') as f:\n    f.write('x')\n"
+    tag = uuid.uuid4().hex[:8]
+    other = f"other_family_{tag}"
+    text = FAMILY_MODULE.format(cls="OtherConfig", name="other", stack="other", ckpt="o")
+    _write(site / f"{other}.py", "from pathlib import Path\n" + record + text)
+    dist = site / f"{other}-0.1.dist-info"
+    _write(dist / "METADATA", f"Metadata-Version: 2.1\nName: {other}\nVersion: 0.1\n")
+    _write(dist / "entry_points.txt", f"[longboat.families]\nother = {other}:FAMILY\n")
+    monkeypatch.syspath_prepend(str(site))
+    _write(family_path / "delta" / "__init__.py", "from pathlib import Path\n" + record)
+    _write(
+        family_path / "delta" / "config.py",
+        FAMILY_MODULE.format(cls="DeltaConfig", name="delta", stack="other", ckpt="d"),
+    )
+    (family_path / "delta" / "__init__.py").write_text(
+        (family_path / "delta" / "__init__.py").read_text() + "from .config import FAMILY\n"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            assert list_families("fake") == ["alpha", "beta", "gamma"]
+            assert list_families("other") == ["delta", "other"]
+    assert (site / f"{other}.runs").read_text() == "x"
+    assert (family_path / "delta" / "__init__.runs").read_text() == "x"

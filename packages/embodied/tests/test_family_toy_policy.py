@@ -11,6 +11,7 @@ import torch
 from embodied_testkit import read_metrics
 
 from longboat.core.config.errors import ConfigError
+from longboat.core.family import Family, find_family
 from longboat.embodied.cli import main
 from longboat.embodied.models import build_model, policy, policy_names
 from longboat.embodied.models.synthetic import synthetic_batch
@@ -33,6 +34,10 @@ def test_a_family_path_folder_is_a_policy_and_only_with_the_variable(
     monkeypatch.setenv("LONGBOAT_FAMILY_PATH", str(FAMILIES))
     assert policy_names() == ["groot_n1_6", "pi05", "toy_policy"]
     toy = policy("toy_policy")
+    # core's one registry found it: a core Family of the embodied stack, imported by location
+    assert isinstance(toy, Family) and toy.stack == "embodied"
+    assert toy.model_class.__module__.startswith("longboat_family_path.toy_policy_")
+    assert find_family("embodied", "toy_policy") is toy
     assert list(toy.flavors) == ["tiny"]
     model = build_model("toy_policy", "tiny")
     batch = synthetic_batch(model, 3, seed=0)
@@ -40,7 +45,7 @@ def test_a_family_path_folder_is_a_policy_and_only_with_the_variable(
     assert "embodiment_id" not in batch and "image_mask" not in batch
     assert tuple(model.predict_action(batch).shape) == (3, 4, 8)
     # Its FLOPs come from the family: 3 x forward of the trunk for the tiny shapes.
-    assert toy.flops_per_sample(toy.flavors["tiny"](), 2, (24, 32), 0) == 3 * 2 * (
+    assert toy.flops_per_sample(toy.flavor("tiny"), 2, (24, 32), 0) == 3 * 2 * (
         3 * 32 + 8 * 32 + 2 * 4 * 32 * 32 + 32 * 4 * 8
     )
 
@@ -53,7 +58,7 @@ def test_an_installed_package_names_its_policy_by_entry_point(
     info = tmp_path / "toy_policy_dist-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-policy-dist\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[longboat.families]\ntoy_policy = toy_policy:POLICY\n")
+    (info / "entry_points.txt").write_text("[longboat.families]\ntoy_policy = toy_policy:FAMILY\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.syspath_prepend(str(FAMILIES))
     assert policy_names() == ["groot_n1_6", "pi05", "toy_policy"]
@@ -74,7 +79,7 @@ def test_the_builtin_policies_carry_what_the_run_asks_of_them() -> None:
         "image.crop_fraction": 1.0,
     }
     assert dict(groot.prompts.config_overrides) == {"image_tokens_in_text": True}
-    cfg = groot.flavors["tiny"]()
+    cfg = groot.flavor("tiny")
     spec = groot.batch_spec(cfg, 2, (56, 84))
     assert (spec.with_embodiment, spec.with_image_mask, spec.num_cameras) == (True, False, None)
     assert spec.vocab_limit == min(cfg.llm.vocab_size, cfg.image_token_id)

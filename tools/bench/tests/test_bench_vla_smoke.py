@@ -62,6 +62,29 @@ def test_reference_and_longboat_runs_train(tmp_path: Path) -> None:
     assert stem.with_suffix(".png").stat().st_size > 0
 
 
+@pytest.mark.parametrize(
+    ("model", "flavor", "hw", "flops"),
+    [
+        ("groot_n1_6", "tiny", (56, 84), 39383040.0),
+        ("groot_n1_6", "full", (256, 256), 1218332934144.0),
+        ("pi05", "tiny", (56, 84), 128059392.0),
+        ("pi05", "full", (256, 256), 11685026660352.0),
+    ],
+)
+def test_flops_per_sample_come_from_the_policy_family(
+    model: str, flavor: str, hw: tuple[int, int], flops: float
+) -> None:
+    """The benchmark's MFU counts the family's ``flops_per_sample`` (2 cameras, 24 prompt
+    tokens), the values the benchmark's own count gave before it moved into the families."""
+    import vla_throughput as vt
+
+    from longboat.embodied.models import get_config, policy
+
+    cfg = get_config(model, flavor)
+    assert vt.flops_per_sample(model, cfg, 2, hw) == flops
+    assert policy(model).flops_per_sample(cfg, 2, hw, vt.TEXT_LEN) == flops
+
+
 def test_reference_pieces_match_the_spec() -> None:
     """The reference's diffusers-equivalent pieces compute what the spec (and longboat) say."""
     from baselines import groot_n1_6_reference as ref

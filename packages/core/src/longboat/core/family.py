@@ -296,10 +296,15 @@ def _families_package(stack: str) -> str | None:
     return getattr(found, "families_package", None) if found is not None else None
 
 
+_WARNED_TWICE: set[tuple[str, str, int]] = set()
+"""Families already reported as taking a taken name (each is reported once)."""
+
+
 def families(stack: str) -> dict[str, Family]:
     """Every family of ``stack`` by name: the stack's own package first, then entry points,
     then ``LONGBOAT_FAMILY_PATH``; a later family with a taken name is skipped with a
-    warning."""
+    warning (once). Families of other stacks (an entry point or a folder of the family path
+    serves every stack) are left out by their ``stack``; each module is imported once."""
     package = _families_package(stack)
     found: Iterable[Family] = [
         *(_package_families(package) if package else []),
@@ -311,7 +316,9 @@ def families(stack: str) -> dict[str, Family]:
         if family.stack != stack:
             continue
         if family.name in out:
-            if out[family.name] is not family:
+            twice = (stack, family.name, id(family))
+            if out[family.name] is not family and twice not in _WARNED_TWICE:
+                _WARNED_TWICE.add(twice)
                 warnings.warn(
                     f"{stack} family {family.name!r} is defined twice; keeping the first",
                     stacklevel=2,

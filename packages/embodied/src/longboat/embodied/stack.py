@@ -23,14 +23,13 @@ POLICY_SCHEMA = "longboat.embodied.config:PolicyModelConfig"
 
 
 class PolicySchemas(Mapping[str, str]):
-    """``model.name`` -> the policy schema, for every policy found (looked up when a config
-    is composed, so policies on ``LONGBOAT_FAMILY_PATH`` count). A lookup reads folder names
-    only; listing the names (a did-you-mean) imports the candidates to keep the policies."""
+    """``model.name`` -> the policy schema, for every policy core's family registry finds
+    (looked up when a config is composed, so policies on ``LONGBOAT_FAMILY_PATH`` count)."""
 
     def __getitem__(self, name: str) -> str:
-        from longboat.embodied.models.registry import candidate_names
+        from longboat.embodied.models.registry import find_policy
 
-        if name not in candidate_names():
+        if find_policy(name) is None:
             raise KeyError(name)
         return POLICY_SCHEMA
 
@@ -53,6 +52,7 @@ STACK = Stack(
     config_dir=Path(__file__).with_name("conf"),
     root_schema="longboat.embodied.config:EmbodiedExperimentConfig",
     model_schemas=PolicySchemas(),
+    families_package="longboat.embodied.models",
     data_schemas={"lerobot": "longboat.embodied.config:LeRobotDataConfig"},
     console_script="longboat-embodied",
     train="longboat.embodied.train.trainer:train",

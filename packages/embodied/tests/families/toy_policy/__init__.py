@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longboat.embodied.models.common.freezing import FreezingGroups
-from longboat.embodied.models.family import PolicyBatchSpec, PolicyFamily
+from longboat.embodied.models.family import PolicyBatchSpec, PolicyFamily, flavors_of
 
 
 @dataclass(kw_only=True)
@@ -121,10 +121,11 @@ def flops_per_sample(cfg: ToyConfig, num_cameras: int, image_hw: Any, text_len: 
     return float(3 * fwd)
 
 
-POLICY = PolicyFamily(
+FAMILY = PolicyFamily(
     name="toy_policy",
-    config_class=ToyConfig,
-    model_class=ToyPolicy,
+    schema=ToyConfig,
+    flavors=flavors_of(ToyConfig),
+    build=ToyPolicy,
     batch_spec=batch_spec,
     synthetic_image_hw=(24, 32),
     flops_per_sample=flops_per_sample,

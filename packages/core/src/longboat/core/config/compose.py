@@ -14,7 +14,6 @@ dataclass, with ``model``/``data`` swapped for the dataclass registered for
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ from longboat.core.config.renamed import CORE_RENAMED_KEYS, take_renamed_keys
 from longboat.core.config.schema import ExperimentConfig
 from longboat.core.config.suggest import close_matches, did_you_mean
 from longboat.core.config.typecheck import merge_checked, missing_keys, to_plain, unresolvable
+from longboat.core.family import family_conf_dirs
 from longboat.core.stack import Stack, discover_stacks, get_stack, resolve_ref
 
 GROUPS = ("model", "data", "parallel", "optim", "train", "checkpoint", "logging", "experiment")
@@ -40,20 +40,7 @@ _PRIMARY_NODE = "_longboat_primary"
 """Name under which the primary config is stored in Hydra's ConfigStore (see ``_store_primary``)."""
 
 
-FAMILY_PATH_ENV = "LONGBOAT_FAMILY_PATH"
-"""Folders (``os.pathsep``-separated) of families kept outside the installed packages: each
-sub-folder a family package (found by its stack), ``<folder>/conf/`` its YAMLs."""
-
-
-def family_conf_dirs() -> list[Path]:
-    """The ``conf/`` folders of the ``LONGBOAT_FAMILY_PATH`` folders, in order."""
-    raw = os.environ.get(FAMILY_PATH_ENV, "")
-    return [Path(p) / "conf" for p in raw.split(os.pathsep) if p and (Path(p) / "conf").is_dir()]
-
-
 def _conf_dirs(owner: Stack, stacks: Mapping[str, Stack]) -> list[Path]:
-    from longboat.core.family import family_conf_dirs
-
     ordered = [owner] + [s for s in stacks.values() if s is not owner]
     dirs = []
     for stack in ordered:

@@ -39,7 +39,7 @@ _RULES: dict[str, tuple[Callable[[float], bool], str, str]] = {
 
 DOMAINS: dict[str, str] = {
     # optimizer (every stack)
-    "optim.lr": "positive",
+    "optim.lr": "non_negative",  # 0 holds the weights (a run that only evaluates or exports)
     "optim.eps": "positive",
     "optim.schedule.decay_steps": "at_least_1",
     # data (the stacks that have these keys)

@@ -1,4 +1,5 @@
-"""Embodied policies (one folder each, found by ``registry``) and their shared blocks."""
+"""Embodied policies (one folder each exposing ``FAMILY``, found by core's family registry
+through ``registry``) and their shared blocks (``common``, not a policy)."""
 
 from longboat.embodied.models.common.freezing import apply_freezing
 from longboat.embodied.models.common.init import init_weights

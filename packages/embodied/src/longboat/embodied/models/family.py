@@ -1,13 +1,15 @@
 """The policy contract: one ``PolicyFamily`` object per policy folder.
 
-A policy folder (``longboat/embodied/models/<name>/``, a folder on ``LONGBOAT_FAMILY_PATH``
-or a package named by the ``longboat.families`` entry point group) exposes a module-level
-``POLICY = PolicyFamily(...)``; ``registry`` finds it. Everything the training run, the
+A ``PolicyFamily`` is core's ``longboat.core.family.Family`` of the embodied stack, found by
+core's registry: a policy folder (``longboat/embodied/models/<name>/``, a folder on
+``LONGBOAT_FAMILY_PATH`` or a package named by the ``longboat.families`` entry point group)
+exposes a module-level ``FAMILY = PolicyFamily(...)``. Everything the training run, the
 exporters and ``model.init_from`` need to know about a policy is a field here, so nothing
 outside the folder switches on the policy's name:
 
-- ``config_class`` (a dataclass with a ``FLAVORS`` mapping) and ``model_class`` (built as
-  ``model_class(config)``: ``forward(batch) -> {"loss", ...}``, ``predict_action``,
+- ``schema`` (the config dataclass, with a ``FLAVORS`` mapping of factories that
+  ``flavors_of`` turns into ``flavors``) and ``build`` (usually the model class, called as
+  ``build(config)``: ``forward(batch) -> {"loss", ...}``, ``predict_action``,
   ``freezing_groups()``, ``parallel_blocks()``);
 - ``batch_spec``: the shapes of the batches the policy takes (``PolicyBatchSpec``), which
   the collator turns LeRobot samples into;
@@ -17,8 +19,8 @@ outside the folder switches on the policy's name:
 - ``export_formats``: the reference formats the end of a run writes (``export.format``);
 - ``flops_per_sample``: the useful training FLOPs of one sample (benchmarks' MFU).
 
-Only the first two are required; a policy without the others trains from scratch with the
-byte-level stand-in tokenizer and exports the native format only.
+Only those and ``batch_spec`` are required; a policy without the others trains from scratch
+with the byte-level stand-in tokenizer and exports the native format only.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
+
+from longboat.core.family import Family, LazyFlavors
 
 
 @dataclass(frozen=True)
@@ -144,18 +148,28 @@ class ExportFormat:
     """``(family config, sub-datasets) -> why this run cannot be written in it, or None``."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class PolicyFamily:
-    """Everything longboat-embodied knows about one policy (module doc)."""
+def flavors_of(config_class: type) -> LazyFlavors:
+    """The flavors of a policy config class (``config_class.FLAVORS``: name -> factory), each
+    config made when it is looked up."""
+    factories: Mapping[str, Callable[[], Any]] = config_class.FLAVORS
+    return LazyFlavors(factories, lambda name: factories[name]())
 
-    name: str
-    """``model.name``; by convention the policy folder's name."""
-    config_class: type
-    """The family config dataclass; ``config_class.FLAVORS`` maps flavor name -> factory."""
-    model_class: Callable[[Any], nn.Module]
-    """Built as ``model_class(config)``."""
-    batch_spec: BatchSpecFn
-    """The ``PolicyBatchSpec`` of a config (``BatchSpecFn``)."""
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyFamily(Family):
+    """Everything longboat-embodied knows about one policy (module doc): core's ``Family``
+    with ``stack="embodied"``, ``schema`` the policy's architecture config dataclass (what
+    ``model.overrides`` keys name; the ``model`` section itself is ``PolicyModelConfig`` for
+    every policy), ``build(config)`` its ``nn.Module`` (usually the class), plus the fields
+    only the embodied run reads."""
+
+    stack: str = "embodied"
+    """Always ``embodied``."""
+    batch_spec: BatchSpecFn | None = None
+    """The ``PolicyBatchSpec`` of a config (``BatchSpecFn``); required."""
+    flops_per_sample: Callable[..., float] | None = None
+    """``(cfg, num_cameras, image_hw, text_len) -> float``: useful training FLOPs of one
+    sample (forward, and backward where gradients flow)."""
     action_width_key: str = "action_dim"
     """The config field holding the widest action the policy takes (the state's is
     ``max_state_dim``)."""
@@ -169,18 +183,24 @@ class PolicyFamily:
     """``model.init_from`` of a Hugging Face backbone; None: not supported."""
     export_formats: tuple[ExportFormat, ...] = ()
     """Reference formats written beside the native export (the first is ``auto``'s)."""
-    flops_per_sample: Callable[..., float] | None = None
-    """``(cfg, num_cameras, image_hw, text_len) -> float``: useful training FLOPs of one
-    sample (forward, and backward where gradients flow)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.stack != "embodied":
+            raise ValueError(f"policy {self.name!r}: a PolicyFamily's stack is 'embodied'")
+        if self.build is None or self.batch_spec is None:
+            raise ValueError(f"policy {self.name!r} needs build and batch_spec")
 
     @property
-    def flavors(self) -> Mapping[str, Callable[[], Any]]:
-        """Flavor name -> zero-argument config factory."""
-        return self.config_class.FLAVORS
+    def config_class(self) -> type:
+        """The policy's config dataclass (``schema``)."""
+        return self.model_schema()
 
-    def build(self, cfg: Any) -> nn.Module:
-        """The policy of a family config (on the current default device)."""
-        return self.model_class(cfg)
+    @property
+    def model_class(self) -> Callable[[Any], nn.Module]:
+        """What builds the policy from its config (``build``, usually its class)."""
+        assert self.build is not None
+        return self.build
 
     def export_format(self, name: str) -> ExportFormat | None:
         """The export format called ``name``, or None."""
@@ -194,4 +214,5 @@ __all__ = [
     "PolicyBatchSpec",
     "PolicyFamily",
     "PromptProcessor",
+    "flavors_of",
 ]

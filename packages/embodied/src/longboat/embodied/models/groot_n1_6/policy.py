@@ -1,5 +1,5 @@
-"""GR00T N1.6 as longboat-embodied sees it: its ``PolicyFamily`` (``registry`` finds
-``POLICY``)."""
+"""GR00T N1.6 as longboat-embodied sees it: its ``PolicyFamily`` (core's family registry
+finds ``FAMILY``)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from longboat.embodied.models.family import (
     PolicyBatchSpec,
     PolicyFamily,
     PromptProcessor,
+    flavors_of,
 )
 from longboat.embodied.models.groot_n1_6 import (
     hf_backbone,
@@ -103,10 +104,11 @@ def checkpoint_statistics(
     return checkpoint_stats(directory, embodiment_tags(names)[index], widths)
 
 
-POLICY = PolicyFamily(
+FAMILY = PolicyFamily(
     name="groot_n1_6",
-    config_class=GrootN16Config,
-    model_class=GrootN16,
+    schema=GrootN16Config,
+    flavors=flavors_of(GrootN16Config),
+    build=GrootN16,
     batch_spec=batch_spec,
     action_width_key="max_action_dim",
     synthetic_image_hw=(56, 84),

@@ -1,7 +1,7 @@
-"""pi0.5-style VLA (``POLICY``: its ``PolicyFamily``)."""
+"""pi0.5-style VLA (``FAMILY``: its ``PolicyFamily``)."""
 
 from longboat.embodied.models.pi05.config import Pi05Config
 from longboat.embodied.models.pi05.model import Pi05
-from longboat.embodied.models.pi05.policy import POLICY
+from longboat.embodied.models.pi05.policy import FAMILY
 
-__all__ = ["POLICY", "Pi05", "Pi05Config"]
+__all__ = ["FAMILY", "Pi05", "Pi05Config"]

@@ -1,4 +1,4 @@
-"""pi0.5 as longboat-embodied sees it: its ``PolicyFamily`` (``registry`` finds ``POLICY``)."""
+"""pi0.5 as longboat-embodied sees it: its ``PolicyFamily`` (core's family registry finds ``FAMILY``)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from longboat.embodied.models.family import (
     PolicyBatchSpec,
     PolicyFamily,
     PromptProcessor,
+    flavors_of,
 )
 from longboat.embodied.models.pi05 import hf_backbone, lerobot_export, processor
 from longboat.embodied.models.pi05.config import Pi05Config
@@ -72,10 +73,11 @@ def resolve_lerobot_config(overrides: Mapping[str, Any], init_from: str) -> Pi05
     return cfg
 
 
-POLICY = PolicyFamily(
+FAMILY = PolicyFamily(
     name="pi05",
-    config_class=Pi05Config,
-    model_class=Pi05,
+    schema=Pi05Config,
+    flavors=flavors_of(Pi05Config),
+    build=Pi05,
     batch_spec=batch_spec,
     action_width_key="action_dim",
     synthetic_image_hw=(56, 56),
