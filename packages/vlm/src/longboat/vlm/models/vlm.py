@@ -4,7 +4,7 @@ video placeholder tokens of a megatron decoder's input, with M-RoPE position ids
 The vision tower is any module ``vision(pixel_values, grid_thw) -> [merged_tokens, hidden]``
 whose output width is the decoder's ``hidden_size`` (a projector, when the family has one,
 is part of the tower). The decoder is megatron-core's ``GPTModel`` built by core from a
-decoder (a core ``DecoderModelConfig``, flavors in ``language_flavors``).
+decoder (a core ``DecoderModelConfig``, flavors in `core's `decoder_flavors``).
 
 With pipeline parallelism each rank holds one stage: the first has the tower and the
 embedding (``vision`` is None elsewhere), every stage computes the position ids and the

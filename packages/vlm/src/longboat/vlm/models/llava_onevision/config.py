@@ -15,8 +15,8 @@ from typing import Any
 
 from longboat.core.config.errors import ConfigError
 from longboat.core.megatron.decoder_config import DecoderModelConfig
+from longboat.core.megatron.decoder_flavors import decoder_flavor, decoder_names
 from longboat.vlm.models.common import pick_flavor
-from longboat.vlm.models.language_flavors import language_flavor, language_names
 from longboat.vlm.models.llava_onevision.anyres import max_tiles
 from longboat.vlm.models.projector.config import ProjectorConfig
 from longboat.vlm.models.siglip.config import VISION_FLAVORS, SiglipVisionConfig
@@ -89,10 +89,10 @@ class LlavaOnevisionConfig:
     def validate(self) -> None:
         """Raise one ``ConfigError`` naming every joint that does not fit."""
         lang = self.language
-        if lang.name not in language_names():
+        if lang.name not in decoder_names():
             raise ConfigError(
                 f"model.language.name={lang.name!r}: unknown decoder family",
-                fix=f"use one of {language_names()} (model/llm@model.language=<option>)",
+                fix=f"use one of {decoder_names()} (model/llm@model.language=<option>)",
             )
         lang.validate(prefix="model.language")
         self.vision.validate()
@@ -149,7 +149,7 @@ class LlavaOnevisionConfig:
 
 
 def _language(raw: Mapping[str, Any], base: DecoderModelConfig) -> DecoderModelConfig:
-    """``model.language``: ``name`` + ``flavor`` pick a language flavor (``language_flavors``), other keys override it."""
+    """``model.language``: ``name`` + ``flavor`` pick a language flavor (`core's `decoder_flavors``), other keys override it."""
     raw = dict(raw)
     name = raw.pop("name", None)
     flavor = raw.pop("flavor", None)
@@ -157,12 +157,12 @@ def _language(raw: Mapping[str, Any], base: DecoderModelConfig) -> DecoderModelC
         cfg = dataclasses.replace(base)
     else:
         name = name or base.name
-        if name not in language_names():
+        if name not in decoder_names():
             raise ConfigError(
                 f"model.language.name={name!r}: unknown decoder family",
-                fix=f"use one of {language_names()} (model/llm@model.language=<option>)",
+                fix=f"use one of {decoder_names()} (model/llm@model.language=<option>)",
             )
-        cfg = language_flavor(name, flavor or "tiny")
+        cfg = decoder_flavor(name, flavor or "tiny", key="model.language")
     names = {f.name for f in dataclasses.fields(DecoderModelConfig)}
     unknown = sorted(set(raw) - names)
     if unknown:
@@ -229,7 +229,7 @@ def _flavors() -> dict[str, LlavaOnevisionConfig]:
             projector=ProjectorConfig().resolved(vision.hidden_size, language.hidden_size),
         )
 
-    tiny_language = dataclasses.replace(language_flavor("qwen2", "tiny"), vocab_size=384)
+    tiny_language = dataclasses.replace(decoder_flavor("qwen2", "tiny"), vocab_size=384)
     tiny_vision = VISION_FLAVORS["tiny"]
     return {
         "tiny": LlavaOnevisionConfig(
@@ -242,8 +242,8 @@ def _flavors() -> dict[str, LlavaOnevisionConfig]:
             video_token_id=311,
             image_grid_pinpoints=TINY_PINPOINTS,
         ),
-        "0.5b": released(language_flavor("qwen2", "0.5b")),
-        "7b": released(language_flavor("qwen2", "7b")),
+        "0.5b": released(decoder_flavor("qwen2", "0.5b")),
+        "7b": released(decoder_flavor("qwen2", "7b")),
     }
 
 

@@ -19,6 +19,7 @@ import torch
 
 from longboat.core.config.errors import ConfigError
 from longboat.core.megatron.decoder_config import DecoderModelConfig
+from longboat.core.megatron.decoder_flavors import decoder_flavor
 from longboat.core.megatron.hf_decoder_config import hf_dialect
 from longboat.vlm.models.common import (
     build_decoder_stage,
@@ -31,7 +32,6 @@ from longboat.vlm.models.common import (
     read_config_json,
     save_decoder_and_tower,
 )
-from longboat.vlm.models.language_flavors import language_flavor
 from longboat.vlm.models.mrope import mrope_position_ids
 from longboat.vlm.models.qwen2_5_vl.vision_config import Qwen25VisionConfig
 from longboat.vlm.models.vlm import VisionLanguageModel
@@ -232,7 +232,7 @@ def _flavors() -> dict[str, Qwen25VLConfig]:
     from longboat.vlm.models.qwen2_5_vl.vision_config import vision_flavor
 
     tiny_language = dataclasses.replace(
-        language_flavor("qwen2", "tiny"), vocab_size=384, mrope_section=[2, 3, 3]
+        decoder_flavor("qwen2", "tiny"), vocab_size=384, mrope_section=[2, 3, 3]
     )
     return {
         "tiny": Qwen25VLConfig(
@@ -243,12 +243,8 @@ def _flavors() -> dict[str, Qwen25VLConfig]:
             vision_start_token_id=312,
             vision_end_token_id=313,
         ),
-        "3b": Qwen25VLConfig(
-            language=language_flavor("qwen2", "vl_3b"), vision=vision_flavor("3b")
-        ),
-        "7b": Qwen25VLConfig(
-            language=language_flavor("qwen2", "vl_7b"), vision=vision_flavor("7b")
-        ),
+        "3b": Qwen25VLConfig(language=decoder_flavor("qwen2", "vl_3b"), vision=vision_flavor("3b")),
+        "7b": Qwen25VLConfig(language=decoder_flavor("qwen2", "vl_7b"), vision=vision_flavor("7b")),
     }
 
 

@@ -24,6 +24,7 @@ import torch
 
 from longboat.core.config.errors import ConfigError
 from longboat.core.megatron.decoder_config import DecoderModelConfig
+from longboat.core.megatron.decoder_flavors import decoder_flavor
 from longboat.core.megatron.hf_decoder_config import hf_dialect
 from longboat.vlm.models.common import (
     build_decoder_stage,
@@ -36,7 +37,6 @@ from longboat.vlm.models.common import (
     read_config_json,
     save_decoder_and_tower,
 )
-from longboat.vlm.models.language_flavors import language_flavor
 from longboat.vlm.models.mrope import (
     interleaved_mrope_sections,
     interleaved_mrope_streams,
@@ -309,7 +309,7 @@ def _flavors() -> dict[str, Qwen3VLConfig]:
               mrope_section=list(QWEN3_VL_MROPE))  # fmt: skip
     # 4 decoder layers: 2 take deepstack features, and a pipeline split keeps them together.
     tiny_language = dataclasses.replace(
-        language_flavor("qwen3", "tiny"), vocab_size=384, num_layers=4, mrope_section=[4, 2, 2]
+        decoder_flavor("qwen3", "tiny"), vocab_size=384, num_layers=4, mrope_section=[4, 2, 2]
     )
     return {
         "tiny": Qwen3VLConfig(
@@ -322,12 +322,12 @@ def _flavors() -> dict[str, Qwen3VLConfig]:
         ),
         # The decoders of the released checkpoints are Qwen3-1.7B / 4B / 8B shaped.
         "2b": Qwen3VLConfig(
-            language=dataclasses.replace(language_flavor("qwen3", "1.7b"), flavor="vl_2b", **vl),
+            language=dataclasses.replace(decoder_flavor("qwen3", "1.7b"), flavor="vl_2b", **vl),
             vision=vision_flavor("2b"),
         ),
         "4b": Qwen3VLConfig(
             language=dataclasses.replace(
-                language_flavor("qwen3", "1.7b"),
+                decoder_flavor("qwen3", "1.7b"),
                 flavor="vl_4b",
                 hidden_size=2560,
                 num_layers=36,
@@ -338,7 +338,7 @@ def _flavors() -> dict[str, Qwen3VLConfig]:
             vision=vision_flavor("4b"),
         ),
         "8b": Qwen3VLConfig(
-            language=dataclasses.replace(language_flavor("qwen3", "8b"), flavor="vl_8b", **vl),
+            language=dataclasses.replace(decoder_flavor("qwen3", "8b"), flavor="vl_8b", **vl),
             vision=vision_flavor("8b"),
         ),
     }

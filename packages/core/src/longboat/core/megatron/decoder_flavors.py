@@ -1,8 +1,8 @@
-"""The language models VLMs are composed with, as core ``DecoderModelConfig`` flavors by
-decoder name (``model.language.name``: ``qwen2``, ``qwen3``, ``llama3``, ``qwen3_moe``) and
-flavor (the released sizes of those decoders, ``tiny`` for tests; ``qwen2`` ``vl_3b`` /
-``vl_7b`` are the M-RoPE language models of Qwen2.5-VL-3B / -7B). Their HF config
-dialects are core's (``longboat.core.megatron.hf_decoder_config``)."""
+"""The released shapes of the decoders longboat builds (core ``DecoderModelConfig``), by
+decoder name (``llama3``, ``qwen2``, ``qwen3``, ``qwen3_moe``) and flavor (``tiny`` for tests;
+``qwen2`` ``vl_3b`` / ``vl_7b`` are the M-RoPE language models of Qwen2.5-VL-3B / -7B). The
+llm stack's families train them and the vlm stack composes them as language models; their HF
+config dialects are in ``longboat.core.megatron.hf_decoder_config``."""
 
 from __future__ import annotations
 
@@ -262,7 +262,7 @@ _QWEN3_MOE_FLAVORS: dict[str, DecoderModelConfig] = {
 }
 
 
-LANGUAGE_FLAVORS: dict[str, dict[str, DecoderModelConfig]] = {
+DECODER_FLAVORS: dict[str, dict[str, DecoderModelConfig]] = {
     "llama3": _LLAMA3_FLAVORS,
     "qwen2": _QWEN2_FLAVORS,
     "qwen3": _QWEN3_FLAVORS,
@@ -271,26 +271,31 @@ LANGUAGE_FLAVORS: dict[str, dict[str, DecoderModelConfig]] = {
 """Decoder flavors by decoder name, then flavor name."""
 
 
-def language_names() -> list[str]:
-    """The decoder names a VLM's ``model.language.name`` may take."""
-    return sorted(LANGUAGE_FLAVORS)
+def decoder_names() -> list[str]:
+    """The decoder names with flavors here."""
+    return sorted(DECODER_FLAVORS)
 
 
-def language_flavor(name: str, flavor: str) -> DecoderModelConfig:
-    """A copy of decoder ``name``'s flavor ``flavor``; ``ConfigError`` naming the key otherwise."""
-    if name not in LANGUAGE_FLAVORS:
+def decoder_flavor(name: str, flavor: str, *, key: str = "model") -> DecoderModelConfig:
+    """A copy of decoder ``name``'s flavor ``flavor``; a ``ConfigError`` naming
+    ``<key>.name`` / ``<key>.flavor`` otherwise (``key``: where the config sits, e.g.
+    ``model.language`` for a VLM's decoder)."""
+    if name not in DECODER_FLAVORS:
         raise ConfigError(
-            "unknown language model",
-            key="model.language.name",
+            "unknown decoder",
+            key=f"{key}.name",
             value=name,
-            fix=did_you_mean(name, language_names(), what="language models"),
+            fix=did_you_mean(name, decoder_names(), what="decoders"),
         )
-    flavors = LANGUAGE_FLAVORS[name]
+    flavors = DECODER_FLAVORS[name]
     if flavor not in flavors:
         raise ConfigError(
-            f"language model {name!r} has flavors {sorted(flavors)}",
-            key="model.language.flavor",
+            f"decoder {name!r} has flavors {sorted(flavors)}",
+            key=f"{key}.flavor",
             value=flavor,
             fix=did_you_mean(flavor, list(flavors), what=f"{name} flavors"),
         )
     return dataclasses.replace(flavors[flavor])
+
+
+__all__ = ["DECODER_FLAVORS", "decoder_flavor", "decoder_names"]
