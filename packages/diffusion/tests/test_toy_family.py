@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from longboat.core.distributed import run_multiprocess
 from longboat.core.family import FAMILY_PATH_ENV, find_family, list_families
 
 TOY = Path(__file__).with_name("toy_family")
@@ -31,11 +32,18 @@ def test_the_toy_family_is_found_by_its_folder(toy_path: Path) -> None:
     assert family.flavor("tiny").num_layers == 1
 
 
+def _train(rank: int, world: int, argv: list[str]) -> tuple[int, object]:
+    """``longboat-diffusion train`` in this process; its exit code and what the toy built."""
+    from longboat.diffusion.cli import main
+
+    code = main(argv)
+    toy = next(m for n, m in sys.modules.items() if n.startswith("longboat_family_path.toy_dit"))
+    return code, [cfg.num_layers for cfg in toy.BUILT]
+
+
 def test_the_toy_family_trains_two_steps_through_the_cli(
     toy_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from longboat.diffusion.cli import main
-
     overrides = [
         "model=toy_dit_tiny",
         f"output_dir={tmp_path}",
@@ -53,11 +61,11 @@ def test_the_toy_family_trains_two_steps_through_the_cli(
         "checkpoint.every_steps=0",
         "diffusion.preview_captions=0",
     ]
-    code = main(["train", "quickstart", *overrides])
-    out = capsys.readouterr()
-    assert code == 0, out.out + out.err
-    toy = next(m for n, m in sys.modules.items() if n.startswith("longboat_family_path.toy_dit"))
-    assert [cfg.num_layers for cfg in toy.BUILT] == [1]
+    # a forked process: a run in the test process would leave its threads and locks to the
+    # forked workers of later tests
+    code, probe = run_multiprocess(_train, 1, ["train", "quickstart", *overrides], timeout=600)[0]
+    assert code == 0, capsys.readouterr()
+    assert probe == [1], probe
     metrics = next(tmp_path.rglob("metrics.jsonl")).read_text().splitlines()
     losses = [json.loads(line)["loss"] for line in metrics if '"loss"' in line]
     assert len(losses) == 2 and all(0 < loss < 10 for loss in losses), losses

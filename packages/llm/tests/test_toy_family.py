@@ -1,6 +1,6 @@
 """A family added from a folder outside the package (``tests/toy_family``: its folder and one
 model YAML, found through ``LONGBOAT_FAMILY_PATH``) is listed, composes and trains two steps
-through ``longboat-llm train`` in this process, with nothing of the llm stack edited."""
+through ``longboat-llm train`` in a forked process, with nothing of the llm stack edited."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from longboat.core.distributed import run_multiprocess
 from longboat.core.family import FAMILY_PATH_ENV, find_family, list_families
 
 TOY = Path(__file__).with_name("toy_family")
@@ -31,11 +32,18 @@ def test_the_toy_family_is_found_by_its_folder(toy_path: Path) -> None:
     assert family.flops_per_sample(family.flavor("tiny"), 64) > 0
 
 
+def _train(rank: int, world: int, argv: list[str]) -> tuple[int, object]:
+    """``longboat-llm train`` in this process; its exit code and what the toy built."""
+    from longboat.llm.cli import main
+
+    code = main(argv)
+    toy = next(m for n, m in sys.modules.items() if n.startswith("longboat_family_path.toy_llm"))
+    return code, bool(toy.SPEC_CALLS)
+
+
 def test_the_toy_family_trains_two_steps_through_the_cli(
     toy_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from longboat.llm.cli import main
-
     overrides = [
         "model=toy_llm_tiny",
         f"output_dir={tmp_path}",
@@ -53,13 +61,11 @@ def test_the_toy_family_trains_two_steps_through_the_cli(
         "export.enabled=false",
         "llm.generate_prompt=null",
     ]
-    code = main(["train", "qwen3_tiny", *overrides])
-    out = capsys.readouterr()
-    assert code == 0, out.out + out.err
-    toy = next(
-        m for name, m in sys.modules.items() if name.startswith("longboat_family_path.toy_llm")
-    )
-    assert toy.SPEC_CALLS, "the run did not build the toy family's layer spec"
+    # a forked process: a run in the test process would leave its threads and locks to the
+    # forked workers of later tests
+    code, probe = run_multiprocess(_train, 1, ["train", "qwen3_tiny", *overrides], timeout=600)[0]
+    assert code == 0, capsys.readouterr()
+    assert probe, "the run did not build the toy family's layer spec"
     metrics = next(tmp_path.rglob("metrics.jsonl")).read_text().splitlines()
     losses = [json.loads(line)["loss"] for line in metrics if '"loss"' in line]
     # two steps from a random init over the toy's 128-token vocabulary: about ln(128)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from longboat.core.distributed import run_multiprocess
 from longboat.core.family import FAMILY_PATH_ENV, find_family, list_families
 
 TOY = Path(__file__).with_name("toy_family")
@@ -30,11 +31,18 @@ def test_the_toy_family_is_found_by_its_folder(toy_path: Path) -> None:
     assert family.flavor("tiny").language.num_layers == 2
 
 
+def _train(rank: int, world: int, argv: list[str]) -> tuple[int, object]:
+    """``longboat-vlm train`` in this process; its exit code and what the toy built."""
+    from longboat.vlm.cli import main
+
+    code = main(argv)
+    toy = next(m for n, m in sys.modules.items() if n.startswith("longboat_family_path.toy_vlm"))
+    return code, [cfg.language.num_layers for cfg in toy.model.BUILT]
+
+
 def test_the_toy_family_trains_two_steps_through_the_cli(
     toy_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from longboat.vlm.cli import main
-
     overrides = [
         "model=toy_vlm_tiny",
         f"output_dir={tmp_path}",
@@ -51,11 +59,11 @@ def test_the_toy_family_trains_two_steps_through_the_cli(
         "vlm.answer_eval_samples=0",
         "vlm.eval_batches=1",
     ]
-    code = main(["train", "quickstart", *overrides])
-    out = capsys.readouterr()
-    assert code == 0, out.out + out.err
-    toy = next(m for n, m in sys.modules.items() if n.startswith("longboat_family_path.toy_vlm"))
-    assert [cfg.language.num_layers for cfg in toy.model.BUILT] == [2]
+    # a forked process: a run in the test process would leave its threads and locks to the
+    # forked workers of later tests
+    code, probe = run_multiprocess(_train, 1, ["train", "quickstart", *overrides], timeout=600)[0]
+    assert code == 0, capsys.readouterr()
+    assert probe == [2], probe
     metrics = next(tmp_path.rglob("metrics.jsonl")).read_text().splitlines()
     losses = [json.loads(line)["loss"] for line in metrics if '"loss"' in line]
     assert len(losses) == 2 and all(0 < loss < 10 for loss in losses), losses
