@@ -21,7 +21,7 @@ How it differs from a user's HF Trainer run:
    favours the baseline; ``loss.item()`` is not read every step (the Trainer reads it at logging
    steps).
 2. The LR follows ``lr_factor`` (the product's warm-up + decay) when given (loss alignment), else
-   it is constant (throughput: the scheduler's step costs no device time).
+   it is constant (throughput: the scheduler adds no GPU work to the step).
 3. The loss alignment passes ``shift_labels`` (the product's targets, -100 where its
    ``loss_mask`` is 0) instead of ``labels=input_ids``: the same positions and mean.
 

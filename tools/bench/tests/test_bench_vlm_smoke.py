@@ -10,7 +10,7 @@ from bench_testkit import run_script
 
 
 def test_flop_accounting_reproduces_the_anchor() -> None:
-    """VLM_DIFFUSION.md / the VLM speed issue: HF Qwen2.5-VL-3B on one 8,124-token sample with
+    """The VLM speed baseline: HF Qwen2.5-VL-3B on one 8,124-token sample with
     four 644x644 images (46x46 patches each) ran 7.3k tokens/s, "roughly 15% MFU". That
     figure counts the decoder's matrices (13.7% here); ours adds its attention and the ViT
     (the ViT alone is about 15% of the sample's FLOPs), 19.3%."""
