@@ -49,7 +49,6 @@ DOMAINS: dict[str, str] = {
     "data.num_frames": "at_least_1",
     "data.min_pixels": "at_least_1",
     "data.max_pixels": "at_least_1",
-    "data.eval_batches": "at_least_1",
     "data.num_samples": "at_least_1",
     "data.num_documents": "at_least_1",
     "data.num_train": "at_least_1",
