@@ -19,7 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from longboat.core.config.errors import ConfigError
-from longboat.core.family import Family, families, family_for_checkpoint, find_family
+from longboat.core.family import Family, family_for_checkpoint, find_family
 
 
 @dataclass(frozen=True)
@@ -95,11 +95,6 @@ def get_family(name: str) -> DiffusionFamily:
     return find_family("diffusion", name)
 
 
-def list_diffusion_families() -> list[str]:
-    """Names of the diffusion families."""
-    return sorted(families("diffusion"))
-
-
 def family_of_diffusers_dir(path: str | Path) -> DiffusionFamily:
     """The family of a diffusers model directory (or a pipeline's ``transformer/``), from its
     ``config.json``'s ``_class_name``."""
@@ -122,5 +117,4 @@ __all__ = [
     "diffusion_family",
     "family_of_diffusers_dir",
     "get_family",
-    "list_diffusion_families",
 ]

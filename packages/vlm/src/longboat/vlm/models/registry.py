@@ -28,7 +28,7 @@ from types import ModuleType
 from typing import Any
 
 from longboat.core.config.errors import ConfigError
-from longboat.core.family import Family, LazyFlavors, families, family_for_checkpoint, find_family
+from longboat.core.family import Family, LazyFlavors, family_for_checkpoint, find_family
 
 
 @dataclass(frozen=True)
@@ -113,9 +113,4 @@ def family_of_hf_dir(hf_dir: str | Path) -> VLMFamily:
     return family_for_checkpoint("vlm", [model_type], key="model.init_from", where=str(path))
 
 
-def list_vlm_families() -> list[str]:
-    """Names of the VLM families."""
-    return sorted(families("vlm"))
-
-
-__all__ = ["VLMFamily", "family_of_hf_dir", "get_family", "list_vlm_families", "vlm_family"]
+__all__ = ["VLMFamily", "family_of_hf_dir", "get_family", "vlm_family"]
