@@ -58,7 +58,10 @@ def test_qwen3_tp2_trains_tp1s_curve_inside_the_band(tiny_run) -> None:
     assert list(runs) == ["tp1", "tp2"]
     tp1, tp2 = runs["tp1"]["losses"], runs["tp2"]["losses"]
     assert len(tp1) == len(tp2) == TP_STEPS == result["tp"]["steps"]
-    assert abs(tp1[0] - math.log(512)) < 0.3  # random weights: near ln(vocab)
+    # Random weights give about ln(vocab); with tied embeddings the input token's own logit is
+    # ~init_std * hidden above the others (0.02 * 64 = 1.28 here), so runs of one token in the
+    # quickstart text (indentation in its source files) lower the first loss by up to that.
+    assert math.log(512) - 1.3 < tp1[0] < math.log(512) + 0.3
     assert tp1[-1] != tp1[0]
     assert result["tp"]["first_step_rel_diff"] <= 1e-5
     assert result["tp"]["max_abs_loss_diff"] < 1e-4
