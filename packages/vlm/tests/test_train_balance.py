@@ -118,13 +118,13 @@ def _cli_losses(overrides: list[str], out: Path) -> list[float]:
 
 
 def test_loader_workers_give_the_main_process_rows(tmp_path: Path) -> None:
-    """Rows built ahead by loader processes (``vlm.data_workers``) train the same steps as
+    """Rows built ahead by loader processes (``data.num_workers``) train the same steps as
     rows built on the training thread."""
     data = tmp_path / "data"
     runs = {}
     for workers in (0, 2):
         out = tmp_path / f"w{workers}"
-        ov = [*_overrides(out, data, 1), f"vlm.data_workers={workers}"]
+        ov = [*_overrides(out, data, 1), f"data.num_workers={workers}"]
         runs[workers] = _cli_losses(ov, out)
     assert len(runs[0]) == 3
     assert runs[2] == runs[0]

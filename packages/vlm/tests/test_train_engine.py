@@ -151,9 +151,11 @@ def test_the_cuda_graph_step_is_selected_on_cuda_and_matches_eager(tmp_path: Pat
     rows of one shape; its losses over 7 steps follow the eager step's within GRAPH_TOL_CUDA."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    # No loader processes: the test's ranks are daemonic processes, which cannot have children.
     over = _overrides(
-        tmp_path, ONE_SAMPLE_ROWS, "train.precision=fp32", f"train.steps={GRAPH_STEPS}"
-    )
+        tmp_path, ONE_SAMPLE_ROWS, "train.precision=fp32", f"train.steps={GRAPH_STEPS}",
+        "data.num_workers=0",
+    )  # fmt: skip
     kw = {"backend": "nccl", "start_method": "spawn", "timeout": 400}
     graphed = run_multiprocess(_steps_worker, 1, over, False, GRAPH_STEPS, **kw)[0]
     eager = run_multiprocess(

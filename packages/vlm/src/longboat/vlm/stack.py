@@ -32,6 +32,7 @@ STACK = Stack(
         "model.recompute": "train.recompute=full with train.recompute_components",
         "vlm.export_hf": "export.enabled",
         "vlm.export_dir": "export.dir",
+        "vlm.data_workers": "data.num_workers",
     },
     examples=(
         "longboat-vlm train experiment=quickstart                       # tiny VLM, end to end on CPU",

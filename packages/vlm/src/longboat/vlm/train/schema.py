@@ -58,6 +58,9 @@ class ConversationsDataConfig(DataConfig):
     """Tokens per packed row."""
     eval_fraction: float = 0.02
     """Fraction of samples held out for evaluation."""
+    num_workers: int | None = None
+    """Loader processes that build the next steps' rows (images decoded, resized and
+    normalised) while the current one trains; null: 4 on an accelerator, 0 on CPU."""
     skip_bad_samples: bool = False
     """Skip (and count) samples whose image or video is missing or unreadable instead of
     stopping with an error naming it."""
@@ -102,9 +105,6 @@ class VLMRunConfig:
     export and report how many it gets right (0: skip)."""
     num_threads: int = 0
     """torch intra-op threads on CPU (0: leave torch's default)."""
-    data_workers: int | None = None
-    """Loader processes that build the next steps' rows (images decoded, resized and
-    normalised) while the current one trains; null: 4 on an accelerator, 0 on CPU."""
     dp_balance: bool = True
     """With data parallelism, deal each step's packed rows to the ranks by their cost
     (decoder attention quadratic in each sample's length, plus the ViT's per image) instead

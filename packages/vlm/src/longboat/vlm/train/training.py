@@ -195,7 +195,7 @@ class VLMTraining(MegatronTraining):
         self.items_per_step = batches.global_batch * self.data.train.seq_len
         self.dp_rank, self.dp = mps.get_data_parallel_rank(), dp
         self.device = self.accelerator.device()
-        workers = cfg.vlm.data_workers
+        workers = cfg.data.num_workers
         if workers is None:  # the host builds rows while the accelerator trains
             workers = 0 if self.accelerator.device_type == "cpu" else min(4, os.cpu_count() or 1)
         self.data_workers = workers
@@ -299,7 +299,7 @@ class VLMTraining(MegatronTraining):
 
     def batches(self, start_step: int) -> Iterator[list[dict[str, Any]]]:
         """This rank's rows of every step from ``start_step``, built ahead of the training
-        loop by ``vlm.data_workers`` loader processes (images decoded and resized there) and
+        loop by ``data.num_workers`` loader processes (images decoded and resized there) and
         pinned for asynchronous copies on an accelerator."""
         from longboat.core.data.step_loader import step_batches
 
