@@ -144,6 +144,17 @@ def test_auto_backend_choice_on_cpu() -> None:
     assert K.select_backend(q, mask=K.prefix_lm_block_mask(torch.tensor([2]), 4)) == "flex"
 
 
+def test_packed_fp32_documents_on_cuda_go_to_flex_not_a_flash_kernel() -> None:
+    """The flash varlen kernels take only fp16 / bf16: an fp32 run (train.precision=fp32) of
+    packed documents on a GPU uses flex; half precision uses the first flash kernel present."""
+    assert K.auto_backend(True, torch.float32, packed=True) == "flex"
+    half = K.auto_backend(True, torch.bfloat16, packed=True)
+    flash = [b for b in ("flash_attn", "te", "varlen") if K.backend_available(b)]
+    assert half == (flash[0] if flash else "flex")
+    assert K.auto_backend(True, torch.float32, packed=False) == "sdpa"
+    assert K.auto_backend(False, torch.bfloat16, packed=True) == "sdpa"
+
+
 @pytest.mark.parametrize(
     "backend,extra",
     [("flash_attn", "longboat-kernels[flash-attn]"), ("te", "longboat-kernels[te]")],

@@ -88,9 +88,9 @@ def select_backend(
 ) -> str:
     """Resolve ``backend`` (argument > env > auto) and check that it can run.
 
-    Auto: a ``BlockMask`` -> flex; CPU -> sdpa; packed documents on GPU -> flash_attn, else
-    te, else torch's varlen kernel, else flex; everything else -> sdpa (cuDNN / flash inside
-    torch).
+    Auto: a ``BlockMask`` -> flex; CPU -> sdpa; packed fp16 / bf16 documents on GPU ->
+    flash_attn, else te, else torch's varlen kernel, else flex; packed fp32 documents on GPU
+    -> flex; everything else -> sdpa (cuDNN / flash inside torch).
     """
     name = backend or os.environ.get(ENV_VAR) or "auto"
     if name != "auto":
@@ -106,12 +106,24 @@ def select_backend(
         return name
     if _is_block_mask(mask):
         return "flex"
-    if not q.is_cuda:
+    return auto_backend(q.is_cuda, q.dtype, packed=cu_seqlens is not None and mask is None)
+
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+"""The dtypes the flash kernels (flash-attn, TE, torch's varlen) take."""
+
+
+def auto_backend(cuda: bool, dtype: torch.dtype, *, packed: bool) -> str:
+    """The automatic choice for inputs on CUDA (or not) of ``dtype``, packed documents (or
+    not): packed half-precision documents on GPU go to a flash varlen kernel, packed fp32
+    ones to flex (the flash kernels take only fp16 / bf16)."""
+    if not cuda:
         return "sdpa"
-    if cu_seqlens is not None and mask is None:
-        for cand in ("flash_attn", "te", "varlen"):
-            if backend_available(cand):
-                return cand
+    if packed:
+        if dtype in FLASH_DTYPES:
+            for cand in ("flash_attn", "te", "varlen"):
+                if backend_available(cand):
+                    return cand
         return "flex"
     return "sdpa"
 
