@@ -144,10 +144,11 @@ def test_auto_backend_choice_on_cpu() -> None:
     assert K.select_backend(q, mask=K.prefix_lm_block_mask(torch.tensor([2]), 4)) == "flex"
 
 
-def test_packed_fp32_documents_on_cuda_go_to_flex_not_a_flash_kernel() -> None:
+def test_packed_fp32_documents_on_cuda_go_to_sdpa_not_a_flash_kernel() -> None:
     """The flash varlen kernels take only fp16 / bf16: an fp32 run (train.precision=fp32) of
-    packed documents on a GPU uses flex; half precision uses the first flash kernel present."""
-    assert K.auto_backend(True, torch.float32, packed=True) == "flex"
+    packed documents on a GPU uses sdpa with the documents' mask; half precision uses the first
+    flash kernel present."""
+    assert K.auto_backend(True, torch.float32, packed=True) == "sdpa"
     half = K.auto_backend(True, torch.bfloat16, packed=True)
     flash = [b for b in ("flash_attn", "te", "varlen") if K.backend_available(b)]
     assert half == (flash[0] if flash else "flex")
@@ -220,6 +221,27 @@ def test_gpu_packed_documents_match_eager(backend: str | None, causal: bool) -> 
     gb = torch.autograd.grad((ref.float() * w).sum(), (q, k, v))
     for a, b in zip(ga, gb, strict=True):
         assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_packed_fp32_documents_auto_match_eager() -> None:
+    """fp32 packed documents on CUDA (train.precision=fp32) run through the automatic choice
+    and equal the eager reference, forward and backward (GQA 8 / 2, head dim 16)."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    cu = torch.tensor([0, 40, 41, 96], dtype=torch.int32, device="cuda")
+    q, k, v = (
+        torch.randn(96, h, 16, device="cuda", generator=g).requires_grad_() for h in (8, 2, 2)
+    )
+    assert K.select_backend(q, cu_seqlens=cu) == "sdpa"
+    ref = K.attention(q, k, v, causal=True, cu_seqlens=cu, backend="eager")
+    out = K.attention(q, k, v, causal=True, cu_seqlens=cu)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    w = torch.randn(out.shape, device="cuda", generator=g)
+    ga = torch.autograd.grad((out * w).sum(), (q, k, v))
+    gb = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, b in zip(ga, gb, strict=True):
+        assert ((a - b).norm() / b.norm()).item() < 1e-4
 
 
 def test_varlen_backend_needs_packed_cuda_inputs() -> None:

@@ -90,7 +90,7 @@ def select_backend(
 
     Auto: a ``BlockMask`` -> flex; CPU -> sdpa; packed fp16 / bf16 documents on GPU ->
     flash_attn, else te, else torch's varlen kernel, else flex; packed fp32 documents on GPU
-    -> flex; everything else -> sdpa (cuDNN / flash inside torch).
+    -> sdpa; everything else -> sdpa (cuDNN / flash inside torch).
     """
     name = backend or os.environ.get(ENV_VAR) or "auto"
     if name != "auto":
@@ -116,14 +116,16 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 def auto_backend(cuda: bool, dtype: torch.dtype, *, packed: bool) -> str:
     """The automatic choice for inputs on CUDA (or not) of ``dtype``, packed documents (or
     not): packed half-precision documents on GPU go to a flash varlen kernel, packed fp32
-    ones to flex (the flash kernels take only fp16 / bf16)."""
+    ones to sdpa with the documents' mask, as on CPU (the flash kernels take only fp16 /
+    bf16, and inductor has no fp32 flex kernel for every head size)."""
     if not cuda:
         return "sdpa"
     if packed:
-        if dtype in FLASH_DTYPES:
-            for cand in ("flash_attn", "te", "varlen"):
-                if backend_available(cand):
-                    return cand
+        if dtype not in FLASH_DTYPES:
+            return "sdpa"
+        for cand in ("flash_attn", "te", "varlen"):
+            if backend_available(cand):
+                return cand
         return "flex"
     return "sdpa"
 
