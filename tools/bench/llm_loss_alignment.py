@@ -37,7 +37,7 @@ import bench_align
 import llm_throughput as lt
 import torch
 from baselines import llm_reference as ref
-from bench_env import key_values, result_meta, write_results
+from bench_env import free_memory, key_values, result_meta, write_results
 from bench_train import compose, train_timed
 
 CACHE = Path(os.environ.get("TMPDIR", "/tmp")) / "longboat_bench_quickstart"
@@ -64,9 +64,12 @@ def shape(
 def reference_losses(
     hf_dir: Path, batches: list[list[dict]], cfg: Any, acc: Any, *, bf16: bool, reverse: bool
 ) -> list[float]:
-    """``hf_eager`` from ``hf_dir`` over ``batches`` (one microbatch a step)."""
+    """``hf_eager`` from ``hf_dir`` over ``batches`` (one microbatch a step), on a device
+    freed of the runs before it (the longboat run's CUDA-graph pools and optimizer state: at
+    the Qwen3-1.7B shape both runs together exceed 80 GB)."""
     from transformers import AutoModelForCausalLM
 
+    free_memory(acc)
     device = acc.device()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).train()
     factor = ref.lr_factor(cfg.optim.schedule, cfg.train.steps)
