@@ -15,8 +15,8 @@ from torch import nn
 
 from longboat.core.config.schema import OptimConfig
 from longboat.core.distributed import run_multiprocess
+from longboat.core.engine.torch.step import train_step
 from longboat.embodied.parallel import ParallelSetup, build_optimizer, parallelize
-from longboat.embodied.train.step import train_step
 
 STEPS = 4
 GLOBAL_BATCH = 4

@@ -15,10 +15,10 @@ import torch
 
 from longboat.core.config.schema import OptimConfig
 from longboat.core.distributed import run_multiprocess
+from longboat.core.engine.torch.step import train_step
 from longboat.embodied.models import apply_freezing, build_model, get_config
 from longboat.embodied.parallel import ParallelSetup, build_optimizer, parallelize
 from longboat.embodied.train.policy_batch import PolicyCollator, batch_spec
-from longboat.embodied.train.step import train_step
 
 STEPS = 3
 GLOBAL_BATCH = 4

@@ -9,10 +9,8 @@ from omegaconf import MISSING
 
 from longboat.core.config.errors import ConfigError, ProblemCollector
 from longboat.core.config.schema import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
+from longboat.core.engine import MASTER_WEIGHT_STRATEGIES
 
-MASTER_WEIGHT_STRATEGIES = ("ddp",)
-"""``parallel.strategy`` values that support ``train.master_weights`` (flat bf16 params +
-fp32 masters: the sharded or wrapped params of the others cannot be views of one buffer)."""
 LAYOUTS = ("v2.1", "v3.0")
 VIDEO_BACKENDS = ("pyav", "torchcodec")
 
