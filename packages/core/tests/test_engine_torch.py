@@ -324,3 +324,43 @@ def test_two_process_gloo_run_equals_one_process(strategy: str) -> None:
         assert losses == pytest.approx(single_losses, rel=1e-6)
         torch.testing.assert_close(weights, single_w, rtol=1e-6, atol=1e-7)
     assert not torch.equal(single_w, _flat(_toy(dropout=0.2)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_step_equals_the_eager_step_on_cuda() -> None:
+    # build_step_fn with cuda_graph on CUDA: 3 eager warm-up steps, then the capture and 5
+    # replays of the whole master-weight step (forward, backward, clip, update), dropout
+    # seeded per step outside the graph: the eager step's losses and masters (1e-5).
+    from longboat.core.loop.cuda_graph import GraphedStep
+
+    acc = get_accelerator("cuda")
+    results = []
+    for graphed in (False, True):
+        model = _toy(dropout=0.1).cuda()
+        opt = MasterWeightAdamW(param_groups(model, 0.1), lr=1e-2, betas=(0.9, 0.95))
+        fn = engine.build_step_fn(
+            model,
+            opt,
+            acc,
+            accum=1,
+            precision="bf16",
+            grad_clip=0.5,
+            skip_nonfinite_loss=True,
+            cuda_graph=graphed,
+        )
+        assert isinstance(fn, GraphedStep) == graphed
+        losses = []
+        for step, batch in enumerate(_batches(8, 16)):
+            batch = {k: v.cuda() for k, v in batch.items()}
+            r = run_step(
+                fn, opt, batch, step=step, seed=3, rank_offset=0, device_type="cuda",
+                device_index=torch.device("cuda").index,
+            )  # fmt: skip
+            losses.append(r.loss)
+        if graphed:
+            assert fn.captured and fn.replays == 8 - engine.CUDA_GRAPH_WARMUP
+        results.append((torch.tensor(losses), opt.flat_master().cpu()))
+    (le, we), (lg, wg) = results
+    torch.testing.assert_close(lg, le, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(wg, we, rtol=1e-5, atol=1e-6)
