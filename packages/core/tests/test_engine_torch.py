@@ -364,3 +364,33 @@ def test_cuda_graph_step_equals_the_eager_step_on_cuda() -> None:
     (le, we), (lg, wg) = results
     torch.testing.assert_close(lg, le, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(wg, we, rtol=1e-5, atol=1e-6)
+
+
+def test_levers_resolve_null_master_weights_and_cuda_graph_where_they_apply() -> None:
+    from types import SimpleNamespace
+
+    from longboat.core.engine.levers import resolve_fast_path
+
+    def resolve(device="cuda", strategy="ddp", accum=1, dp=1, **train):  # type: ignore[no-untyped-def]
+        t = dict(precision="bf16", master_weights=None, cuda_graph=None, recompute="none")
+        t.update(compile=False, **train)
+        return resolve_fast_path(
+            SimpleNamespace(**t), strategy=strategy, optim_name="adamw", device_type=device,
+            accum=accum, dp_size=dp,
+        )  # fmt: skip
+
+    on = resolve()
+    assert (on.master_weights, on.cuda_graph, on.graph_auto, on.notices) == (True, True, True, ())
+    cpu = resolve("cpu")
+    assert (cpu.master_weights, cpu.cuda_graph) == (True, False)
+    assert cpu.notices == ("train.cuda_graph: eager steps (the cpu device has no CUDA graphs).",)
+    fsdp = resolve(strategy="fsdp")
+    assert (fsdp.master_weights, fsdp.cuda_graph) == (False, False)
+    assert fsdp.notices == (
+        "train.master_weights: off (parallel.strategy=fsdp shards or wraps the params); "
+        "fp32 params under bf16 autocast.",
+    )
+    accum = resolve(accum=2)
+    assert accum.cuda_graph is False and "gradient accumulation of 2" in accum.notices[0]
+    assert resolve(precision="fp32").notices == ()  # nothing to say for an fp32 run
+    assert resolve(cuda_graph=False).cuda_graph is False  # explicit values stay

@@ -13,7 +13,9 @@ Both take core's gates (``longboat.core.train.gate``: the synchronous ``UpdateGa
 ``LaggedUpdateGate`` base), device LR table (``longboat.core.train.schedule``) and CUDA-graph
 helper (``longboat.core.loop.cuda_graph``).
 
-Kept import-free (config validation reads ``MASTER_WEIGHT_STRATEGIES`` without torch).
+``levers`` (import-free) resolves which of the torch backend's levers a run takes
+(``train.master_weights`` / ``train.cuda_graph`` null: on where they apply). Kept import-free
+(config validation reads ``MASTER_WEIGHT_STRATEGIES`` and ``levers`` without torch).
 """
 
 MASTER_WEIGHT_STRATEGIES = ("ddp",)
