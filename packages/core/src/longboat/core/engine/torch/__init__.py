@@ -18,5 +18,5 @@ scalar entries are reported as metrics) and its batches; the engine owns the res
 - ``engine``: the assembly a stack calls: ``prepare_model``, ``build_step_fn``,
   ``make_gate``.
 
-Import the submodules (this package imports torch.distributed pieces lazily through them).
+Import the submodules (this ``__init__`` imports nothing).
 """

@@ -431,7 +431,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     def master_params(self) -> Iterator[None]:
         """Inside: every trainable param is its fp32 master weight (a view of ``master``; with
         split storage a joined copy, 4 bytes a parameter allocated for the duration), as
-        fp32-weight training would have it, e.g. to export the policy; after: the bf16
+        fp32-weight training would have it, e.g. to export the model; after: the bf16
         views again. Do not train inside."""
         bf16 = [(p, p.data) for p, _ in self._views]
         with torch.no_grad():
