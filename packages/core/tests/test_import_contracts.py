@@ -103,6 +103,11 @@ def test_clean_tree_passes(tmp_path: pathlib.Path) -> None:
         ("longboat.core.megatron", "import longboat.diffusion", "core imports no stack"),
         ("longboat.embodied", "import megatron.core", "embodied never imports megatron"),
         ("longboat.core.config", "import megatron.core", "only longboat.core.megatron may"),
+        (
+            "longboat.core.engine.torch",
+            "import longboat.core.megatron",
+            "the torch step engine never imports megatron",
+        ),
     ],
 )
 def test_planted_violation_breaks_contract(

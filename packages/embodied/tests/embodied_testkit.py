@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 from longboat.core.config.schema import NaNGuardConfig, OptimConfig
+from longboat.core.engine.torch.step import StepResult, train_step
 from longboat.core.loop.nan_guard import NaNGuard
 from longboat.core.train.gate import UpdateGate
 from longboat.embodied.models import apply_freezing, build_model
 from longboat.embodied.models.synthetic import synthetic_batch
 from longboat.embodied.parallel import ParallelSetup, build_optimizer, parallelize
-from longboat.embodied.train.step import StepResult, train_step
 
 SETUP = ParallelSetup(strategy="ddp", world_size=1, rank=0)
 

@@ -11,8 +11,7 @@ from torch import nn
 
 from longboat.core.config.errors import ConfigError
 from longboat.embodied.models import build_model, get_config
-from longboat.embodied.parallel import apply_activation_checkpointing, find_blocks
-from longboat.embodied.parallel.blocks import block_methods
+from longboat.embodied.parallel import apply_activation_checkpointing, block_methods, find_blocks
 
 
 class _Nested(nn.Module):

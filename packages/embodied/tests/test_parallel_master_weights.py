@@ -280,7 +280,7 @@ from longboat.core.config.schema import OptimConfig
 from longboat.embodied.models import apply_freezing, build_model
 from longboat.embodied.models.synthetic import synthetic_batch
 from longboat.embodied.parallel import ParallelSetup, build_optimizer, parallelize
-from longboat.embodied.train.step import train_step
+from longboat.core.engine.torch.step import train_step
 
 setup = ParallelSetup(strategy="ddp", world_size=1, rank=0)
 losses = {}
@@ -342,7 +342,7 @@ def test_trainer_exports_the_fp32_master_weights(tmp_path):
 
 # ---------------------------------------------------------------- split master storage
 
-from longboat.embodied.parallel import master_weights as mw_module  # noqa: E402
+from longboat.core.engine.torch import master_weights as mw_module  # noqa: E402
 
 # fp32 values whose low 16 bits are exactly 0x8000: bf16 ties (torch rounds them to even,
 # split storage away from zero), positive and negative, in and out of the even case.

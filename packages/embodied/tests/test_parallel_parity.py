@@ -3,7 +3,7 @@ of world size 1 on the same global batch (fp32, CPU, gloo).
 
 World size 1 runs the global batch of 4 as 4 accumulated micro-batches of 1; world size
 W runs 4/W micro-batches per rank. Micro-batch RNG is seeded by its global index
-(``train.step``), so the only difference is the order of floating-point sums:
+(``longboat.core.engine.torch.step``), so the only difference is the order of floating-point sums:
 relative tolerance 1e-5 on every step's loss and grad norm.
 """
 
@@ -15,8 +15,8 @@ from torch import nn
 
 from longboat.core.config.schema import OptimConfig
 from longboat.core.distributed import run_multiprocess
+from longboat.core.engine.torch.step import train_step
 from longboat.embodied.parallel import ParallelSetup, build_optimizer, parallelize
-from longboat.embodied.train.step import train_step
 
 STEPS = 4
 GLOBAL_BATCH = 4

@@ -3,7 +3,7 @@ at world size 2 reproduce world size 1 on the same global batch of 4 (fp32, CPU,
 
 World size 1 accumulates 4 micro-batches of 1; world size 2 runs 2 per rank. The
 flow-matching noise and time are drawn from an RNG seeded per global micro-batch
-(``train.step``), so only the floating-point summation order differs: every step's
+(``longboat.core.engine.torch.step``), so only the floating-point summation order differs: every step's
 loss and grad norm agree within a relative 1e-5. Activation checkpointing is on at
 world size 2 (off at world size 1), so it is covered by the same check.
 """
@@ -15,10 +15,10 @@ import torch
 
 from longboat.core.config.schema import OptimConfig
 from longboat.core.distributed import run_multiprocess
+from longboat.core.engine.torch.step import train_step
 from longboat.embodied.models import apply_freezing, build_model, get_config
 from longboat.embodied.parallel import ParallelSetup, build_optimizer, parallelize
 from longboat.embodied.train.policy_batch import PolicyCollator, batch_spec
-from longboat.embodied.train.step import train_step
 
 STEPS = 3
 GLOBAL_BATCH = 4

@@ -14,9 +14,9 @@ from embodied_testkit import cpu_train_step, schedule_gate, tiny_groot, tiny_gro
 from longboat.core.config.compose import compose_experiment
 from longboat.core.config.errors import ConfigError
 from longboat.core.config.schema import OptimConfig
+from longboat.core.engine.torch.graphable import GraphableStep, run_step
 from longboat.core.loop.capture_check import capture_hazards, find_capture_hazards
 from longboat.core.loop.cuda_graph import GraphedStep
-from longboat.embodied.train.step import GraphableStep, run_step
 from longboat.embodied.train.trainer import train
 
 OPTIM = OptimConfig(lr=1e-3, weight_decay=0.1, betas=[0.9, 0.95], grad_clip=0.2)

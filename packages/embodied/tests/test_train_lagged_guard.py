@@ -21,11 +21,12 @@ import longboat.embodied.train.training as training_mod
 from longboat.core.config.compose import compose_experiment
 from longboat.core.config.schema import LRScheduleConfig, NaNGuardConfig, OptimConfig
 from longboat.core.distributed import run_multiprocess
+from longboat.core.engine.torch.graphable import GraphableStep, LaggedGuard, run_step
+from longboat.core.engine.torch.step import train_step
 from longboat.core.loop import NaNGuard, NonFiniteLossError
 from longboat.core.loop.host_reads import HostReads
 from longboat.core.train import LaggedUpdateGate, RunSchedule, UpdateGate
 from longboat.embodied.models.groot_n1_6.model import GrootN16
-from longboat.embodied.train.step import GraphableStep, LaggedGuard, run_step, train_step
 from longboat.embodied.train.trainer import train
 
 OPTIM = OptimConfig(lr=1e-3, weight_decay=0.1, betas=[0.9, 0.95], grad_clip=0.2)

@@ -2,8 +2,8 @@
 
 - ``trainer``: ``train(cfg)``, the embodied run on core's trainer (``longboat.core.train``).
 - ``training``: ``build_training(cfg)``, the one assembly of a run (``EmbodiedTraining``).
-- ``step``: one optimizer step over accumulated micro-batches (world-size invariant), the
-  sync-free ``GraphableStep`` and its ``LaggedGuard``.
+- the step itself is core's torch step engine (``longboat.core.engine.torch``): accumulated
+  micro-batches (world-size invariant), the sync-free ``GraphableStep`` and its ``LaggedGuard``.
 - ``plan`` / ``loader``: which samples each rank trains on at each step.
 - ``datasets``: the run's LeRobot dataset (synthetic on first use).
 - ``policy_batch``: LeRobot samples -> policy batch.

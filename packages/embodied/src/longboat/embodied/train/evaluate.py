@@ -31,9 +31,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from torch.utils.data import Dataset
 
+from longboat.core.engine.torch.step import autocast_context, micro_batch_seed, seeded_rng
 from longboat.embodied.parallel import unwrap
 from longboat.embodied.train.policy_batch import PolicyCollator, to_device
-from longboat.embodied.train.step import autocast_context, micro_batch_seed, seeded_rng
 
 _EVAL_SALT = 0xE7A1_5EED  # eval RNG streams, apart from the training ones
 

@@ -9,8 +9,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from longboat.core.data.batch_plan import GlobalBatchPlan
+from longboat.core.engine.torch.step import micro_batch_seed
 from longboat.core.loop.signals import ignore_sigint
-from longboat.embodied.train.step import micro_batch_seed
 
 _DATA_SALT = 0x5EED_DA7A  # data-side RNG stream, distinct from the model-side one
 

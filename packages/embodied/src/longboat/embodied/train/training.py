@@ -12,9 +12,11 @@ config key read here:
   ``parallelize``d (``parallel.strategy``, ``train.recompute``,
   ``train.master_weights``), its blocks compiled (``train.compile``), and its optimizer
   (``optim.*``, ``train.master_weight_storage``, ``train.master_weight_update``);
-- the step: with master weights and one micro-batch a step, the sync-free ``GraphableStep``
-  (replayed as one CUDA graph with ``train.cuda_graph``) under ``LaggedGuard``; otherwise
-  ``train_step`` (gradient accumulation) under core's synchronous gate.
+- the step: core's torch step engine (``longboat.core.engine.torch``): with master weights
+  and one micro-batch a step, the sync-free ``GraphableStep`` (replayed as one CUDA graph
+  with ``train.cuda_graph``) under ``LaggedGuard``; otherwise ``train_step`` (gradient
+  accumulation) under core's synchronous gate. What stays here is the policy's: its config,
+  data, batches, evaluation and export.
 
 Core's ``Trainer`` owns everything around the steps (resume, signals, metrics, the LR schedule,
 the NaN guard's counters, checkpoints, the profiler, the export call).
@@ -36,7 +38,9 @@ from longboat.core.config.errors import ProblemCollector
 from longboat.core.data.batch_plan import BatchLayout, GlobalBatchPlan, batch_layout
 from longboat.core.device import get_accelerator
 from longboat.core.distributed import init_distributed, resolve_parallel
-from longboat.core.loop.cuda_graph import GraphedStep
+from longboat.core.engine.torch import engine
+from longboat.core.engine.torch.graphable import run_step
+from longboat.core.engine.torch.step import train_step
 from longboat.core.loop.nan_guard import NaNGuard
 from longboat.core.train.gate import UpdateGate
 from longboat.core.train.trainer import typed_config
@@ -50,13 +54,11 @@ from longboat.embodied.models import apply_freezing, build_model, hf_backbones
 from longboat.embodied.models.init_from import load_initial_weights, resolve_model_config
 from longboat.embodied.models.registry import policy
 from longboat.embodied.parallel import (
+    KNOWN_BLOCK_METHODS,
     MasterWeightAdamW,
     ParallelSetup,
     ZeroShardState,
     build_optimizer,
-    compile_blocks,
-    parallelize,
-    unwrap,
 )
 from longboat.embodied.train.datasets import ensure_synthetic, open_dataset
 from longboat.embodied.train.evaluate import HeldOutEval
@@ -76,9 +78,8 @@ from longboat.embodied.train.reference_formats import (
     run_tokenizer,
     write_export,
 )
-from longboat.embodied.train.step import GraphableStep, LaggedGuard, run_step, train_step
 
-CUDA_GRAPH_WARMUP = 3
+CUDA_GRAPH_WARMUP = engine.CUDA_GRAPH_WARMUP
 """Eager steps before ``train.cuda_graph`` captures the step."""
 
 
@@ -203,16 +204,19 @@ def build_policy(
             print(loaded, flush=True)  # a backbone alone: which parts stay initialised
     counts = apply_freezing(model, model_cfg)
     model.to(device)
-    model = parallelize(
+    model, compiled = engine.prepare_model(
         model,
         setup,
+        accelerator,
+        device,
         precision=cfg.train.precision,
-        activation_checkpointing=cfg.train.recompute,
-        device_ids=[device.index] if accelerator.device_type == "cuda" else None,
+        recompute=cfg.train.recompute,
+        compile=cfg.train.compile,
         master_weights=cfg.train.master_weights,
+        known_block_methods=KNOWN_BLOCK_METHODS,
     )
     if cfg.train.compile:
-        counts["compiled_blocks"] = compile_blocks(unwrap(model))
+        counts["compiled_blocks"] = compiled
     return model, counts
 
 
@@ -232,26 +236,19 @@ def build_step_fn(
     problems = ProblemCollector()
     check_cuda_graph_layout(cfg.train, layout.dp_size, problems)  # the resolved dp size
     problems.raise_if_any()
-    if not isinstance(optimizer, MasterWeightAdamW) or layout.accum != 1:
-        return None
-    step_fn: Any = GraphableStep(
+    return engine.build_step_fn(
         model,
         optimizer,
+        accelerator,
+        accum=layout.accum,
         precision=cfg.train.precision,
-        device_type=accelerator.device_type,
         grad_clip=cfg.optim.grad_clip,
         # The device skips a non-finite loss exactly when the guard would.
         skip_nonfinite_loss=cfg.train.nan_guard.enabled,
+        cuda_graph=cfg.train.cuda_graph,
+        eager_on_sync=eager_on_sync,
+        name="embodied train step",
     )
-    if cfg.train.cuda_graph:
-        step_fn = GraphedStep(
-            step_fn,
-            accelerator=accelerator,
-            warmup=CUDA_GRAPH_WARMUP,
-            name="embodied train step",
-            eager_on_sync=eager_on_sync,
-        )
-    return step_fn
 
 
 class EmbodiedTraining(Training):
@@ -303,11 +300,10 @@ class EmbodiedTraining(Training):
         )
         self.reference_export: Path | None = None
         self.position = data_position(self.data.plan, self.data.held_out)
-        self.setup = ParallelSetup(
-            strategy=parallel.strategy,
+        self.setup = ParallelSetup.from_config(
+            parallel,
             world_size=info.world_size,
             rank=info.rank,
-            replicate=parallel.data_parallel_replicate,
             device_type=self.accelerator.device_type,
         )
         self.model, self.counts = build_policy(
@@ -360,22 +356,15 @@ class EmbodiedTraining(Training):
     def make_gate(self, guard: NaNGuard, schedule: Any) -> UpdateGate:
         """``LaggedGuard`` for the sync-free step (no host read per step), else core's
         synchronous gate."""
-        if self.step_fn is not None and guard.cfg.enabled:
-            return LaggedGuard(
-                guard,
-                schedule,
-                self.optimizer,
-                total_steps=self.cfg.train.steps,
-                accelerator=self.accelerator,
-            )
-        why = None
-        if self.step_fn is None and not isinstance(self.optimizer, MasterWeightAdamW):
-            why = "the eager step needs the verdict before its update; bf16 with "
-            why += "train.master_weights=true skips on the device"
-        elif self.step_fn is None:
-            why = f"gradient accumulation ({self.layout.accum} micro-batches a step) runs the "
-            why += "eager step"
-        return UpdateGate(guard, schedule, why_sync=why)
+        return engine.make_gate(
+            guard,
+            schedule,
+            step_fn=self.step_fn,
+            optimizer=self.optimizer,
+            accum=self.layout.accum,
+            total_steps=self.cfg.train.steps,
+            accelerator=self.accelerator,
+        )
 
     def after_resume(self, step: int) -> None:
         self.steps_done = step
@@ -489,10 +478,7 @@ class EmbodiedTraining(Training):
     def describe(self) -> list[str]:
         cfg, layout, counts = self.cfg, self.layout, self.counts
         h, w = self.data.image_hw
-        how = "train_step" if self.step_fn is None else "GraphableStep (master weights)"
-        if isinstance(self.step_fn, GraphedStep):
-            graph = self.step_fn.reason and f"eager ({self.step_fn.reason})"
-            how += f", train.cuda_graph: {graph or f'captured after {CUDA_GRAPH_WARMUP} steps'}"
+        how = engine.describe_step(self.step_fn)
         compiled = counts.get("compiled_blocks")
         data = self.data
         if data.resized:

@@ -20,18 +20,16 @@ from typing import Any
 
 import torch
 
-from longboat.core.megatron.engine.lagged_gate import (
-    device_found_inf,
+from longboat.core.engine.device_skip import (
+    GRAPH_WARMUP,
     install_found_inf,
     mark_non_finite,
     remove_found_inf,
 )
+from longboat.core.megatron.engine.lagged_gate import device_found_inf
 from longboat.core.megatron.optimizer import inner_optimizers
 from longboat.core.train.gate import LaggedUpdateGate
 from longboat.core.train.schedule import DeviceLRTable
-
-GRAPH_WARMUP = 3
-"""Eager steps before the capture."""
 
 
 def graph_blocker(

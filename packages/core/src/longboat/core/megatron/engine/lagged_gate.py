@@ -48,6 +48,12 @@ from typing import Any
 
 import torch
 
+from longboat.core.engine.device_skip import (
+    install_found_inf,
+    mark_non_finite,
+    remove_found_inf,
+    use_fused_adamw,
+)
 from longboat.core.loop.nan_guard import NaNGuard
 from longboat.core.megatron.optimizer import inner_optimizers
 from longboat.core.train.gate import LaggedUpdateGate
@@ -134,37 +140,12 @@ def device_found_inf(optimizer: Any) -> torch.Tensor:
     return torch.zeros((), dtype=torch.float32, device=device)
 
 
-@torch.no_grad()
-def mark_non_finite(found_inf: torch.Tensor, loss: torch.Tensor) -> None:
-    """``found_inf = not isfinite(loss)``, on the device."""
-    bad = torch.isfinite(loss.detach()).logical_not().to(found_inf.dtype)
-    found_inf.copy_(bad.reshape(()).to(found_inf.device))
-
-
-def install_found_inf(inners: list[torch.optim.Optimizer], found_inf: torch.Tensor) -> None:
-    """Make each torch Adam / AdamW fused and read ``found_inf`` in its ``step()``."""
-    for inner in inners:
-        use_fused_adamw(inner)
-        inner.found_inf = found_inf  # read by torch Adam's step()
-
-
-def remove_found_inf(inners: list[torch.optim.Optimizer], found_inf: torch.Tensor) -> None:
-    """Undo ``install_found_inf`` (a later plain ``step()`` steps)."""
-    for inner in inners:
-        if getattr(inner, "found_inf", None) is found_inf:
-            del inner.found_inf
-
-
-def use_fused_adamw(inner: torch.optim.Optimizer) -> None:
-    """Switch every param group of a torch Adam / AdamW to the fused implementation (the one
-    that honours ``found_inf``), with its step counts as fp32 tensors on the param's device
-    (what fused AdamW keeps; a non-fused state from a checkpoint holds them on the CPU)."""
-    for group in inner.param_groups:
-        group["fused"], group["foreach"] = True, False
-        for p in group["params"]:
-            state = inner.state.get(p)
-            if state and "step" in state:
-                step = state["step"]
-                if not isinstance(step, torch.Tensor):
-                    step = torch.tensor(float(step))
-                state["step"] = step.to(dtype=torch.float32, device=p.device)
+__all__ = [
+    "LaggedLossGuard",
+    "device_found_inf",
+    "install_found_inf",
+    "lagged_guard_blocker",
+    "mark_non_finite",
+    "remove_found_inf",
+    "use_fused_adamw",
+]

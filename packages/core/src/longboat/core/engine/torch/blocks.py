@@ -1,13 +1,11 @@
-"""Find the repeated blocks of a policy: the unit of FSDP sharding and activation checkpointing."""
+"""Find the repeated blocks of a model: the unit of FSDP sharding, activation recompute and
+per-block compile."""
 
 from __future__ import annotations
 
-from torch import nn
+from collections.abc import Sequence
 
-# Methods through which a model may run a block without calling the block itself:
-# pi0.5's joint attention drives each LM / expert layer as ``project_qkv`` then
-# ``finish``. FSDP hooks and activation checkpointing must see those calls.
-KNOWN_BLOCK_METHODS = ("project_qkv", "finish")
+from torch import nn
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
@@ -33,15 +31,18 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def block_methods(block: nn.Module) -> list[str]:
-    """Non-``forward`` methods the model calls to run ``block`` (see KNOWN_BLOCK_METHODS).
+def block_methods(block: nn.Module, known: Sequence[str] = ()) -> list[str]:
+    """Non-``forward`` methods the model calls to run ``block`` (a model may drive a block
+    through other methods than ``forward``, e.g. a joint attention that runs each layer as
+    ``project_qkv`` then ``finish``; FSDP hooks must see those calls).
 
-    A block class may declare them explicitly with a ``block_forward_methods`` tuple.
+    A block class declares them with a ``block_forward_methods`` tuple; otherwise those of
+    ``known`` (the stack's list of such method names) the block has.
     """
     declared = getattr(block, "block_forward_methods", None)
     if declared is not None:
         return list(declared)
-    return [m for m in KNOWN_BLOCK_METHODS if callable(getattr(block, m, None))]
+    return [m for m in known if callable(getattr(block, m, None))]
 
 
 def compile_blocks(model: nn.Module) -> int:

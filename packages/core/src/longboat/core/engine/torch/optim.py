@@ -1,6 +1,9 @@
-"""Optimizer construction (AdamW, fused where the device has it; ZeRO-1) and grad clipping."""
+"""The torch engine's optimizer from ``optim.*`` (AdamW, fused where the device has it; SGD;
+ZeRO-1; master-weight AdamW) and grad clipping that is correct for sharded grads."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -9,8 +12,8 @@ from torch.distributed.tensor import DTensor
 
 from longboat.core.config.errors import ConfigError, require_choice
 from longboat.core.config.schema import OptimConfig
-from longboat.embodied.parallel.master_weights import MASTER_STORAGES, MasterWeightAdamW
-from longboat.embodied.parallel.strategy import ParallelSetup, check_master_weights
+from longboat.core.engine.torch.master_weights import MASTER_STORAGES, MasterWeightAdamW
+from longboat.core.engine.torch.strategy import ParallelSetup, check_master_weights
 
 # Device types whose torch build ships a fused AdamW kernel.
 _FUSED_ADAMW_DEVICES = ("cuda", "cpu", "xpu", "mps", "hpu")
@@ -30,17 +33,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 MASTER_UPDATES = ("slices", "kernel")
-
-
-def _master_kernel(update: str, groups: list[dict]) -> str | None:
-    """``MasterWeightAdamW``'s ``kernel_impl`` for ``train.master_weight_update``: the Triton
-    kernel only where it runs compiled (an interpreted kernel is for tests, not training)."""
-    if update != "kernel":
-        return None
-    from longboat.kernels._dispatch import resolve_impl
-
-    first = next(p for g in groups for p in g["params"])
-    return "triton" if first.is_cuda and resolve_impl(None, first) == "triton" else None
+"""``train.master_weight_update`` values: ``torch._fused_adamw_`` slices, or the one-pass
+kernel where it runs compiled."""
 
 
 def build_optimizer(
@@ -51,6 +45,8 @@ def build_optimizer(
     master_weights: bool = False,
     master_storage: str = "fp32",
     master_update: str = "slices",
+    master_weight_class: type[MasterWeightAdamW] = MasterWeightAdamW,
+    master_kernel_impl: Callable[[torch.Tensor], str | None] | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW (or SGD) over the trainable params; ZeroRedundancyOptimizer for ``zero1``.
 
@@ -62,14 +58,18 @@ def build_optimizer(
     ``master_update`` (``train.master_weight_update``): ``"slices"`` (``torch._fused_adamw_``
     per slice) or ``"kernel"`` (one Triton ``adamw_master_step_`` pass per param group where
     Triton runs compiled, i.e. on CUDA unless ``LONGBOAT_KERNELS_IMPL=torch``; the slices
-    elsewhere).
+    elsewhere). The kernel is the caller's (core does not import the kernels package):
+    ``master_weight_class``, a ``MasterWeightAdamW`` subclass that passes its ``kernel``
+    (``longboat.kernels.adamw_master_step_``), and ``master_kernel_impl``, which names the
+    implementation to run for a parameter (``"triton"``) or None where only the slices apply;
+    without it ``"kernel"`` runs the slices.
     """
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
         raise ConfigError(
             "the model has no trainable parameters",
             key="model",
-            fix="unfreeze something (e.g. model.tune_llm=true or the action head)",
+            fix="unfreeze some parameters (the model config's freezing options)",
         )
     if master_weights:
         check_master_weights(setup.strategy)
@@ -88,13 +88,13 @@ def build_optimizer(
             master_storage, MASTER_STORAGES, key="train.master_weight_storage",
             what="master-weight storage",
         )  # fmt: skip
-        return MasterWeightAdamW(
+        return master_weight_class(
             groups,
             lr=cfg.lr,
             betas=tuple(cfg.betas),
             eps=cfg.eps,
             master_storage=master_storage,
-            kernel_impl=_master_kernel(master_update, groups),
+            kernel_impl=_kernel_impl(master_update, groups, master_kernel_impl),
         )
     if cfg.name == "adamw":
         cls: type[torch.optim.Optimizer] = torch.optim.AdamW
@@ -118,6 +118,19 @@ def build_optimizer(
             zero.add_param_group(group)
         return zero
     return cls(groups, **kwargs)
+
+
+def _kernel_impl(
+    update: str,
+    groups: list[dict],
+    impl_for: Callable[[torch.Tensor], str | None] | None,
+) -> str | None:
+    """``MasterWeightAdamW``'s ``kernel_impl`` for ``train.master_weight_update``: the kernel's
+    implementation for the first parameter (e.g. Triton only where it runs compiled: an
+    interpreted kernel is for tests, not training), None for the slices."""
+    if update != "kernel" or impl_for is None:
+        return None
+    return impl_for(next(p for g in groups for p in g["params"]))
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@
   ``prepare_grads`` all-reduces the bf16 grads with one collective at world size > 1 and
   measures the global norm (accumulated in fp32) and the clip factor on the device (no host
   sync); ``step`` updates each param group in one pass on CUDA:
-  ``longboat.kernels.adamw_master_step_`` (Triton) reads the bf16 grads, the fp32 masters
+  a one-pass kernel (``longboat.kernels.adamw_master_step_``, Triton, given as ``kernel``) reads the bf16 grads, the fp32 masters
   and moments, writes them back and writes the bf16 weights (28 bytes a parameter; clipping
   through its ``grad_scale``, and a non-finite grad norm sets its ``found_inf``, so the
   update is skipped on the device). Elsewhere (CPU; or ``LONGBOAT_KERNELS_IMPL=torch``)
@@ -27,7 +27,7 @@ Master storage (``master_storage``):
 - ``"split"``: no fp32 master buffer. Each fp32 master ``x`` is the bf16 weight ``hi`` (the
   ``flat_param`` the model computes with) plus an int16 buffer ``master_lo`` (same layout):
   ``bits(x) = (bits(hi) << 16) + lo`` on the int32 bit patterns, exactly (see
-  ``longboat.kernels.adamw``). ``hi`` is ``x`` rounded to bf16 to nearest with ties away from
+  ``bf16_split``). ``hi`` is ``x`` rounded to bf16 to nearest with ties away from
   zero, so ``lo`` fits int16. 14 bytes a parameter instead of 16 (-3.2 GB for 1.62B
   trainable parameters); the masters and moments are bit for bit those of ``"fp32"`` for the
   same grads. The bf16 weights differ from ``"fp32"``'s (torch's round-to-nearest-even copy)
@@ -59,7 +59,7 @@ in the other with the same masters and moments.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -67,8 +67,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from longboat.kernels import adamw_master_step_
-from longboat.kernels.adamw import join_bits_, join_fp32_, split_bits_
+from longboat.core.engine.torch.bf16_split import join_bits_, join_fp32_, split_bits_
 
 ALIGN = 64
 """Element alignment of every parameter's offset in the flat buffers."""
@@ -97,8 +96,12 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     ``process_group``: grads are averaged over it in ``prepare_grads`` (None: the default
     group when one with more than one rank is initialized).
     ``kernel_impl``: None, the ``torch._fused_adamw_`` slices; ``"triton"`` / ``"torch"``,
-    one ``adamw_master_step_`` pass per param group in that implementation (the Triton kernel
-    is what ``train.master_weight_update=kernel`` picks on CUDA; the torch reference allocates full-size temporaries: for checks on small models).
+    one ``kernel(..., impl=kernel_impl)`` pass per param group in that implementation (the
+    Triton kernel is what ``train.master_weight_update=kernel`` picks on CUDA; the torch
+    reference allocates full-size temporaries: for checks on small models).
+    ``kernel``: the one-pass update, with ``longboat.kernels.adamw_master_step_``'s signature
+    (required with ``kernel_impl``; core does not import the kernels package, so the caller
+    hands it over, as the embodied stack's ``MasterWeightAdamW`` does).
     ``master_storage``: ``"fp32"`` (a flat fp32 master buffer) or ``"split"`` (the bf16
     weights plus int16 low halves: the same masters in 2 bytes a parameter less; needs
     ``param_dtype=torch.bfloat16``), see the module doc.
@@ -114,6 +117,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         param_dtype: torch.dtype = torch.bfloat16,
         process_group: Any = None,
         kernel_impl: str | None = None,
+        kernel: Callable[..., None] | None = None,
         master_storage: str = "fp32",
     ) -> None:
         if master_storage not in MASTER_STORAGES:
@@ -202,7 +206,13 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             raise ValueError(
                 f"MasterWeightAdamW: kernel_impl={kernel_impl!r}; use None, 'torch' or 'triton'"
             )
+        if kernel_impl is not None and kernel is None:
+            raise ValueError(
+                f"MasterWeightAdamW: kernel_impl={kernel_impl!r} needs the one-pass update "
+                "kernel (kernel=longboat.kernels.adamw_master_step_)"
+            )
         self.kernel_impl = kernel_impl
+        self.kernel = kernel
         # Per group for the one-pass kernel, the same buffers over the whole segment.
         self._segment_views = [
             tuple(None if buf is None else buf[start:end] for buf in self._flat_buffers())
@@ -353,7 +363,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         for group, views, lr in zip(self.param_groups, self._segment_views, self.lr_tensors):
             master, grad, exp_avg, exp_avg_sq, param, lo = views
             beta1, beta2 = group["betas"]
-            adamw_master_step_(
+            self.kernel(
                 param if lo is not None else master,
                 grad,
                 exp_avg,
@@ -421,7 +431,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     def master_params(self) -> Iterator[None]:
         """Inside: every trainable param is its fp32 master weight (a view of ``master``; with
         split storage a joined copy, 4 bytes a parameter allocated for the duration), as
-        fp32-weight training would have it, e.g. to export the policy; after: the bf16
+        fp32-weight training would have it, e.g. to export the model; after: the bf16
         views again. Do not train inside."""
         bf16 = [(p, p.data) for p, _ in self._views]
         with torch.no_grad():

@@ -1,8 +1,8 @@
-"""Data-parallel strategies for torch-native policies: ddp, zero1, fsdp (FSDP2), hsdp.
+"""Data-parallel strategies of the torch step engine: ddp, zero1, fsdp (FSDP2), hsdp.
 
 ``parallelize`` turns a plain ``nn.Module`` (already on its device) into the
 module the training loop calls. The matching optimizer comes from
-``longboat.embodied.parallel.optim.build_optimizer``, which needs the same
+``longboat.core.engine.torch.optim.build_optimizer``, which needs the same
 ``ParallelSetup`` (ZeRO-1 shards the optimizer state, not the module).
 
 The strategy names are core's (``longboat.core.distributed.STRATEGIES``); core's validator
@@ -13,7 +13,9 @@ composed, and ``resolve_parallel`` resolves them against the world size before
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,9 +26,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from longboat.core.config.errors import ConfigError
 from longboat.core.distributed import STRATEGIES
-from longboat.embodied.config import MASTER_WEIGHT_STRATEGIES
-from longboat.embodied.parallel.blocks import block_methods, find_blocks
-from longboat.embodied.parallel.checkpointing import apply_activation_checkpointing
+from longboat.core.engine import MASTER_WEIGHT_STRATEGIES
+from longboat.core.engine.torch.blocks import block_methods, find_blocks
+from longboat.core.engine.torch.recompute import apply_activation_checkpointing
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -38,13 +40,28 @@ class ParallelSetup:
     strategy: str
     """ddp, zero1, fsdp or hsdp."""
     world_size: int
-    """Processes in the job (all data parallel: embodied uses no TP/PP)."""
+    """Processes in the job (all data parallel: the torch engine uses no TP/PP)."""
     rank: int
     """This process's global rank."""
     replicate: int = 1
     """HSDP only: replica groups (mesh dim 0); world_size / replicate shards each."""
     device_type: str = "cpu"
     """torch device type of the accelerator (``cpu``, ``cuda``...)."""
+
+    @classmethod
+    def from_config(
+        cls, parallel: Any, *, world_size: int, rank: int, device_type: str
+    ) -> ParallelSetup:
+        """The layout of ``parallel.*`` (``parallel.strategy``,
+        ``parallel.data_parallel_replicate``; resolved and validated by core's
+        ``resolve_parallel``) for this process."""
+        return cls(
+            strategy=parallel.strategy,
+            world_size=world_size,
+            rank=rank,
+            replicate=parallel.data_parallel_replicate,
+            device_type=device_type,
+        )
 
     @property
     def distributed(self) -> bool:
@@ -94,6 +111,7 @@ def parallelize(
     bucket_cap_mb: int = 25,
     find_unused_parameters: bool = True,
     master_weights: bool = False,
+    known_block_methods: Sequence[str] = (),
 ) -> nn.Module:
     """Apply activation checkpointing, then the data-parallel strategy, to ``model``.
 
@@ -108,7 +126,9 @@ def parallelize(
     ``MasterWeightAdamW`` all-reduces its flat grad buffer with one collective instead
     (no overlap with backward, no per-bucket copies).
     ``find_unused_parameters`` (DDP/ZeRO-1) costs one autograd-graph walk per step;
-    turn it off only for policies whose every trainable parameter is used every step.
+    turn it off only for models whose every trainable parameter is used every step.
+    ``known_block_methods``: methods other than ``forward`` through which the model runs a
+    block (see ``blocks.block_methods``); FSDP gathers the block's params around them too.
     """
     if master_weights:
         check_master_weights(setup.strategy)
@@ -129,8 +149,8 @@ def parallelize(
             device_ids=device_ids,
             bucket_cap_mb=bucket_cap_mb,
             gradient_as_bucket_view=True,
-            # Policies have trainable params that a step may not use (GR00T's state
-            # mask token only takes part when state dropout fires); DDP must not wait
+            # A model may have trainable params that a step does not use (a policy's
+            # mask token that takes part only when its dropout fires); DDP must not wait
             # for their grads. Frozen params are never hooked, so they cost nothing.
             find_unused_parameters=find_unused_parameters,
         )
@@ -143,7 +163,7 @@ def parallelize(
     # Blocks are re-found because checkpoint wrappers replaced them in their parents.
     for block in find_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-        for name in block_methods(block):
+        for name in block_methods(block, known_block_methods):
             # Gather before / reshard after each of these calls, as for forward.
             register_fsdp_forward_method(block, name)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
