@@ -92,6 +92,9 @@ class PromptProcessor:
     a real tokenizer: the reference's inputs."""
     hint: str = "set model.tokenizer=<dir> for the reference's prompt"
     """What a run without a tokenizer is told to set."""
+    copy: Callable[[str | Path, str | Path], Path] | None = None
+    """``(tokenizer dir, target dir) -> target``: how an export ships the tokenizer; None:
+    every file of the directory is copied."""
 
 
 StatisticsFn = Callable[[str, list[str], int, dict[str, int]], Mapping[str, Any] | None]

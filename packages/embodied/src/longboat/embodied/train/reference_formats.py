@@ -5,12 +5,14 @@ end (``export.format``, ``PolicyFamily.export_formats``)."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from longboat.core.config.errors import ConfigError
 from longboat.embodied.data import LeRobotMetadata
+from longboat.embodied.inference.processor import PROCESSOR_NAME, TOKENIZER_DIR
 from longboat.embodied.models import hf_backbones
 from longboat.embodied.models.registry import policy
 from longboat.embodied.train.policy_batch import ACTION_KEY, STATE_KEY
@@ -115,7 +117,7 @@ def write_export(
     that directory."""
     chosen = policy(model_name).export_format(fmt)
     assert chosen is not None, fmt  # plan_export chose it
-    return chosen.write(
+    out = chosen.write(
         export_dir,
         export_dir / chosen.name,
         root=root,
@@ -123,3 +125,17 @@ def write_export(
         cameras=cameras,
         stats=stats,
     )
+    copy_processor(export_dir, out)
+    return out
+
+
+def copy_processor(export_dir: Path, out_dir: Path) -> None:
+    """Ship the native export's processor (``processor.json``, its ``tokenizer/``) in a
+    reference-format folder too, so ``load_policy`` acts with that folder alone."""
+    source = Path(export_dir) / PROCESSOR_NAME
+    if not source.is_file():
+        return
+    shutil.copyfile(source, Path(out_dir) / PROCESSOR_NAME)
+    tokenizer = Path(export_dir) / TOKENIZER_DIR
+    if tokenizer.is_dir() and not (Path(out_dir) / TOKENIZER_DIR).exists():
+        shutil.copytree(tokenizer, Path(out_dir) / TOKENIZER_DIR)

@@ -46,6 +46,7 @@ from longboat.embodied.config import (
     check_cuda_graph_layout,
     resolve_fast_path,
 )
+from longboat.embodied.inference.processor import PolicyProcessor
 from longboat.embodied.models import apply_freezing, build_model, hf_backbones
 from longboat.embodied.models.init_from import load_initial_weights, resolve_model_config
 from longboat.embodied.models.registry import policy
@@ -442,8 +443,9 @@ class EmbodiedTraining(Training):
 
     def export(self) -> Path | None:
         """``model.safetensors`` + ``config.json`` (``export.dir``, default
-        ``<output_dir>/export``); with master weights, the fp32 masters (the trained values),
-        not their bf16 copy. Every rank takes part (the weights are gathered). Then, on rank
+        ``<output_dir>/export``) and the processor (``processor.json``, the tokenizer in
+        ``tokenizer/``); with master weights, the fp32 masters (the trained values), not their
+        bf16 copy. Every rank takes part (the weights are gathered). Then, on rank
         0, the reference format of ``export.format`` in ``<dir>/lerobot`` or ``<dir>/isaac``."""
         cfg = self.cfg
         if not cfg.export.enabled:
@@ -471,6 +473,15 @@ class EmbodiedTraining(Training):
                     "tokenizer": str(self.tokenizer_dir) if self.tokenizer_dir else None,
                 },
             )
+        if self.is_main:  # what acting on raw observations needs (load_policy)
+            PolicyProcessor.from_run(
+                cfg.model.name,
+                self.data.collate,
+                self.data.norm_stats,
+                tokenizer=self.tokenizer_dir,
+                precision=cfg.train.precision,
+                model_overrides=self.overrides,
+            ).save(out)
         if self.export_format != "native":
             if self.is_main:  # from the files just written: one process, no collective
                 self.reference_export = write_export(

@@ -90,6 +90,7 @@ FAMILY = PolicyFamily(
         # the policy (LeRobot's are not).
         config_overrides={"state_in_prompt": True, "image.crop_fraction": 1.0},
         hint="set model.tokenizer=<dir> for LeRobot's pi0.5 prompt",
+        copy=processor.copy_tokenizer,
     ),
     checkpoints=CheckpointAdapter(
         description="LeRobot pi0.5 policies (e.g. lerobot/pi05_base)",
