@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -19,10 +20,13 @@ from embodied_testkit import write_tiny_tokenizer
 from longboat.core.config.compose import compose_experiment
 from longboat.core.config.errors import ConfigError
 from longboat.core.train.trainer import typed_config
+from longboat.embodied.data import LeRobotDataset
+from longboat.embodied.inference import load_policy
 from longboat.embodied.models.groot_n1_6.isaac_format import load_isaac_groot
 from longboat.embodied.models.groot_n1_6.isaac_processor import checkpoint_stats
 from longboat.embodied.models.init_from import resolve_model_config
 from longboat.embodied.models.pi05.lerobot_format import load_lerobot_pi05
+from longboat.embodied.models.pi05.lerobot_processors import preprocessor_overrides
 from longboat.embodied.models.synthetic import synthetic_batch
 from longboat.embodied.train.export import load_exported_policy
 from longboat.embodied.train.reference_formats import run_tokenizer
@@ -76,7 +80,7 @@ def test_pi05_run_ends_with_a_lerobot_policy_that_init_from_loads(
     assert f"Prompts: pi0.5's 'Task: ..., State: ...;\\nAction: ' tokenised by {tokenizer}" in out
     steps = json.loads((lerobot / "policy_preprocessor.json").read_text())["steps"]
     step = next(s for s in steps if s["registry_name"] == "tokenizer_processor")
-    assert step["config"]["tokenizer_name"] == str((lerobot / "tokenizer").resolve())
+    assert step["config"]["tokenizer_name"] == "tokenizer"  # relative: the folder can move
     assert step["config"]["max_length"] == 40
     assert (lerobot / "tokenizer" / "tokenizer.json").read_bytes() == (
         tokenizer / "tokenizer.json"
@@ -90,6 +94,25 @@ def test_pi05_run_ends_with_a_lerobot_policy_that_init_from_loads(
     assert run_tokenizer(again) == lerobot / "tokenizer"
     assert theirs.cfg.state_in_prompt and ours.cfg.state_in_prompt
     _same_actions(ours, theirs, synthetic_batch(ours, 2, seed=3))
+
+    # Moved away (the run's tokenizer gone too), the folder is still whole: model.init_from
+    # and load_policy find its tokenizer, LeRobot's relative tokenizer_name resolves in it.
+    moved = tmp_path / "elsewhere" / "pi05_policy"
+    shutil.move(lerobot, moved)
+    shutil.rmtree(tokenizer)
+    after = typed_config(_cfg("pi05_tiny", tmp_path / "after", f"model.init_from={moved}"))
+    assert run_tokenizer(after) == moved / "tokenizer"
+    assert preprocessor_overrides(moved) == {
+        "tokenizer_processor": {"tokenizer_name": str((moved / "tokenizer").resolve())}
+    }
+    frame = LeRobotDataset(run / "dataset")[3]
+    noise = torch.randn(10, 8, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(
+        load_policy(moved).predict_action_chunk(frame, noise=noise),
+        load_policy(run / "export").predict_action_chunk(frame, noise=noise),
+        rtol=0,
+        atol=1e-5,
+    )
 
     # The byte-level stand-in writes no LeRobot directory (LeRobot would read other tokens).
     byte_run = tmp_path / "byte"

@@ -48,7 +48,8 @@ def convert_export(
             f"{chosen.name} ({name}) does not take {', '.join(options)}: {exc}",
             key="--" + next(iter(options), "format").replace("_", "-"),
         ) from None
-    copy_processor(Path(export_dir), written)
+    if "lerobot_backbone" not in options:  # another backbone: not this run's policy to act with
+        copy_processor(Path(export_dir), written)
     return chosen.label, written
 
 
