@@ -53,14 +53,16 @@ def _run(experiment: str, run: Path, *extra: str):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
-    """Two-step runs: pi0.5 from scratch (the byte-level stand-in) and with a tokenizer,
-    GR00T from scratch and with a tokenizer; (run dir, its config) each."""
+    """Two-step runs: pi0.5 from scratch (its stand-in tokenizer), with the byte-level
+    stand-in and with a tokenizer, GR00T from scratch (the byte-level stand-in) and with a
+    tokenizer; (run dir, its config) each."""
     root = tmp_path_factory.mktemp("inference")
     pi_tok = write_tiny_tokenizer(root / "pi_tokenizer")
     groot_tok = write_tiny_qwen_tokenizer(root / "groot_tokenizer")
     out = {}
     for name, experiment, extra in (
-        ("pi05", "pi05_tiny", ()),
+        ("pi05", "pi05_tiny", ()),  # from scratch: the stand-in tokenizer, shipped
+        ("pi05_byte", "pi05_tiny", ("model.tokenizer=byte",)),
         ("pi05_tok", "pi05_tiny", (f"model.tokenizer={pi_tok}",)),
         ("groot", "groot_n1_6_tiny", ()),
         ("groot_tok", "groot_n1_6_tiny", (f"model.tokenizer={groot_tok}",)),
@@ -86,12 +88,12 @@ def _reference(cfg, index: int, noise: torch.Tensor) -> torch.Tensor:
     return norm.unnormalize(ACTION_KEY, actions[0, :, :width].float()).float()
 
 
-@pytest.mark.parametrize("name", ["pi05", "pi05_tok", "groot", "groot_tok"])
+@pytest.mark.parametrize("name", ["pi05", "pi05_byte", "pi05_tok", "groot", "groot_tok"])
 def test_raw_frame_gives_the_training_batch_actions_in_robot_units(runs, name: str) -> None:
     run, cfg = runs[name]
     export = run / "export"
     assert (export / PROCESSOR_NAME).is_file()
-    assert (export / "tokenizer").is_dir() == name.endswith("_tok")
+    assert (export / "tokenizer").is_dir() == (name in ("pi05", "pi05_tok", "groot_tok"))
     policy = load_policy(export)
     frame = LeRobotDataset(run / "dataset")[5]  # float frames, state in the robot's units
     spec = policy.processor.spec
@@ -144,7 +146,9 @@ def test_bad_observations_name_what_is_missing(runs) -> None:
         policy.predict_action_chunk({**frame, policy.cameras[0]: torch.zeros(5, 7)})
 
 
-@pytest.mark.parametrize(("name", "fmt"), [("pi05_tok", "lerobot"), ("groot_tok", "isaac")])
+@pytest.mark.parametrize(
+    ("name", "fmt"), [("pi05", "lerobot"), ("pi05_tok", "lerobot"), ("groot_tok", "isaac")]
+)
 def test_reference_format_folder_acts_alone_after_a_move(
     runs, name: str, fmt: str, tmp_path: Path
 ) -> None:

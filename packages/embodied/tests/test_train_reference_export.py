@@ -116,13 +116,62 @@ def test_pi05_run_ends_with_a_lerobot_policy_that_init_from_loads(
 
     # The byte-level stand-in writes no LeRobot directory (LeRobot would read other tokens).
     byte_run = tmp_path / "byte"
-    train(_cfg("pi05_tiny", byte_run, "train.steps=1"))
+    train(_cfg("pi05_tiny", byte_run, "train.steps=1", "model.tokenizer=byte"))
     out = capsys.readouterr().out
     assert "Prompts: task text through the byte-level stand-in tokenizer" in out
     assert "Export: native only (export.format=auto): the byte-level stand-in" in out
     assert not (byte_run / "export" / "lerobot").exists()
     with pytest.raises(ConfigError, match=re.escape("export.format")):
-        train(_cfg("pi05_tiny", tmp_path / "byte2", "train.steps=1", "export.format=lerobot"))
+        train(
+            _cfg(
+                "pi05_tiny",
+                tmp_path / "byte2",
+                "train.steps=1",
+                "model.tokenizer=byte",
+                "export.format=lerobot",
+            )
+        )
+
+
+def test_pi05_from_scratch_ships_its_tokenizer_in_a_lerobot_export(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """No tokenizer key: the run writes its stand-in tokenizer, trains on LeRobot's prompt
+    and ends with a LeRobot directory holding that tokenizer, whose ids LeRobot's
+    tokenizer step (AutoTokenizer on the folder's tokenizer/) reproduces."""
+    from transformers import AutoTokenizer
+
+    from longboat.embodied.models.pi05.processor import PromptTokenizer, pi05_prompt
+
+    run = tmp_path / "run"
+    train(_cfg("pi05_tiny", run, "train.steps=1"))
+    out = capsys.readouterr().out
+    lerobot = run / "export" / "lerobot"
+    assert f"LeRobot pi0.5: {lerobot} (model.init_from, PI05Policy.from_pretrained)" in out
+    assert f"tokenised by {run / 'tokenizer'}" in out
+    steps = json.loads((lerobot / "policy_preprocessor.json").read_text())["steps"]
+    step = next(s for s in steps if s["registry_name"] == "tokenizer_processor")
+    assert step["config"]["tokenizer_name"] == "tokenizer"
+    shipped = lerobot / "tokenizer" / "tokenizer.json"
+    assert shipped.read_bytes() == (run / "tokenizer" / "tokenizer.json").read_bytes()
+    ds = LeRobotDataset(run / "dataset", normalization={"observation.state": "min_max"})
+    samples = [ds[i] for i in (0, 9)]
+    ids, mask = PromptTokenizer(run / "tokenizer", 40)(
+        [s["task"] for s in samples], [s["observation.state"] for s in samples]
+    )
+    assert int(mask.sum(1).max()) < 40  # the whole prompt fits: nothing cut
+    name = preprocessor_overrides(lerobot)["tokenizer_processor"]["tokenizer_name"]
+    theirs = AutoTokenizer.from_pretrained(name)(
+        [pi05_prompt(s["task"], s["observation.state"]) for s in samples],
+        max_length=40,
+        truncation=True,
+        padding="max_length",
+        padding_side="right",
+        return_tensors="pt",
+    )
+    assert torch.equal(theirs["input_ids"], ids)
+    again = typed_config(_cfg("pi05_tiny", tmp_path / "next", f"model.init_from={lerobot}"))
+    assert run_tokenizer(again) == lerobot / "tokenizer"
 
 
 def test_groot_run_keeps_its_normaliser_through_the_isaac_layout(

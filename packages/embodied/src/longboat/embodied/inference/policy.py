@@ -78,10 +78,10 @@ class Policy:
         if noise is not None:
             noise = noise.to(self.device, torch.float32)
             noise = noise[None] if noise.ndim == 2 else noise
+        given = {"noise": noise, "generator": generator, "num_steps": num_steps}
+        options = {k: v for k, v in given.items() if v is not None}  # a policy may take none
         with self._autocast():
-            actions = self.model.predict_action(
-                batch, noise=noise, generator=generator, num_steps=num_steps
-            )
+            actions = self.model.predict_action(batch, **options)
         return self.processor.postprocess(actions, embodiment=emb)[0]
 
     def select_action(

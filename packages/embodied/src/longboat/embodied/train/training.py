@@ -75,6 +75,7 @@ from longboat.embodied.train.reference_formats import (
     plan_export,
     prompt_tokenizer,
     run_tokenizer,
+    stand_in_tokenizer,
     write_export,
 )
 from longboat.embodied.train.step import GraphableStep, LaggedGuard, run_step, train_step
@@ -286,7 +287,7 @@ class EmbodiedTraining(Training):
         )
         t.master_weights = self.fast_path.master_weights
         t.cuda_graph = self.fast_path.cuda_graph
-        self.tokenizer_dir = run_tokenizer(cfg)
+        self.tokenizer_dir = run_tokenizer(cfg) or stand_in_tokenizer(cfg, self.is_main)
         self.overrides = model_overrides(cfg, tokenizer=self.tokenizer_dir is not None)
         self.model_cfg = resolve_model_config(
             cfg.model.name, cfg.model.flavor, self.overrides, cfg.model.init_from
