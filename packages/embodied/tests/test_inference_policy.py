@@ -187,3 +187,24 @@ def test_readme_three_lines_act_on_a_frame_of_the_dataset(
     action = scope["action"]
     dims = LeRobotDataset(Path("outputs/pi05_tiny/dataset")).meta.features[ACTION_KEY]["shape"]
     assert tuple(action.shape) == (dims[0],) and bool(torch.isfinite(action).all())
+
+
+def test_command_line_conversion_ships_the_processor(runs, tmp_path: Path) -> None:
+    """``python -m longboat.embodied.train.lerobot_export`` writes the processor beside the
+    converted weights too: the Isaac folder it makes acts as the native export does."""
+    from longboat.embodied.train.lerobot_export import main
+
+    run, _ = runs["groot"]
+    out = tmp_path / "isaac"
+    main([str(run / "export"), str(out), "--dataset", str(run / "dataset")])
+    assert (out / PROCESSOR_NAME).read_bytes() == (run / "export" / PROCESSOR_NAME).read_bytes()
+    frame = LeRobotDataset(run / "dataset")[2]
+    native = load_policy(run / "export")
+    spec = native.processor.spec
+    noise = torch.randn(spec.horizon, spec.action_dim, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(
+        load_policy(out).predict_action_chunk(frame, noise=noise),
+        native.predict_action_chunk(frame, noise=noise),
+        rtol=0,
+        atol=1e-5,
+    )

@@ -593,7 +593,7 @@ class EmbodiedTraining(Training):
     def report(self, result: Any) -> list[str]:
         if result.export_dir is None:
             return []
-        lines = [f"Policy:      {result.export_dir} (load_exported_policy)"]
+        lines = [f"Policy:      {result.export_dir} (inference.load_policy acts with it)"]
         chosen = policy(self.cfg.model.name).export_format(self.export_format)
         if self.reference_export is not None and chosen is not None:
             lines.append(f"{chosen.label}: {self.reference_export} ({chosen.loaded_by})")
