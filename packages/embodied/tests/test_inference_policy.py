@@ -208,3 +208,30 @@ def test_command_line_conversion_ships_the_processor(runs, tmp_path: Path) -> No
         rtol=0,
         atol=1e-5,
     )
+
+
+def test_each_embodiment_acts_with_its_own_statistics(tmp_path: Path) -> None:
+    """Two embodiments of other widths: a frame of each sub-dataset (its ``embodiment_id``
+    picks its normaliser) gives the training batch's actions in that robot's units."""
+    cfg = _run("groot_n1_6_tiny", tmp_path / "run", "data.synthetic.num_embodiments=2")
+    policy = load_policy(tmp_path / "run" / "export")
+    assert [e.state_dim for e in policy.processor.embodiments] == [6, 7]
+    training = build_training(cfg)
+    spec = policy.processor.spec
+    noise = torch.randn(spec.horizon, spec.action_dim, generator=torch.Generator().manual_seed(8))
+    from longboat.embodied.train.export import load_exported_policy
+
+    model = load_exported_policy(tmp_path / "run" / "export").eval()
+    for emb, index in ((0, 3), (1, len(training.data.dataset) - 3)):
+        sample = training.data.dataset[index]
+        assert int(sample["embodiment_id"]) == emb
+        part = training.data.dataset.datasets[emb]
+        local = index - (len(training.data.dataset.datasets[0]) if emb else 0)
+        frame = LeRobotDataset(part.root)[local]
+        with torch.no_grad():
+            raw = model.predict_action(training.data.collate([sample]), noise=noise[None])
+        width = sample[ACTION_KEY].shape[-1]
+        want = part.normalizer.unnormalize(ACTION_KEY, raw[0, :, :width].float()).float()
+        got = policy.predict_action_chunk(frame, noise=noise)
+        assert got.shape == (spec.horizon, 5 + emb)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
