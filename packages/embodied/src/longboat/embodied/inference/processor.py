@@ -215,7 +215,9 @@ class PolicyProcessor:
 
     def embodiment_of(self, observation: Mapping[str, Any], default: int | None = None) -> int:
         """The embodiment id of an observation (its ``embodiment_id``, else ``default``,
-        else 0)."""
+        else 0): the position of its sub-dataset in the run (sub-folders in name order), as
+        the run numbers sub-datasets without an ``embodiment_id`` column and as the synthetic
+        datasets number theirs."""
         given = observation.get(EMBODIMENT_KEY)
         if given is not None:
             return int(torch.as_tensor(given).reshape(-1)[0])
