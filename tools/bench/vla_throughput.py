@@ -141,12 +141,15 @@ def flops_per_sample(model: str, cfg: Any, n_cams: int, image_hw: tuple[int, int
 
 
 def longboat_overrides(args: Any, root: Path, world: int = 1) -> list[str]:
-    """The benchmark's model size, precision, batch (per rank) and data on the experiment."""
+    """The benchmark's model size, precision, batch (per rank) and data on the experiment;
+    prompts through the byte-level stand-in (``model.tokenizer=byte``), as the reference loops
+    read them."""
     model = args.model + ("_tiny" if args.tiny else "")
     precision = getattr(args, "precision", "bf16")
     return [f"model={model}", f"train.precision={precision}", f"train.micro_batch_size={args.batch}",
             f"train.global_batch_size={args.batch * world}", f"data.path={root}",
-            f"data.num_workers={args.workers}", *model_overrides(args.overrides)]  # fmt: skip
+            f"data.num_workers={args.workers}", "model.tokenizer=byte",
+            *model_overrides(args.overrides)]  # fmt: skip
 
 
 def run_longboat_variant(

@@ -123,3 +123,7 @@ def test_torchrun_two_processes_hsdp(tmp_path: Path) -> None:
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["trained_steps"] == 3
     assert (tmp_path / "checkpoints" / "step_00000003").is_dir()
+    # Rank 0 wrote the stand-in tokenizer the other rank read; both exports ship it.
+    for folder in (tmp_path / "export", tmp_path / "export" / "lerobot"):
+        assert (folder / "processor.json").is_file()
+        assert (folder / "tokenizer" / "tokenizer.json").is_file()

@@ -214,20 +214,30 @@ def test_sharded_sampler_resume_per_rank():
         assert head + list(b) + list(b) == full
 
 
-def test_make_lerobot_dataset_cli(tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
+def test_make_synthetic_cli(tmp_path, capsys):
+    """``longboat-embodied data make-synthetic``: camera names and full keys give the same key
+    (``--cameras observation.images.top`` once wrote ``observation.images.observation.images.top``)."""
+    from longboat.embodied.cli import main
 
-    tool = Path(__file__).resolve().parents[3] / "tools" / "make_lerobot_dataset.py"
-    spec = importlib.util.spec_from_file_location("make_lerobot_dataset", tool)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    argv = [str(tmp_path), "--layout", "v2.1", "--episodes", "2", "--length", "4", "6"]
-    argv += ["--cameras", "top", "--embodiment", "a:3:2", "--embodiment", "b:4:4"]
-    assert mod.main(argv) == 0
+    argv = ["data", "make-synthetic", str(tmp_path), "--layout", "v2.1", "--episodes", "2"]
+    argv += ["--length", "4", "6", "--cameras", "top", "--embodiment", "a:3:2"]
+    assert main([*argv, "--embodiment", "b:4:4"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and "LeRobot v2.1, 2 episodes" in out[0]
     ds = LeRobotDataset(tmp_path / "b", image_dtype="uint8")
     assert ds[0]["observation.state"].shape == (4,) and ds.camera_keys == ["observation.images.top"]
-    with pytest.raises(SystemExit):
-        mod.main([str(tmp_path / "x"), "--embodiment", "bad"])
+    keyed = tmp_path / "keyed"
+    argv = ["data", "make-synthetic", str(keyed), "--episodes", "1", "--length", "4", "4"]
+    assert main([*argv, "--cameras", "observation.images.top", "wrist"]) == 0
+    assert LeRobotDataset(keyed).camera_keys == [
+        "observation.images.top",
+        "observation.images.wrist",
+    ]
+    capsys.readouterr()
+    for bad, says in (
+        (["--embodiment", "bad"], "expected NAME:STATE_DIM:ACTION_DIM"),
+        (["--cameras", "top", "observation.images.top"], "names a camera twice"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(["data", "make-synthetic", str(tmp_path / "bad"), *bad])
+        assert exit_.value.code == 2 and says in capsys.readouterr().err

@@ -116,6 +116,13 @@ def test_the_toy_policy_trains_two_steps_through_the_cli(
     exported = load_exported_policy(out / "export")
     assert type(exported).__name__ == "ToyPolicy"
     assert not (out / "export" / "lerobot").exists() and not (out / "export" / "isaac").exists()
+    # It acts on a raw frame of its dataset through the processor saved beside it.
+    from longboat.embodied.data import LeRobotDataset
+    from longboat.embodied.inference import load_policy
+
+    frame = LeRobotDataset(out / "dataset")[0]
+    action = load_policy(out / "export").select_action(frame)
+    assert action.shape == frame["action"].shape and bool(torch.isfinite(action).all())
     # Nothing under train/ names it: the run found it through the registry.
     assert not any("toy_policy" in p.read_text() for p in TRAIN_DIR.glob("*.py"))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -19,10 +20,13 @@ from embodied_testkit import write_tiny_tokenizer
 from longboat.core.config.compose import compose_experiment
 from longboat.core.config.errors import ConfigError
 from longboat.core.train.trainer import typed_config
+from longboat.embodied.data import LeRobotDataset
+from longboat.embodied.inference import load_policy
 from longboat.embodied.models.groot_n1_6.isaac_format import load_isaac_groot
 from longboat.embodied.models.groot_n1_6.isaac_processor import checkpoint_stats
 from longboat.embodied.models.init_from import resolve_model_config
 from longboat.embodied.models.pi05.lerobot_format import load_lerobot_pi05
+from longboat.embodied.models.pi05.lerobot_processors import preprocessor_overrides
 from longboat.embodied.models.synthetic import synthetic_batch
 from longboat.embodied.train.export import load_exported_policy
 from longboat.embodied.train.reference_formats import run_tokenizer
@@ -76,7 +80,7 @@ def test_pi05_run_ends_with_a_lerobot_policy_that_init_from_loads(
     assert f"Prompts: pi0.5's 'Task: ..., State: ...;\\nAction: ' tokenised by {tokenizer}" in out
     steps = json.loads((lerobot / "policy_preprocessor.json").read_text())["steps"]
     step = next(s for s in steps if s["registry_name"] == "tokenizer_processor")
-    assert step["config"]["tokenizer_name"] == str((lerobot / "tokenizer").resolve())
+    assert step["config"]["tokenizer_name"] == "tokenizer"  # relative: the folder can move
     assert step["config"]["max_length"] == 40
     assert (lerobot / "tokenizer" / "tokenizer.json").read_bytes() == (
         tokenizer / "tokenizer.json"
@@ -91,15 +95,83 @@ def test_pi05_run_ends_with_a_lerobot_policy_that_init_from_loads(
     assert theirs.cfg.state_in_prompt and ours.cfg.state_in_prompt
     _same_actions(ours, theirs, synthetic_batch(ours, 2, seed=3))
 
+    # Moved away (the run's tokenizer gone too), the folder is still whole: model.init_from
+    # and load_policy find its tokenizer, LeRobot's relative tokenizer_name resolves in it.
+    moved = tmp_path / "elsewhere" / "pi05_policy"
+    shutil.move(lerobot, moved)
+    shutil.rmtree(tokenizer)
+    after = typed_config(_cfg("pi05_tiny", tmp_path / "after", f"model.init_from={moved}"))
+    assert run_tokenizer(after) == moved / "tokenizer"
+    assert preprocessor_overrides(moved) == {
+        "tokenizer_processor": {"tokenizer_name": str((moved / "tokenizer").resolve())}
+    }
+    frame = LeRobotDataset(run / "dataset")[3]
+    noise = torch.randn(10, 8, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(
+        load_policy(moved).predict_action_chunk(frame, noise=noise),
+        load_policy(run / "export").predict_action_chunk(frame, noise=noise),
+        rtol=0,
+        atol=1e-5,
+    )
+
     # The byte-level stand-in writes no LeRobot directory (LeRobot would read other tokens).
     byte_run = tmp_path / "byte"
-    train(_cfg("pi05_tiny", byte_run, "train.steps=1"))
+    train(_cfg("pi05_tiny", byte_run, "train.steps=1", "model.tokenizer=byte"))
     out = capsys.readouterr().out
     assert "Prompts: task text through the byte-level stand-in tokenizer" in out
     assert "Export: native only (export.format=auto): the byte-level stand-in" in out
     assert not (byte_run / "export" / "lerobot").exists()
     with pytest.raises(ConfigError, match=re.escape("export.format")):
-        train(_cfg("pi05_tiny", tmp_path / "byte2", "train.steps=1", "export.format=lerobot"))
+        train(
+            _cfg(
+                "pi05_tiny",
+                tmp_path / "byte2",
+                "train.steps=1",
+                "model.tokenizer=byte",
+                "export.format=lerobot",
+            )
+        )
+
+
+def test_pi05_from_scratch_ships_its_tokenizer_in_a_lerobot_export(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """No tokenizer key: the run writes its stand-in tokenizer, trains on LeRobot's prompt
+    and ends with a LeRobot directory holding that tokenizer, whose ids LeRobot's
+    tokenizer step (AutoTokenizer on the folder's tokenizer/) reproduces."""
+    from transformers import AutoTokenizer
+
+    from longboat.embodied.models.pi05.processor import PromptTokenizer, pi05_prompt
+
+    run = tmp_path / "run"
+    train(_cfg("pi05_tiny", run, "train.steps=1"))
+    out = capsys.readouterr().out
+    lerobot = run / "export" / "lerobot"
+    assert f"LeRobot pi0.5: {lerobot} (model.init_from, PI05Policy.from_pretrained)" in out
+    assert f"tokenised by {run / 'tokenizer'}" in out
+    steps = json.loads((lerobot / "policy_preprocessor.json").read_text())["steps"]
+    step = next(s for s in steps if s["registry_name"] == "tokenizer_processor")
+    assert step["config"]["tokenizer_name"] == "tokenizer"
+    shipped = lerobot / "tokenizer" / "tokenizer.json"
+    assert shipped.read_bytes() == (run / "tokenizer" / "tokenizer.json").read_bytes()
+    ds = LeRobotDataset(run / "dataset", normalization={"observation.state": "min_max"})
+    samples = [ds[i] for i in (0, 9)]
+    ids, mask = PromptTokenizer(run / "tokenizer", 40)(
+        [s["task"] for s in samples], [s["observation.state"] for s in samples]
+    )
+    assert int(mask.sum(1).max()) < 40  # the whole prompt fits: nothing cut
+    name = preprocessor_overrides(lerobot)["tokenizer_processor"]["tokenizer_name"]
+    theirs = AutoTokenizer.from_pretrained(name)(
+        [pi05_prompt(s["task"], s["observation.state"]) for s in samples],
+        max_length=40,
+        truncation=True,
+        padding="max_length",
+        padding_side="right",
+        return_tensors="pt",
+    )
+    assert torch.equal(theirs["input_ids"], ids)
+    again = typed_config(_cfg("pi05_tiny", tmp_path / "next", f"model.init_from={lerobot}"))
+    assert run_tokenizer(again) == lerobot / "tokenizer"
 
 
 def test_groot_run_keeps_its_normaliser_through_the_isaac_layout(

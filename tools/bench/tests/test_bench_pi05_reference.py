@@ -77,11 +77,13 @@ def _cfg():
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """longboat's tiny pi05 as ``longboat-embodied train experiment=pi05_tiny`` builds it
-    (fp32, its synthetic dataset), through the stack's ``build_training``."""
+    (fp32, its synthetic dataset), through the stack's ``build_training``, with the prompts
+    the reference reads (the byte-level stand-in, ``model.tokenizer=byte``)."""
     from bench_train import build_training, compose
 
     out = tmp_path_factory.mktemp("pi05_built")
     data = ["data.synthetic.num_episodes=2", "data.synthetic.episode_length=12"]
+    data.append("model.tokenizer=byte")
     training = build_training("embodied")(compose("embodied", "pi05_tiny", data, str(out)))
     yield training
     training.close()

@@ -341,6 +341,7 @@ def test_trained_run_exports_to_lerobot(lerobot_dir: Path, tmp_path: Path) -> No
 
     from longboat.core.config.compose import compose_experiment
     from longboat.embodied.data import LeRobotDataset
+    from longboat.embodied.models.pi05.lerobot_processors import preprocessor_overrides
     from longboat.embodied.models.pi05.processor import PromptTokenizer
     from longboat.embodied.train.export import load_exported_policy
     from longboat.embodied.train.trainer import train
@@ -386,6 +387,7 @@ def test_trained_run_exports_to_lerobot(lerobot_dir: Path, tmp_path: Path) -> No
     pre = PolicyProcessorPipeline.from_pretrained(
         out,
         config_filename="policy_preprocessor.json",
+        overrides=preprocessor_overrides(out),  # its relative tokenizer_name, from any cwd
         to_transition=batch_to_transition,
         to_output=transition_to_batch,
     )

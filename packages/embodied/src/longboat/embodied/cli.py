@@ -1,6 +1,8 @@
-"""``longboat-embodied``: train / config show / config list for the embodied stack.
+"""``longboat-embodied``: train / config show / config list for the embodied stack, and
+``data make-synthetic`` (a synthetic LeRobot dataset).
 
 longboat-embodied train experiment=groot_n1_6_tiny [key=value ...]
+longboat-embodied data make-synthetic /tmp/ds --cameras top wrist
 torchrun --nproc-per-node 2 -m longboat.embodied.cli train experiment=pi05_tiny parallel.strategy=fsdp
 """
 
@@ -14,9 +16,13 @@ from longboat.core.cli import stack_main
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console-script entry point (core's stack CLI with the embodied train function)."""
+    """Console-script entry point (core's stack CLI with the embodied train function and
+    the ``data`` command)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return stack_main("embodied", argv)
+    from longboat.embodied.data.cli import data_main
+
+    commands = {"data": ("LeRobot dataset tools (make-synthetic)", data_main)}
+    return stack_main("embodied", argv, commands=commands)
 
 
 if __name__ == "__main__":

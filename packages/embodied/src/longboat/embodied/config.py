@@ -53,7 +53,9 @@ class PolicyModelConfig(ModelConfig):
     nvidia/Eagle-Block2A-2B-v2 one (Isaac-GR00T N1.6's chat prompt with Eagle's image
     tokens). null: the tokenizer in model.init_from, if it holds one. Required for a
     pretrained pi0.5 and for GR00T from the released Eagle backbone; from-scratch runs
-    without one use the byte-level stand-in tokenizer."""
+    without one use the policy's stand-in (pi05: a byte-level BPE written into
+    <output_dir>/tokenizer and shipped with the export; groot_n1_6: the byte-level stand-in
+    tokenizer). ``byte``: the byte-level stand-in tokenizer."""
 
 
 @dataclass

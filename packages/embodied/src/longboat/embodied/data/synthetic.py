@@ -277,6 +277,16 @@ def _modality(spec: EmbodimentSpec, video_keys: list[str]) -> dict[str, Any]:
     }
 
 
+IMAGE_KEY_PREFIX = "observation.images."
+"""LeRobot's prefix of camera feature keys."""
+
+
+def camera_key(name: str) -> str:
+    """The feature key of a camera named ``name``: ``top`` -> ``observation.images.top``; a
+    full key (``observation.images.top``) as it is."""
+    return name if name.startswith(IMAGE_KEY_PREFIX) else IMAGE_KEY_PREFIX + name
+
+
 def write_synthetic_dataset(
     root: str | Path,
     *,
@@ -302,8 +312,9 @@ def write_synthetic_dataset(
     """Write one synthetic LeRobot dataset per embodiment; return their roots.
 
     ``episode_length`` is an inclusive (min, max) range drawn per episode from ``seed``;
-    ``image_size`` is (height, width), both even, of every camera not in ``camera_sizes``
-    (camera name -> (height, width)); ``episodes_per_file`` (v3.0 only) splits data and
+    ``cameras`` are names (``top``) or full keys (``observation.images.top``), both giving the
+    key ``observation.images.top`` (``camera_key``); ``image_size`` is (height, width), both
+    even, of every camera not in ``camera_sizes`` (camera name or key -> (height, width)); ``episodes_per_file`` (v3.0 only) splits data and
     videos into several files (default: all episodes in file-000).
 
     ``embodiment_ids`` gives each embodiment its id (the ``embodiment_id`` column and the
@@ -333,10 +344,14 @@ def write_synthetic_dataset(
             f"image_stats_stride={image_stats_stride} must be 3 strides >= 1 (frames, rows, "
             "columns)"
         )
-    unknown = sorted(set(camera_sizes or {}) - set(cameras))
+    keys = [camera_key(cam) for cam in cameras]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"cameras={cameras} names a camera twice (as keys: {keys})")
+    given_sizes = {camera_key(cam): hw for cam, hw in (camera_sizes or {}).items()}
+    unknown = sorted(set(given_sizes) - set(keys))
     if unknown:
         raise ValueError(f"camera_sizes names cameras {unknown} not in cameras={cameras}")
-    sizes = {cam: tuple((camera_sizes or {}).get(cam, image_size)) for cam in cameras}
+    sizes = {key: tuple(given_sizes.get(key, image_size)) for key in keys}
     root = Path(root)
     roots = []
     for position, (emb_id, spec) in enumerate(zip(ids, embodiments, strict=True)):
@@ -352,7 +367,7 @@ def write_synthetic_dataset(
             task_picks=rng.integers(0, len(tasks), size=num_episodes).tolist(),
             tasks=list(tasks),
             fps=fps,
-            cameras=cameras,
+            cameras=tuple(keys),
             sizes=sizes,
             crf=crf,
             gop=gop,
@@ -381,13 +396,13 @@ def _write_one(
     episodes_per_file: int,
     robot_type: str,
 ) -> None:
-    video_keys = [f"observation.images.{cam}" for cam in cameras]
+    video_keys = list(cameras)  # full keys (camera_key)
     f_step, r_step, c_step = stats_stride
 
     def frame_stats(frames: np.ndarray) -> dict[str, np.ndarray]:
         return image_stats(frames[::f_step, ::r_step, ::c_step])
 
-    key_sizes = {f"observation.images.{cam}": hw for cam, hw in sizes.items()}
+    key_sizes = dict(sizes)
     features = _features(spec, video_keys, key_sizes, fps, layout, gop, crf)
     # Task indices follow first appearance, as LeRobot assigns them while recording.
     used_tasks: list[str] = []

@@ -92,6 +92,14 @@ class PromptProcessor:
     a real tokenizer: the reference's inputs."""
     hint: str = "set model.tokenizer=<dir> for the reference's prompt"
     """What a run without a tokenizer is told to set."""
+    copy: Callable[[str | Path, str | Path], Path] | None = None
+    """``(tokenizer dir, target dir) -> target``: how an export ships the tokenizer; None:
+    every file of the directory is copied."""
+    stand_in: Callable[[Path, Any], Path | None] | None = None
+    """``(directory, family config) -> directory or None``: write a tokenizer for a
+    from-scratch run that has none, so the run trains on the reference's prompt and its
+    export ships the tokenizer (None returned: none can be made; the byte-level stand-in is
+    used). None: such runs use the byte-level stand-in."""
 
 
 StatisticsFn = Callable[[str, list[str], int, dict[str, int]], Mapping[str, Any] | None]

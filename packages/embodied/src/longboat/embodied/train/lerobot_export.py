@@ -21,6 +21,7 @@ from pathlib import Path
 from longboat.core.config.errors import ConfigError
 from longboat.embodied.models.registry import policy
 from longboat.embodied.train.export import CONFIG_NAME
+from longboat.embodied.train.reference_formats import copy_processor
 
 
 def convert_export(
@@ -41,12 +42,15 @@ def convert_export(
             fix=f"use one of {', '.join(formats)}" if formats else "keep the native export",
         )
     try:
-        return chosen.label, chosen.convert(export_dir, out_dir, dataset=dataset, **options)
+        written = chosen.convert(export_dir, out_dir, dataset=dataset, **options)
     except TypeError as exc:  # an option the format does not take
         raise ConfigError(
             f"{chosen.name} ({name}) does not take {', '.join(options)}: {exc}",
             key="--" + next(iter(options), "format").replace("_", "-"),
         ) from None
+    if "lerobot_backbone" not in options:  # another backbone: not this run's policy to act with
+        copy_processor(Path(export_dir), written)
+    return chosen.label, written
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,15 +5,23 @@ end (``export.format``, ``PolicyFamily.export_formats``)."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from longboat.core.config.errors import ConfigError
 from longboat.embodied.data import LeRobotMetadata
+from longboat.embodied.inference.processor import PROCESSOR_NAME, TOKENIZER_DIR
 from longboat.embodied.models import hf_backbones
 from longboat.embodied.models.registry import policy
 from longboat.embodied.train.policy_batch import ACTION_KEY, STATE_KEY
+
+BYTE_TOKENIZER = "byte"
+"""``model.tokenizer=byte``: the byte-level stand-in (``ByteTokenizer``), no Hugging Face
+tokenizer."""
 
 
 def run_tokenizer(cfg: Any) -> Path | None:
@@ -23,8 +31,9 @@ def run_tokenizer(cfg: Any) -> Path | None:
     (e.g. pi0.5 from LeRobot / PaliGemma weights, GR00T from the released Eagle backbone),
     and so is a tokenizer for a policy that reads none."""
     prompts = policy(cfg.model.name).prompts
+    given = None if cfg.model.tokenizer == BYTE_TOKENIZER else cfg.model.tokenizer
     if prompts is None:
-        if cfg.model.tokenizer:
+        if given:
             raise ConfigError(
                 f"model.name={cfg.model.name} reads no Hugging Face tokenizer's prompts",
                 key="model.tokenizer",
@@ -32,10 +41,41 @@ def run_tokenizer(cfg: Any) -> Path | None:
                 fix="set model.tokenizer=null (the byte-level stand-in tokenizer)",
             )
         return None
-    found = prompts.find_tokenizer(cfg.model.tokenizer, cfg.model.init_from)
+    if cfg.model.tokenizer == BYTE_TOKENIZER:
+        found = None
+    else:
+        found = prompts.find_tokenizer(given, cfg.model.init_from)
     if found is None and prompts.needs_tokenizer(cfg.model.init_from):
         raise prompts.missing_tokenizer_error(cfg.model.init_from)
     return found
+
+
+STAND_IN_DIR = "tokenizer"
+"""Where a from-scratch run's stand-in tokenizer is written, under ``output_dir``."""
+
+
+def stand_in_tokenizer(cfg: Any, is_main: bool) -> Path | None:
+    """The tokenizer a from-scratch run without one trains with (the policy's
+    ``PromptProcessor.stand_in``, e.g. pi0.5's byte-level BPE, so the run's LeRobot export
+    holds a tokenizer that LeRobot's preprocessor reads), written once into
+    ``<output_dir>/tokenizer`` by rank 0 and kept for a resume; None where the policy makes
+    none, none can be made, or ``model.tokenizer=byte`` asks for the byte-level stand-in.
+    Call it where ``run_tokenizer`` found none."""
+    prompts = policy(cfg.model.name).prompts
+    if prompts is None or prompts.stand_in is None or cfg.model.tokenizer == BYTE_TOKENIZER:
+        return None
+    if prompts.needs_tokenizer(cfg.model.init_from):  # run_tokenizer refused it already
+        return None
+    from longboat.embodied.models.registry import get_config
+
+    directory = Path(cfg.output_dir) / STAND_IN_DIR
+    made: list[Path | None] = [directory]
+    if is_main and not (directory / "tokenizer.json").is_file():
+        model_cfg = get_config(cfg.model.name, cfg.model.flavor, dict(cfg.model.overrides))
+        made = [prompts.stand_in(directory, model_cfg)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(made, src=0)
+    return made[0]
 
 
 def prompt_tokenizer(path: Path, model_name: str, model_cfg: Any) -> Any:
@@ -115,7 +155,7 @@ def write_export(
     that directory."""
     chosen = policy(model_name).export_format(fmt)
     assert chosen is not None, fmt  # plan_export chose it
-    return chosen.write(
+    out = chosen.write(
         export_dir,
         export_dir / chosen.name,
         root=root,
@@ -123,3 +163,17 @@ def write_export(
         cameras=cameras,
         stats=stats,
     )
+    copy_processor(export_dir, out)
+    return out
+
+
+def copy_processor(export_dir: Path, out_dir: Path) -> None:
+    """Ship the native export's processor (``processor.json``, its ``tokenizer/``) in a
+    reference-format folder too, so ``load_policy`` acts with that folder alone."""
+    source = Path(export_dir) / PROCESSOR_NAME
+    if not source.is_file():
+        return
+    shutil.copyfile(source, Path(out_dir) / PROCESSOR_NAME)
+    tokenizer = Path(export_dir) / TOKENIZER_DIR
+    if tokenizer.is_dir() and not (Path(out_dir) / TOKENIZER_DIR).exists():
+        shutil.copytree(tokenizer, Path(out_dir) / TOKENIZER_DIR)

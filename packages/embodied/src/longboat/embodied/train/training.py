@@ -50,6 +50,7 @@ from longboat.embodied.config import (
     check_cuda_graph_layout,
     resolve_fast_path,
 )
+from longboat.embodied.inference.processor import PolicyProcessor
 from longboat.embodied.models import apply_freezing, build_model, hf_backbones
 from longboat.embodied.models.init_from import load_initial_weights, resolve_model_config
 from longboat.embodied.models.registry import policy
@@ -76,6 +77,7 @@ from longboat.embodied.train.reference_formats import (
     plan_export,
     prompt_tokenizer,
     run_tokenizer,
+    stand_in_tokenizer,
     write_export,
 )
 
@@ -282,7 +284,7 @@ class EmbodiedTraining(Training):
         )
         t.master_weights = self.fast_path.master_weights
         t.cuda_graph = self.fast_path.cuda_graph
-        self.tokenizer_dir = run_tokenizer(cfg)
+        self.tokenizer_dir = run_tokenizer(cfg) or stand_in_tokenizer(cfg, self.is_main)
         self.overrides = model_overrides(cfg, tokenizer=self.tokenizer_dir is not None)
         self.model_cfg = resolve_model_config(
             cfg.model.name, cfg.model.flavor, self.overrides, cfg.model.init_from
@@ -431,8 +433,9 @@ class EmbodiedTraining(Training):
 
     def export(self) -> Path | None:
         """``model.safetensors`` + ``config.json`` (``export.dir``, default
-        ``<output_dir>/export``); with master weights, the fp32 masters (the trained values),
-        not their bf16 copy. Every rank takes part (the weights are gathered). Then, on rank
+        ``<output_dir>/export``) and the processor (``processor.json``, the tokenizer in
+        ``tokenizer/``); with master weights, the fp32 masters (the trained values), not their
+        bf16 copy. Every rank takes part (the weights are gathered). Then, on rank
         0, the reference format of ``export.format`` in ``<dir>/lerobot`` or ``<dir>/isaac``."""
         cfg = self.cfg
         if not cfg.export.enabled:
@@ -460,6 +463,15 @@ class EmbodiedTraining(Training):
                     "tokenizer": str(self.tokenizer_dir) if self.tokenizer_dir else None,
                 },
             )
+        if self.is_main:  # what acting on raw observations needs (load_policy)
+            PolicyProcessor.from_run(
+                cfg.model.name,
+                self.data.collate,
+                self.data.norm_stats,
+                tokenizer=self.tokenizer_dir,
+                precision=cfg.train.precision,
+                model_overrides=self.overrides,
+            ).save(out)
         if self.export_format != "native":
             if self.is_main:  # from the files just written: one process, no collective
                 self.reference_export = write_export(
@@ -567,7 +579,7 @@ class EmbodiedTraining(Training):
     def report(self, result: Any) -> list[str]:
         if result.export_dir is None:
             return []
-        lines = [f"Policy:      {result.export_dir} (load_exported_policy)"]
+        lines = [f"Policy:      {result.export_dir} (inference.load_policy acts with it)"]
         chosen = policy(self.cfg.model.name).export_format(self.export_format)
         if self.reference_export is not None and chosen is not None:
             lines.append(f"{chosen.label}: {self.reference_export} ({chosen.loaded_by})")

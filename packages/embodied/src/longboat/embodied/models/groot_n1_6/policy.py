@@ -121,6 +121,7 @@ FAMILY = PolicyFamily(
         config_overrides={"image_tokens_in_text": True},
         hint="set model.tokenizer=<dir> (nvidia/Eagle-Block2A-2B-v2's tokenizer) for "
         "Isaac-GR00T's prompt",
+        copy=processor.copy_tokenizer,
     ),
     checkpoints=CheckpointAdapter(
         description="Isaac-GR00T N1.6 directories (e.g. nvidia/GR00T-N1.6-3B)",

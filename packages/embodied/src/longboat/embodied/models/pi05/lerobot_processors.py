@@ -7,10 +7,12 @@ pi0.5's state-into-prompt step, the PaliGemma tokenizer, device) and
 ``policy_postprocessor.json`` (unnormaliser, absolute-actions off, device), each
 normaliser's statistics in ``policy_{pre,post}processor_step_<i>_<name>.safetensors`` as
 ``<feature>.<stat>`` float32 tensors. Given the run's tokenizer directory, its files are
-copied into ``tokenizer/`` and the tokenizer step names that folder by its absolute path
-(LeRobot passes ``tokenizer_name`` to ``AutoTokenizer.from_pretrained`` as it is; after
-moving the directory, override it: ``overrides={"tokenizer_processor": {"tokenizer_name":
-...}}``); without one it names ``google/paligemma-3b-pt-224``, which LeRobot fetches from
+copied into ``tokenizer/`` and the tokenizer step names that folder by the relative path
+``tokenizer``, so the directory can be moved: ``model.init_from`` and longboat's
+``load_policy`` resolve it against the directory. LeRobot passes ``tokenizer_name`` to
+``AutoTokenizer.from_pretrained`` as it is (relative to the working directory): load the
+processors from inside the directory, or with ``overrides=preprocessor_overrides(dir)``.
+Without a tokenizer the step names ``google/paligemma-3b-pt-224``, which LeRobot fetches from
 the Hub.
 """
 
@@ -85,7 +87,8 @@ def save_lerobot_processors(
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer_name = TOKENIZER
     if tokenizer is not None:
-        tokenizer_name = str(copy_tokenizer(tokenizer, directory / TOKENIZER_DIR).resolve())
+        copy_tokenizer(tokenizer, directory / TOKENIZER_DIR)
+        tokenizer_name = TOKENIZER_DIR  # relative: the directory stays movable
     inputs = dict(lerobot_cfg["input_features"])
     outputs = dict(lerobot_cfg["output_features"])
     norm_map = dict(lerobot_cfg.get("normalization_mapping") or {})
@@ -148,3 +151,17 @@ def save_lerobot_processors(
         save_file(tensors, str(directory / name))
         written.append(directory / name)
     return written
+
+
+def preprocessor_overrides(directory: str | Path) -> dict[str, dict[str, str]]:
+    """``overrides`` for LeRobot's ``PolicyProcessorPipeline.from_pretrained(directory,
+    ...)`` from any working directory: the tokenizer step's relative ``tokenizer_name``
+    resolved against ``directory`` (empty when it names a Hub tokenizer)."""
+    path = Path(directory) / "policy_preprocessor.json"
+    for step in json.loads(path.read_text()).get("steps", []):
+        name = (step.get("config") or {}).get("tokenizer_name")
+        if step.get("registry_name") == "tokenizer_processor" and name:
+            local = Path(directory) / name
+            if not Path(name).is_absolute() and local.is_dir():
+                return {"tokenizer_processor": {"tokenizer_name": str(local.resolve())}}
+    return {}

@@ -29,6 +29,7 @@ from longboat.embodied.models.pi05.lerobot_format import (
     read_lerobot_config,
 )
 from longboat.embodied.models.pi05.model import Pi05
+from longboat.embodied.models.pi05.stand_in_tokenizer import write_stand_in_tokenizer
 from longboat.embodied.models.registry import apply_overrides
 
 
@@ -90,6 +91,8 @@ FAMILY = PolicyFamily(
         # the policy (LeRobot's are not).
         config_overrides={"state_in_prompt": True, "image.crop_fraction": 1.0},
         hint="set model.tokenizer=<dir> for LeRobot's pi0.5 prompt",
+        copy=processor.copy_tokenizer,
+        stand_in=lambda directory, cfg: write_stand_in_tokenizer(directory, cfg.llm.vocab_size),
     ),
     checkpoints=CheckpointAdapter(
         description="LeRobot pi0.5 policies (e.g. lerobot/pi05_base)",
