@@ -294,6 +294,10 @@ def check_experiment(cfg: Any) -> Any:
             fix=f"use at most {arch.num_blocks} (null: every block)",
         )
     if arch is not None:
+        from longboat.diffusion.train.pipeline_export import check_pipeline_source
+
+        family = model_family(cfg.model)
+        check_pipeline_source(p, cfg, family.diffusers_classes[0], arch.latent_channels)
         par = cfg.parallel
         try:
             arch.validate_parallel(

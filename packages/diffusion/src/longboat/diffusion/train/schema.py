@@ -55,6 +55,11 @@ class DiffusionRunConfig:
     """Euler steps of the preview's sampler."""
     sample_shift: float | None = None
     """Timestep shift of the sampler (null: ``objective.shift``)."""
+    pipeline_from: str | None = None
+    """A diffusers pipeline directory (``model_index.json``) whose VAE, text encoder(s),
+    tokenizer(s) and scheduler the export takes beside the trained transformer, so the export
+    is a pipeline ``DiffusionPipeline.from_pretrained`` loads (null: ``model.init_from`` when
+    it is a pipeline, else the export is the transformer alone)."""
 
 
 @dataclass

@@ -11,7 +11,8 @@ optimizer's shard and the identity of the data order; the step's batches and noi
 functions of the step, so a resumed run continues the loss curve of an uninterrupted one
 exactly.
 
-After a finished run the model is exported as a diffusers directory and, for the preview,
+After a finished run the model is exported as a diffusers directory (a whole pipeline when
+there is a source pipeline: ``pipeline_export``) and, for the preview,
 held-out captions are sampled in a few Euler steps into an animated GIF under the run
 directory (``report``).
 """
@@ -184,8 +185,19 @@ class DiffusionTraining(MegatronTraining):
     def export(self) -> Path | None:
         if not self.cfg.export.enabled:
             return None
+        from longboat.diffusion.train.pipeline_export import pipeline_source, write_pipeline
+
         out = Path(self.cfg.export.dir or f"{self.cfg.output_dir}/diffusers")
-        return self.family.load().save_diffusers(self.step_fn.model, self.model_cfg, out)
+        family = self.family.load()
+        source = pipeline_source(self.cfg)
+        if source is None:
+            return family.save_diffusers(self.step_fn.model, self.model_cfg, out)
+        family.save_diffusers(self.step_fn.model, self.model_cfg, out / "transformer")
+        if self.is_main:
+            write_pipeline(source, out, self.family.diffusers_classes[0])
+        if dist.is_initialized():
+            dist.barrier()
+        return out
 
     def describe(self) -> list[str]:
         m, lay, cfg = self.model_cfg, self.layout, self.cfg
@@ -230,7 +242,9 @@ class DiffusionTraining(MegatronTraining):
     def report(self, result: RunResult) -> list[str]:
         lines = []
         if result.export_dir is not None:
-            lines.append(f"Diffusers:   {result.export_dir}")
+            whole = (result.export_dir / "model_index.json").is_file()
+            what = " (a pipeline: DiffusionPipeline.from_pretrained loads it)" if whole else ""
+            lines.append(f"Diffusers:   {result.export_dir}{what}")
         run = self.cfg.diffusion
         held_out = self.data.held_out
         if not run.preview or held_out is None or run.preview_captions < 1:
