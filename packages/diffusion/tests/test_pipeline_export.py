@@ -1,7 +1,10 @@
-"""The export is a whole diffusers pipeline when there is a source pipeline: Wan from
-``model.init_from=<pipeline>`` (latents prepared with that pipeline's encoders), FLUX from
-``diffusion.pipeline_from``; ``DiffusionPipeline.from_pretrained`` loads each export and
-samples, its transformer holds the trained weights and its other components the source's."""
+"""Runs with a source pipeline: Wan from ``model.init_from=<pipeline>`` (latents prepared with
+that pipeline's encoders), FLUX from ``diffusion.pipeline_from``.
+
+The export is a whole diffusers pipeline: ``DiffusionPipeline.from_pretrained`` loads it and
+samples, its transformer holds the trained weights and its other components the source's.
+The previews (every step and at the end) are decoded by the pipeline's VAE exactly as the
+diffusers pipelines decode, with the caption under each sample."""
 
 from __future__ import annotations
 
@@ -33,7 +36,12 @@ def _run_worker(rank: int, world: int, experiment: str, overrides: list[str]) ->
     try:
         result = Trainer(cfg, training).fit()
         trained = {k: v.detach().clone() for k, v in training.step_fn.model.named_parameters()}
-        return {"losses": result.losses, "export": str(result.export_dir), "trained": trained}
+        return {
+            "losses": result.losses,
+            "export": str(result.export_dir),
+            "trained": trained,
+            "preview": result.extra.get("preview"),
+        }
     finally:
         training.close()
 
@@ -50,7 +58,8 @@ def _common(out: Path) -> list[str]:
         "logging.progress=false",
         "logging.tensorboard=false",
         "checkpoint.every_steps=0",
-        "diffusion.preview=false",
+        "diffusion.preview_captions=2",
+        "diffusion.sample_steps=2",
     ]
 
 
@@ -113,9 +122,10 @@ def wan_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         f"model.init_from={source}",
         f"data.paths=[{root / 'latents'}]",
         "data.eval_paths=[]",
+        "diffusion.preview_every=1",
     ]
     out = run_multiprocess(_run_worker, 1, "finetune", overrides, timeout=400)[0]
-    return out | {"source": source}
+    return out | {"source": source, "root": root}
 
 
 @pytest.mark.multiprocess
@@ -202,3 +212,76 @@ def test_a_pipeline_of_another_family_is_refused(tmp_path: Path) -> None:
     assert "diffusion.pipeline_from" in text and "FluxTransformer2DModel" in text, text
     with pytest.raises(ConfigError, match=r"model_index\.json"):
         compose_experiment("quickstart", [f"diffusion.pipeline_from={tmp_path}"], stack="diffusion")
+
+
+def _upscale(clip: np.ndarray, factor: int) -> np.ndarray:
+    return clip.repeat(factor, axis=1).repeat(factor, axis=2)
+
+
+@pytest.mark.multiprocess
+def test_wan_previews_are_decoded_by_the_vae_with_captions(wan_run: dict[str, Any]) -> None:
+    """Every step's preview is a PNG grid (the data are images): each reference clip is the
+    VAE's decode of the dataset sample, not the latents' colour view, and the caption is
+    written under its pair."""
+    from PIL import Image
+
+    from longboat.diffusion.data.dataset import LatentDataset
+    from longboat.diffusion.data.preview import caption_strip, latents_to_rgb
+    from longboat.diffusion.data.vae_decode import LatentDecoder
+    from longboat.diffusion.train.preview import pick_captions
+
+    run_dir = wan_run["root"] / "run" / "preview"
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "step_00000001.png",
+        "step_00000002.png",
+    ]
+    assert wan_run["preview"] == str(run_dir / "step_00000002.png")
+    sheet = np.asarray(Image.open(run_dir / "step_00000001.png").convert("RGB"))
+    data = LatentDataset([str(wan_run["root"] / "latents")])
+    decoder = LatentDecoder(wan_run["source"] / "vae")
+    picked = pick_captions(data, 2)
+    # 32x32 pixels a clip, scaled x3 to the sheet's 96 px; pairs of 96 + 2 + 96 = 194 wide
+    cell_w, captions = 194, [data[i]["caption"] for i in picked]
+    lines = max(len(caption_strip(c, cell_w)) for c in captions)
+    for k, i in enumerate(picked):
+        x = k * (cell_w + 2)
+        ref = _upscale(decoder.decode(data[i]["latents"]), 3)[0]
+        got = sheet[:96, x + 98 : x + 194].astype(int)
+        assert np.abs(got - ref).max() <= 1
+        colour_view = _upscale(latents_to_rgb(data[i]["latents"]), 24)[0]
+        assert np.abs(got - colour_view.astype(int)).max() > 30
+        strip = caption_strip(captions[k], cell_w, (lines - 4) // 12)
+        assert np.array_equal(sheet[96 : 96 + strip.shape[0], x : x + cell_w], strip)
+        assert (strip < 128).any()  # the caption's text is there
+
+
+def test_decoder_equals_the_diffusers_pipelines_decode(tmp_path: Path) -> None:
+    """``LatentDecoder`` turns dataset latents into the pixels WanPipeline / FluxPipeline make
+    of the same latents (their own denormalisation, VAE decode and post-processing)."""
+    from diffusers import DiffusionPipeline
+
+    from longboat.diffusion.data.vae_decode import LatentDecoder
+    from longboat.diffusion.tiny_pipelines import build_tiny_pipeline
+
+    g = torch.Generator().manual_seed(0)
+    for family in ("wan", "flux"):
+        source = build_tiny_pipeline(family, tmp_path / family)
+        pipe = DiffusionPipeline.from_pretrained(source)
+        vae = pipe.vae
+        ours = LatentDecoder(source / "vae")
+        if family == "wan":
+            z = torch.randn(16, 2, 4, 4, generator=g)
+            mean = torch.tensor(vae.config.latents_mean).view(1, 16, 1, 1, 1)
+            std_inv = 1.0 / torch.tensor(vae.config.latents_std).view(1, 16, 1, 1, 1)
+            with torch.no_grad():
+                video = vae.decode(z[None] / std_inv + mean, return_dict=False)[0]
+            want = pipe.video_processor.postprocess_video(video, output_type="np")[0]
+        else:
+            z = torch.randn(16, 1, 8, 8, generator=g)
+            lat = z[:, 0][None] / vae.config.scaling_factor + vae.config.shift_factor
+            with torch.no_grad():
+                image = vae.decode(lat, return_dict=False)[0]
+            want = pipe.image_processor.postprocess(image, output_type="np")
+        got = ours.decode(z)
+        assert got.shape == want.shape, (got.shape, want.shape)
+        assert np.abs(got.astype(float) - np.round(want * 255)).max() <= 1

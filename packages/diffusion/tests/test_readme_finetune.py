@@ -81,5 +81,9 @@ def test_the_readme_fine_tune_trial_ends_with_a_pipeline_diffusers_samples(
     assert any(not (trained[k] == start[k]).all() for k in trained)  # 20 steps moved them
     from PIL import Image
 
+    previews = tmp_path / "outputs/finetune_diffusion/preview"
+    for name in ("step_00000010.gif", "step_00000020.gif"):  # the clip: 5 decoded frames
+        with Image.open(previews / name) as gif:
+            assert gif.n_frames == 5
     with Image.open(tmp_path / "sample.gif") as gif:
         assert gif.n_frames == 5 and gif.size == (32, 32)

@@ -252,6 +252,7 @@ def _check_run(p: ProblemCollector, cfg: Any) -> None:
         ("eval_batch_size", 1),
         ("eval_samples", 0),
         ("preview_captions", 0),
+        ("preview_every", 0),
         ("sample_steps", 1),
         ("num_threads", 0),
     ):

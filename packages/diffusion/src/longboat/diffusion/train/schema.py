@@ -47,8 +47,14 @@ class DiffusionRunConfig:
     eval_samples: int = 0
     """Held-out samples used (the first ones; 0: all)."""
     preview: bool = True
-    """At the end, sample latents for held-out captions in ``sample_steps`` Euler steps and
-    write them as an animated GIF next to the held-out latents (``<output_dir>/preview``)."""
+    """At the end (and every ``preview_every`` steps), sample latents for held-out captions
+    (the training set's without a held-out set) in ``sample_steps`` Euler steps and write them
+    beside the dataset's clips, each caption under its pair (``<output_dir>/preview``):
+    decoded by the VAE of the run's pipeline (``pipeline_from`` / a pipeline
+    ``model.init_from``) as an animated GIF (video) or a PNG grid (images), else the latents
+    through a fixed colour map."""
+    preview_every: int = 0
+    """Also write a preview every this many steps (0: only at the end)."""
     preview_captions: int = 8
     """Held-out captions sampled for the preview (distinct captions, longest clips first)."""
     sample_steps: int = 10

@@ -30,6 +30,7 @@ from longboat.core.device.transfer import pins_host_memory
 from longboat.core.distributed import run_precision
 from longboat.core.megatron.training import MegatronTraining
 from longboat.core.train import RunResult, StepOutput, UpdateGate, run_training, typed_config
+from longboat.core.train.trainer import Callback
 from longboat.diffusion.train.checks import check_experiment, model_family
 
 RESUME_KEYS = (
@@ -110,6 +111,8 @@ class DiffusionTraining(MegatronTraining):
         one_pass = "auto" if cfg.optim.one_pass_adamw else False
         self.step_fn.use_one_pass(one_pass, adamw_master_step_)
         self.ddp_modules = [self.step_fn.ddp]
+        self._decoder: Any = None
+        """The previews' ``LatentDecoder`` (False: none; None: not looked for yet)."""
         self.exact_main_weights = 0
         """Main weights started from the checkpoint's fp32 values (not its bf16 rounding)."""
         if exact:
@@ -245,34 +248,19 @@ class DiffusionTraining(MegatronTraining):
             whole = (result.export_dir / "model_index.json").is_file()
             what = " (a pipeline: DiffusionPipeline.from_pretrained loads it)" if whole else ""
             lines.append(f"Diffusers:   {result.export_dir}{what}")
-        run = self.cfg.diffusion
-        held_out = self.data.held_out
-        if not run.preview or held_out is None or run.preview_captions < 1:
-            return lines
         if result.end_step == 0:
             return lines
-        from longboat.diffusion.train.preview import pick_captions, preview
-
-        indices = pick_captions(held_out, run.preview_captions, run.eval_samples)
-        out = Path(self.cfg.output_dir) / "preview" / f"step_{result.end_step:08d}.gif"
-        shift = run.sample_shift if run.sample_shift is not None else self.cfg.objective.shift
-        res = preview(
-            self.step_fn.model,
-            held_out,
-            indices,
-            out,
-            steps=run.sample_steps,
-            shift=shift,
-            seed=self.cfg.train.seed,
-            num_train_timesteps=self.cfg.objective.num_train_timesteps,
-            device=self.device,
-            write=self.is_main,
-        )
+        res = self.write_preview(result.end_step)
+        if res is None:
+            return lines
         result.extra["preview"] = str(res.path) if res.path else None
         result.extra["preview_captions"] = res.captions
+        source = "held-out" if self.data.held_out is not None else "training"
+        pixels = "decoded by the pipeline's VAE" if self._decoder else "latents in colour"
         lines.append(
-            f"Preview:     {res.path} ({len(res.captions)} held-out captions, "
-            f"{run.sample_steps} Euler steps; each sample left of its held-out clip)"
+            f"Preview:     {res.path} ({len(res.captions)} {source} captions, "
+            f"{self.cfg.diffusion.sample_steps} Euler steps, {pixels}; each sample left of "
+            "its dataset clip, the caption under them)"
         )
         if res.colour_right is not None:
             n = len(res.captions)
@@ -288,6 +276,50 @@ class DiffusionTraining(MegatronTraining):
             lines.append(f'  e.g. "{c}": read colour {r[0]}' + (f", motion {r[1]}" if r[1] else ""))
         return lines
 
+    def preview_set(self) -> Any:
+        """The dataset whose captions the previews sample: the held-out set, else the
+        training set (None: previews off)."""
+        run = self.cfg.diffusion
+        if not run.preview or run.preview_captions < 1:
+            return None
+        return self.data.held_out if self.data.held_out is not None else self.data.train.dataset
+
+    def write_preview(self, step: int) -> Any:
+        """Sample the preview captions with the model as it is and write
+        ``<output_dir>/preview/step_<step>.gif`` (``.png`` for images); None when previews
+        are off. Every rank takes part (context parallelism samples together)."""
+        from longboat.diffusion.data.vae_decode import LatentDecoder
+        from longboat.diffusion.train.pipeline_export import pipeline_source
+        from longboat.diffusion.train.preview import pick_captions, preview
+
+        dataset = self.preview_set()
+        if dataset is None:
+            return None
+        run = self.cfg.diffusion
+        if self._decoder is None and self.is_main:
+            self._decoder = LatentDecoder.of_pipeline(pipeline_source(self.cfg)) or False
+        indices = pick_captions(dataset, run.preview_captions, run.eval_samples)
+        shift = run.sample_shift if run.sample_shift is not None else self.cfg.objective.shift
+        return preview(
+            self.step_fn.model,
+            dataset,
+            indices,
+            Path(self.cfg.output_dir) / "preview" / f"step_{step:08d}",
+            steps=run.sample_steps,
+            shift=shift,
+            seed=self.cfg.train.seed,
+            num_train_timesteps=self.cfg.objective.num_train_timesteps,
+            device=self.device,
+            write=self.is_main,
+            decoder=self._decoder or None,
+        )
+
+    def callbacks(self) -> list[Any]:
+        every = self.cfg.diffusion.preview_every
+        if every < 1 or self.preview_set() is None:
+            return []
+        return [PreviewEvery(self, every)]
+
     def _checkpoint_module(self) -> torch.nn.Module:
         """The model, or under tensor parallelism a view whose names carry this rank's
         coordinates (every TP rank holds a different shard under the same names)."""
@@ -297,6 +329,20 @@ class DiffusionTraining(MegatronTraining):
         if self.layout.tensor_parallel == 1:
             return model
         return rank_view(model.named_parameters(), rank_prefix())
+
+
+class PreviewEvery(Callback):
+    """Writes a preview every ``diffusion.preview_every`` steps (the last step's is the
+    end-of-run preview ``report`` writes)."""
+
+    def __init__(self, training: DiffusionTraining, every: int) -> None:
+        self.training, self.every = training, every
+
+    def on_step_end(self, trainer: Any, step: int, out: StepOutput) -> None:
+        if step % self.every == 0 and step != self.training.cfg.train.steps:
+            res = self.training.write_preview(step)
+            if res is not None and res.path is not None:
+                trainer.console.print(f"Preview:     {res.path} (step {step})")
 
 
 def build_training(cfg: Any) -> DiffusionTraining:
