@@ -144,6 +144,14 @@ class LatentDataset(torch.utils.data.Dataset):
         self.text_lengths = lengths if self._keep is None else lengths[self._keep]
         """``[N]``: each sample's number of text tokens."""
 
+    def empty_caption(self) -> torch.Tensor | None:
+        """The empty caption's text embedding ``[L, D]`` of the first directory (None when a
+        directory has none: prepared before datasets carried it)."""
+        from longboat.diffusion.data.empty_caption import read_empty_caption
+
+        found = [read_empty_caption(r) for r in self.roots]
+        return None if any(e is None for e in found) else found[0]
+
     def __len__(self) -> int:
         return int(self._starts[-1]) if self._keep is None else int(self._keep.size)
 

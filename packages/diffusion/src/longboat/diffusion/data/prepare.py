@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from longboat.diffusion.data.empty_caption import read_empty_caption, write_empty_caption
 from longboat.diffusion.data.errors import BadSampleError, DataError
 from longboat.diffusion.data.media import load_clip
 from longboat.diffusion.data.schema import PrepareConfig
@@ -242,6 +243,7 @@ def prepare_latents(
         "encoders": encoders_key(fingerprint),
     }
     manifest = _start_state(cfg, out, identity)
+    fresh = manifest is None
     if manifest is None:
         (out / MANIFEST).unlink(missing_ok=True)
         shutil.rmtree(out / SHARD_DIR, ignore_errors=True)
@@ -271,6 +273,8 @@ def prepare_latents(
             up_to_date=up_to_date,
         )
 
+    if fresh or read_empty_caption(out) is None:  # also added to datasets prepared without it
+        write_empty_caption(out, encoders.encode_text(""))
     if manifest["complete"]:
         return report(0, up_to_date=True)
 

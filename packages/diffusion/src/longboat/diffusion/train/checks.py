@@ -157,6 +157,21 @@ def _check_data(p: ProblemCollector, cfg: Any, arch: Any) -> None:
         p.extend(exc)
     synthetic = isinstance(data, SyntheticSquaresDataConfig)
     manifests = [] if synthetic else _manifest_sets(p, data)  # missing datasets named now
+    if not synthetic and data.caption_dropout > 0:
+        from longboat.diffusion.data.empty_caption import EMPTY_CAPTION
+
+        train_dirs = [*data.paths, *([data.path] if data.path else [])]
+        lacking = [d for d in train_dirs if (Path(d) / "manifest.json").is_file()
+                   and not (Path(d) / EMPTY_CAPTION).is_file()]  # fmt: skip
+        if lacking:
+            p.add(
+                "data.caption_dropout",
+                f"needs the empty caption's embedding, which {', '.join(lacking)} lacks "
+                f"({EMPTY_CAPTION}: written by `data prepare` since it carries one)",
+                value=data.caption_dropout,
+                fix="run the same `longboat-diffusion data prepare` again over each dataset "
+                "(it adds the file and re-encodes nothing), or data.caption_dropout=0",
+            )
     if arch is None:
         return
     patch = tuple(int(v) for v in arch.latent_patch)

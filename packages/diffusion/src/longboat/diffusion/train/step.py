@@ -76,6 +76,7 @@ class DiffusionTrainStep(MegatronStepEngine):
         device: torch.device,
         microbatches: int = 1,
         cuda_graph: bool = False,
+        caption_dropout: Any = None,
     ) -> None:
         from megatron.core import parallel_state as mps
 
@@ -103,6 +104,8 @@ class DiffusionTrainStep(MegatronStepEngine):
             [self.ddp], optim, precision=precision, distributed_optimizer=True
         )
         self.objective = objective
+        self.caption_dropout = caption_dropout
+        """A ``CaptionDropout`` applied to every training micro-batch (None: captions kept)."""
         self.seed = seed
         self.device = device
         self.dp = mps.get_data_parallel_world_size()
@@ -114,6 +117,13 @@ class DiffusionTrainStep(MegatronStepEngine):
         """The noise generator of micro-batch ``micro`` of this rank at ``step``."""
         position = micro * self.dp + self.dp_rank
         return torch.Generator().manual_seed(noise_seed(self.seed, step, position))
+
+    def _drop_captions(self, batch: dict[str, Any], step: int, micro: int) -> dict[str, Any]:
+        """``batch`` after caption dropout (its draws seeded by the batch's global position
+        in the step, like the noise)."""
+        if self.caption_dropout is None:
+            return batch
+        return self.caption_dropout.apply(batch, step, micro * self.dp + self.dp_rank)
 
     def _all_reduce(self, value: torch.Tensor) -> torch.Tensor:
         if self.dp > 1:
@@ -134,6 +144,7 @@ class DiffusionTrainStep(MegatronStepEngine):
         scale = (self.dp * self.cp) / count
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         for j, mb in enumerate(micro_batches):
+            mb = self._drop_captions(mb, step, j)
             x0, text, text_mask, latent_mask = _on_device(mb, self.device)
             loss, _ = flow_matching_loss(
                 self.ddp,
@@ -157,6 +168,7 @@ class DiffusionTrainStep(MegatronStepEngine):
         """The captured step's inputs: the one micro-batch on the device and its noise levels
         and noise, drawn on the host from the step's generator (the eager step's draws)."""
         (mb,) = microbatches
+        mb = self._drop_captions(mb, step, 0)
         x0, text, text_mask, latent_mask = _on_device(mb, self.device)
         sigmas, noise = draw_noise(x0, self.objective, self.generator(step, 0))
         out = {"x0": x0, "text": text, "text_mask": text_mask, "sigmas": sigmas, "noise": noise}

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from longboat.core.config.errors import ConfigError
 from longboat.core.device.transfer import pins_host_memory
 from longboat.core.distributed import run_precision
 from longboat.core.megatron.training import MegatronTraining
@@ -97,6 +98,18 @@ class DiffusionTraining(MegatronTraining):
         if cfg.model.init_from:
             family.load_diffusers(model, self.model_cfg, cfg.model.init_from, keep_fp32=exact)
         model.to(self.device)
+        dropout = None
+        if cfg.data.caption_dropout > 0:
+            from longboat.diffusion.train.caption_dropout import CaptionDropout
+
+            empty = self.data.train.dataset.empty_caption()
+            if empty is None:
+                raise ConfigError(
+                    "the training data hold no empty caption embedding",
+                    key="data.caption_dropout",
+                    fix="run the same `longboat-diffusion data prepare` again over each dataset",
+                )
+            dropout = CaptionDropout(cfg.data.caption_dropout, empty, cfg.train.seed)
         self.step_fn = DiffusionTrainStep(
             model,
             cfg.optim,
@@ -106,6 +119,7 @@ class DiffusionTraining(MegatronTraining):
             device=self.device,
             microbatches=self.accumulation,
             cuda_graph=cfg.train.cuda_graph is not False,
+            caption_dropout=dropout,
         )
         self.step_fn.static_shapes_blocker = self._graph_shapes_blocker()
         one_pass = "auto" if cfg.optim.one_pass_adamw else False
@@ -231,7 +245,12 @@ class DiffusionTraining(MegatronTraining):
             f"{', '.join('x'.join(map(str, s)) for s in shapes)}; {batching}; global batch "
             f"{self.global_batch} ({self.accumulation} per rank per step).",
             f"Objective: flow matching, shift {cfg.objective.shift:g}, "
-            f"{cfg.objective.timestep_sampling} timesteps, {cfg.objective.weighting} weighting.",
+            f"{cfg.objective.timestep_sampling} timesteps, {cfg.objective.weighting} weighting"
+            + (
+                f"; {cfg.data.caption_dropout:g} of the captions dropped to the empty one."
+                if cfg.data.caption_dropout > 0
+                else "."
+            ),
         ]
         lines += self.step_fn.notices()  # levers that cannot apply, and what runs instead
         if self.data.held_out is not None:
