@@ -43,6 +43,7 @@ RESUME_KEYS = (
     "model.overrides",
     "data.name",
     "data.batching",
+    "ema.enabled",
 )
 """What a checkpoint's sharded model, optimizer shards and data position depend on."""
 
@@ -121,6 +122,12 @@ class DiffusionTraining(MegatronTraining):
             cuda_graph=cfg.train.cuda_graph is not False,
             caption_dropout=dropout,
         )
+        self.ema = None
+        """The weights' ``EMAWeights`` (``ema.enabled``; None: off)."""
+        if cfg.ema.enabled:
+            from longboat.core.train.ema import EMAWeights
+
+            self.ema = EMAWeights(dict(model.named_parameters()), cfg.ema)
         self.step_fn.static_shapes_blocker = self._graph_shapes_blocker()
         one_pass = "auto" if cfg.optim.one_pass_adamw else False
         self.step_fn.use_one_pass(one_pass, adamw_master_step_)
@@ -165,11 +172,14 @@ class DiffusionTraining(MegatronTraining):
     def state(self) -> dict[str, Any]:
         from longboat.core.megatron.optimizer import MegatronOptimizerState
 
-        return {
+        state = {
             "model": self._checkpoint_module(),
             "optimizer": MegatronOptimizerState(self.step_fn.optimizer),
             "data": self.data.train,
         }
+        if self.ema is not None:
+            state["ema"] = self.ema  # per rank: each holds the average of its shards
+        return state
 
     def optimizers(self) -> list[Any]:
         from longboat.core.megatron.optimizer import inner_optimizers
@@ -183,7 +193,10 @@ class DiffusionTraining(MegatronTraining):
         return self.engine_gate(guard, schedule, microbatches=self.accumulation)
 
     def step(self, step: int, batch: list[dict[str, Any]], gate: UpdateGate) -> StepOutput:
-        return self.step_fn.run_step(step, batch, gate)
+        out = self.step_fn.run_step(step, batch, gate)
+        if self.ema is not None:
+            self.ema.update(step + 1)
+        return out
 
     def evaluate(self) -> dict[str, float]:
         data = self.data
@@ -202,9 +215,17 @@ class DiffusionTraining(MegatronTraining):
     def export(self) -> Path | None:
         if not self.cfg.export.enabled:
             return None
-        from longboat.diffusion.train.pipeline_export import pipeline_source, write_pipeline
+        from contextlib import nullcontext
 
         out = Path(self.cfg.export.dir or f"{self.cfg.output_dir}/diffusers")
+        averaged = self.ema.swapped() if self.ema is not None and self.cfg.ema.export else None
+        with averaged or nullcontext():
+            return self._export_to(out)
+
+    def _export_to(self, out: Path) -> Path:
+        """The export (``export``) of the model's weights as they are."""
+        from longboat.diffusion.train.pipeline_export import pipeline_source, write_pipeline
+
         family = self.family.load()
         source = pipeline_source(self.cfg)
         if source is None:
@@ -252,6 +273,13 @@ class DiffusionTraining(MegatronTraining):
                 else "."
             ),
         ]
+        if self.ema is not None:
+            e = cfg.ema
+            lines.append(
+                f"EMA of the weights (fp32): decay {e.decay:g} every {e.every} step(s) from step "
+                f"{e.start_step}; the export holds "
+                + ("the average." if e.export else "the trained weights (ema.export=false).")
+            )
         lines += self.step_fn.notices()  # levers that cannot apply, and what runs instead
         if self.data.held_out is not None:
             sig = ", ".join(f"{float(s):g}" for s in cfg.diffusion.eval_sigmas)
