@@ -314,6 +314,9 @@ def check_experiment(cfg: Any) -> Any:
 
         family = model_family(cfg.model)
         check_pipeline_source(p, cfg, family.diffusers_classes[0], arch.latent_channels)
+        from longboat.diffusion.train.lora import lora_problems
+
+        lora_problems(p, cfg, family, arch)
         par = cfg.parallel
         try:
             arch.validate_parallel(

@@ -6,10 +6,34 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from longboat.core.config.schema import ExperimentConfig, ModelConfig
+from longboat.core.config.schema import ExperimentConfig, LoRAConfig, ModelConfig
 from longboat.diffusion.objective.flow_matching import FlowMatchingConfig
 
-__all__ = ["DiffusionExperimentConfig", "DiffusionModelConfig", "DiffusionRunConfig"]
+__all__ = [
+    "DiffusionExperimentConfig",
+    "DiffusionLoRAConfig",
+    "DiffusionModelConfig",
+    "DiffusionRunConfig",
+]
+
+
+@dataclass
+class DiffusionLoRAConfig(LoRAConfig):
+    """Low-rank adapters on the transformer's attention and FFN linears (core's fields; the
+    adapters also go out as a diffusers LoRA, ``export.adapter_dir``)."""
+
+    targets: list[str] = field(
+        default_factory=lambda: [
+            "linear_q",
+            "linear_k",
+            "linear_v",
+            "linear_proj",
+            "linear_fc1",
+            "linear_fc2",
+        ]
+    )
+    """Names of the linears that get adapters (Wan: q / k / v / output of self- and
+    cross-attention, the FFN's fc1 / fc2)."""
 
 
 @dataclass
@@ -78,3 +102,5 @@ class DiffusionExperimentConfig(ExperimentConfig):
     """How noise levels are drawn and weighted (flow matching as Wan trains it)."""
     diffusion: DiffusionRunConfig = field(default_factory=DiffusionRunConfig)
     """Diffusion run settings (held-out loss, preview)."""
+    lora: DiffusionLoRAConfig = field(default_factory=DiffusionLoRAConfig)
+    """Low-rank adapters (``lora.enabled``: only the adapters train)."""

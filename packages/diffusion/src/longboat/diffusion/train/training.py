@@ -44,6 +44,9 @@ RESUME_KEYS = (
     "data.name",
     "data.batching",
     "ema.enabled",
+    "lora.enabled",
+    "lora.rank",
+    "lora.targets",
 )
 """What a checkpoint's sharded model, optimizer shards and data position depend on."""
 
@@ -96,8 +99,19 @@ class DiffusionTraining(MegatronTraining):
         family = self.family.load()
         model = family.build(self.model_cfg, precision=self.precision)
         exact: dict[str, torch.Tensor] = {}
+        lora = cfg.lora if cfg.lora.enabled else None
         if cfg.model.init_from:
-            family.load_diffusers(model, self.model_cfg, cfg.model.init_from, keep_fp32=exact)
+            keep = exact if lora is None else None  # frozen base weights have no main copy
+            family.load_diffusers(model, self.model_cfg, cfg.model.init_from, keep_fp32=keep)
+        self.lora_linears = 0
+        """Linears with adapters (0: no LoRA)."""
+        if lora is not None:
+            from longboat.core.megatron.lora import apply_lora
+
+            self.lora_linears = apply_lora(
+                [model], rank=lora.rank, alpha=lora.alpha, targets=list(lora.targets),
+                seed=cfg.train.seed,
+            )  # fmt: skip
         model.to(self.device)
         dropout = None
         if cfg.data.caption_dropout > 0:
@@ -122,6 +136,8 @@ class DiffusionTraining(MegatronTraining):
             cuda_graph=cfg.train.cuda_graph is not False,
             caption_dropout=dropout,
         )
+        self.adapter_dir: Path | None = None
+        """Where the export wrote the diffusers LoRA (None: none)."""
         self.ema = None
         """The weights' ``EMAWeights`` (``ema.enabled``; None: off)."""
         if cfg.ema.enabled:
@@ -220,7 +236,16 @@ class DiffusionTraining(MegatronTraining):
         out = Path(self.cfg.export.dir or f"{self.cfg.output_dir}/diffusers")
         averaged = self.ema.swapped() if self.ema is not None and self.cfg.ema.export else None
         with averaged or nullcontext():
-            return self._export_to(out)
+            if not self.lora_linears:
+                return self._export_to(out)
+            from longboat.core.megatron.lora import merged_lora
+            from longboat.diffusion.train.lora import save_diffusers_lora
+
+            self.adapter_dir = save_diffusers_lora(
+                self.step_fn.model, self.family, self.model_cfg, self.cfg
+            )
+            with merged_lora([self.step_fn.model]):
+                return self._export_to(out)
 
     def _export_to(self, out: Path) -> Path:
         """The export (``export``) of the model's weights as they are."""
@@ -273,6 +298,14 @@ class DiffusionTraining(MegatronTraining):
                 else "."
             ),
         ]
+        if self.lora_linears:
+            lo = cfg.lora
+            trained = sum(p.numel() for p in self.step_fn.model.parameters() if p.requires_grad)
+            lines.append(
+                f"LoRA: rank {lo.rank}, alpha {lo.alpha:g} on {self.lora_linears} linears "
+                f"({', '.join(lo.targets)}); {trained * lay.tensor_parallel / 1e6:.3f}M "
+                "trainable parameters, the base weights frozen."
+            )
         if self.ema is not None:
             e = cfg.ema
             lines.append(
@@ -295,6 +328,9 @@ class DiffusionTraining(MegatronTraining):
             whole = (result.export_dir / "model_index.json").is_file()
             what = " (a pipeline: DiffusionPipeline.from_pretrained loads it)" if whole else ""
             lines.append(f"Diffusers:   {result.export_dir}{what}")
+            if self.adapter_dir is not None:
+                lines.append(f"LoRA:        {self.adapter_dir} (pipe.load_lora_weights loads it)")
+                result.extra["adapter_dir"] = str(self.adapter_dir)
         if result.end_step == 0:
             return lines
         res = self.write_preview(result.end_step)
