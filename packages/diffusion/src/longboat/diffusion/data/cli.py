@@ -1,8 +1,8 @@
 """``longboat-diffusion data``: ``prepare`` a latent dataset, ``inspect`` one.
 
 ``prepare key=value ...`` encodes videos / images and captions with a Wan VAE and a UMT5 text
-encoder (the keys of :class:`~longboat.diffusion.data.schema.PrepareConfig`, listed by
-``prepare --help``), e.g.::
+encoder, or with a FLUX pipeline's VAE, T5 and CLIP (the keys of
+:class:`~longboat.diffusion.data.schema.PrepareConfig`, listed by ``prepare --help``), e.g.::
 
     longboat-diffusion data prepare input=clips/ out=data/latents model_dir=Wan2.1-T2V-1.3B-Diffusers \\
         height=480 width=832 num_frames=49 fps=16

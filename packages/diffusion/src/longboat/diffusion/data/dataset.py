@@ -83,6 +83,8 @@ class LatentDataset(torch.utils.data.Dataset):
         first = self.manifests[0]
         self.latent_channels = int(first["latent_channels"])
         self.text_dim = int(first["text_dim"])
+        self.pooled_dim = int(first.get("pooled_dim", 0))
+        """Width of each sample's ``pooled_embeds`` (0: the dataset has none)."""
         self._shards: list[tuple[Path, ShardInfo, torch.dtype]] = []
         for root, m in zip(roots, self.manifests, strict=True):
             where = str(root / "manifest.json")
@@ -92,9 +94,10 @@ class LatentDataset(torch.utils.data.Dataset):
                     "samples in finished shards); run the same `data prepare` again to finish "
                     "it (it resumes), or read it anyway with allow_incomplete"
                 )
-            if (int(m["latent_channels"]), int(m["text_dim"])) != (
+            if (int(m["latent_channels"]), int(m["text_dim"]), int(m.get("pooled_dim", 0))) != (
                 self.latent_channels,
                 self.text_dim,
+                self.pooled_dim,
             ):
                 raise DataError(
                     f"{root}: latents of {m['latent_channels']} channels and text of dim "
@@ -267,7 +270,12 @@ class LatentDataset(torch.utils.data.Dataset):
                 )
         meta = dict(samples[j])
         caption = str(meta.pop("caption", ""))
+        if self.pooled_dim:
+            extra = {"pooled_embeds": handle.get_tensor(f"{j}.pooled_embeds")}
+        else:
+            extra = {}
         return {
+            **extra,
             "latents": latents,
             "text_embeds": text,
             "caption": caption,

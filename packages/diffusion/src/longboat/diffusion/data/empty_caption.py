@@ -16,13 +16,21 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-__all__ = ["EMPTY_CAPTION", "read_empty_caption", "write_empty_caption"]
+__all__ = [
+    "EMPTY_CAPTION",
+    "read_empty_caption",
+    "read_empty_caption_parts",
+    "write_empty_caption",
+]
 
 EMPTY_CAPTION = "empty_caption.safetensors"
 
 
-def write_empty_caption(root: str | Path, text_embeds: torch.Tensor) -> Path:
-    """Write ``text_embeds`` ``[L, D]`` (L >= 1) as ``root``'s empty caption (atomically)."""
+def write_empty_caption(
+    root: str | Path, text_embeds: torch.Tensor, pooled_embeds: torch.Tensor | None = None
+) -> Path:
+    """Write ``text_embeds`` ``[L, D]`` (L >= 1) and, for families with one, the pooled
+    embedding ``[P]`` as ``root``'s empty caption (atomically)."""
     if text_embeds.dim() != 2 or text_embeds.shape[0] < 1:
         raise ValueError(
             f"empty caption embedding of shape {tuple(text_embeds.shape)}: want [L, D]"
@@ -30,14 +38,23 @@ def write_empty_caption(root: str | Path, text_embeds: torch.Tensor) -> Path:
     out = Path(root) / EMPTY_CAPTION
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    save_file({"text_embeds": text_embeds.detach().float().cpu().contiguous()}, str(tmp))
+    tensors = {"text_embeds": text_embeds.detach().float().cpu().contiguous()}
+    if pooled_embeds is not None:
+        tensors["pooled_embeds"] = pooled_embeds.detach().float().cpu().contiguous()
+    save_file(tensors, str(tmp))
     os.replace(tmp, out)
     return out
 
 
 def read_empty_caption(root: str | Path) -> torch.Tensor | None:
     """``root``'s empty caption embedding ``[L, D]`` float32 (None: the dataset has none)."""
+    found = read_empty_caption_parts(root)
+    return None if found is None else found["text_embeds"]
+
+
+def read_empty_caption_parts(root: str | Path) -> dict[str, torch.Tensor] | None:
+    """``root``'s empty caption: ``text_embeds`` and, where stored, ``pooled_embeds``."""
     path = Path(root) / EMPTY_CAPTION
     if not path.is_file():
         return None
-    return load_file(str(path))["text_embeds"]
+    return load_file(str(path))

@@ -223,7 +223,8 @@ class PrepareConfig:
     tokenizer: str | None = None
     """Its tokenizer directory (default: ``<model_dir>/tokenizer``, else ``text_encoder``)."""
     model_dir: str | None = None
-    """A diffusers Wan pipeline directory holding ``vae/``, ``text_encoder/``, ``tokenizer/``."""
+    """A diffusers Wan pipeline directory holding ``vae/``, ``text_encoder/``, ``tokenizer/``,
+    or a FLUX pipeline directory (``model_index.json``: its VAE, CLIP and T5 encode images)."""
     root: str | None = None
     """Where relative paths of a list file start (default: the list file's folder)."""
     height: int = 480

@@ -24,10 +24,14 @@ _TAG = 0xCA_D0
 class CaptionDropout:
     """Replaces a share ``p`` of a batch's captions with the empty caption (module doc)."""
 
-    def __init__(self, p: float, empty: torch.Tensor, seed: int) -> None:
+    def __init__(
+        self, p: float, empty: torch.Tensor, seed: int, empty_pooled: torch.Tensor | None = None
+    ) -> None:
         if not 0.0 <= p < 1.0:
             raise ValueError(f"caption dropout {p} must be in [0, 1)")
         self.p, self.empty, self.seed = float(p), empty.float(), int(seed)
+        self.empty_pooled = None if empty_pooled is None else empty_pooled.float()
+        """The empty caption's pooled embedding, for batches that carry ``pooled_embeds``."""
 
     def dropped(self, n: int, step: int, position: int) -> torch.Tensor:
         """``[n]`` bool: which of a micro-batch's ``n`` samples lose their caption."""
@@ -54,4 +58,12 @@ class CaptionDropout:
         new_text[rows, : empty.shape[0]] = empty
         new_mask[rows] = 0
         new_mask[rows, : empty.shape[0]] = 1
-        return {**batch, "text_embeds": new_text, "text_mask": new_mask}
+        out = {**batch, "text_embeds": new_text, "text_mask": new_mask}
+        pooled = batch.get("pooled_embeds")
+        if pooled is not None:
+            if self.empty_pooled is None:
+                raise ValueError("the batch carries pooled_embeds but the empty caption has none")
+            pooled = pooled.clone()
+            pooled[rows] = self.empty_pooled.to(pooled.dtype)
+            out["pooled_embeds"] = pooled
+        return out

@@ -174,6 +174,8 @@ def _check_data(p: ProblemCollector, cfg: Any, arch: Any) -> None:
             )
     if arch is None:
         return
+    if not synthetic:
+        _check_pooled(p, data, arch)
     patch = tuple(int(v) for v in arch.latent_patch)
     if tuple(data.patch_size) != patch:
         p.add(
@@ -212,6 +214,25 @@ def _check_data(p: ProblemCollector, cfg: Any, arch: Any) -> None:
                 f"model.overrides.text_dim={text_dim} for a new model)",
             )
         _check_shapes(p, shape_key, shapes, patch, where)
+
+
+def _check_pooled(p: ProblemCollector, data: Any, arch: Any) -> None:
+    """Datasets with pooled caption embeddings (FLUX's CLIP) against the model's width."""
+    import json
+
+    want = int(getattr(arch, "pooled_projection_dim", 0) or 0)
+    for key, d in [("data.paths", d) for d in data.paths] + [
+        ("data.eval_paths", d) for d in data.eval_paths
+    ]:
+        manifest = Path(d) / "manifest.json"
+        if not manifest.is_file():
+            continue
+        width = int(json.loads(manifest.read_text()).get("pooled_dim", 0))
+        if width and width != want:
+            what = f"pooled width {want}" if want else "no pooled caption embedding"
+            p.add(key, f"{d}: pooled caption embeddings of width {width}, the model takes "
+                  f"{what}", value=str(d),
+                  fix="use data prepared with the model's own pipeline")  # fmt: skip
 
 
 def _manifest_sets(p: ProblemCollector, data: Any) -> list[tuple[str, int, int, Any, str, str]]:

@@ -23,7 +23,7 @@ from longboat.diffusion.data.batching import collate_latents
 from longboat.diffusion.data.dataset import LatentDataset
 from longboat.diffusion.data.preview import latents_to_rgb, write_sheet
 from longboat.diffusion.objective.sampling import sample
-from longboat.diffusion.train.data import noise_seed
+from longboat.diffusion.train.data import model_kwargs, noise_seed
 
 __all__ = ["PreviewResult", "pick_captions", "preview"]
 
@@ -102,6 +102,7 @@ def preview(
             generator=gen,
             num_train_timesteps=num_train_timesteps,
             device=device,
+            model_kwargs=model_kwargs(batch, device),
         )
         for j, k in enumerate(ks):
             out[k] = x[j].float().cpu()

@@ -36,7 +36,7 @@ from longboat.diffusion.objective.flow_matching import (
     draw_noise,
     flow_matching_loss,
 )
-from longboat.diffusion.train.data import noise_seed
+from longboat.diffusion.train.data import model_kwargs, noise_seed
 
 __all__ = ["DiffusionTrainStep"]
 
@@ -154,6 +154,7 @@ class DiffusionTrainStep(MegatronStepEngine):
                 config=self.objective,
                 generator=self.generator(step, j),
                 latent_mask=latent_mask,
+                model_kwargs=model_kwargs(mb, self.device),
             )
             summed = loss * len(mb["captions"])  # the micro-batch's mean -> its sum
             (summed * scale).backward()
@@ -172,6 +173,7 @@ class DiffusionTrainStep(MegatronStepEngine):
         x0, text, text_mask, latent_mask = _on_device(mb, self.device)
         sigmas, noise = draw_noise(x0, self.objective, self.generator(step, 0))
         out = {"x0": x0, "text": text, "text_mask": text_mask, "sigmas": sigmas, "noise": noise}
+        out |= model_kwargs(mb, self.device)
         if latent_mask is not None:
             out["latent_mask"] = latent_mask
         return out
@@ -191,6 +193,7 @@ class DiffusionTrainStep(MegatronStepEngine):
             config=self.objective,
             latent_mask=inputs.get("latent_mask"),
             drawn=(inputs["sigmas"], inputs["noise"]),
+            model_kwargs={k: inputs[k] for k in ("pooled_embeds",) if k in inputs},
         )
         summed = loss * x0.shape[0]
         (summed * ((self.dp * self.cp) / count)).backward()
@@ -211,12 +214,13 @@ class DiffusionTrainStep(MegatronStepEngine):
         for batch in batches:
             noise = noise_of(batch)
             x0, text, text_mask, latent_mask = _on_device(batch, self.device)
+            kwargs = model_kwargs(batch, self.device)
             n = x0.shape[0]
             eps = torch.stack(noise).to(self.device, x0.dtype)
             for k, sigma in enumerate(sigmas):
                 x_t = (1.0 - sigma) * x0 + sigma * eps
                 t = torch.full((n,), sigma * steps, device=self.device)
-                pred = self.model(x_t, t, text, text_mask)
+                pred = self.model(x_t, t, text, text_mask, **kwargs)
                 err = (pred.float() - (eps - x0).float()) ** 2
                 if latent_mask is None:
                     per = err.flatten(1).mean(1)

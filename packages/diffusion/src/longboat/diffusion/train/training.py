@@ -115,16 +115,20 @@ class DiffusionTraining(MegatronTraining):
         model.to(self.device)
         dropout = None
         if cfg.data.caption_dropout > 0:
+            from longboat.diffusion.data.empty_caption import read_empty_caption_parts
             from longboat.diffusion.train.caption_dropout import CaptionDropout
 
+            parts = read_empty_caption_parts(self.data.train.dataset.roots[0])
             empty = self.data.train.dataset.empty_caption()
-            if empty is None:
+            if empty is None or parts is None:
                 raise ConfigError(
                     "the training data hold no empty caption embedding",
                     key="data.caption_dropout",
                     fix="run the same `longboat-diffusion data prepare` again over each dataset",
                 )
-            dropout = CaptionDropout(cfg.data.caption_dropout, empty, cfg.train.seed)
+            dropout = CaptionDropout(
+                cfg.data.caption_dropout, empty, cfg.train.seed, parts.get("pooled_embeds")
+            )
         self.step_fn = DiffusionTrainStep(
             model,
             cfg.optim,
