@@ -1,6 +1,7 @@
 """LoRA on the diffusion transformer (core's ``lora.*``): only the adapters train, the export
 holds the merged weights, and the adapters written as a diffusers LoRA load onto the source
-pipeline with ``load_lora_weights`` and give the merged export's outputs."""
+pipeline with ``load_lora_weights`` and give the merged export's outputs (Wan; FLUX, whose
+single blocks' two output projections are column pieces of one diffusers ``proj_out``)."""
 
 from __future__ import annotations
 
@@ -120,9 +121,67 @@ def test_lora_keys_are_checked() -> None:
                            stack="diffusion")  # fmt: skip
     assert err.value.keys == ["lora.targets"]
     with pytest.raises(ConfigError) as err:
-        compose_experiment("quickstart", ["lora.enabled=true", "model=flux_tiny",
-                                          "model.overrides={}"], stack="diffusion")  # fmt: skip
-    assert "lora.enabled" in err.value.keys and "fused" in str(err.value)
-    with pytest.raises(ConfigError) as err:
         compose_experiment("quickstart", ["export.adapter_dir=/tmp/x"], stack="diffusion")
     assert err.value.keys == ["export.adapter_dir"]
+
+
+@pytest.mark.multiprocess
+def test_a_flux_lora_loads_onto_the_source_and_equals_the_merged_export(
+    tmp_path: Path,
+) -> None:
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    from longboat.diffusion.models.common.patches import patchify
+    from longboat.diffusion.tiny_pipelines import build_tiny_pipeline
+
+    source = build_tiny_pipeline("flux", tmp_path / "tiny_flux")
+    overrides = [
+        f"output_dir={tmp_path / 'run'}",
+        f"data.out_dir={tmp_path / 'data'}",
+        "model=flux_tiny",
+        "model.overrides={}",
+        f"model.init_from={source}",
+        "data.patch_size=[1,2,2]",
+        "data.shapes=[[1,8,8]]",
+        "data.num_samples=8",
+        "data.num_eval_samples=0",
+        "train.micro_batch_size=4",
+        "train.steps=2",
+        "train.eval_every=0",
+        "optim.lr=5e-2",
+        "optim.schedule.warmup_steps=0",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "checkpoint.every_steps=0",
+        "diffusion.preview=false",
+        "lora.enabled=true",
+        "lora.rank=2",
+        "lora.alpha=4",
+    ]
+    run = run_multiprocess(_worker, 1, overrides, timeout=400)[0]
+    adapters = [k for k in run["before"] if k.endswith("lora_A")]
+    assert any(k.startswith("single_blocks.") and ".linear_fc2." in k for k in adapters)
+    merged = FluxTransformer2DModel.from_pretrained(Path(run["export"]) / "transformer")
+    pipe = FluxPipeline.from_pretrained(source)
+    g = torch.Generator().manual_seed(4)
+    lat, text = torch.randn(2, 16, 1, 6, 8, generator=g), torch.randn(2, 5, 32, generator=g)
+    pooled = torch.randn(2, 32, generator=g)
+    ids = torch.zeros(3, 4, 3)
+    ids[..., 1] = torch.arange(3)[:, None]
+    ids[..., 2] = torch.arange(4)[None, :]
+    inputs = {
+        "hidden_states": patchify(lat, (1, 2, 2)),
+        "encoder_hidden_states": text,
+        "pooled_projections": pooled,
+        "timestep": torch.tensor([0.25, 0.75]),
+        "img_ids": ids.reshape(-1, 3),
+        "txt_ids": torch.zeros(5, 3),
+        "return_dict": False,
+    }
+    with torch.no_grad():
+        base = pipe.transformer(**inputs)[0]
+        pipe.load_lora_weights(run["adapter"])
+        loaded = pipe.transformer(**inputs)[0]
+        want = merged.eval()(**inputs)[0]
+    assert (loaded - want).abs().max() < 1e-5
+    assert (want - base).abs().max() > 1e-3

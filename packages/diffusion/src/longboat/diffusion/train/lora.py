@@ -12,8 +12,10 @@ adapters alone go to ``export.adapter_dir`` (null: ``<output_dir>/diffusers_lora
 transformer. Each adapter maps through the family's diffusers mapping of its base weight:
 ``A`` as it is, ``B``'s rows like the weight's rows (Wan's q / k head-channel order), and
 the scale ``alpha / rank`` folded into ``B`` (diffusers then applies the adapter at scale 1).
-A family whose targeted weights are pieces of a fused diffusers tensor has no such mapping
-(``lora_problems`` refuses it).
+Where several of our linears are column pieces of one diffusers weight (FLUX's single-block
+``proj_out`` over ``cat(attention, mlp)``: our ``linear_proj`` and ``linear_fc2``), their
+adapters become one of rank ``n * rank`` on it, exactly: ``A`` block-diagonal over the
+pieces' columns, ``B`` the pieces' ``B`` side by side.
 """
 
 from __future__ import annotations
@@ -50,8 +52,7 @@ def _targeted(mapping: dict[str, Any], targets: list[str]) -> dict[str, Any]:
 
 def lora_problems(p: ProblemCollector, cfg: Any, family: Any, arch: Any) -> None:
     """``lora.*`` / ``export.adapter_dir`` problems: a rank below 1, targets matching no
-    linear of the model, a family whose adapters have no diffusers form, an adapter export
-    without LoRA."""
+    linear of the model, an adapter export without LoRA."""
     lora = cfg.lora
     if cfg.export.adapter_dir is not None and not lora.enabled:
         p.add("export.adapter_dir", "the diffusion stack writes an adapter only with LoRA",
@@ -64,11 +65,31 @@ def lora_problems(p: ProblemCollector, cfg: Any, family: Any, arch: Any) -> None
     if not targeted:
         p.add("lora.targets", "matches no linear of the model", value=list(lora.targets),
               fix="use linear_q, linear_k, linear_v, linear_proj, linear_fc1, linear_fc2")  # fmt: skip
-    fused = sorted(m for m, (_, _, to_theirs) in targeted.items() if to_theirs is None)
-    if fused:
-        p.add("lora.enabled", f"the {family.name} family stores {fused[0]} as a piece of a "
-              "fused diffusers tensor, so its adapters have no diffusers LoRA form",
-              value=True, fix="train this family without LoRA")  # fmt: skip
+
+
+def _diffusers_lora(
+    full: dict[str, torch.Tensor], family: Any, arch: Any, cfg: Any
+) -> dict[str, torch.Tensor]:
+    """diffusers LoRA tensors of our full (TP 1) state dict's adapters (module doc)."""
+    targeted = _targeted(_tensor_map(family, arch), list(cfg.lora.targets))
+    scale = float(cfg.lora.alpha) / float(cfg.lora.rank)
+    tensors: dict[str, torch.Tensor] = {}
+    pieces: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for module in targeted:  # map order: the order of a fused weight's column pieces
+        if f"{module}.lora_A" not in full:
+            continue
+        theirs, _, to_theirs = targeted[module]
+        a, b = full[f"{module}.lora_A"].float(), full[f"{module}.lora_B"].float() * scale
+        target = f"transformer.{theirs.rpartition('.')[0]}"
+        if to_theirs is None:
+            pieces.setdefault(target, []).append((a, b))
+            continue
+        tensors[f"{target}.lora_A.weight"] = a
+        tensors[f"{target}.lora_B.weight"] = to_theirs(b)
+    for target, parts in pieces.items():
+        tensors[f"{target}.lora_A.weight"] = torch.block_diag(*(a for a, _ in parts))
+        tensors[f"{target}.lora_B.weight"] = torch.cat([b for _, b in parts], dim=1)
+    return tensors
 
 
 def adapter_dir(cfg: Any) -> Path:
@@ -90,17 +111,7 @@ def save_diffusers_lora(model: torch.nn.Module, family: Any, arch: Any, cfg: Any
     if mps.get_data_parallel_rank(with_context_parallel=True) == 0:
         full = gather_state_dict(model, keep=writes)
         if writes:
-            targeted = _targeted(_tensor_map(family, arch), list(cfg.lora.targets))
-            scale = float(cfg.lora.alpha) / float(cfg.lora.rank)
-            tensors: dict[str, torch.Tensor] = {}
-            for name, value in full.items():
-                module, _, part = name.rpartition(".")
-                if part not in ("lora_A", "lora_B"):
-                    continue
-                theirs, _, to_theirs = targeted[module]
-                key = f"transformer.{theirs.rpartition('.')[0]}.{part}.weight"
-                value = value.float()
-                tensors[key] = value if part == "lora_A" else to_theirs(value) * scale
+            tensors = _diffusers_lora(full, family, arch, cfg)
             out.mkdir(parents=True, exist_ok=True)
             tmp = out / (ADAPTER_WEIGHTS + ".tmp")
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
@@ -108,7 +119,7 @@ def save_diffusers_lora(model: torch.nn.Module, family: Any, arch: Any, cfg: Any
             info = {
                 "rank": int(cfg.lora.rank),
                 "alpha": float(cfg.lora.alpha),
-                "scale_in_lora_B": scale,
+                "scale_in_lora_B": float(cfg.lora.alpha) / float(cfg.lora.rank),
                 "targets": list(cfg.lora.targets),
                 "diffusers_class": family.diffusers_classes[0],
             }
