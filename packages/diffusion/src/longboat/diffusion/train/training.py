@@ -384,7 +384,8 @@ class DiffusionTraining(MegatronTraining):
             return None
         run = self.cfg.diffusion
         if self._decoder is None and self.is_main:
-            self._decoder = LatentDecoder.of_pipeline(pipeline_source(self.cfg)) or False
+            source = pipeline_source(self.cfg)  # the VAE decodes on the run's device
+            self._decoder = LatentDecoder.of_pipeline(source, device=self.device) or False
         indices = pick_captions(dataset, run.preview_captions, run.eval_samples)
         shift = run.sample_shift if run.sample_shift is not None else self.cfg.objective.shift
         return preview(
