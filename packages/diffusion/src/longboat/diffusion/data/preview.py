@@ -132,12 +132,14 @@ def write_sheet(
     columns: int = 4,
     min_height: int = 96,
     frame_ms: int = 125,
+    video: str = "gif",
 ) -> Path:
     """A sheet of ``cells`` (each: uint8 ``[T, H, W, 3]`` clips shown side by side and a
     caption written under them), ``columns`` cells a row; small clips are scaled up (nearest,
     by a whole factor) to at least ``min_height`` pixels. An animated GIF when a clip has
-    more than one frame (shorter clips hold their last frame), else a PNG; ``path``'s suffix
-    is set accordingly. Returns the path written."""
+    more than one frame (shorter clips hold their last frame; ``video="mp4"``: an H.264 mp4
+    through PyAV instead), else a PNG; ``path``'s suffix is set accordingly. Returns the path
+    written."""
     from PIL import Image
 
     if not cells:
@@ -174,8 +176,10 @@ def write_sheet(
         sheet[:, y : y + block.shape[1], x : x + block.shape[2]] = held
         strip = caption_strip(caption, cell_w, lines)
         sheet[:, y + block.shape[1] : y + block.shape[1] + strip.shape[0], x : x + cell_w] = strip
-    out = Path(path).with_suffix(".gif" if t > 1 else ".png")
+    out = Path(path).with_suffix(f".{video}" if t > 1 else ".png")
     out.parent.mkdir(parents=True, exist_ok=True)
+    if t > 1 and video == "mp4":
+        return _write_mp4(sheet, out, fps=1000.0 / frame_ms)
     frames = [Image.fromarray(f) for f in sheet]
     if t > 1:
         frames[0].save(
@@ -183,4 +187,29 @@ def write_sheet(
         )
     else:
         frames[0].save(out)
+    return out
+
+
+def _write_mp4(frames: np.ndarray, out: Path, *, fps: float) -> Path:
+    """uint8 ``[T, H, W, 3]`` as an H.264 mp4 (sides padded white to even sizes, as 4:2:0
+    chroma needs); written under a temporary name, then renamed."""
+    import os
+    from fractions import Fraction
+
+    import av
+
+    t, h, w, _ = frames.shape
+    even = np.full((t, h + h % 2, w + w % 2, 3), 255, dtype=np.uint8)
+    even[:, :h, :w] = frames
+    tmp = out.with_name(out.name + ".tmp.mp4")
+    with av.open(str(tmp), "w") as container:
+        stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1000))
+        stream.height, stream.width, stream.pix_fmt = even.shape[1], even.shape[2], "yuv420p"
+        stream.options = {"crf": "12"}
+        for f in even:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    os.replace(tmp, out)
     return out

@@ -295,6 +295,15 @@ def _check_run(p: ProblemCollector, cfg: Any) -> None:
         value = getattr(run, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             p.add(f"diffusion.{key}", f"must be an integer >= {least}", value=value)
+    if run.preview_format not in ("gif", "mp4"):
+        p.add("diffusion.preview_format", "unknown format", value=run.preview_format,
+              fix="use gif or mp4")  # fmt: skip
+    elif run.preview_format == "mp4" and run.preview:
+        import importlib.util
+
+        if importlib.util.find_spec("av") is None:
+            p.add("diffusion.preview_format", "mp4 previews need PyAV", value="mp4",
+                  fix="pip install 'longboat-diffusion[prepare]', or diffusion.preview_format=gif")  # fmt: skip
     if run.sample_shift is not None and not run.sample_shift > 0:
         p.add("diffusion.sample_shift", "must be > 0 (or null)", value=run.sample_shift)
     data = cfg.data

@@ -79,6 +79,7 @@ def preview(
     device: torch.device,
     write: bool,
     decoder: Any = None,
+    video: str = "gif",
 ) -> PreviewResult:
     """Sample ``indices``' captions (every rank of a context-parallel group together), write
     the sheet when ``write`` (``out_path``'s suffix becomes ``.gif`` or ``.png``; pixels
@@ -116,7 +117,7 @@ def preview(
             for g, s, c in zip(generated, samples, captions, strict=True)
         ]
         frame_ms = 125 if decoder is not None else 250
-        path = write_sheet(cells, out_path, frame_ms=frame_ms, min_height=96)
+        path = write_sheet(cells, out_path, frame_ms=frame_ms, min_height=96, video=video)
     result = PreviewResult(path=path, captions=captions)
     metas = [s["metadata"] for s in samples]
     if samples and all("colour" in m and "direction" in m for m in metas):

@@ -79,6 +79,9 @@ class DiffusionRunConfig:
     through a fixed colour map."""
     preview_every: int = 0
     """Also write a preview every this many steps (0: only at the end)."""
+    preview_format: str = "gif"
+    """Video previews as an animated ``gif`` or an H.264 ``mp4`` (needs PyAV, the
+    ``prepare`` extra); image previews are PNG grids either way."""
     preview_captions: int = 8
     """Held-out captions sampled for the preview (distinct captions, longest clips first)."""
     sample_steps: int = 10

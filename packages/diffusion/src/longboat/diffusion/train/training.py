@@ -400,6 +400,7 @@ class DiffusionTraining(MegatronTraining):
             device=self.device,
             write=self.is_main,
             decoder=self._decoder or None,
+            video=run.preview_format,
         )
 
     def callbacks(self) -> list[Any]:
