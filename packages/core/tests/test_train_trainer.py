@@ -247,3 +247,29 @@ def test_the_progress_line_has_a_loss_from_the_first_step(
     first = [ln for ln in (captured.out + captured.err).splitlines() if "step 1/5" in ln]
     assert first and "loss -" not in first[-1], first
     assert float(first[-1].split("loss ")[1].split()[0]) > 0
+
+
+def test_a_runs_own_callbacks_are_called_after_every_step(tmp_path: Path) -> None:
+    """``Training.callbacks()`` joins the trainer's callbacks (a stack's periodic work, e.g.
+    the diffusion previews), called once per step with the step number."""
+    from longboat.core.demo import DemoTraining
+    from longboat.core.train import Trainer, typed_config
+    from longboat.core.train.trainer import Callback
+
+    seen: list[int] = []
+
+    class Record(Callback):
+        def on_step_end(self, trainer, step, out) -> None:  # type: ignore[no-untyped-def]
+            seen.append(step)
+
+    class WithCallbacks(DemoTraining):
+        def callbacks(self) -> list[Callback]:
+            return [Record()]
+
+    cfg = typed_config(_cfg(tmp_path, "train.steps=3"))
+    training = WithCallbacks(cfg)
+    try:
+        Trainer(cfg, training).fit()
+    finally:
+        training.close()
+    assert seen == [1, 2, 3]

@@ -93,7 +93,7 @@ def test_flux_trains_three_steps(run: dict[str, Any]) -> None:
     assert all(torch.isfinite(torch.tensor(v)) for v in values)
     # The zero-initialised head predicts 0 at step 1: the loss is E[(noise - x0)^2] > 1.
     assert values[0] > 1.0 and len(set(values)) == 3
-    # Every tensor was updated but the pooled-text projection's weight: the latent datasets
+    # Every tensor was updated but the pooled-text projection's weight: the synthetic sets
     # carry no pooled embedding, so the model gets zeros there and that weight no gradient.
     assert run["unchanged"] == ["pooled_embedder.linear_1.weight"]
     line = run["describe"][0]

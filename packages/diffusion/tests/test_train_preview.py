@@ -74,3 +74,56 @@ def test_preview_picks_distinct_captions_longest_first(tmp_path: Path) -> None:
     assert len(set(captions)) == 6
     assert all(tuple(ds.shapes[i]) == (3, 4, 4) for i in picked)  # samples 16..31
     assert pick_captions(ds, 6, limit=16) == [0, 1, 2, 3]  # the first 16: stills of 4 colours
+
+
+def test_preview_sheet_is_a_gif_an_mp4_or_a_png_with_captions_under_the_clips(
+    tmp_path: Path,
+) -> None:
+    """``write_sheet``: clips scaled up side by side, each caption written under its pair;
+    videos as a GIF (every frame) or an mp4 (PyAV), images as a PNG."""
+    import numpy as np
+    from PIL import Image
+
+    from longboat.diffusion.data.preview import caption_strip, write_sheet
+
+    rng = np.random.default_rng(0)  # 27 colours: a GIF's palette holds them exactly
+    video = rng.choice(np.array([0, 128, 255], dtype=np.uint8), (3, 16, 16, 3))
+    still = rng.choice(np.array([0, 128, 255], dtype=np.uint8), (1, 16, 16, 3))
+    cells = [([video, still], "a red square moving left"), ([still, still], "a still")]
+    gif = write_sheet(cells, tmp_path / "p.gif", min_height=32, columns=2)
+    assert gif.suffix == ".gif"
+    frames = []
+    with Image.open(gif) as im:
+        for k in range(im.n_frames):
+            im.seek(k)
+            frames.append(np.asarray(im.convert("RGB")))
+    assert len(frames) == 3
+    # 16 px clips scaled x2; a pair is 32 + 2 + 32 = 66 wide, a cell at least 120
+    for k in range(3):
+        assert np.array_equal(frames[k][:32, :32], video[k].repeat(2, 0).repeat(2, 1))
+        assert np.array_equal(frames[k][:32, 34:66], still[0].repeat(2, 0).repeat(2, 1))
+    strip = caption_strip("a red square moving left", 120, 1)
+    assert np.array_equal(frames[0][32 : 32 + strip.shape[0], :120], strip)
+    assert (strip < 128).any()
+    png = write_sheet([([still], "one image")], tmp_path / "q.gif", min_height=32)
+    assert png.suffix == ".png" and Image.open(png).size[1] == 32 + strip.shape[0] + 2  # + gap
+    av = pytest.importorskip("av")
+    mp4 = write_sheet(cells, tmp_path / "p", min_height=32, columns=2, video="mp4")
+    assert mp4.suffix == ".mp4"
+    with av.open(str(mp4)) as c:
+        decoded = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+    assert len(decoded) == 3
+    luma = np.array([0.299, 0.587, 0.114])  # 4:2:0 H.264 keeps brightness at full resolution
+    for k in range(3):
+        err = np.abs((decoded[k][:32, :66] - frames[k][:32, :66].astype(float)) @ luma).mean()
+        other = np.abs((decoded[k][:32, :32] - frames[(k + 1) % 3][:32, :32].astype(float)) @ luma)
+        assert err < 10 < other.mean(), (err, other.mean())
+
+
+def test_an_unknown_preview_format_is_named() -> None:
+    from longboat.core.config.compose import compose_experiment
+    from longboat.core.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        compose_experiment("quickstart", ["diffusion.preview_format=webm"], stack="diffusion")
+    assert err.value.keys == ["diffusion.preview_format"]

@@ -27,6 +27,8 @@ STACK = Stack(
     capabilities=Capabilities(
         recompute=("none", "full", "selective"),  # selective: attention outputs kept
         recompute_layers=True,  # the first n blocks
+        ema=True,  # an fp32 average of the transformer's weights (ema.*)
+        export_adapter=True,  # with lora.enabled: a diffusers LoRA (train/lora.py)
     ),
     renamed_keys={
         "model.recompute_blocks": "train.recompute_layers (with train.recompute=selective)",

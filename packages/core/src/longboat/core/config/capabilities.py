@@ -1,4 +1,4 @@
-"""What a stack honours of core's ``train.*`` and ``export.*`` keys.
+"""What a stack honours of core's ``train.*``, ``export.*`` and ``ema.*`` keys.
 
 Every stack reads the same core keys, but not every stack can act on every value: a stack
 without a compiled path cannot honour ``train.compile=true``, one whose recompute is per
@@ -45,6 +45,9 @@ class Capabilities:
     depend on what is installed (a stack whose families bring their own formats)."""
     export_adapter: bool = False
     """Whether ``export.adapter_dir`` (LoRA adapters as a PEFT adapter) is written."""
+    ema: bool = False
+    """Whether ``ema.enabled=true`` keeps (``longboat.core.train.ema``), checkpoints and, with
+    ``ema.export``, exports an average of the weights."""
 
 
 def _get(node: Any, key: str) -> Any:
@@ -109,6 +112,8 @@ def capability_problems(
     if fmt is not None and fmt not in formats:
         refuse("export.format", fmt, "does not write this format",
                "export.format=" + " | ".join(formats))  # fmt: skip
+    if _get(cfg, "ema.enabled") and not caps.ema:
+        refuse("ema.enabled", True, "keeps no average of the weights", "ema.enabled=false only")
     adapter = _get(cfg, "export.adapter_dir")
     if adapter is not None and not caps.export_adapter:
         refuse("export.adapter_dir", adapter, "writes no separate adapter",

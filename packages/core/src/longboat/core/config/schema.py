@@ -249,6 +249,24 @@ class LoRAConfig:
     """Names of the megatron linears that get adapters (attention: qkv/proj, MLP: fc1/fc2)."""
 
 
+@dataclass
+class EMAConfig:
+    """An exponential moving average of the trained weights (``longboat.core.train.ema``),
+    where the stack offers it (its ``Capabilities.ema``; other stacks refuse
+    ``ema.enabled=true``)."""
+
+    enabled: bool = False
+    """Keep an fp32 average of the weights, saved in and resumed from the checkpoint."""
+    decay: float = 0.9999
+    """Weight of the average at each update: ``ema = decay * ema + (1 - decay) * weights``."""
+    start_step: int = 0
+    """Steps before this one copy the weights into the average instead (a warm start)."""
+    every: int = 1
+    """Update the average every this many optimizer steps."""
+    export: bool = False
+    """Export the average instead of the trained weights."""
+
+
 EXPORT_FORMAT_AUTO = "auto"
 """``export.format`` default: the stack's own interchange format."""
 
@@ -291,5 +309,7 @@ class ExperimentConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     """The export of the trained model."""
+    ema: EMAConfig = field(default_factory=EMAConfig)
+    """An exponential moving average of the weights (where the stack offers it)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form stack extensions that have no schema yet (avoid)."""

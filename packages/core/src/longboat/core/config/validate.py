@@ -123,6 +123,16 @@ def _check_scalars(cfg: DictConfig, p: ProblemCollector) -> None:
         value = _get(cfg, key)
         if isinstance(value, int | float) and not 0 <= value <= 1:
             p.add(key, "must lie in [0, 1]", value=value, fix=f"set {key} between 0 and 1")
+    decay = _get(cfg, "ema.decay")
+    if _get(cfg, "ema.enabled") and isinstance(decay, int | float) and not 0 < decay < 1:
+        p.add("ema.decay", "must lie in (0, 1)", value=decay, fix="e.g. ema.decay=0.9999")
+    if _get(cfg, "ema.enabled") and (_get(cfg, "ema.every") or 0) < 1:
+        p.add("ema.every", "must be >= 1", value=_get(cfg, "ema.every"), fix="e.g. ema.every=1")
+    if _get(cfg, "ema.enabled") and (_get(cfg, "ema.start_step") or 0) < 0:
+        p.add("ema.start_step", "must be >= 0", value=_get(cfg, "ema.start_step"))
+    if _get(cfg, "ema.export") and not _get(cfg, "ema.enabled"):
+        p.add("ema.export", "there is no average to export", value=True,
+              fix="set ema.enabled=true, or ema.export=false")  # fmt: skip
     if _get(cfg, "train.profiler.enabled"):
         start, end = _get(cfg, "train.profiler.start_step"), _get(cfg, "train.profiler.end_step")
         if isinstance(start, int) and isinstance(end, int) and start > end:

@@ -168,7 +168,11 @@ class Trainer:
 
         self.cfg = typed_config(cfg)
         self.training = training
-        self.callbacks = [*callbacks, *([_OnStep(on_step)] if on_step is not None else [])]
+        self.callbacks = [
+            *callbacks,
+            *training.callbacks(),
+            *([_OnStep(on_step)] if on_step is not None else []),
+        ]
         self.console = Console(quiet=not training.is_main, highlight=False, soft_wrap=True)
         self.result = RunResult()
         self.step = 0

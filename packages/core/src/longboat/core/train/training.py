@@ -78,6 +78,11 @@ class Training:
 
         return UpdateGate(guard, schedule)
 
+    def callbacks(self) -> list[Any]:
+        """``Callback``s of the run's own (e.g. a preview every n steps), added to the
+        trainer's; default none."""
+        return []
+
     def after_resume(self, step: int) -> None:
         """Called once the checkpoint (if any) is loaded, before the first step."""
 

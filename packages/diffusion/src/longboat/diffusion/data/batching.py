@@ -205,6 +205,8 @@ def collate_latents(
         "metadata": [dict(s.get("metadata", {})) for s in samples],
         "indices": torch.tensor([int(s.get("index", -1)) for s in samples], dtype=torch.int64),
     }
+    if all("pooled_embeds" in s for s in samples):
+        out["pooled_embeds"] = torch.stack([s["pooled_embeds"].to(dtype) for s in samples])
     if packed:
         out["latents"] = lat
         return out

@@ -1,13 +1,17 @@
 """``longboat-diffusion data``: ``prepare`` a latent dataset, ``inspect`` one.
 
 ``prepare key=value ...`` encodes videos / images and captions with a Wan VAE and a UMT5 text
-encoder (the keys of :class:`~longboat.diffusion.data.schema.PrepareConfig`, listed by
-``prepare --help``), e.g.::
+encoder, or with a FLUX pipeline's VAE, T5 and CLIP (the keys of
+:class:`~longboat.diffusion.data.schema.PrepareConfig`, listed by ``prepare --help``), e.g.::
 
     longboat-diffusion data prepare input=clips/ out=data/latents model_dir=Wan2.1-T2V-1.3B-Diffusers \\
         height=480 width=832 num_frames=49 fps=16
 
 ``inspect <dir>``: counts, shapes, bytes and a few captions of a prepared dataset.
+
+``tiny-pipeline <family> <dir>``: a tiny random diffusers pipeline of ``wan`` or ``flux``
+(VAE, text encoder(s), tokenizer(s), scheduler, the family's tiny transformer) for trying
+``prepare``, ``train model.init_from=<dir>`` and the exported pipeline on a CPU.
 
 Bad input exits with 2 and one message naming the key or file at fault.
 """
@@ -79,6 +83,14 @@ def build_data_parser() -> argparse.ArgumentParser:
     i.add_argument("path", type=Path, help="dataset directory (with manifest.json)")
     i.add_argument("--captions", type=int, default=3, help="captions to show")
     i.add_argument("--verify", action="store_true", help="check checksums and read every sample")
+    from longboat.diffusion.tiny_pipelines import TINY_PIPELINE_FAMILIES
+
+    t = sub.add_parser(
+        "tiny-pipeline", help="write a tiny random diffusers pipeline (CPU trials of the path)"
+    )
+    t.add_argument("family", choices=TINY_PIPELINE_FAMILIES, help="the pipeline's family")
+    t.add_argument("out", type=Path, help="directory to write")
+    t.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     return parser
 
 
@@ -124,6 +136,12 @@ def data_main(argv: Sequence[str] | None = None) -> int:
             cfg = parse_prepare_config(args.overrides)
             report = prepare_latents(cfg, progress=not args.no_progress and sys.stderr.isatty())
             print("\n".join(report.lines()))
+            return 0
+        if args.data_command == "tiny-pipeline":
+            from longboat.diffusion.tiny_pipelines import build_tiny_pipeline
+
+            out = build_tiny_pipeline(args.family, args.out, seed=args.seed)
+            print(f"Tiny random {args.family} pipeline: {out}")
             return 0
         from longboat.diffusion.data.inspection import inspect_dataset
 

@@ -83,6 +83,8 @@ class LatentDataset(torch.utils.data.Dataset):
         first = self.manifests[0]
         self.latent_channels = int(first["latent_channels"])
         self.text_dim = int(first["text_dim"])
+        self.pooled_dim = int(first.get("pooled_dim", 0))
+        """Width of each sample's ``pooled_embeds`` (0: the dataset has none)."""
         self._shards: list[tuple[Path, ShardInfo, torch.dtype]] = []
         for root, m in zip(roots, self.manifests, strict=True):
             where = str(root / "manifest.json")
@@ -92,9 +94,10 @@ class LatentDataset(torch.utils.data.Dataset):
                     "samples in finished shards); run the same `data prepare` again to finish "
                     "it (it resumes), or read it anyway with allow_incomplete"
                 )
-            if (int(m["latent_channels"]), int(m["text_dim"])) != (
+            if (int(m["latent_channels"]), int(m["text_dim"]), int(m.get("pooled_dim", 0))) != (
                 self.latent_channels,
                 self.text_dim,
+                self.pooled_dim,
             ):
                 raise DataError(
                     f"{root}: latents of {m['latent_channels']} channels and text of dim "
@@ -143,6 +146,14 @@ class LatentDataset(torch.utils.data.Dataset):
         """``[N, 3]``: each sample's latent ``(T, H, W)``."""
         self.text_lengths = lengths if self._keep is None else lengths[self._keep]
         """``[N]``: each sample's number of text tokens."""
+
+    def empty_caption(self) -> torch.Tensor | None:
+        """The empty caption's text embedding ``[L, D]`` of the first directory (None when a
+        directory has none: prepared before datasets carried it)."""
+        from longboat.diffusion.data.empty_caption import read_empty_caption
+
+        found = [read_empty_caption(r) for r in self.roots]
+        return None if any(e is None for e in found) else found[0]
 
     def __len__(self) -> int:
         return int(self._starts[-1]) if self._keep is None else int(self._keep.size)
@@ -259,7 +270,12 @@ class LatentDataset(torch.utils.data.Dataset):
                 )
         meta = dict(samples[j])
         caption = str(meta.pop("caption", ""))
+        if self.pooled_dim:
+            extra = {"pooled_embeds": handle.get_tensor(f"{j}.pooled_embeds")}
+        else:
+            extra = {}
         return {
+            **extra,
             "latents": latents,
             "text_embeds": text,
             "caption": caption,

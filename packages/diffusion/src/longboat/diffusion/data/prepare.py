@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from longboat.diffusion.data.empty_caption import read_empty_caption, write_empty_caption
 from longboat.diffusion.data.errors import BadSampleError, DataError
 from longboat.diffusion.data.media import load_clip
 from longboat.diffusion.data.schema import PrepareConfig
@@ -177,9 +178,11 @@ def _record(src: Source, cfg: PrepareConfig, encoders: Encoders) -> LatentRecord
         fps=cfg.fps,
         temporal=encoders.temporal,
     )
+    pooled = getattr(encoders, "encode_pooled", None)
     return LatentRecord(
         latents=encoders.encode_frames(clip.frames),
         text_embeds=encoders.encode_text(src.caption),
+        pooled_embeds=pooled(src.caption) if pooled is not None else None,
         caption=src.caption,
         source=src.name,
         fps=clip.fps,
@@ -199,12 +202,22 @@ def _with_dirs(fingerprint: dict[str, Any], encoders: Encoders) -> dict[str, Any
 
 
 def load_encoders(cfg: PrepareConfig) -> Encoders:
-    """The Wan VAE and UMT5 encoder ``cfg`` names, on ``cfg.device``."""
+    """The encoders ``cfg`` names, on ``cfg.device``: a FLUX pipeline's VAE, T5 and CLIP
+    (``model_dir`` a FLUX pipeline), else the Wan VAE and UMT5 encoder."""
     from longboat.core.device import get_accelerator
     from longboat.diffusion.data.encoders import WanEncoders, encoder_dirs
+    from longboat.diffusion.data.flux_encoders import FluxEncoders, is_flux_pipeline
 
-    dirs = encoder_dirs(cfg)
     device = get_accelerator(None if cfg.device == "auto" else cfg.device).device()
+    if is_flux_pipeline(cfg.model_dir):
+        return FluxEncoders(
+            cfg.model_dir,
+            device=device,
+            vae_dtype=cfg.vae_dtype,
+            text_dtype=cfg.text_encoder_dtype,
+            max_text_len=cfg.max_text_len,
+        )
+    dirs = encoder_dirs(cfg)
     return WanEncoders(
         dirs,
         device=device,
@@ -242,6 +255,7 @@ def prepare_latents(
         "encoders": encoders_key(fingerprint),
     }
     manifest = _start_state(cfg, out, identity)
+    fresh = manifest is None
     if manifest is None:
         (out / MANIFEST).unlink(missing_ok=True)
         shutil.rmtree(out / SHARD_DIR, ignore_errors=True)
@@ -253,6 +267,8 @@ def prepare_latents(
             options=_options(cfg),
         )
         manifest["prepare"] = identity
+        if getattr(encoders, "pooled_dim", 0):
+            manifest["pooled_dim"] = int(encoders.pooled_dim)
         manifest["sources"] = {"total": len(sources), "done": 0, "skipped": []}
     done = int(manifest["sources"]["done"])
     skipped: list[dict[str, str]] = list(manifest["sources"]["skipped"])
@@ -271,6 +287,11 @@ def prepare_latents(
             up_to_date=up_to_date,
         )
 
+    if fresh or read_empty_caption(out) is None:  # also added to datasets prepared without it
+        pooled = getattr(encoders, "encode_pooled", None)
+        write_empty_caption(
+            out, encoders.encode_text(""), pooled("") if pooled is not None else None
+        )
     if manifest["complete"]:
         return report(0, up_to_date=True)
 

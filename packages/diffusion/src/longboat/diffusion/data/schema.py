@@ -67,6 +67,10 @@ class LatentsDataConfig(DataConfig):
     eval_paths: list[str] = field(default_factory=list)
     """Held-out latent datasets: the training run's held-out loss and preview captions come
     from them (empty: no held-out loss, no preview)."""
+    caption_dropout: float = 0.0
+    """Share of training samples whose caption is replaced by the empty caption's embedding
+    (the dataset's ``empty_caption.safetensors``), so the model also learns the unconditional
+    velocity classifier-free guidance needs (0: off; e.g. 0.1)."""
 
     def validate(self, prefix: str = "data") -> None:
         """Raise one ``ConfigError`` naming every bad key."""
@@ -115,6 +119,13 @@ class LatentsDataConfig(DataConfig):
             )
         if self.num_workers < 0:
             p.add(f"{prefix}.num_workers", "must be >= 0", value=self.num_workers)
+        if not 0.0 <= float(self.caption_dropout) < 1.0:
+            p.add(
+                f"{prefix}.caption_dropout",
+                "must be in [0, 1)",
+                value=self.caption_dropout,
+                fix="e.g. 0.1 (0: every caption kept)",
+            )
 
 
 @dataclass
@@ -212,7 +223,8 @@ class PrepareConfig:
     tokenizer: str | None = None
     """Its tokenizer directory (default: ``<model_dir>/tokenizer``, else ``text_encoder``)."""
     model_dir: str | None = None
-    """A diffusers Wan pipeline directory holding ``vae/``, ``text_encoder/``, ``tokenizer/``."""
+    """A diffusers Wan pipeline directory holding ``vae/``, ``text_encoder/``, ``tokenizer/``,
+    or a FLUX pipeline directory (``model_index.json``: its VAE, CLIP and T5 encode images)."""
     root: str | None = None
     """Where relative paths of a list file start (default: the list file's folder)."""
     height: int = 480

@@ -77,6 +77,8 @@ class LatentRecord:
     """Encoded pixel width."""
     extra: dict[str, Any] = field(default_factory=dict)
     """More metadata kept with the sample (JSON values)."""
+    pooled_embeds: torch.Tensor | None = None
+    """``[P]``: a pooled caption embedding (FLUX: CLIP's), for families that take one."""
 
     def metadata(self) -> dict[str, Any]:
         """The JSON metadata stored for this sample."""
@@ -166,6 +168,8 @@ def write_shard(root: Path, index: int, records: Sequence[LatentRecord], dtype: 
             )
         tensors[f"{j}.latents"] = r.latents.detach().to("cpu", store).contiguous()
         tensors[f"{j}.text_embeds"] = r.text_embeds.detach().to("cpu", store).contiguous()
+        if r.pooled_embeds is not None:
+            tensors[f"{j}.pooled_embeds"] = r.pooled_embeds.detach().to("cpu", store).contiguous()
     meta = {"samples": json.dumps([r.metadata() for r in records]), "format": FORMAT}
     rel = f"{SHARD_DIR}/shard-{index:05d}.safetensors"
     path = root / rel

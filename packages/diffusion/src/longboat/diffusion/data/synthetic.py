@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from longboat.diffusion.data.empty_caption import read_empty_caption, write_empty_caption
 from longboat.diffusion.data.errors import DataError
 from longboat.diffusion.data.preview import colour_basis
 from longboat.diffusion.data.schema import SyntheticSquaresDataConfig
@@ -96,6 +97,13 @@ def caption_embedding(caption: str, text_dim: int) -> torch.Tensor:
         for k, w in enumerate(words)
     ]
     return torch.from_numpy(np.stack(rows)).float()
+
+
+def empty_caption_embedding(text_dim: int) -> torch.Tensor:
+    """``[1, text_dim]`` float32: the empty caption, no word, half the first position's
+    vector (what :func:`caption_embedding` adds to a first word)."""
+    row = 0.5 * np.random.default_rng(_seed("position", 0)).standard_normal(text_dim)
+    return torch.from_numpy(row[None]).float()
 
 
 def square_latents(
@@ -171,6 +179,8 @@ def generate_squares(cfg: SyntheticSquaresDataConfig, *, prefix: str = "data") -
     if (root / MANIFEST).is_file():
         m = read_manifest(root)
         if m["complete"] and m["options"] == options:
+            if read_empty_caption(root) is None:  # a set written before it carried one
+                write_empty_caption(root, empty_caption_embedding(cfg.text_dim))
             return root
         if m["options"].get("generator") != "synthetic_squares":
             raise DataError(
@@ -187,6 +197,7 @@ def generate_squares(cfg: SyntheticSquaresDataConfig, *, prefix: str = "data") -
         encoders={"vae": "none (latents written directly)", "text_encoder": "caption_embedding"},
         options=options,
     )
+    write_empty_caption(root, empty_caption_embedding(cfg.text_dim))
     records = [square_record(i, cfg) for i in range(cfg.num_samples)]
     for k, start in enumerate(range(0, len(records), SAMPLES_PER_SHARD)):
         info = write_shard(root, k, records[start : start + SAMPLES_PER_SHARD], "float32")

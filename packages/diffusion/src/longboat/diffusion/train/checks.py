@@ -157,8 +157,25 @@ def _check_data(p: ProblemCollector, cfg: Any, arch: Any) -> None:
         p.extend(exc)
     synthetic = isinstance(data, SyntheticSquaresDataConfig)
     manifests = [] if synthetic else _manifest_sets(p, data)  # missing datasets named now
+    if not synthetic and data.caption_dropout > 0:
+        from longboat.diffusion.data.empty_caption import EMPTY_CAPTION
+
+        train_dirs = [*data.paths, *([data.path] if data.path else [])]
+        lacking = [d for d in train_dirs if (Path(d) / "manifest.json").is_file()
+                   and not (Path(d) / EMPTY_CAPTION).is_file()]  # fmt: skip
+        if lacking:
+            p.add(
+                "data.caption_dropout",
+                f"needs the empty caption's embedding, which {', '.join(lacking)} lacks "
+                f"({EMPTY_CAPTION}: written by `data prepare` since it carries one)",
+                value=data.caption_dropout,
+                fix="run the same `longboat-diffusion data prepare` again over each dataset "
+                "(it adds the file and re-encodes nothing), or data.caption_dropout=0",
+            )
     if arch is None:
         return
+    if not synthetic:
+        _check_pooled(p, data, arch)
     patch = tuple(int(v) for v in arch.latent_patch)
     if tuple(data.patch_size) != patch:
         p.add(
@@ -197,6 +214,25 @@ def _check_data(p: ProblemCollector, cfg: Any, arch: Any) -> None:
                 f"model.overrides.text_dim={text_dim} for a new model)",
             )
         _check_shapes(p, shape_key, shapes, patch, where)
+
+
+def _check_pooled(p: ProblemCollector, data: Any, arch: Any) -> None:
+    """Datasets with pooled caption embeddings (FLUX's CLIP) against the model's width."""
+    import json
+
+    want = int(getattr(arch, "pooled_projection_dim", 0) or 0)
+    for key, d in [("data.paths", d) for d in data.paths] + [
+        ("data.eval_paths", d) for d in data.eval_paths
+    ]:
+        manifest = Path(d) / "manifest.json"
+        if not manifest.is_file():
+            continue
+        width = int(json.loads(manifest.read_text()).get("pooled_dim", 0))
+        if width and width != want:
+            what = f"pooled width {want}" if want else "no pooled caption embedding"
+            p.add(key, f"{d}: pooled caption embeddings of width {width}, the model takes "
+                  f"{what}", value=str(d),
+                  fix="use data prepared with the model's own pipeline")  # fmt: skip
 
 
 def _manifest_sets(p: ProblemCollector, data: Any) -> list[tuple[str, int, int, Any, str, str]]:
@@ -252,12 +288,22 @@ def _check_run(p: ProblemCollector, cfg: Any) -> None:
         ("eval_batch_size", 1),
         ("eval_samples", 0),
         ("preview_captions", 0),
+        ("preview_every", 0),
         ("sample_steps", 1),
         ("num_threads", 0),
     ):
         value = getattr(run, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             p.add(f"diffusion.{key}", f"must be an integer >= {least}", value=value)
+    if run.preview_format not in ("gif", "mp4"):
+        p.add("diffusion.preview_format", "unknown format", value=run.preview_format,
+              fix="use gif or mp4")  # fmt: skip
+    elif run.preview_format == "mp4" and run.preview:
+        import importlib.util
+
+        if importlib.util.find_spec("av") is None:
+            p.add("diffusion.preview_format", "mp4 previews need PyAV", value="mp4",
+                  fix="pip install 'longboat-diffusion[prepare]', or diffusion.preview_format=gif")  # fmt: skip
     if run.sample_shift is not None and not run.sample_shift > 0:
         p.add("diffusion.sample_shift", "must be > 0 (or null)", value=run.sample_shift)
     data = cfg.data
@@ -294,6 +340,13 @@ def check_experiment(cfg: Any) -> Any:
             fix=f"use at most {arch.num_blocks} (null: every block)",
         )
     if arch is not None:
+        from longboat.diffusion.train.pipeline_export import check_pipeline_source
+
+        family = model_family(cfg.model)
+        check_pipeline_source(p, cfg, family.diffusers_classes[0], arch.latent_channels)
+        from longboat.diffusion.train.lora import lora_problems
+
+        lora_problems(p, cfg, family, arch)
         par = cfg.parallel
         try:
             arch.validate_parallel(

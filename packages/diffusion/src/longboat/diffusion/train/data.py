@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from longboat.core.data.batch_plan import BatchLayout, DataPosition, GlobalBatchPlan
+from longboat.core.device.transfer import to_device
 from longboat.diffusion.data.batching import LatentBatchSampler, collate_latents
 from longboat.diffusion.data.dataset import LatentDataset
 from longboat.diffusion.data.loading import dataset_paths, eval_dataset_paths
@@ -40,6 +41,13 @@ def noise_seed(*parts: int) -> int:
     unrelated streams)."""
     state = np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint32)
     return (int(state[0]) << 31) ^ int(state[1])
+
+
+def model_kwargs(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The batch's inputs beyond latents and text on ``device``: ``pooled_embeds`` where the
+    data carry them (FLUX), else none."""
+    pooled = batch.get("pooled_embeds")
+    return {} if pooled is None else {"pooled_embeds": to_device(pooled, device)}
 
 
 IDENTITY_KEYS = {

@@ -1,8 +1,11 @@
-"""The end-of-run preview: few-step samples for held-out captions, as an animated GIF.
+"""Previews: few-step samples for held-out captions, as an animated GIF or a PNG grid.
 
 Captions are taken from the held-out set (distinct captions, the longest clips first, so
 motion shows); each is sampled from seeded noise with the Euler sampler at its held-out
-sample's latent shape, and the GIF shows every sample next to that held-out sample. When the
+sample's latent shape, and the sheet shows every sample next to that held-out sample with
+the caption written under them. With a VAE (``LatentDecoder``: the run's pipeline's) both
+are decoded to pixels, videos as an animated GIF and images as a PNG grid; without one the
+latents are shown through the fixed colour basis (``latents_to_rgb``). When the
 held-out samples are the synthetic squares (their metadata names colour and direction),
 ``read_square`` reads each sample's colour and motion and the preview counts how many match
 the caption.
@@ -18,9 +21,9 @@ import torch
 
 from longboat.diffusion.data.batching import collate_latents
 from longboat.diffusion.data.dataset import LatentDataset
-from longboat.diffusion.data.preview import latents_to_gif
+from longboat.diffusion.data.preview import latents_to_rgb, write_sheet
 from longboat.diffusion.objective.sampling import sample
-from longboat.diffusion.train.data import noise_seed
+from longboat.diffusion.train.data import model_kwargs, noise_seed
 
 __all__ = ["PreviewResult", "pick_captions", "preview"]
 
@@ -75,9 +78,13 @@ def preview(
     num_train_timesteps: int,
     device: torch.device,
     write: bool,
+    decoder: Any = None,
+    video: str = "gif",
 ) -> PreviewResult:
     """Sample ``indices``' captions (every rank of a context-parallel group together), write
-    the GIF when ``write``, and read the squares back when the data are the synthetic set."""
+    the sheet when ``write`` (``out_path``'s suffix becomes ``.gif`` or ``.png``; pixels
+    decoded by ``decoder``, a ``LatentDecoder``, when given), and read the squares back when
+    the data are the synthetic set."""
     samples = [dataset[i] for i in indices]
     by_shape: dict[tuple[int, ...], list[int]] = {}
     for k, s in enumerate(samples):
@@ -96,6 +103,7 @@ def preview(
             generator=gen,
             num_train_timesteps=num_train_timesteps,
             device=device,
+            model_kwargs=model_kwargs(batch, device),
         )
         for j, k in enumerate(ks):
             out[k] = x[j].float().cpu()
@@ -103,10 +111,13 @@ def preview(
     captions = [s["caption"] for s in samples]
     path = None
     if write:
-        clips = []
-        for g, s in zip(generated, samples, strict=True):
-            clips += [g, s["latents"].float()]
-        path = latents_to_gif(_side_by_side(clips), out_path)
+        view = decoder.decode if decoder is not None else latents_to_rgb
+        cells = [
+            ([view(g), view(s["latents"].float())], c)
+            for g, s, c in zip(generated, samples, captions, strict=True)
+        ]
+        frame_ms = 125 if decoder is not None else 250
+        path = write_sheet(cells, out_path, frame_ms=frame_ms, min_height=96, video=video)
     result = PreviewResult(path=path, captions=captions)
     metas = [s["metadata"] for s in samples]
     if samples and all("colour" in m and "direction" in m for m in metas):
@@ -121,18 +132,3 @@ def preview(
         result.moving = len(moving)
         result.direction_right = sum(r.direction == m["direction"] for r, m in moving)
     return result
-
-
-def _side_by_side(clips: list[torch.Tensor]) -> Any:
-    """Clips of different sizes as one ``[B, C, T, H, W]`` batch is not possible; the GIF
-    writer takes a list of ``[C, T, H, W]`` clips padded to the largest (background 0)."""
-    c = clips[0].shape[0]
-    t = max(x.shape[1] for x in clips)
-    h = max(x.shape[2] for x in clips)
-    w = max(x.shape[3] for x in clips)
-    out = torch.zeros(len(clips), c, t, h, w)
-    for i, x in enumerate(clips):
-        _, ti, hi, wi = x.shape
-        out[i, :, :ti, :hi, :wi] = x
-        out[i, :, ti:, :hi, :wi] = x[:, -1:]  # shorter clips hold their last frame
-    return out

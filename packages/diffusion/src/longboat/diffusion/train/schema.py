@@ -6,10 +6,34 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from longboat.core.config.schema import ExperimentConfig, ModelConfig
+from longboat.core.config.schema import ExperimentConfig, LoRAConfig, ModelConfig
 from longboat.diffusion.objective.flow_matching import FlowMatchingConfig
 
-__all__ = ["DiffusionExperimentConfig", "DiffusionModelConfig", "DiffusionRunConfig"]
+__all__ = [
+    "DiffusionExperimentConfig",
+    "DiffusionLoRAConfig",
+    "DiffusionModelConfig",
+    "DiffusionRunConfig",
+]
+
+
+@dataclass
+class DiffusionLoRAConfig(LoRAConfig):
+    """Low-rank adapters on the transformer's attention and FFN linears (core's fields; the
+    adapters also go out as a diffusers LoRA, ``export.adapter_dir``)."""
+
+    targets: list[str] = field(
+        default_factory=lambda: [
+            "linear_q",
+            "linear_k",
+            "linear_v",
+            "linear_proj",
+            "linear_fc1",
+            "linear_fc2",
+        ]
+    )
+    """Names of the linears that get adapters (Wan: q / k / v / output of self- and
+    cross-attention, the FFN's fc1 / fc2)."""
 
 
 @dataclass
@@ -47,14 +71,28 @@ class DiffusionRunConfig:
     eval_samples: int = 0
     """Held-out samples used (the first ones; 0: all)."""
     preview: bool = True
-    """At the end, sample latents for held-out captions in ``sample_steps`` Euler steps and
-    write them as an animated GIF next to the held-out latents (``<output_dir>/preview``)."""
+    """At the end (and every ``preview_every`` steps), sample latents for held-out captions
+    (the training set's without a held-out set) in ``sample_steps`` Euler steps and write them
+    beside the dataset's clips, each caption under its pair (``<output_dir>/preview``):
+    decoded by the VAE of the run's pipeline (``pipeline_from`` / a pipeline
+    ``model.init_from``) as an animated GIF (video) or a PNG grid (images), else the latents
+    through a fixed colour map."""
+    preview_every: int = 0
+    """Also write a preview every this many steps (0: only at the end)."""
+    preview_format: str = "gif"
+    """Video previews as an animated ``gif`` or an H.264 ``mp4`` (needs PyAV, the
+    ``prepare`` extra); image previews are PNG grids either way."""
     preview_captions: int = 8
     """Held-out captions sampled for the preview (distinct captions, longest clips first)."""
     sample_steps: int = 10
     """Euler steps of the preview's sampler."""
     sample_shift: float | None = None
     """Timestep shift of the sampler (null: ``objective.shift``)."""
+    pipeline_from: str | None = None
+    """A diffusers pipeline directory (``model_index.json``) whose VAE, text encoder(s),
+    tokenizer(s) and scheduler the export takes beside the trained transformer, so the export
+    is a pipeline ``DiffusionPipeline.from_pretrained`` loads (null: ``model.init_from`` when
+    it is a pipeline, else the export is the transformer alone)."""
 
 
 @dataclass
@@ -67,3 +105,5 @@ class DiffusionExperimentConfig(ExperimentConfig):
     """How noise levels are drawn and weighted (flow matching as Wan trains it)."""
     diffusion: DiffusionRunConfig = field(default_factory=DiffusionRunConfig)
     """Diffusion run settings (held-out loss, preview)."""
+    lora: DiffusionLoRAConfig = field(default_factory=DiffusionLoRAConfig)
+    """Low-rank adapters (``lora.enabled``: only the adapters train)."""

@@ -36,7 +36,7 @@ from longboat.diffusion.objective.flow_matching import (
     draw_noise,
     flow_matching_loss,
 )
-from longboat.diffusion.train.data import noise_seed
+from longboat.diffusion.train.data import model_kwargs, noise_seed
 
 __all__ = ["DiffusionTrainStep"]
 
@@ -76,6 +76,7 @@ class DiffusionTrainStep(MegatronStepEngine):
         device: torch.device,
         microbatches: int = 1,
         cuda_graph: bool = False,
+        caption_dropout: Any = None,
     ) -> None:
         from megatron.core import parallel_state as mps
 
@@ -103,6 +104,8 @@ class DiffusionTrainStep(MegatronStepEngine):
             [self.ddp], optim, precision=precision, distributed_optimizer=True
         )
         self.objective = objective
+        self.caption_dropout = caption_dropout
+        """A ``CaptionDropout`` applied to every training micro-batch (None: captions kept)."""
         self.seed = seed
         self.device = device
         self.dp = mps.get_data_parallel_world_size()
@@ -114,6 +117,13 @@ class DiffusionTrainStep(MegatronStepEngine):
         """The noise generator of micro-batch ``micro`` of this rank at ``step``."""
         position = micro * self.dp + self.dp_rank
         return torch.Generator().manual_seed(noise_seed(self.seed, step, position))
+
+    def _drop_captions(self, batch: dict[str, Any], step: int, micro: int) -> dict[str, Any]:
+        """``batch`` after caption dropout (its draws seeded by the batch's global position
+        in the step, like the noise)."""
+        if self.caption_dropout is None:
+            return batch
+        return self.caption_dropout.apply(batch, step, micro * self.dp + self.dp_rank)
 
     def _all_reduce(self, value: torch.Tensor) -> torch.Tensor:
         if self.dp > 1:
@@ -134,6 +144,7 @@ class DiffusionTrainStep(MegatronStepEngine):
         scale = (self.dp * self.cp) / count
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         for j, mb in enumerate(micro_batches):
+            mb = self._drop_captions(mb, step, j)
             x0, text, text_mask, latent_mask = _on_device(mb, self.device)
             loss, _ = flow_matching_loss(
                 self.ddp,
@@ -143,6 +154,7 @@ class DiffusionTrainStep(MegatronStepEngine):
                 config=self.objective,
                 generator=self.generator(step, j),
                 latent_mask=latent_mask,
+                model_kwargs=model_kwargs(mb, self.device),
             )
             summed = loss * len(mb["captions"])  # the micro-batch's mean -> its sum
             (summed * scale).backward()
@@ -157,9 +169,11 @@ class DiffusionTrainStep(MegatronStepEngine):
         """The captured step's inputs: the one micro-batch on the device and its noise levels
         and noise, drawn on the host from the step's generator (the eager step's draws)."""
         (mb,) = microbatches
+        mb = self._drop_captions(mb, step, 0)
         x0, text, text_mask, latent_mask = _on_device(mb, self.device)
         sigmas, noise = draw_noise(x0, self.objective, self.generator(step, 0))
         out = {"x0": x0, "text": text, "text_mask": text_mask, "sigmas": sigmas, "noise": noise}
+        out |= model_kwargs(mb, self.device)
         if latent_mask is not None:
             out["latent_mask"] = latent_mask
         return out
@@ -179,6 +193,7 @@ class DiffusionTrainStep(MegatronStepEngine):
             config=self.objective,
             latent_mask=inputs.get("latent_mask"),
             drawn=(inputs["sigmas"], inputs["noise"]),
+            model_kwargs={k: inputs[k] for k in ("pooled_embeds",) if k in inputs},
         )
         summed = loss * x0.shape[0]
         (summed * ((self.dp * self.cp) / count)).backward()
@@ -199,12 +214,13 @@ class DiffusionTrainStep(MegatronStepEngine):
         for batch in batches:
             noise = noise_of(batch)
             x0, text, text_mask, latent_mask = _on_device(batch, self.device)
+            kwargs = model_kwargs(batch, self.device)
             n = x0.shape[0]
             eps = torch.stack(noise).to(self.device, x0.dtype)
             for k, sigma in enumerate(sigmas):
                 x_t = (1.0 - sigma) * x0 + sigma * eps
                 t = torch.full((n,), sigma * steps, device=self.device)
-                pred = self.model(x_t, t, text, text_mask)
+                pred = self.model(x_t, t, text, text_mask, **kwargs)
                 err = (pred.float() - (eps - x0).float()) ** 2
                 if latent_mask is None:
                     per = err.flatten(1).mean(1)

@@ -11,7 +11,8 @@ optimizer's shard and the identity of the data order; the step's batches and noi
 functions of the step, so a resumed run continues the loss curve of an uninterrupted one
 exactly.
 
-After a finished run the model is exported as a diffusers directory and, for the preview,
+After a finished run the model is exported as a diffusers directory (a whole pipeline when
+there is a source pipeline: ``pipeline_export``) and, for the preview,
 held-out captions are sampled in a few Euler steps into an animated GIF under the run
 directory (``report``).
 """
@@ -25,10 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from longboat.core.config.errors import ConfigError
 from longboat.core.device.transfer import pins_host_memory
 from longboat.core.distributed import run_precision
 from longboat.core.megatron.training import MegatronTraining
 from longboat.core.train import RunResult, StepOutput, UpdateGate, run_training, typed_config
+from longboat.core.train.trainer import Callback
 from longboat.diffusion.train.checks import check_experiment, model_family
 
 RESUME_KEYS = (
@@ -40,6 +43,10 @@ RESUME_KEYS = (
     "model.overrides",
     "data.name",
     "data.batching",
+    "ema.enabled",
+    "lora.enabled",
+    "lora.rank",
+    "lora.targets",
 )
 """What a checkpoint's sharded model, optimizer shards and data position depend on."""
 
@@ -92,9 +99,36 @@ class DiffusionTraining(MegatronTraining):
         family = self.family.load()
         model = family.build(self.model_cfg, precision=self.precision)
         exact: dict[str, torch.Tensor] = {}
+        lora = cfg.lora if cfg.lora.enabled else None
         if cfg.model.init_from:
-            family.load_diffusers(model, self.model_cfg, cfg.model.init_from, keep_fp32=exact)
+            keep = exact if lora is None else None  # frozen base weights have no main copy
+            family.load_diffusers(model, self.model_cfg, cfg.model.init_from, keep_fp32=keep)
+        self.lora_linears = 0
+        """Linears with adapters (0: no LoRA)."""
+        if lora is not None:
+            from longboat.core.megatron.lora import apply_lora
+
+            self.lora_linears = apply_lora(
+                [model], rank=lora.rank, alpha=lora.alpha, targets=list(lora.targets),
+                seed=cfg.train.seed,
+            )  # fmt: skip
         model.to(self.device)
+        dropout = None
+        if cfg.data.caption_dropout > 0:
+            from longboat.diffusion.data.empty_caption import read_empty_caption_parts
+            from longboat.diffusion.train.caption_dropout import CaptionDropout
+
+            parts = read_empty_caption_parts(self.data.train.dataset.roots[0])
+            empty = self.data.train.dataset.empty_caption()
+            if empty is None or parts is None:
+                raise ConfigError(
+                    "the training data hold no empty caption embedding",
+                    key="data.caption_dropout",
+                    fix="run the same `longboat-diffusion data prepare` again over each dataset",
+                )
+            dropout = CaptionDropout(
+                cfg.data.caption_dropout, empty, cfg.train.seed, parts.get("pooled_embeds")
+            )
         self.step_fn = DiffusionTrainStep(
             model,
             cfg.optim,
@@ -104,11 +138,22 @@ class DiffusionTraining(MegatronTraining):
             device=self.device,
             microbatches=self.accumulation,
             cuda_graph=cfg.train.cuda_graph is not False,
+            caption_dropout=dropout,
         )
+        self.adapter_dir: Path | None = None
+        """Where the export wrote the diffusers LoRA (None: none)."""
+        self.ema = None
+        """The weights' ``EMAWeights`` (``ema.enabled``; None: off)."""
+        if cfg.ema.enabled:
+            from longboat.core.train.ema import EMAWeights
+
+            self.ema = EMAWeights(dict(model.named_parameters()), cfg.ema)
         self.step_fn.static_shapes_blocker = self._graph_shapes_blocker()
         one_pass = "auto" if cfg.optim.one_pass_adamw else False
         self.step_fn.use_one_pass(one_pass, adamw_master_step_)
         self.ddp_modules = [self.step_fn.ddp]
+        self._decoder: Any = None
+        """The previews' ``LatentDecoder`` (False: none; None: not looked for yet)."""
         self.exact_main_weights = 0
         """Main weights started from the checkpoint's fp32 values (not its bf16 rounding)."""
         if exact:
@@ -147,11 +192,14 @@ class DiffusionTraining(MegatronTraining):
     def state(self) -> dict[str, Any]:
         from longboat.core.megatron.optimizer import MegatronOptimizerState
 
-        return {
+        state = {
             "model": self._checkpoint_module(),
             "optimizer": MegatronOptimizerState(self.step_fn.optimizer),
             "data": self.data.train,
         }
+        if self.ema is not None:
+            state["ema"] = self.ema  # per rank: each holds the average of its shards
+        return state
 
     def optimizers(self) -> list[Any]:
         from longboat.core.megatron.optimizer import inner_optimizers
@@ -165,7 +213,10 @@ class DiffusionTraining(MegatronTraining):
         return self.engine_gate(guard, schedule, microbatches=self.accumulation)
 
     def step(self, step: int, batch: list[dict[str, Any]], gate: UpdateGate) -> StepOutput:
-        return self.step_fn.run_step(step, batch, gate)
+        out = self.step_fn.run_step(step, batch, gate)
+        if self.ema is not None:
+            self.ema.update(step + 1)
+        return out
 
     def evaluate(self) -> dict[str, float]:
         data = self.data
@@ -184,8 +235,36 @@ class DiffusionTraining(MegatronTraining):
     def export(self) -> Path | None:
         if not self.cfg.export.enabled:
             return None
+        from contextlib import nullcontext
+
         out = Path(self.cfg.export.dir or f"{self.cfg.output_dir}/diffusers")
-        return self.family.load().save_diffusers(self.step_fn.model, self.model_cfg, out)
+        averaged = self.ema.swapped() if self.ema is not None and self.cfg.ema.export else None
+        with averaged or nullcontext():
+            if not self.lora_linears:
+                return self._export_to(out)
+            from longboat.core.megatron.lora import merged_lora
+            from longboat.diffusion.train.lora import save_diffusers_lora
+
+            self.adapter_dir = save_diffusers_lora(
+                self.step_fn.model, self.family, self.model_cfg, self.cfg
+            )
+            with merged_lora([self.step_fn.model]):
+                return self._export_to(out)
+
+    def _export_to(self, out: Path) -> Path:
+        """The export (``export``) of the model's weights as they are."""
+        from longboat.diffusion.train.pipeline_export import pipeline_source, write_pipeline
+
+        family = self.family.load()
+        source = pipeline_source(self.cfg)
+        if source is None:
+            return family.save_diffusers(self.step_fn.model, self.model_cfg, out)
+        family.save_diffusers(self.step_fn.model, self.model_cfg, out / "transformer")
+        if self.is_main:
+            write_pipeline(source, out, self.family.diffusers_classes[0])
+        if dist.is_initialized():
+            dist.barrier()
+        return out
 
     def describe(self) -> list[str]:
         m, lay, cfg = self.model_cfg, self.layout, self.cfg
@@ -216,8 +295,28 @@ class DiffusionTraining(MegatronTraining):
             f"{', '.join('x'.join(map(str, s)) for s in shapes)}; {batching}; global batch "
             f"{self.global_batch} ({self.accumulation} per rank per step).",
             f"Objective: flow matching, shift {cfg.objective.shift:g}, "
-            f"{cfg.objective.timestep_sampling} timesteps, {cfg.objective.weighting} weighting.",
+            f"{cfg.objective.timestep_sampling} timesteps, {cfg.objective.weighting} weighting"
+            + (
+                f"; {cfg.data.caption_dropout:g} of the captions dropped to the empty one."
+                if cfg.data.caption_dropout > 0
+                else "."
+            ),
         ]
+        if self.lora_linears:
+            lo = cfg.lora
+            trained = sum(p.numel() for p in self.step_fn.model.parameters() if p.requires_grad)
+            lines.append(
+                f"LoRA: rank {lo.rank}, alpha {lo.alpha:g} on {self.lora_linears} linears "
+                f"({', '.join(lo.targets)}); {trained * lay.tensor_parallel / 1e6:.3f}M "
+                "trainable parameters, the base weights frozen."
+            )
+        if self.ema is not None:
+            e = cfg.ema
+            lines.append(
+                f"EMA of the weights (fp32): decay {e.decay:g} every {e.every} step(s) from step "
+                f"{e.start_step}; the export holds "
+                + ("the average." if e.export else "the trained weights (ema.export=false).")
+            )
         lines += self.step_fn.notices()  # levers that cannot apply, and what runs instead
         if self.data.held_out is not None:
             sig = ", ".join(f"{float(s):g}" for s in cfg.diffusion.eval_sigmas)
@@ -230,35 +329,25 @@ class DiffusionTraining(MegatronTraining):
     def report(self, result: RunResult) -> list[str]:
         lines = []
         if result.export_dir is not None:
-            lines.append(f"Diffusers:   {result.export_dir}")
-        run = self.cfg.diffusion
-        held_out = self.data.held_out
-        if not run.preview or held_out is None or run.preview_captions < 1:
-            return lines
+            whole = (result.export_dir / "model_index.json").is_file()
+            what = " (a pipeline: DiffusionPipeline.from_pretrained loads it)" if whole else ""
+            lines.append(f"Diffusers:   {result.export_dir}{what}")
+            if self.adapter_dir is not None:
+                lines.append(f"LoRA:        {self.adapter_dir} (pipe.load_lora_weights loads it)")
+                result.extra["adapter_dir"] = str(self.adapter_dir)
         if result.end_step == 0:
             return lines
-        from longboat.diffusion.train.preview import pick_captions, preview
-
-        indices = pick_captions(held_out, run.preview_captions, run.eval_samples)
-        out = Path(self.cfg.output_dir) / "preview" / f"step_{result.end_step:08d}.gif"
-        shift = run.sample_shift if run.sample_shift is not None else self.cfg.objective.shift
-        res = preview(
-            self.step_fn.model,
-            held_out,
-            indices,
-            out,
-            steps=run.sample_steps,
-            shift=shift,
-            seed=self.cfg.train.seed,
-            num_train_timesteps=self.cfg.objective.num_train_timesteps,
-            device=self.device,
-            write=self.is_main,
-        )
+        res = self.write_preview(result.end_step)
+        if res is None:
+            return lines
         result.extra["preview"] = str(res.path) if res.path else None
         result.extra["preview_captions"] = res.captions
+        source = "held-out" if self.data.held_out is not None else "training"
+        pixels = "decoded by the pipeline's VAE" if self._decoder else "latents in colour"
         lines.append(
-            f"Preview:     {res.path} ({len(res.captions)} held-out captions, "
-            f"{run.sample_steps} Euler steps; each sample left of its held-out clip)"
+            f"Preview:     {res.path} ({len(res.captions)} {source} captions, "
+            f"{self.cfg.diffusion.sample_steps} Euler steps, {pixels}; each sample left of "
+            "its dataset clip, the caption under them)"
         )
         if res.colour_right is not None:
             n = len(res.captions)
@@ -274,6 +363,52 @@ class DiffusionTraining(MegatronTraining):
             lines.append(f'  e.g. "{c}": read colour {r[0]}' + (f", motion {r[1]}" if r[1] else ""))
         return lines
 
+    def preview_set(self) -> Any:
+        """The dataset whose captions the previews sample: the held-out set, else the
+        training set (None: previews off)."""
+        run = self.cfg.diffusion
+        if not run.preview or run.preview_captions < 1:
+            return None
+        return self.data.held_out if self.data.held_out is not None else self.data.train.dataset
+
+    def write_preview(self, step: int) -> Any:
+        """Sample the preview captions with the model as it is and write
+        ``<output_dir>/preview/step_<step>.gif`` (``.png`` for images); None when previews
+        are off. Every rank takes part (context parallelism samples together)."""
+        from longboat.diffusion.data.vae_decode import LatentDecoder
+        from longboat.diffusion.train.pipeline_export import pipeline_source
+        from longboat.diffusion.train.preview import pick_captions, preview
+
+        dataset = self.preview_set()
+        if dataset is None:
+            return None
+        run = self.cfg.diffusion
+        if self._decoder is None and self.is_main:
+            source = pipeline_source(self.cfg)  # the VAE decodes on the run's device
+            self._decoder = LatentDecoder.of_pipeline(source, device=self.device) or False
+        indices = pick_captions(dataset, run.preview_captions, run.eval_samples)
+        shift = run.sample_shift if run.sample_shift is not None else self.cfg.objective.shift
+        return preview(
+            self.step_fn.model,
+            dataset,
+            indices,
+            Path(self.cfg.output_dir) / "preview" / f"step_{step:08d}",
+            steps=run.sample_steps,
+            shift=shift,
+            seed=self.cfg.train.seed,
+            num_train_timesteps=self.cfg.objective.num_train_timesteps,
+            device=self.device,
+            write=self.is_main,
+            decoder=self._decoder or None,
+            video=run.preview_format,
+        )
+
+    def callbacks(self) -> list[Any]:
+        every = self.cfg.diffusion.preview_every
+        if every < 1 or self.preview_set() is None:
+            return []
+        return [PreviewEvery(self, every)]
+
     def _checkpoint_module(self) -> torch.nn.Module:
         """The model, or under tensor parallelism a view whose names carry this rank's
         coordinates (every TP rank holds a different shard under the same names)."""
@@ -283,6 +418,20 @@ class DiffusionTraining(MegatronTraining):
         if self.layout.tensor_parallel == 1:
             return model
         return rank_view(model.named_parameters(), rank_prefix())
+
+
+class PreviewEvery(Callback):
+    """Writes a preview every ``diffusion.preview_every`` steps (the last step's is the
+    end-of-run preview ``report`` writes)."""
+
+    def __init__(self, training: DiffusionTraining, every: int) -> None:
+        self.training, self.every = training, every
+
+    def on_step_end(self, trainer: Any, step: int, out: StepOutput) -> None:
+        if step % self.every == 0 and step != self.training.cfg.train.steps:
+            res = self.training.write_preview(step)
+            if res is not None and res.path is not None:
+                trainer.console.print(f"Preview:     {res.path} (step {step})")
 
 
 def build_training(cfg: Any) -> DiffusionTraining:

@@ -25,7 +25,7 @@ is returned: no packed attention yet); ``timesteps`` ``[B]`` float in ``[0, 1000
 ``[B, L, joint_attention_dim]``; ``text_mask`` ``[B, L]`` bool (True = a caption token) or
 None (attend to every caption token, as FLUX's pipelines do with T5 padded to 512);
 ``pooled_embeds`` ``[B, pooled_projection_dim]`` (CLIP's pooled output) or None: zeros (the
-latent datasets carry no pooled embedding); ``guidance`` ``[B]`` guidance scale (the pipeline's
+synthetic sets carry no pooled embedding); ``guidance`` ``[B]`` guidance scale (the pipeline's
 ``guidance_scale``, e.g. 3.5) for ``guidance_embeds`` models, None: ``cfg.guidance_scale``.
 """
 
