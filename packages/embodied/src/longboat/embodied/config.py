@@ -254,7 +254,7 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
                 fix="set optim.name=adamw or train.master_weights=false",
             )
     if train is not None:
-        check_cuda_graph_layout(train, world_size, problems)
+        check_cuda_graph_layout(train, world_size, problems, stack="embodied")
 
 
 def check_export_keys(cfg: Any, model_name: Any, problems: ProblemCollector) -> None:

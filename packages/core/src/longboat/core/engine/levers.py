@@ -13,11 +13,13 @@ from longboat.core.config.errors import ProblemCollector
 from longboat.core.engine import MASTER_WEIGHT_STRATEGIES
 
 
-def check_cuda_graph_layout(train: Any, dp_size: int | None, problems: ProblemCollector) -> None:
+def check_cuda_graph_layout(
+    train: Any, dp_size: int | None, problems: ProblemCollector, *, stack: str
+) -> None:
     """``train.cuda_graph`` needs master weights and one micro-batch a step per rank; ``train``
     is the composed node or the typed train config, ``dp_size`` the data-parallel size (the
     world size for the torch engine; None: unknown, that part is checked when the run is
-    built)."""
+    built), ``stack`` the name of the stack whose run it is (the message names it)."""
 
     def get(key: str) -> Any:
         return train.get(key) if hasattr(train, "get") else getattr(train, key, None)
@@ -27,8 +29,8 @@ def check_cuda_graph_layout(train: Any, dp_size: int | None, problems: ProblemCo
     if not get("master_weights"):
         problems.add(
             "train.cuda_graph",
-            "the torch step engine captures the step only with the capturable optimizer step "
-            "of train.master_weights",
+            f"the {stack} stack captures the step only with the capturable optimizer step of "
+            "train.master_weights",
             value=True,
             fix="set train.master_weights=true (and train.precision=bf16) or "
             "train.cuda_graph=false",

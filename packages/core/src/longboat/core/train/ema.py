@@ -41,6 +41,15 @@ class EMAWeights:
         self.average = {n: p.detach().to(torch.float32, copy=True) for n, p in self.params.items()}
         self.step = 0
         """The last optimizer step the average has seen (0: the starting weights)."""
+        self.exported = bool(cfg.export)
+
+    def describe(self) -> str:
+        """One line for a run's description: the settings and what the export holds."""
+        return (
+            f"EMA of the weights (fp32): decay {self.decay:g} every {self.every} step(s) from "
+            f"step {self.start_step}; the export holds "
+            + ("the average." if self.exported else "the trained weights (ema.export=false).")
+        )
 
     @torch.no_grad()
     def update(self, step: int) -> None:

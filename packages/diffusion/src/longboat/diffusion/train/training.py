@@ -311,12 +311,7 @@ class DiffusionTraining(MegatronTraining):
                 "trainable parameters, the base weights frozen."
             )
         if self.ema is not None:
-            e = cfg.ema
-            lines.append(
-                f"EMA of the weights (fp32): decay {e.decay:g} every {e.every} step(s) from step "
-                f"{e.start_step}; the export holds "
-                + ("the average." if e.export else "the trained weights (ema.export=false).")
-            )
+            lines.append(self.ema.describe())
         lines += self.step_fn.notices()  # levers that cannot apply, and what runs instead
         if self.data.held_out is not None:
             sig = ", ".join(f"{float(s):g}" for s in cfg.diffusion.eval_sigmas)

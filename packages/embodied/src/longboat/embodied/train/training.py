@@ -236,7 +236,9 @@ def build_step_fn(
     ``eager_on_sync``: a host sync found before the capture turns the graph off (warned)
     instead of failing the run."""
     problems = ProblemCollector()
-    check_cuda_graph_layout(cfg.train, layout.dp_size, problems)  # the resolved dp size
+    check_cuda_graph_layout(
+        cfg.train, layout.dp_size, problems, stack="embodied"
+    )  # the resolved dp size
     problems.raise_if_any()
     return engine.build_step_fn(
         model,
@@ -327,6 +329,13 @@ class EmbodiedTraining(Training):
             self.accelerator,
             eager_on_sync=self.fast_path.graph_auto,
         )
+        self.ema = None
+        """The weights' ``EMAWeights`` (``ema.enabled``; None: off): the average of the weights
+        the policy computes with (with master weights, their bf16 copies), kept in fp32."""
+        if cfg.ema.enabled:
+            from longboat.core.train.ema import EMAWeights
+
+            self.ema = EMAWeights(dict(self.model.named_parameters()), cfg.ema)
         self.steps_done = 0
         self.held_out_eval = None
         if self.data.eval_dataset is not None:
@@ -350,7 +359,10 @@ class EmbodiedTraining(Training):
         optimizer: Any = self.optimizer
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             optimizer = ZeroShardState(optimizer)  # each rank's partition
-        return {"model": self.model, "optimizer": optimizer, "data": self.position}
+        state = {"model": self.model, "optimizer": optimizer, "data": self.position}
+        if self.ema is not None:
+            state["ema"] = self.ema  # per rank: each holds the average of what it holds
+        return state
 
     def optimizers(self) -> list[Any]:
         return [self.optimizer]
@@ -420,6 +432,8 @@ class EmbodiedTraining(Training):
                 **common,
             )
         self.steps_done = step + 1
+        if self.ema is not None:
+            self.ema.update(step + 1)
         return StepOutput(loss=out.loss, grad_norm=out.grad_norm, metrics=out.metrics)
 
     def evaluate(self) -> dict[str, float]:
@@ -435,7 +449,7 @@ class EmbodiedTraining(Training):
         """``model.safetensors`` + ``config.json`` (``export.dir``, default
         ``<output_dir>/export``) and the processor (``processor.json``, the tokenizer in
         ``tokenizer/``); with master weights, the fp32 masters (the trained values), not their
-        bf16 copy. Every rank takes part (the weights are gathered). Then, on rank
+        bf16 copy; with ``ema.export``, the fp32 average of the weights. Every rank takes part (the weights are gathered). Then, on rank
         0, the reference format of ``export.format`` in ``<dir>/lerobot`` or ``<dir>/isaac``."""
         cfg = self.cfg
         if not cfg.export.enabled:
@@ -446,7 +460,12 @@ class EmbodiedTraining(Training):
             if isinstance(self.optimizer, MasterWeightAdamW)
             else contextlib.nullcontext()
         )
-        with masters:
+        averaged = (
+            self.ema.swapped()
+            if self.ema is not None and cfg.ema.export
+            else contextlib.nullcontext()
+        )
+        with masters, averaged:  # the average (ema.export) in place of the trained weights
             export_policy(
                 self.model,
                 out,
@@ -546,6 +565,8 @@ class EmbodiedTraining(Training):
             )
         if data.verify_summary:
             lines.append(data.verify_summary)
+        if self.ema is not None:
+            lines.append(self.ema.describe())
         return lines
 
     def _prompt_line(self) -> str:
