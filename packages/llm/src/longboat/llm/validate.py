@@ -19,6 +19,17 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
             require_choice(data.get("format"), DATA_FORMATS, key="data.format", what="data format")
         except ConfigError as exc:
             problems.extend(exc)
+        from longboat.llm.data.sft_records import CANONICAL_KEYS
+
+        unknown = sorted(set(data.get("columns") or {}) - set(CANONICAL_KEYS))
+        if unknown:
+            problems.add(
+                "data.columns",
+                f"maps {unknown}, which are not keys longboat reads",
+                value=dict(data.get("columns")),
+                fix=f"map your record keys onto {', '.join(CANONICAL_KEYS)} "
+                "(e.g. data.columns={prompt: question, completion: answer})",
+            )
     model = cfg.get("model") if hasattr(cfg, "get") else None
     from longboat.core.family import list_families
 

@@ -1,18 +1,18 @@
 """Input sources for ``data prepare``: JSONL, Parquet, or a local Hugging Face ``datasets`` dir.
 
 :func:`resolve_input` finds the files and their kind; :func:`iter_record_chunks` streams
-records in chunks (only the needed column), and :func:`first_record` checks the input is
+records in chunks (only the needed column, or whole records for SFT), and :func:`first_record` checks the input is
 non-empty and has the key before any tokenising starts.
 
 A ``datasets`` directory (``save_to_disk``) is ``data-*.arrow`` (Arrow IPC *stream* files)
-plus ``dataset_info.json`` / ``state.json``. It is read through ``datasets.load_from_disk``
-when ``datasets`` is installed, else straight from the Arrow files with pyarrow.
+plus ``dataset_info.json`` / ``state.json``. It is read straight from the Arrow files with
+pyarrow: the ``datasets`` package is not needed.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -91,7 +91,14 @@ def _decode_line(f: Path, lineno: int, raw: bytes) -> str:
         ) from None
 
 
-def _jsonl_chunks(spec: InputSpec, key: str, size: int) -> Iterator[list[Any]]:
+Convert = Callable[[Any, str], Any]
+"""Turns one record (or its ``key`` value) into what is tokenised, given where it is
+(``file:line`` or ``file row n``) for its errors."""
+
+
+def _jsonl_chunks(
+    spec: InputSpec, key: str | None, size: int, convert: Convert | None = None
+) -> Iterator[list[Any]]:
     chunk: list[Any] = []
     for f in spec.files:
         with f.open("rb") as fh:
@@ -103,13 +110,14 @@ def _jsonl_chunks(spec: InputSpec, key: str, size: int) -> Iterator[list[Any]]:
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{f}:{lineno}: not valid JSON ({exc.msg})") from None
-                if not isinstance(record, dict) or key not in record:
+                if key is not None and (not isinstance(record, dict) or key not in record):
                     keys = sorted(record) if isinstance(record, dict) else type(record).__name__
                     raise ValueError(
                         f"{f}:{lineno}: record has no key {key!r} (keys: {keys}); "
                         "pass the right --text-key (pretrain) or use 'messages' records (sft)"
                     )
-                chunk.append(record[key])
+                value = record if key is None else record[key]
+                chunk.append(value if convert is None else convert(value, f"{f}:{lineno}"))
                 if len(chunk) == size:
                     yield chunk
                     chunk = []
@@ -146,14 +154,30 @@ def _parquet_file(f: Path) -> Any:
         raise _unreadable(f, "Parquet file", exc) from None
 
 
-def _parquet_chunks(spec: InputSpec, key: str, size: int) -> Iterator[list[Any]]:
+def _rows(batch: Any, key: str | None) -> list[Any]:
+    """A record batch's ``key`` column, or its rows as dicts (``key`` None)."""
+    if key is None:
+        return list(batch.to_pylist())
+    return list(batch.column(batch.schema.get_field_index(key)).to_pylist())
+
+
+def _converted(values: list[Any], f: Path, first: int, convert: Convert | None) -> list[Any]:
+    if convert is None:
+        return values
+    return [convert(v, f"{f} row {first + i}") for i, v in enumerate(values)]
+
+
+def _parquet_chunks(
+    spec: InputSpec, key: str | None, size: int, convert: Convert | None = None
+) -> Iterator[list[Any]]:
     import pyarrow as pa
 
     for f in spec.files:
         pf = _parquet_file(f)
-        _check_column(f, pf.schema_arrow.names, key)
+        if key is not None:
+            _check_column(f, pf.schema_arrow.names, key)
         row = 0
-        batches = pf.iter_batches(batch_size=size, columns=[key])
+        batches = pf.iter_batches(batch_size=size, columns=None if key is None else [key])
         while True:
             try:
                 batch = next(batches, None)
@@ -161,8 +185,8 @@ def _parquet_chunks(spec: InputSpec, key: str, size: int) -> Iterator[list[Any]]
                 raise _unreadable(f, "Parquet file", exc, f" after row {row}") from None
             if batch is None:
                 break
+            yield _converted(_rows(batch, key), f, row, convert)
             row += batch.num_rows
-            yield batch.column(0).to_pylist()
 
 
 def _arrow_batches(f: Path) -> Iterator[Any]:
@@ -182,22 +206,19 @@ def _arrow_batches(f: Path) -> Iterator[Any]:
         raise _unreadable(f, "Arrow file", exc) from None
 
 
-def _hf_chunks(spec: InputSpec, key: str, size: int) -> Iterator[list[Any]]:
-    try:
-        import datasets  # type: ignore[import-not-found]
-    except ImportError:
-        datasets = None
-    if datasets is not None:
-        ds = datasets.load_from_disk(str(spec.root))
-        _check_column(spec.root, list(ds.column_names), key)
-        for batch in ds.select_columns([key]).iter(batch_size=size):
-            yield batch[key]
-        return
+def _hf_chunks(
+    spec: InputSpec, key: str | None, size: int, convert: Convert | None = None
+) -> Iterator[list[Any]]:
+    # The Arrow files a ``datasets`` folder holds are read with pyarrow: no ``datasets``
+    # package needed, and the same rows in the same order as ``load_from_disk``.
     for f in spec.files:
         chunk: list[Any] = []
+        row = 0
         for batch in _arrow_batches(f):
-            _check_column(f, batch.schema.names, key)
-            chunk.extend(batch.column(batch.schema.get_field_index(key)).to_pylist())
+            if key is not None:
+                _check_column(f, batch.schema.names, key)
+            chunk.extend(_converted(_rows(batch, key), f, row, convert))
+            row += batch.num_rows
             while len(chunk) >= size:
                 yield chunk[:size]
                 chunk = chunk[size:]
@@ -205,10 +226,13 @@ def _hf_chunks(spec: InputSpec, key: str, size: int) -> Iterator[list[Any]]:
             yield chunk
 
 
-def iter_record_chunks(spec: InputSpec, key: str, chunk_size: int = 512) -> Iterator[list[Any]]:
-    """Values of ``key`` for every record, in input order, ``chunk_size`` at a time."""
+def iter_record_chunks(
+    spec: InputSpec, key: str | None, chunk_size: int = 512, convert: Convert | None = None
+) -> Iterator[list[Any]]:
+    """Values of ``key`` for every record (``key`` None: the whole records), in input order,
+    ``chunk_size`` at a time; each through ``convert`` when given."""
     reader = {"jsonl": _jsonl_chunks, "parquet": _parquet_chunks, "hf_dir": _hf_chunks}[spec.kind]
-    return reader(spec, key, chunk_size)
+    return reader(spec, key, chunk_size, convert)
 
 
 def count_records(spec: InputSpec) -> int | None:
@@ -224,9 +248,10 @@ def count_records(spec: InputSpec) -> int | None:
     return total
 
 
-def first_record(spec: InputSpec, key: str) -> Any:
-    """The first record's ``key`` value; raises naming the input when it is empty or lacks it."""
-    for chunk in iter_record_chunks(spec, key, chunk_size=1):
+def first_record(spec: InputSpec, key: str | None, convert: Convert | None = None) -> Any:
+    """The first record's ``key`` value (None: the record); raises naming the input when it is
+    empty or lacks it."""
+    for chunk in iter_record_chunks(spec, key, chunk_size=1, convert=convert):
         return chunk[0]
     raise ValueError(
         f"--input {spec.root} holds no records (empty dataset); point it at data with rows"

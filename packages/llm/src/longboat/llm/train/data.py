@@ -135,7 +135,7 @@ def _prepared(path: Path, data: Any, tokenizer: Path, rank: int) -> Path:
         )
     if not is_raw_input(path):
         return path
-    kw = {"cache_dir": data.cache_dir, "format": data.format}
+    kw = {"cache_dir": data.cache_dir, "format": data.format, "columns": dict(data.columns)}
     error = None
     if rank == 0:
         try:
