@@ -14,7 +14,7 @@ def build_data_parser(parser: argparse.ArgumentParser | None = None) -> argparse
     """Add the ``prepare`` / ``inspect`` subcommands to ``parser`` (or a new one)."""
     parser = parser or argparse.ArgumentParser(prog="longboat-llm data", description=__doc__)
     sub = parser.add_subparsers(dest="data_command", required=True)
-    p = sub.add_parser("prepare", help="tokenise JSONL / Parquet / a datasets dir")
+    p = sub.add_parser("prepare", help="tokenise JSONL / Parquet / .txt / a datasets dir")
     p.add_argument("--input", required=True, type=Path, help="file, folder or datasets dir")
     p.add_argument("--tokenizer", required=True, type=Path, help="local HF tokenizer dir")
     p.add_argument("--output", required=True, type=Path, help="dataset dir to write")

@@ -1,4 +1,5 @@
-"""Input sources for ``data prepare``: JSONL, Parquet, or a local Hugging Face ``datasets`` dir.
+"""Input sources for ``data prepare``: JSONL, Parquet, plain text (``.txt``: one document per
+paragraph, paragraphs separated by blank lines) or a local Hugging Face ``datasets`` dir.
 
 :func:`resolve_input` finds the files and their kind; :func:`iter_record_chunks` streams
 records in chunks (only the needed column, or whole records for SFT), and :func:`first_record` checks the input is
@@ -19,8 +20,13 @@ from typing import Any, Literal
 
 __all__ = ["InputSpec", "count_records", "first_record", "iter_record_chunks", "resolve_input"]
 
-Kind = Literal["jsonl", "parquet", "hf_dir"]
-_SUFFIX: dict[str, Kind] = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+Kind = Literal["jsonl", "parquet", "hf_dir", "text"]
+_SUFFIX: dict[str, Kind] = {
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".parquet": "parquet",
+    ".txt": "text",
+}
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,8 @@ def _is_hf_dir(path: Path) -> bool:
 
 
 def resolve_input(path: str | Path) -> InputSpec:
-    """Classify ``path`` (a file, a folder of JSONL/Parquet files, or a ``datasets`` dir)."""
+    """Classify ``path`` (a file, a folder of JSONL / Parquet / .txt files, or a ``datasets``
+    dir)."""
     root = Path(path)
     if not root.exists():
         raise FileNotFoundError(f"--input {root} does not exist; pass a JSONL/Parquet file or dir")
@@ -73,7 +80,7 @@ def resolve_input(path: str | Path) -> InputSpec:
         if f.is_file() and f.suffix in _SUFFIX:
             found.setdefault(_SUFFIX[f.suffix], []).append(f)
     if len(found) != 1:
-        what = "no .jsonl/.parquet files" if not found else f"mixed kinds {sorted(found)}"
+        what = "no .jsonl/.parquet/.txt files" if not found else f"mixed kinds {sorted(found)}"
         raise ValueError(f"--input {root} holds {what}; give a folder of one kind of file")
     kind, files = next(iter(found.items()))
     return InputSpec(kind, tuple(files), root)
@@ -226,12 +233,53 @@ def _hf_chunks(
             yield chunk
 
 
+def _paragraphs(f: Path) -> list[str]:
+    """The documents of a ``.txt`` file: its paragraphs (text between blank lines)."""
+    import re
+
+    raw = f.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ValueError(
+            f"{f}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x}: {exc.reason}); "
+            "re-encode the file as UTF-8"
+        ) from None
+    return [p.strip() for p in re.split(r"\n[ \t\r]*\n", text) if p.strip()]
+
+
+def _text_chunks(
+    spec: InputSpec, key: str | None, size: int, convert: Convert | None = None
+) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
+    for f in spec.files:
+        for i, paragraph in enumerate(_paragraphs(f)):
+            if key not in (None, "text"):
+                raise ValueError(
+                    f"{f}: a .txt file holds plain text, not records with a {key!r} key; "
+                    "train it as pretraining text (data.format=pretrain, no text key mapping)"
+                )
+            value = {"text": paragraph} if key is None else paragraph
+            chunk.append(value if convert is None else convert(value, f"{f} paragraph {i}"))
+            if len(chunk) == size:
+                yield chunk
+                chunk = []
+    if chunk:
+        yield chunk
+
+
 def iter_record_chunks(
     spec: InputSpec, key: str | None, chunk_size: int = 512, convert: Convert | None = None
 ) -> Iterator[list[Any]]:
     """Values of ``key`` for every record (``key`` None: the whole records), in input order,
     ``chunk_size`` at a time; each through ``convert`` when given."""
-    reader = {"jsonl": _jsonl_chunks, "parquet": _parquet_chunks, "hf_dir": _hf_chunks}[spec.kind]
+    reader = {
+        "jsonl": _jsonl_chunks,
+        "parquet": _parquet_chunks,
+        "hf_dir": _hf_chunks,
+        "text": _text_chunks,
+    }[spec.kind]
     return reader(spec, key, chunk_size, convert)
 
 
@@ -241,6 +289,8 @@ def count_records(spec: InputSpec) -> int | None:
         return sum(_parquet_file(f).metadata.num_rows for f in spec.files)
     if spec.kind == "hf_dir":
         return sum(b.num_rows for f in spec.files for b in _arrow_batches(f))
+    if spec.kind == "text":
+        return sum(len(_paragraphs(f)) for f in spec.files)
     total = 0
     for f in spec.files:
         with f.open("rb") as fh:
