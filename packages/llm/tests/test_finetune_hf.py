@@ -130,6 +130,7 @@ def _finetune_worker(rank: int, world: int, overrides: list[str]) -> dict:
         "losses": result.losses,
         "export": str(result.export_dir),
         "ckpt": str(result.checkpoint),
+        "extra": dict(result.extra),
     }
 
 
@@ -173,6 +174,8 @@ def test_one_command_fine_tunes_and_the_export_generates_correctly(user_files) -
         "optim.lr=1e-3",
         "logging.progress=false",
         "logging.tensorboard=false",
+        "llm.generate_prompt=count from 3 please",
+        "llm.generate_tokens=6",
     ]
     (res,) = run_multiprocess(_finetune_worker, 1, overrides, timeout=300)
     assert len(res["losses"]) == 3 and all(torch.isfinite(torch.tensor(res["losses"])))
@@ -191,6 +194,17 @@ def test_one_command_fine_tunes_and_the_export_generates_correctly(user_files) -
     )
     assert stopped.shape[1] == prompt["input_ids"].shape[1] + 1
     assert stopped[0, -1].item() == tok.eos_token_id
+    # The post-run sample of a chat run asked the prompt as a user turn: its answer is what
+    # the export answers to the chat template's rendering, new tokens only.
+    asked = tok.apply_chat_template(
+        [{"role": "user", "content": "count from 3 please"}], tokenize=False,
+        add_generation_prompt=True,
+    )  # fmt: skip
+    ids = tok(asked, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                          do_sample=False)[0, ids.shape[1] :]  # fmt: skip
+    assert res["extra"]["generation_chat"] is True
+    assert res["extra"]["generation"] == tok.decode(want, skip_special_tokens=True).strip()
     # The export's logits are longboat's (the trained weights, read back by longboat).
     tokens = torch.randint(
         0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0)

@@ -98,6 +98,9 @@ class LLMRunConfig:
     """Global batches of the held-out split per evaluation."""
     generate_prompt: str | None = None
     """After export, load it with transformers and greedily continue this prompt (None: skip)."""
+    generate_chat: bool | None = None
+    """Feed ``generate_prompt`` as a user turn through the tokenizer's chat template and print
+    the answer (null: when the run trains on chats and the tokenizer has a template)."""
     generate_tokens: int = 40
     """Tokens generated from ``generate_prompt``."""
     generate_repetition_penalty: float = 1.0

@@ -106,6 +106,8 @@ class LLMTraining(MegatronTraining):
 
         cfg, data = self.cfg, self.cfg.data
         parts, self.tokenizer_dir = open_run_data(data, self.model_cfg.vocab_size, rank)
+        self.chat_data = any(len(p) and isinstance(p[0], dict) for p in parts)
+        """Whether the run trains on chats (SFT documents carry a loss mask)."""
         train_docs, eval_docs = train_and_eval_documents(data, parts)
         self.train_rows = PackedDataset(train_docs, data.seq_len)
         self.eval_rows = PackedDataset(eval_docs, data.seq_len) if len(eval_docs) else None
@@ -257,17 +259,36 @@ class LLMTraining(MegatronTraining):
             return [*lines, "No generation: this data kind has no tokenizer."]
         from longboat.llm.train.export import describe_generation, greedy_generate
 
-        penalty = self.cfg.llm.generate_repetition_penalty
+        penalty, chat = self.cfg.llm.generate_repetition_penalty, self.generates_chat()
         text = greedy_generate(
-            result.export_dir, prompt, self.cfg.llm.generate_tokens, repetition_penalty=penalty
+            result.export_dir,
+            prompt,
+            self.cfg.llm.generate_tokens,
+            repetition_penalty=penalty,
+            chat=chat,
         )
         result.extra["generation"] = text
+        result.extra["generation_chat"] = chat
         how = f", repetition penalty {penalty}" if penalty != 1.0 else ""
+        how += ", the prompt as a user turn through the chat template" if chat else ""
         return [
             *lines,
             f"Greedy generation from the export (transformers{how}):",
-            describe_generation(text, prompt),
+            describe_generation(text, prompt, chat=chat),
         ]
+
+    def generates_chat(self) -> bool:
+        """Whether ``llm.generate_prompt`` goes in through the chat template:
+        ``llm.generate_chat``, or (null) when the run trains on chats and the tokenizer has a
+        template."""
+        wanted = self.cfg.llm.generate_chat
+        if wanted is not None:
+            return bool(wanted)
+        if not self.chat_data or self.tokenizer_dir is None:
+            return False
+        from longboat.llm.data.encoding import load_tokenizer
+
+        return bool(getattr(load_tokenizer(self.tokenizer_dir), "chat_template", None))
 
     # --- helpers -------------------------------------------------------------------------
 
