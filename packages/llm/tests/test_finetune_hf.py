@@ -255,5 +255,10 @@ def test_the_readmes_first_example_runs_as_written(user_files, tmp_path: Path) -
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Trained steps 1..2" in done.stdout
+    assert done.stdout.startswith("Building the run (sft, data=prepared)")
+    # A short run says how much of the data it sees and that it is mostly warm-up.
+    assert re.search(r"Run: 2 steps x 2 rows = 0\.\d\d passes over the \d+ training rows; LR "
+                     r"peaks at 2e-05 after 10 warm-up steps\. Half the run or more is LR "
+                     r"warm-up", " ".join(done.stdout.split())), done.stdout  # fmt: skip
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     assert (tmp_path / "hf" / "generation_config.json").is_file()

@@ -239,12 +239,31 @@ class LLMTraining(MegatronTraining):
             f"of {rows.seq_len} tokens ({rows.fill:.0%} filled); global batch {s.global_batch} = "
             f"{s.accum} microbatch(es) x {s.micro_batch} x dp {s.dp_size}."
         ]
+        lines.append(self.schedule_line())
         lines += self.step_fn.notices()  # levers that cannot apply, and what runs instead
         if self.step_fn.aux_loss_notice:
             lines.append(self.step_fn.aux_loss_notice)
         if self.step_fn.experts_notice:
             lines.append(self.step_fn.experts_notice)
         return lines
+
+    def schedule_line(self) -> str:
+        """How much of the data the run sees and how its LR gets there: a short run on small
+        data says why its loss moves little."""
+        cfg, s = self.cfg, self.plan.layout
+        steps, warmup = cfg.train.steps, cfg.optim.schedule.warmup_steps
+        passes = steps * s.global_batch / max(1, len(self.train_rows))
+        line = (
+            f"Run: {steps} steps x {s.global_batch} rows = {passes:.2f} passes over the "
+            f"{len(self.train_rows)} training rows; LR peaks at {cfg.optim.lr:g} after "
+            f"{warmup} warm-up steps."
+        )
+        if warmup * 2 >= steps > 0:
+            line += (
+                " Half the run or more is LR warm-up: raise train.steps or lower "
+                "optim.schedule.warmup_steps."
+            )
+        return line
 
     def report(self, result: RunResult) -> list[str]:
         lines = []
