@@ -175,8 +175,9 @@ def _validate(opts: PrepareOptions) -> tuple[Any, sources.InputSpec]:
         tk.render_sft(tok, first, 0)  # a template/record mismatch fails here, not in a worker
     elif first is not None and not isinstance(first, str):  # nulls are counted, not refused
         raise ValueError(
-            f"--input {opts.input}: key {key!r} holds {type(first).__name__}, not text; pass "
-            "the right --text-key, or --format sft for chat records"
+            f"{opts.input}: key {key!r} holds {type(first).__name__}, not text; name "
+            "the text key (data.columns={text: <key>}, --text-key), or train it as sft "
+            "(data.format=sft, --format sft)"
         )
     return tok, spec
 
@@ -292,8 +293,8 @@ def prepare_dataset(
         dropped = _dropped_records(stats, key or "messages")
         if num_docs == 0:
             raise ValueError(
-                f"--input {opts.input}: no documents left after tokenising "
-                f"({dropped or stats}); check the input, --text-key, --max-seq-len and "
+                f"{opts.input}: no documents left after tokenising "
+                f"({dropped or stats}); check the input, the text key and --max-seq-len / "
                 "--sft-overflow"
             )
         if dropped:

@@ -55,25 +55,27 @@ def resolve_input(path: str | Path) -> InputSpec:
     dir)."""
     root = Path(path)
     if not root.exists():
-        raise FileNotFoundError(f"--input {root} does not exist; pass a JSONL/Parquet file or dir")
+        raise FileNotFoundError(
+            f"{root} does not exist; pass a JSONL / Parquet / .txt file or folder"
+        )
     if root.is_file():
         kind = _SUFFIX.get(root.suffix)
         if kind is None:
             raise ValueError(
-                f"--input {root}: unknown file type {root.suffix!r}; use .jsonl, .json (JSON "
-                "lines) or .parquet, or a Hugging Face datasets directory"
+                f"{root}: unknown file type {root.suffix!r}; use .jsonl, .json (JSON "
+                "lines), .parquet or .txt, or a Hugging Face datasets directory"
             )
         return InputSpec(kind, (root,), root)
     if (root / "dataset_dict.json").is_file():
         splits = sorted(p.name for p in root.iterdir() if p.is_dir())
         raise ValueError(
-            f"--input {root} is a DatasetDict with splits {splits}; pass one split's folder, "
+            f"{root} is a DatasetDict with splits {splits}; pass one split's folder, "
             f"e.g. {root / (splits[0] if splits else 'train')}"
         )
     if _is_hf_dir(root):
         arrows = tuple(sorted(root.glob("data-*.arrow")) or sorted(root.glob("*.arrow")))
         if not arrows:
-            raise ValueError(f"--input {root} looks like a datasets dir but has no *.arrow files")
+            raise ValueError(f"{root} looks like a datasets dir but has no *.arrow files")
         return InputSpec("hf_dir", arrows, root)
     found: dict[Kind, list[Path]] = {}
     for f in sorted(root.iterdir()):
@@ -81,7 +83,7 @@ def resolve_input(path: str | Path) -> InputSpec:
             found.setdefault(_SUFFIX[f.suffix], []).append(f)
     if len(found) != 1:
         what = "no .jsonl/.parquet/.txt files" if not found else f"mixed kinds {sorted(found)}"
-        raise ValueError(f"--input {root} holds {what}; give a folder of one kind of file")
+        raise ValueError(f"{root} holds {what}; give a folder of one kind of file")
     kind, files = next(iter(found.items()))
     return InputSpec(kind, tuple(files), root)
 
@@ -121,7 +123,7 @@ def _jsonl_chunks(
                     keys = sorted(record) if isinstance(record, dict) else type(record).__name__
                     raise ValueError(
                         f"{f}:{lineno}: record has no key {key!r} (keys: {keys}); "
-                        "pass the right --text-key (pretrain) or use 'messages' records (sft)"
+                        "name the text key (data.columns={text: <key>}, --text-key) or use chat records (sft)"
                     )
                 value = record if key is None else record[key]
                 chunk.append(value if convert is None else convert(value, f"{f}:{lineno}"))
@@ -135,8 +137,8 @@ def _jsonl_chunks(
 def _check_column(f: Path, names: list[str], key: str) -> None:
     if key not in names:
         raise ValueError(
-            f"{f}: no column {key!r} (columns: {names}); pass the right --text-key (pretrain) "
-            "or use a 'messages' column (sft)"
+            f"{f}: no column {key!r} (columns: {names}); name the text column "
+            "(data.columns={text: <column>}, --text-key) or use chat columns (sft)"
         )
 
 
@@ -303,6 +305,4 @@ def first_record(spec: InputSpec, key: str | None, convert: Convert | None = Non
     empty or lacks it."""
     for chunk in iter_record_chunks(spec, key, chunk_size=1, convert=convert):
         return chunk[0]
-    raise ValueError(
-        f"--input {spec.root} holds no records (empty dataset); point it at data with rows"
-    )
+    raise ValueError(f"{spec.root} holds no records (empty dataset); point it at data with rows")

@@ -18,6 +18,7 @@ synchronous gate where megatron's step reads on the host anyway).
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -94,7 +95,8 @@ class LLMTraining(MegatronTraining):
     def check(self, cfg: Any) -> None:
         from longboat.llm.train.checks import check_run
 
-        check_run(cfg, self.model_cfg)
+        # The layout against the launch's world size too, before any data is tokenised.
+        check_run(cfg, self.model_cfg, world_size=int(os.environ.get("WORLD_SIZE", "1") or 1))
 
     def _build(self, rank: int) -> None:
         from megatron.core import parallel_state as mps
