@@ -242,12 +242,25 @@ class LLMTraining(MegatronTraining):
             f"{s.accum} microbatch(es) x {s.micro_batch} x dp {s.dp_size}."
         ]
         lines.append(self.schedule_line())
+        if self.cfg.lora.enabled:
+            lines.append(self.lora_line())
         lines += self.step_fn.notices()  # levers that cannot apply, and what runs instead
         if self.step_fn.aux_loss_notice:
             lines.append(self.step_fn.aux_loss_notice)
         if self.step_fn.experts_notice:
             lines.append(self.step_fn.experts_notice)
         return lines
+
+    def lora_line(self) -> str:
+        """What LoRA trains: its settings and this rank's trainable share of the model."""
+        lo = self.cfg.lora
+        params = [p for chunk in self.step_fn.chunks for p in chunk.parameters()]
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        total = sum(p.numel() for p in params)
+        return (
+            f"LoRA: rank {lo.rank}, alpha {lo.alpha:g} on {', '.join(lo.targets)}; "
+            f"{trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.2f}%)."
+        )
 
     def schedule_line(self) -> str:
         """How much of the data the run sees and how its LR gets there: a short run on small
