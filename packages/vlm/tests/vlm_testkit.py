@@ -86,6 +86,14 @@ def make_qwen2_5_vl_checkpoint(
     )
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(to_hf_config(cfg)).eval()
+    with torch.no_grad():
+        if not eos_first:  # weights spread wide enough that answers follow the input
+            for name, p in model.named_parameters():
+                p.normal_(0.0, 0.08)
+                if "norm" in name or "ln_q" in name:
+                    p.add_(1.0)
+        # ids past the tokenizer's (the vocabulary's padding) never win
+        model.get_input_embeddings().weight[info.vocab_size :] = 0.0
     if eos_first:
         with torch.no_grad():
             emb = model.get_input_embeddings().weight
