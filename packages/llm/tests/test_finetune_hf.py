@@ -262,3 +262,31 @@ def test_the_readmes_first_example_runs_as_written(user_files, tmp_path: Path) -
                      r"warm-up", " ".join(done.stdout.split())), done.stdout  # fmt: skip
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     assert (tmp_path / "hf" / "generation_config.json").is_file()
+
+    # The export generates and stops at EOS (made the likeliest token from the first step).
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = tok("count from 3 please", return_tensors="pt")["input_ids"]
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                         do_sample=False, sequence_bias={(tok.eos_token_id,): 100.0})  # fmt: skip
+    assert out[0, ids.shape[1] :].tolist() == [tok.eos_token_id]
+
+    # The section's `longboat-llm generate` commands, on this run's export and checkpoints:
+    # the same weights, the same answers.
+    section = readme.read_text().split("## Install")[0]
+    generate = [shlex.split(line.split("#")[0])
+                for line in re.findall(r"^longboat-llm generate [^\n]+", section, flags=re.M)]  # fmt: skip
+    assert len(generate) == 2, "an export and a native checkpoint"
+    answers = []
+    for command in generate:
+        argv = [a.replace("outputs/sft", str(tmp_path)) for a in command[1:]]
+        file = tmp_path / f"answers{len(answers)}.jsonl"
+        done = subprocess.run(
+            [sys.executable, "-m", "longboat.llm.cli", *argv, "--output", str(file)], env=env,
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        answers.append(json.loads(file.read_text()))
+    assert answers[0] == answers[1] and answers[0]["prompt"] == "Say hi."
