@@ -34,7 +34,7 @@ def default_cache_dir() -> Path:
 def is_raw_input(path: Path) -> bool:
     """True for a raw file or folder; False for a dataset ``data prepare`` wrote (finished or
     not: an unfinished one is reported as such, not re-read as raw)."""
-    if path.is_file():
+    if path.is_file() or sources.hub_dataset_id(path) is not None:
         return True
     return path.is_dir() and not (path / MANIFEST).is_file() and not (path / "tokens.bin").exists()
 

@@ -50,9 +50,69 @@ def _is_hf_dir(path: Path) -> bool:
     return (path / "state.json").is_file() or (path / "dataset_info.json").is_file()
 
 
+HUB_PREFIX = "hf://datasets/"
+"""``data.paths`` entries naming a Hugging Face dataset: ``hf://datasets/<owner>/<name>``."""
+
+
+def hub_dataset_id(path: str | Path) -> str | None:
+    """The dataset id of an ``hf://datasets/<owner>/<name>`` entry (also as ``Path`` makes
+    it, with one slash), else None."""
+    text = str(path)
+    for prefix in (HUB_PREFIX, HUB_PREFIX.replace("//", "/", 1)):
+        if text.startswith(prefix):
+            return text[len(prefix) :].strip("/")
+    return None
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local snapshot of Hugging Face dataset ``repo_id``: the hub cache's
+    (``HF_HUB_CACHE``, as ``huggingface_hub`` lays it out) when it holds one, else downloaded
+    into it (data files only)."""
+    import os
+
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    kw: dict[str, Any] = {"repo_type": "dataset", "cache_dir": os.environ.get("HF_HUB_CACHE")}
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True, **kw))
+    except LocalEntryNotFoundError:
+        pass
+    patterns = ["*.jsonl", "*.json", "*.parquet", "*.txt", "*.arrow", "*/*", "*/*/*"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, **kw))
+    except Exception as exc:  # hub errors come in many kinds: one line naming the id
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise FileNotFoundError(
+            f"{HUB_PREFIX}{repo_id}: not in the hub cache and not downloadable ({reason}); "
+            "check the id, or download it first (huggingface-cli download --repo-type dataset)"
+        ) from None
+
+
+def _hub_input(repo_id: str) -> InputSpec:
+    """The data files of a hub dataset snapshot: its train split's where files name one
+    (``train`` in the file or folder name), else all, of one kind."""
+    root = hub_snapshot(repo_id)
+    files = sorted(
+        f for f in root.rglob("*") if f.is_file() and f.suffix in _SUFFIX
+        and not any(part.startswith(".") for part in f.relative_to(root).parts)
+        and f.name != "dataset_infos.json"
+    )  # fmt: skip
+    train = [f for f in files if "train" in str(f.relative_to(root)).lower()]
+    files = train or files
+    kinds = {_SUFFIX[f.suffix] for f in files}
+    if len(kinds) != 1:
+        what = "no .jsonl/.parquet/.txt files" if not kinds else f"mixed kinds {sorted(kinds)}"
+        raise ValueError(f"{HUB_PREFIX}{repo_id} ({root}) holds {what}")
+    return InputSpec(kinds.pop(), tuple(files), root)
+
+
 def resolve_input(path: str | Path) -> InputSpec:
-    """Classify ``path`` (a file, a folder of JSONL / Parquet / .txt files, or a ``datasets``
-    dir)."""
+    """Classify ``path`` (a file, a folder of JSONL / Parquet / .txt files, a ``datasets``
+    dir, or a Hugging Face dataset ``hf://datasets/<owner>/<name>``)."""
+    repo_id = hub_dataset_id(path)
+    if repo_id is not None:
+        return _hub_input(repo_id)
     root = Path(path)
     if not root.exists():
         raise FileNotFoundError(

@@ -124,8 +124,9 @@ def _prepared(path: Path, data: Any, tokenizer: Path, rank: int) -> Path:
     import torch.distributed as dist
 
     from longboat.llm.data.raw import is_raw_input, prepared_path
+    from longboat.llm.data.sources import hub_dataset_id
 
-    if not path.exists():
+    if not path.exists() and hub_dataset_id(path) is None:
         raise ConfigError(
             f"{path} does not exist",
             key="data.paths",
