@@ -139,3 +139,25 @@ def test_unknown_data_columns_are_refused_at_compose_time(tmp_path) -> None:
                            stack="llm", world_size=1)  # fmt: skip
     assert "data.columns" in err.value.keys and "not keys longboat reads" in str(err.value)
     np.testing.assert_equal(len(err.value.keys), len(set(err.value.keys)))
+
+
+def test_the_readmes_records_read_as_they_mean(tmp_path) -> None:
+    import re
+
+    from longboat.llm.data.sft_records import to_messages
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Data formats", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| ([^|`]+?) \| `(\{.*?\})`", section, flags=re.M))
+    assert set(rows) == {"pretraining text", "chat messages", "ShareGPT", "Alpaca",
+                         "prompt / completion"}  # fmt: skip
+    hi = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    for form, text in rows.items():
+        path = _jsonl(tmp_path / "r.jsonl", [json.loads(text)])
+        kind = detect_format(resolve_input(path))
+        assert kind == ("pretrain" if form == "pretraining text" else "sft"), form
+        if form in ("chat messages", "ShareGPT", "prompt / completion"):
+            assert to_messages(json.loads(text), form) == hi, form
+    alpaca = to_messages(json.loads(rows["Alpaca"]), "Alpaca")
+    assert alpaca == [{"role": "user", "content": "Add 2 and 3."},
+                      {"role": "assistant", "content": "5"}]  # fmt: skip
