@@ -56,3 +56,23 @@ def test_the_schedule_steps_quietly_after_an_update_outside_optimizer_step() -> 
                 p.sub_(0.1 * opt.param_groups[0]["lr"])
             schedule.step()
     assert schedule.position == 3
+
+
+def test_a_curve_of_few_logged_steps_draws_its_points(tmp_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from longboat.core.train.rundir import loss_curve_figure, plot_loss_curve
+
+    one = loss_curve_figure({5: 2.5}, {})
+    (line,) = one.axes[0].lines
+    assert line.get_marker() == "o" and list(line.get_xdata()) == [5]  # a visible point
+    many = loss_curve_figure({s: 1.0 / s for s in range(1, 101)}, {})
+    assert many.axes[0].lines[0].get_marker() in ("None", None, "")
+    plt.close("all")
+    # A run of one logged step still writes its curve.
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 5, "loss": 2.5}\n')
+    assert plot_loss_curve(metrics) == tmp_path / "loss_curve.png"
