@@ -114,6 +114,21 @@ def model_from_checkpoint(composed: dict[str, Any], given: set[str], problems: A
     from pathlib import Path
 
     init = (composed.get("model") or {}).get("init_from")
+    from longboat.llm.hub import cached_hub_model, hub_model_id
+
+    repo_id = hub_model_id(init)
+    if repo_id is not None:  # a Hugging Face id: the run sees its local snapshot
+        local = cached_hub_model(repo_id)
+        if local is None:
+            problems.add(
+                "model.init_from",
+                f"{init}: the model is not in the Hugging Face hub cache",
+                value=str(init),
+                fix=f"download it first (huggingface-cli download {repo_id}), or point at a "
+                "local directory",
+            )
+            return
+        composed["model"]["init_from"] = init = str(local)
     path = Path(str(init)) / "config.json" if init else None
     if path is None or not path.is_file():
         return  # none, or a missing one: the run's checks name it
