@@ -44,7 +44,7 @@ def test_the_checkpoints_pixel_bounds_are_kept_and_said(user_files) -> None:
     said = [n for n in data.notes if n.startswith("Images:")]
     assert said == [
         f"Images: min_pixels=64, max_pixels=12544 from {user_files['ckpt']}/"
-        "preprocessor_config.json (data.min_pixels=<pixels> overrides)."
+        "preprocessor_config.json (data.min_pixels / data.max_pixels=<pixels> to change)."
     ]
     # 160 x 160 = 25600 pixels: shrunk under 12544, in multiples of patch 4 x merge 2.
     grid = data.train.samples[0].image_grid_thw.tolist()[0]

@@ -150,7 +150,8 @@ def pixel_bounds(data: Any, init_from: str | None) -> tuple[dict[str, int], list
     taken = [k for k in DEFAULT_PIXELS if getattr(data, k, None) is None and k in source]
     if taken:
         said = ", ".join(f"{k}={source[k]}" for k in taken)
-        notes.append(f"Images: {said} from {file} (data.{taken[0]}=<pixels> overrides).")
+        keys = " / ".join(f"data.{k}" for k in taken)
+        notes.append(f"Images: {said} from {file} ({keys}=<pixels> to change).")
     return bounds, notes
 
 
