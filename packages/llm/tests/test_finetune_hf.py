@@ -130,6 +130,7 @@ def _finetune_worker(rank: int, world: int, overrides: list[str]) -> dict:
         "losses": result.losses,
         "export": str(result.export_dir),
         "ckpt": str(result.checkpoint),
+        "extra": dict(result.extra),
     }
 
 
@@ -173,6 +174,8 @@ def test_one_command_fine_tunes_and_the_export_generates_correctly(user_files) -
         "optim.lr=1e-3",
         "logging.progress=false",
         "logging.tensorboard=false",
+        "llm.generate_prompt=count from 3 please",
+        "llm.generate_tokens=6",
     ]
     (res,) = run_multiprocess(_finetune_worker, 1, overrides, timeout=300)
     assert len(res["losses"]) == 3 and all(torch.isfinite(torch.tensor(res["losses"])))
@@ -191,6 +194,17 @@ def test_one_command_fine_tunes_and_the_export_generates_correctly(user_files) -
     )
     assert stopped.shape[1] == prompt["input_ids"].shape[1] + 1
     assert stopped[0, -1].item() == tok.eos_token_id
+    # The post-run sample of a chat run asked the prompt as a user turn: its answer is what
+    # the export answers to the chat template's rendering, new tokens only.
+    asked = tok.apply_chat_template(
+        [{"role": "user", "content": "count from 3 please"}], tokenize=False,
+        add_generation_prompt=True,
+    )  # fmt: skip
+    ids = tok(asked, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                          do_sample=False)[0, ids.shape[1] :]  # fmt: skip
+    assert res["extra"]["generation_chat"] is True
+    assert res["extra"]["generation"] == tok.decode(want, skip_special_tokens=True).strip()
     # The export's logits are longboat's (the trained weights, read back by longboat).
     tokens = torch.randint(
         0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0)
@@ -241,5 +255,38 @@ def test_the_readmes_first_example_runs_as_written(user_files, tmp_path: Path) -
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Trained steps 1..2" in done.stdout
+    assert done.stdout.startswith("Building the run (sft, data=prepared)")
+    # A short run says how much of the data it sees and that it is mostly warm-up.
+    assert re.search(r"Run: 2 steps x 2 rows = 0\.\d\d passes over the \d+ training rows; LR "
+                     r"peaks at 2e-05 after 10 warm-up steps\. Half the run or more is LR "
+                     r"warm-up", " ".join(done.stdout.split())), done.stdout  # fmt: skip
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     assert (tmp_path / "hf" / "generation_config.json").is_file()
+
+    # The export generates and stops at EOS (made the likeliest token from the first step).
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = tok("count from 3 please", return_tensors="pt")["input_ids"]
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                         do_sample=False, sequence_bias={(tok.eos_token_id,): 100.0})  # fmt: skip
+    assert out[0, ids.shape[1] :].tolist() == [tok.eos_token_id]
+
+    # The section's `longboat-llm generate` commands, on this run's export and checkpoints:
+    # the same weights, the same answers.
+    section = readme.read_text().split("## Install")[0]
+    generate = [shlex.split(line.split("#")[0])
+                for line in re.findall(r"^longboat-llm generate [^\n]+", section, flags=re.M)]  # fmt: skip
+    assert len(generate) == 2, "an export and a native checkpoint"
+    answers = []
+    for command in generate:
+        argv = [a.replace("outputs/sft", str(tmp_path)) for a in command[1:]]
+        file = tmp_path / f"answers{len(answers)}.jsonl"
+        done = subprocess.run(
+            [sys.executable, "-m", "longboat.llm.cli", *argv, "--output", str(file)], env=env,
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        answers.append(json.loads(file.read_text()))
+    assert answers[0] == answers[1] and answers[0]["prompt"] == "Say hi."

@@ -108,3 +108,39 @@ def test_the_graphed_step_has_nothing_a_capture_rejects(tiny) -> None:
     (run,) = run_multiprocess(_steps_worker, 1, over, timeout=400)
     assert run["graphed"] and not run["captured"] and run["gate"] == "_GraphGate", run
     assert run["hazards"] == [], run["hazards"]
+
+
+def _describe_worker(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
+    from longboat.core.config.compose import compose_experiment
+    from longboat.core.train import typed_config
+    from longboat.llm.train.training import build_training
+
+    training = build_training(
+        typed_config(compose_experiment("quickstart", overrides, stack="llm"))
+    )
+    try:
+        params = [p for chunk in training.step_fn.chunks for p in chunk.parameters()]
+        adapters = [n for chunk in training.step_fn.chunks for n, p in chunk.named_parameters()
+                    if p.requires_grad]  # fmt: skip
+        return {
+            "describe": training.describe(),
+            "trainable": sum(p.numel() for p in params if p.requires_grad),
+            "total": sum(p.numel() for p in params),
+            "adapters_only": all("lora" in n for n in adapters) and bool(adapters),
+        }
+    finally:
+        training.close()
+
+
+def test_a_lora_run_says_what_it_trains(tiny: tuple[Path, Path, Path]) -> None:
+    overrides = _overrides(tiny, "lora", "lora.enabled=true", "lora.rank=4", "lora.alpha=8")
+    (run,) = run_multiprocess(_describe_worker, 1, overrides, timeout=300)
+    assert run["adapters_only"]
+    # 4 layers x rank 4 x (in + out) of qkv 64->128, proj 64->64, fc1 64->256, fc2 128->64.
+    assert run["trainable"] == 4 * 4 * (192 + 128 + 320 + 192)
+    share = 100 * run["trainable"] / run["total"]
+    want = (
+        "LoRA: rank 4, alpha 8 on linear_qkv, linear_proj, linear_fc1, linear_fc2; "
+        f"{run['trainable']:,} trainable of {run['total']:,} parameters ({share:.2f}%)."
+    )
+    assert want in run["describe"], run["describe"]

@@ -127,6 +127,13 @@ def test_export_answers_with_transformers(tmp_path: Path) -> None:
     out = run_multiprocess(_run_worker, 1, overrides, timeout=400)[0]
     assert out["extra"]["answers_asked"] == 2
     assert 0 <= out["extra"]["answers_right"] <= 2
+    # generate() stops at the end of the assistant turn: the ids sit in the export.
+    from transformers import AutoTokenizer, GenerationConfig
+
+    export = Path(out["export"])
+    end = AutoTokenizer.from_pretrained(str(export)).convert_tokens_to_ids("<|im_end|>")
+    assert GenerationConfig.from_pretrained(str(export)).eos_token_id == end
+    assert json.loads((export / "config.json").read_text())["text_config"]["eos_token_id"] == end
 
 
 def test_micro_batch_size_other_than_one_is_refused(tmp_path: Path) -> None:

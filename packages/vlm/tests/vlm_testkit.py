@@ -58,3 +58,61 @@ def packed_image_row(cfg: Any, seed: int, grids: list[list[int]], text: int = 6)
         "pixel_values": torch.randn(int(gt.prod(-1).sum()), v.patch_dim, generator=g),
         "image_grid_thw": gt,
     }
+
+
+def make_qwen2_5_vl_checkpoint(
+    out: Path, *, eos_first: bool = False, max_pixels: int = 12544, seed: int = 0
+) -> Path:
+    """A tiny random Qwen2.5-VL Hugging Face directory as a user downloads one: weights,
+    ``config.json`` (the vision token ids of its tokenizer), the shapes tokenizer with Qwen's
+    chat template and a ``preprocessor_config.json`` with ``max_pixels``. ``eos_first``: every
+    embedding points one way and EOS's furthest, so the (tied) head predicts EOS first
+    whatever the prompt, a model whose ``generate()`` must stop at once."""
+    import dataclasses
+    import json
+
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from longboat.vlm.data.shapes_dataset import build_shapes_tokenizer
+    from longboat.vlm.models.qwen2_5_vl.model import flavor, to_hf_config
+
+    info = build_shapes_tokenizer(out)
+    cfg = dataclasses.replace(
+        flavor("tiny"),
+        image_token_id=info.image_token_id,
+        video_token_id=info.video_token_id,
+        vision_start_token_id=info.vision_start_token_id,
+        vision_end_token_id=info.vision_end_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(to_hf_config(cfg)).eval()
+    with torch.no_grad():
+        if not eos_first:  # weights spread wide enough that answers follow the input
+            for name, p in model.named_parameters():
+                p.normal_(0.0, 0.08)
+                if "norm" in name or "ln_q" in name:
+                    p.add_(1.0)
+        # ids past the tokenizer's (the vocabulary's padding) never win
+        model.get_input_embeddings().weight[info.vocab_size :] = 0.0
+    if eos_first:
+        with torch.no_grad():
+            emb = model.get_input_embeddings().weight
+            emb.normal_(0.0, 0.01)
+            emb[:, 0] += 10.0
+            emb[info.eos_token_id, 0] += 20.0
+    model.save_pretrained(out)
+    (out / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "Qwen2VLImageProcessor",
+                "patch_size": cfg.vision.patch_size,
+                "temporal_patch_size": cfg.vision.temporal_patch_size,
+                "merge_size": cfg.vision.spatial_merge_size,
+                "min_pixels": 64,
+                "max_pixels": max_pixels,
+                "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                "image_std": [0.26862954, 0.26130258, 0.27577711],
+            }
+        )
+    )
+    return out

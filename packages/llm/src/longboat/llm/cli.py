@@ -1,4 +1,5 @@
-"""``longboat-llm``: ``train`` / ``config`` (core's stack CLI), ``convert``, ``data``."""
+"""``longboat-llm``: ``train`` / ``config`` (core's stack CLI), ``convert``, ``data``,
+``generate``."""
 
 from __future__ import annotations
 
@@ -67,8 +68,14 @@ def convert_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _commands() -> dict[str, Any]:
+    from longboat.llm.generate import generate_main
+
     commands: dict[str, Any] = {
-        "convert": ("convert HF <-> native checkpoints (hf-to-native | native-to-hf)", convert_main)
+        "convert": (
+            "convert HF <-> native checkpoints (hf-to-native | native-to-hf)",
+            convert_main,
+        ),
+        "generate": ("answer prompts with an export or native checkpoint", generate_main),
     }
     try:
         from longboat.llm.data.cli import data_main

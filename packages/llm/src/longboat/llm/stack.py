@@ -22,7 +22,7 @@ STACK = Stack(
         "synthetic": "longboat.llm.train.schema:SyntheticTokensDataConfig",
     },
     console_script="longboat-llm",
-    train="longboat.llm.train.training:train",
+    train="longboat.llm.train:train",
     validators=("longboat.llm.validate:validate_llm",),
     config_hooks=("longboat.llm.validate:model_from_checkpoint",),
     capabilities=Capabilities(

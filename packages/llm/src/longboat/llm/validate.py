@@ -19,6 +19,17 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
             require_choice(data.get("format"), DATA_FORMATS, key="data.format", what="data format")
         except ConfigError as exc:
             problems.extend(exc)
+        from longboat.llm.data.sft_records import CANONICAL_KEYS
+
+        unknown = sorted(set(data.get("columns") or {}) - set(CANONICAL_KEYS))
+        if unknown:
+            problems.add(
+                "data.columns",
+                f"maps {unknown}, which are not keys longboat reads",
+                value=dict(data.get("columns")),
+                fix=f"map your record keys onto {', '.join(CANONICAL_KEYS)} "
+                "(e.g. data.columns={prompt: question, completion: answer})",
+            )
     model = cfg.get("model") if hasattr(cfg, "get") else None
     from longboat.core.family import list_families
 
@@ -103,6 +114,21 @@ def model_from_checkpoint(composed: dict[str, Any], given: set[str], problems: A
     from pathlib import Path
 
     init = (composed.get("model") or {}).get("init_from")
+    from longboat.llm.hub import cached_hub_model, hub_model_id
+
+    repo_id = hub_model_id(init)
+    if repo_id is not None:  # a Hugging Face id: the run sees its local snapshot
+        local = cached_hub_model(repo_id)
+        if local is None:
+            problems.add(
+                "model.init_from",
+                f"{init}: the model is not in the Hugging Face hub cache",
+                value=str(init),
+                fix=f"download it first (huggingface-cli download {repo_id}), or point at a "
+                "local directory",
+            )
+            return
+        composed["model"]["init_from"] = init = str(local)
     path = Path(str(init)) / "config.json" if init else None
     if path is None or not path.is_file():
         return  # none, or a missing one: the run's checks name it

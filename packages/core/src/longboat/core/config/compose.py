@@ -428,7 +428,9 @@ def compose_experiment(
     typed.experiment = experiment
     typed.stack = owner.name
 
-    for key in missing_keys(typed):
+    # Without validation (``config show --no-validate``) a required value left unset shows as
+    # ``???`` instead of stopping the command.
+    for key in missing_keys(typed) if validate else ():
         group = key.partition(".")[0]
         fix = f"set {key}=<value>"
         if key in ("model.name", "data.name"):

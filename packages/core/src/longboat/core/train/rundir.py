@@ -91,9 +91,26 @@ def plot_loss_curve(metrics_path: Path, out: Path | None = None, *, title: str =
     except ImportError:
         return None
     out = out or metrics_path.with_name(PLOT_NAME)
+    fig = loss_curve_figure(train, held_out, title=title or metrics_path.parent.name)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+FEW_POINTS = 30
+"""Below this many logged steps each point is drawn (a line of one point draws nothing)."""
+
+
+def loss_curve_figure(
+    train: dict[int, float], held_out: dict[str, dict[int, float]], *, title: str = ""
+) -> Any:
+    """The matplotlib figure of the train loss by step and each held-out curve."""
+    import matplotlib.pyplot as plt
+
     steps = sorted(train)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [train[s] for s in steps], lw=1.2, label="train loss")
+    marker = "o" if len(steps) < FEW_POINTS else None
+    ax.plot(steps, [train[s] for s in steps], lw=1.2, marker=marker, ms=3, label="train loss")
     for key, curve in sorted(held_out.items()):
         xs = sorted(curve)
         ax.plot(xs, [curve[s] for s in xs], "o-", ms=3, lw=1.0, label=key.replace("_", " "))
@@ -102,13 +119,18 @@ def plot_loss_curve(metrics_path: Path, out: Path | None = None, *, title: str =
         ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title(title or metrics_path.parent.name)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return fig
 
 
-__all__ = ["CONFIG_NAME", "PLOT_NAME", "plot_loss_curve", "save_config", "set_aside"]
+__all__ = [
+    "CONFIG_NAME",
+    "PLOT_NAME",
+    "loss_curve_figure",
+    "plot_loss_curve",
+    "save_config",
+    "set_aside",
+]

@@ -35,6 +35,10 @@ class RunSchedule:
     def step(self) -> None:
         """Advance after an update was taken."""
         for s in self.schedulers:
+            # The update may not have gone through ``optimizer.step()`` (a fused or one-pass
+            # update writes the parameters itself): it was taken, so torch's check that the
+            # optimizer stepped first must not warn.
+            s.optimizer._opt_called = True  # type: ignore[attr-defined]
             s.step()
 
     def get_last_lr(self) -> float:

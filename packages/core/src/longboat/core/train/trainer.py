@@ -415,13 +415,18 @@ class Trainer:
             )
             say(f"[bold yellow]Stopped by {r.stopped_by_signal}[/] at step {r.end_step}; {then}")
         if took > 0 and r.losses:
-            k = min(5, len(r.losses))
-            head, tail = sum(r.losses[:k]) / k, sum(r.losses[-k:]) / k
+            # First and last windows that do not overlap: a short run compares its own ends.
+            k = min(5, len(r.losses) // 2)
             rate = took * t.items_per_step / max(r.elapsed_s, 1e-9)
+            if k == 0:
+                trend = f"Train loss: {r.losses[-1]:.4f} (one step)"
+            else:
+                head, tail = sum(r.losses[:k]) / k, sum(r.losses[-k:]) / k
+                steps = "step" if k == 1 else f"{k} steps"
+                trend = f"Train loss (mean of first/last {steps}): {head:.4f} -> {tail:.4f}"
             say(
                 f"Trained steps {r.start_step + 1}..{r.end_step} in {r.elapsed_s:.1f}s "
-                f"({rate:,.0f} {t.unit}/s). Train loss (mean of first/last {k} steps): "
-                f"{head:.4f} -> {tail:.4f}"
+                f"({rate:,.0f} {t.unit}/s). {trend}"
             )
         for key, value in r.eval.get(r.end_step, {}).items():
             first = r.eval.get(r.start_step, {}).get(key)

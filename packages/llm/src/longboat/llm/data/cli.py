@@ -14,13 +14,20 @@ def build_data_parser(parser: argparse.ArgumentParser | None = None) -> argparse
     """Add the ``prepare`` / ``inspect`` subcommands to ``parser`` (or a new one)."""
     parser = parser or argparse.ArgumentParser(prog="longboat-llm data", description=__doc__)
     sub = parser.add_subparsers(dest="data_command", required=True)
-    p = sub.add_parser("prepare", help="tokenise JSONL / Parquet / a datasets dir")
+    p = sub.add_parser("prepare", help="tokenise JSONL / Parquet / .txt / a datasets dir")
     p.add_argument("--input", required=True, type=Path, help="file, folder or datasets dir")
     p.add_argument("--tokenizer", required=True, type=Path, help="local HF tokenizer dir")
     p.add_argument("--output", required=True, type=Path, help="dataset dir to write")
     p.add_argument("--format", choices=["pretrain", "sft"], default="pretrain")
     p.add_argument("--text-key", default="text", help="record key of the text (pretrain)")
     p.add_argument("--messages-key", default="messages", help="record key of the turns (sft)")
+    p.add_argument(
+        "--columns",
+        default="",
+        help="your record keys under longboat's names, e.g. prompt=question,completion=answer "
+        "(sft: messages, conversations, instruction, input, output, prompt, completion, system; "
+        "pretrain: text)",
+    )
     p.add_argument("--max-seq-len", type=int, default=None, help="sft: longest record kept")
     p.add_argument("--sft-overflow", choices=["truncate", "drop"], default="truncate")
     p.add_argument("--no-eos", action="store_true", help="pretrain: do not append EOS")
@@ -39,6 +46,7 @@ def build_data_parser(parser: argparse.ArgumentParser | None = None) -> argparse
 
 def _prepare(args: argparse.Namespace) -> int:
     from longboat.llm.data.prepare import PrepareOptions, prepare_dataset
+    from longboat.llm.data.sft_records import parse_columns
 
     opts = PrepareOptions(
         input=args.input,
@@ -47,6 +55,7 @@ def _prepare(args: argparse.Namespace) -> int:
         format=args.format,
         text_key=args.text_key,
         messages_key=args.messages_key,
+        columns=parse_columns(args.columns),
         max_seq_len=args.max_seq_len,
         sft_overflow=args.sft_overflow,
         append_eos=not args.no_eos,

@@ -17,7 +17,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,6 +31,7 @@ from longboat.llm.data.indexed import (
     read_manifest,
     token_dtype,
 )
+from longboat.llm.data.sft_records import to_messages
 
 __all__ = ["PrepareOptions", "PrepareResult", "prepare_dataset", "tokenizer_fingerprint"]
 
@@ -64,6 +65,10 @@ class PrepareOptions:
     """Record key of the text (pretrain)."""
     messages_key: str = "messages"
     """Record key of the chat turns (sft)."""
+    columns: dict[str, str] = field(default_factory=dict)
+    """Your record keys under longboat's names (``{"prompt": "question"}``; see
+    ``longboat.llm.data.sft_records``): SFT records in any accepted chat form, and
+    ``text`` for pretraining."""
     max_seq_len: int | None = None
     """SFT: longest record kept (tokens); longer ones follow ``sft_overflow``."""
     sft_overflow: Literal["truncate", "drop"] = "truncate"
@@ -81,14 +86,37 @@ class PrepareOptions:
         """The options that change the output (compared on rerun)."""
         out: dict[str, Any] = {"format": self.format}
         if self.format == "pretrain":
-            out.update(text_key=self.text_key, append_eos=self.append_eos)
+            out.update(text_key=self.record_key, append_eos=self.append_eos)
         else:
             out.update(
                 messages_key=self.messages_key,
                 max_seq_len=self.max_seq_len,
                 sft_overflow=self.sft_overflow,
             )
+            if self.columns:
+                out["columns"] = dict(sorted(self.columns.items()))
         return out
+
+    @property
+    def record_key(self) -> str | None:
+        """The key read from each record: the text's (pretrain), or None (sft: the whole
+        record, whatever chat form it is in)."""
+        if self.format == "sft":
+            return None
+        return self.columns.get("text", self.text_key)
+
+    def sft_columns(self) -> dict[str, str]:
+        """The key mapping SFT records are read through (``--messages-key`` included)."""
+        if self.messages_key == "messages":
+            return dict(self.columns)
+        return {"messages": self.messages_key, **self.columns}
+
+    def convert(self) -> Any:
+        """What turns a read record into what is tokenised (sft: its turns), or None."""
+        if self.format != "sft":
+            return None
+        columns = self.sft_columns()
+        return lambda record, at: to_messages(record, at, columns)
 
 
 @dataclass(frozen=True)
@@ -127,8 +155,8 @@ def _validate(opts: PrepareOptions) -> tuple[Any, sources.InputSpec]:
     if opts.max_seq_len is not None and opts.max_seq_len < 2:
         raise ValueError(f"--max-seq-len={opts.max_seq_len} must be >= 2")
     spec = sources.resolve_input(opts.input)
-    key = opts.messages_key if opts.format == "sft" else opts.text_key
-    first = sources.first_record(spec, key)
+    key = opts.record_key
+    first = sources.first_record(spec, key, opts.convert())
     try:
         tok = tk.load_tokenizer(tdir)
     except Exception as exc:  # transformers raises many kinds for a broken folder
@@ -147,8 +175,9 @@ def _validate(opts: PrepareOptions) -> tuple[Any, sources.InputSpec]:
         tk.render_sft(tok, first, 0)  # a template/record mismatch fails here, not in a worker
     elif first is not None and not isinstance(first, str):  # nulls are counted, not refused
         raise ValueError(
-            f"--input {opts.input}: key {key!r} holds {type(first).__name__}, not text; pass "
-            "the right --text-key, or --format sft for chat records"
+            f"{opts.input}: key {key!r} holds {type(first).__name__}, not text; name "
+            "the text key (data.columns={text: <key>}, --text-key), or train it as sft "
+            "(data.format=sft, --format sft)"
         )
     return tok, spec
 
@@ -168,14 +197,16 @@ def _clean_leftovers(output: Path, log: Callable[[str], None]) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _jobs(spec: sources.InputSpec, key: str, opts: PrepareOptions) -> Iterator[tuple[Any, ...]]:
+def _jobs(
+    spec: sources.InputSpec, key: str | None, opts: PrepareOptions
+) -> Iterator[tuple[Any, ...]]:
     first = 0
     shared = {
         "max_seq_len": opts.max_seq_len,
         "overflow": opts.sft_overflow,
         "append_eos": opts.append_eos,
     }
-    for chunk in sources.iter_record_chunks(spec, key, opts.chunk_size):
+    for chunk in sources.iter_record_chunks(spec, key, opts.chunk_size, opts.convert()):
         yield (opts.format, first, chunk, shared)
         first += len(chunk)
 
@@ -229,7 +260,7 @@ def prepare_dataset(
 
     vocab_size = len(tok)
     dtype = token_dtype(vocab_size)
-    key = opts.messages_key if opts.format == "sft" else opts.text_key
+    key = opts.record_key
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -259,11 +290,11 @@ def prepare_dataset(
                 pool.terminate()
                 pool.join()
         num_docs, num_tokens = writer.close()
-        dropped = _dropped_records(stats, key)
+        dropped = _dropped_records(stats, key or "messages")
         if num_docs == 0:
             raise ValueError(
-                f"--input {opts.input}: no documents left after tokenising "
-                f"({dropped or stats}); check the input, --text-key, --max-seq-len and "
+                f"{opts.input}: no documents left after tokenising "
+                f"({dropped or stats}); check the input, the text key and --max-seq-len / "
                 "--sft-overflow"
             )
         if dropped:

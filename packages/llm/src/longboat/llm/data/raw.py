@@ -34,18 +34,24 @@ def default_cache_dir() -> Path:
 def is_raw_input(path: Path) -> bool:
     """True for a raw file or folder; False for a dataset ``data prepare`` wrote (finished or
     not: an unfinished one is reported as such, not re-read as raw)."""
-    if path.is_file():
+    if path.is_file() or sources.hub_dataset_id(path) is not None:
         return True
     return path.is_dir() and not (path / MANIFEST).is_file() and not (path / "tokens.bin").exists()
 
 
-def detect_format(spec: sources.InputSpec, messages_key: str = "messages") -> str:
-    """``sft`` when the first record has chat turns under ``messages_key``, else ``pretrain``."""
+def detect_format(spec: sources.InputSpec, columns: dict[str, str] | None = None) -> str:
+    """``sft`` when the first record is in a chat form (``messages``, ShareGPT
+    ``conversations``, Alpaca, prompt / completion; keys through ``columns``), else
+    ``pretrain``."""
+    from longboat.llm.data.sft_records import chat_form, rename_keys
+
     try:
-        first = sources.first_record(spec, messages_key)
+        first = sources.first_record(spec, None)
     except (KeyError, ValueError):
         return "pretrain"
-    return "sft" if isinstance(first, list) else "pretrain"
+    if not isinstance(first, dict):
+        return "pretrain"
+    return "sft" if chat_form(rename_keys(first, columns or {})) else "pretrain"
 
 
 def _content_sha(spec: sources.InputSpec, cache: Path) -> str:
@@ -79,14 +85,19 @@ def prepared_path(
     *,
     cache_dir: str | Path | None = None,
     format: str = "auto",
+    columns: dict[str, str] | None = None,
     log: Any = print,
     progress: bool = True,
 ) -> Path:
-    """The prepared dataset of raw input ``path`` (built into the cache when missing)."""
+    """The prepared dataset of raw input ``path`` (built into the cache when missing);
+    ``columns`` maps longboat's record keys to yours (``sft_records``)."""
     spec = sources.resolve_input(path)
-    fmt = detect_format(spec) if format == "auto" else format
+    columns = dict(columns or {})
+    fmt = detect_format(spec, columns) if format == "auto" else format
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    opts = PrepareOptions(input=Path(path), tokenizer=Path(tokenizer), output=cache, format=fmt)
+    opts = PrepareOptions(
+        input=Path(path), tokenizer=Path(tokenizer), output=cache, format=fmt, columns=columns
+    )
     key = hashlib.sha256(
         json.dumps(
             {

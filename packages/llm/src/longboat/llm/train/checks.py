@@ -5,72 +5,92 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from longboat.core.config.errors import ConfigError
+from longboat.core.config.errors import ConfigError, ProblemCollector
 from longboat.core.megatron.decoder_config import DecoderModelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def check_run(cfg: Any, model: DecoderModelConfig) -> None:
-    """Cross-section checks: sequence length, vocabulary, tokenizer, init dir, LoRA."""
+def check_run(cfg: Any, model: DecoderModelConfig, *, world_size: int | None = None) -> None:
+    """Cross-section checks: sequence length, vocabulary, tokenizer, data paths, init dir,
+    LoRA and (``world_size``) the parallel layout; one ``ConfigError`` listing every problem,
+    before any data is read."""
+    p = ProblemCollector()
     data = cfg.data
     seq_len = data.seq_len
     if seq_len > model.max_position_embeddings:
-        raise ConfigError(
+        p.add(
+            "data.seq_len",
             f"is above the model's maximum sequence length "
             f"model.max_position_embeddings={model.max_position_embeddings}",
-            key="data.seq_len",
             value=seq_len,
             fix=f"use data.seq_len<={model.max_position_embeddings} or raise "
             "model.max_position_embeddings",
         )
     if seq_len < 2:
-        raise ConfigError("must be >= 2", key="data.seq_len", value=seq_len)
+        p.add("data.seq_len", "must be >= 2", value=seq_len)
     if data.name == "quickstart" and data.vocab_size > model.vocab_size:
-        raise ConfigError(
+        p.add(
+            "data.vocab_size",
             f"is larger than model.vocab_size={model.vocab_size}",
-            key="data.vocab_size",
             value=data.vocab_size,
             fix=f"set model.vocab_size>={data.vocab_size}",
         )
     if data.name == "prepared":
-        check_tokenizer_dir(data.tokenizer)
+        _collect(p, check_tokenizer_dir, data.tokenizer)
         if not data.paths:
-            raise ConfigError(
-                "no dataset given", key="data.paths", value=[], fix="list prepared dataset folders"
+            p.add(
+                "data.paths",
+                "no data given",
+                value=[],
+                fix="data.paths=[chats.jsonl, ...]: JSONL / JSON / Parquet / .txt files or "
+                "folders of them, datasets folders, or datasets `longboat-llm data prepare` wrote",
             )
         if data.weights is not None and len(data.weights) != len(data.paths):
-            raise ConfigError(
+            p.add(
+                "data.weights",
                 f"has {len(data.weights)} weights for {len(data.paths)} paths",
-                key="data.weights",
                 value=list(data.weights),
                 fix="give one weight per data.paths entry, or null",
             )
+    if world_size is not None:
+        from longboat.core.config.validate import check_parallel
+
+        _collect(p, check_parallel, cfg.parallel, world_size)
     init = cfg.model.init_from
-    _require_file(init, "config.json", "model.init_from",
-                  "point at a Hugging Face model directory, or null for random init")  # fmt: skip
-    if init is not None:
+    if _collect(p, _require_file, init, "config.json", "model.init_from",
+                "point at a Hugging Face model directory, or null for random init") and init:  # fmt: skip
         from longboat.llm.hf_checkpoint import check_matches_flavor, read_hf_config
 
-        check_matches_flavor(model, read_hf_config(init), f"{init}/config.json")
+        _collect(p, lambda: check_matches_flavor(model, read_hf_config(init),
+                                                 f"{init}/config.json"))  # fmt: skip
     export = cfg.export.dir or f"{cfg.output_dir}/hf"
     if init is not None and cfg.export.enabled and Path(export).resolve() == Path(init).resolve():
-        raise ConfigError(
+        p.add(
+            "export.dir",
             "is the checkpoint the run starts from: exporting would overwrite its weights",
-            key="export.dir",
             value=export,
             fix="choose another export.dir (null: <output_dir>/hf)",
         )
     if cfg.lora.enabled and cfg.lora.rank < 1:
-        raise ConfigError("must be >= 1", key="lora.rank", value=cfg.lora.rank)
+        p.add("lora.rank", "must be >= 1", value=cfg.lora.rank)
     start = cfg.lora.init_from
-    _require_file(start, "adapter_config.json", "lora.init_from",
-                  "point at a PEFT adapter directory, or null to start the adapters fresh")  # fmt: skip
+    _collect(p, _require_file, start, "adapter_config.json", "lora.init_from",
+             "point at a PEFT adapter directory, or null to start the adapters fresh")  # fmt: skip
     if start is not None and not cfg.lora.enabled:
-        raise ConfigError(
-            "is set but lora.enabled=false", key="lora.init_from", value=start,
-            fix="set lora.enabled=true to continue training the adapter",
-        )  # fmt: skip
+        p.add("lora.init_from", "is set but lora.enabled=false", value=start,
+              fix="set lora.enabled=true to continue training the adapter")  # fmt: skip
+    p.raise_if_any()
+
+
+def _collect(p: ProblemCollector, check: Any, *args: Any) -> bool:
+    """Run ``check(*args)``; its ``ConfigError`` joins ``p``. True when it passed."""
+    try:
+        check(*args)
+    except ConfigError as exc:
+        p.extend(exc)
+        return False
+    return True
 
 
 def _require_file(folder: str | None, name: str, key: str, fix: str) -> None:

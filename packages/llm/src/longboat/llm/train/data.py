@@ -124,8 +124,9 @@ def _prepared(path: Path, data: Any, tokenizer: Path, rank: int) -> Path:
     import torch.distributed as dist
 
     from longboat.llm.data.raw import is_raw_input, prepared_path
+    from longboat.llm.data.sources import hub_dataset_id
 
-    if not path.exists():
+    if not path.exists() and hub_dataset_id(path) is None:
         raise ConfigError(
             f"{path} does not exist",
             key="data.paths",
@@ -135,7 +136,7 @@ def _prepared(path: Path, data: Any, tokenizer: Path, rank: int) -> Path:
         )
     if not is_raw_input(path):
         return path
-    kw = {"cache_dir": data.cache_dir, "format": data.format}
+    kw = {"cache_dir": data.cache_dir, "format": data.format, "columns": dict(data.columns)}
     error = None
     if rank == 0:
         try:

@@ -79,17 +79,35 @@ def write_generation_files(
     generation.save_pretrained(str(out))
 
 
+def chat_prompt(tok: Any, prompt: str) -> str:
+    """``prompt`` as the chat template's user turn followed by the assistant's header (the
+    text a chat model answers)."""
+    return str(
+        tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+    )
+
+
 def greedy_generate(
-    hf_dir: str | Path, prompt: str, max_new_tokens: int, *, repetition_penalty: float = 1.0
+    hf_dir: str | Path,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    repetition_penalty: float = 1.0,
+    chat: bool = False,
 ) -> str:
-    """Load ``hf_dir`` with transformers and greedily continue ``prompt``; the decoded text."""
+    """Load ``hf_dir`` with transformers and greedily continue ``prompt``; the decoded text.
+    ``chat``: the prompt goes in as a user turn through the tokenizer's chat template and the
+    answer alone comes back (up to the export's end-of-turn token)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    text = chat_prompt(tok, prompt) if chat else prompt
+    ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         out = model.generate(
             ids,
@@ -99,13 +117,18 @@ def greedy_generate(
             repetition_penalty=repetition_penalty,
             pad_token_id=tok.pad_token_id,
         )
+    if chat:
+        return str(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)).strip()
     return str(tok.decode(out[0], skip_special_tokens=True))
 
 
-def describe_generation(text: str, prompt: str) -> str:
-    """The generation as rich markup: the prompt in bold, the rest escaped."""
+def describe_generation(text: str, prompt: str, *, chat: bool = False) -> str:
+    """The generation as rich markup: the prompt in bold, the rest escaped (``chat``: the
+    user's turn and the assistant's answer on their own lines)."""
     from rich.markup import escape
 
+    if chat:
+        return f"[bold]user:[/] {escape(prompt)}\n[bold]assistant:[/] {escape(text)}"
     if text.startswith(prompt):
         return f"[bold]{escape(prompt)}[/]{escape(text[len(prompt) :])}"
     return escape(text)

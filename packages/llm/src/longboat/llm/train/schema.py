@@ -28,7 +28,7 @@ class QuickstartDataConfig(DataConfig):
 
 
 DATA_FORMATS = ("auto", "pretrain", "sft")
-"""``data.format`` of raw inputs: auto (chat ``messages`` records are sft)."""
+"""``data.format`` of raw inputs: auto (records in a chat form are sft)."""
 
 
 @dataclass
@@ -41,8 +41,13 @@ class PreparedDataConfig(DataConfig):
     Parquet file or folder or ``datasets`` folder, tokenised on first use into
     ``data.cache_dir`` and reused while it is unchanged."""
     format: str = "auto"
-    """What raw inputs hold: auto (records with chat ``messages`` are sft: loss on the
-    assistant's tokens; others pretrain text), pretrain or sft."""
+    """What raw inputs hold: auto (records in a chat form, ``messages``, ShareGPT
+    ``conversations``, Alpaca ``instruction`` / ``output`` or ``prompt`` / ``completion``, are
+    sft: loss on the assistant's tokens; others pretrain text), pretrain or sft."""
+    columns: dict[str, str] = field(default_factory=dict)
+    """Your record keys under the names longboat reads, for raw inputs: ``{messages: dialog}``,
+    ``{prompt: question, completion: answer}``, ``{text: body}`` (keys: messages,
+    conversations, instruction, input, output, prompt, completion, system, text)."""
     cache_dir: str | None = None
     """Where raw inputs are prepared (null: ``~/.cache/longboat/datasets``)."""
     weights: list[float] | None = None
@@ -93,6 +98,9 @@ class LLMRunConfig:
     """Global batches of the held-out split per evaluation."""
     generate_prompt: str | None = None
     """After export, load it with transformers and greedily continue this prompt (None: skip)."""
+    generate_chat: bool | None = None
+    """Feed ``generate_prompt`` as a user turn through the tokenizer's chat template and print
+    the answer (null: when the run trains on chats and the tokenizer has a template)."""
     generate_tokens: int = 40
     """Tokens generated from ``generate_prompt``."""
     generate_repetition_penalty: float = 1.0

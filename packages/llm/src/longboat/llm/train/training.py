@@ -18,6 +18,7 @@ synchronous gate where megatron's step reads on the host anyway).
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -94,7 +95,8 @@ class LLMTraining(MegatronTraining):
     def check(self, cfg: Any) -> None:
         from longboat.llm.train.checks import check_run
 
-        check_run(cfg, self.model_cfg)
+        # The layout against the launch's world size too, before any data is tokenised.
+        check_run(cfg, self.model_cfg, world_size=int(os.environ.get("WORLD_SIZE", "1") or 1))
 
     def _build(self, rank: int) -> None:
         from megatron.core import parallel_state as mps
@@ -106,6 +108,8 @@ class LLMTraining(MegatronTraining):
 
         cfg, data = self.cfg, self.cfg.data
         parts, self.tokenizer_dir = open_run_data(data, self.model_cfg.vocab_size, rank)
+        self.chat_data = any(len(p) and isinstance(p[0], dict) for p in parts)
+        """Whether the run trains on chats (SFT documents carry a loss mask)."""
         train_docs, eval_docs = train_and_eval_documents(data, parts)
         self.train_rows = PackedDataset(train_docs, data.seq_len)
         self.eval_rows = PackedDataset(eval_docs, data.seq_len) if len(eval_docs) else None
@@ -237,12 +241,44 @@ class LLMTraining(MegatronTraining):
             f"of {rows.seq_len} tokens ({rows.fill:.0%} filled); global batch {s.global_batch} = "
             f"{s.accum} microbatch(es) x {s.micro_batch} x dp {s.dp_size}."
         ]
+        lines.append(self.schedule_line())
+        if self.cfg.lora.enabled:
+            lines.append(self.lora_line())
         lines += self.step_fn.notices()  # levers that cannot apply, and what runs instead
         if self.step_fn.aux_loss_notice:
             lines.append(self.step_fn.aux_loss_notice)
         if self.step_fn.experts_notice:
             lines.append(self.step_fn.experts_notice)
         return lines
+
+    def lora_line(self) -> str:
+        """What LoRA trains: its settings and this rank's trainable share of the model."""
+        lo = self.cfg.lora
+        params = [p for chunk in self.step_fn.chunks for p in chunk.parameters()]
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        total = sum(p.numel() for p in params)
+        return (
+            f"LoRA: rank {lo.rank}, alpha {lo.alpha:g} on {', '.join(lo.targets)}; "
+            f"{trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.2f}%)."
+        )
+
+    def schedule_line(self) -> str:
+        """How much of the data the run sees and how its LR gets there: a short run on small
+        data says why its loss moves little."""
+        cfg, s = self.cfg, self.plan.layout
+        steps, warmup = cfg.train.steps, cfg.optim.schedule.warmup_steps
+        passes = steps * s.global_batch / max(1, len(self.train_rows))
+        line = (
+            f"Run: {steps} steps x {s.global_batch} rows = {passes:.2f} passes over the "
+            f"{len(self.train_rows)} training rows; LR peaks at {cfg.optim.lr:g} after "
+            f"{warmup} warm-up steps."
+        )
+        if warmup * 2 >= steps > 0:
+            line += (
+                " Half the run or more is LR warm-up: raise train.steps or lower "
+                "optim.schedule.warmup_steps."
+            )
+        return line
 
     def report(self, result: RunResult) -> list[str]:
         lines = []
@@ -257,17 +293,36 @@ class LLMTraining(MegatronTraining):
             return [*lines, "No generation: this data kind has no tokenizer."]
         from longboat.llm.train.export import describe_generation, greedy_generate
 
-        penalty = self.cfg.llm.generate_repetition_penalty
+        penalty, chat = self.cfg.llm.generate_repetition_penalty, self.generates_chat()
         text = greedy_generate(
-            result.export_dir, prompt, self.cfg.llm.generate_tokens, repetition_penalty=penalty
+            result.export_dir,
+            prompt,
+            self.cfg.llm.generate_tokens,
+            repetition_penalty=penalty,
+            chat=chat,
         )
         result.extra["generation"] = text
+        result.extra["generation_chat"] = chat
         how = f", repetition penalty {penalty}" if penalty != 1.0 else ""
+        how += ", the prompt as a user turn through the chat template" if chat else ""
         return [
             *lines,
             f"Greedy generation from the export (transformers{how}):",
-            describe_generation(text, prompt),
+            describe_generation(text, prompt, chat=chat),
         ]
+
+    def generates_chat(self) -> bool:
+        """Whether ``llm.generate_prompt`` goes in through the chat template:
+        ``llm.generate_chat``, or (null) when the run trains on chats and the tokenizer has a
+        template."""
+        wanted = self.cfg.llm.generate_chat
+        if wanted is not None:
+            return bool(wanted)
+        if not self.chat_data or self.tokenizer_dir is None:
+            return False
+        from longboat.llm.data.encoding import load_tokenizer
+
+        return bool(getattr(load_tokenizer(self.tokenizer_dir), "chat_template", None))
 
     # --- helpers -------------------------------------------------------------------------
 

@@ -122,18 +122,50 @@ def _with_token_ids(
     return dataclasses.replace(model_cfg, **ids)
 
 
-def _processor(cfg: Any, model_cfg: Any) -> Any:
+DEFAULT_PIXELS = {"min_pixels": 3136, "max_pixels": 1003520}
+"""Image area bounds without a setting or a checkpoint's (Qwen2.5-VL's released ones)."""
+
+
+def pixel_bounds(data: Any, init_from: str | None) -> tuple[dict[str, int], list[str]]:
+    """``{"min_pixels", "max_pixels"}`` images are resized within, and a note saying where
+    they came from: ``data.min_pixels`` / ``data.max_pixels`` where set, else the
+    ``preprocessor_config.json`` of the checkpoint ``init_from`` (so a fine-tune sees images
+    as the checkpoint was trained on them), else ``DEFAULT_PIXELS``."""
+    from longboat.vlm.data.processor import VisionProcessorConfig
+
+    source: dict[str, int] = {}
+    file = Path(init_from) / "preprocessor_config.json" if init_from else None
+    if file is not None and file.is_file():
+        hf = VisionProcessorConfig.from_hf(json.loads(file.read_text()))
+        source = {"min_pixels": hf.min_pixels, "max_pixels": hf.max_pixels}
+    bounds, notes = {}, []
+    for key, default in DEFAULT_PIXELS.items():
+        mine = getattr(data, key, None)
+        bounds[key] = mine if mine is not None else source.get(key, default)
+        if mine is not None and key in source and mine != source[key]:
+            notes.append(
+                f"Images: data.{key}={mine} replaces the checkpoint's {key}={source[key]} "
+                f"({file}); the export carries {mine}."
+            )
+    taken = [k for k in DEFAULT_PIXELS if getattr(data, k, None) is None and k in source]
+    if taken:
+        said = ", ".join(f"{k}={source[k]}" for k in taken)
+        keys = " / ".join(f"data.{k}" for k in taken)
+        notes.append(f"Images: {said} from {file} ({keys}=<pixels> to change).")
+    return bounds, notes
+
+
+def _processor(cfg: Any, model_cfg: Any, bounds: dict[str, int]) -> Any:
     from longboat.vlm.data.processor import QwenVisionProcessor, VisionProcessorConfig
 
     if hasattr(model_cfg, "vision_processor"):  # a family with its own image processing
-        return model_cfg.vision_processor(cfg.data)
+        return model_cfg.vision_processor(dataclasses.replace(cfg.data, **bounds))
     v = model_cfg.vision
     pcfg = VisionProcessorConfig(
         patch_size=v.patch_size,
         temporal_patch_size=v.temporal_patch_size,
         merge_size=v.spatial_merge_size,
-        min_pixels=cfg.data.min_pixels,
-        max_pixels=cfg.data.max_pixels,
+        **bounds,
     )
     return QwenVisionProcessor(pcfg)
 
@@ -219,7 +251,9 @@ def open_run_data(
                 fix="give a tokenizer directory (or model.init_from, whose tokenizer is used)",
             )
     tokenizer = load_tokenizer(tokenizer_dir)
-    processor = _processor(cfg, model_cfg)
+    bounds, pixel_notes = pixel_bounds(data, getattr(cfg.model, "init_from", None))
+    notes += pixel_notes
+    processor = _processor(cfg, model_cfg, bounds)
     encoder = SampleEncoder(tokenizer, processor)
     model_cfg = _with_token_ids(
         model_cfg,

@@ -64,10 +64,12 @@ class ConversationsDataConfig(DataConfig):
     skip_bad_samples: bool = False
     """Skip (and count) samples whose image or video is missing or unreadable instead of
     stopping with an error naming it."""
-    min_pixels: int = 3136
-    """Smallest image area after resizing (pixels)."""
-    max_pixels: int = 1003520
-    """Largest image area after resizing (pixels)."""
+    min_pixels: int | None = None
+    """Smallest image area after resizing (pixels; null: the ``preprocessor_config.json`` of
+    ``model.init_from``, else 3136)."""
+    max_pixels: int | None = None
+    """Largest image area after resizing (pixels; null: the ``preprocessor_config.json`` of
+    ``model.init_from``, else 1003520)."""
     seed: int = 1234
     """Order of the rows."""
     cache_dir: str | None = None
@@ -88,8 +90,8 @@ class ShapesDataConfig(ConversationsDataConfig):
     image_size: int = 56
     """Side of the square images (pixels)."""
     seq_len: int = 512
-    min_pixels: int = 3136
-    max_pixels: int = 3136
+    min_pixels: int | None = 3136
+    max_pixels: int | None = 3136
 
 
 @dataclass

@@ -356,7 +356,10 @@ class VLMTraining(MegatronTraining):
         with merged_language(self.step_fn.model):  # the adapters folded in, then put back
             self.family.load().save_hf(self.step_fn.model, self.model_cfg, out)
         if self.is_main:
+            from longboat.vlm.train.export import write_generation_config
+
             self.data.save_processing(out)
+            write_generation_config(out, self.data.tokenizer, self.cfg.model.init_from)
         return out
 
     def describe(self) -> list[str]:
