@@ -31,7 +31,15 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
     par = cfg.get("parallel") or {}
     train = cfg.get("train") or {}
     lora = cfg.get("lora") or {}
-    schema = find_family("llm", model.get("name")).model_schema()  # the family's model config
+    family = find_family("llm", model.get("name"))
+    schema = family.model_schema()  # the family's model config
+    if lora.get("enabled") and not getattr(family, "lora", True):
+        problems.add(
+            "lora.enabled",
+            f"the {family.name} family does not take LoRA adapters",
+            value=True,
+            fix="train it fully (lora.enabled=false)",
+        )
     try:
         model_cfg = schema.from_mapping(model)
         found = pooled_aux_loss_problems(

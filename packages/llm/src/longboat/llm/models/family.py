@@ -66,6 +66,9 @@ class LLMFamily(Family):
     **transformer_config_overrides)`` -> this rank's megatron model chunks, for a family whose
     model is not core's ``build_decoder`` (its own ``TransformerConfig``, per-layer specs,
     extra blocks); None: ``build_decoder`` with ``layer_spec``."""
+    lora: bool = True
+    """Whether the family takes ``lora.enabled=true`` (LoRA on its linears, the PEFT adapter
+    export); False: refused at compose time."""
     notes: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -135,12 +138,14 @@ def decoder_family(
     chunk_builder: Callable[..., Any] | None = None,
     weights: Any = None,
     flops: Callable[..., float] = flops_per_sample,
+    lora: bool = True,
 ) -> LLMFamily:
     """The ``LLMFamily`` of a decoder: ``dialect`` names core's HF config dialect (default:
     the one of ``name``) or is a dialect of the family's own; ``layer_spec`` replaces the
     Llama-style layer. A family of another architecture also gives its ``schema`` (a
     ``DecoderModelConfig`` subclass), ``chunk_builder`` (``LLMFamily.chunk_builder``), HF
-    ``weights`` mapping (``HFDecoderAdapter.weights``) and ``flops`` per sample."""
+    ``weights`` mapping (``HFDecoderAdapter.weights``), ``flops`` per sample and whether it
+    takes ``lora``."""
     if dialect is None or isinstance(dialect, str):
         dialect = hf_dialect(dialect or name)
     return LLMFamily(
@@ -155,6 +160,7 @@ def decoder_family(
         flops_per_sample=flops,
         layer_spec_fn=layer_spec,
         chunk_builder=chunk_builder,
+        lora=lora,
     )
 
 
