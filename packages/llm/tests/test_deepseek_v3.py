@@ -298,10 +298,17 @@ def test_multi_token_prediction_loss_and_gradient_follow_the_definition() -> Non
     torch.testing.assert_close(out["grad"], out["ref_grad"], atol=1e-6, rtol=1e-5)
 
 
-def _train(rank: int, world: int, argv: list[str]) -> int:
+def _train(rank: int, world: int, argv: list[str]) -> tuple[int, str]:
+    """``longboat-llm train`` in this process: its exit code and what it wrote to stderr."""
+    import contextlib
+    import io
+
     from longboat.llm.cli import main
 
-    return main(argv)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, err.getvalue()
 
 
 def _reload_worker(rank: int, world: int, run: Path, tokens: torch.Tensor) -> Any:
@@ -335,7 +342,7 @@ def test_two_training_steps_through_the_cli_and_the_export_reloads(tmp_path: Pat
         "logging.progress=false", "logging.tensorboard=false", "llm.generate_prompt=null",
         f"output_dir={tmp_path}",
     ]  # fmt: skip
-    (code,) = run_multiprocess(_train, 1, argv, timeout=900)
+    ((code, _),) = run_multiprocess(_train, 1, argv, timeout=900)
     assert code == 0
     rows = [
         json.loads(line) for line in next(tmp_path.rglob("metrics.jsonl")).read_text().splitlines()
@@ -352,6 +359,9 @@ def test_two_training_steps_through_the_cli_and_the_export_reloads(tmp_path: Pat
     assert sorted(first) == sorted(second)
     assert [n for n in first if not torch.equal(first[n], second[n])] == []
     assert (hf_logits(tmp_path / "hf", tokens) - ours).abs().max().item() <= TOL
+    # The latent ranks fix the checkpoint's shapes: resuming with another is refused.
+    ((code, err),) = run_multiprocess(_train, 1, [*argv, "model.kv_lora_rank=8"], timeout=600)
+    assert code == 2 and "model.kv_lora_rank=16 (this run: 8)" in err, err[-2000:]
 
 
 # -- config (no megatron) ------------------------------------------------------------------
