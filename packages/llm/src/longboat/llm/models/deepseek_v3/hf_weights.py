@@ -58,6 +58,17 @@ _ATTENTION = {
     "self_attention.linear_proj.weight": ("cols", "self_attn.o_proj.weight"),
     "input_layernorm.weight": ("replicated", "input_layernorm.weight"),
     "pre_mlp_layernorm.weight": ("replicated", "post_attention_layernorm.weight"),
+    # Transformer Engine's layer spec (model.layer_backend=te) fuses these norms into the
+    # linear that follows them
+    "self_attention.linear_q_up_proj.layer_norm_weight": (
+        "replicated",
+        "self_attn.q_a_layernorm.weight",
+    ),
+    "self_attention.linear_kv_up_proj.layer_norm_weight": (
+        "replicated",
+        "self_attn.kv_a_layernorm.weight",
+    ),
+    "mlp.linear_fc1.layer_norm_weight": ("replicated", "post_attention_layernorm.weight"),
     "mlp.linear_fc2.weight": ("cols", "mlp.down_proj.weight"),
     "mlp.router.weight": ("replicated", "mlp.gate.weight"),
     "mlp.router.expert_bias": ("replicated", "mlp.gate.e_score_correction_bias"),

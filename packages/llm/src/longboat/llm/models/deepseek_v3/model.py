@@ -279,6 +279,12 @@ def _mtp_block(tcfg: Any, specs: list[Any], norm: Any, linear: Any, vp_stage: in
     return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * tcfg.mtp_num_layers)
 
 
+def _backend(layer_backend: str) -> str:
+    """``auto`` is the longboat backend here: megatron's Transformer Engine MLA spec fuses the
+    latent norms into other modules (other parameter names), taken only when asked for."""
+    return "longboat" if layer_backend == "auto" else layer_backend
+
+
 def build_chunks(
     cfg: DeepseekV3Config,
     *,
@@ -309,7 +315,7 @@ def build_chunks(
             "building a megatron model needs megatron's parallel state: call "
             "longboat.core.megatron.parallel_state.initialize(parallel, accelerator) first."
         )
-    backend = resolve_backend(cfg.layer_backend, device_type)
+    backend = resolve_backend(_backend(cfg.layer_backend), device_type)
     kernels = kernels if backend == "longboat" else None
     config_overrides.setdefault("use_cpu_initialization", device_type != "cuda")
     tcfg = transformer_config(
