@@ -335,7 +335,8 @@ def _reload_worker(rank: int, world: int, run: Path, tokens: torch.Tensor) -> An
 @pytest.mark.multiprocess
 def test_two_training_steps_through_the_cli_and_the_export_reloads(tmp_path: Path) -> None:
     argv = [
-        "train", "quickstart", "model=deepseek_v3_tiny", "data=synthetic",
+        "train", "quickstart", "model=deepseek_v3_tiny", "model.mtp_num_layers=1",
+        "data=synthetic",
         "data.seq_len=32", "data.num_documents=64", "train.steps=2",
         "train.micro_batch_size=2", "train.global_batch_size=4", "train.log_every=1",
         "train.eval_every=0", "optim.schedule.warmup_steps=1", "checkpoint.every_steps=0",
@@ -352,6 +353,7 @@ def test_two_training_steps_through_the_cli_and_the_export_reloads(tmp_path: Pat
     for row in rows:  # random init over a 256-token vocabulary: about ln(256)
         assert abs(row["loss"] - math.log(256)) < 0.3, row
         assert math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0, row
+        assert abs(row["mtp_loss"] - math.log(256)) < 0.3, row  # the step's own, not a sum
     tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(4))
     (ours,) = run_multiprocess(_reload_worker, 1, tmp_path, tokens, timeout=600)
     # The export holds the trained weights: the native checkpoint converts to the same tensors.
