@@ -475,3 +475,19 @@ def test_the_sequence_wise_balance_loss_follows_the_definition() -> None:
     assert out["ref"] > 0.5  # sum_i f_i P_i is about 1 for a balanced router
     assert out["grad"].abs().max().item() > 0
     torch.testing.assert_close(out["grad"], out["ref_grad"], atol=1e-7, rtol=1e-5)
+
+
+def test_a_deepseek_v3_checkpoint_is_the_model_of_any_experiment(tmp_path: Path) -> None:
+    from llm_testkit import compose
+
+    from longboat.core.train import typed_config
+
+    cfg = tiny(kv_lora_rank=8, mtp_num_layers=1)
+    find_family("llm", FAMILY).to_hf_config(cfg).save_pretrained(tmp_path)
+    # quickstart's model group is a Qwen3: config.json replaces it, every MLA field included
+    run = typed_config(compose([f"model.init_from={tmp_path}"]))
+    assert type(run.model).__name__ == "DeepseekV3Config"
+    assert run.model.architecture() == cfg.architecture()
+    assert run.model.moe_aux_loss == "megatron"  # the group's auto is this family's one term
+    with pytest.raises(ConfigError, match="kv_lora_rank"):
+        compose([f"model.init_from={tmp_path}", "model.kv_lora_rank=16"])

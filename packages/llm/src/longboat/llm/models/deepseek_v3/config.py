@@ -29,6 +29,7 @@ class DeepseekV3Config(DecoderModelConfig):
     num_experts: int = 8
     moe_ffn_hidden_size: int | None = 32
     moe_aux_loss: str = "megatron"
+    """The balance loss: megatron's sequence-wise ``seq_aux_loss`` (``auto`` means it too)."""
     q_lora_rank: int | None = 32
     """Rank of the query's low-rank projection (HF ``q_lora_rank``; None: a full q projection)."""
     kv_lora_rank: int = 16
@@ -73,6 +74,12 @@ class DeepseekV3Config(DecoderModelConfig):
     predicts one token further from the previous depth's hidden states."""
     mtp_loss_scaling_factor: float = 0.1
     """Weight of the multi-token prediction loss (its mean over depths) in the objective."""
+
+    def __post_init__(self) -> None:
+        # ``auto`` (the base's default, which a composed model group may carry) is this
+        # family's one balance loss, megatron's sequence-wise term.
+        if self.moe_aux_loss == "auto":
+            self.moe_aux_loss = "megatron"
 
     def architecture(self) -> dict[str, object]:
         """The fields a checkpoint's weights fix, the base's and MLA / DeepSeekMoE's."""
@@ -127,7 +134,7 @@ class DeepseekV3Config(DecoderModelConfig):
             bad("moe_router_group_topk", f"with expert groups moe_topk={self.moe_topk} must "
                 "be twice it (a group scores by its two best experts)",
                 f"set it to {self.moe_topk // 2} or moe_router_num_groups=1")  # fmt: skip
-        if self.moe_aux_loss != "megatron":
+        if self.moe_aux_loss not in ("megatron", "auto"):
             bad("moe_aux_loss", "DeepSeek-V3 balances with the sequence-wise loss "
                 "(megatron's seq_aux_loss, weight moe_aux_loss_coeff)", "set it to megatron")  # fmt: skip
         if self.moe_experts == "grouped":
