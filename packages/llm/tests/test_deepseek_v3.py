@@ -91,10 +91,16 @@ def _logits_worker(
     from longboat.llm.build import build_model
     from longboat.llm.hf_checkpoint import load_hf, read_hf_config, save_hf
 
-    cfg = read_hf_config(hf_dir)
+    layout = dict(layout)
+    experts = layout.pop("moe_experts", "auto")
+    cfg = dataclasses.replace(read_hf_config(hf_dir), moe_experts=experts)
     _init(layout)
     try:
         chunks = build_model(cfg)
+        names = [n for n, _ in chunks[0].named_parameters()]
+        stacked = any(n.endswith("mlp.experts.linear_fc1.weight") for n in names)
+        if any(".mlp.experts." in n for n in names):  # a stage with MoE layers
+            assert stacked == (experts != "sequential"), names  # grouped where available
         load_hf(chunks, cfg, hf_dir)
         logits = forward_logits(chunks, tokens)
         save_hf(chunks, cfg, out)
@@ -117,9 +123,10 @@ LAYOUTS = {
     "tp2": (2, {"tensor_parallel": 2}),
     "ep2": (2, {"expert_parallel": 2}),
     "pp2": (2, {"pipeline_parallel": 2}),
+    "tp1_sequential": (1, {"moe_experts": "sequential"}),  # megatron's per-expert loop
 }
 CASES = [("tiny", "tp1"), ("moonlight_like", "tp1"), ("tiny", "ep2"), ("moonlight_like", "pp2")]
-CASES += [("tiny", "tp2"), ("moonlight_like", "tp2")]
+CASES += [("tiny", "tp2"), ("moonlight_like", "tp2"), ("tiny", "tp1_sequential")]
 
 
 @pytest.mark.multiprocess

@@ -137,10 +137,6 @@ class DeepseekV3Config(DecoderModelConfig):
         if self.moe_aux_loss not in ("megatron", "auto"):
             bad("moe_aux_loss", "DeepSeek-V3 balances with the sequence-wise loss "
                 "(megatron's seq_aux_loss, weight moe_aux_loss_coeff)", "set it to megatron")  # fmt: skip
-        if self.moe_experts == "grouped":
-            bad("moe_experts", "core's grouped experts route with a softmax top-k; "
-                "DeepSeek-V3's sigmoid router and shared experts run in megatron's "
-                "SequentialMLP", "use auto or sequential")  # fmt: skip
         if self.mtp_num_layers < 0:
             bad("mtp_num_layers", "must be >= 0", "0 turns multi-token prediction off")
         if self.moe_router_bias_update_rate < 0:

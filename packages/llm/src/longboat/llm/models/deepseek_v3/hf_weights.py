@@ -5,7 +5,8 @@ it (core's ``hf_mapping.Slot``): ``replicated`` (norms, the router and its exper
 ``rows`` (column-parallel linears: MLA's down and up projections, the embedding and head),
 ``cols`` (row-parallel linears: the attention output, the MLPs' down projections),
 ``gate_up`` (a SwiGLU's fused gate and up rows, each split) and the experts, which tensor
-parallelism does not split (``expert_gate_up``, ``expert_full``; local expert ``j`` of
+parallelism does not split (``expert_gate_up``, ``expert_full``, or a rank's experts
+stacked in one tensor, ``expert_stack_*``, with grouped experts; local expert ``j`` of
 expert-parallel rank ``r`` is HF expert ``r * local + j``).
 
 Multi-token prediction depth ``i`` is stored as DeepSeek's checkpoints store it, as layer
@@ -45,6 +46,7 @@ PREFIX = "model."
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_STACKED = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight$")
 _IGNORED = ("rotary_emb.inv_freq",)
 
 _ATTENTION = {
@@ -93,10 +95,18 @@ def _layer_slot(rest: str, hf: str, cfg: DeepseekV3Config, ep: RankCoords) -> Sl
     if rest in _GATE_UP:
         base = hf + _GATE_UP[rest]
         return Slot("gate_up", (base + "gate_proj.weight", base + "up_proj.weight"))
+    local = cfg.num_experts // ep.ep_size
+    stacked = _STACKED.match(rest)
+    if stacked is not None:  # grouped experts: this rank's experts in one tensor
+        experts = [f"{hf}mlp.experts.{ep.ep_rank * local + j}." for j in range(local)]
+        if stacked.group(1) == "linear_fc1":
+            names = [ex + p for ex in experts for p in ("gate_proj.weight", "up_proj.weight")]
+            return Slot("expert_stack_gate_up", tuple(names))
+        return Slot("expert_stack_full", tuple(ex + "down_proj.weight" for ex in experts))
     m = _EXPERT.match(rest)
     if m is None:
         raise KeyError(rest)
-    expert = ep.ep_rank * (cfg.num_experts // ep.ep_size) + int(m.group(1))
+    expert = ep.ep_rank * local + int(m.group(1))
     ex = f"{hf}mlp.experts.{expert}."
     if m.group(2) == "linear_fc1":
         return Slot("expert_gate_up", (ex + "gate_proj.weight", ex + "up_proj.weight"))
@@ -283,6 +293,13 @@ def load_hf_weights(
                 value = torch.cat([part(names[0], "rows"), part(names[1], "rows")], 0)
             elif kind == "expert_gate_up":
                 value = torch.cat([part(names[0], "all"), part(names[1], "all")], 0)
+            elif kind == "expert_stack_gate_up":
+                pairs = zip(names[0::2], names[1::2], strict=True)
+                value = torch.stack(
+                    [torch.cat([part(g, "all"), part(u, "all")], 0) for g, u in pairs]
+                )
+            elif kind == "expert_stack_full":
+                value = torch.stack([part(n, "all") for n in names])
             else:
                 value = part(names[0], "all")
             if tuple(value.shape) != tuple(tensor.shape):
@@ -307,6 +324,11 @@ def _unshard(slot: Slot, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         return {names[0]: torch.cat(shards, 0)}
     if kind == "cols":
         return {names[0]: torch.cat(shards, 1)}
+    if kind == "expert_stack_full":
+        return dict(zip(names, shards[0].unbind(0), strict=True))
+    if kind == "expert_stack_gate_up":
+        halves = [h for w in shards[0].unbind(0) for h in w.chunk(2, 0)]
+        return dict(zip(names, halves, strict=True))
     halves = [s.chunk(2, 0) for s in shards]  # gate_up, expert_gate_up
     return {
         names[0]: torch.cat([h[0] for h in halves], 0),
@@ -324,7 +346,7 @@ def gather_hf_state_dict(
         if name == "output_layer.weight" and cfg.tie_embeddings:
             continue
         local = tensor.detach().contiguous()
-        split = slot.kind not in ("replicated", "expert_gate_up", "expert_full")
+        split = slot.kind in ("rows", "cols", "gate_up")
         shards = tp_shards(local, coords) if split else [local]
         if is_owner(slot):
             out.update({k: v.clone() for k, v in _unshard(slot, shards).items()})

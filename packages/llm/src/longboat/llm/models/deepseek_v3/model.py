@@ -226,16 +226,10 @@ def layer_specs(cfg: DeepseekV3Config, backend: str, kernels: Any) -> list[Any]:
                 num_experts=cfg.num_experts,
                 backend=backend,
                 kernels=kernels,
-                moe_experts=_experts_mode(cfg),
+                moe_experts=cfg.moe_experts,
             )
         )
     return [dense] * cfg.first_k_dense + [moe] * (cfg.num_layers - cfg.first_k_dense)
-
-
-def _experts_mode(cfg: DeepseekV3Config) -> str:
-    """core's grouped experts route with softmax top-k only; DeepSeek-V3's sigmoid router
-    and shared experts run in megatron's ``SequentialMLP`` (``auto`` -> ``sequential``)."""
-    return "sequential" if cfg.moe_experts == "auto" else cfg.moe_experts
 
 
 def layer_spec(cfg: DeepseekV3Config, backend: str, kernels: Any) -> Any:
