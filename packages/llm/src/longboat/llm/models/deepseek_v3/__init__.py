@@ -1,24 +1,26 @@
 """DeepSeek-V3 (also Moonlight and Kimi K2): multi-head latent attention, DeepSeekMoE with
 aux-loss-free balancing, the first dense layers, YaRN, optional multi-token prediction."""
 
+from typing import Any
+
 from longboat.llm.models.deepseek_v3.config import FLAVORS, DeepseekV3Config
 from longboat.llm.models.deepseek_v3.hf_config import DIALECT
 from longboat.llm.models.family import decoder_family
 
 
-def _layer_spec(cfg, backend, kernels):  # type: ignore[no-untyped-def]
+def _layer_spec(cfg: Any, backend: str, kernels: Any) -> Any:
     from longboat.llm.models.deepseek_v3.model import layer_spec
 
     return layer_spec(cfg, backend, kernels)
 
 
-def _build_chunks(cfg, **options):  # type: ignore[no-untyped-def]
+def _build_chunks(cfg: Any, **options: Any) -> Any:
     from longboat.llm.models.deepseek_v3.model import build_chunks
 
     return build_chunks(cfg, **options)
 
 
-def _flops(cfg, seq_len):  # type: ignore[no-untyped-def]
+def _flops(cfg: Any, seq_len: int) -> float:
     from longboat.llm.models.deepseek_v3.flops import flops_per_sample
 
     return flops_per_sample(cfg, seq_len)
@@ -27,12 +29,12 @@ def _flops(cfg, seq_len):  # type: ignore[no-untyped-def]
 class _Weights:
     """The HF weight mapping, imported when used (it needs torch and megatron)."""
 
-    def load(self, chunks, cfg, directory, progress=None):  # type: ignore[no-untyped-def]
+    def load(self, chunks: Any, cfg: Any, directory: Any, progress: Any = None) -> int:
         from longboat.llm.models.deepseek_v3.hf_weights import load_hf_weights
 
         return load_hf_weights(chunks, cfg, directory, progress=progress)
 
-    def save(self, chunks, cfg, directory):  # type: ignore[no-untyped-def]
+    def save(self, chunks: Any, cfg: Any, directory: Any) -> Any:
         from longboat.llm.models.deepseek_v3.hf_weights import save_hf_weights
 
         return save_hf_weights(chunks, cfg, directory)

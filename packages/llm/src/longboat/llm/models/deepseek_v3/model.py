@@ -6,10 +6,12 @@ YaRN through ``YarnRotaryEmbedding``); the MLP of the first ``first_k_dense`` la
 dense SwiGLU and of the others megatron's ``MoELayer`` with shared experts and the top-k
 router configured as DeepSeek-V3's (sigmoid scores, the expert bias of aux-loss-free
 balancing updated after every step by megatron's ``finalize_model_grads``, group-limited
-top-k, the routed scaling factor, the sequence-wise auxiliary loss). Multi-token prediction
-is megatron's ``MultiTokenPredictionBlock`` on the last pipeline stage. On the longboat
-backend the norms, linears, SwiGLU and attention are longboat's kernels (core's layer spec
-with its attention swapped for MLA); ``te`` uses megatron's Transformer Engine MLA spec.
+top-k, the routed scaling factor, the sequence-wise auxiliary loss), its routed experts
+grouped or megatron's ``SequentialMLP`` (``moe_experts``). Multi-token prediction is
+megatron's ``MultiTokenPredictionBlock`` on the last pipeline stage. On the longboat
+backend (also what ``auto`` means here) the norms, linears, SwiGLU and attention are
+longboat's kernels (core's layer spec with its attention swapped for MLA); ``te`` uses
+megatron's Transformer Engine MLA spec.
 """
 
 from __future__ import annotations
