@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,8 +23,8 @@ def build_model(
     kernel_options: dict[str, bool] | None = None,
     **config_overrides: Any,
 ) -> list[torch.nn.Module]:
-    """This rank's model chunks on longboat's kernels (core's ``build_decoder`` with the
-    layer spec of the family ``cfg.name``).
+    """This rank's model chunks on longboat's kernels: the family ``cfg.name``'s
+    ``chunk_builder``, else core's ``build_decoder`` with the family's layer spec.
 
     ``kernel_options``: switches of ``longboat_layer_kernels`` (e.g. ``{"add_rms_norm":
     False}``) for the longboat backend, to measure or rule out one kernel.
@@ -39,15 +40,20 @@ def build_model(
         # transformers' pooled term replaces megatron's per-layer one (train.step adds it).
         config_overrides.setdefault("moe_router_load_balancing_type", "none")
         moe_router = PooledAuxRouter
-    return build_decoder(
+    family = find_family("llm", cfg.name)
+    if family.chunk_builder is not None:
+        build = family.chunk_builder
+    else:
+        build = partial(
+            build_decoder, layer_spec=family.layer_spec, transformer_config=to_transformer_config
+        )
+    return build(
         cfg,
-        layer_spec=find_family("llm", cfg.name).layer_spec,
         kernels=longboat_layer_kernels(**(kernel_options or {})),
         moe_router=moe_router,
         precision=precision,
         device_type=device_type,
         layout=current_layout(),
-        transformer_config=to_transformer_config,
         **config_overrides,
     )
 

@@ -105,8 +105,9 @@ def native_config(path: str | Path) -> DecoderModelConfig:
     model = dict(manifest.config.get("model") or {})
     if not model:
         raise ValueError(f"{path}: the manifest has no model config; was it written by longboat?")
-    names = {f.name for f in dataclasses.fields(DecoderModelConfig)}
-    return DecoderModelConfig(**{k: v for k, v in model.items() if k in names})
+    schema = find_family("llm", str(model.get("name"))).model_schema()
+    names = {f.name for f in dataclasses.fields(schema)}
+    return schema(**{k: v for k, v in model.items() if k in names})
 
 
 def run_sources(path: str | Path) -> tuple[Path | None, Path | None]:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from longboat.core.config.errors import ConfigError
 from longboat.core.family import families, find_family
-from longboat.core.megatron.decoder_config import ARCH_FIELDS, DecoderModelConfig
+from longboat.core.megatron.decoder_config import DecoderModelConfig
 
 if TYPE_CHECKING:
     import torch
@@ -49,8 +49,8 @@ def check_matches_flavor(cfg: DecoderModelConfig, hf_cfg: DecoderModelConfig, so
     diffs = []
     if cfg.name != hf_cfg.name:
         diffs.append(f"model.name={cfg.name!r} but {source} is a {hf_cfg.name!r} checkpoint")
-    for name in ARCH_FIELDS:
-        a, b = getattr(cfg, name), getattr(hf_cfg, name)
+    for name in hf_cfg.architecture():
+        a, b = getattr(cfg, name, None), getattr(hf_cfg, name)
         if a != b:
             diffs.append(f"model.{name}={a!r} but {source} has {b!r}")
     if diffs:
@@ -74,6 +74,8 @@ def load_hf(
 
     check_matches_flavor(cfg, read_hf_config(hf_dir), f"{hf_dir}/config.json")
     fam = find_family("llm", cfg.name)
+    if fam.adapter.weights is not None:
+        return int(fam.adapter.weights.load(chunks, cfg, hf_dir, progress=progress))
     return load_hf_weights(chunks, cfg, hf_dir, prefix=fam.hf_prefix, progress=progress)
 
 
@@ -91,5 +93,8 @@ def save_hf(chunks: list[torch.nn.Module], cfg: DecoderModelConfig, out_dir: str
         hf_config = fam.to_hf_config(cfg)
         hf_config.dtype = "float32"
         hf_config.save_pretrained(out_dir)
-    save_hf_weights(chunks, cfg, out_dir, prefix=fam.hf_prefix)
+    if fam.adapter.weights is not None:
+        fam.adapter.weights.save(chunks, cfg, out_dir)
+    else:
+        save_hf_weights(chunks, cfg, out_dir, prefix=fam.hf_prefix)
     return out_dir

@@ -31,20 +31,28 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
                 "(e.g. data.columns={prompt: question, completion: answer})",
             )
     model = cfg.get("model") if hasattr(cfg, "get") else None
-    from longboat.core.family import list_families
+    from longboat.core.family import find_family, list_families
 
     _check_core_keys(cfg, model, problems)
     if model is None or model.get("name") not in list_families("llm"):
         return
-    from longboat.core.megatron.decoder_config import DecoderModelConfig
     from longboat.llm.moe_aux_loss import pooled_aux_loss_problems
     from longboat.llm.moe_experts import moe_experts_problems
 
     par = cfg.get("parallel") or {}
     train = cfg.get("train") or {}
     lora = cfg.get("lora") or {}
+    family = find_family("llm", model.get("name"))
+    schema = family.model_schema()  # the family's model config
+    if lora.get("enabled") and not getattr(family, "lora", True):
+        problems.add(
+            "lora.enabled",
+            f"the {family.name} family does not take LoRA adapters",
+            value=True,
+            fix="train it fully (lora.enabled=false)",
+        )
     try:
-        model_cfg = DecoderModelConfig.from_mapping(model)
+        model_cfg = schema.from_mapping(model)
         found = pooled_aux_loss_problems(
             model_cfg,
             pipeline_parallel=int(par.get("pipeline_parallel", 1)),
@@ -57,7 +65,7 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
     except (TypeError, ValueError):  # malformed values: the schema checks report them
         pass
     try:
-        arch = DecoderModelConfig.from_mapping(model)
+        arch = schema.from_mapping(model)
         arch.validate()
         arch.validate_parallel(
             tp=int(par.get("tensor_parallel", 1)),
@@ -132,7 +140,6 @@ def model_from_checkpoint(composed: dict[str, Any], given: set[str], problems: A
     path = Path(str(init)) / "config.json" if init else None
     if path is None or not path.is_file():
         return  # none, or a missing one: the run's checks name it
-    from longboat.core.megatron.decoder_config import ARCH_FIELDS
     from longboat.llm.hf_checkpoint import family_for_hf_config
 
     try:
@@ -149,7 +156,7 @@ def model_from_checkpoint(composed: dict[str, Any], given: set[str], problems: A
         return
     model = composed.setdefault("model", {})
     whole_group = "model" in given
-    for name in ("name", *ARCH_FIELDS):
+    for name in ("name", *ckpt.architecture()):
         theirs = getattr(ckpt, name)
         if (whole_group or f"model.{name}" in given) and model.get(name) != theirs:
             fix = f"drop model.{name}=... from the command line to fine-tune this checkpoint"

@@ -50,6 +50,7 @@ PATCHED_MODULES: tuple[str, ...] = (
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.grad_scaler",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",  # MLA's YaRN
     "megatron.core.models.common.language_module.language_module",
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.transformer.utils",  # default causal mask
@@ -63,6 +64,7 @@ PATCHED_MODULES: tuple[str, ...] = (
     "megatron.core.transformer.moe.experts",
     "megatron.core.transformer.moe.shared_experts",
     "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.multi_token_prediction",  # its loss tracker
 )
 
 

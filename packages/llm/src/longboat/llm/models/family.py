@@ -27,6 +27,10 @@ class HFDecoderAdapter:
     prefix: str = "model."
     """Prefix of the decoder tensors in the HF state dict."""
     format: str = "hf"
+    weights: Any = None
+    """The weight mapping (``load(chunks, config, directory, progress=None) -> int`` and
+    ``save(chunks, config, directory) -> None``, collective) for a family whose tensors are
+    not the Llama-style decoder's; None: core's ``hf_io`` mapping."""
 
     def read_config(self, directory: str | Path) -> DecoderModelConfig:
         """The model config of ``<directory>/config.json``."""
@@ -53,8 +57,18 @@ class LLMFamily(Family):
 
     adapter: HFDecoderAdapter
     layer_spec_fn: Callable[..., Any] | None = None
-    """``layer_spec(cfg, backend, kernels)`` -> the ``ModuleSpec`` of one decoder layer; None:
-    core's Llama-style ``dense_layer_spec`` (qk-norm and MoE read from the config)."""
+    """``layer_spec(cfg, backend, kernels)`` -> the ``ModuleSpec`` of one decoder layer (or,
+    for a family with a ``chunk_builder``, whatever that builder takes, e.g. every layer's
+    spec); None: core's Llama-style ``dense_layer_spec`` (qk-norm and MoE read from the
+    config)."""
+    chunk_builder: Callable[..., Any] | None = None
+    """``chunk_builder(cfg, *, kernels, moe_router, precision, device_type, layout,
+    **transformer_config_overrides)`` -> this rank's megatron model chunks, for a family whose
+    model is not core's ``build_decoder`` (its own ``TransformerConfig``, per-layer specs,
+    extra blocks); None: ``build_decoder`` with ``layer_spec``."""
+    lora: bool = True
+    """Whether the family takes ``lora.enabled=true`` (LoRA on its linears, the PEFT adapter
+    export); False: refused at compose time."""
     notes: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -120,23 +134,33 @@ def decoder_family(
     dialect: str | HFDecoderDialect | None = None,
     hf_prefix: str = "model.",
     layer_spec: Callable[..., Any] | None = None,
+    schema: type[DecoderModelConfig] = DecoderModelConfig,
+    chunk_builder: Callable[..., Any] | None = None,
+    weights: Any = None,
+    flops: Callable[..., float] = flops_per_sample,
+    lora: bool = True,
 ) -> LLMFamily:
     """The ``LLMFamily`` of a decoder: ``dialect`` names core's HF config dialect (default:
     the one of ``name``) or is a dialect of the family's own; ``layer_spec`` replaces the
-    Llama-style layer."""
+    Llama-style layer. A family of another architecture also gives its ``schema`` (a
+    ``DecoderModelConfig`` subclass), ``chunk_builder`` (``LLMFamily.chunk_builder``), HF
+    ``weights`` mapping (``HFDecoderAdapter.weights``), ``flops`` per sample and whether it
+    takes ``lora``."""
     if dialect is None or isinstance(dialect, str):
         dialect = hf_dialect(dialect or name)
     return LLMFamily(
         name=name,
         stack="llm",
-        schema=DecoderModelConfig,
+        schema=schema,
         flavors=dict(flavors),
         description=description,
         build=_build,
-        adapter=HFDecoderAdapter(dialect, prefix=hf_prefix),
+        adapter=HFDecoderAdapter(dialect, prefix=hf_prefix, weights=weights),
         checkpoint_types=(*dialect.model_types, *dialect.architectures),
-        flops_per_sample=flops_per_sample,
+        flops_per_sample=flops,
         layer_spec_fn=layer_spec,
+        chunk_builder=chunk_builder,
+        lora=lora,
     )
 
 

@@ -133,7 +133,8 @@ def forward_backward(
     Returns the step's mean LM loss on every rank as a 0-d device tensor (no host sync). The
     optimizer step is the caller's, so a non-finite loss can skip it. ``metrics``, when
     given, receives ``moe_aux_loss`` (the mean of transformers' load-balancing loss,
-    ``model.moe_aux_loss=hf``) where the model computes it.
+    ``model.moe_aux_loss=hf``) where the model computes it, and ``mtp_loss`` (the
+    multi-token prediction loss, ``mtp_mean_loss``) for a model with multi-token prediction.
     """
     from megatron.core.distributed import finalize_model_grads
 
@@ -144,7 +145,35 @@ def forward_backward(
     finalize_model_grads(model)
     if metrics is not None and losses and "moe aux loss" in losses[0]:
         metrics["moe_aux_loss"] = world_mean_of_last_stage(losses, device, "moe aux loss")
+    if _mtp_depths(model):
+        mtp = mtp_mean_loss(len(microbatches), device)
+        if metrics is not None:
+            metrics["mtp_loss"] = mtp
     return world_mean_of_last_stage(losses, device)
+
+
+def _mtp_depths(model: list[torch.nn.Module]) -> int:
+    """The model's multi-token prediction depth (megatron's ``mtp_num_layers``; 0: none)."""
+    inner: Any = model[0]
+    while not hasattr(inner, "config") and hasattr(inner, "module"):
+        inner = inner.module
+    return int(getattr(getattr(inner, "config", None), "mtp_num_layers", None) or 0)
+
+
+def mtp_mean_loss(microbatches: int, device: torch.device | None = None) -> torch.Tensor:
+    """The step's multi-token prediction loss (mean over depths and microbatches, averaged
+    over data-parallel ranks) from megatron's MTP tracker, which is emptied for the next step
+    (collective: every rank calls it)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    values = tracker.pop("loss_values", None)
+    for key in ("correct_values", "total_values"):
+        tracker.pop(key, None)
+    entries = (
+        [] if values is None else [{"mtp loss": values.sum() / (values.numel() * microbatches)}]
+    )
+    return world_mean_of_last_stage(entries, device, "mtp loss")
 
 
 @torch.no_grad()

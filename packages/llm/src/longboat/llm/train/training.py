@@ -82,6 +82,16 @@ RESUME_KEYS = (
 """What a checkpoint's sharded model and optimizer state depend on."""
 
 
+def family_resume_keys(model: Any) -> tuple[str, ...]:
+    """The architecture fields a family adds to core's decoder config (a ``DecoderModelConfig``
+    subclass's ``architecture()``, e.g. DeepSeek-V3's latent ranks): a checkpoint's sharded
+    state follows them as it follows ``RESUME_KEYS``."""
+    from longboat.core.megatron.decoder_config import ARCH_FIELDS
+
+    own = getattr(model, "architecture", dict)()
+    return tuple(f"model.{name}" for name in own if name not in ARCH_FIELDS)
+
+
 class LLMTraining(MegatronTraining):
     """One ``longboat-llm train`` run, built (see the module doc)."""
 
@@ -90,6 +100,7 @@ class LLMTraining(MegatronTraining):
 
     def __init__(self, cfg: Any) -> None:
         self.model_cfg = cfg.model
+        self.resume_keys = RESUME_KEYS + family_resume_keys(cfg.model)
         super().__init__(cfg, num_threads=cfg.llm.num_threads)
 
     def check(self, cfg: Any) -> None:
