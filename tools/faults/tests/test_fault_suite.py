@@ -213,7 +213,8 @@ def _params() -> list[object]:
     out = []  # case by case: the two-process cases of every stack come first
     for case in CASES:
         for stack in STACKS:
-            marks = [pytest.mark.faults, pytest.mark.multiprocess]
+            # A cell runs up to three launches (the reference, the fault, the restart).
+            marks = [pytest.mark.faults, pytest.mark.multiprocess, pytest.mark.timeout(3 * 900)]
             if (stack, case) not in FAST:
                 marks.append(pytest.mark.slow)
             out.append(pytest.param(stack, case, marks=marks, id=f"{stack}-{case}"))
@@ -344,6 +345,7 @@ def test_fault_stops_as_specified_and_the_restart_loses_nothing(
 
 @pytest.mark.faults
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", ["bad_shard"])
 @pytest.mark.parametrize("stack", list(BAD_SHARD_TESTS))
 def test_a_bad_data_shard_is_named_before_training(stack: str, case: str) -> None:
