@@ -16,9 +16,11 @@ from typing import Any
 
 import pytest
 
-FAULTS = Path(__file__).resolve().parents[1]
-if str(FAULTS) not in sys.path:
-    sys.path.insert(0, str(FAULTS))
+# tools/faults (run_stack.py) and this folder (the suite's case table) on sys.path: pytest's
+# importlib mode adds neither.
+for _path in (Path(__file__).resolve().parents[1], Path(__file__).resolve().parent):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 REPORT_ENV = "LONGBOAT_FAULTS_REPORT"
 """Where the summary table goes (unset: nowhere)."""
@@ -92,7 +94,7 @@ def _write_report() -> None:
     text = [
         f"# Fault-injection suite, {now:%Y-%m-%d}",
         "",
-        f"`nox -s faults` on {platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"`pytest tools/faults/tests -m faults` (what `nox -s faults` runs) on {platform.machine()}, {os.cpu_count()} CPU cores, "
         f"{now:%H:%M} UTC: {passed} of {len(_CELLS)} cells run pass (`-` marks a cell not "
         "run). Each cell is one fault on "
         "one stack at tiny CPU shapes (gloo for the two-process cases), then the same command "
