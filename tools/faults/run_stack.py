@@ -15,7 +15,8 @@ when omitted):
 - ``disk_full``: the save of step STEP fails with ENOSPC while DCP writes the shards.
 
 Launched once per rank with torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) for
-a multi-process run.
+a multi-process run, or by ``torchrun --max-restarts N`` itself (the fault then happens in the
+first attempt only).
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 
     stack_train = get_stack(args.stack).resolve_train()
     rank = int(os.environ.get("RANK", "0"))
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        fault = None  # a fault happens once: torchrun's restart runs clean
 
     def train(cfg: Any) -> Any:
         if fault is None:

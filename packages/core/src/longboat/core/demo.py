@@ -174,7 +174,7 @@ class DemoTraining(Training):
             # A 128-wide MLP gains nothing from intra-op threads, and on a busy machine
             # OpenMP threads spinning against each other make it 10-20x slower.
             torch.set_num_threads(1)
-        info = init_distributed(self.accelerator, timeout=cfg.train.collective_timeout_s)
+        info = init_distributed(self.accelerator)
         self.is_main = info.is_main
         self.device = self.accelerator.device()
         seed_everything(cfg.train.seed, self.accelerator)

@@ -50,8 +50,10 @@ def init_distributed(
     Binds this process to its local device first. Without those variables the
     process runs alone and no process group is created. If a group already
     exists (e.g. under ``run_multiprocess``) it is reused. ``timeout`` (seconds or a
-    timedelta; a run passes ``train.collective_timeout_s``): how long a collective waits for
-    a peer before it raises.
+    timedelta): how long joining the group and a collective wait for a peer; generous, as
+    ranks start at different times and rank 0 may prepare data while the others wait. The
+    trainer narrows it to ``train.collective_timeout_s`` for the steps
+    (``set_collective_timeout``).
     """
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import signal
 import statistics
 import sys
 import threading
@@ -213,7 +214,7 @@ class RankWatchdog:
         if not peer:
             return None  # this rank failed first: its own error is the message
         _exit_later(EXIT_GRACE_S, RANK_FAILURE_EXIT)  # should the teardown block
-        culprit = self._find_culprit()
+        culprit = self._find_culprit_through_sigterm()
         if culprit is None:
             line = (
                 f"a peer rank failed at step {self.step + 1} (rank {self.rank} saw: {what}); "
@@ -229,6 +230,17 @@ class RankWatchdog:
             )
             survivors = set(range(self.world_size)) - {rank}
         return RankFailure(line, report=self.rank == min(survivors | {self.rank}))
+
+    def _find_culprit_through_sigterm(self) -> tuple[int, int, str] | None:
+        """``_find_culprit`` with SIGTERM held off (a launcher such as torchrun's agent
+        terminates the other ranks as soon as one fails; it waits a while before SIGKILL)."""
+        if threading.current_thread() is not threading.main_thread():
+            return self._find_culprit()
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            return self._find_culprit()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
     def _find_culprit(self) -> tuple[int, int, str] | None:
         """(rank, last completed step, why) of the rank that failed first, from the store:

@@ -38,7 +38,7 @@ class MegatronTraining(Training):
         self._threads = torch.get_num_threads()
         if self.accelerator.device_type == "cpu" and num_threads > 0:
             torch.set_num_threads(num_threads)
-        info = init_distributed(self.accelerator, timeout=cfg.train.collective_timeout_s)
+        info = init_distributed(self.accelerator)
         self.is_main = info.is_main
         self._owns_group = single_process_group(self.accelerator)
         self._layout_up = False

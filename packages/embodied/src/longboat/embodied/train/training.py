@@ -265,7 +265,7 @@ class EmbodiedTraining(Training):
     def __init__(self, cfg: EmbodiedExperimentConfig) -> None:
         self.cfg = cfg
         self.accelerator = get_accelerator()
-        info = init_distributed(self.accelerator, timeout=cfg.train.collective_timeout_s)
+        info = init_distributed(self.accelerator)
         self.is_main = info.is_main
         self.rank = info.rank  # embodied is data parallel only: dp rank == global rank
         self.device = self.accelerator.device(info.local_rank)
