@@ -76,7 +76,6 @@ CASE_ORDER = [
     "corrupt_latest",
     "disk_full",
     "bad_shard",
-    "torchrun_restart",
 ]
 
 
@@ -112,9 +111,6 @@ def _write_report() -> None:
         "| bad_shard | bytes of a data file damaged (each stack's own reader test: "
         "`BAD_SHARD_TESTS`) | one line naming the file and the row / episode, exit 2, before "
         "any step |",
-        "| torchrun_restart | `torchrun --max-restarts 1`, two ranks; rank 1 raises after step "
-        "3 in the first attempt | the line naming rank 1, then torchrun's restart resumes at 2 "
-        "and the run ends with exit 0 and the reference losses |",
         "",
     ]
     Path(path).parent.mkdir(parents=True, exist_ok=True)

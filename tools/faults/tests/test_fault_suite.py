@@ -359,29 +359,3 @@ def test_a_bad_data_shard_is_named_before_training(stack: str, case: str) -> Non
         timeout=LAUNCH_TIMEOUT_S,
     )
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:]
-
-
-TORCHRUN = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
-
-
-@pytest.mark.faults
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.timeout(3 * 900)
-@pytest.mark.parametrize("case", ["torchrun_restart"])
-@pytest.mark.parametrize("stack", ["core", "llm"])
-def test_torchrun_max_restarts_resumes_exactly(stack: str, case: str, suite_dir: Path) -> None:
-    """torchrun's agent restarts the job after rank 1 raises: the same run, bit for bit."""
-    ref = reference(stack, 2, suite_dir)
-    out = suite_dir / f"{stack}-{case}"
-    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
-    cmd += [str(RUNNER), stack, "--fault", "raise@3:1", "train"]
-    cmd += [*_stack_args(stack, suite_dir / f"{stack}-data"), *COMMON, f"output_dir={out}"]
-    done = subprocess.run(
-        cmd, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S * 2
-    )
-    text = done.stdout + done.stderr
-    assert done.returncode == 0, text[-6000:]
-    assert "rank 1 failed after step 3 (RuntimeError: fault injected" in text, text[-6000:]
-    assert f"checkpoints/step_{SAVE_EVERY:08d} (step {SAVE_EVERY})" in text
-    assert losses(out) == ref
