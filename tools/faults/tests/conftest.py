@@ -11,6 +11,7 @@ import datetime as dt
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ REPORT_ENV = "LONGBOAT_FAULTS_REPORT"
 """Where the summary table goes (unset: nowhere)."""
 
 _CELLS: dict[tuple[str, str], tuple[str, float]] = {}
+_START = time.monotonic()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -95,8 +97,8 @@ def _write_report() -> None:
         f"# Fault-injection suite, {now:%Y-%m-%d}",
         "",
         f"`pytest tools/faults/tests -m faults` (what `nox -s faults` runs) on {platform.machine()}, {os.cpu_count()} CPU cores, "
-        f"{now:%H:%M} UTC: {passed} of {len(_CELLS)} cells run pass (`-` marks a cell not "
-        "run). Each cell is one fault on "
+        f"{now:%H:%M} UTC, {(time.monotonic() - _START) / 60:.0f} minutes so far: {passed} of "
+        f"{len(_CELLS)} cells run pass (`-` marks a cell not run). Each cell is one fault on "
         "one stack at tiny CPU shapes (gloo for the two-process cases), then the same command "
         "again; it passes when the faulty run stopped as specified and the resumed run's "
         "per-step losses equal an uninterrupted run's, bit for bit. Times are wall seconds "
