@@ -8,6 +8,7 @@ same versions.
     uv run nox -s "tests(core)"    # one package ("tests(tools)": the benchmark scripts)
     uv run nox -s build isolation  # wheels + sdists, then each wheel alone
     uv run nox -s gpu              # GPU tests and benchmarks (needs CUDA)
+    uv run nox -s faults           # fault injection on every stack -> benchmarks/results/
     uv run nox -s build lerobot_parity  # pi0.5 against lerobot 0.6.1 in its own venv
 """
 
@@ -138,6 +139,32 @@ def slow(session: nox.Session) -> None:
         *session.posargs,
         external=True,
     )
+
+
+@nox.session(venv_backend="none")
+def faults(session: nox.Session) -> None:
+    """The fault-injection suite (tools/faults) on every stack: rank death, hang and error
+    in two-process gloo runs, SIGKILL mid-save, Ctrl-C, a corrupt latest checkpoint, a full
+    disk; each restart must continue the uninterrupted run's losses exactly. Writes the
+    summary table to benchmarks/results/faults_<date>.md."""
+    import datetime
+
+    bin_dir = _test_env(session)
+    day = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    report = ROOT / "benchmarks" / "results" / f"faults_{day}.md"
+    session.run(
+        str(bin_dir / "pytest"),
+        str(ROOT / "tools" / "faults" / "tests"),
+        "-m",
+        "faults",
+        *session.posargs,
+        env={
+            "LONGBOAT_FAULTS_REPORT": str(report),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+        },
+        external=True,
+    )
+    session.log(f"summary table: {report}")
 
 
 @nox.session(venv_backend="none")

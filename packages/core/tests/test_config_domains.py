@@ -42,6 +42,8 @@ def test_defaults_have_no_domain_problem() -> None:
         ("data.num_frames", 0, "must be >= 1", "set data.num_frames to 1 or more"),
         ("llm.eval_batches", -1, "must be >= 0", "set llm.eval_batches to 0 or more"),
         ("data.synthetic.episode_length", 0, "must be >= 1", "set data.synthetic.episode_length"),
+        ("train.collective_timeout_s", 0, "must be > 0", "set train.collective_timeout_s"),
+        ("train.collective_timeout_s", float("inf"), "must be a finite number", "set train."),
     ],
 )
 def test_a_value_outside_its_domain_names_the_key_and_the_fix(

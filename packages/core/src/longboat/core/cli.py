@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from longboat.core.config.errors import ConfigError
-from longboat.core.errors import UserError
+from longboat.core.errors import RankFailure, UserError
 
 EXIT_CONFIG_ERROR = 2
 """Exit code for invalid configuration or command-line input (argparse uses 2 too)."""
@@ -355,6 +355,13 @@ def _dispatch(run: Callable[[], int], prog: str, *, debug: bool = False) -> int:
     with _warnings_as_they_happen(prog):
         try:
             return run()
+        except RankFailure as exc:
+            # A peer failed: the lowest surviving rank names it. This rank then ends at once,
+            # as tearing down a process group with a dead peer can block or abort.
+            if exc.report:
+                print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(exc.exit_code)
         except UserError as exc:
             if debug:
                 raise

@@ -16,4 +16,16 @@ class UserError(Exception):
     """Process exit status when the command line stops on this error."""
 
 
-__all__ = ["UserError"]
+class RankFailure(UserError):
+    """Another rank of a multi-process run failed: one line naming it and its last step
+    (``longboat.core.distributed.watchdog``)."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, *, report: bool) -> None:
+        super().__init__(message)
+        self.report = report
+        """Whether this rank prints the line (the lowest surviving rank does)."""
+
+
+__all__ = ["RankFailure", "UserError"]

@@ -42,6 +42,8 @@ DOMAINS: dict[str, str] = {
     "optim.lr": "non_negative",  # 0 holds the weights (a run that only evaluates or exports)
     "optim.eps": "positive",
     "optim.schedule.decay_steps": "at_least_1",
+    # the loop (every stack)
+    "train.collective_timeout_s": "positive",
     # data (the stacks that have these keys)
     "data.seq_len": "at_least_1",
     "data.eval_fraction": "fraction",
@@ -69,7 +71,13 @@ DOMAINS: dict[str, str] = {
 """Dotted key -> domain (``positive``, ``at_least_1``, ``non_negative``, ``fraction``).
 A null value is not checked (null means "not set" for the optional keys here)."""
 
-FINITE = ("optim.lr", "optim.eps", "optim.weight_decay", "optim.grad_clip")
+FINITE = (
+    "optim.lr",
+    "optim.eps",
+    "optim.weight_decay",
+    "optim.grad_clip",
+    "train.collective_timeout_s",
+)
 """Float keys that must not be NaN or infinite."""
 
 

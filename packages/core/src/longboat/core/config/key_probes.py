@@ -31,6 +31,7 @@ TRAINER_KEYS = (
     "train.profiler.start_step",
     "train.profiler.end_step",
     "train.profiler.record_shapes",
+    "train.collective_timeout_s",
 )
 """Keys core's trainer carries out the same way for every stack (core's tests assert them;
 a stack's tiny run asserts ``train.steps`` and ``train.log_every`` again)."""

@@ -195,6 +195,13 @@ class TrainConfig:
     """Non-finite loss handling."""
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     """Optional profiler window."""
+    collective_timeout_s: float = 600.0
+    """Multi-process runs: seconds a rank waits in a collective (all-reduce, barrier, a
+    checkpoint's gather) before it gives up. A rank that dies or hangs then stops every rank
+    within about this time, with one line naming it and its last step (exit 3); a restart
+    resumes from the last complete checkpoint. It applies from the first step to the end of
+    the run (joining the process group and building the run wait up to 10 minutes); set it
+    above the longest checkpoint save, eval or export of the run."""
 
 
 @dataclass

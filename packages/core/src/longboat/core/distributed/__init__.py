@@ -1,10 +1,12 @@
-"""Distributed setup: torchrun init, parallel-config resolution, DeviceMesh, CPU test launcher."""
+"""Distributed setup: torchrun init, parallel-config resolution, DeviceMesh, CPU test launcher;
+the rank watchdog (``longboat.core.distributed.watchdog``) the trainer runs."""
 
 from longboat.core.distributed.init import (
     DistInfo,
     destroy_distributed,
     init_distributed,
     run_precision,
+    set_collective_timeout,
     single_process_group,
 )
 from longboat.core.distributed.multiprocess import (
@@ -33,5 +35,6 @@ __all__ = [
     "resolve_parallel",
     "run_multiprocess",
     "run_precision",
+    "set_collective_timeout",
     "single_process_group",
 ]

@@ -43,14 +43,20 @@ def _env_int(name: str) -> int:
 def init_distributed(
     accelerator: Accelerator | None = None,
     *,
-    timeout: timedelta = timedelta(minutes=10),
+    timeout: timedelta | float = timedelta(minutes=10),
 ) -> DistInfo:
     """Initialise torch.distributed from torchrun's env (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*).
 
     Binds this process to its local device first. Without those variables the
     process runs alone and no process group is created. If a group already
-    exists (e.g. under ``run_multiprocess``) it is reused.
+    exists (e.g. under ``run_multiprocess``) it is reused. ``timeout`` (seconds or a
+    timedelta): how long joining the group and a collective wait for a peer; generous, as
+    ranks start at different times and rank 0 may prepare data while the others wait. The
+    trainer narrows it to ``train.collective_timeout_s`` for the steps
+    (``set_collective_timeout``).
     """
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
     acc = accelerator or get_accelerator()
     if dist.is_available() and dist.is_initialized():
         local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
@@ -77,6 +83,25 @@ def init_distributed(
         backend=backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs
     )
     return DistInfo(rank, local_rank, world_size, backend)
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Make every existing process group (the default one and those built from it: megatron's,
+    a DeviceMesh's) give up on a collective after ``seconds``; groups made with their own
+    default (30 minutes for gloo) would otherwise outwait ``train.collective_timeout_s``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    set_timeout = getattr(dist, "set_timeout", None) or getattr(c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        return
+    timeout = timedelta(seconds=float(seconds))
+    for group in list(c10d._world.pg_map):
+        try:
+            set_timeout(timeout, group)
+        except (RuntimeError, ValueError):  # a backend without a settable timeout
+            continue
 
 
 def destroy_distributed() -> None:

@@ -7,6 +7,9 @@ everything around the steps, the same in every stack:
   which sets the previous run aside, or a path), with the config winning over the checkpoint
   for hyperparameters and the LR schedule, and the changed keys announced;
 - SIGTERM / SIGUSR1 / Ctrl-C: finish the step, save (``checkpoint.save_on_exit``), stop;
+- rank failures (``RankWatchdog``): a rank that dies or hangs stops every rank within
+  ``train.collective_timeout_s``, named in one line; a step without progress for many median
+  step times is reported with the rank's Python stacks;
 - the progress bar, metrics (JSONL + TensorBoard, one row per step even after a resume),
   the NaN guard through the step's update gate (synchronous or one step late), the LR
   schedule, checkpoint cadence and keep-last-N, periodic eval, the profiler window, the
@@ -32,6 +35,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from longboat.core.checkpoint import CheckpointError, CheckpointManager
+from longboat.core.distributed.init import set_collective_timeout
+from longboat.core.distributed.watchdog import RankWatchdog
 from longboat.core.errors import UserError
 from longboat.core.loop.metrics import MetricsSink
 from longboat.core.loop.nan_guard import NaNGuard
@@ -213,12 +218,16 @@ class Trainer:
         self.last_saved = r.start_step if r.resumed_from is not None else None
         self.logged_step: int | None = None
         t0 = time.perf_counter()
-        try:
-            self._loop()
-        finally:
-            self.gate.close()
-        r.elapsed_s = time.perf_counter() - t0
-        self._finish()
+        set_collective_timeout(cfg.train.collective_timeout_s)
+        # A rank that dies or hangs stops every rank, named in one line (RankFailure).
+        with RankWatchdog.for_run(cfg.train.collective_timeout_s, step=self.step) as self.watchdog:
+            try:
+                self._loop()
+            finally:
+                self.gate.close()
+            r.elapsed_s = time.perf_counter() - t0
+            self.watchdog.steps_done()
+            self._finish()
         return r
 
     def _loop(self) -> None:
@@ -251,6 +260,7 @@ class Trainer:
                     gate.end_step()
                 self.step = step = self.step + 1
                 self.state["step"] = step
+                self.watchdog.progress(step)
                 pending.append(out.loss)
                 window.steps += 1
                 log_now = step % log_every == 0 or step == total
@@ -284,6 +294,8 @@ class Trainer:
                     window.pause()
                     self._save(step)
                     window.resume()
+                if eval_now or save_now:
+                    self.watchdog.touch()  # a save or eval is no step to time
                 if stop.should_stop():
                     r.stopped_by_signal = stop.signal_name
                     break
