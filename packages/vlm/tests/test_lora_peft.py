@@ -1,11 +1,11 @@
 """A VLM LoRA run writes its adapters as a PEFT adapter (CPU, tiny Qwen2.5-VL, fp32).
 
-``longboat-vlm train ... lora.enabled=true model.freeze=[vision]`` (two steps) writes
-``hf_adapter/`` beside the merged ``hf/`` export: ``peft.PeftModel.from_pretrained`` puts it
-on the source checkpoint and gives the merged export's logits within 1e-4 on a prompt with
-an image. The patch merger trained in full, so the adapter carries it as PEFT's
-``modules_to_save``; the vision blocks stay the source's. ``export.adapter_dir`` without
-LoRA is refused before anything is built.
+``longboat-vlm train ... lora.enabled=true`` (two steps) writes ``hf_adapter/`` beside the
+merged ``hf/`` export: ``peft.PeftModel.from_pretrained`` puts it on the source checkpoint
+and gives the merged export's logits within 1e-4 on a prompt with an image. Components that
+trained in full go in the adapter as PEFT's ``modules_to_save``: the patch merger with
+``model.freeze=[vision]``, the whole tower with nothing frozen, none with both frozen.
+``export.adapter_dir`` without LoRA is refused before anything is built.
 """
 
 from __future__ import annotations
@@ -51,8 +51,12 @@ def _logits(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         return model(**inputs).logits
 
 
-@pytest.fixture(scope="module")
-def lora_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+SAVED = {"[vision]": ["model.visual.merger"], "[]": ["model.visual"], "[vision,projector]": None}
+"""``model.freeze`` -> the adapter's ``modules_to_save``."""
+
+
+@pytest.fixture(scope="module", params=sorted(SAVED))
+def lora_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     from longboat.vlm.data.shapes_dataset import make_shapes_dataset
 
     tmp = tmp_path_factory.mktemp("vlm_lora_peft")
@@ -61,19 +65,18 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     run = tmp / "run"
     argv = ["train", "experiment=sft", f"model.init_from={ckpt}",
             f"data.paths=[{shapes.train}]", f"data.root={shapes.train.parent}",
-            "lora.enabled=true", "lora.rank=4", "lora.alpha=8", "model.freeze=[vision]",
+            "lora.enabled=true", "lora.rank=4", "lora.alpha=8", f"model.freeze={request.param}",
             "optim.lr=3e-3", "optim.schedule.warmup_steps=0", "train.precision=fp32",
             f"output_dir={run}", "train.steps=2", "train.global_batch_size=2",
             "data.seq_len=512", "logging.progress=false", "logging.tensorboard=false"]  # fmt: skip
     done = _cli(argv, tmp)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"PEFT adapter: {run / 'hf_adapter'}" in done.stdout + done.stderr
-    return {"ckpt": ckpt, "export": run / "hf", "adapter": run / "hf_adapter"}
+    return {"ckpt": ckpt, "export": run / "hf", "adapter": run / "hf_adapter",
+            "freeze": request.param}  # fmt: skip
 
 
-def test_the_adapter_on_the_source_gives_the_merged_exports_logits(
-    lora_run: dict[str, Path],
-) -> None:
+def test_the_adapter_on_the_source_gives_the_merged_exports_logits(lora_run: dict) -> None:
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import Qwen2_5_VLForConditionalGeneration
@@ -82,7 +85,8 @@ def test_the_adapter_on_the_source_gives_the_merged_exports_logits(
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(ckpt)
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
-    assert config["modules_to_save"] == ["model.visual.merger"]
+    saved = SAVED[lora_run["freeze"]]
+    assert config["modules_to_save"] == saved
     tensors = load_file(str(adapter / "adapter_model.safetensors"))
     from longboat.vlm.models.qwen2_5_vl.model import read_hf_config
 
@@ -91,8 +95,14 @@ def test_the_adapter_on_the_source_gives_the_merged_exports_logits(
     # 7 HF projections (q, k, v, o, gate, up, down) per layer, an A and a B each.
     assert len(lora_keys) == layers * 7 * 2
     assert all(k.startswith("base_model.model.model.language_model.layers.") for k in lora_keys)
-    merger = {k for k in tensors if ".lora_" not in k}
-    assert merger and all(k.startswith("base_model.model.model.visual.merger.") for k in merger)
+    whole = {k for k in tensors if ".lora_" not in k}
+    if saved is None:
+        assert not whole
+    else:
+        assert whole and all(k.startswith(f"base_model.model.{saved[0]}.") for k in whole)
+        source_keys = load_file(str(ckpt / "model.safetensors"))
+        n_visual = sum(k.startswith(saved[0].removeprefix("model.") + ".") for k in source_keys)
+        assert len(whole) == n_visual, "every tensor of the module, as the source has it"
 
     inputs = _probe(ckpt)
     source = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(ckpt)).eval()
