@@ -125,3 +125,39 @@ def test_the_adapter_dir_without_lora_is_refused(tmp_path: Path) -> None:
     out = done.stdout + done.stderr
     assert "export.adapter_dir" in out and "lora.enabled=false" in out
     assert not (tmp_path / "adapter").exists() and not (tmp_path / "run" / "hf").exists()
+
+
+def _adapter_run(rank: int, world: int, overrides: list[str]) -> str:
+    from longboat.core.config.compose import compose_experiment
+    from longboat.vlm.train.training import train
+
+    train(compose_experiment("quickstart", overrides, stack="vlm"))
+    return overrides[0]
+
+
+@pytest.mark.multiprocess
+def test_tp2_writes_the_tp1_adapter(tmp_path: Path) -> None:
+    """The adapter gathered from two tensor-parallel ranks (column- and row-parallel
+    adapters, the merger's shards) is the TP=1 run's within 1e-5."""
+    from safetensors.torch import load_file
+
+    from longboat.core.distributed import run_multiprocess
+
+    data = tmp_path / "data"
+    outs = {}
+    for tp in (1, 2):
+        adapter = tmp_path / f"adapter_tp{tp}"
+        overrides = [f"export.adapter_dir={adapter}", f"output_dir={tmp_path / f'run{tp}'}",
+                     f"data.out_dir={data}", "data.num_train=8", "data.num_eval=2",
+                     "data.seq_len=256", "train.steps=2", "train.global_batch_size=2",
+                     "train.eval_every=0", "logging.progress=false",
+                     "logging.tensorboard=false", "vlm.answer_eval_samples=0",
+                     "lora.enabled=true", "lora.rank=4", "model.freeze=[vision]",
+                     f"parallel.tensor_parallel={tp}"]  # fmt: skip
+        run_multiprocess(_adapter_run, tp, overrides, timeout=600)
+        outs[tp] = load_file(str(adapter / "adapter_model.safetensors"))
+    assert sorted(outs[1]) == sorted(outs[2])
+    assert any(k.endswith("lora_B.weight") and outs[1][k].abs().max() > 0 for k in outs[1])
+    for key, want in outs[1].items():
+        diff = (outs[2][key] - want).abs().max().item()
+        assert diff < 1e-5, f"{key}: TP=2 vs TP=1 max |d| {diff:.2e}"
