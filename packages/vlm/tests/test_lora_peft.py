@@ -161,3 +161,13 @@ def test_tp2_writes_the_tp1_adapter(tmp_path: Path) -> None:
     for key, want in outs[1].items():
         diff = (outs[2][key] - want).abs().max().item()
         assert diff < 1e-5, f"{key}: TP=2 vs TP=1 max |d| {diff:.2e}"
+
+
+def test_a_family_without_a_peft_layout_refuses_the_adapter_dir(tmp_path: Path) -> None:
+    done = _cli(["train", "experiment=quickstart", "model=qwen3_vl_tiny", "lora.enabled=true",
+                 f"output_dir={tmp_path / 'run'}", f"export.adapter_dir={tmp_path / 'adapter'}"],
+                tmp_path)  # fmt: skip
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    out = done.stdout + done.stderr
+    assert "export.adapter_dir" in out and "qwen3_vl family has no PEFT adapter layout" in out
+    assert not (tmp_path / "run" / "hf").exists()
