@@ -23,9 +23,11 @@ STACK = Stack(
     },
     console_script="longboat-vlm",
     train="longboat.vlm.train.training:train",
+    validators=("longboat.vlm.train.lora:validate_adapter_export",),
     capabilities=Capabilities(
         recompute=("none", "full"),  # whole ViT blocks and decoder layers
         recompute_components=("vision", "language"),
+        export_adapter=True,  # LoRA adapters as a PEFT adapter (lora.enabled=true)
     ),
     renamed_keys={
         "model.init_from_hf": "model.init_from",

@@ -7,17 +7,30 @@ megatron's DDP is built, so only the adapters and the unfrozen components get gr
 buffers and optimizer state. The adapters are parameters of the model, so checkpoints and
 resume carry them like any other weight. ``merged_language(model)`` is the ``with`` block
 an HF export runs in: the adapters folded into the decoder's weights, put back afterwards.
+
+``save_language_adapter`` writes the adapters on their own as a PEFT adapter directory
+(``longboat.core.megatron.peft``) for ``transformers``' model of the family: the decoder's
+adapters under the family's ``PEFT_LANGUAGE_PREFIX``, and the vision tower or the projector
+where they trained too (not in ``model.freeze``) as PEFT's ``modules_to_save``, so the
+adapter on the source checkpoint is the trained model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 from longboat.core.config.errors import ConfigError
 
-__all__ = ["apply_language_lora", "merged_language"]
+__all__ = [
+    "adapter_export_problem",
+    "apply_language_lora",
+    "merged_language",
+    "save_language_adapter",
+    "validate_adapter_export",
+]
 
 
 def apply_language_lora(model: Any, lora: Any, *, frozen: Sequence[str] = (), seed: int = 0) -> int:
@@ -56,3 +69,57 @@ def merged_language(model: Any) -> AbstractContextManager[int]:
     from longboat.core.megatron.lora import merged_lora
 
     return merged_lora([model.language])
+
+
+def validate_adapter_export(cfg: Any, world_size: int | None, problems: Any) -> None:
+    """``export.adapter_dir`` only with ``lora.enabled=true`` (a ``Stack.validators`` entry)."""
+    export = cfg.get("export") or {}
+    adapter = export.get("adapter_dir")
+    if adapter is not None and not (cfg.get("lora") or {}).get("enabled"):
+        problems.add(
+            "export.adapter_dir",
+            "is where the vlm stack writes LoRA adapters, but lora.enabled=false",
+            value=adapter,
+            fix="set lora.enabled=true, or leave export.adapter_dir null",
+        )
+
+
+def adapter_export_problem(family_module: Any) -> str | None:
+    """Why the family's LoRA adapters cannot be written as a PEFT adapter (None: they can)."""
+    if getattr(family_module, "PEFT_LANGUAGE_PREFIX", None) is None:
+        return "has no PEFT adapter layout (its adapters go only into the merged export)"
+    return None
+
+
+def save_language_adapter(
+    model: Any,
+    model_cfg: Any,
+    family_module: Any,
+    lora: Any,
+    out_dir: str | Path,
+    *,
+    frozen: Sequence[str] = (),
+    base_model: str | None = None,
+) -> Path:
+    """Write the decoder's adapters (and the tower or projector where they trained) as a PEFT
+    adapter directory for ``base_model`` (collective, like the HF export)."""
+    from longboat.core.megatron.peft import save_peft
+
+    modules: dict[str, dict[str, Any]] = {}
+    trained = [c for c in ("vision", "projector") if c not in frozen]
+    if trained:
+        visual = family_module.visual_hf_state(model, model_cfg)  # collective
+        name = family_module.PEFT_VISUAL if "vision" in trained else family_module.PEFT_PROJECTOR
+        if visual:
+            modules[name] = {k: v for k, v in visual.items() if k.startswith(f"{name}.")}
+    return save_peft(
+        [model.language],
+        model_cfg.language,
+        out_dir,
+        rank=lora.rank,
+        alpha=lora.alpha,
+        prefix=family_module.PEFT_LANGUAGE_PREFIX,
+        base_model=base_model,
+        scoped_targets=True,
+        modules_to_save=modules or None,
+    )

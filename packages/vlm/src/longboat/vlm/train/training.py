@@ -155,6 +155,19 @@ class VLMTraining(MegatronTraining):
                 value=list(cfg.model.freeze),
                 fix="remove language from model.freeze (LoRA freezes the decoder's base weights)",
             )
+        adapter = cfg.export.adapter_dir  # without LoRA: refused at validation (lora.py)
+        if adapter is not None and cfg.lora.enabled:
+            from longboat.vlm.train.lora import adapter_export_problem
+
+            family = model_family(cfg)
+            problem = adapter_export_problem(family.load())
+            if problem is not None:
+                raise ConfigError(
+                    f"the {family.name} family {problem}",
+                    key="export.adapter_dir",
+                    value=adapter,
+                    fix="leave export.adapter_dir null (the export has the adapters merged)",
+                )
         if cfg.model.vision_tensor_parallel is not None:
             from longboat.vlm.models.vision_parallel import resolve_vision_tensor_parallel
 
@@ -350,8 +363,25 @@ class VLMTraining(MegatronTraining):
     def export(self) -> Path | None:
         if not self.cfg.export.enabled:
             return None
-        from longboat.vlm.train.lora import merged_language
+        from longboat.vlm.train.lora import (
+            adapter_export_problem,
+            merged_language,
+            save_language_adapter,
+        )
 
+        cfg = self.cfg
+        family_module = self.family.load()
+        if cfg.lora.enabled and adapter_export_problem(family_module) is None:
+            # the adapters on their own, before the export merges them
+            self.adapter_dir = save_language_adapter(
+                self.step_fn.model,
+                self.model_cfg,
+                family_module,
+                cfg.lora,
+                cfg.export.adapter_dir or f"{cfg.output_dir}/hf_adapter",
+                frozen=cfg.model.freeze,
+                base_model=cfg.model.init_from,
+            )
         out = Path(self.cfg.export.dir or f"{self.cfg.output_dir}/hf")
         with merged_language(self.step_fn.model):  # the adapters folded in, then put back
             self.family.load().save_hf(self.step_fn.model, self.model_cfg, out)
@@ -406,6 +436,8 @@ class VLMTraining(MegatronTraining):
         lines = []
         if result.export_dir is not None:
             lines.append(f"HF export:   {result.export_dir}")
+        if getattr(self, "adapter_dir", None) is not None:
+            lines.append(f"PEFT adapter: {self.adapter_dir} (peft.PeftModel.from_pretrained)")
         n = self.cfg.vlm.answer_eval_samples
         if self.is_main and result.export_dir is not None and n > 0:
             from longboat.vlm.train.data import answer_held_out

@@ -27,6 +27,7 @@ from longboat.vlm.models.common import (
     check_checkpoint_architecture,
     check_model_type,
     check_recompute,
+    gather_split_tower,
     load_decoder_and_tower,
     pick_flavor,
     read_config_json,
@@ -42,6 +43,13 @@ PIPELINE_PARALLEL = True
 VISION_DATA_PARALLEL = True
 """``build(vision_tensor_parallel=1)`` under a TP decoder: an unsharded tower encoding the
 images data-parallel over the TP ranks (``longboat.vlm.models.vision_parallel``)."""
+PEFT_LANGUAGE_PREFIX = "model.language_model."
+"""Where ``transformers``' ``Qwen2_5_VLForConditionalGeneration`` keeps the decoder's layers
+(the module names a PEFT adapter's keys use)."""
+PEFT_VISUAL = "model.visual"
+PEFT_PROJECTOR = "model.visual.merger"
+"""The tower and its patch merger as ``transformers`` names the modules (PEFT's
+``modules_to_save``)."""
 
 
 @dataclass
@@ -226,6 +234,18 @@ def save_hf(model: VisionLanguageModel, cfg: Qwen25VLConfig, out_dir: str | Path
         language_prefix="model.",
         visual_prefix="visual.",
     )
+
+
+def visual_hf_state(model: VisionLanguageModel, cfg: Qwen25VLConfig) -> dict[str, torch.Tensor]:
+    """The tower with its merger as full tensors named after ``transformers``' modules
+    (``model.visual.*``); collective over the TP group like ``save_hf``, empty where the
+    model has no tower (a later pipeline stage)."""
+    from longboat.vlm.models.qwen2_5_vl import vision_hf
+
+    if model.vision is None:
+        return {}
+    full = gather_split_tower(model, vision_hf.unshard_vision_state_dict)
+    return vision_hf.vision_to_hf(full, cfg.vision, prefix=f"{PEFT_VISUAL}.")
 
 
 def _flavors() -> dict[str, Qwen25VLConfig]:
