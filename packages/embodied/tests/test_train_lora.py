@@ -53,7 +53,10 @@ def _lora_run(out: Path, *extra: str) -> dict[str, Any]:
     model = training.model
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     base_before = {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" not in k}
-    result = Trainer(cfg, training).fit()
+    try:
+        result = Trainer(cfg, training).fit()
+    finally:
+        training.close()
     return {
         "training": training,
         "trainable": trainable,
@@ -209,3 +212,51 @@ def test_target_matching_no_linear_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         build_training(cfg)
     assert "lora.targets" in err.value.keys and "no_such_linear" in str(err.value)
+
+
+def _ddp_rank(rank: int, world: int, out: Path, strategy: str) -> dict[str, Any]:
+    from longboat.core.train import Trainer, typed_config
+    from longboat.embodied.train.lora import peft_adapter_state
+    from longboat.embodied.train.training import build_training
+
+    overrides = tiny_run_overrides(
+        out,
+        "train.micro_batch_size=1",
+        "optim.lr=1e-2",
+        "optim.schedule.warmup_steps=0",
+        "checkpoint.every_steps=0",
+        f"parallel.strategy={strategy}",
+        "lora.enabled=true",
+    )
+    cfg = typed_config(compose_experiment("groot_n1_6_tiny", overrides, world_size=world))
+    training = build_training(cfg)
+    try:
+        model = training.model
+        base = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
+        result = Trainer(cfg, training).fit()
+        after = {k: v for k, v in model.state_dict().items() if "lora_" not in k}
+        return {
+            "adapters": peft_adapter_state(model),
+            "base_kept": all(torch.equal(base[k], after[k]) for k in base),
+            "export": str(result.export_dir),
+            "master_weights": cfg.train.master_weights,
+        }
+    finally:
+        training.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_data_parallel_lora_keeps_ranks_equal(tmp_path: Path, strategy: str) -> None:
+    """Two ranks (DDP with master weights, ZeRO-1): the adapters train and agree across
+    ranks, the base weights stay, the export and the adapter folder are written once."""
+    from longboat.core.distributed import run_multiprocess
+
+    res = run_multiprocess(_ddp_rank, 2, tmp_path, strategy, timeout=600)
+    a, b = res[0]["adapters"], res[1]["adapters"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in a.items())
+    assert res[0]["base_kept"] and res[1]["base_kept"]
+    assert res[0]["master_weights"] is (strategy == "ddp")
+    assert (Path(res[0]["export"]) / "model.safetensors").is_file()
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
