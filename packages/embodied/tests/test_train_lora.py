@@ -205,13 +205,21 @@ def test_bad_lora_keys_are_refused(tmp_path: Path, override: str, key: str) -> N
 
 
 def test_target_matching_no_linear_is_refused(tmp_path: Path) -> None:
+    """At compose time (the policy's flavor built on the meta device), and again where the
+    run builds its policy (a ``model.init_from`` architecture)."""
     from longboat.core.train import typed_config
     from longboat.embodied.train.training import build_training
 
-    cfg = typed_config(_compose(tmp_path, "lora.targets=[q_proj,no_such_linear]"))
+    bad = "lora.targets=[q_proj,no_such_linear]"
     with pytest.raises(ConfigError) as err:
-        build_training(cfg)
-    assert "lora.targets" in err.value.keys and "no_such_linear" in str(err.value)
+        _compose(tmp_path, bad)
+    assert err.value.keys == ["lora.targets"] and "no_such_linear" in str(err.value)
+    plain = compose_experiment(
+        "groot_n1_6_tiny", tiny_run_overrides(tmp_path, "lora.enabled=true", bad), validate=False
+    )
+    with pytest.raises(ConfigError) as err:
+        build_training(typed_config(plain))
+    assert err.value.keys == ["lora.targets"] and "no_such_linear" in str(err.value)
 
 
 def _ddp_rank(rank: int, world: int, out: Path, strategy: str) -> dict[str, Any]:

@@ -225,7 +225,7 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
                 fix=f"use one of {', '.join(LAYOUTS)}",
             )
     check_export_keys(cfg, model_name, problems)
-    check_lora_keys(cfg, problems)
+    check_lora_keys(cfg, problems, model_name)
     eval_episodes = None if data is None else data.get("eval_episodes")
     if data is not None:
         check_eval_keys(eval_episodes, data.get("eval_batches", 4), problems)
@@ -284,10 +284,10 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
         check_cuda_graph_layout(train, world_size, problems, stack="embodied")
 
 
-def check_lora_keys(cfg: Any, problems: ProblemCollector) -> None:
+def check_lora_keys(cfg: Any, problems: ProblemCollector, model_name: Any = None) -> None:
     """``lora.*`` / ``export.adapter_dir``: a rank below 1, a dropout outside [0, 1), a
-    sharded strategy, an adapter folder without LoRA (targets are checked against the built
-    policy, ``train.lora.apply_lora``)."""
+    sharded strategy, an adapter folder without LoRA, targets matching no linear of
+    ``model_name``'s flavor (built on the meta device: no weights allocated)."""
     lora = cfg.get("lora")
     export = cfg.get("export")
     adapter = export.get("adapter_dir") if export is not None else None
@@ -317,6 +317,39 @@ def check_lora_keys(cfg: Any, problems: ProblemCollector) -> None:
             value=True,
             fix=f"set parallel.strategy={' or '.join(LORA_STRATEGIES)} (the frozen base needs "
             "no sharded optimizer state), or lora.enabled=false",
+        )
+    targets = list(lora.get("targets") or [])
+    if targets and isinstance(model_name, str):
+        check_lora_targets(cfg, model_name, targets, problems)
+
+
+def check_lora_targets(
+    cfg: Any, model_name: str, targets: list[str], problems: ProblemCollector
+) -> None:
+    """``lora.targets`` that match no ``nn.Linear`` of the policy's flavor (a flavor or
+    override the policy refuses is reported by the run that builds it)."""
+    import torch
+
+    from longboat.embodied.models import build_model, get_config
+    from longboat.embodied.train.lora import match_targets
+
+    model = cfg.model
+    try:
+        with torch.device("meta"):
+            policy_cfg = get_config(
+                model_name, model.get("flavor"), dict(model.get("overrides") or {})
+            )
+            built = build_model(model_name, policy_cfg)
+    except Exception:  # the run's own build names what is wrong
+        return
+    empty = [t for t, names in match_targets(built, targets).items() if not names]
+    if empty:
+        problems.add(
+            "lora.targets",
+            f"{empty} match no nn.Linear of the {model_name} policy",
+            value=targets,
+            fix="name linears by module path or its last parts, e.g. q_proj, v_proj; "
+            "[] takes the policy's defaults",
         )
 
 
