@@ -67,6 +67,7 @@ def _lora_run(out: Path, *extra: str) -> dict[str, Any]:
         "exported": load_file(str(Path(result.export_dir) / "model.safetensors")),
         "adapter": out / "adapter",
         "describe": training.describe(),
+        "report": training.report(result),
     }
 
 
@@ -90,6 +91,7 @@ def test_only_adapters_train_and_base_weights_stay(run: dict[str, Any]) -> None:
     for k in before:
         assert torch.equal(before[k], after[k]), k
     assert any("LoRA: rank 4, alpha 8" in line for line in run["describe"])
+    assert any(str(run["adapter"]) in line for line in run["report"])
 
 
 def test_export_is_base_plus_scaled_update(run: dict[str, Any]) -> None:

@@ -617,6 +617,9 @@ class EmbodiedTraining(Training):
         chosen = policy(self.cfg.model.name).export_format(self.export_format)
         if self.reference_export is not None and chosen is not None:
             lines.append(f"{chosen.label}: {self.reference_export} ({chosen.loaded_by})")
+        if self.cfg.lora.enabled:
+            where = lora.adapter_dir(self.cfg)
+            lines.append(f"LoRA:        {where} (peft.PeftModel.from_pretrained loads it)")
         return lines
 
 
