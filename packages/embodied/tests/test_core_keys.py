@@ -20,7 +20,7 @@ REFUSED = {
     "train.recompute_components=[vision]",
     "train.precision=fp16",
     "train.cuda_graph=true",  # needs train.master_weights=true, which the tiny fp32 run has off
-    "export.adapter_dir={tmp}/adapter_dir",
+    "export.adapter_dir={tmp}/adapter_dir",  # without lora.enabled=true (test_train_lora)
 }
 """What the embodied stack refuses (``{tmp}``: the probes' folder)."""
 

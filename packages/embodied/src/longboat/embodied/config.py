@@ -8,7 +8,13 @@ from typing import Any
 from omegaconf import MISSING
 
 from longboat.core.config.errors import ConfigError, ProblemCollector
-from longboat.core.config.schema import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
+from longboat.core.config.schema import (
+    DataConfig,
+    ExperimentConfig,
+    LoRAConfig,
+    ModelConfig,
+    TrainConfig,
+)
 from longboat.core.engine import MASTER_WEIGHT_STRATEGIES
 from longboat.core.engine.levers import (  # noqa: F401  (the stack's names for them)
     FastPath,
@@ -158,6 +164,24 @@ class EmbodiedTrainConfig(TrainConfig):
 
 
 @dataclass
+class EmbodiedLoRAConfig(LoRAConfig):
+    """Low-rank adapters on the policy's linears (``longboat.embodied.train.lora``): only
+    the adapters train, the export holds the merged weights and the adapters also go out as
+    a PEFT adapter (``export.adapter_dir``, null: ``<output_dir>/adapter``)."""
+
+    targets: list[str] = field(default_factory=list)
+    """Linears that get adapters, named as PEFT's ``target_modules`` (a module path or its
+    last parts, e.g. q_proj or action_head.model.to_q); empty: the policy's defaults (its
+    language model's attention / MLP and its action head's linears)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training (PEFT's ``lora_dropout``)."""
+
+
+LORA_STRATEGIES = ("ddp", "zero1")
+"""``parallel.strategy`` values LoRA trains under (the adapted linears stay whole modules)."""
+
+
+@dataclass
 class EmbodiedExperimentConfig(ExperimentConfig):
     """Root config of an embodied experiment. Under core's ``output_dir`` (the run
     directory): ``checkpoints/``, ``logs/``, the generated ``dataset/`` (data.path null) and
@@ -167,6 +191,8 @@ class EmbodiedExperimentConfig(ExperimentConfig):
     model: PolicyModelConfig = field(default_factory=PolicyModelConfig)
     data: LeRobotDataConfig = field(default_factory=LeRobotDataConfig)
     train: EmbodiedTrainConfig = field(default_factory=EmbodiedTrainConfig)
+    lora: EmbodiedLoRAConfig = field(default_factory=EmbodiedLoRAConfig)
+    """Low-rank adapters (``lora.enabled``: only the adapters train)."""
 
 
 def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollector) -> None:
@@ -199,6 +225,7 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
                 fix=f"use one of {', '.join(LAYOUTS)}",
             )
     check_export_keys(cfg, model_name, problems)
+    check_lora_keys(cfg, problems, model_name)
     eval_episodes = None if data is None else data.get("eval_episodes")
     if data is not None:
         check_eval_keys(eval_episodes, data.get("eval_batches", 4), problems)
@@ -255,6 +282,75 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
             )
     if train is not None:
         check_cuda_graph_layout(train, world_size, problems, stack="embodied")
+
+
+def check_lora_keys(cfg: Any, problems: ProblemCollector, model_name: Any = None) -> None:
+    """``lora.*`` / ``export.adapter_dir``: a rank below 1, a dropout outside [0, 1), a
+    sharded strategy, an adapter folder without LoRA, targets matching no linear of
+    ``model_name``'s flavor (built on the meta device: no weights allocated)."""
+    lora = cfg.get("lora")
+    export = cfg.get("export")
+    adapter = export.get("adapter_dir") if export is not None else None
+    enabled = lora is not None and bool(lora.get("enabled"))
+    if adapter is not None and not enabled:
+        problems.add(
+            "export.adapter_dir",
+            "the embodied stack writes an adapter only with LoRA",
+            value=adapter,
+            fix="set lora.enabled=true, or leave export.adapter_dir null",
+        )
+    if not enabled:
+        return
+    if not isinstance(lora.get("rank"), int) or lora.get("rank") < 1:
+        problems.add("lora.rank", "must be >= 1", value=lora.get("rank"), fix="e.g. lora.rank=16")
+    dropout = lora.get("dropout")
+    if not 0.0 <= float(dropout) < 1.0:
+        problems.add(
+            "lora.dropout", "must be in [0, 1)", value=dropout, fix="e.g. lora.dropout=0.05"
+        )
+    strategy = cfg.parallel.get("strategy") if "parallel" in cfg else None
+    if strategy is not None and strategy not in LORA_STRATEGIES:
+        problems.add(
+            "lora.enabled",
+            f"the embodied stack trains LoRA under {' or '.join(LORA_STRATEGIES)} only (the "
+            f"adapters of sharded linears are not merged), not parallel.strategy={strategy}",
+            value=True,
+            fix=f"set parallel.strategy={' or '.join(LORA_STRATEGIES)} (the frozen base needs "
+            "no sharded optimizer state), or lora.enabled=false",
+        )
+    targets = list(lora.get("targets") or [])
+    if targets and isinstance(model_name, str):
+        check_lora_targets(cfg, model_name, targets, problems)
+
+
+def check_lora_targets(
+    cfg: Any, model_name: str, targets: list[str], problems: ProblemCollector
+) -> None:
+    """``lora.targets`` that match no ``nn.Linear`` of the policy's flavor (a flavor or
+    override the policy refuses is reported by the run that builds it)."""
+    import torch
+
+    from longboat.embodied.models import build_model, get_config
+    from longboat.embodied.train.lora import match_targets
+
+    model = cfg.model
+    try:
+        with torch.device("meta"):
+            policy_cfg = get_config(
+                model_name, model.get("flavor"), dict(model.get("overrides") or {})
+            )
+            built = build_model(model_name, policy_cfg)
+    except Exception:  # the run's own build names what is wrong
+        return
+    empty = [t for t, names in match_targets(built, targets).items() if not names]
+    if empty:
+        problems.add(
+            "lora.targets",
+            f"{empty} match no nn.Linear of the {model_name} policy",
+            value=targets,
+            fix="name linears by module path or its last parts, e.g. q_proj, v_proj; "
+            "[] takes the policy's defaults",
+        )
 
 
 def check_export_keys(cfg: Any, model_name: Any, problems: ProblemCollector) -> None:

@@ -63,6 +63,7 @@ STACK = Stack(
         precisions=("fp32", "bf16"),  # no fp16 loss scaling
         export_formats=_export_formats,  # auto, native and every policy's own
         ema=True,  # an fp32 average of the policy's weights (ema.*)
+        export_adapter=True,  # with lora.enabled: a PEFT adapter folder (train/lora.py)
     ),
     examples=(
         "longboat-embodied train experiment=groot_n1_6_tiny             # GR00T-N1.6 tiny, synthetic data",

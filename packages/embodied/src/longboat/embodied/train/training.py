@@ -61,6 +61,7 @@ from longboat.embodied.parallel import (
     ZeroShardState,
     build_optimizer,
 )
+from longboat.embodied.train import lora
 from longboat.embodied.train.datasets import ensure_synthetic, open_dataset
 from longboat.embodied.train.evaluate import HeldOutEval
 from longboat.embodied.train.export import export_policy
@@ -205,6 +206,8 @@ def build_policy(
         if loaded and setup.rank == 0:
             print(loaded, flush=True)  # a backbone alone: which parts stay initialised
     counts = apply_freezing(model, model_cfg)
+    if cfg.lora.enabled:  # only the adapters train (train/lora.py)
+        counts = lora.apply_run_lora(model, cfg)
     model.to(device)
     model, compiled = engine.prepare_model(
         model,
@@ -465,23 +468,31 @@ class EmbodiedTraining(Training):
             if self.ema is not None and cfg.ema.export
             else contextlib.nullcontext()
         )
-        with masters, averaged:  # the average (ema.export) in place of the trained weights
-            export_policy(
-                self.model,
-                out,
-                model_name=cfg.model.name,
-                flavor=cfg.model.flavor,
-                overrides=self.overrides,
-                model_cfg=self.model_cfg,
-                extra={
-                    "trained_steps": self.steps_done,
-                    "experiment": cfg.experiment,
-                    "cameras": self.data.cameras,
-                    "image_hw": list(self.data.image_hw),
-                    "init_from": cfg.model.init_from,
-                    "tokenizer": str(self.tokenizer_dir) if self.tokenizer_dir else None,
-                },
-            )
+        merged = lora.merged_lora(self.model) if cfg.lora.enabled else contextlib.nullcontext()
+        # the average (ema.export) in place of the trained weights; LoRA merged into the base
+        with masters, averaged:
+            if cfg.lora.enabled and self.is_main:  # the adapters alone, as exported
+                lo = cfg.lora
+                lora.save_peft_adapter(self.model, lora.adapter_dir(cfg), rank=lo.rank,
+                                       alpha=lo.alpha, dropout=lo.dropout,
+                                       base_model=cfg.model.init_from)  # fmt: skip
+            with merged:
+                export_policy(
+                    self.model,
+                    out,
+                    model_name=cfg.model.name,
+                    flavor=cfg.model.flavor,
+                    overrides=self.overrides,
+                    model_cfg=self.model_cfg,
+                    extra={
+                        "trained_steps": self.steps_done,
+                        "experiment": cfg.experiment,
+                        "cameras": self.data.cameras,
+                        "image_hw": list(self.data.image_hw),
+                        "init_from": cfg.model.init_from,
+                        "tokenizer": str(self.tokenizer_dir) if self.tokenizer_dir else None,
+                    },
+                )
         if self.is_main:  # what acting on raw observations needs (load_policy)
             PolicyProcessor.from_run(
                 cfg.model.name,
@@ -567,6 +578,8 @@ class EmbodiedTraining(Training):
             lines.append(data.verify_summary)
         if self.ema is not None:
             lines.append(self.ema.describe())
+        if cfg.lora.enabled:
+            lines.append(lora.describe_lora(self.model, cfg))
         return lines
 
     def _prompt_line(self) -> str:
@@ -604,6 +617,9 @@ class EmbodiedTraining(Training):
         chosen = policy(self.cfg.model.name).export_format(self.export_format)
         if self.reference_export is not None and chosen is not None:
             lines.append(f"{chosen.label}: {self.reference_export} ({chosen.loaded_by})")
+        if self.cfg.lora.enabled:
+            where = lora.adapter_dir(self.cfg)
+            lines.append(f"LoRA:        {where} (peft.PeftModel.from_pretrained loads it)")
         return lines
 
 
