@@ -241,8 +241,9 @@ class LoggingConfig:
 
 @dataclass
 class LoRAConfig:
-    """Low-rank adapters on a decoder's attention and MLP linears (``lora`` of the llm and
-    vlm stacks; ``longboat.core.megatron.lora`` applies them)."""
+    """Low-rank adapters on a model's linears (``lora`` of every stack: the megatron stacks
+    apply them with ``longboat.core.megatron.lora``, embodied with its own plain-torch
+    adapters)."""
 
     enabled: bool = False
     """Train adapters only (the base weights are frozen)."""
@@ -292,8 +293,8 @@ class ExportConfig:
     """Which format to write; the values are the stack's (auto: its usual one) and it
     refuses others (embodied: native, lerobot, isaac)."""
     adapter_dir: str | None = None
-    """With LoRA, where the stack also writes the adapters alone as a PEFT adapter (null:
-    ``<output_dir>/hf_adapter``), where the stack offers it."""
+    """With LoRA, where the stack also writes the adapters alone as a PEFT adapter, where the
+    stack offers it (null: ``<output_dir>/hf_adapter``; embodied ``<output_dir>/adapter``)."""
 
 
 @dataclass
