@@ -1,6 +1,6 @@
-"""Every record the README's data table shows is read as the conversation it means: the
-LLaVA / ShareGPT, messages and content-part forms give the same turns and image, the video
-form its video."""
+"""Every record the data table of the guide (``docs/vlm_guide.md``, linked from the README)
+shows is read as the conversation it means: the LLaVA / ShareGPT, messages and content-part
+forms give the same turns and image, the video form its video."""
 
 from __future__ import annotations
 
@@ -8,18 +8,18 @@ import json
 import re
 from pathlib import Path
 
-README = Path(__file__).parents[1] / "README.md"
+GUIDE = Path(__file__).parents[3] / "docs" / "vlm_guide.md"
 
 
 def _table_records() -> dict[str, dict]:
-    section = README.read_text().split("## Data", 1)[1].split("\n## ", 1)[0]
+    section = GUIDE.read_text().split("## Data formats", 1)[1].split("\n## ", 1)[0]
     out = {}
     for form, record in re.findall(r"^\| ([^|]+?) \| `(\{.*\})` \|$", section, flags=re.M):
         out[form] = json.loads(record)
     return out
 
 
-def test_the_readmes_records_read_as_they_mean(tmp_path: Path) -> None:
+def test_the_guides_records_read_as_they_mean(tmp_path: Path) -> None:
     from longboat.vlm.data.conversations import read_conversations
 
     records = _table_records()
