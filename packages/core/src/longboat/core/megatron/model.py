@@ -1,6 +1,6 @@
 """Build a megatron decoder LM (one model chunk per virtual pipeline stage).
 
-longboat builds megatron-core's ``GPTModel`` (see packages/llm/README.md for why
+longboat builds megatron-core's ``GPTModel`` (see docs/llm_design.md for why
 not the 0.19 ``HybridModel``); this is the one place that choice lives.
 """
 
