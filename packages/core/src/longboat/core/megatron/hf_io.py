@@ -111,13 +111,32 @@ def check_hf_checkpoint(
 
     ``other_prefixes``: tensors of the checkpoint's other components (a VLM's ``visual.``),
     which another loader reads; they are not unexpected here."""
+    return check_hf_tensors(
+        hf_dir,
+        expected_hf_shapes(arch, prefix=prefix),
+        tie_embeddings=arch.tie_embeddings,
+        other_prefixes=other_prefixes,
+    )
+
+
+def check_hf_tensors(
+    hf_dir: str | Path,
+    expected: dict[str, tuple[int, ...]],
+    *,
+    tie_embeddings: bool,
+    optional: set[str] | frozenset[str] = frozenset(),
+    other_prefixes: tuple[str, ...] = (),
+) -> dict[str, Path]:
+    """The checkpoint's tensor index, after checking it against ``expected`` (name -> shape):
+    raise ``HFCheckpointMismatch`` naming every missing (unless ``optional``), unexpected
+    (a tied head, ``other_prefixes`` and rotary buffers excepted) or mis-shaped tensor."""
     index = hf_weight_index(hf_dir)
-    expected = expected_hf_shapes(arch, prefix=prefix)
-    problems: list[str] = []
-    for name in sorted(set(expected) - set(index)):
-        problems.append(f"missing: {name} (expected shape {list(expected[name])})")
+    problems = [
+        f"missing: {name} (expected shape {list(expected[name])})"
+        for name in sorted(set(expected) - set(index) - set(optional))
+    ]
     for name in sorted(set(index) - set(expected)):
-        tied_head = arch.tie_embeddings and name == "lm_head.weight"
+        tied_head = tie_embeddings and name == "lm_head.weight"
         other = name.startswith(other_prefixes) if other_prefixes else False
         if not tied_head and not other and not name.endswith(_IGNORED_SUFFIXES):
             problems.append(f"unexpected: {name}")

@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 
 from longboat.core.megatron.hf_io import (
     HFCheckpointMismatch,
-    hf_weight_index,
+    check_hf_tensors,
     is_owner,
     rank_coords,
     tp_shards,
@@ -47,7 +47,6 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 _STACKED = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight$")
-_IGNORED = ("rotary_emb.inv_freq",)
 
 _ATTENTION = {
     "self_attention.linear_q_proj.weight": ("rows", "self_attn.q_proj.weight"),
@@ -224,31 +223,12 @@ def _named_slots(
 
 def check_hf_checkpoint(hf_dir: str | Path, cfg: DeepseekV3Config) -> dict[str, Path]:
     """Raise ``HFCheckpointMismatch`` naming every missing, unexpected or mis-shaped tensor."""
-    index = hf_weight_index(hf_dir)
-    expected = expected_hf_shapes(cfg)
-    problems = [
-        f"missing: {n} (expected shape {list(expected[n])})"
-        for n in sorted(set(expected) - set(index) - _mtp_copies(cfg))
-    ]
-    for name in sorted(set(index) - set(expected)):
-        tied_head = cfg.tie_embeddings and name == "lm_head.weight"
-        if not tied_head and not name.endswith(_IGNORED):
-            problems.append(f"unexpected: {name}")
-    with ExitStack() as stack:
-        handles: dict[Path, Any] = {}
-        for name in sorted(set(expected) & set(index)):
-            path = index[name]
-            if path not in handles:
-                handles[path] = stack.enter_context(safe_open(str(path), "pt"))
-            shape = tuple(handles[path].get_slice(name).get_shape())
-            if shape != expected[name]:
-                problems.append(
-                    f"shape: {name} is {list(shape)} in the checkpoint, the model expects "
-                    f"{list(expected[name])}"
-                )
-    if problems:
-        raise HFCheckpointMismatch(str(hf_dir), problems)
-    return index
+    return check_hf_tensors(
+        hf_dir,
+        expected_hf_shapes(cfg),
+        tie_embeddings=cfg.tie_embeddings,
+        optional=_mtp_copies(cfg),
+    )
 
 
 def _share(n: int, coords: RankCoords) -> slice:
