@@ -65,7 +65,7 @@ def _flux(out: Path, texts: Iterable[str], seed: int) -> None:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
     from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from longboat.diffusion.data.tiny_encoders import build_tiny_tokenizer
+    from longboat.diffusion.data.tiny_encoders import build_tiny_tokenizer, tiny_t5_settings
 
     texts = list(texts)
     clip_tok = AutoTokenizer.from_pretrained(build_tiny_tokenizer(texts, out / ".tok_clip"))
@@ -87,21 +87,7 @@ def _flux(out: Path, texts: Iterable[str], seed: int) -> None:
             bos_token_id=1,
         )
     )
-    t5 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(t5_tok),
-            d_model=width,
-            d_kv=8,
-            d_ff=2 * width,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            relative_attention_max_distance=16,
-            pad_token_id=0,
-            eos_token_id=1,
-            decoder_start_token_id=0,
-        )
-    )
+    t5 = T5EncoderModel(T5Config(**tiny_t5_settings(len(t5_tok), width)))
     vae = AutoencoderKL(
         in_channels=3,
         out_channels=3,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,6 +54,24 @@ def build_tiny_tokenizer(
     return out
 
 
+def tiny_t5_settings(vocab: int, width: int) -> dict[str, Any]:
+    """The config of a 2-layer T5-style text encoder ``width`` wide (UMT5 for Wan, T5 for
+    FLUX's tiny pipelines)."""
+    return dict(
+        vocab_size=vocab,
+        d_model=width,
+        d_kv=8,
+        d_ff=2 * width,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+
+
 def build_tiny_wan_encoders(
     out_dir: str | Path, *, texts: Iterable[str] = (), text_dim: int = 32, seed: int = 0
 ) -> Path:
@@ -75,18 +94,6 @@ def build_tiny_wan_encoders(
         temperal_downsample=[False, True, True],
     )
     vae.save_pretrained(out / "vae")
-    cfg = UMT5Config(
-        vocab_size=vocab,
-        d_model=text_dim,
-        d_kv=8,
-        d_ff=2 * text_dim,
-        num_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=16,
-        pad_token_id=0,
-        eos_token_id=1,
-        decoder_start_token_id=0,
-    )
+    cfg = UMT5Config(**tiny_t5_settings(vocab, text_dim))
     UMT5EncoderModel(cfg).save_pretrained(out / "text_encoder")
     return out
