@@ -229,7 +229,9 @@ def _isolation_check(session: nox.Session, dist_name: str, wheel: pathlib.Path) 
             session.error(f"installing {dist_name} pulled megatron-core")
 
 
-def _stub_wheel(folder: pathlib.Path, name: str, version: str) -> pathlib.Path:
+def _stub_wheel(
+    folder: pathlib.Path, name: str, version: str, requires: list[str] | None = None
+) -> pathlib.Path:
     """A minimal wheel that installs the distribution ``name`` at ``version``: the resolver sees
     that version installed without the real build being fetched (the CPU-install check only asks
     what else an install would change)."""
@@ -240,7 +242,8 @@ def _stub_wheel(folder: pathlib.Path, name: str, version: str) -> pathlib.Path:
     info = f"{name}-{version}.dist-info"
     files = {
         f"{name}/__init__.py": f"__version__ = {version!r}\n",
-        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        + "".join(f"Requires-Dist: {r}\n" for r in requires or ()),
         f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: noxfile\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
     wheel = folder / f"{name}-{version}-py3-none-any.whl"
@@ -257,9 +260,10 @@ def _stub_wheel(folder: pathlib.Path, name: str, version: str) -> pathlib.Path:
 @nox.session
 def cpu_install(session: nox.Session) -> None:
     """The CPU-only install path of the READMEs: with a CPU build of torch installed first
-    (``pip install torch --index-url https://download.pytorch.org/whl/cpu``), installing the
-    stacks keeps it (no CUDA torch, no nvidia-* wheels). Resolves against the package index
-    with a stand-in ``torch 2.11.0+cpu``."""
+    and its torchvision first (``pip install torch torchvision --index-url
+    https://download.pytorch.org/whl/cpu``), installing the stacks keeps both (no CUDA torch,
+    no nvidia-* wheels). Resolves against the package index with stand-ins ``torch
+    2.11.0+cpu`` and ``torchvision 0.26.0+cpu`` (the pair PyTorch releases together)."""
     if not DIST.exists():
         session.error("dist/ is empty: run `nox -s build cpu_install`")
     wheels = [sorted(DIST.glob(f"{d.replace('-', '_')}-*.whl"))[-1] for d in PACKAGES.values()]
@@ -267,14 +271,20 @@ def cpu_install(session: nox.Session) -> None:
         venv = pathlib.Path(tmp) / "venv"
         session.run("uv", "venv", "--quiet", "-p", sys.executable, str(venv), external=True)
         py = str(venv / "bin" / "python")
-        torch_cpu = _stub_wheel(pathlib.Path(tmp), "torch", "2.11.0+cpu")
-        session.run("uv", "pip", "install", "--quiet", "-p", py, str(torch_cpu), external=True)
+        cpu_builds = [
+            _stub_wheel(pathlib.Path(tmp), "torch", "2.11.0+cpu"),
+            _stub_wheel(pathlib.Path(tmp), "torchvision", "0.26.0+cpu", requires=["torch==2.11.0"]),
+        ]
+        session.run(
+            "uv", "pip", "install", "--quiet", "-p", py, *map(str, cpu_builds), external=True
+        )
         plan = session.run(
             "uv", "pip", "install", "--dry-run", "-p", py, "--find-links", str(DIST),
             *[str(w) for w in wheels], external=True, silent=True,
         )  # fmt: skip
         planned = [line.split()[1] for line in str(plan).splitlines() if line[:3] in (" + ", " - ")]
-        bad = [p for p in planned if p.split("=")[0].split("@")[0] == "torch" or "nvidia" in p]
+        kept = ("torch", "torchvision")
+        bad = [p for p in planned if p.split("=")[0].split("@")[0] in kept or "nvidia" in p]
         if bad:
             session.error(f"installing the stacks next to a CPU torch would change it: {bad}")
         session.log(f"a CPU torch stays: {len(planned)} other distributions would be installed")
