@@ -9,7 +9,8 @@ from longboat.core.config.errors import ConfigError
 
 def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
     """Model shape vs parallel sizes (TP divides heads, PP divides layers, EP divides experts);
-    ``model.moe_aux_loss`` vs the layout; ``model.moe_experts`` vs LoRA; ``data.format``."""
+    ``model.moe_aux_loss`` vs the layout; ``model.moe_experts`` vs LoRA; ``data.format``;
+    ``llm.objective`` and ``llm.dpo.*``."""
     data = cfg.get("data") if hasattr(cfg, "get") else None
     if data is not None and data.get("name") == "prepared":
         from longboat.core.config.errors import require_choice
@@ -21,15 +22,17 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
             problems.extend(exc)
         from longboat.llm.data.sft_records import CANONICAL_KEYS
 
-        unknown = sorted(set(data.get("columns") or {}) - set(CANONICAL_KEYS))
+        readable = CANONICAL_KEYS + (_PAIR_KEYS if _objective(cfg) == "dpo" else ())
+        unknown = sorted(set(data.get("columns") or {}) - set(readable))
         if unknown:
             problems.add(
                 "data.columns",
                 f"maps {unknown}, which are not keys longboat reads",
                 value=dict(data.get("columns")),
-                fix=f"map your record keys onto {', '.join(CANONICAL_KEYS)} "
+                fix=f"map your record keys onto {', '.join(readable)} "
                 "(e.g. data.columns={prompt: question, completion: answer})",
             )
+    _check_objective(cfg, data, problems)
     model = cfg.get("model") if hasattr(cfg, "get") else None
     from longboat.core.family import find_family, list_families
 
@@ -78,6 +81,73 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
             # core's generic validator already checks TP vs heads and PP vs layers.
             if not any(k in problem.message for k in ("num_attention_heads", "num_layers")):
                 problems.add(problem.key, problem.message, value=problem.value, fix=problem.fix)
+
+
+_PAIR_KEYS = ("chosen", "rejected")
+
+
+def _objective(cfg: Any) -> Any:
+    llm = cfg.get("llm") if hasattr(cfg, "get") else None
+    return (llm or {}).get("objective", "lm")
+
+
+def _check_objective(cfg: Any, data: Any, problems: Any) -> None:
+    """``llm.objective`` and, for dpo, ``llm.dpo.*`` and what DPO reads and runs on:
+    preference files (``data=prepared``, no blend weights, ``data.format=auto``) and no
+    context parallelism (a pair's log-probability sums a whole sequence on one rank)."""
+    from longboat.core.config.errors import require_choice
+    from longboat.llm.train.schema import DPO_REFERENCES, OBJECTIVES
+
+    objective = _objective(cfg)
+    try:
+        require_choice(objective, OBJECTIVES, key="llm.objective", what="training objective")
+    except ConfigError as exc:
+        problems.extend(exc)
+        return
+    if objective != "dpo":
+        return
+    dpo = (cfg.get("llm") or {}).get("dpo") or {}
+    try:
+        require_choice(
+            dpo.get("reference", "initial"), DPO_REFERENCES, key="llm.dpo.reference",
+            what="DPO reference model",
+        )  # fmt: skip
+    except ConfigError as exc:
+        problems.extend(exc)
+    beta = dpo.get("beta", 0.1)
+    if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not beta > 0:
+        problems.add("llm.dpo.beta", "must be a number > 0", value=beta, fix="e.g. 0.1")
+    name = (data or {}).get("name")
+    if name != "prepared":
+        problems.add(
+            "llm.objective",
+            f"dpo trains on preference pairs, not on data={name}",
+            value="dpo",
+            fix="use data=prepared data.paths=[pairs.jsonl] (records with chosen / rejected)",
+        )
+        return
+    if data.get("weights") is not None:
+        problems.add(
+            "data.weights",
+            "is not used by llm.objective=dpo (every pair of data.paths trains equally)",
+            value=list(data.get("weights")),
+            fix="leave data.weights null",
+        )
+    if data.get("format", "auto") != "auto":
+        problems.add(
+            "data.format",
+            "is for lm runs; llm.objective=dpo reads preference pairs",
+            value=data.get("format"),
+            fix="leave data.format=auto",
+        )
+    cp = ((cfg.get("parallel") or {}).get("context_parallel")) or 1
+    if cp != 1:
+        problems.add(
+            "parallel.context_parallel",
+            "llm.objective=dpo sums each sequence's log-probabilities on one rank",
+            value=cp,
+            fix="use parallel.context_parallel=1 (tensor / pipeline / data parallel work)",
+        )
 
 
 def _check_core_keys(cfg: Any, model: Any, problems: Any) -> None:

@@ -56,6 +56,9 @@ class TrainStep(MegatronStepEngine):
     """Why ``model.moe_aux_loss=auto`` trains with megatron's term here, if so."""
     experts_notice: str | None = None
     """Why ``model.moe_experts=auto`` runs megatron's per-expert loop here, if so."""
+    objective: Any = None
+    """A ``train.megatron_schedule.StepObjective`` replacing the LM loss (e.g. DPO's), or
+    None for next-token cross-entropy."""
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     """Extra 0-d device scalars of the last ``forward_backward`` (``moe_aux_loss``: the
     step's mean MoE load-balancing loss as transformers reports it, with
@@ -92,6 +95,7 @@ class TrainStep(MegatronStepEngine):
             self.device,
             fused_ce=self.fused_linear_ce,
             metrics=self.metrics,
+            objective=self.objective,
         )
 
     def graph_modules(self) -> Any:
@@ -158,6 +162,7 @@ def build_train_step(
     cuda_graph: bool = False,
     one_pass_adamw: bool | str = False,
     kernel_options: dict[str, bool] | None = None,
+    objective: Any = None,
     **model_overrides: Any,
 ) -> TrainStep:
     """Build the model, megatron DDP + optimizer and the step ``longboat-llm train`` runs.
@@ -185,6 +190,7 @@ def build_train_step(
     error where the optimizer cannot take it), ``"auto"`` (what ``optim.one_pass_adamw=true``
     means) uses it where it applies and records why not in ``TrainStep.one_pass_blocker``.
     ``kernel_options``: ``build_model``'s switches of the longboat layer kernels (tests).
+    ``objective``: a ``train.megatron_schedule.StepObjective`` replacing the LM loss (DPO).
     ``model_overrides`` go to megatron's ``TransformerConfig`` (as in ``build_model``).
     """
     from longboat.core.megatron.engine import ddp
@@ -257,6 +263,7 @@ def build_train_step(
         graph_ready=cuda_graph,
         aux_loss_notice=aux_notice,
         experts_notice=experts_notice,
+        objective=objective,
     )
     step.use_one_pass(one_pass_adamw, adamw_master_step_)
     return step

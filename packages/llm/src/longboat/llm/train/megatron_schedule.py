@@ -13,6 +13,8 @@ the host is a device sync, which the loop does only where it needs the value.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -20,6 +22,18 @@ import torch
 import torch.distributed as dist
 
 from longboat.llm.train.loss import fused_lm_loss, fused_loss_applies
+
+
+@dataclass(frozen=True)
+class StepObjective:
+    """A training objective other than the LM loss, run through megatron's schedules: its
+    ``forward_step`` (megatron's ``forward_step_func``: ``(data_iterator, model) -> (output,
+    loss_func)``, the loss function returning ``(loss, reported)``), the key of ``reported``
+    that is the step's loss, and the metrics (name -> key of ``reported``) a step reports."""
+
+    forward_step: Callable[..., Any]
+    loss_key: str
+    metric_keys: dict[str, str] = field(default_factory=dict)
 
 
 def masked_lm_loss(
@@ -78,13 +92,14 @@ def _schedule(
     *,
     forward_only: bool,
     fused_ce: bool = False,
+    forward_step: Any = None,
 ) -> list[dict[str, torch.Tensor]]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     data: Any = iter(microbatches) if len(model) == 1 else [iter(microbatches) for _ in model]
     tokens = microbatches[0]["tokens"]
     return get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, fused_ce=fused_ce),
+        forward_step_func=forward_step or partial(_forward_step, fused_ce=fused_ce),
         data_iterator=data,
         model=model if len(model) > 1 else model[0],
         num_microbatches=len(microbatches),
@@ -127,6 +142,7 @@ def forward_backward(
     *,
     fused_ce: bool = False,
     metrics: dict[str, torch.Tensor] | None = None,
+    objective: Any = None,
 ) -> torch.Tensor:
     """Zero the grads, run forward + backward over ``microbatches``, reduce the grads.
 
@@ -135,14 +151,24 @@ def forward_backward(
     given, receives ``moe_aux_loss`` (the mean of transformers' load-balancing loss,
     ``model.moe_aux_loss=hf``) where the model computes it, and ``mtp_loss`` (the
     multi-token prediction loss, ``mtp_mean_loss``) for a model with multi-token prediction.
+    ``objective`` (a ``StepObjective``) replaces the LM forward step and loss: the step's
+    loss is the mean of its ``loss_key`` and ``metrics`` receives its ``metric_keys``.
     """
     from megatron.core.distributed import finalize_model_grads
 
     for chunk in model:
         chunk.train()
         chunk.zero_grad_buffer()
-    losses = _schedule(model, microbatches, forward_only=False, fused_ce=fused_ce)
+    step_fn = objective.forward_step if objective is not None else None
+    losses = _schedule(
+        model, microbatches, forward_only=False, fused_ce=fused_ce, forward_step=step_fn
+    )
     finalize_model_grads(model)
+    if objective is not None:
+        if metrics is not None:
+            for name, key in objective.metric_keys.items():
+                metrics[name] = world_mean_of_last_stage(losses, device, key)
+        return world_mean_of_last_stage(losses, device, objective.loss_key)
     if metrics is not None and losses and "moe aux loss" in losses[0]:
         metrics["moe_aux_loss"] = world_mean_of_last_stage(losses, device, "moe aux loss")
     if _mtp_depths(model):
@@ -174,6 +200,21 @@ def mtp_mean_loss(microbatches: int, device: torch.device | None = None) -> torc
         [] if values is None else [{"mtp loss": values.sum() / (values.numel() * microbatches)}]
     )
     return world_mean_of_last_stage(entries, device, "mtp loss")
+
+
+@torch.no_grad()
+def forward_only(
+    model: list[torch.nn.Module], microbatches: list[dict[str, Any]], forward_step: Any
+) -> list[dict[str, torch.Tensor]]:
+    """What ``forward_step``'s loss function reports for each of ``microbatches`` (forward
+    only, the chunks in eval mode; on the last pipeline stage, an empty list elsewhere)."""
+    for chunk in model:
+        chunk.eval()
+    try:
+        return _schedule(model, microbatches, forward_only=True, forward_step=forward_step)
+    finally:
+        for chunk in model:
+            chunk.train()
 
 
 @torch.no_grad()

@@ -88,9 +88,38 @@ class LoRAConfig(CoreLoRAConfig):
     start the adapters from, e.g. one an earlier run exported (null: B = 0, A random)."""
 
 
+OBJECTIVES = ("lm", "dpo")
+"""``llm.objective``: lm (next-token cross-entropy: pretraining, or SFT on chat data, as
+``data.format`` says) or dpo (direct preference optimisation on ``chosen`` / ``rejected``
+pairs)."""
+
+DPO_REFERENCES = ("initial",)
+"""``llm.dpo.reference``: initial (the run's initial weights, frozen)."""
+
+
+@dataclass
+class DPOConfig:
+    """Direct preference optimisation (``llm.objective=dpo``)."""
+
+    beta: float = 0.1
+    """Strength of the pull toward the reference model: the loss is
+    ``-logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`` over each pair's summed answer
+    log-probabilities (larger: stay closer to the reference)."""
+    reference: str = "initial"
+    """The reference model: initial (the weights the run starts from, ``model.init_from`` or
+    the seed's; their log-probabilities are computed once before the first step and kept in
+    the checkpoint)."""
+
+
 @dataclass
 class LLMRunConfig:
     """LLM-specific run settings."""
+
+    objective: str = "lm"
+    """What the run trains: lm (next-token cross-entropy; pretraining or SFT, as the data
+    says) or dpo (preference pairs in ``data.paths``; see ``llm.dpo``)."""
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """Settings of ``llm.objective=dpo``."""
 
     cpu_precision: str = "fp32"
     """Precision used instead of train.precision when running on CPU (bf16 is slow there)."""

@@ -363,8 +363,14 @@ class LLMTraining(MegatronTraining):
 
 def build_training(cfg: Any) -> LLMTraining:
     """The LLM stack's assembly of a run from a composed config (a DictConfig, converted
-    once, or the typed ``LLMExperimentConfig``; see the module doc)."""
-    return LLMTraining(typed_config(cfg))
+    once, or the typed ``LLMExperimentConfig``; see the module doc): ``DPOTraining`` for
+    ``llm.objective=dpo``."""
+    typed = typed_config(cfg)
+    if typed.llm.objective == "dpo":
+        from longboat.llm.train.dpo_training import DPOTraining
+
+        return DPOTraining(typed)
+    return LLMTraining(typed)
 
 
 def train(cfg: Any, *, on_step: Callable[[int], None] | None = None) -> RunResult:
