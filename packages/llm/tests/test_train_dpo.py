@@ -140,7 +140,8 @@ def test_dpo_loss_and_gradients_match_transformers(tmp_path: Path) -> None:
 
 
 def make_pairs(root: Path, *, records: int = 40) -> tuple[Path, Path]:
-    """(pairs JSONL, tokenizer dir): "count from a" answered upward (chosen) or downward."""
+    """(pairs JSONL, tokenizer dir): "count from a" answered upward (chosen) or with the same
+    numbers downward (rejected)."""
     from longboat.llm.data.tiny_tokenizer import train_tiny_tokenizer
 
     recs = []
@@ -150,7 +151,7 @@ def make_pairs(root: Path, *, records: int = 40) -> tuple[Path, Path]:
             {
                 "prompt": f"count from {a} please",
                 "chosen": " ".join(str(a + k) for k in range(4)),
-                "rejected": " ".join(str(a - k) for k in range(4)),
+                "rejected": " ".join(str(a + 3 - k) for k in range(4)),
             }
         )
     root.mkdir(parents=True, exist_ok=True)
@@ -214,6 +215,16 @@ def test_step_zero_is_ln2_and_the_margin_grows(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
+def test_dpo_with_lora_starts_at_ln2_and_learns(tmp_path: Path) -> None:
+    """With LoRA the reference is the base model (the adapters start at zero): ln 2 first."""
+    pairs, tok = make_pairs(tmp_path / "data")
+    ov = [*dpo_overrides(pairs, tok, tmp_path / "run", steps=6), "lora.enabled=true",
+          "optim.lr=1e-2"]  # fmt: skip
+    _, losses = run_multiprocess(_run_worker, 1, ov, 0)[0]
+    assert abs(losses[0] - LN2_FP32) < 1e-6 and losses[-1] < losses[0] - 0.05, losses
+
+
+@pytest.mark.multiprocess
 def test_resume_continues_the_dpo_losses_exactly(tmp_path: Path) -> None:
     """(5) stop at step 4 (SIGTERM saves), resume: the same losses as an uninterrupted run,
     the reference log-probabilities read from the checkpoint (not recomputed from the
@@ -229,6 +240,77 @@ def test_resume_continues_the_dpo_losses_exactly(tmp_path: Path) -> None:
     assert start == 4
     assert resumed == ref[4:], "resumed DPO losses differ from the uninterrupted run"
     assert ref[-1] < ref[0]
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory: pytest.TempPathFactory, hf_dirs: dict[str, Path]) -> dict:
+    """Six DPO steps from one tiny Qwen3 checkpoint in each layout (megatron's random init
+    draws differently per pipeline stage, so the runs start from the same HF weights)."""
+    root = tmp_path_factory.mktemp("layouts")
+    pairs, tok = make_pairs(root / "data")
+    base = [
+        *dpo_overrides(pairs, tok, root / "one", steps=6),
+        f"model.init_from={hf_dirs['qwen3']}",
+    ]
+    runs = {"one": run_multiprocess(_run_worker, 1, base, 0)[0][1]}
+    for name, layout in LAYOUTS.items():
+        ov = [*dpo_overrides(pairs, tok, root / name, steps=6), base[-1], *layout]
+        runs[name] = [losses for _, losses in run_multiprocess(_run_worker, 2, ov, 0)]
+    return runs
+
+
+LAYOUTS = {
+    "tp2": ["parallel.tensor_parallel=2"],
+    "pp2": ["parallel.pipeline_parallel=2"],
+    "dp2": ["parallel.data_parallel=2"],  # the same pairs, split over ranks
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_dpo_losses_match_one_process(layout: str, layout_runs: dict) -> None:
+    """fp32: TP / PP / DP only reorder reductions (1e-4, as the LM loss parity), the
+    reference pass included (ln 2 at step 0 on every rank)."""
+    one = layout_runs["one"]
+    assert abs(one[0] - LN2_FP32) < 1e-6 and one[-1] < one[0] - 0.05, one
+    for losses in layout_runs[layout]:  # every rank reports the step loss
+        diffs = [abs(a - b) for a, b in zip(losses, one, strict=True)]
+        assert max(diffs) <= 1e-4, f"{layout}: max |loss - loss_one| = {max(diffs):.2e}"
+
+
+def _recipe_worker(rank: int, world: int, overrides: list[str]) -> tuple[list, str | None]:
+    from longboat.core.config.compose import compose_experiment
+    from longboat.llm.train.training import train as run
+
+    result = run(compose_experiment("dpo", overrides, stack="llm", world_size=world))
+    return result.losses, str(result.export_dir) if result.export_dir else None
+
+
+@pytest.mark.multiprocess
+def test_the_dpo_recipe_runs_as_the_readme_writes_it(tmp_path: Path) -> None:
+    """``experiment=dpo model.init_from=<hf dir> data.paths=[pairs.jsonl]`` (a tiny Qwen3
+    checkpoint with its tokenizer; short-run sizes on top): ln 2 first, a falling loss, a
+    transformers export."""
+    from llm_testkit import make_hf_checkpoint
+
+    ckpt, _ = make_hf_checkpoint(tmp_path / "hf")
+    pairs, _ = make_pairs(tmp_path / "data")
+    overrides = [
+        f"model.init_from={ckpt}",
+        f"data.paths=[{pairs}]",
+        f"output_dir={tmp_path / 'out'}",
+        "data.seq_len=48",
+        "train.steps=6",
+        "train.global_batch_size=4",
+        "train.log_every=1",
+        "optim.lr=1e-3",
+        "optim.schedule.warmup_steps=1",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+    ]
+    losses, export = run_multiprocess(_recipe_worker, 1, overrides)[0]
+    assert abs(losses[0] - LN2_FP32) < 1e-6 and losses[-1] < losses[0] - 0.05, losses
+    assert export is not None and (Path(export) / "model.safetensors").is_file()
 
 
 # --- (4) refusals -------------------------------------------------------------------------
