@@ -278,37 +278,44 @@ def test_dpo_losses_match_one_process(layout: str, layout_runs: dict) -> None:
         assert max(diffs) <= 1e-4, f"{layout}: max |loss - loss_one| = {max(diffs):.2e}"
 
 
-def _recipe_worker(rank: int, world: int, overrides: list[str]) -> tuple[list, str | None]:
+def _recipe_worker(rank: int, world: int, argv: list[str]) -> tuple[list, str | None]:
     from longboat.core.config.compose import compose_experiment
     from longboat.llm.train.training import train as run
 
-    result = run(compose_experiment("dpo", overrides, stack="llm", world_size=world))
+    name = next(a.split("=", 1)[1] for a in argv if a.startswith("experiment="))
+    overrides = [a for a in argv if not a.startswith("experiment=")]
+    result = run(compose_experiment(name, overrides, stack="llm", world_size=world))
     return result.losses, str(result.export_dir) if result.export_dir else None
 
 
 @pytest.mark.multiprocess
-def test_the_dpo_recipe_runs_as_the_readme_writes_it(tmp_path: Path) -> None:
-    """``experiment=dpo model.init_from=<hf dir> data.paths=[pairs.jsonl]`` (a tiny Qwen3
-    checkpoint with its tokenizer; short-run sizes on top): ln 2 first, a falling loss, a
+def test_the_readmes_dpo_command_runs_as_written(tmp_path: Path) -> None:
+    """The README's DPO command on a tiny Qwen3 checkpoint with its tokenizer and the pairs
+    this test made (paths swapped in, short-run sizes added): ln 2 first, a falling loss, a
     transformers export."""
+    import re
+    import shlex
+
     from llm_testkit import make_hf_checkpoint
 
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Preference tuning (DPO)", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(longboat-llm train [^\n]+)\n```", section)
+    assert block, "the README's DPO section shows a longboat-llm train command"
+    argv = shlex.split(block.group(1))[2:]
+    assert "experiment=dpo" in argv
     ckpt, _ = make_hf_checkpoint(tmp_path / "hf")
     pairs, _ = make_pairs(tmp_path / "data")
-    overrides = [
-        f"model.init_from={ckpt}",
-        f"data.paths=[{pairs}]",
-        f"output_dir={tmp_path / 'out'}",
-        "data.seq_len=48",
-        "train.steps=6",
-        "train.global_batch_size=4",
-        "train.log_every=1",
-        "optim.lr=1e-3",
-        "optim.schedule.warmup_steps=1",
-        "logging.progress=false",
-        "logging.tensorboard=false",
-    ]
-    losses, export = run_multiprocess(_recipe_worker, 1, overrides)[0]
+    argv = [
+        f"model.init_from={ckpt}" if a.startswith("model.init_from=")
+        else f"data.paths=[{pairs}]" if a.startswith("data.paths=") else a
+        for a in argv
+    ]  # fmt: skip
+    argv += [f"output_dir={tmp_path / 'out'}", "data.seq_len=48", "train.steps=6",
+             "train.global_batch_size=4", "train.log_every=1", "optim.lr=1e-3",
+             "optim.schedule.warmup_steps=1", "logging.progress=false",
+             "logging.tensorboard=false"]  # fmt: skip
+    losses, export = run_multiprocess(_recipe_worker, 1, argv)[0]
     assert abs(losses[0] - LN2_FP32) < 1e-6 and losses[-1] < losses[0] - 0.05, losses
     assert export is not None and (Path(export) / "model.safetensors").is_file()
 
