@@ -278,6 +278,82 @@ def test_dpo_losses_match_one_process(layout: str, layout_runs: dict) -> None:
         assert max(diffs) <= 1e-4, f"{layout}: max |loss - loss_one| = {max(diffs):.2e}"
 
 
+GRAPH_STEPS = 7  # 3 eager warm-up steps, the capture, 3 replays
+
+
+def _engine_worker(rank: int, world: int, overrides: list[str]) -> dict:
+    """``GRAPH_STEPS`` DPO steps through the gate the engine picks, and what a CUDA capture
+    of the graphed step would reject."""
+    from longboat.core.config.compose import compose_experiment
+    from longboat.core.loop.capture_check import find_capture_hazards
+    from longboat.core.loop.nan_guard import NaNGuard
+    from longboat.core.train import typed_config
+    from longboat.core.train.schedule import RunSchedule
+    from longboat.llm.train.training import build_training
+
+    cfg = typed_config(compose_experiment("quickstart", overrides, stack="llm"))
+    training = build_training(cfg)
+    try:
+        guard = NaNGuard(cfg.train.nan_guard)
+        schedule = RunSchedule(training.optimizers(), cfg.optim.schedule, cfg.train.steps)
+        training.after_resume(0)
+        gate = training.make_gate(guard, schedule)
+        batches = training.batches(0)
+        losses = []
+        for step in range(GRAPH_STEPS):
+            losses.append(training.step(step, next(batches), gate).loss)
+            gate.end_step()
+        graph, hazards = training.step_fn.graph_step, []
+        if graph is not None:
+            micro = [training._on_device(b) for b in next(batches)]
+            inputs = training.step_fn.graph_inputs(GRAPH_STEPS, micro)
+            hazards = [f"{h.why} at {h.where}" for h in find_capture_hazards(graph._step, inputs)]
+        gate.flush()
+        gate.close()
+        return {
+            "graphed": graph is not None,
+            "captured": graph is not None and graph.graph.active,
+            "hazards": hazards,
+            "losses": [float(v) for v in losses],
+        }
+    finally:
+        training.close()
+
+
+def _graph_overrides(root: Path, name: str, *extra: str) -> list[str]:
+    pairs, tok = make_pairs(root / "data")
+    one_micro = ("train.global_batch_size=2", "optim.grad_clip=0.0")  # the graph's conditions
+    return [*dpo_overrides(pairs, tok, root / name, steps=GRAPH_STEPS), *one_micro, *extra]
+
+
+@pytest.mark.multiprocess
+def test_the_graphed_dpo_step_has_nothing_a_capture_rejects(tmp_path: Path) -> None:
+    """train.cuda_graph=true on CPU: the engine's graphed DPO step runs (eagerly), the
+    reference values among its inputs, and nothing in it reads the device on the host."""
+    over = _graph_overrides(tmp_path, "forced", "train.cuda_graph=true")
+    (run,) = run_multiprocess(_engine_worker, 1, over, timeout=400)
+    assert run["graphed"] and not run["captured"], run
+    assert run["hazards"] == [], run["hazards"]
+    assert abs(run["losses"][0] - LN2_FP32) < 1e-6, run["losses"]
+
+
+@pytest.mark.gpu
+def test_the_cuda_graph_dpo_step_matches_eager(tmp_path: Path) -> None:
+    """On CUDA the DPO step is captured by default; its fp32 losses over 3 replays follow
+    the eager step's within 1e-4 (relative), ln 2 first."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    kw = {"backend": "nccl", "start_method": "spawn", "timeout": 400}
+    fp32 = "train.precision=fp32"
+    (graphed,) = run_multiprocess(_engine_worker, 1, _graph_overrides(tmp_path, "g", fp32), **kw)
+    eager_over = _graph_overrides(tmp_path, "e", fp32, "train.cuda_graph=false")
+    (eager,) = run_multiprocess(_engine_worker, 1, eager_over, **kw)
+    assert graphed["graphed"] and graphed["captured"], graphed
+    assert abs(eager["losses"][0] - math.log(2.0)) < 1e-5
+    for a, b in zip(graphed["losses"], eager["losses"], strict=True):
+        assert abs(a - b) <= 1e-4 * abs(b), (graphed["losses"], eager["losses"])
+
+
 def _recipe_worker(rank: int, world: int, argv: list[str]) -> tuple[list, str | None]:
     from longboat.core.config.compose import compose_experiment
     from longboat.llm.train.training import train as run

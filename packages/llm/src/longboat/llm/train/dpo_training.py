@@ -71,14 +71,11 @@ class DPOTraining(LLMTraining):
     def _build_step(self) -> Any:
         from longboat.llm.train.dpo import dpo_objective
 
-        cfg = self.cfg
-        saved = cfg.llm.fused_linear_ce
-        cfg.llm.fused_linear_ce = False  # DPO needs each token's log-probability
-        try:
-            step = super()._build_step()
-        finally:
-            cfg.llm.fused_linear_ce = saved
-        step.objective = dpo_objective(float(cfg.llm.dpo.beta))
+        step = super()._build_step()
+        # The objective's forward step takes megatron's per-token losses (the logits path):
+        # fused linear cross-entropy gives only their mean.
+        step.objective = dpo_objective(float(self.cfg.llm.dpo.beta))
+        step.fused_linear_ce = False
         return step
 
     # --- what the trainer needs ----------------------------------------------------------
