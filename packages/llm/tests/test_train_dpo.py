@@ -426,6 +426,16 @@ def test_bad_dpo_keys_are_refused_at_compose(
     assert words in str(info.value)
 
 
+def test_dpo_with_multi_token_prediction_is_refused(pair_data: tuple[Path, Path]) -> None:
+    pairs, tok = pair_data
+    over = ["model=deepseek_v3_tiny", "model.mtp_num_layers=1", "llm.objective=dpo",
+            "data=prepared", f"data.paths=[{pairs}]", f"data.tokenizer={tok}"]  # fmt: skip
+    compose([*over[:1], *over[2:]])  # accepted without multi-token prediction
+    with pytest.raises(ConfigError) as info:
+        compose(over)
+    assert [p.key for p in info.value.problems] == ["model.mtp_num_layers"]
+
+
 def test_dpo_on_other_data_kinds_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         compose(["llm.objective=dpo", "data=synthetic"])

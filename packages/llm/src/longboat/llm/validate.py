@@ -93,8 +93,9 @@ def _objective(cfg: Any) -> Any:
 
 def _check_objective(cfg: Any, data: Any, problems: Any) -> None:
     """``llm.objective`` and, for dpo, ``llm.dpo.*`` and what DPO reads and runs on:
-    preference files (``data=prepared``, no blend weights, ``data.format=auto``) and no
-    context parallelism (a pair's log-probability sums a whole sequence on one rank)."""
+    preference files (``data=prepared``, no blend weights, ``data.format=auto``), no
+    multi-token prediction and no context parallelism (a pair's log-probability sums a whole
+    sequence on one rank)."""
     from longboat.core.config.errors import require_choice
     from longboat.llm.train.schema import DPO_REFERENCES, OBJECTIVES
 
@@ -139,6 +140,15 @@ def _check_objective(cfg: Any, data: Any, problems: Any) -> None:
             "is for lm runs; llm.objective=dpo reads preference pairs",
             value=data.get("format"),
             fix="leave data.format=auto",
+        )
+    mtp = ((cfg.get("model") or {}).get("mtp_num_layers")) or 0
+    if mtp:
+        problems.add(
+            "model.mtp_num_layers",
+            "multi-token prediction adds a next-token loss, which llm.objective=dpo does not "
+            "train on",
+            value=mtp,
+            fix="use model.mtp_num_layers=0 for DPO",
         )
     cp = ((cfg.get("parallel") or {}).get("context_parallel")) or 1
     if cp != 1:
