@@ -72,11 +72,19 @@ def dpo_loss(
 
 
 def _dpo_loss_func(
-    loss_mask: torch.Tensor, ref_logps: torch.Tensor, beta: float, output: torch.Tensor
+    loss_mask: torch.Tensor,
+    ref_logps: torch.Tensor,
+    beta: float,
+    output: torch.Tensor,
+    aux: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     loss, stats = dpo_loss(sequence_logps(output, loss_mask), ref_logps, beta)
     # clone: megatron divides the returned loss in place by the number of microbatches.
-    return loss, {"dpo loss": loss.detach().clone(), **stats}
+    reported = {"dpo loss": loss.detach().clone(), **stats}
+    if aux is not None:  # model.moe_aux_loss=hf: the pooled load-balancing loss, as for lm
+        value, coeff = aux
+        loss = loss + coeff * value
+    return loss, reported
 
 
 def _forward(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
@@ -89,10 +97,12 @@ def dpo_forward_step(
     data_iterator: Any, model: torch.nn.Module, *, beta: float
 ) -> tuple[torch.Tensor, Any]:
     """megatron's ``forward_step_func`` of a DPO step (batches carry ``ref_logps``)."""
+    from longboat.llm.pooled_aux_router import pooled_aux_loss  # imports megatron's router
+
     batch = next(data_iterator)
-    return _forward(model, batch), partial(
-        _dpo_loss_func, batch["loss_mask"], batch["ref_logps"], beta
-    )
+    output = _forward(model, batch)
+    loss_func = partial(_dpo_loss_func, batch["loss_mask"], batch["ref_logps"], beta)
+    return output, partial(loss_func, aux=pooled_aux_loss(model))
 
 
 def dpo_objective(beta: float) -> StepObjective:

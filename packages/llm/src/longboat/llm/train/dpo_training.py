@@ -181,6 +181,7 @@ class DPOTraining(LLMTraining):
         if self.cfg.lora.enabled:
             lines.append(self.lora_line())
         lines += self.step_fn.notices()
+        lines += [n for n in (self.step_fn.aux_loss_notice, self.step_fn.experts_notice) if n]
         return lines
 
     @property
