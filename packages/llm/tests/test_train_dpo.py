@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from llm_testkit import compose, make_hf_dir, tiny_overrides
+from llm_testkit import compose, tiny_overrides
 
 from longboat.core.config.errors import ConfigError
 from longboat.core.distributed import run_multiprocess
@@ -117,10 +117,10 @@ def _transformers_dpo(hf_dir: Path) -> tuple[torch.Tensor, dict, dict]:
 
 
 @pytest.mark.multiprocess
-def test_dpo_loss_and_gradients_match_transformers(tmp_path: Path) -> None:
+def test_dpo_loss_and_gradients_match_transformers(hf_dirs: dict[str, Path]) -> None:
     """fp32: the loss within 1e-5, each compared gradient within 1e-5 of its largest entry
     (the same parameters, megatron's model against transformers' Llama)."""
-    hf_dir = make_hf_dir("llama3", tmp_path / "llama")
+    hf_dir = hf_dirs["llama3"]
     loss, grads, metrics = run_multiprocess(_megatron_worker, 1, hf_dir)[0]
     want_loss, want_grads, want_stats = _transformers_dpo(hf_dir)
     # Not a degenerate case: the reference numbers are far from the model's, the pairs
