@@ -467,6 +467,12 @@ def test_chats_without_pairs_are_refused_naming_the_file_before_the_build(
     chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     half = tmp_path / "half.jsonl"
     half.write_text(json.dumps({"prompt": "hi", "chosen": "a", "bad": "b"}) + "\n")
+    prepared = tmp_path / "tokens"
+    prepared.mkdir()
+    (prepared / "tokens.bin").write_bytes(b"")
+    cfg = compose(dpo_overrides(prepared, tok, tmp_path / "out", steps=1))
+    with pytest.raises(ConfigError, match="is a prepared token dataset; DPO reads the pref"):
+        build_training(cfg)
     for path, missing in ((chats, "chosen, rejected"), (half, "rejected")):
         cfg = compose(dpo_overrides(path, tok, tmp_path / "out", steps=1))
         with pytest.raises(ConfigError) as info:
