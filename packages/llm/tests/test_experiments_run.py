@@ -37,6 +37,21 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for family in ("llama3", "qwen3", "qwen3_moe"):
         out[family], out["jsonl"] = make_hf_checkpoint(root / family, family)
     out["root"] = root
+    out["pairs"] = _pairs_from_chats(out["jsonl"], root / "pairs.jsonl")
+    return out
+
+
+def _pairs_from_chats(chats: Path, out: Path) -> Path:
+    """Preference pairs for the dpo recipe: each chat's answer chosen, its words reversed
+    rejected."""
+    import json
+
+    rows = []
+    for line in chats.read_text().splitlines():
+        user, answer = (m["content"] for m in json.loads(line)["messages"])
+        rows.append({"prompt": user, "chosen": answer,
+                     "rejected": " ".join(reversed(answer.split()))})  # fmt: skip
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out
 
 
@@ -50,7 +65,8 @@ def _overrides(name: str, files: dict[str, Path], out: Path) -> list[str]:
     if name.endswith("_pretrain"):  # from scratch: the tiny flavor, the checkpoint's tokenizer
         return [*extra, f"model={family}_tiny", f"data.paths=[{files['jsonl']}]",
                 f"data.tokenizer={ckpt}", "data.seq_len=64"]  # fmt: skip
-    return [*extra, f"model.init_from={ckpt}", f"data.paths=[{files['jsonl']}]"]
+    data = files["pairs"] if name == "dpo" else files["jsonl"]  # dpo trains on pairs
+    return [*extra, f"model.init_from={ckpt}", f"data.paths=[{data}]"]
 
 
 def _run(rank: int, world: int, name: str, overrides: list[str]) -> list[float]:
