@@ -345,27 +345,36 @@ def _reload_worker(rank: int, world: int, run: Path, tokens: torch.Tensor) -> An
         parallel_state.destroy()
 
 
-@pytest.mark.multiprocess
-def test_two_training_steps_through_the_cli_and_the_export_reloads(tmp_path: Path) -> None:
-    argv = [
-        "train", "quickstart", "model=deepseek_v3_tiny", "model.mtp_num_layers=1",
-        "data=synthetic",
+def _two_steps(out: Path, *model: str) -> list[str]:
+    """``longboat-llm train`` argv: two steps of the quickstart on synthetic tokens."""
+    return [
+        "train", "quickstart", *model, "data=synthetic",
         "data.seq_len=32", "data.num_documents=64", "train.steps=2",
         "train.micro_batch_size=2", "train.global_batch_size=4", "train.log_every=1",
         "train.eval_every=0", "optim.schedule.warmup_steps=1", "checkpoint.every_steps=0",
         "logging.progress=false", "logging.tensorboard=false", "llm.generate_prompt=null",
-        f"output_dir={tmp_path}",
+        f"output_dir={out}",
     ]  # fmt: skip
-    ((code, _),) = run_multiprocess(_train, 1, argv, timeout=900)
-    assert code == 0
-    rows = [
-        json.loads(line) for line in next(tmp_path.rglob("metrics.jsonl")).read_text().splitlines()
-    ]
+
+
+def _trained_rows(out: Path, argv: list[str]) -> list[dict[str, Any]]:
+    """Run ``argv`` (exit 0) and return its two step rows, each checked: a random init over a
+    256-token vocabulary starts at about ln(256), with a finite, positive gradient norm."""
+    ((code, err),) = run_multiprocess(_train, 1, argv, timeout=900)
+    assert code == 0, err[-2000:]
+    rows = [json.loads(line) for line in next(out.rglob("metrics.jsonl")).read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
     assert len(rows) == 2
-    for row in rows:  # random init over a 256-token vocabulary: about ln(256)
+    for row in rows:
         assert abs(row["loss"] - math.log(256)) < 0.3, row
         assert math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0, row
+    return rows
+
+
+@pytest.mark.multiprocess
+def test_two_training_steps_through_the_cli_and_the_export_reloads(tmp_path: Path) -> None:
+    argv = _two_steps(tmp_path, "model=deepseek_v3_tiny", "model.mtp_num_layers=1")
+    for row in _trained_rows(tmp_path, argv):
         assert abs(row["mtp_loss"] - math.log(256)) < 0.3, row  # the step's own, not a sum
     tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(4))
     (ours,) = run_multiprocess(_reload_worker, 1, tmp_path, tokens, timeout=600)
@@ -515,24 +524,8 @@ def test_a_deepseek_v3_checkpoint_is_the_model_of_any_experiment(tmp_path: Path)
 
 @pytest.mark.multiprocess
 def test_sparse_attention_trains_through_the_cli_and_exports_v32(tmp_path: Path) -> None:
-    argv = [
-        "train", "quickstart", "model=deepseek_v3_v32_tiny", "model.index_loss_coeff=0.01",
-        "data=synthetic", "data.seq_len=32", "data.num_documents=64", "train.steps=2",
-        "train.micro_batch_size=2", "train.global_batch_size=4", "train.log_every=1",
-        "train.eval_every=0", "optim.schedule.warmup_steps=1", "checkpoint.every_steps=0",
-        "logging.progress=false", "logging.tensorboard=false", "llm.generate_prompt=null",
-        f"output_dir={tmp_path}",
-    ]  # fmt: skip
-    ((code, err),) = run_multiprocess(_train, 1, argv, timeout=900)
-    assert code == 0, err[-2000:]
-    rows = [
-        json.loads(line) for line in next(tmp_path.rglob("metrics.jsonl")).read_text().splitlines()
-    ]
-    rows = [r for r in rows if "loss" in r]
-    assert len(rows) == 2
-    for row in rows:  # random init over a 256-token vocabulary: about ln(256)
-        assert abs(row["loss"] - math.log(256)) < 0.3, row
-        assert math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0, row
+    argv = _two_steps(tmp_path, "model=deepseek_v3_v32_tiny", "model.index_loss_coeff=0.01")
+    for row in _trained_rows(tmp_path, argv):
         # 0.01 x a KL divergence between distributions over at most 32 keys: positive, and
         # at most 0.01 x ln(32) per layer unless the indexer is far off.
         assert 0 < row["indexer_loss"] < 0.01 * 2 * math.log(32), row
