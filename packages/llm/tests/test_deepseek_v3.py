@@ -45,6 +45,8 @@ VARIANTS = {
         yarn_mscale=1.0,
         yarn_mscale_all_dim=1.0,
     ),
+    # DeepSeek-V3.2: the lightning indexer keeps 5 of up to 12 keys per query
+    "v32": dict(index_topk=5, index_n_heads=2, index_head_dim=16, num_layers=4),
 }
 
 
@@ -127,6 +129,7 @@ LAYOUTS = {
 }
 CASES = [("tiny", "tp1"), ("moonlight_like", "tp1"), ("tiny", "ep2"), ("moonlight_like", "pp2")]
 CASES += [("tiny", "tp2"), ("moonlight_like", "tp2"), ("tiny", "tp1_sequential")]
+CASES += [("v32", "tp1"), ("v32", "ep2"), ("v32", "pp2")]
 
 
 @pytest.mark.multiprocess
@@ -148,6 +151,9 @@ def test_logits_match_transformers_and_the_export_is_the_source(
         diff = (logits - want).abs().max().item()
         assert diff <= TOL, f"{variant} {layout}: max |logits - transformers| = {diff:.3e}"
     assert want.abs().max().item() > 0.1  # the comparison has teeth
+    if cfg.index_topk is not None:  # and the indexer's choice changes what is compared
+        dense = make_hf_checkpoint(dataclasses.replace(cfg, index_topk=64), tmp_path / "dense")
+        assert (hf_logits(dense, tokens) - want).abs().max().item() > 100 * TOL
     source, saved = _saved(hf_dir), _saved(tmp_path / "out")
     assert sorted(saved) == sorted(source)
     assert [n for n in source if not torch.equal(source[n], saved[n])] == []
@@ -339,27 +345,36 @@ def _reload_worker(rank: int, world: int, run: Path, tokens: torch.Tensor) -> An
         parallel_state.destroy()
 
 
-@pytest.mark.multiprocess
-def test_two_training_steps_through_the_cli_and_the_export_reloads(tmp_path: Path) -> None:
-    argv = [
-        "train", "quickstart", "model=deepseek_v3_tiny", "model.mtp_num_layers=1",
-        "data=synthetic",
+def _two_steps(out: Path, *model: str) -> list[str]:
+    """``longboat-llm train`` argv: two steps of the quickstart on synthetic tokens."""
+    return [
+        "train", "quickstart", *model, "data=synthetic",
         "data.seq_len=32", "data.num_documents=64", "train.steps=2",
         "train.micro_batch_size=2", "train.global_batch_size=4", "train.log_every=1",
         "train.eval_every=0", "optim.schedule.warmup_steps=1", "checkpoint.every_steps=0",
         "logging.progress=false", "logging.tensorboard=false", "llm.generate_prompt=null",
-        f"output_dir={tmp_path}",
+        f"output_dir={out}",
     ]  # fmt: skip
-    ((code, _),) = run_multiprocess(_train, 1, argv, timeout=900)
-    assert code == 0
-    rows = [
-        json.loads(line) for line in next(tmp_path.rglob("metrics.jsonl")).read_text().splitlines()
-    ]
+
+
+def _trained_rows(out: Path, argv: list[str]) -> list[dict[str, Any]]:
+    """Run ``argv`` (exit 0) and return its two step rows, each checked: a random init over a
+    256-token vocabulary starts at about ln(256), with a finite, positive gradient norm."""
+    ((code, err),) = run_multiprocess(_train, 1, argv, timeout=900)
+    assert code == 0, err[-2000:]
+    rows = [json.loads(line) for line in next(out.rglob("metrics.jsonl")).read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
     assert len(rows) == 2
-    for row in rows:  # random init over a 256-token vocabulary: about ln(256)
+    for row in rows:
         assert abs(row["loss"] - math.log(256)) < 0.3, row
         assert math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0, row
+    return rows
+
+
+@pytest.mark.multiprocess
+def test_two_training_steps_through_the_cli_and_the_export_reloads(tmp_path: Path) -> None:
+    argv = _two_steps(tmp_path, "model=deepseek_v3_tiny", "model.mtp_num_layers=1")
+    for row in _trained_rows(tmp_path, argv):
         assert abs(row["mtp_loss"] - math.log(256)) < 0.3, row  # the step's own, not a sum
     tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(4))
     (ours,) = run_multiprocess(_reload_worker, 1, tmp_path, tokens, timeout=600)
@@ -396,6 +411,13 @@ def test_unsupported_layouts_are_refused_naming_the_key() -> None:
         tiny(num_query_groups=2).validate()
     with pytest.raises(ConfigError, match="moe_aux_loss"):
         tiny(moe_aux_loss="hf").validate()
+    sparse = VARIANTS["v32"]
+    with pytest.raises(ConfigError, match=r"model\.index_topk"):
+        tiny(**sparse, q_lora_rank=None).validate()
+    with pytest.raises(ConfigError, match=r"model\.index_head_dim"):
+        tiny(**{**sparse, "index_head_dim": 4}).validate()
+    with pytest.raises(ConfigError, match=r"parallel\.tensor_parallel"):
+        tiny(**sparse).validate_parallel(tp=2, pp=1, ep=1)
     fam = find_family("llm", FAMILY)
     hf = fam.to_hf_config(fam.flavor("tiny")).to_dict()
     hf["scoring_func"] = "softmax"
@@ -498,3 +520,39 @@ def test_a_deepseek_v3_checkpoint_is_the_model_of_any_experiment(tmp_path: Path)
     assert run.model.moe_aux_loss == "megatron"  # the group's auto is this family's one term
     with pytest.raises(ConfigError, match="kv_lora_rank"):
         compose([f"model.init_from={tmp_path}", "model.kv_lora_rank=16"])
+
+
+@pytest.mark.multiprocess
+def test_sparse_attention_trains_through_the_cli_and_exports_v32(tmp_path: Path) -> None:
+    argv = _two_steps(tmp_path, "model=deepseek_v3_v32_tiny", "model.index_loss_coeff=0.01")
+    for row in _trained_rows(tmp_path, argv):
+        # 0.01 x a KL divergence between distributions over at most 32 keys: positive, and
+        # at most 0.01 x ln(32) per layer unless the indexer is far off.
+        assert 0 < row["indexer_loss"] < 0.01 * 2 * math.log(32), row
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf_config["model_type"] == "deepseek_v32" and hf_config["index_topk"] == 8
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(4))
+    (ours,) = run_multiprocess(_reload_worker, 1, tmp_path, tokens, timeout=600)
+    # transformers' DeepseekV32ForCausalLM runs the export (24 keys, 8 chosen) as longboat does.
+    assert (hf_logits(tmp_path / "hf", tokens) - ours).abs().max().item() <= TOL
+
+
+def test_sparse_attention_counts_the_indexer_and_only_the_chosen_keys() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from longboat.llm.models.deepseek_v3.flops import flops_per_sample, param_counts
+
+    fam = find_family("llm", FAMILY)
+    v32 = fam.flavor("v32_tiny")
+    hf = AutoModelForCausalLM.from_config(fam.to_hf_config(v32))
+    assert param_counts(v32)[0] == sum(p.numel() for p in hf.parameters())
+    # DeepSeek-V3.2-Exp: DeepSeek-V3 plus an indexer in each of its 61 layers and the MTP
+    # layer, each wq_b 1536 x 64*128, wk 7168 x 128, a LayerNorm of 128, weights_proj 7168 x 64.
+    extra = param_counts(fam.flavor("v32"))[0] - param_counts(fam.flavor("671b"))[0]
+    assert extra == 62 * (1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64), extra
+    # Beyond index_topk keys, attention FLOPs stop growing with the sequence: at 4x the
+    # sequence a token's cost grows by the indexer's scores only.
+    dense = dataclasses.replace(v32, index_topk=None)
+    per_token = [flops_per_sample(v32, s) / s for s in (64, 256)]
+    dense_per_token = [flops_per_sample(dense, s) / s for s in (64, 256)]
+    assert per_token[1] - per_token[0] < dense_per_token[1] - dense_per_token[0]

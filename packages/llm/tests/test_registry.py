@@ -21,7 +21,7 @@ EXPECTED_FLAVORS = {
     "llama3": {"tiny", "1b", "8b", "70b"},
     "qwen3": {"tiny", "0.6b", "1.7b", "8b", "32b"},
     "qwen3_moe": {"tiny", "30b_a3b"},
-    "deepseek_v3": {"tiny", "moonlight_16b_a3b", "671b", "kimi_k2"},
+    "deepseek_v3": {"tiny", "moonlight_16b_a3b", "671b", "kimi_k2", "v32_tiny", "v32"},
 }
 
 

@@ -150,7 +150,8 @@ def forward_backward(
     optimizer step is the caller's, so a non-finite loss can skip it. ``metrics``, when
     given, receives ``moe_aux_loss`` (the mean of transformers' load-balancing loss,
     ``model.moe_aux_loss=hf``) where the model computes it, and ``mtp_loss`` (the
-    multi-token prediction loss, ``mtp_mean_loss``) for a model with multi-token prediction.
+    multi-token prediction loss, ``mtp_mean_loss``) for a model with multi-token prediction,
+    and ``indexer_loss`` (``indexer_mean_loss``) for sparse attention with an indexer loss.
     ``objective`` (a ``StepObjective``) replaces the LM forward step and loss: the step's
     loss is the mean of its ``loss_key`` and ``metrics`` receives its ``metric_keys``.
     """
@@ -160,10 +161,15 @@ def forward_backward(
         chunk.train()
         chunk.zero_grad_buffer()
     step_fn = objective.forward_step if objective is not None else None
+    indexer_layers = _indexer_loss_layers(model, device)
     losses = _schedule(
         model, microbatches, forward_only=False, fused_ce=fused_ce, forward_step=step_fn
     )
     finalize_model_grads(model)
+    if indexer_layers:
+        indexer = indexer_mean_loss(indexer_layers, len(microbatches), device)
+        if metrics is not None:
+            metrics["indexer_loss"] = indexer
     if objective is not None:
         if metrics is not None:
             for name, key in objective.metric_keys.items():
@@ -178,12 +184,57 @@ def forward_backward(
     return world_mean_of_last_stage(losses, device)
 
 
-def _mtp_depths(model: list[torch.nn.Module]) -> int:
-    """The model's multi-token prediction depth (megatron's ``mtp_num_layers``; 0: none)."""
+def _model_config(model: list[torch.nn.Module]) -> Any:
     inner: Any = model[0]
     while not hasattr(inner, "config") and hasattr(inner, "module"):
         inner = inner.module
-    return int(getattr(getattr(inner, "config", None), "mtp_num_layers", None) or 0)
+    return getattr(inner, "config", None)
+
+
+def _mtp_depths(model: list[torch.nn.Module]) -> int:
+    """The model's multi-token prediction depth (megatron's ``mtp_num_layers``; 0: none)."""
+    return int(getattr(_model_config(model), "mtp_num_layers", None) or 0)
+
+
+def _indexer_loss_layers(model: list[torch.nn.Module], device: torch.device | None) -> int:
+    """Layers whose sparse attention adds an indexer loss (0: none). megatron's indexer-loss
+    tracker is seated here, on the step's device, before the forward passes fill it."""
+    config = _model_config(model)
+    if getattr(config, "experimental_attention_variant", None) != "dsa":
+        return 0
+    if not getattr(config, "dsa_indexer_loss_coeff", None):
+        return 0
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        DSAIndexerLossLoggingHelper,
+    )
+
+    layers = int(config.num_layers)
+    DSAIndexerLossLoggingHelper.tracker.update(
+        values=torch.zeros(layers, device=device), reduce_group=None, avg_group=None
+    )
+    return layers
+
+
+def indexer_mean_loss(
+    layers: int, microbatches: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """The step's indexer loss (its weighted KL, mean over layers and microbatches, averaged
+    over data-parallel ranks) from megatron's tracker, emptied for the next step
+    (collective: every rank calls it)."""
+    from megatron.core import parallel_state as mps
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        DSAIndexerLossLoggingHelper,
+    )
+
+    values = DSAIndexerLossLoggingHelper.tracker.pop("values", None)
+    # Each pipeline stage tracks its own layers; tensor-parallel ranks hold the same values.
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    if values is not None and mps.get_tensor_model_parallel_rank() == 0:
+        local = values.double().sum().to(device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(local)
+    replicas = mps.get_data_parallel_world_size(with_context_parallel=True)
+    return local / (layers * microbatches * replicas)
 
 
 def mtp_mean_loss(microbatches: int, device: torch.device | None = None) -> torch.Tensor:

@@ -11,7 +11,7 @@ SwiGLU width and ``moe_ffn_hidden_size`` one routed expert's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from longboat.core.config.errors import ConfigError, ConfigProblem
 from longboat.core.megatron.decoder_config import ARCH_FIELDS, DecoderModelConfig
@@ -74,6 +74,18 @@ class DeepseekV3Config(DecoderModelConfig):
     predicts one token further from the previous depth's hidden states."""
     mtp_loss_scaling_factor: float = 0.1
     """Weight of the multi-token prediction loss (its mean over depths) in the objective."""
+    index_topk: int | None = None
+    """DeepSeek-V3.2 sparse attention (DSA): keys each query attends to, chosen by the
+    lightning indexer (HF ``index_topk``; None: dense MLA, DeepSeek-V3)."""
+    index_n_heads: int = 4
+    """Heads of the lightning indexer (HF ``index_n_heads``); with ``index_topk`` only."""
+    index_head_dim: int = 16
+    """Per-head width of the lightning indexer (HF ``index_head_dim``); its first
+    ``qk_rope_head_dim`` channels are rotated."""
+    index_loss_coeff: float = 0.0
+    """Weight of the indexer's KL loss against the main attention's distribution (V3.2's
+    warm-up / distillation objective of the indexer; it trains the indexer only). 0: off;
+    the top-k choice carries no gradient, so the indexer's weights then stay as loaded."""
 
     def __post_init__(self) -> None:
         # ``auto`` (the base's default, which a composed model group may carry) is this
@@ -141,12 +153,41 @@ class DeepseekV3Config(DecoderModelConfig):
             bad("mtp_num_layers", "must be >= 0", "0 turns multi-token prediction off")
         if self.moe_router_bias_update_rate < 0:
             bad("moe_router_bias_update_rate", "must be >= 0", "0 keeps the bias fixed")
+        if self.index_topk is not None:
+            if self.index_topk < 1:
+                bad("index_topk", "must be >= 1", "null turns sparse attention off")
+            if self.q_lora_rank is None:
+                bad("index_topk", "the indexer reads the q latent, so DSA needs q_lora_rank",
+                    "set model.q_lora_rank or index_topk=null")  # fmt: skip
+            if self.index_head_dim < self.qk_rope_head_dim or self.index_head_dim % 2:
+                bad("index_head_dim", f"must be even and >= qk_rope_head_dim="
+                    f"{self.qk_rope_head_dim}", "widen the indexer head")  # fmt: skip
+            if self.index_n_heads < 1:
+                bad("index_n_heads", "must be >= 1", "give the indexer a head")
+            if self.layer_backend == "te":
+                bad("index_topk", "sparse attention runs on the longboat or local layers",
+                    "set model.layer_backend=auto")  # fmt: skip
+            if self.index_loss_coeff < 0:
+                bad("index_loss_coeff", "must be >= 0", "0 turns the indexer loss off")
         if problems:
             raise ConfigError(problems)
 
     def validate_parallel(self, *, tp: int, pp: int, ep: int, vpp: int | None = None) -> None:
-        """Base checks (TP divides heads, PP the layers, EP the experts)."""
+        """Base checks (TP divides heads, PP the layers, EP the experts); sparse attention
+        (megatron's absorbed MLA) splits heads across tensor-parallel ranks only with sequence
+        parallelism, which the llm stack does not run: it takes TP 1."""
         super().validate_parallel(tp=tp, pp=pp, ep=ep, vpp=vpp)
+        if self.index_topk is not None and tp > 1:
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        key="parallel.tensor_parallel",
+                        message="DeepSeek-V3.2's sparse attention runs at tensor parallel 1",
+                        value=tp,
+                        fix="use expert, pipeline or data parallelism",
+                    )
+                ]
+            )
 
 
 DEEPSEEK_V3_ARCH_FIELDS = (
@@ -155,7 +196,8 @@ DEEPSEEK_V3_ARCH_FIELDS = (
         f.name
         for f in fields(DeepseekV3Config)
         if f.name not in {g.name for g in fields(DecoderModelConfig)}
-        and f.name not in ("moe_router_bias_update_rate", "mtp_loss_scaling_factor")
+        and f.name
+        not in ("moe_router_bias_update_rate", "mtp_loss_scaling_factor", "index_loss_coeff")
     ),
 )
 """Architecture fields of a DeepSeek-V3 checkpoint (the base's and the MLA / MoE shape)."""
@@ -301,4 +343,12 @@ FLAVORS: dict[str, DeepseekV3Config] = {
         **_SHARED,
     ),
 }
+# DeepSeek-V3.2: DeepSeek-V3's layer with the lightning indexer's sparse attention.
+FLAVORS["v32_tiny"] = replace(
+    FLAVORS["tiny"], flavor="v32_tiny", index_topk=8, index_n_heads=2, index_head_dim=16
+)
+# deepseek-ai/DeepSeek-V3.2-Exp (config only): the 671B model, 2048 keys per query.
+FLAVORS["v32"] = replace(
+    FLAVORS["671b"], flavor="v32", index_topk=2048, index_n_heads=64, index_head_dim=128
+)
 """The flavors by name (``model.flavor``)."""

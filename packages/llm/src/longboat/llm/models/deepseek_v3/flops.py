@@ -13,7 +13,11 @@ def _attention_params(cfg: DeepseekV3Config) -> int:
     )  # fmt: skip
     kv = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
     kv += cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    return q + kv + heads * cfg.v_head_dim * h + 2 * h
+    indexer = 0
+    if cfg.index_topk is not None:  # wq_b, wk, the key's LayerNorm, weights_proj
+        d, n = cfg.index_head_dim, cfg.index_n_heads
+        indexer = int(cfg.q_lora_rank or h) * n * d + h * d + 2 * d + h * n
+    return q + kv + heads * cfg.v_head_dim * h + 2 * h + indexer
 
 
 def param_counts(cfg: DeepseekV3Config) -> tuple[int, int]:
@@ -36,11 +40,26 @@ def param_counts(cfg: DeepseekV3Config) -> tuple[int, int]:
     return total, active
 
 
+def _mean_keys(cfg: DeepseekV3Config, seq_len: int) -> float:
+    """Keys a query attends to, on average over a causal sequence: (S + 1) / 2, or with
+    sparse attention at most ``index_topk`` of them."""
+    if cfg.index_topk is None or cfg.index_topk >= seq_len:
+        return (seq_len + 1) / 2
+    k = cfg.index_topk
+    return (k * (k + 1) / 2 + (seq_len - k) * k) / seq_len
+
+
 def flops_per_sample(cfg: DeepseekV3Config, seq_len: int) -> float:
     """Training FLOPs of one sequence of ``seq_len`` tokens: per token 6 N (N the parameters
-    it passes through) plus attention's QK^T (query/key width) and AV (value width),
-    forward + backward, halved by the causal mask."""
+    it passes through) plus attention's QK^T (query/key width) and AV (value width) over the
+    keys it attends to (half the sequence causally, at most ``index_topk`` with sparse
+    attention), forward + backward; with sparse attention also the indexer's scores over the
+    causal keys (forward only, forward + backward with an indexer loss)."""
     layers = cfg.num_layers + cfg.mtp_num_layers
     width = cfg.num_attention_heads * (cfg.head_dim + cfg.v_head_dim)
-    per_token = 6.0 * param_counts(cfg)[1] + 3.0 * layers * seq_len * width
+    per_token = 6.0 * param_counts(cfg)[1] + 6.0 * layers * _mean_keys(cfg, seq_len) * width
+    if cfg.index_topk is not None:
+        passes = 3.0 if cfg.index_loss_coeff else 1.0
+        scores = 2.0 * cfg.index_n_heads * cfg.index_head_dim * (seq_len + 1) / 2
+        per_token += passes * layers * scores
     return seq_len * per_token

@@ -1,7 +1,10 @@
 """DeepSeek-V3 ``config.json`` (transformers' ``DeepseekV3Config``) <-> ``DeepseekV3Config``.
 
 Moonlight and Kimi K2 ship the same architecture (``architectures: DeepseekV3ForCausalLM``;
-Kimi K2's ``model_type`` is ``kimi_k2``); exports are written as ``deepseek_v3``.
+Kimi K2's ``model_type`` is ``kimi_k2``); exports are written as ``deepseek_v3``. DeepSeek-V3.2
+(``model_type: deepseek_v32``, ``DeepseekV32ForCausalLM``) adds the sparse attention's
+lightning indexer (``index_topk``, ``index_n_heads``, ``index_head_dim``); a config with
+``index_topk`` is written as ``deepseek_v32``.
 """
 
 from __future__ import annotations
@@ -64,6 +67,15 @@ def _rope_to_hf(cfg: DeepseekV3Config) -> dict[str, Any]:
     }
 
 
+def _index_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """The lightning indexer's fields of a DeepSeek-V3.2 ``config.json``."""
+    return {
+        "index_topk": int(hf.get("index_topk", 2048)),
+        "index_n_heads": int(hf.get("index_n_heads", 64)),
+        "index_head_dim": int(hf.get("index_head_dim", 128)),
+    }
+
+
 def from_hf_config(hf: dict[str, Any]) -> DeepseekV3Config:
     """Model config from a DeepSeek-V3 / Moonlight / Kimi K2 ``config.json`` dict."""
     check_hf_basics(hf, SOURCE)
@@ -78,6 +90,9 @@ def from_hf_config(hf: dict[str, Any]) -> DeepseekV3Config:
         problems.append(f"moe_layer_freq={hf['moe_layer_freq']!r} (1 only)")
     if hf.get("attention_bias"):
         problems.append("attention_bias=true")
+    sparse = hf.get("model_type") == "deepseek_v32"
+    if sparse and hf.get("q_lora_rank") is None:
+        problems.append("q_lora_rank=null with sparse attention (the indexer reads the q latent)")
     if problems:
         raise ConfigError(f"{SOURCE}: unsupported DeepSeek-V3 layout: " + "; ".join(problems))
     heads = int(hf["num_attention_heads"])
@@ -114,15 +129,26 @@ def from_hf_config(hf: dict[str, Any]) -> DeepseekV3Config:
         moe_routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
         mtp_num_layers=int(hf.get("num_nextn_predict_layers", 0) or 0),
         **_rope_from_hf(hf),
+        **(_index_from_hf(hf) if sparse else {}),
     )
     cfg.validate(prefix=SOURCE)
     return cfg
 
 
 def to_hf_config(cfg: DeepseekV3Config) -> Any:
-    """``transformers.DeepseekV3Config`` for ``cfg``."""
-    from transformers import DeepseekV3Config as HFConfig
+    """``transformers.DeepseekV3Config`` for ``cfg`` (``DeepseekV32Config`` with sparse
+    attention)."""
+    import transformers
 
+    sparse = cfg.index_topk is not None
+    extra: dict[str, Any] = {}
+    if sparse:
+        extra = dict(
+            index_topk=cfg.index_topk,
+            index_n_heads=cfg.index_n_heads,
+            index_head_dim=cfg.index_head_dim,
+        )
+    HFConfig = transformers.DeepseekV32Config if sparse else transformers.DeepseekV3Config
     return HFConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -154,14 +180,15 @@ def to_hf_config(cfg: DeepseekV3Config) -> Any:
         attention_bias=False,
         num_nextn_predict_layers=cfg.mtp_num_layers,
         aux_loss_alpha=cfg.moe_aux_loss_coeff,
-        architectures=["DeepseekV3ForCausalLM"],
+        architectures=["DeepseekV32ForCausalLM" if sparse else "DeepseekV3ForCausalLM"],
+        **extra,
     )
 
 
 DIALECT = HFDecoderDialect(
     "deepseek_v3",
-    ("deepseek_v3", "kimi_k2"),
-    ("DeepseekV3ForCausalLM",),
+    ("deepseek_v3", "kimi_k2", "deepseek_v32"),
+    ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"),
     from_hf_config,
     to_hf_config,
 )

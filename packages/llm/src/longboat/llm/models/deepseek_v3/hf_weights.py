@@ -57,6 +57,17 @@ _ATTENTION = {
     "self_attention.kv_layernorm.weight": ("replicated", "self_attn.kv_a_layernorm.weight"),
     "self_attention.linear_kv_up_proj.weight": ("rows", "self_attn.kv_b_proj.weight"),
     "self_attention.linear_proj.weight": ("cols", "self_attn.o_proj.weight"),
+    # DeepSeek-V3.2's lightning indexer (every tensor parallel rank holds all of it)
+    **{
+        f"self_attention.core_attention.indexer.{ours}": ("replicated", f"self_attn.indexer.{hf}")
+        for ours, hf in (
+            ("linear_wq_b.weight", "wq_b.weight"),
+            ("linear_wk.weight", "wk.weight"),
+            ("k_norm.weight", "k_norm.weight"),
+            ("k_norm.bias", "k_norm.bias"),
+            ("linear_weights_proj.weight", "weights_proj.weight"),
+        )
+    },
     "input_layernorm.weight": ("replicated", "input_layernorm.weight"),
     "pre_mlp_layernorm.weight": ("replicated", "post_attention_layernorm.weight"),
     # Transformer Engine's layer spec (model.layer_backend=te) fuses these norms into the
@@ -156,6 +167,13 @@ def _layer_shapes(cfg: DeepseekV3Config, hf: str, moe: bool) -> dict[str, tuple[
         shapes[a + "q_a_proj.weight"] = (cfg.q_lora_rank, h)
         shapes[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
         shapes[a + "q_b_proj.weight"] = (q_width, cfg.q_lora_rank)
+    if cfg.index_topk is not None:
+        ix, d = a + "indexer.", cfg.index_head_dim
+        shapes[ix + "wq_b.weight"] = (cfg.index_n_heads * d, int(cfg.q_lora_rank or h))
+        shapes[ix + "wk.weight"] = (d, h)
+        shapes[ix + "k_norm.weight"] = (d,)
+        shapes[ix + "k_norm.bias"] = (d,)
+        shapes[ix + "weights_proj.weight"] = (cfg.index_n_heads, h)
 
     def swiglu(base: str, width: int) -> None:
         shapes[base + "gate_proj.weight"] = (width, h)

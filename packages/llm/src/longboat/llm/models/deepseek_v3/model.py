@@ -88,7 +88,36 @@ def transformer_config(cfg: DeepseekV3Config, *, backend: str = "longboat", **kw
         mscale=cfg.yarn_mscale,
         mscale_all_dim=cfg.yarn_mscale_all_dim if yarn else 0.0,
     )
+    if cfg.index_topk is not None:
+        values.update(
+            experimental_attention_variant="dsa",
+            dsa_indexer_n_heads=cfg.index_n_heads,
+            dsa_indexer_head_dim=cfg.index_head_dim,
+            dsa_indexer_topk=cfg.index_topk,
+            dsa_indexer_loss_coeff=cfg.index_loss_coeff,
+            # DeepSeek-V3.2's released indexer: half-split rotary, ReLU scores, the key's
+            # LayerNorm at 1e-6. Its Hadamard rotation of q and k leaves q . k unchanged (an
+            # orthogonal map on both), so it is skipped, as transformers does.
+            dsa_indexer_rope_interleaved=False,
+            dsa_indexer_rotate_activation=False,
+            dsa_indexer_scoring_relu=True,
+            dsa_indexer_k_norm_epsilon=1e-6,
+        )
     return MLATransformerConfig(**values)
+
+
+class DuplicatedLinear(torch.nn.Linear):
+    """A linear every tensor-parallel rank holds whole (the lightning indexer's projections),
+    returning megatron's ``(output, bias)`` pair."""
+
+    def __init__(self, in_features: int, out_features: int, *, config: Any, init_method: Any,
+                 bias: bool, **_: Any) -> None:  # fmt: skip
+        super().__init__(in_features, out_features, bias=bias, dtype=config.params_dtype)
+        with torch.no_grad():
+            init_method(self.weight)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return super().forward(x), None
 
 
 class LatentCoreAttention(torch.nn.Module):
@@ -152,8 +181,56 @@ def _latent_self_attention() -> type:
     return LatentSelfAttention
 
 
-def _mla_attention_spec(backend: str, kernels: Any, q_latent: bool) -> Any:
-    """The ``MLASelfAttention`` spec on longboat kernels (or megatron's local modules)."""
+def _sparse_attention_spec(linear: Any, row: Any, norm: Any) -> Any:
+    """DeepSeek-V3.2's attention: megatron's absorbed MLA over its DSA core attention (the
+    lightning indexer picks ``index_topk`` keys per query; attention runs over those only)."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
+        AbsorbedMLASelfAttention,
+        AbsorbedMLASelfAttentionSubmodules,
+    )
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        DSAIndexer,
+        DSAIndexerSubmodules,
+        DSAttention,
+        DSAttentionSubmodules,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    indexer = ModuleSpec(
+        module=DSAIndexer,
+        submodules=DSAIndexerSubmodules(
+            linear_wq_b=DuplicatedLinear,
+            linear_wk=DuplicatedLinear,
+            k_norm=LocalSpecProvider().layer_norm(rms_norm=False, for_qk=True),
+            linear_weights_proj=DuplicatedLinear,
+        ),
+    )
+    return ModuleSpec(
+        module=AbsorbedMLASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=AbsorbedMLASelfAttentionSubmodules(
+            linear_q_proj=linear,
+            linear_q_down_proj=ColumnParallelLinear,
+            linear_q_up_proj=linear,
+            linear_kv_down_proj=ColumnParallelLinear,
+            linear_kv_up_proj=linear,
+            core_attention=ModuleSpec(
+                module=DSAttention, submodules=DSAttentionSubmodules(indexer=indexer)
+            ),
+            linear_proj=row,
+            q_layernorm=norm,
+            kv_layernorm=norm,
+        ),
+        metainfo={"fuse_input_layernorm": False},
+    )
+
+
+def _mla_attention_spec(backend: str, kernels: Any, q_latent: bool, sparse: bool = False) -> Any:
+    """The ``MLASelfAttention`` spec on longboat kernels (or megatron's local modules);
+    ``sparse``: DeepSeek-V3.2's (``_sparse_attention_spec``)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
@@ -161,7 +238,7 @@ def _mla_attention_spec(backend: str, kernels: Any, q_latent: bool) -> Any:
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from longboat.core.layer_kernels import LayerKernels
-    from longboat.core.megatron.specs import LongboatSpecProvider
+    from longboat.core.megatron.specs import KernelRMSNorm, LongboatSpecProvider
 
     if backend == "local":
         from megatron.core.models.backends import LocalSpecProvider
@@ -180,6 +257,10 @@ def _mla_attention_spec(backend: str, kernels: Any, q_latent: bool) -> Any:
         core = ModuleSpec(
             module=LatentCoreAttention, params={"attention_fn": provider.kernels.attention}
         )
+    if sparse:
+        if backend != "local":  # the absorbed attention builds its norms from a spec
+            norm = ModuleSpec(module=KernelRMSNorm, params={"rms_norm": provider.kernels.rms_norm})
+        return _sparse_attention_spec(linear, row, norm)
     return ModuleSpec(
         module=_latent_self_attention(),
         params={"attn_mask_type": AttnMaskType.causal},
@@ -215,7 +296,9 @@ def layer_specs(cfg: DeepseekV3Config, backend: str, kernels: Any) -> list[Any]:
     else:
         from longboat.core.megatron.specs import decoder_layer_spec
 
-        attention = _mla_attention_spec(backend, kernels, cfg.q_lora_rank is not None)
+        attention = _mla_attention_spec(
+            backend, kernels, cfg.q_lora_rank is not None, sparse=cfg.index_topk is not None
+        )
 
         def with_mla(spec: Any) -> Any:
             return dataclasses.replace(
