@@ -106,6 +106,9 @@ def test_a_scripted_push_succeeds_at_its_step_and_holding_still_never_does(tmp_p
     expected = [(k, True, SUCCESS_STEP[SCENES[k % 2]]) for k in range(4)]
     assert _episodes(runs[1]) == expected
     assert _episodes(runs[3]) == expected  # the same episodes on any number of environments
+    forked = evaluate(suite, ReplayPolicy(demos), tmp_path / "processes", episodes=2,
+                      num_envs=2, max_steps=30, processes=True, progress=False)  # fmt: skip
+    assert _episodes(forked) == expected[:2]  # one process per environment (AsyncVectorEnv)
     total = runs[3]["total"]
     assert (total["episodes"], total["successes"], total["success_rate"]) == (4, 4, 1.0)
     assert total["ci95"] == pytest.approx(wilson_interval(4, 4))

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-import torch
 
 
 @dataclass(frozen=True)
@@ -61,15 +60,19 @@ class TrainedPolicy:
             raise ValueError(f"n_action_steps={steps} must be in [1, {self.horizon}]")
         self.n_action_steps = steps
         self._queues: dict[int, deque[np.ndarray]] = {}
-        self._noise: dict[int, torch.Generator] = {}
+        self._noise: dict[int, Any] = {}  # torch.Generator per slot
 
     def begin(self, slot: int, episode: Episode) -> None:
+        import torch  # here: environment processes import this module without torch
+
         self._queues[slot] = deque()
         self._noise[slot] = torch.Generator().manual_seed(episode.seed)
 
     def act(self, slots: Sequence[int], observations: Sequence[Mapping[str, Any]]) -> np.ndarray:
         need = [i for i, slot in enumerate(slots) if not self._queues[slot]]
         if need:
+            import torch
+
             noise = torch.stack(
                 [
                     torch.randn(self.horizon, self.noise_dim, generator=self._noise[slots[i]])

@@ -1,7 +1,8 @@
 """Closed-loop rollouts of one task: ``run_task`` -> one ``EpisodeResult`` per episode.
 
 Episodes run batched across a gymnasium vector of environments (``SyncVectorEnv`` in this
-process, or ``AsyncVectorEnv``: one process per environment), with autoreset off: when an
+process, or ``AsyncVectorEnv``: one process per environment, started from a fork server, and
+the policy batched over them), with autoreset off: when an
 environment's episode ends (success, the environment's termination or truncation, or
 ``max_steps``) the next episode of the task starts in it, reset with that episode's seed
 (``seed + k`` for episode ``k``) and its initial state when the suite lists some. An
@@ -55,8 +56,10 @@ def make_vector(suite: SuiteSpec, task: TaskSpec, num_envs: int, *, processes: b
 
     kwargs = {**suite.env_kwargs, **task.env_kwargs}
     fn = functools.partial(make_env, task.env_id, kwargs, tuple(suite.requires))
-    cls = gym.vector.AsyncVectorEnv if processes else gym.vector.SyncVectorEnv
-    return cls([fn] * num_envs, autoreset_mode=gym.vector.AutoresetMode.DISABLED)
+    mode = gym.vector.AutoresetMode.DISABLED
+    if processes:  # forkserver: a clean parent for the workers (this one runs torch threads)
+        return gym.vector.AsyncVectorEnv([fn] * num_envs, autoreset_mode=mode, context="forkserver")
+    return gym.vector.SyncVectorEnv([fn] * num_envs, autoreset_mode=mode)
 
 
 def _entry(obs: Any, key: str, slot: int) -> np.ndarray:
