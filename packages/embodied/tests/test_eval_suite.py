@@ -195,3 +195,40 @@ def test_policies_the_suite_cannot_feed_are_refused() -> None:
     assert remapped.cameras["observation.images.front"] == "pixels"
     with pytest.raises(ConfigError, match=r"no camera 'observation\.images\.side'"):
         remap_cameras(suite, {"observation.images.front": "observation.images.side"})
+
+
+def test_observation_and_action_conventions_of_a_suite() -> None:
+    from gymnasium.spaces import Box
+
+    from longboat.embodied.eval.rollout import ObservationMap
+
+    base = load_suite("pusht")
+    suite = dataclasses.replace(
+        base,
+        cameras={"observation.images.top": "pixels/top"},
+        state=["agent_pos", "extra"],
+        state_scale=[2.0, 2.0, 1.0],
+        state_offset=[1.0, 1.0, 0.0],
+        action_low=None,
+        action_high=None,
+        action_scale=[0.5, 2.0],
+        action_offset=[10.0, 0.0],
+    )
+    frames = np.arange(2 * 4 * 6 * 3, dtype=np.uint8).reshape(2, 4, 6, 3)
+    obs = {
+        "pixels": {"top": frames},
+        "agent_pos": np.array([[1.0, 2.0], [3.0, 4.0]]),
+        "extra": np.array([[5.0], [6.0]]),
+    }
+    conventions = ObservationMap(suite, base.tasks[0], Box(0.0, 100.0, shape=(2,)))
+    second = conventions.policy_observation(obs, 1)
+    np.testing.assert_array_equal(second[STATE_KEY], [7.0, 9.0, 6.0])
+    np.testing.assert_array_equal(second["observation.images.top"], frames[1])
+    assert second["task"] == base.tasks[0].instruction
+    # policy units -> environment: x * scale + offset, clipped to the action space (a third
+    # value of a wider policy is dropped)
+    env = conventions.env_actions(np.array([[4.0, 30.0, 9.0], [-40.0, 70.0, 9.0]]))
+    np.testing.assert_array_equal(env, [[12.0, 60.0], [0.0, 100.0]])
+    with pytest.raises(KeyError, match="'pixels/side'"):
+        ObservationMap(dataclasses.replace(suite, cameras={"x": "pixels/side"}), base.tasks[0],
+                       Box(0.0, 1.0, shape=(2,))).policy_observation(obs, 0)  # fmt: skip

@@ -63,11 +63,19 @@ def make_vector(suite: SuiteSpec, task: TaskSpec, num_envs: int, *, processes: b
 
 
 def _entry(obs: Any, key: str, slot: int) -> np.ndarray:
-    if isinstance(obs, dict):
-        if key not in obs:
-            raise KeyError(f"the environment's observation has no {key!r}; it has {sorted(obs)}")
-        return np.asarray(obs[key][slot])
-    return np.asarray(obs[slot])
+    """Environment ``slot``'s value of ``key`` in a vector observation; ``a/b`` reads the
+    entry ``b`` of the nested mapping ``a`` (e.g. ``pixels/top``)."""
+    value = obs
+    for part in key.split("/"):
+        if not isinstance(value, dict):
+            return np.asarray(value[slot])  # a plain array observation: its only entry
+        if part not in value:
+            raise KeyError(
+                f"the environment's observation has no {key!r} ({part!r} missing; it has "
+                f"{sorted(value)})"
+            )
+        value = value[part]
+    return np.asarray(value[slot])
 
 
 class ObservationMap:

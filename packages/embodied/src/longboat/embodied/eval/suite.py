@@ -7,7 +7,8 @@ family of gymnasium environments meets a policy, with no code of its own:
   to the policy as its task text, optional ``initial_states``: reset options of each episode,
   used in turn, for suites with fixed initial scenes);
 - ``observation``: which observation entry feeds which policy feature (``cameras``: policy
-  camera key -> observation key, ``state``: observation keys concatenated into
+  camera key -> observation key, ``a/b`` for the entry ``b`` of a nested mapping ``a``;
+  ``state``: observation keys concatenated into
   ``observation.state``, with an optional affine ``state_scale`` / ``state_offset`` into the
   units the policy was trained in);
 - ``action``: its width, the bounds actions are clipped to and an optional affine map from
