@@ -41,8 +41,18 @@ class EpisodeResult:
     """The video frames (uint8 [H, W, 3]) of a recorded episode; empty otherwise."""
 
 
-def make_env(env_id: str, kwargs: dict[str, Any], requires: Sequence[str]) -> Any:
-    """One environment (imports the modules that register it first)."""
+def make_env(
+    env_id: str,
+    kwargs: dict[str, Any],
+    requires: Sequence[str],
+    env_vars: dict[str, str] | None = None,
+) -> Any:
+    """One environment (sets ``env_vars`` where unset and imports the modules that register
+    it first)."""
+    import os
+
+    for name, value in (env_vars or {}).items():
+        os.environ.setdefault(name, value)
     import gymnasium as gym
 
     for module in requires:
@@ -55,7 +65,9 @@ def make_vector(suite: SuiteSpec, task: TaskSpec, num_envs: int, *, processes: b
     import gymnasium as gym
 
     kwargs = {**suite.env_kwargs, **task.env_kwargs}
-    fn = functools.partial(make_env, task.env_id, kwargs, tuple(suite.requires))
+    fn = functools.partial(
+        make_env, task.env_id, kwargs, tuple(suite.requires), dict(suite.env_vars)
+    )
     mode = gym.vector.AutoresetMode.DISABLED
     if processes:  # forkserver: a clean parent for the workers (this one runs torch threads)
         return gym.vector.AsyncVectorEnv([fn] * num_envs, autoreset_mode=mode, context="forkserver")
@@ -87,6 +99,8 @@ class ObservationMap:
         dim = suite.action_dim
         low = suite.action_low if suite.action_low is not None else _bound(action_space, "low")
         high = suite.action_high if suite.action_high is not None else _bound(action_space, "high")
+        if not suite.action_clip:
+            low = high = None
         self.low = None if low is None else np.asarray(low, dtype=np.float64)[:dim]
         self.high = None if high is None else np.asarray(high, dtype=np.float64)[:dim]
         self.action_scale = np.asarray(suite.action_scale or [1.0] * dim, dtype=np.float64)

@@ -11,12 +11,14 @@ family of gymnasium environments meets a policy, with no code of its own:
   ``state``: observation keys concatenated into
   ``observation.state``, with an optional affine ``state_scale`` / ``state_offset`` into the
   units the policy was trained in);
-- ``action``: its width, the bounds actions are clipped to and an optional affine map from
-  the policy's units (``scale`` / ``offset``);
+- ``action``: its width, the bounds actions are clipped to (``clip: false``: none) and an
+  optional affine map from the policy's units (``scale`` / ``offset``);
 - ``success``: the ``info`` key that says an episode succeeded (once true, the episode ends);
 - ``max_episode_steps``, ``fps`` (of the videos) and ``video.source`` (``render``: the
   environment's ``render()``; else an observation key);
-- ``requires``: modules imported before ``gymnasium.make`` (they register the environments).
+- ``requires``: modules imported before ``gymnasium.make`` (they register the environments);
+  ``env_vars``: environment variables set first where unset (``MUJOCO_GL: egl``);
+  ``install``: what installs them (default ``longboat-embodied[sim]``).
 
 Every key is checked when the file is read; a problem is a ``ConfigError`` naming the file,
 the key and the fix.
@@ -36,7 +38,8 @@ from longboat.core.config.errors import ConfigError, ConfigProblem
 SUITES_DIR = Path(__file__).with_name("suites")
 """The built-in suites (``<name>.yaml``)."""
 STATE_KEY = "observation.state"
-SIM_EXTRA = "pip install 'longboat-embodied[sim]'"
+SIM_EXTRA = "longboat-embodied[sim]"
+"""What installs a suite's simulator unless its ``install`` says otherwise."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,13 @@ class SuiteSpec:
     action_scale: list[float] | None = None
     action_offset: list[float] | None = None
     video_source: str = "render"
+    install: str = SIM_EXTRA
+    """What installs the simulator (``install``), named when it is missing."""
+    action_clip: bool = True
+    """Clip actions to ``action.low`` / ``action.high`` (default: the action space's bounds)."""
+    env_vars: dict[str, str] = field(default_factory=dict)
+    """Environment variables set (where unset) before ``requires`` are imported, e.g.
+    ``MUJOCO_GL: egl`` for headless MuJoCo rendering."""
     state_dim: int | None = None
     """Width of ``observation.state`` (``observation.state_dim``), checked against a policy
     before any environment starts; None: not checked."""
@@ -138,7 +148,7 @@ def check_installed(suite: SuiteSpec, key: str = "suite") -> None:
             f"suite {suite.name} needs {', '.join(missing)}, which is not installed",
             key=key,
             value=suite.name,
-            fix=f"install the simulators: {SIM_EXTRA}",
+            fix=f"install the simulator: pip install '{suite.install}'",
         )
 
 
@@ -285,6 +295,9 @@ def _parse(body: dict[str, Any], path: Path) -> SuiteSpec:
         action_offset=vectors["action.offset"],
         video_source=str(video.get("source", "render")),
         state_dim=state_dim,
+        action_clip=bool(action.get("clip", True)),
+        install=str(body.get("install", SIM_EXTRA)),
+        env_vars={str(k): str(v) for k, v in (body.get("env_vars") or {}).items()},
     )
 
 
