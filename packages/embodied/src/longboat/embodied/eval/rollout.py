@@ -249,6 +249,9 @@ def _episodes(
                     _record(envs, obs, running, record, render, suite, only=s)
             else:  # idle: reset so that the vector can keep stepping the others
                 obs = _idle_reset(envs, s, n, seed)
+        for s in range(n):  # an idle environment that ended by itself (no autoreset)
+            if s not in active and (terminated[s] or truncated[s]):
+                obs = _idle_reset(envs, s, n, seed)
         frames_due = any(r is not None and r.episode < record for r in running)
     return sorted(results, key=lambda r: r.episode)
 
