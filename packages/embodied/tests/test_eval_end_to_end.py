@@ -103,7 +103,7 @@ def test_a_trained_policy_is_evaluated_with_table_counts_and_video(
 
 
 def test_training_logs_the_success_rate_from_a_child_process(
-    pusht_data: Path, tmp_path: Path
+    pusht_data: Path, tmp_path: Path, capsys
 ) -> None:
     extra = ("train.eval_every=2", "train.sim_eval.suite=pusht", "train.sim_eval.episodes=2",
              "train.sim_eval.num_envs=2", "train.sim_eval.max_steps=4",
@@ -112,6 +112,7 @@ def test_training_logs_the_success_rate_from_a_child_process(
     cfg = compose_experiment("pi05_tiny", _overrides(run, pusht_data, *extra), world_size=1)
     result = train(cfg)
     assert len(result.losses) == 2 and result.export_dir is not None
+    assert "Eval sim_success_rate at step 2: " in capsys.readouterr().out
     rows = read_metrics(run, "pi05_tiny")
     (row,) = [r for r in rows if "sim_success_rate" in r]
     assert row["step"] == 2 and "loss" in row  # beside the loss, at eval_every and the end
