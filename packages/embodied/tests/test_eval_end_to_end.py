@@ -1,7 +1,8 @@
 """A trained policy in closed loop: a tiny pi0.5 trained for two steps on a synthetic dataset
 shaped like PushT (one 96x96 camera ``top``, a 2-value state and action) is evaluated by
 ``longboat-embodied eval`` on rendered PushT episodes: the table, the success counts, one
-mp4 decoded frame by frame, and a second run with the same seed giving the same episodes.
+mp4 decoded frame by frame, and a second run with the same seed, and the run's LeRobot-format
+export, giving the same episodes.
 During training, ``train.sim_eval`` logs the success rate beside the loss from a child
 process, and a simulator that fails is logged as a failed evaluation while training ends
 normally. Bad ``train.sim_eval`` keys are refused before anything is built."""
@@ -97,9 +98,11 @@ def test_a_trained_policy_is_evaluated_with_table_counts_and_video(
         frames = [f.to_ndarray(format="rgb24") for f in video.decode(video=0)]
     assert len(frames) == episodes[0]["steps"] + 1  # the reset frame and one per step
     assert frames[0].shape == (256, 256, 3)  # the suite's render size
-    # the same seed: the same episodes, step for step
+    # the same seed: the same episodes, step for step; so does the LeRobot-format export
     again = _eval(trained, tmp_path / "b")
     assert again["tasks"][0]["per_episode"] == episodes
+    lerobot = _eval(trained / "export" / "lerobot", tmp_path / "c")
+    assert lerobot["tasks"][0]["per_episode"] == episodes
 
 
 def test_training_logs_the_success_rate_from_a_child_process(
