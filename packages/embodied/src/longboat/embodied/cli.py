@@ -1,8 +1,10 @@
 """``longboat-embodied``: train / config show / config list for the embodied stack, and
-``data make-synthetic`` (a synthetic LeRobot dataset).
+``data make-synthetic`` (a synthetic LeRobot dataset) and ``eval`` (closed-loop evaluation
+in a simulated suite, ``longboat-embodied[sim]``).
 
 longboat-embodied train experiment=groot_n1_6_tiny [key=value ...]
 longboat-embodied data make-synthetic /tmp/ds --cameras top wrist
+longboat-embodied eval runs/pusht/export --suite pusht --episodes 50 --num-envs 8
 torchrun --nproc-per-node 2 -m longboat.embodied.cli train experiment=pi05_tiny parallel.strategy=fsdp
 """
 
@@ -20,8 +22,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     the ``data`` command)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from longboat.embodied.data.cli import data_main
+    from longboat.embodied.eval.cli import eval_main
 
-    commands = {"data": ("LeRobot dataset tools (make-synthetic)", data_main)}
+    commands = {
+        "data": ("LeRobot dataset tools (make-synthetic)", data_main),
+        "eval": ("closed-loop evaluation of a trained policy in simulation", eval_main),
+    }
     return stack_main("embodied", argv, commands=commands)
 
 

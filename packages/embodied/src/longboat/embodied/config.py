@@ -118,6 +118,34 @@ class LeRobotDataConfig(DataConfig):
 
 
 @dataclass
+class SimEvalConfig:
+    """Closed-loop evaluation in a simulated suite during training (needs
+    ``longboat-embodied[sim]``): at every ``train.eval_every`` steps (after the first
+    evaluation) and at the end, the current weights roll out in a child process, so that a
+    simulator crash never stops training (a failed evaluation is logged as such), and
+    ``sim_success_rate`` is logged beside the loss (``longboat.embodied.eval.in_training``).
+    Training waits for the child: with several ranks keep ``train.collective_timeout_s``
+    above ``timeout_s``."""
+
+    suite: str | None = None
+    """A built-in suite (pusht) or the path of a suite YAML; null: no closed-loop eval."""
+    episodes: int = 10
+    """Episodes per task of the suite."""
+    num_envs: int = 1
+    """Environments stepped together."""
+    max_steps: int | None = None
+    """Steps per episode at most; null: the suite's ``max_episode_steps``."""
+    videos: int = 1
+    """Episodes per task recorded as mp4 (``<output_dir>/sim_eval/step_<N>/videos``)."""
+    seed: int = 0
+    """Episode k of each evaluation resets with seed + k (the same scenes every time)."""
+    device: str = "cpu"
+    """The device the child runs the policy on (cpu, cuda, ...)."""
+    timeout_s: float = 1800.0
+    """Seconds one evaluation may take before it is stopped and logged as failed."""
+
+
+@dataclass
 class EmbodiedTrainConfig(TrainConfig):
     """The embodied training loop (core's fields plus embodied-only switches).
 
@@ -161,6 +189,8 @@ class EmbodiedTrainConfig(TrainConfig):
     back to eager steps with a notice if the step synchronises with the host; true where it
     cannot apply is an error, except on a device without CUDA graphs (eager, logged); true
     with data parallelism captures the gradient all-reduce too."""
+    sim_eval: SimEvalConfig = field(default_factory=SimEvalConfig)
+    """Closed-loop evaluation in simulation during training (``suite`` null: off)."""
 
 
 @dataclass
@@ -230,14 +260,21 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
     if data is not None:
         check_eval_keys(eval_episodes, data.get("eval_batches", 4), problems)
     train = cfg.get("train")
-    if train is not None and (train.get("eval_every") or 0) > 0 and eval_episodes is None:
+    sim_eval = train.get("sim_eval") if train is not None else None
+    sim_suite = sim_eval.get("suite") if sim_eval is not None else None
+    every = (train.get("eval_every") or 0) if train is not None else 0
+    if every > 0 and eval_episodes is None and sim_suite is None:
         problems.add(
             "train.eval_every",
-            "evaluates held-out episodes, but data.eval_episodes is null (no held-out set)",
+            "evaluates held-out episodes or a simulated suite, but data.eval_episodes is "
+            "null (no held-out set) and so is train.sim_eval.suite",
             value=train.get("eval_every"),
             fix="hold episodes out with data.eval_episodes=0.1 (the last 10%) or "
-            "data.eval_episodes=[0,1], or set train.eval_every=0",
+            "data.eval_episodes=[0,1], evaluate in simulation with "
+            "train.sim_eval.suite=pusht, or set train.eval_every=0",
         )
+    if sim_eval is not None:
+        check_sim_eval_keys(sim_eval, problems)
     if train is not None and train.get("master_weight_storage", "split") not in ("split", "fp32"):
         problems.add(
             "train.master_weight_storage",
@@ -411,3 +448,33 @@ def check_eval_keys(eval_episodes: Any, eval_batches: Any, problems: ProblemColl
             value=eval_batches,
             fix="set data.eval_batches=4 (or any integer >= 1)",
         )
+
+
+def check_sim_eval_keys(sim_eval: Any, problems: ProblemCollector) -> None:
+    """``train.sim_eval``: a suite that exists and whose simulator is installed (the
+    ``sim`` extra), positive counts and timeout."""
+    for key in ("episodes", "num_envs"):
+        value = sim_eval.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.add(f"train.sim_eval.{key}", "must be >= 1", value=value, fix="e.g. 4")
+    for key in ("videos", "seed"):
+        value = sim_eval.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            problems.add(f"train.sim_eval.{key}", "must be >= 0", value=value, fix="e.g. 0")
+    steps = sim_eval.get("max_steps")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        problems.add(
+            "train.sim_eval.max_steps", "must be >= 1 or null", value=steps, fix="e.g. 300"
+        )
+    timeout = sim_eval.get("timeout_s")
+    if not isinstance(timeout, int | float) or timeout <= 0:
+        problems.add("train.sim_eval.timeout_s", "must be > 0", value=timeout, fix="e.g. 1800")
+    name = sim_eval.get("suite")
+    if name is None:
+        return
+    from longboat.embodied.eval.suite import check_installed, load_suite
+
+    try:
+        check_installed(load_suite(str(name), key="train.sim_eval.suite"), "train.sim_eval.suite")
+    except ConfigError as err:
+        problems.extend(err)

@@ -442,10 +442,12 @@ class Trainer:
             )
         for key, value in r.eval.get(r.end_step, {}).items():
             first = r.eval.get(r.start_step, {}).get(key)
+            # eval_* are held-out metrics; other keys are a stack's own evaluation's
+            name = f"Held-out {key[5:]}" if key.startswith("eval_") else f"Eval {key}"
             if took > 0 and first is not None and math.isfinite(first):
-                say(f"Held-out {key.removeprefix('eval_')}: {first:.4f} -> {value:.4f}")
+                say(f"{name}: {first:.4f} -> {value:.4f}")
             elif math.isfinite(value):
-                say(f"Held-out {key.removeprefix('eval_')} at step {r.end_step}: {value:.4f}")
+                say(f"{name} at step {r.end_step}: {value:.4f}")
         latest = r.checkpoint.name if r.checkpoint else "-"
         say(f"Checkpoints: {cfg.checkpoint.dir} (latest: {latest})")
         say(f"Metrics:     {r.metrics_path}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,32 @@ class Policy:
         with self._autocast():
             actions = self.model.predict_action(batch, **options)
         return self.processor.postprocess(actions, embodiment=emb)[0]
+
+    @torch.no_grad()
+    def predict_action_chunks(
+        self,
+        observations: Sequence[Mapping[str, Any]],
+        *,
+        embodiment: int | None = None,
+        noise: torch.Tensor | None = None,
+        num_steps: int | None = None,
+    ) -> torch.Tensor:
+        """``predict_action_chunk`` for a batch of raw observations of one embodiment (one
+        per environment of a vector): ``[B, horizon, D]`` in the robot's units. ``noise``:
+        ``[B, horizon, action_dim]`` of the policy (each row seeded by its caller makes a
+        row's actions independent of the RNG state)."""
+        if not observations:
+            raise ValueError("predict_action_chunks needs at least one observation")
+        emb = self.processor.embodiment_of(observations[0], embodiment)
+        batch = self.processor.preprocess_batch(observations, embodiment=emb)
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        given = {"noise": noise, "num_steps": num_steps}
+        if noise is not None:
+            given["noise"] = noise.to(self.device, torch.float32)
+        options = {k: v for k, v in given.items() if v is not None}
+        with self._autocast():
+            actions = self.model.predict_action(batch, **options)
+        return self.processor.postprocess(actions, embodiment=emb)
 
     def select_action(
         self, observation: Mapping[str, Any], *, embodiment: int | None = None

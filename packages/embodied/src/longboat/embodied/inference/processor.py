@@ -227,6 +227,17 @@ class PolicyProcessor:
         self, observation: Mapping[str, Any], *, embodiment: int | None = None
     ) -> dict[str, torch.Tensor]:
         """One raw observation -> a policy batch of one (CPU tensors)."""
+        return self.collate([self._sample(observation, embodiment)])
+
+    def preprocess_batch(
+        self, observations: Sequence[Mapping[str, Any]], *, embodiment: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Raw observations (one per environment) -> one policy batch (CPU tensors), each
+        row as ``preprocess`` builds it."""
+        return self.collate([self._sample(obs, embodiment) for obs in observations])
+
+    def _sample(self, observation: Mapping[str, Any], embodiment: int | None) -> dict[str, Any]:
+        """One raw observation -> one collator sample."""
         missing = [k for k in (*self.cameras, STATE_KEY) if k not in observation]
         if missing:
             raise KeyError(
@@ -253,7 +264,7 @@ class PolicyProcessor:
         }
         for key in self.cameras:
             sample[key] = camera_frame(observation[key], key)
-        return self.collate([sample])
+        return sample
 
     def postprocess(self, actions: torch.Tensor, *, embodiment: int = 0) -> torch.Tensor:
         """Policy actions ``[..., horizon, action_dim (padded)]`` -> the robot's units

@@ -50,6 +50,7 @@ from longboat.embodied.config import (
     check_cuda_graph_layout,
     resolve_fast_path,
 )
+from longboat.embodied.eval.in_training import closed_loop_eval
 from longboat.embodied.inference.processor import PolicyProcessor
 from longboat.embodied.models import apply_freezing, build_model, hf_backbones
 from longboat.embodied.models.init_from import load_initial_weights, resolve_model_config
@@ -306,6 +307,7 @@ class EmbodiedTraining(Training):
             cfg, self.model_cfg, len(self.data.norm_stats)
         )
         self.reference_export: Path | None = None
+        self.sim_eval = closed_loop_eval(cfg, self.data, self.is_main)
         self.position = data_position(self.data.plan, self.data.held_out)
         self.setup = ParallelSetup.from_config(
             parallel,
@@ -440,11 +442,13 @@ class EmbodiedTraining(Training):
         return StepOutput(loss=out.loss, grad_norm=out.grad_norm, metrics=out.metrics)
 
     def evaluate(self) -> dict[str, float]:
-        """``eval_loss`` and ``eval_action_mse`` on the held-out episodes (``HeldOutEval``);
-        empty without ``data.eval_episodes``."""
-        if self.held_out_eval is None:
-            return {}
-        return self.held_out_eval.run(self.model)
+        """``eval_loss`` and ``eval_action_mse`` on the held-out episodes (``HeldOutEval``,
+        with ``data.eval_episodes``) and ``sim_success_rate`` in simulation (with
+        ``train.sim_eval.suite``, after the first evaluation)."""
+        row = {} if self.held_out_eval is None else self.held_out_eval.run(self.model)
+        if self.sim_eval is not None:
+            row.update(self.sim_eval.run(self.steps_done, self.write_policy))
+        return row
 
     # --- the end -----------------------------------------------------------------------------
 
@@ -458,6 +462,26 @@ class EmbodiedTraining(Training):
         if not cfg.export.enabled:
             return None
         out = Path(cfg.export.dir) if cfg.export.dir else Path(cfg.output_dir) / "export"
+        self.write_policy(out, adapter=True)
+        if self.export_format != "native":
+            if self.is_main:  # from the files just written: one process, no collective
+                self.reference_export = write_export(
+                    cfg.model.name,
+                    self.export_format,
+                    out,
+                    root=self.data.root,
+                    tokenizer=self.tokenizer_dir,
+                    cameras=self.data.cameras,
+                    stats=self.data.norm_stats,
+                )
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.barrier()
+        return out
+
+    def write_policy(self, out: Path, *, adapter: bool = False) -> None:
+        """The native export of the current weights into ``out`` (what ``load_policy``
+        reads; every rank takes part); ``adapter``: also the LoRA adapter folder."""
+        cfg = self.cfg
         masters = (
             self.optimizer.master_params()
             if isinstance(self.optimizer, MasterWeightAdamW)
@@ -471,7 +495,7 @@ class EmbodiedTraining(Training):
         merged = lora.merged_lora(self.model) if cfg.lora.enabled else contextlib.nullcontext()
         # the average (ema.export) in place of the trained weights; LoRA merged into the base
         with masters, averaged:
-            if cfg.lora.enabled and self.is_main:  # the adapters alone, as exported
+            if adapter and cfg.lora.enabled and self.is_main:  # the adapters alone
                 lo = cfg.lora
                 lora.save_peft_adapter(self.model, lora.adapter_dir(cfg), rank=lo.rank,
                                        alpha=lo.alpha, dropout=lo.dropout,
@@ -502,20 +526,6 @@ class EmbodiedTraining(Training):
                 precision=cfg.train.precision,
                 model_overrides=self.overrides,
             ).save(out)
-        if self.export_format != "native":
-            if self.is_main:  # from the files just written: one process, no collective
-                self.reference_export = write_export(
-                    cfg.model.name,
-                    self.export_format,
-                    out,
-                    root=self.data.root,
-                    tokenizer=self.tokenizer_dir,
-                    cameras=self.data.cameras,
-                    stats=self.data.norm_stats,
-                )
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                torch.distributed.barrier()
-        return out
 
     def describe(self) -> list[str]:
         cfg, layout, counts = self.cfg, self.layout, self.counts
@@ -559,6 +569,8 @@ class EmbodiedTraining(Training):
                 f"evaluated {when}at the start and the end on {len(ev.batches)} batch(es), "
                 f"{ev.num_samples} samples (eval_loss, eval_action_mse)."
             )
+        if self.sim_eval is not None:
+            lines.append(self.sim_eval.describe())
         lines.extend(self.fast_path.notices)
         lines.append(self._prompt_line())
         if any(data.stats_from_checkpoint):
