@@ -106,10 +106,36 @@ def fp8_mm(
     return out if bias is None else out + bias
 
 
+_OUTPUT_OK: dict[tuple[str, str, torch.dtype, torch.device], bool] = {}
+
+
+def output_supported(
+    a_gran: str, b_gran: str, out_dtype: torch.dtype, device: torch.device
+) -> bool:
+    """Whether ``fp8_mm`` can write ``out_dtype`` for this scale pair on ``device`` (tried once
+    on a small GEMM and remembered; always true on the emulated path). The FP8 linear asks
+    before writing a weight gradient in fp32 for megatron's fp32 ``main_grad``, and writes
+    bf16 where the answer is no."""
+    if device.type != "cuda":
+        return True
+    key = (a_gran, b_gran, out_dtype, device)
+    if key not in _OUTPUT_OK:
+        from longboat.kernels.fp8.quantize import quantize
+
+        a = torch.ones(128, 256, device=device, dtype=torch.bfloat16)
+        try:
+            out = fp8_mm(quantize(a, a_gran), quantize(a, b_gran), out_dtype=out_dtype)
+            _OUTPUT_OK[key] = bool(torch.allclose(out.float(), torch.full_like(out.float(), 256.0)))
+        except (RuntimeError, ValueError, NotImplementedError):
+            _OUTPUT_OK[key] = False
+    return _OUTPUT_OK[key]
+
+
 __all__ = [
     "GEMM_BACKENDS",
     "SCALED_MM_PAIRS",
     "emulated_mm",
     "fp8_mm",
+    "output_supported",
     "resolve_gemm_backend",
 ]

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longboat.kernels.fp8.gemm import fp8_mm, resolve_gemm_backend
+from longboat.kernels.fp8.gemm import fp8_mm, output_supported, resolve_gemm_backend
 from longboat.kernels.fp8.quantize import E4M3, E5M2, quantize
 
 Tensor = torch.Tensor
@@ -149,6 +149,12 @@ def fp8_linear(
     (CUDA) or ``emulated`` (dequantise + fp32 matmul; CPU), default by device."""
     r = get_recipe(recipe) if isinstance(recipe, str) else recipe
     resolved = resolve_gemm_backend(backend, x, weight)
+    if (
+        wgrad_dtype is not None
+        and resolved == "scaled_mm"
+        and not output_supported(r.wgrad, r.wgrad, wgrad_dtype, x.device)
+    ):
+        wgrad_dtype = x.dtype  # this cuBLAS writes only x's dtype for the pair
     return _Fp8LinearFn.apply(x, weight, bias, r, wgrad_hook, wgrad_dtype, resolved)
 
 

@@ -125,6 +125,10 @@ class LLMTraining(MegatronTraining):
         self.train_rows = PackedDataset(train_docs, data.seq_len)
         self.eval_rows = PackedDataset(eval_docs, data.seq_len) if len(eval_docs) else None
         self.precision = run_precision(cfg.train.precision, cfg.llm.cpu_precision, self.accelerator)
+        self.fp8_recipe: str | None = None
+        """``train.fp8.recipe`` of an FP8 run (its weights then train in bf16)."""
+        if self.precision == "fp8":
+            self.precision, self.fp8_recipe = "bf16", cfg.train.fp8.recipe
         self.init_layout(cfg.parallel, cfg.train.seed)
         batches = batch_layout(
             cfg.train.global_batch_size, cfg.train.micro_batch_size, self.layout.data_parallel
@@ -159,6 +163,7 @@ class LLMTraining(MegatronTraining):
             seed=cfg.train.seed,
             cuda_graph=cfg.train.cuda_graph is not False,
             one_pass_adamw="auto" if cfg.optim.one_pass_adamw else False,
+            fp8_recipe=self.fp8_recipe,
             **recompute_settings(cfg.train.recompute, cfg.train.recompute_layers),
         )
 
@@ -243,6 +248,18 @@ class LLMTraining(MegatronTraining):
             source_dir=self.cfg.model.init_from,
         )
 
+    def fp8_line(self) -> str:
+        """How many of the decoder layers' linears run their GEMMs in FP8."""
+        from longboat.core.megatron.linears import KernelColumnParallelLinear as Col
+        from longboat.core.megatron.linears import KernelRowParallelLinear as Row
+
+        linears = [m for c in self.step_fn.chunks for m in c.modules() if isinstance(m, Col | Row)]
+        fp8 = sum(m.linear_fn is not None for m in linears)
+        return (
+            f"FP8 ({self.fp8_recipe}): {fp8} of {len(linears)} decoder linears; the first and "
+            "last layers, MoE experts, LM head, router, norms and embeddings in bf16."
+        )
+
     def describe(self) -> list[str]:
         m, s, lay, rows = self.model_cfg, self.plan.layout, self.layout, self.train_rows
         lines = [
@@ -253,6 +270,8 @@ class LLMTraining(MegatronTraining):
             f"{s.accum} microbatch(es) x {s.micro_batch} x dp {s.dp_size}."
         ]
         lines.append(self.schedule_line())
+        if self.fp8_recipe is not None:
+            lines.append(self.fp8_line())
         if self.cfg.lora.enabled:
             lines.append(self.lora_line())
         lines += self.step_fn.notices()  # levers that cannot apply, and what runs instead
