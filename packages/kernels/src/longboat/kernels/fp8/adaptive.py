@@ -154,6 +154,14 @@ def measure_linear(
     """Median ms of one forward + backward (input and weight gradients) of a linear of
     ``shape`` on ``device`` for each of ``names`` (``bf16`` or an FP8 recipe), timed with the
     accelerator's events."""
+    with torch.enable_grad():  # also when first asked from an evaluation's forward
+        return _measure(shape, names, device, dtype, warmup, iters)
+
+
+def _measure(
+    shape: Shape, names: Iterable[str], device: torch.device, dtype: torch.dtype,
+    warmup: int, iters: int,
+) -> dict[str, float]:  # fmt: skip
     from longboat.core.device import get_accelerator
     from longboat.kernels.fp8.linear import fp8_linear, high_precision_linear
 
