@@ -60,3 +60,15 @@ def test_zero_tiles_quantise_to_zero() -> None:
     x[0, :128] = 2.0
     got = quantize(x, "1x128", impl="triton")
     assert torch.equal(got.dequantize(), x.float())
+
+
+def test_custom_op_fake_matches_the_kernel() -> None:
+    """``torch.ops.longboat.fp8_quantize`` (what torch.compile traces): schema and fake
+    implementation agree with the kernel on shapes, strides and dtypes."""
+    x = torch.randn(130, 300, device=DEVICE, dtype=torch.bfloat16)
+    for granularity in ("tensor", "row", "1x128", "128x128"):
+        for view in (x, x.t()):
+            torch.library.opcheck(
+                torch.ops.longboat.fp8_quantize.default, (view, granularity, E4M3),
+                test_utils=("test_schema", "test_faketensor"),
+            )  # fmt: skip

@@ -96,17 +96,31 @@ class Fp8Operand:
         return self.scale
 
 
-def _empty_scale(rows: int, k: int, granularity: str, device: torch.device) -> Tensor:
+def scale_storage_shape(rows: int, k: int, granularity: str) -> tuple[int, ...]:
+    """Shape of the buffer holding the scales of a ``[rows, K]`` operand (module doc)."""
     kb = math.ceil(k / BLOCK)
     if granularity == "tensor":
-        return torch.empty((), device=device, dtype=torch.float32)
+        return ()
     if granularity == "row":
-        return torch.empty(rows, 1, device=device, dtype=torch.float32)
+        return (rows, 1)
     if granularity == "1x128":
-        return torch.empty(kb, rows, device=device, dtype=torch.float32).t()
-    rb = math.ceil(rows / BLOCK)
-    buf = torch.zeros(rb, padded_blocks(k), device=device, dtype=torch.float32)
-    return buf[:, :kb]
+        return (kb, rows)
+    return (math.ceil(rows / BLOCK), padded_blocks(k))
+
+
+def scale_view(storage: Tensor, granularity: str, k: int) -> Tensor:
+    """The logical scale tensor of ``Fp8Operand.scale`` on its buffer."""
+    if granularity == "1x128":
+        return storage.t()
+    if granularity == "128x128":
+        return storage[:, : math.ceil(k / BLOCK)]
+    return storage
+
+
+def _empty_scale(rows: int, k: int, granularity: str, device: torch.device) -> Tensor:
+    make = torch.zeros if granularity == "128x128" else torch.empty  # padding stays defined
+    storage = make(scale_storage_shape(rows, k, granularity), device=device, dtype=torch.float32)
+    return scale_view(storage, granularity, k)
 
 
 def _check(x: Tensor, granularity: str, dtype: torch.dtype) -> None:
@@ -160,18 +174,19 @@ def quantize(
     """Quantise ``x`` ``[rows, K]`` (any strides: a transposed view is read in place) to an
     ``Fp8Operand`` of ``granularity`` in FP8 format ``dtype``, amax, scale and cast fused in
     one pass per tile (Triton on CUDA, the torch reference elsewhere; ``impl`` as in
-    ``longboat.kernels``). ``tensor`` takes its amax in a torch reduction first."""
+    ``longboat.kernels``). ``tensor`` takes its amax in a torch reduction first. The Triton
+    path is the custom op ``torch.ops.longboat.fp8_quantize`` (with a fake implementation)
+    while torch.compile traces."""
     _check(x, granularity, dtype)
     if resolve_impl(impl, x) == "torch" or (
         granularity == "row" and x.shape[1] > ROWWISE_TRITON_MAX
     ):
         return quantize_torch(x, granularity, dtype)
-    from longboat.kernels.fp8.quantize_triton import quantize_triton
+    from longboat.kernels._dispatch import op
+    from longboat.kernels.fp8.quantize_triton import fp8_quantize_eager
 
-    rows, k = x.shape
-    scale = _empty_scale(rows, k, granularity, x.device)
-    data = quantize_triton(x, scale, granularity, dtype, fp8_max(dtype), AMAX_FLOOR)
-    return Fp8Operand(data, scale, granularity)
+    data, storage = op("fp8_quantize", fp8_quantize_eager)(x, granularity, dtype)
+    return Fp8Operand(data, scale_view(storage, granularity, x.shape[1]), granularity)
 
 
 def transpose_blockwise(op: Fp8Operand) -> Fp8Operand:
@@ -196,5 +211,7 @@ __all__ = [
     "padded_blocks",
     "quantize",
     "quantize_torch",
+    "scale_storage_shape",
+    "scale_view",
     "transpose_blockwise",
 ]

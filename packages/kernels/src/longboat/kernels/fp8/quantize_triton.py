@@ -154,4 +154,30 @@ def quantize_triton(
     return q
 
 
-__all__ = ["quantize_triton"]
+def fp8_quantize_eager(x: Tensor, granularity: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(data, scale buffer)`` of ``x`` (``quantize.scale_view`` gives the scale tensor)."""
+    from longboat.kernels.fp8.quantize import AMAX_FLOOR, fp8_max, scale_storage_shape, scale_view
+
+    rows, k = x.shape
+    make = torch.zeros if granularity == "128x128" else torch.empty
+    storage = make(scale_storage_shape(rows, k, granularity), device=x.device, dtype=torch.float32)
+    scale = scale_view(storage, granularity, k)
+    data = quantize_triton(x, scale, granularity, dtype, fp8_max(dtype), AMAX_FLOOR)
+    return data, storage
+
+
+_fp8_quantize = torch.library.custom_op("longboat::fp8_quantize", mutates_args=())(
+    fp8_quantize_eager
+)
+
+
+@_fp8_quantize.register_fake
+def _(x: Tensor, granularity: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    from longboat.kernels.fp8.quantize import scale_storage_shape
+
+    rows, k = x.shape
+    storage = x.new_empty(scale_storage_shape(rows, k, granularity), dtype=torch.float32)
+    return x.new_empty((rows, k), dtype=dtype), storage
+
+
+__all__ = ["fp8_quantize_eager", "quantize_triton"]
