@@ -104,6 +104,64 @@ def test_fp8_training_follows_bf16(device: str) -> None:
         assert max(diffs) > 0, (recipe, "FP8 losses equal bf16's: the FP8 GEMMs did not run")
 
 
+def _wiring_worker(rank: int, world: int, precision: str, optim: dict) -> dict[str, object]:
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from longboat.core.config.schema import OptimConfig, ParallelConfig
+    from longboat.core.device import get_accelerator
+    from longboat.core.family import find_family
+    from longboat.core.megatron import parallel_state
+    from longboat.kernels.fp8 import high_precision_linear
+    from longboat.llm.train.lm_step import build_train_step
+
+    parallel_state.initialize(ParallelConfig(tensor_parallel=world), get_accelerator("cpu"), seed=1)
+    try:
+        cfg = find_family("llm", "llama3").flavor("tiny")
+        seq = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+        tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+        out: dict[str, object] = {}
+        for name, options in (("kernel", {"linear": high_precision_linear}), ("megatron", None)):
+            model_parallel_cuda_manual_seed(1)
+            torch.manual_seed(1)
+            ts = build_train_step(
+                cfg, OptimConfig(**optim), precision=precision, device="cpu",
+                use_cpu_initialization=True, kernel_options=options,
+            )  # fmt: skip
+            out[f"fusion_{name}"] = bool(ts.chunks[0].config.gradient_accumulation_fusion)
+            out[f"loss_{name}"] = [float(ts.step(tokens, labels)) for _ in range(4)]
+            out[f"w_{name}"] = {n: p.detach().float() for n, p in ts.chunks[0].named_parameters()}
+        w_k, w_m = out.pop("w_kernel"), out.pop("w_megatron")
+        out["weight_diff"] = max(float((w_k[n] - w_m[n]).abs().max()) for n in w_k)
+        return out
+    finally:
+        parallel_state.destroy()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "precision,tp,optim,tol",
+    [
+        # fp32, tensor parallel: a missing input-gradient all-reduce moves weights by ~lr
+        ("fp32", 2, {"lr": 1e-2, "weight_decay": 0.0, "grad_clip": 0.0}, 1e-5),
+        # bf16, AdamW: weight gradients through megatron's main_grad hook (fusion on)
+        ("bf16", 1, {"lr": 3e-3, "weight_decay": 0.1, "grad_clip": 0.0}, 1e-3),
+    ],
+    ids=["fp32_tp2", "bf16_main_grad"],
+)
+def test_kernel_linears_reproduce_megatrons(precision: str, tp: int, optim: dict, tol: float) -> None:  # fmt: skip
+    """The wiring FP8 runs on (``KernelColumn/RowParallelLinear``), given an exact linear
+    (``high_precision_linear``: the same GEMMs in the run's dtype), trains as megatron's own
+    linears do: 4 AdamW steps, losses and weights within ``tol`` (fp32: the GEMMs' summation
+    order; bf16: one bf16 rounding of a 3e-3 step, as test_add_norm_lever)."""
+    ranks = run_multiprocess(_wiring_worker, tp, precision, optim)
+    for out in ranks:
+        assert out["fusion_kernel"] == out["fusion_megatron"] == (precision == "bf16"), out
+        k, m = out["loss_kernel"], out["loss_megatron"]
+        assert m[-1] < m[0], out  # the steps train
+        assert max(abs(a - b) for a, b in zip(k, m, strict=True)) <= tol, out
+        assert out["weight_diff"] <= tol, out
+
+
 def test_fp8_refused_without_fp8_hardware() -> None:
     from longboat.core.config.errors import ConfigError
     from longboat.core.device import get_accelerator

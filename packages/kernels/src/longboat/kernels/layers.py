@@ -85,6 +85,7 @@ def longboat_layer_kernels(
     qkv_rope: bool = True,
     add_rms_norm: bool = True,
     fp8: str | None = None,
+    linear: Any = None,
 ) -> LayerKernels:
     """The longboat kernels as a ``LayerKernels`` bundle.
 
@@ -93,9 +94,9 @@ def longboat_layer_kernels(
     ``add_rms_norm=False``: megatron's attention residual add, then the RMSNorm kernel
     (instead of ``AddNormTransformerLayer`` with ``longboat.kernels.add_rmsnorm``).
     ``fp8``: an FP8 recipe (``blockwise``, ``rowwise``, ``tensorwise``, ``adaptive``) for the
-    layers' linears (``longboat.kernels.fp8``); None keeps megatron's GEMMs.
+    layers' linears (``longboat.kernels.fp8``); None keeps megatron's GEMMs. ``linear``: a
+    ``LinearFn`` of one's own for those linears instead (``fp8`` takes precedence).
     """
-    linear = None
     if fp8 is not None:
         from longboat.kernels.fp8.layer_linear import fp8_linear_fn
 
