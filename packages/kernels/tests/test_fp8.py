@@ -256,3 +256,20 @@ def test_measure_linear_times_every_option_also_under_no_grad() -> None:
         got = measure_linear((64, 32, 128), ("bf16", "rowwise"), device=torch.device("cpu"),
                              warmup=1, iters=1)  # fmt: skip
     assert set(got) == {"bf16", "rowwise"} and all(ms > 0 for ms in got.values())
+
+
+def test_adaptive_linear_decides_up_front_and_runs(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``train.fp8.recipe=adaptive``'s LinearFn: ``decide`` measures (here on CPU) and caches
+    the run's shapes, returns the table; a call then runs the choice with the usual result."""
+    from longboat.kernels.fp8.layer_linear import fp8_linear_fn
+
+    cache = tmp_path / "t.json"
+    monkeypatch.setenv("LONGBOAT_FP8_TIMINGS", str(cache))
+    fn = fp8_linear_fn("adaptive")
+    table = fn.decide([(32, 16, 128)], torch.device("cpu"))
+    assert "32 x 16 x 128" in table and "choice" in table.splitlines()[0]
+    assert set(json.loads(cache.read_text())["cpu"]["32x16x128"]) == {"bf16", *RECIPES}
+    x, w = torch.randn(32, 128), torch.randn(16, 128)
+    picked = fn.chooser(torch.device("cpu")).decisions[(32, 16, 128)]
+    want = x @ w.t() if picked == "bf16" else fp8_linear(x, w, recipe=picked)
+    assert torch.equal(fn(x, w), want)
