@@ -105,6 +105,10 @@ VARIANTS: dict[str, list[str]] = {
     "longboat_no_graph": ["train.cuda_graph=false"],
     "longboat_megatron_step": ["train.cuda_graph=false", "optim.one_pass_adamw=false"],
     "longboat_sequential_experts": ["model.moe_experts=sequential"],
+    "longboat_fp8": ["train.precision=fp8"],  # the CLI's default recipe
+    "longboat_fp8_rowwise": ["train.precision=fp8", "train.fp8.recipe=rowwise"],
+    "longboat_fp8_tensorwise": ["train.precision=fp8", "train.fp8.recipe=tensorwise"],
+    "longboat_fp8_adaptive": ["train.precision=fp8", "train.fp8.recipe=adaptive"],
 }
 """Config keys each longboat run adds to the CLI's defaults."""
 # hf_liger after the HF runs (it patches transformers process-wide); the graphed runs (the
@@ -167,7 +171,8 @@ def run_longboat_variant(name: str, c: dict[str, int], acc: Any, args: Any) -> d
             "fused_linear_ce": bool(step.fused_linear_ce),
             "one_pass_adamw": step.one_pass is not None,
         }
-        return {"levers": levers, "precision": training.precision}
+        fp8 = getattr(training, "fp8_recipe", None)
+        return {"levers": levers, "precision": f"fp8 ({fp8})" if fp8 else training.precision}
 
     out = args.profile_dir and args.profile_dir / f"llm_profile_{name}.txt"
     return train_timed(

@@ -32,8 +32,11 @@ DEMO_REFUSES = {
     "train.recompute_components=[vision]",
     "train.compile=true",
     "export.format=native",
+    "train.precision=fp8",
+    "train.fp8.recipe=rowwise",
+    "train.fp8.allow_recipe_change=true",
 }
-"""Probe ids the core stack refuses (the demo's MLP has no recompute, compile, formats)."""
+"""Probe ids the core stack refuses (the demo's MLP has no recompute, compile, formats, FP8)."""
 
 
 def test_every_core_key_has_a_probe() -> None:

@@ -146,18 +146,18 @@ def test_missing_paths(tmp_path):
 
 def test_closed_choices_and_ranges():
     cfg = make()
-    cfg.train.precision = "fp8"
+    cfg.train.precision = "fp4"
     cfg.parallel.strategy = "zero3"
     cfg.train.steps = 0
     cfg.optim.betas = [0.9]
     problems = collect_problems(cfg, stacks={})
     assert {p.key: p.value for p in problems} == {
         "parallel.strategy": "zero3",
-        "train.precision": "fp8",
+        "train.precision": "fp4",
         "train.steps": 0,
         "optim.betas": [0.9],
     }
-    assert "use one of: fp32, bf16, fp16" in next(p.fix for p in problems if p.value == "fp8")
+    assert "use one of: fp32, bf16, fp16, fp8" in next(p.fix for p in problems if p.value == "fp4")
 
 
 def test_hsdp_replicas():

@@ -17,6 +17,9 @@ from longboat.core.distributed import run_multiprocess
 from longboat.diffusion.stack import STACK
 
 REFUSED = {
+    "train.precision=fp8",  # no FP8 training in this stack
+    "train.fp8.recipe=rowwise",
+    "train.fp8.allow_recipe_change=true",
     "train.recompute_components=[vision]",
     "train.compile=true",
     "export.format=native",

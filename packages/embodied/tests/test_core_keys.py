@@ -16,6 +16,9 @@ from longboat.core.distributed import run_multiprocess
 from longboat.embodied.stack import STACK
 
 REFUSED = {
+    "train.precision=fp8",  # no FP8 training in this stack
+    "train.fp8.recipe=rowwise",
+    "train.fp8.allow_recipe_change=true",
     "train.recompute_layers=1",
     "train.recompute_components=[vision]",
     "train.precision=fp16",

@@ -15,6 +15,9 @@ from longboat.core.distributed import run_multiprocess
 from longboat.vlm.stack import STACK
 
 REFUSED = {
+    "train.precision=fp8",  # no FP8 training in this stack
+    "train.fp8.recipe=rowwise",
+    "train.fp8.allow_recipe_change=true",
     "train.recompute=selective",
     "train.recompute_layers=1",
     "train.compile=true",

@@ -41,6 +41,12 @@ QKVRopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 key head, then its value head) into ``q`` ``[s, b, groups * q_per_group, head_dim]`` and ``k``,
 ``v`` ``[s, b, groups, head_dim]``, rotating q and k as ``RopeFn`` does (positions ``0..s-1``)."""
 
+LinearFn = Callable[..., torch.Tensor]
+"""``fn(x, weight, bias, *, wgrad_hook=None, wgrad_dtype=None) -> y``: ``x @ weight^T + bias``
+(``x`` ``[..., in]``, ``weight`` ``[out, in]``) whose backward hands the weight gradient (in
+``wgrad_dtype``, default the weight's) to ``wgrad_hook`` where one is given and gives autograd
+what the hook returns. This is ``longboat.kernels.fp8.fp8_linear``'s contract (FP8 GEMMs)."""
+
 
 def sdpa_attention(
     q: torch.Tensor,
@@ -106,5 +112,9 @@ class LayerKernels:
     """QKV split + rotation in one call (``QKVRopeFn``), used instead of megatron's split views
     and ``rope`` where the layer allows it (no qk-norm between split and rotation, no gated
     attention, KV groups >= TP size); None: split, then ``rope``."""
+    linear: LinearFn | None = None
+    """The GEMMs of the decoder layers' attention and MLP linears (``LinearFn``; e.g. FP8,
+    ``longboat_layer_kernels(fp8=...)``); None keeps megatron's. The first and last layers,
+    MoE experts, the LM head and the router keep megatron's in any case."""
     name: str = "torch"
     """Label for logs."""

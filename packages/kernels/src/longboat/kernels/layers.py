@@ -4,7 +4,8 @@ core cannot import kernels (kernels sits above core), so a stack that builds a m
 decoder (llm, vlm) hands this bundle to the spec: attention through
 ``longboat.kernels.attention`` dispatch (SDPA flash / cuDNN without Transformer Engine),
 RMSNorm, the fused attention-residual add + pre-MLP RMSNorm, SwiGLU, RoPE and the fused
-QKV split + RoPE (Triton on CUDA, torch reference elsewhere). No megatron import.
+QKV split + RoPE (Triton on CUDA, torch reference elsewhere), and optionally FP8 GEMMs for
+the linears. No megatron import.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ def longboat_layer_kernels(
     rope: bool = True,
     qkv_rope: bool = True,
     add_rms_norm: bool = True,
+    fp8: str | None = None,
+    linear: Any = None,
 ) -> LayerKernels:
     """The longboat kernels as a ``LayerKernels`` bundle.
 
@@ -90,7 +93,14 @@ def longboat_layer_kernels(
     by the RoPE kernel (``qkv_rope`` needs ``rope``: it serves the same rotation).
     ``add_rms_norm=False``: megatron's attention residual add, then the RMSNorm kernel
     (instead of ``AddNormTransformerLayer`` with ``longboat.kernels.add_rmsnorm``).
+    ``fp8``: an FP8 recipe (``blockwise``, ``rowwise``, ``tensorwise``, ``adaptive``) for the
+    layers' linears (``longboat.kernels.fp8``); None keeps megatron's GEMMs. ``linear``: a
+    ``LinearFn`` of one's own for those linears instead (``fp8`` takes precedence).
     """
+    if fp8 is not None:
+        from longboat.kernels.fp8.layer_linear import fp8_linear_fn
+
+        linear = fp8_linear_fn(fp8)
     return LayerKernels(
         attention=_attention,
         rms_norm=_rms_norm,
@@ -98,5 +108,6 @@ def longboat_layer_kernels(
         swiglu=_swiglu if swiglu else None,
         rope=_rope if rope else None,
         qkv_rope=_qkv_rope if rope and qkv_rope else None,
-        name="longboat.kernels",
+        linear=linear,
+        name="longboat.kernels" if fp8 is None else f"longboat.kernels+fp8({fp8})",
     )

@@ -30,6 +30,7 @@ STACK = Stack(
         recompute_layers=True,  # with full: the first n layers of each pipeline stage
         compile=True,  # each decoder layer
         export_adapter=True,  # with LoRA
+        precisions=("fp32", "bf16", "fp16", "fp8"),  # fp8: the decoder layers' linears
     ),
     renamed_keys={
         "llm.init_from_hf": "model.init_from",

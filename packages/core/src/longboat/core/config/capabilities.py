@@ -16,7 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from longboat.core.config.errors import ProblemCollector
-from longboat.core.config.schema import EXPORT_FORMAT_AUTO, PRECISIONS, RECOMPUTE_MODES
+from longboat.core.config.schema import (
+    BASE_PRECISIONS,
+    EXPORT_FORMAT_AUTO,
+    PRECISIONS,
+    RECOMPUTE_MODES,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,8 +37,8 @@ class Capabilities:
     """Names ``train.recompute_components`` may list (empty: the key is not offered)."""
     compile: bool = False
     """Whether ``train.compile=true`` compiles anything."""
-    precisions: tuple[str, ...] = PRECISIONS
-    """``train.precision`` values the stack trains in."""
+    precisions: tuple[str, ...] = BASE_PRECISIONS
+    """``train.precision`` values the stack trains in (``fp8`` only where declared)."""
     eval: bool = True
     """Whether the stack evaluates (``train.eval_every > 0``)."""
     profiler: bool = True
@@ -98,6 +103,14 @@ def capability_problems(
     if precision in PRECISIONS and precision not in caps.precisions:
         refuse("train.precision", precision, "does not train in this precision",
                "train.precision=" + " | ".join(caps.precisions))  # fmt: skip
+    if "fp8" not in caps.precisions:  # the train.fp8.* settings mean nothing there
+        recipe = _get(cfg, "train.fp8.recipe")
+        if recipe is not None and recipe != "blockwise":
+            refuse("train.fp8.recipe", recipe, "has no FP8 training",
+                   "no train.fp8.* (leave the defaults)")  # fmt: skip
+        if _get(cfg, "train.fp8.allow_recipe_change"):
+            refuse("train.fp8.allow_recipe_change", True, "has no FP8 training",
+                   "no train.fp8.* (leave the defaults)")  # fmt: skip
     every = _get(cfg, "train.eval_every")
     if isinstance(every, int) and every > 0 and not caps.eval:
         refuse("train.eval_every", every, "has no evaluation", "train.eval_every=0 only")

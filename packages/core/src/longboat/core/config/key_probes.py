@@ -75,6 +75,13 @@ def key_probes(tmp: Path | str) -> list[KeyProbe]:
         probe("train.precision", "train.precision=fp32"),
         probe("train.precision", "train.precision=bf16"),
         probe("train.precision", "train.precision=fp16"),
+        probe("train.precision", "train.precision=fp8"),
+        probe("train.fp8.recipe", "train.precision=fp8", "train.fp8.recipe=rowwise"),
+        probe(
+            "train.fp8.allow_recipe_change",
+            "train.precision=fp8",
+            "train.fp8.allow_recipe_change=true",
+        ),
         probe("train.eval_every", "train.eval_every=1"),
         probe("train.profiler.enabled", "train.profiler.enabled=true"),
         probe("export.enabled", "export.enabled=false"),

@@ -18,8 +18,12 @@ from omegaconf import MISSING
 
 PARALLEL_STRATEGIES = ("ddp", "zero1", "fsdp", "hsdp")
 """``parallel.strategy``: the data-parallel strategies of torch-native stacks."""
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 """``train.precision``."""
+BASE_PRECISIONS = ("fp32", "bf16", "fp16")
+"""The precisions every stack trains in (``fp8`` only where a stack declares it)."""
+FP8_RECIPES = ("blockwise", "rowwise", "tensorwise", "adaptive")
+"""``train.fp8.recipe``."""
 RECOMPUTE_MODES = ("none", "full", "selective")
 """``train.recompute``: what each mode recomputes is the stack's (its README says; every
 stack declares the modes it honours in ``Stack.capabilities``)."""
@@ -153,6 +157,23 @@ class ProfilerConfig:
 
 
 @dataclass
+class Fp8Config:
+    """FP8 GEMMs (``train.precision=fp8``): weights, gradients and the optimizer stay as with
+    bf16; the linears of the transformer layers run their forward, input-gradient and
+    weight-gradient GEMMs in FP8. The first and last layers, the LM head, norms, router and
+    embeddings stay bf16."""
+
+    recipe: str = "blockwise"
+    """How operands are scaled: blockwise (1x128 activation tiles, 128x128 weight blocks, as
+    DeepSeek-V3 trains), rowwise (a scale per row), tensorwise (a scale per tensor, computed
+    each step) or adaptive (per GEMM shape, FP8 or bf16 by a speed measurement on the run's
+    GPU, cached per shape and GPU). The default, blockwise, is provisional until the H100
+    measurement picks one."""
+    allow_recipe_change: bool = False
+    """Resume a checkpoint trained in another precision or FP8 recipe (refused otherwise)."""
+
+
+@dataclass
 class TrainConfig:
     """The training loop."""
 
@@ -165,7 +186,11 @@ class TrainConfig:
     seed: int = 1234
     """Seed for model init and every RNG."""
     precision: str = "bf16"
-    """fp32, bf16 or fp16."""
+    """fp32, bf16, fp16, or fp8 (bf16 weights with FP8 GEMMs in the transformer layers'
+    linears, ``train.fp8``; needs an accelerator with FP8 matmuls: CUDA compute capability
+    >= 8.9, and a stack that offers it)."""
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+    """FP8 settings, read with ``precision=fp8``."""
     log_every: int = 1
     """Write metrics every N steps."""
     eval_every: int = 0

@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from longboat.core.config.domains import check_domains
 from longboat.core.config.errors import ConfigError, ConfigProblem, ProblemCollector
 from longboat.core.config.schema import (
+    FP8_RECIPES,
     LR_SCHEDULES,
     PARALLEL_STRATEGIES,
     PRECISIONS,
@@ -34,6 +35,7 @@ EXPERT_KEYS = ("num_experts", "num_moe_experts", "n_routed_experts")
 CHOICES: dict[str, tuple[str, ...]] = {
     "parallel.strategy": PARALLEL_STRATEGIES,
     "train.precision": PRECISIONS,
+    "train.fp8.recipe": FP8_RECIPES,
     "train.recompute": RECOMPUTE_MODES,
     "optim.schedule.name": LR_SCHEDULES,
 }

@@ -153,6 +153,11 @@ class Accelerator(ABC):
         """FP8 matmuls are supported."""
         return False
 
+    def device_name(self) -> str:
+        """The device's name for messages and per-device caches (the device type here;
+        accelerators with models override it)."""
+        return self.device_type
+
     # --- megatron -----------------------------------------------------------------------------
     def megatron_adapter(self) -> Any:
         """The megatron-core adapter object, imported on first use; None if not needed.

@@ -102,6 +102,13 @@ class CUDAAccelerator(Accelerator):
         # FP8 tensor cores arrived with Ada (8.9) and Hopper (9.0).
         return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
+    def device_name(self) -> str:
+        """``<GPU name> (compute capability <major>.<minor>)``."""
+        if not torch.cuda.is_available():
+            return "cuda (no device visible)"
+        major, minor = torch.cuda.get_device_capability()
+        return f"{torch.cuda.get_device_name()} (compute capability {major}.{minor})"
+
 
 class CUDAGraphBackend:
     """Side streams, a host-sync finder and graph capture: what ``loop.GraphedStep`` needs."""

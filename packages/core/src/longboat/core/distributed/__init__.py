@@ -3,6 +3,7 @@ the rank watchdog (``longboat.core.distributed.watchdog``) the trainer runs."""
 
 from longboat.core.distributed.init import (
     DistInfo,
+    check_precision_hardware,
     destroy_distributed,
     init_distributed,
     run_precision,
@@ -27,6 +28,7 @@ __all__ = [
     "DistInfo",
     "MultiprocessError",
     "build_device_mesh",
+    "check_precision_hardware",
     "destroy_distributed",
     "dp_mesh",
     "find_free_port",

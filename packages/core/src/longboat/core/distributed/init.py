@@ -124,9 +124,27 @@ def single_process_group(accelerator: Accelerator) -> bool:
     return True
 
 
+def check_precision_hardware(precision: str, accelerator: Accelerator) -> None:
+    """``ConfigError`` naming ``train.precision`` and the device where ``precision`` is
+    ``fp8`` and the accelerator has no FP8 matmuls (CPU, CUDA before compute capability 8.9)."""
+    if precision == "fp8" and not accelerator.supports_fp8:
+        from longboat.core.config.errors import ConfigError
+
+        raise ConfigError(
+            f"needs FP8 matmuls, which this accelerator ({accelerator.device_name()}) does "
+            "not have: FP8 GEMMs run on CUDA GPUs of compute capability 8.9 or newer (Ada, "
+            "Hopper and later)",
+            key="train.precision",
+            value=precision,
+            fix="train on such a GPU, or use train.precision=bf16",
+        )
+
+
 def run_precision(precision: str, cpu_precision: str, accelerator: Accelerator) -> str:
     """The precision a run trains in: ``cpu_precision`` on CPU, fp32 where bf16 is asked for
-    but the accelerator lacks it, else ``precision``."""
+    but the accelerator lacks it, else ``precision``; ``fp8`` where the accelerator has no
+    FP8 matmuls is a ``ConfigError`` (``check_precision_hardware``), not a fallback."""
+    check_precision_hardware(precision, accelerator)
     if accelerator.device_type == "cpu":
         return cpu_precision
     if precision == "bf16" and not accelerator.supports_bf16:

@@ -37,7 +37,8 @@ def build_decoder(
     ``layout``: the parallel layout (default: megatron's current one); ``transformer_config``:
     what turns the architecture and layout into megatron's config (``to_transformer_config``).
     ``moe_router``: a ``TopKRouter`` subclass to build the MoE layers' routers with (the layer
-    spec's ``MoESubmodules.router``); None keeps megatron's.
+    spec's ``MoESubmodules.router``); None keeps megatron's. With ``kernels.linear`` (FP8
+    GEMMs) the first and last layers keep megatron's GEMMs (``linears.keep_outer_layers``).
     """
     layout = layout if layout is not None else current_layout()
     if layout is None:
@@ -63,6 +64,10 @@ def build_decoder(
         **config_overrides,
     )
     chunks = build_decoder_model(cfg, tcfg, spec)
+    if kernels is not None and kernels.linear is not None:
+        from longboat.core.megatron.linears import keep_outer_layers
+
+        keep_outer_layers(chunks, cfg.num_layers)
     device = torch.device(device_type)
     return [c.to(device) for c in chunks]
 

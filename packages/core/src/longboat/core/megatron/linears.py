@@ -13,6 +13,15 @@ state dicts, sharding and tensor parallelism are megatron's.
 The bias is added to the fp32 accumulator before the one rounding to the output dtype,
 instead of to the rounded product: at bf16 the outputs differ from megatron's by at most one
 rounding step.
+
+``KernelColumnParallelLinear`` / ``KernelRowParallelLinear`` run their GEMMs on an injected
+``LinearFn`` (``LayerKernels.linear``: longboat's FP8 linear) where the call is one rank's
+product (no sequence parallelism, no deferred weight gradients, not an MoE expert; a frozen
+weight, as under LoRA, gets no weight gradient): megatron's weight-gradient accumulation into ``main_grad`` is honoured through
+the function's ``wgrad_hook``, the tensor-parallel input-gradient all-reduce through
+megatron's ``copy_to_tensor_model_parallel_region``. Everything else runs megatron's own
+path, and so does a layer whose ``linear_fn`` is None (``keep_outer_layers``: the first and
+last layers stay in the run's dtype).
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+from longboat.core.layer_kernels import LinearFn
 
 
 def _offloading(config: Any) -> bool:
@@ -70,4 +81,109 @@ class EpilogueRowParallelLinear(RowParallelLinear):
         return F.linear(input_, self.weight, self.bias), None
 
 
-__all__ = ["EpilogueColumnParallelLinear", "EpilogueRowParallelLinear"]
+def _main_grad_hook(weight: torch.Tensor) -> tuple[Any, torch.dtype]:
+    """``(hook, dtype)``: the hook adds a weight gradient (in ``dtype``, main_grad's) into
+    ``weight.main_grad`` and returns what megatron's own linear hands autograd then (a
+    stand-in tensor, so megatron DDP's hook on the weight still fires, with
+    ``grad_added_to_main_grad`` set; None where the weight has no such flag)."""
+    main_grad = weight.main_grad  # the buffer at forward time, as megatron keeps it
+
+    def hook(dw: torch.Tensor) -> torch.Tensor | None:
+        main_grad.add_(dw)
+        if not hasattr(weight, "grad_added_to_main_grad"):
+            return None
+        weight.grad_added_to_main_grad = True
+        make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+        return make(main_grad.shape, dtype=weight.dtype, device=main_grad.device)
+
+    return hook, main_grad.dtype
+
+
+def _kernel_call(
+    fn: LinearFn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fusion: bool
+) -> torch.Tensor:
+    if fusion and hasattr(weight, "main_grad"):
+        hook, dtype = _main_grad_hook(weight)
+        return fn(x, weight, bias, wgrad_hook=hook, wgrad_dtype=dtype)
+    return fn(x, weight, bias)
+
+
+def _kernel_applies(layer: Any, weight: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:  # fmt: skip
+    return (
+        layer.linear_fn is not None
+        and not args
+        and not kwargs.get("sequence_parallel")
+        and kwargs.get("grad_output_buffer") is None
+        and kwargs.get("gtp_remat_size", 1) <= 1
+        and not layer.explicit_expert_comm
+        and not _offloading(layer.config)
+    )
+
+
+class KernelColumnParallelLinear(EpilogueColumnParallelLinear):
+    """``ColumnParallelLinear`` whose GEMMs run on ``linear_fn`` (see the module doc)."""
+
+    def __init__(self, *args: Any, linear_fn: LinearFn | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.linear_fn = linear_fn
+        """The GEMMs' function; None: megatron's (set by ``keep_outer_layers``)."""
+
+    def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+        if not _kernel_applies(self, weight, args, kwargs):
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        if kwargs.get("allreduce_dgrad"):  # the input gradient's all-reduce over TP ranks
+            from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+            input = copy_to_tensor_model_parallel_region(input, group=kwargs.get("tp_group"))
+        fusion = bool(kwargs.get("gradient_accumulation_fusion"))
+        return _kernel_call(self.linear_fn, input, weight, kwargs.get("bias"), fusion)
+
+
+class KernelRowParallelLinear(EpilogueRowParallelLinear):
+    """``RowParallelLinear`` whose GEMMs run on ``linear_fn`` (see the module doc); megatron
+    reduces the partial products over TP ranks and adds the bias after it."""
+
+    def __init__(self, *args: Any, linear_fn: LinearFn | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.linear_fn = linear_fn
+        """The GEMMs' function; None: megatron's (set by ``keep_outer_layers``)."""
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.linear_fn is None:
+            return super().forward(input_)
+        return RowParallelLinear.forward(self, input_)  # through _forward_impl
+
+    def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+        if not _kernel_applies(self, weight, args, kwargs):
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        fusion = bool(kwargs.get("gradient_accumulation_fusion"))
+        return _kernel_call(self.linear_fn, input, weight, kwargs.get("bias"), fusion)
+
+
+def keep_outer_layers(chunks: list[torch.nn.Module], num_layers: int) -> int:
+    """Put the first and last decoder layers' kernel linears back on megatron's GEMMs (their
+    ``linear_fn`` to None): FP8 keeps the layers nearest the embeddings and the head in the
+    run's dtype. Returns how many linears still run on their kernel."""
+    outer = {1, num_layers}
+    kept = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if getattr(module, "layer_number", None) in outer and hasattr(module, "mlp"):
+                for sub in module.modules():
+                    if isinstance(sub, KernelColumnParallelLinear | KernelRowParallelLinear):
+                        sub.linear_fn = None
+        kept += sum(
+            isinstance(m, KernelColumnParallelLinear | KernelRowParallelLinear)
+            and m.linear_fn is not None
+            for m in chunk.modules()
+        )
+    return kept
+
+
+__all__ = [
+    "EpilogueColumnParallelLinear",
+    "EpilogueRowParallelLinear",
+    "KernelColumnParallelLinear",
+    "KernelRowParallelLinear",
+    "keep_outer_layers",
+]

@@ -429,20 +429,30 @@ class AddNormTransformerLayer(TransformerLayer):
 
 class LongboatSpecProvider(LocalSpecProvider):
     """megatron's local provider with longboat's attention and RMSNorm kernels, and linears
-    that add their bias inside the GEMM (``longboat.core.megatron.linears``)."""
+    that add their bias inside the GEMM or, with ``LayerKernels.linear``, run their GEMMs on
+    that function (``longboat.core.megatron.linears``)."""
 
     def __init__(self, kernels: LayerKernels) -> None:
         self.kernels = kernels
 
-    def column_parallel_linear(self) -> type:
-        from longboat.core.megatron.linears import EpilogueColumnParallelLinear
+    def column_parallel_linear(self) -> Any:
+        from longboat.core.megatron import linears
 
-        return EpilogueColumnParallelLinear
+        if self.kernels.linear is not None:  # e.g. FP8 GEMMs
+            return ModuleSpec(
+                module=linears.KernelColumnParallelLinear,
+                params={"linear_fn": self.kernels.linear},
+            )
+        return linears.EpilogueColumnParallelLinear
 
-    def row_parallel_linear(self) -> type:
-        from longboat.core.megatron.linears import EpilogueRowParallelLinear
+    def row_parallel_linear(self) -> Any:
+        from longboat.core.megatron import linears
 
-        return EpilogueRowParallelLinear
+        if self.kernels.linear is not None:
+            return ModuleSpec(
+                module=linears.KernelRowParallelLinear, params={"linear_fn": self.kernels.linear}
+            )
+        return linears.EpilogueRowParallelLinear
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
         if not rms_norm:

@@ -28,13 +28,18 @@ class MegatronTraining(Training):
 
     def __init__(self, cfg: Any, *, num_threads: int = 0) -> None:
         from longboat.core.device import get_accelerator
-        from longboat.core.distributed import init_distributed, single_process_group
+        from longboat.core.distributed import (
+            check_precision_hardware,
+            init_distributed,
+            single_process_group,
+        )
         from longboat.core.megatron.quiet import quiet_megatron
 
         quiet_megatron()
         self.cfg = cfg
         self.check(cfg)
         self.accelerator = get_accelerator()
+        check_precision_hardware(cfg.train.precision, self.accelerator)  # fp8: before any work
         self._threads = torch.get_num_threads()
         if self.accelerator.device_type == "cpu" and num_threads > 0:
             torch.set_num_threads(num_threads)

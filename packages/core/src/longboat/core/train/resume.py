@@ -83,6 +83,34 @@ def check_resume_keys(
     )
 
 
+def _precision_recipe(flat: Mapping[str, Any]) -> str:
+    precision = flat.get("train.precision")
+    if precision == "fp8":
+        return f"fp8 ({flat.get('train.fp8.recipe', 'blockwise')})"
+    return str(precision)
+
+
+def check_precision_resume(
+    path: Path, saved: Mapping[str, Any], current: Mapping[str, Any]
+) -> None:
+    """``CheckpointError`` where an FP8 run resumes a checkpoint trained in another precision
+    or FP8 recipe, or a run resumes an FP8 checkpoint in another precision, unless the run
+    sets ``train.fp8.allow_recipe_change=true``; the loss curve would change its character at
+    the resume point without anyone asking for it."""
+    old, new = flatten(saved), flatten(current)
+    if "train.precision" not in old or new.get("train.fp8.allow_recipe_change"):
+        return
+    before, after = _precision_recipe(old), _precision_recipe(new)
+    if before == after or "fp8" not in before + after:
+        return
+    raise CheckpointError(
+        f"{path} was trained with train.precision={before}; this run asks for {after}. "
+        "Fix: resume with the checkpoint's train.precision / train.fp8.recipe, set "
+        "train.fp8.allow_recipe_change=true to continue in the new one, or start over with "
+        "checkpoint.resume=none"
+    )
+
+
 class Hyperparameters:
     """The param-group settings of the freshly built optimizers (from the config), put back
     after a checkpoint's param groups overwrote them (``restore``)."""
@@ -113,6 +141,7 @@ __all__ = [
     "IGNORED_CHANGES",
     "Hyperparameters",
     "changed_keys",
+    "check_precision_resume",
     "check_resume_keys",
     "describe_changes",
     "flatten",

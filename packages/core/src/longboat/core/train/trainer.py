@@ -48,6 +48,7 @@ from longboat.core.train import rundir
 from longboat.core.train.resume import (
     Hyperparameters,
     changed_keys,
+    check_precision_resume,
     check_resume_keys,
     describe_changes,
 )
@@ -371,6 +372,7 @@ class Trainer:
             tried.append(path)
             # Another stack's run in the same output_dir is never resumed.
             check_resume_keys(path, manifest.config, current, ("stack", *t.resume_keys))
+            check_precision_resume(path, manifest.config, current)
             r.changed = changed_keys(manifest.config, current)
 
         try:

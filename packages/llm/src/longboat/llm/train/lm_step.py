@@ -161,8 +161,9 @@ def build_train_step(
     seed: int = 0,
     cuda_graph: bool = False,
     one_pass_adamw: bool | str = False,
-    kernel_options: dict[str, bool] | None = None,
+    kernel_options: dict[str, Any] | None = None,
     objective: Any = None,
+    fp8_recipe: str | None = None,
     **model_overrides: Any,
 ) -> TrainStep:
     """Build the model, megatron DDP + optimizer and the step ``longboat-llm train`` runs.
@@ -191,6 +192,10 @@ def build_train_step(
     means) uses it where it applies and records why not in ``TrainStep.one_pass_blocker``.
     ``kernel_options``: ``build_model``'s switches of the longboat layer kernels (tests).
     ``objective``: a ``train.megatron_schedule.StepObjective`` replacing the LM loss (DPO).
+    ``fp8_recipe``: run the decoder layers' linears in FP8 with this recipe
+    (``train.fp8.recipe`` of a ``train.precision=fp8`` run; ``precision`` is then the weights'
+    dtype, bf16); on a device without FP8 matmuls the GEMMs are emulated (tests only: the
+    command line refuses such a device, ``check_precision_hardware``).
     ``model_overrides`` go to megatron's ``TransformerConfig`` (as in ``build_model``).
     """
     from longboat.core.megatron.engine import ddp
@@ -230,6 +235,9 @@ def build_train_step(
     check_pooled_aux_loss(model_cfg, **aux_layout)
     aux_notice = pooled_aux_loss_notice(model_cfg, **aux_layout)
     model_cfg, experts_notice = moe_experts_for_run(model_cfg, lora)
+    if fp8_recipe is not None:
+        check_fp8_backend(model_cfg, device.type)
+        kernel_options = {**(kernel_options or {}), "fp8": fp8_recipe}
     chunks = build_model(
         model_cfg,
         precision=precision,
@@ -267,6 +275,24 @@ def build_train_step(
     )
     step.use_one_pass(one_pass_adamw, adamw_master_step_)
     return step
+
+
+def check_fp8_backend(model_cfg: DecoderModelConfig, device_type: str) -> None:
+    """``ConfigError`` where the layer spec the run resolves to is not longboat's, the one
+    whose linears take the FP8 GEMMs (``model.layer_backend=auto`` picks Transformer
+    Engine's where it is installed)."""
+    from longboat.core.config.errors import ConfigError
+    from longboat.core.megatron.specs import resolve_backend
+
+    backend = resolve_backend(model_cfg.layer_backend, device_type)
+    if backend != "longboat":
+        raise ConfigError(
+            f"resolves to the {backend} layer spec, which has no longboat FP8 linears "
+            "(train.precision=fp8)",
+            key="model.layer_backend",
+            value=model_cfg.layer_backend,
+            fix="set model.layer_backend=longboat",
+        )
 
 
 def wants_exact_main_weights(hf_dir: Any, precision: str, lora: bool) -> bool:

@@ -125,6 +125,10 @@ class LLMTraining(MegatronTraining):
         self.train_rows = PackedDataset(train_docs, data.seq_len)
         self.eval_rows = PackedDataset(eval_docs, data.seq_len) if len(eval_docs) else None
         self.precision = run_precision(cfg.train.precision, cfg.llm.cpu_precision, self.accelerator)
+        self.fp8_recipe: str | None = None
+        """``train.fp8.recipe`` of an FP8 run (its weights then train in bf16)."""
+        if self.precision == "fp8":
+            self.precision, self.fp8_recipe = "bf16", cfg.train.fp8.recipe
         self.init_layout(cfg.parallel, cfg.train.seed)
         batches = batch_layout(
             cfg.train.global_batch_size, cfg.train.micro_batch_size, self.layout.data_parallel
@@ -135,6 +139,7 @@ class LLMTraining(MegatronTraining):
         self.device = self.accelerator.device()
         seed_everything(cfg.train.seed, self.accelerator)
         self.step_fn = self._build_step()
+        self.fp8_table = self._decide_adaptive(data.seq_len * cfg.train.micro_batch_size)
         self.ddp_modules = list(self.step_fn.model)
 
     def _build_step(self) -> Any:
@@ -159,6 +164,7 @@ class LLMTraining(MegatronTraining):
             seed=cfg.train.seed,
             cuda_graph=cfg.train.cuda_graph is not False,
             one_pass_adamw="auto" if cfg.optim.one_pass_adamw else False,
+            fp8_recipe=self.fp8_recipe,
             **recompute_settings(cfg.train.recompute, cfg.train.recompute_layers),
         )
 
@@ -243,6 +249,37 @@ class LLMTraining(MegatronTraining):
             source_dir=self.cfg.model.init_from,
         )
 
+    def _kernel_linears(self) -> list[Any]:
+        from longboat.core.megatron.linears import KernelColumnParallelLinear as Col
+        from longboat.core.megatron.linears import KernelRowParallelLinear as Row
+
+        return [m for c in self.step_fn.chunks for m in c.modules() if isinstance(m, Col | Row)]
+
+    def _decide_adaptive(self, tokens: int) -> str | None:
+        """``train.fp8.recipe=adaptive``: FP8 or bf16 per linear shape, measured on this GPU
+        before the first step (or read from the timing cache); the decisions as a table."""
+        if self.fp8_recipe != "adaptive":
+            return None
+        by_fn: dict[int, tuple[Any, set[tuple[int, int, int]]]] = {}
+        for m in self._kernel_linears():
+            if m.linear_fn is not None and hasattr(m.linear_fn, "decide"):
+                entry = by_fn.setdefault(id(m.linear_fn), (m.linear_fn, set()))
+                entry[1].add((tokens, *m.weight.shape))
+        tables = [fn.decide(sorted(shapes), self.device) for fn, shapes in by_fn.values()]
+        return "\n".join(tables) or None
+
+    def fp8_line(self) -> str:
+        """How many of the decoder layers' linears run their GEMMs in FP8."""
+        linears = self._kernel_linears()
+        fp8 = sum(m.linear_fn is not None for m in linears)
+        line = (
+            f"FP8 ({self.fp8_recipe}): {fp8} of {len(linears)} decoder linears; the first and "
+            "last layers, MoE experts, LM head, router, norms and embeddings in bf16."
+        )
+        if self.fp8_table:
+            line += " Per shape (tokens x out x in), ms of a forward + backward:\n" + self.fp8_table
+        return line
+
     def describe(self) -> list[str]:
         m, s, lay, rows = self.model_cfg, self.plan.layout, self.layout, self.train_rows
         lines = [
@@ -253,6 +290,8 @@ class LLMTraining(MegatronTraining):
             f"{s.accum} microbatch(es) x {s.micro_batch} x dp {s.dp_size}."
         ]
         lines.append(self.schedule_line())
+        if self.fp8_recipe is not None:
+            lines.append(self.fp8_line())
         if self.cfg.lora.enabled:
             lines.append(self.lora_line())
         lines += self.step_fn.notices()  # levers that cannot apply, and what runs instead

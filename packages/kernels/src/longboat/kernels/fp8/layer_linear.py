@@ -1,0 +1,80 @@
+"""The ``LinearFn`` a decoder layer's linears run on for ``train.precision=fp8``.
+
+``fp8_linear_fn(recipe)`` returns ``fn(x, weight, bias, *, wgrad_hook=None, wgrad_dtype=None)``
+(core's ``LayerKernels.linear`` contract): ``fp8_linear`` with the recipe, or for
+``adaptive`` the choice of an ``AdaptiveChooser`` per ``(tokens, out, in)`` shape: FP8 in the
+fastest recipe where it beats bf16 on this GPU by the chooser's margin, bf16 elsewhere
+(``AdaptiveLinear``: a run decides its shapes at start with ``decide``; a shape first seen
+in a call is decided then).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from longboat.kernels.fp8.adaptive import HIGH_PRECISION, AdaptiveChooser, TimingCache
+from longboat.kernels.fp8.linear import RECIPES, fp8_linear, high_precision_linear
+
+LOG = logging.getLogger("longboat.kernels.fp8")
+ADAPTIVE = "adaptive"
+
+
+class AdaptiveLinear:
+    """The ``adaptive`` recipe's ``LinearFn``: per ``(tokens, out, in)`` shape, FP8 in the
+    fastest recipe or bf16 (an ``AdaptiveChooser`` per device). ``decide`` settles a run's
+    shapes up front (a short calibration at start, or the cache) and returns the table; a
+    shape first seen in a call is decided then, and logged."""
+
+    def __init__(self) -> None:
+        self.choosers: dict[torch.device, AdaptiveChooser] = {}
+
+    def chooser(self, device: torch.device) -> AdaptiveChooser:
+        """This device's chooser (its GPU name keys the timing cache)."""
+        if device not in self.choosers:
+            from longboat.core.device import get_accelerator
+            from longboat.kernels.fp8.adaptive import measure_linear
+
+            gpu = get_accelerator().device_name() if device.type != "cpu" else "cpu"
+
+            def measure(shape: tuple[int, int, int], names: tuple[str, ...]) -> dict[str, float]:
+                return measure_linear(shape, names, device=device)
+
+            self.choosers[device] = AdaptiveChooser(gpu, cache=TimingCache.load(), measure=measure)
+        return self.choosers[device]
+
+    def decide(self, shapes: list[tuple[int, int, int]], device: torch.device) -> str:
+        """Decide every shape (measuring those the cache lacks); the decisions as a table."""
+        chooser = self.chooser(device)
+        for shape in shapes:
+            chooser.choice(shape)
+        return chooser.table()
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:  # fmt: skip
+        chooser = self.chooser(x.device)
+        shape = (x.numel() // x.shape[-1], weight.shape[0], weight.shape[1])
+        known = shape in chooser.decisions
+        picked = chooser.choice(shape)
+        if not known:
+            LOG.info("fp8 adaptive on %s:\n%s", chooser.gpu, chooser.table())
+        if picked == HIGH_PRECISION:
+            return high_precision_linear(x, weight, bias, **kw)
+        return fp8_linear(x, weight, bias, recipe=picked, **kw)
+
+
+def fp8_linear_fn(recipe: str) -> Any:
+    """The ``LinearFn`` of ``recipe`` (a name of ``RECIPES`` or ``adaptive``)."""
+    if recipe == ADAPTIVE:
+        return AdaptiveLinear()
+    if recipe not in RECIPES:
+        raise ValueError(f"FP8 recipe {recipe!r}: expected one of {[*sorted(RECIPES), ADAPTIVE]}")
+
+    def fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:  # fmt: skip
+        return fp8_linear(x, weight, bias, recipe=recipe, **kw)
+
+    return fn
+
+
+__all__ = ["ADAPTIVE", "AdaptiveLinear", "fp8_linear_fn"]

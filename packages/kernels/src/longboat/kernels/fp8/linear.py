@@ -1,0 +1,215 @@
+"""A linear layer whose three GEMMs (forward, input gradient, weight gradient) run in FP8.
+
+``y = x W^T (+ b)`` with ``x`` ``[..., K]`` and ``W`` ``[N, K]`` in bf16 (or fp32). Each GEMM is
+``fp8_mm(A, B)`` of operands quantised along its contraction dimension, accumulated in
+fp32, written in x's dtype:
+
+=========  ====================  =====================  ======================
+GEMM       A                     B                      contraction
+=========  ====================  =====================  ======================
+forward    ``x`` ``[M, K]``      ``W`` ``[N, K]``       K
+dgrad      ``dy`` ``[M, N]``     ``W^T`` ``[K, N]``     N
+wgrad      ``dy^T`` ``[N, M]``   ``x^T`` ``[K, M]``     M (tokens)
+=========  ====================  =====================  ======================
+
+Recipes (``RECIPES``), the granularity of A / B per GEMM:
+
+- ``blockwise`` (DeepSeek-V3): activations and gradients in 1x128 tiles, weights in 128x128
+  blocks (so ``W^T``'s blocks are ``W``'s, re-read transposed); the wgrad operands in 1x128
+  tiles along the tokens. Everything e4m3: with a scale per 128 values the gradients' range
+  fits e4m3's, and its extra mantissa bit halves the rounding error of e5m2.
+- ``rowwise``: one scale per row of every operand (``W^T``'s rows are ``W``'s columns); e4m3
+  throughout, for the same reason (a scale per row follows the gradients' range).
+- ``tensorwise`` (current scaling): one scale per tensor, computed from the tensor itself
+  each step; e4m3 forward, e5m2 gradients (one scale must cover the whole gradient's range).
+
+What is saved for backward is ``x`` and ``W`` in their own dtype (the same memory as a bf16
+linear); the backward quantises them again along the other dimension. A weight gradient
+can go to a hook instead of autograd (``wgrad_hook``: megatron's accumulation into
+``main_grad``), computed in fp32 where ``wgrad_dtype`` says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from longboat.kernels.fp8.gemm import fp8_mm, output_supported, resolve_gemm_backend
+from longboat.kernels.fp8.quantize import E4M3, E5M2, quantize
+
+Tensor = torch.Tensor
+WgradHook = Callable[[Tensor], Tensor | None]
+"""``hook(dW)`` -> what autograd receives as the weight's gradient (None, or a stand-in)."""
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How each operand of the three GEMMs is scaled, and in which FP8 format."""
+
+    name: str
+    activation: str
+    """Granularity of ``x`` (forward) and ``dy`` (dgrad)."""
+    weight: str
+    """Granularity of ``W`` (forward) and ``W^T`` (dgrad)."""
+    wgrad: str
+    """Granularity of ``dy^T`` and ``x^T`` in the weight-gradient GEMM."""
+    grad_dtype: torch.dtype
+    """FP8 format of the output gradient ``dy``."""
+    fwd_dtype: torch.dtype = E4M3
+    """FP8 format of ``x`` and ``W``."""
+
+
+RECIPES: dict[str, Fp8Recipe] = {
+    "blockwise": Fp8Recipe("blockwise", "1x128", "128x128", "1x128", E4M3),
+    "rowwise": Fp8Recipe("rowwise", "row", "row", "row", E4M3),
+    "tensorwise": Fp8Recipe("tensorwise", "tensor", "tensor", "tensor", E5M2),
+}
+"""The FP8 recipes by name (module doc)."""
+
+
+def get_recipe(name: str) -> Fp8Recipe:
+    """The recipe ``name``; ValueError naming the choices otherwise."""
+    if name not in RECIPES:
+        raise ValueError(f"FP8 recipe {name!r}: expected one of {sorted(RECIPES)}")
+    return RECIPES[name]
+
+
+def _pad_tokens(t: Tensor, multiple: int) -> Tensor:
+    """``t`` ``[rows, M]`` with M zero-padded to a multiple (zeros add nothing to dy^T x)."""
+    extra = -t.shape[1] % multiple
+    return t if extra == 0 else torch.nn.functional.pad(t, (0, extra))
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: object,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        recipe: Fp8Recipe,
+        wgrad_hook: WgradHook | None,
+        wgrad_dtype: torch.dtype | None,
+        backend: str,
+    ) -> Tensor:
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        xq = quantize(x2, recipe.activation, recipe.fwd_dtype)
+        wq = quantize(weight, recipe.weight, recipe.fwd_dtype)
+        y = fp8_mm(xq, wq, out_dtype=x.dtype, bias=bias, backend=backend)
+        ctx.save_for_backward(x, weight)  # type: ignore[attr-defined]
+        ctx.meta = (recipe, wgrad_hook, wgrad_dtype, backend, bias is not None)  # type: ignore[attr-defined]
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: object, dy: Tensor):  # type: ignore[override]
+        x, weight = ctx.saved_tensors  # type: ignore[attr-defined]
+        recipe, hook, wgrad_dtype, backend, has_bias = ctx.meta  # type: ignore[attr-defined]
+        n, k = weight.shape
+        x2 = x.reshape(-1, k)
+        dy2 = dy.reshape(-1, n)
+        dx = dw = db = None
+        needs = ctx.needs_input_grad  # type: ignore[attr-defined]
+        if needs[0]:
+            dyq = quantize(dy2, recipe.activation, recipe.grad_dtype)
+            wtq = quantize(weight.t(), recipe.weight, recipe.fwd_dtype)
+            dx = fp8_mm(dyq, wtq, out_dtype=x.dtype, backend=backend).view(x.shape)
+        if needs[1]:
+            dyt, xt = dy2.t(), x2.t()
+            if backend == "scaled_mm":  # cuBLAS wants the contraction a multiple of 16
+                dyt, xt = _pad_tokens(dyt, 16), _pad_tokens(xt, 16)
+            dytq = quantize(dyt, recipe.wgrad, recipe.grad_dtype)
+            xtq = quantize(xt, recipe.wgrad, recipe.fwd_dtype)
+            dw = fp8_mm(dytq, xtq, out_dtype=wgrad_dtype or weight.dtype, backend=backend)
+            if hook is not None:
+                dw = hook(dw)
+            elif dw.dtype != weight.dtype:
+                dw = dw.to(weight.dtype)
+        if has_bias and needs[2]:
+            db = dy2.sum(dim=0)
+        return dx, dw, db, None, None, None, None
+
+
+def fp8_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    recipe: str | Fp8Recipe = "blockwise",
+    wgrad_hook: WgradHook | None = None,
+    wgrad_dtype: torch.dtype | None = None,
+    backend: str | None = None,
+) -> Tensor:
+    """``x @ weight^T + bias`` with the forward, input-gradient and weight-gradient GEMMs in
+    FP8 (``recipe``: a name of ``RECIPES`` or an ``Fp8Recipe``), fp32 accumulation, outputs in
+    x's dtype. ``wgrad_hook``: receives the weight gradient (in ``wgrad_dtype``, default the
+    weight's) and returns what autograd gets for the weight. ``backend``: ``scaled_mm``
+    (CUDA) or ``emulated`` (dequantise + fp32 matmul; CPU), default by device."""
+    r = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    resolved = resolve_gemm_backend(backend, x, weight)
+    if (
+        wgrad_dtype is not None
+        and resolved == "scaled_mm"
+        and not output_supported(r.wgrad, r.wgrad, wgrad_dtype, x.device)
+    ):
+        wgrad_dtype = x.dtype  # this cuBLAS writes only x's dtype for the pair
+    return _Fp8LinearFn.apply(x, weight, bias, r, wgrad_hook, wgrad_dtype, resolved)
+
+
+class _HighPrecisionLinearFn(torch.autograd.Function):
+    """The same linear with its GEMMs in x's dtype: the bf16 choice of the adaptive recipe,
+    with the same ``wgrad_hook`` contract as the FP8 one."""
+
+    @staticmethod
+    def forward(ctx: object, x: Tensor, weight: Tensor, bias: Tensor | None,
+                wgrad_hook: WgradHook | None, wgrad_dtype: torch.dtype | None) -> Tensor:  # type: ignore[override]  # fmt: skip
+        ctx.save_for_backward(x, weight)  # type: ignore[attr-defined]
+        ctx.meta = (wgrad_hook, wgrad_dtype, bias is not None)  # type: ignore[attr-defined]
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: object, dy: Tensor):  # type: ignore[override]
+        x, weight = ctx.saved_tensors  # type: ignore[attr-defined]
+        hook, wgrad_dtype, has_bias = ctx.meta  # type: ignore[attr-defined]
+        n, k = weight.shape
+        dy2 = dy.reshape(-1, n)
+        needs = ctx.needs_input_grad  # type: ignore[attr-defined]
+        dx = (dy2 @ weight).view(x.shape) if needs[0] else None
+        dw = db = None
+        if needs[1]:
+            x2 = x.reshape(-1, k)
+            if wgrad_dtype == torch.float32 and dy2.is_cuda and x2.dtype != torch.float32:
+                dw = torch.mm(dy2.t(), x2, out_dtype=torch.float32)
+            else:
+                dw = (dy2.t() @ x2).to(wgrad_dtype or weight.dtype)
+            if hook is not None:
+                dw = hook(dw)
+            elif dw.dtype != weight.dtype:
+                dw = dw.to(weight.dtype)
+        if has_bias and needs[2]:
+            db = dy2.sum(dim=0)
+        return dx, dw, db, None, None
+
+
+def high_precision_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    wgrad_hook: WgradHook | None = None,
+    wgrad_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """``x @ weight^T + bias`` in x's dtype with ``fp8_linear``'s ``wgrad_hook`` contract."""
+    return _HighPrecisionLinearFn.apply(x, weight, bias, wgrad_hook, wgrad_dtype)
+
+
+__all__ = [
+    "RECIPES",
+    "Fp8Recipe",
+    "WgradHook",
+    "fp8_linear",
+    "get_recipe",
+    "high_precision_linear",
+]
