@@ -32,6 +32,7 @@ DEMO_REFUSES = {
     "train.recompute_components=[vision]",
     "train.compile=true",
     "export.format=native",
+    "train.memory_budget=40",
 }
 """Probe ids the core stack refuses (the demo's MLP has no recompute, compile, formats)."""
 
