@@ -80,6 +80,17 @@ def probe_policy(cfg: Any, model_cfg: Any, *, master_weights: bool) -> torch.nn.
     return model
 
 
+def smallest_over_ranks(budget: float, accelerator: Any) -> float:
+    """The smallest budget of all ranks (every rank must choose the same micro-batch split:
+    an ``auto`` budget follows each device's free memory)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return budget
+    value = torch.tensor([budget], dtype=torch.float64, device=accelerator.device())
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return float(value.item())
+
+
 def plan_run_memory(
     cfg: Any,
     model_cfg: Any,
@@ -97,6 +108,7 @@ def plan_run_memory(
     budget, source = resolve_budget_bytes(t.memory_budget, accelerator)
     if budget is None:
         return no_plan_line(source)
+    budget = smallest_over_ranks(budget, accelerator)
     model = probe_policy(cfg, model_cfg, master_weights=master_weights)
     opt_layout = optimizer_layout(cfg, master_weights=master_weights, strategy=strategy,
                                   dp_size=layout.dp_size, device_type=accelerator.device_type)  # fmt: skip
