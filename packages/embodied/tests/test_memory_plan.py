@@ -121,3 +121,28 @@ def test_pi05_benchmark_shapes_fit_an_h100_with_full_recompute() -> None:
                        budget_source="H100")  # fmt: skip
     assert plan.choice == PlanChoice("full", 32, 4)
     assert plan.estimate.total / GB == pytest.approx(50.8, abs=1.0)
+
+
+@pytest.mark.gpu
+def test_a_gpu_run_plans_for_the_free_memory_and_reports_the_measured_peak(
+    tmp_path: Path,
+) -> None:
+    """On a GPU, ``auto`` plans for 90% of the free memory and the run prints the measured
+    peak after 5 steps."""
+    from longboat.core.engine.memory.report import MeasuredPeak
+    from longboat.core.train import Trainer
+
+    cfg = typed_config(compose_experiment("groot_n1_6_tiny", tiny_run_overrides(
+        tmp_path, "train.steps=6", "export.enabled=false")))  # fmt: skip
+    run = build_training(cfg)
+    try:
+        plan = run.memory_plan
+        _free, total = run.accelerator.memory_capacity()
+        assert 0 < plan.budget <= 0.9 * total and plan.choice.recompute == "none"
+        assert plan.budget_source.startswith("auto: 90% of")
+        trainer = Trainer(cfg, run)
+        trainer.fit()
+        report = next(c for c in trainer.callbacks if isinstance(c, MeasuredPeak))
+        assert report.line is not None and report.line.startswith("Memory plan: measured peak")
+    finally:
+        run.close()
