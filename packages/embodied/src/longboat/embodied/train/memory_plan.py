@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
@@ -38,12 +39,9 @@ SHARDED_STATE = {"zero1": "state", "fsdp": "all", "hsdp": "all"}
 """What each ``parallel.strategy`` shards over the data-parallel ranks."""
 
 
-def no_plan_line(budget_source: str) -> str:
-    """The plan's line where there is no budget: nothing planned or chosen."""
-    return (
-        f"Memory plan: none ({budget_source}; set train.memory_budget=<GB> to plan); "
-        "train.recompute null runs as none."
-    )
+def no_plan_line(why: str, *, hint: str = "set train.memory_budget=<GB> to plan") -> str:
+    """The plan's line where nothing was planned or chosen, and why."""
+    return f"Memory plan: none ({why}; {hint}); train.recompute null runs as none."
 
 
 def optimizer_layout(
@@ -102,8 +100,9 @@ def plan_run_memory(
     strategy: str,
 ) -> MemoryPlan | str:
     """The run's ``MemoryPlan`` (module doc); the no-plan line (a str) where
-    ``train.memory_budget`` is auto and the device reports no memory. ``data``: the run's
-    ``RunData``. Raises ``ConfigError`` when the pinned levers cannot fit."""
+    ``train.memory_budget`` is auto and the device reports no memory, or where the policy's
+    forward cannot run on ``meta`` (warned). ``data``: the run's ``RunData``. Raises
+    ``ConfigError`` when the pinned levers cannot fit."""
     t = cfg.train
     budget, source = resolve_budget_bytes(t.memory_budget, accelerator)
     if budget is None:
@@ -123,14 +122,20 @@ def plan_run_memory(
         return {k: v.to("meta") for k, v in collate(samples).items()}
 
     autocast = torch.bfloat16 if t.precision == "bf16" else None
-    with meta_stands_for(accelerator.device_type):
-        profile = profile_activations(
-            model,
-            lambda batch: model(batch)["loss"],
-            make_batch,
-            blocks=find_blocks(model),
-            autocast_dtype=autocast,
-        )
+    try:
+        with meta_stands_for(accelerator.device_type):
+            profile = profile_activations(
+                model,
+                lambda batch: model(batch)["loss"],
+                make_batch,
+                blocks=find_blocks(model),
+                autocast_dtype=autocast,
+            )
+    except (RuntimeError, NotImplementedError) as exc:  # an op without a meta kernel
+        reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        warnings.warn(f"memory plan: the policy's meta probe failed ({reason})", stacklevel=2)
+        return no_plan_line(f"the policy's forward did not run on the meta device: {reason}",
+                            hint="set train.recompute to choose")  # fmt: skip
     pins = Pins(recompute=t.recompute, micro_batch=t.cuda_graph is True)
     return choose_plan(
         states,
