@@ -85,6 +85,8 @@ def test_recorded_pi05_breakdown() -> None:
 def test_the_chooser_takes_the_least_recompute_that_fits() -> None:
     assert _plan(200 * GB).choice == PlanChoice("none", 32)
     assert _plan(200 * GB).chosen == ()
+    kept = "Memory plan: kept train.recompute=none, micro-batch 32; predicted peak 136.6 GB"
+    assert _plan(200 * GB).line().startswith(kept)
     h200 = _plan(H200)
     assert h200.choice == PlanChoice("selective", 32)
     assert h200.chosen == ("train.recompute=selective",)

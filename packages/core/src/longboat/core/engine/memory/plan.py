@@ -58,9 +58,13 @@ class PeakEstimate:
     """The predicted peak of one choice, by part (bytes)."""
 
     states: StateBytes
+    """The persistent state (``states.state_bytes``)."""
     activations: int
+    """What the forward saves for the backward, recomputed blocks keeping their inputs."""
     workspace: int
+    """The backward's working set (module doc)."""
     batch: int
+    """The micro-batch on the device."""
 
     @property
     def total(self) -> int:
@@ -133,12 +137,11 @@ class MemoryPlan:
         levers = f"train.recompute={c.recompute}, micro-batch {c.micro_batch}"
         if c.moment_bytes == 2:
             levers += ", bf16 optimizer moments"
-        what = "chose " + ", ".join(self.chosen) if self.chosen else "kept the defaults"
+        peak = f"predicted peak {format_bytes(e.total)} ({e.breakdown()})"
         if self.budget is None:
-            return (f"Memory plan: no budget ({self.budget_source}); {levers}; predicted "
-                    f"peak {format_bytes(e.total)} ({e.breakdown()}).")  # fmt: skip
-        return (f"Memory plan: {what} ({levers}); predicted peak {format_bytes(e.total)} "
-                f"({e.breakdown()}) of a {format_bytes(self.budget)} budget "
+            return f"Memory plan: no budget ({self.budget_source}); {levers}; {peak}."
+        what = f"chose {', '.join(self.chosen)}" if self.chosen else f"kept {levers}"
+        return (f"Memory plan: {what}; {peak} of a {format_bytes(self.budget)} budget "
                 f"({self.budget_source}).")  # fmt: skip
 
 
