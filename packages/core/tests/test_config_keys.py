@@ -35,8 +35,10 @@ DEMO_REFUSES = {
     "train.precision=fp8",
     "train.fp8.recipe=rowwise",
     "train.fp8.allow_recipe_change=true",
+    "train.memory_budget=40",
 }
-"""Probe ids the core stack refuses (the demo's MLP has no recompute, compile, formats, FP8)."""
+"""Probe ids the core stack refuses (the demo's MLP has no recompute, compile, formats, FP8,
+memory plan)."""
 
 
 def test_every_core_key_has_a_probe() -> None:

@@ -161,6 +161,12 @@ class EmbodiedTrainConfig(TrainConfig):
     and DiT / expert blocks; after activation checkpointing and the data-parallel wrapping),
     compiled on first use; off by default. pi0.5's joint layers run through their
     ``project_qkv`` / ``finish`` methods, which stay eager."""
+    recompute: str | None = None  # type: ignore[assignment]
+    """Activation recompute of the policy's blocks (ViT, LM, DiT / expert layers): none,
+    selective (every second block) or full (every block). null (the default): the memory
+    plan chooses (``train.memory_budget``): none where everything fits, else selective, else
+    full; none where there is no plan (auto on a device without memory of its own, e.g. the
+    CPU). A value set here is kept (pinned); the plan refuses a pinned run that cannot fit."""
     master_weights: bool | None = None
     """With precision=bf16: store trainable params in bf16 (views of one flat buffer,
     grads in one flat bf16 buffer) with fp32 master weights and Adam moments in the

@@ -6,6 +6,7 @@ reference elsewhere. The Triton paths are torch custom ops (``torch.ops.longboat
 fake implementations, so ``torch.compile`` traces through them.
 """
 
+from longboat.kernels._dispatch import meta_stands_for
 from longboat.kernels.adaln import ada_layer_norm, ada_layer_norm_torch, ada_layer_norm_triton
 from longboat.kernels.adamw import (
     adamw_master_step_,
@@ -105,6 +106,7 @@ __all__ = [
     "layer_norm",
     "layer_norm_torch",
     "layer_norm_triton",
+    "meta_stands_for",
     "positions_for_layout",
     "prefix_lm_block_mask",
     "prefix_lm_mask",

@@ -8,7 +8,8 @@ elsewhere). Forcing ``triton`` on CPU tensors works only under Triton's interpre
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -18,6 +19,28 @@ from longboat.kernels._triton import HAS_TRITON
 Impl = Literal["auto", "torch", "triton"]
 ENV_VAR = "LONGBOAT_KERNELS_IMPL"
 _CHOICES = ("auto", "torch", "triton")
+
+
+_META_STANDS_FOR: list[str] = []
+"""Device types ``meta`` tensors stand for in dispatch (innermost last; see
+``meta_stands_for``)."""
+
+
+@contextmanager
+def meta_stands_for(device_type: str) -> Iterator[None]:
+    """Dispatch ops on ``meta`` tensors as on ``device_type`` tensors: with ``"cuda"``, every
+    op picks its GPU implementation and runs that implementation's registered fake (shapes
+    and dtypes only). A memory probe at real shapes (``longboat.core.engine.memory``) sees
+    what the Triton kernels save for the backward, not what the torch references save."""
+    _META_STANDS_FOR.append(device_type)
+    try:
+        yield
+    finally:
+        _META_STANDS_FOR.pop()
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    return t.is_cuda or (t.is_meta and bool(_META_STANDS_FOR) and _META_STANDS_FOR[-1] == "cuda")
 
 
 def triton_interpreter_on() -> bool:
@@ -44,7 +67,7 @@ def resolve_impl(
         )
     if choice == "torch":
         return "torch"
-    on_gpu = all(t.is_cuda for t in tensors)
+    on_gpu = all(_on_gpu(t) for t in tensors)
     usable = HAS_TRITON and (on_gpu or triton_interpreter_on())
     if choice == "triton":
         if not usable:
@@ -95,8 +118,9 @@ def op(name: str, eager_impl: Callable[..., Any]) -> Callable[..., Any]:
 
     The custom-op dispatcher costs tens of microseconds of CPU per call, comparable to a
     whole memory-bound kernel at training shapes; eager mode skips it. Under
-    torch.compile the registered op (with its fake impl) is what gets traced.
+    torch.compile the registered op (with its fake impl) is what gets traced; under
+    ``meta_stands_for`` meta tensors reach that fake.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _META_STANDS_FOR:  # a meta probe runs the fakes
         return getattr(torch.ops.longboat, name)
     return eager_impl

@@ -80,6 +80,13 @@ class KunlunXPUAccelerator(Accelerator):
             "peak_allocated_gb": self._mem("max_memory_allocated"),
         }
 
+    def memory_capacity(self) -> tuple[int, int] | None:
+        info = getattr(self._rt, "mem_get_info", None)
+        if info is None:
+            return None  # a runtime without it: train.memory_budget needs a number
+        free, total = info()
+        return int(free), int(total)
+
     def reset_peak_memory_stats(self) -> None:
         reset = getattr(self._rt, "reset_peak_memory_stats", None)
         if reset is not None:

@@ -50,6 +50,9 @@ class Capabilities:
     depend on what is installed (a stack whose families bring their own formats)."""
     export_adapter: bool = False
     """Whether ``export.adapter_dir`` (LoRA adapters as a PEFT adapter) is written."""
+    memory_plan: bool = False
+    """Whether the stack plans its memory to ``train.memory_budget`` (without a plan, only
+    ``auto`` is accepted)."""
     ema: bool = False
     """Whether ``ema.enabled=true`` keeps (``longboat.core.train.ema``), checkpoints and, with
     ``ema.export``, exports an average of the weights."""
@@ -125,6 +128,10 @@ def capability_problems(
     if fmt is not None and fmt not in formats:
         refuse("export.format", fmt, "does not write this format",
                "export.format=" + " | ".join(formats))  # fmt: skip
+    budget = _get(cfg, "train.memory_budget")
+    if budget is not None and str(budget).strip().lower() != "auto" and not caps.memory_plan:
+        refuse("train.memory_budget", budget, "does not plan its memory yet",
+               "train.memory_budget=auto only")  # fmt: skip
     if _get(cfg, "ema.enabled") and not caps.ema:
         refuse("ema.enabled", True, "keeps no average of the weights", "ema.enabled=false only")
     adapter = _get(cfg, "export.adapter_dir")

@@ -70,6 +70,7 @@ def key_probes(tmp: Path | str) -> list[KeyProbe]:
             "train.recompute_components=[vision]",
         ),
         probe("train.compile", "train.compile=true"),
+        probe("train.memory_budget", "train.memory_budget=40"),
         probe("train.cuda_graph", "train.cuda_graph=false"),
         probe("train.cuda_graph", "train.cuda_graph=true"),
         probe("train.precision", "train.precision=fp32"),

@@ -208,6 +208,16 @@ class TrainConfig:
     with none."""
     compile: bool = False
     """torch.compile the model where the stack supports it (refused where it does not)."""
+    memory_budget: str = "auto"
+    """Device memory the run's memory plan fits (``longboat.core.engine.memory``): auto (about
+    90% of the device's free memory when the run starts; no plan on a device that reports no
+    memory, such as the CPU) or a number of GB (2^30 bytes). Where the stack plans its memory,
+    the plan predicts the peak and, for the levers left unset (null), chooses per-block
+    recompute, then the micro-batch split (the same global batch in more accumulated
+    micro-batches), and prints one line with its choice and the predicted peak, then one with
+    the measured peak after the first steps; levers set by their keys stay as set, and a run
+    whose pinned levers cannot fit is refused before work with the numbers. A stack without a
+    plan refuses a number."""
     cuda_graph: bool | None = None
     """Replay each training step (forward, backward, update) as one CUDA graph, captured
     after 3 eager steps: the launch overhead of thousands of small kernels goes away. null

@@ -26,6 +26,7 @@ from longboat.core.config.schema import (
     PRECISIONS,
     RECOMPUTE_MODES,
 )
+from longboat.core.engine.memory.budget import check_memory_budget
 
 HEAD_KEYS = ("num_attention_heads", "num_heads", "n_heads")
 KV_HEAD_KEYS = ("num_key_value_heads", "num_query_groups", "num_kv_heads", "n_kv_heads")
@@ -116,6 +117,9 @@ def _check_scalars(cfg: DictConfig, p: ProblemCollector) -> None:
                 value=vpp,
                 fix="set parallel.pipeline_parallel>=2 or parallel.virtual_pipeline_parallel=null",
             )
+    train = _get(cfg, "train")
+    if train is not None:
+        check_memory_budget(train, p)
     betas = _get(cfg, "optim.betas")
     if betas is not None and (len(betas) != 2 or not all(0 <= b < 1 for b in betas)):
         p.add(

@@ -102,6 +102,11 @@ class Accelerator(ABC):
     def memory_stats(self) -> dict[str, float]:
         """``allocated_gb``, ``reserved_gb``, ``peak_allocated_gb`` of the current device."""
 
+    def memory_capacity(self) -> tuple[int, int] | None:
+        """(free, total) bytes of the current device's memory, or None where the device has
+        no memory of its own to plan for (the host-only default)."""
+        return None
+
     def reset_peak_memory_stats(self) -> None:
         """Restart the peak counter of ``memory_stats()``."""
         return None  # host-only default: nothing to reset

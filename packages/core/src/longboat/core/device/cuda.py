@@ -69,6 +69,10 @@ class CUDAAccelerator(Accelerator):
             "peak_allocated_gb": torch.cuda.max_memory_allocated() / _GB,
         }
 
+    def memory_capacity(self) -> tuple[int, int] | None:
+        free, total = torch.cuda.mem_get_info()
+        return int(free), int(total)
+
     def reset_peak_memory_stats(self) -> None:
         torch.cuda.reset_peak_memory_stats()
 

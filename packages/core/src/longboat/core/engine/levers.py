@@ -86,7 +86,7 @@ def resolve_fast_path(
             why = f"gradient accumulation of {accum} micro-batches a step"
         elif device_type != "cuda":
             why = f"the {device_type} device has no CUDA graphs"
-        elif train.recompute != "none":
+        elif train.recompute not in (None, "none"):  # null: the memory plan decides later
             why = f"train.recompute={train.recompute}"
         elif train.compile:
             why = "train.compile=true"

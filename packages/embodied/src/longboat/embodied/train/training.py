@@ -38,6 +38,7 @@ from longboat.core.config.errors import ProblemCollector
 from longboat.core.data.batch_plan import BatchLayout, GlobalBatchPlan, batch_layout
 from longboat.core.device import get_accelerator
 from longboat.core.distributed import init_distributed, resolve_parallel
+from longboat.core.engine.memory.report import MeasuredPeak
 from longboat.core.engine.torch import engine
 from longboat.core.engine.torch.graphable import run_step
 from longboat.core.engine.torch.step import train_step
@@ -67,6 +68,7 @@ from longboat.embodied.train.datasets import ensure_synthetic, open_dataset
 from longboat.embodied.train.evaluate import HeldOutEval
 from longboat.embodied.train.export import export_policy
 from longboat.embodied.train.loader import RankMicroBatches, build_loader
+from longboat.embodied.train.memory_plan import plan_run_memory
 from longboat.embodied.train.plan import data_position, sample_plan
 from longboat.embodied.train.policy_batch import (
     PolicyCollator,
@@ -216,7 +218,7 @@ def build_policy(
         accelerator,
         device,
         precision=cfg.train.precision,
-        recompute=cfg.train.recompute,
+        recompute=cfg.train.recompute or "none",
         compile=cfg.train.compile,
         master_weights=cfg.train.master_weights,
         known_block_methods=KNOWN_BLOCK_METHODS,
@@ -259,6 +261,30 @@ def build_step_fn(
     )
 
 
+def plan_memory(run: EmbodiedTraining, strategy: str) -> Any:
+    """The run's memory plan (``memory_plan.plan_run_memory``; a str where nothing was
+    planned), its choices written back: ``train.recompute`` and, split, the micro-batch
+    (with the layout and the sample plan rebuilt for it)."""
+    cfg, t = run.cfg, run.cfg.train
+    master = resolve_fast_path(t, strategy=strategy, optim_name=cfg.optim.name,
+                               device_type=run.accelerator.device_type, accum=run.layout.accum,
+                               dp_size=run.layout.dp_size).master_weights  # fmt: skip
+    plan = plan_run_memory(cfg, run.model_cfg, run.data, run.layout, run.accelerator,
+                           master_weights=master, strategy=strategy)  # fmt: skip
+    if isinstance(plan, str):
+        t.recompute = t.recompute or "none"
+        return plan
+    t.recompute = plan.choice.recompute
+    if plan.choice.micro_batch != t.micro_batch_size:
+        t.micro_batch_size = plan.choice.micro_batch
+        layout = run.layout
+        run.layout = batch_layout(layout.global_batch, t.micro_batch_size, layout.dp_size)
+        run.data.plan = sample_plan(
+            len(run.data.dataset), run.layout, seed=cfg.data.seed, shuffle=cfg.data.shuffle
+        )
+    return plan
+
+
 class EmbodiedTraining(Training):
     """An embodied run for core's ``Trainer`` (module doc); ``build_training`` builds it."""
 
@@ -278,18 +304,6 @@ class EmbodiedTraining(Training):
         t = cfg.train
         self.layout = batch_layout(t.global_batch_size, t.micro_batch_size, parallel.data_parallel)
         self.items_per_step = self.layout.global_batch
-        # null master weights / CUDA graph: on where they apply (written back, so every
-        # piece below reads the run's resolved values).
-        self.fast_path = resolve_fast_path(
-            t,
-            strategy=parallel.strategy,
-            optim_name=cfg.optim.name,
-            device_type=self.accelerator.device_type,
-            accum=self.layout.accum,
-            dp_size=self.layout.dp_size,
-        )
-        t.master_weights = self.fast_path.master_weights
-        t.cuda_graph = self.fast_path.cuda_graph
         self.tokenizer_dir = run_tokenizer(cfg) or stand_in_tokenizer(cfg, self.is_main)
         self.overrides = model_overrides(cfg, tokenizer=self.tokenizer_dir is not None)
         self.model_cfg = resolve_model_config(
@@ -303,6 +317,22 @@ class EmbodiedTraining(Training):
         self.data = open_run_data(
             cfg, self.model_cfg, self.layout, self.is_main, prompts=self.prompts
         )
+        # The memory plan (train.memory_budget): train.recompute (null) and the micro-batch,
+        # before the levers that depend on them are resolved.
+        self.memory_plan = plan_memory(self, parallel.strategy)
+        # null master weights / CUDA graph: on where they apply (written back, so every
+        # piece below reads the run's resolved values).
+        self.fast_path = resolve_fast_path(
+            t,
+            strategy=parallel.strategy,
+            optim_name=cfg.optim.name,
+            device_type=self.accelerator.device_type,
+            accum=self.layout.accum,
+            dp_size=self.layout.dp_size,
+        )
+        t.master_weights = self.fast_path.master_weights
+        t.cuda_graph = self.fast_path.cuda_graph
+        self.data.collate.fixed_text_length = bool(t.cuda_graph)  # one set of shapes
         self.export_format, self.export_skipped = plan_export(
             cfg, self.model_cfg, len(self.data.norm_stats)
         )
@@ -387,6 +417,12 @@ class EmbodiedTraining(Training):
 
     def after_resume(self, step: int) -> None:
         self.steps_done = step
+
+    def callbacks(self) -> list[Any]:
+        """The memory plan's measured-peak line after the first steps (where it planned)."""
+        if isinstance(self.memory_plan, str):
+            return []
+        return [MeasuredPeak(self.accelerator, self.memory_plan)]
 
     # --- the steps ---------------------------------------------------------------------------
 
@@ -572,6 +608,8 @@ class EmbodiedTraining(Training):
         if self.sim_eval is not None:
             lines.append(self.sim_eval.describe())
         lines.extend(self.fast_path.notices)
+        plan = self.memory_plan
+        lines.append(plan if isinstance(plan, str) else plan.line())
         lines.append(self._prompt_line())
         if any(data.stats_from_checkpoint):
             which = [i for i, used in enumerate(data.stats_from_checkpoint) if used]
