@@ -347,7 +347,7 @@ def test_two_training_steps_through_the_cli_and_the_export_reloads(tmp_path: Pat
         "data.seq_len=32", "data.num_documents=64", "train.steps=2",
         "train.micro_batch_size=2", "train.global_batch_size=4", "train.log_every=1",
         "train.eval_every=0", "optim.schedule.warmup_steps=1", "checkpoint.every_steps=0",
-        "logging.progress=false", "logging.tensorboard=false", "llm.generate_prompt=null",
+        "logging.progress=false", "logging.trackers=[]", "llm.generate_prompt=null",
         f"output_dir={tmp_path}",
     ]  # fmt: skip
     ((code, _),) = run_multiprocess(_train, 1, argv, timeout=900)

@@ -25,6 +25,7 @@ from longboat.core.config.schema import (
     PRECISIONS,
     RECOMPUTE_MODES,
 )
+from longboat.core.loop.trackers import tracker_problems
 
 HEAD_KEYS = ("num_attention_heads", "num_heads", "n_heads")
 KV_HEAD_KEYS = ("num_key_value_heads", "num_query_groups", "num_kv_heads", "n_kv_heads")
@@ -323,6 +324,7 @@ def collect_problems(
     dp = _check_parallel(node, world_size, p)
     _check_batch(node, dp, p)
     _check_paths(node, p)
+    tracker_problems(_get(node, "logging"), p)
     stack_name = _get(node, "stack")
     stacks = discover_stacks() if stacks is None else stacks
     stack = stacks.get(stack_name) if isinstance(stack_name, str) else None
