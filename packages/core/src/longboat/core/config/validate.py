@@ -25,7 +25,7 @@ from longboat.core.config.schema import (
     PRECISIONS,
     RECOMPUTE_MODES,
 )
-from longboat.core.loop.trackers import tracker_problems
+from longboat.core.config.trackers import tracker_problems
 
 HEAD_KEYS = ("num_attention_heads", "num_heads", "n_heads")
 KV_HEAD_KEYS = ("num_key_value_heads", "num_query_groups", "num_kv_heads", "n_kv_heads")

@@ -11,24 +11,14 @@ file store under ``<run_dir>/mlruns`` unless ``logging.mlflow_uri`` names anothe
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-TRACKERS: dict[str, tuple[str, str]] = {
-    "tensorboard": ("tensorboard", "longboat-core[tensorboard]"),
-    "wandb": ("wandb", "longboat-core[wandb]"),
-    "mlflow": ("mlflow", "longboat-core[mlflow]"),
-}
-"""Tracker name -> (the module it needs, what to install for it)."""
-
-WANDB_MODES = ("offline", "online")
-"""``logging.wandb_mode`` values."""
+from longboat.core.config.trackers import TRACKERS, tracker_names
 
 FINISHED, STOPPED, FAILED, KILLED = "finished", "stopped", "failed", "killed"
 """How a run ended, as ``Tracker.finish`` is told: trained to the end, stopped by a signal
@@ -52,51 +42,6 @@ class Tracker(Protocol):
 
     def where(self) -> str:
         """One line saying where to look at the run."""
-
-
-def installed(name: str) -> bool:
-    """Whether the package tracker ``name`` needs can be imported."""
-    module = TRACKERS[name][0]
-    if module in sys.modules:  # imported already, or marked not importable (None)
-        return sys.modules[module] is not None
-    return importlib.util.find_spec(module) is not None
-
-
-def tracker_names(trackers: list[str] | None) -> list[str]:
-    """The trackers a run uses: ``logging.trackers``, or with null TensorBoard where it is
-    installed."""
-    if trackers is None:
-        return ["tensorboard"] if installed("tensorboard") else []
-    return list(dict.fromkeys(trackers))
-
-
-def tracker_problems(logging: Any, problems: Any) -> None:
-    """Add to ``problems`` (a ``ProblemCollector``) every unknown tracker, every named
-    tracker whose package is missing (naming the extra to install) and a bad
-    ``logging.wandb_mode``."""
-    names = logging.get("trackers") if isinstance(logging, Mapping) else None
-    if names is None:
-        return
-    for name in names:
-        if name not in TRACKERS:
-            problems.add(
-                "logging.trackers",
-                f"unknown tracker {name!r}",
-                value=list(names),
-                fix=f"use some of: {', '.join(TRACKERS)}",
-            )
-        elif not installed(name):
-            problems.add(
-                "logging.trackers",
-                f"{name} is not installed",
-                value=list(names),
-                fix=f'pip install "{TRACKERS[name][1]}", or drop {name} from logging.trackers',
-            )
-    mode = logging.get("wandb_mode")
-    if "wandb" in names and mode not in WANDB_MODES:
-        problems.add(
-            "logging.wandb_mode", "unsupported value", value=mode, fix="use offline or online"
-        )
 
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -277,6 +222,4 @@ __all__ = [
     "Tracker",
     "WandbTracker",
     "make_trackers",
-    "tracker_names",
-    "tracker_problems",
 ]
