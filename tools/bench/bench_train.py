@@ -24,7 +24,7 @@ from bench_timing import StepTimer
 
 QUIET = (
     "logging.progress=false",
-    "logging.tensorboard=false",
+    "logging.trackers=[]",
     "checkpoint.save_on_exit=false",
     "checkpoint.resume=none",
     "checkpoint.every_steps=0",

@@ -156,7 +156,7 @@ def test_a_training_run_on_a_full_disk_stops_with_one_line_and_keeps_its_checkpo
             f"checkpoint.dir={tmp_path / 'ckpt'}",
             f"logging.dir={tmp_path / 'logs'}",
             "logging.progress=false",
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
             "train.steps=40",
             "checkpoint.every_steps=20",
         ],

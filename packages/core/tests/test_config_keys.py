@@ -23,7 +23,7 @@ from longboat.core.config.key_probes import (
 from longboat.core.config.renamed import CORE_RENAMED_KEYS
 from longboat.core.demo import run
 
-BASE = ["logging.progress=false", "logging.tensorboard=false"]
+BASE = ["logging.progress=false", "logging.trackers=[]"]
 
 DEMO_REFUSES = {
     "train.recompute=full",

@@ -22,7 +22,7 @@ def _cfg(tmp_path: Path, *extra: str):
             f"checkpoint.dir={tmp_path / 'ckpt'}",
             f"logging.dir={tmp_path / 'logs'}",
             "logging.progress=false",
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
             *extra,
         ],
         stack="core",

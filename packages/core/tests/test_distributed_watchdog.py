@@ -61,7 +61,7 @@ def _raises_on_rank_1(rank: int, world: int, root: str) -> tuple[str, str, bool,
         [
             f"output_dir={root}",
             "logging.progress=false",
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
             "train.steps=8",
             "train.collective_timeout_s=30",
         ],

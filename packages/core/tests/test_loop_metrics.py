@@ -12,10 +12,10 @@ from longboat.core.loop.metrics import MetricsSink
 
 
 def test_jsonl_lines_parse(tmp_path):
-    with MetricsSink(tmp_path, run_name="exp", tensorboard=False) as sink:
+    with MetricsSink(tmp_path, run_name="exp", trackers=()) as sink:
         sink.log(1, {"loss": torch.tensor(2.5), "lr": 1e-3, "note": "warm"})
         sink.log(2, {"loss": float("nan"), "grad_norm": torch.tensor([float("inf")])})
-        assert not sink.tensorboard_enabled
+        assert sink.trackers == []
     lines = (tmp_path / "exp" / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     assert [r["step"] for r in rows] == [1, 2]
@@ -26,7 +26,7 @@ def test_jsonl_lines_parse(tmp_path):
 
 def test_appends_on_resume(tmp_path):
     for step in (1, 2):
-        with MetricsSink(tmp_path, tensorboard=False) as sink:
+        with MetricsSink(tmp_path, trackers=()) as sink:
             sink.log(step, {"loss": float(step)})
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in rows] == [1.0, 2.0]
@@ -43,8 +43,11 @@ def test_tensorboard_events_written(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    sink = MetricsSink(tmp_path, run_name="tb", tensorboard=True)
-    assert sink.tensorboard_enabled
+    from longboat.core.loop.trackers import TensorBoardTracker
+
+    sink = MetricsSink(
+        tmp_path, run_name="tb", trackers=[TensorBoardTracker(tmp_path / "tb", None)]
+    )
     for step in range(3):
         sink.log(step, {"loss": torch.tensor(1.0 / (step + 1)), "tag": "x"})
     sink.close()
@@ -62,7 +65,7 @@ def test_a_sink_left_open_by_a_failed_run_leaks_no_file(tmp_path: Path) -> None:
     import gc
     import warnings
 
-    sink = MetricsSink(tmp_path, run_name="failed", tensorboard=False)
+    sink = MetricsSink(tmp_path, run_name="failed")
     sink.log(1, {"loss": 2.5})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

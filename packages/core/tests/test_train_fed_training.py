@@ -15,7 +15,7 @@ from longboat.core.train.training import FedTraining
 
 
 def _cfg(out: Path):
-    overrides = [f"output_dir={out}", "logging.progress=false", "logging.tensorboard=false",
+    overrides = [f"output_dir={out}", "logging.progress=false", "logging.trackers=[]",
                  "train.steps=6", "checkpoint.save_on_exit=false", "checkpoint.every_steps=0"]  # fmt: skip
     return typed_config(compose_experiment("demo", overrides, stack="core"))
 

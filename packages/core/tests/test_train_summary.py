@@ -18,7 +18,7 @@ def _run(tmp_path: Path, steps: int):
     cfg = compose_experiment(
         "demo",
         [f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.dir={tmp_path / 'logs'}",
-         "logging.progress=false", "logging.tensorboard=false", f"train.steps={steps}"],
+         "logging.progress=false", "logging.trackers=[]", f"train.steps={steps}"],
         stack="core",
     )  # fmt: skip
     return run(cfg)

@@ -20,7 +20,7 @@ from longboat.core.loop.lr_schedule import make_schedule_fn
 
 
 def _overrides(out: Path, *extra: str) -> list[str]:
-    return [f"output_dir={out}", "logging.progress=false", "logging.tensorboard=false", *extra]
+    return [f"output_dir={out}", "logging.progress=false", "logging.trackers=[]", *extra]
 
 
 def _cfg(out: Path, *extra: str):
@@ -237,7 +237,7 @@ def test_the_progress_line_has_a_loss_from_the_first_step(
     line shows a loss, not ``loss -``."""
     cfg = compose_experiment(
         "demo",
-        [f"output_dir={tmp_path}", "logging.tensorboard=false", "logging.progress=true",
+        [f"output_dir={tmp_path}", "logging.trackers=[]", "logging.progress=true",
          "train.steps=5", "train.log_every=100", "train.nan_guard.enabled=false"],
         stack="core",
     )  # fmt: skip

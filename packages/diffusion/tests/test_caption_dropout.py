@@ -147,7 +147,7 @@ def test_a_run_with_caption_dropout_trains_on_the_empty_caption(tmp_path: Path) 
             "train.log_every=1",
             "train.eval_every=0",
             "logging.progress=false",
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
             "checkpoint.every_steps=0",
             "export.enabled=false",
             "diffusion.preview=false",

@@ -38,7 +38,7 @@ TINY = [
     "model.overrides.attention_head_dim=16",
     "train.micro_batch_size=4",
     "logging.progress=false",
-    "logging.tensorboard=false",
+    "logging.trackers=[]",
     "diffusion.preview=false",
 ]
 

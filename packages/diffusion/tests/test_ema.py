@@ -34,7 +34,7 @@ def _overrides(out: Path, data: Path, steps: int) -> list[str]:
         "optim.schedule.name=constant",  # the same LR whatever train.steps is (resume)
         "optim.schedule.warmup_steps=0",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "checkpoint.every_steps=2",
         "diffusion.preview=false",
         "ema.enabled=true",

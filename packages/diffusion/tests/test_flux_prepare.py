@@ -127,7 +127,7 @@ def test_flux_trains_on_prepared_images_with_their_pooled_embeddings(
         "optim.lr=1e-2",
         "optim.schedule.warmup_steps=0",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "checkpoint.every_steps=0",
         "diffusion.preview_captions=2",
         "diffusion.sample_steps=2",

@@ -56,7 +56,7 @@ def _common(out: Path) -> list[str]:
         "optim.lr=1e-2",
         "optim.schedule.warmup_steps=0",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "checkpoint.every_steps=0",
         "diffusion.preview_captions=2",
         "diffusion.sample_steps=2",

@@ -57,7 +57,7 @@ def test_the_toy_family_trains_two_steps_through_the_cli(
         "train.eval_every=0",
         "train.log_every=1",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "checkpoint.every_steps=0",
         "diffusion.preview_captions=0",
     ]

@@ -40,7 +40,7 @@ def _overrides(tmp: Path, *extra: str) -> list[str]:
         "optim.grad_clip=0.0",
         "optim.schedule.warmup_steps=2",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "checkpoint.save_on_exit=false",
         "export.enabled=false",
         "diffusion.preview=false",

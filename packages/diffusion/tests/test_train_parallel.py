@@ -42,7 +42,7 @@ def _overrides(out: Path, data: Path, extra: list[str]) -> list[str]:
         "optim.lr=1e-2",  # large steps, so a mismatch in the updates shows in the losses
         "optim.schedule.warmup_steps=0",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "checkpoint.every_steps=0",
         "checkpoint.save_on_exit=false",
         "export.enabled=false",

@@ -39,7 +39,7 @@ def tiny_run_overrides(out: Path, *extra: str) -> list[str]:
         "train.global_batch_size=null",  # micro x dp: one micro-batch a step
         "train.precision=bf16",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "checkpoint.save_on_exit=false",
         "data.synthetic.num_episodes=2",
         "data.synthetic.episode_length=12",

@@ -63,7 +63,7 @@ def _quick(out: Path, *extra: str) -> list[str]:
         "train.micro_batch_size=2",
         "train.global_batch_size=null",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "data.synthetic.num_episodes=2",
         "data.synthetic.episode_length=12",
         *extra,

@@ -37,7 +37,7 @@ def _overrides(run: Path, data: Path, *extra: str) -> list[str]:
         "train.global_batch_size=null",
         "train.precision=fp32",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "checkpoint.save_on_exit=false",
         *extra,
     ]

@@ -101,7 +101,7 @@ def test_the_toy_policy_trains_two_steps_through_the_cli(
             "train.log_every=1",
             "logging.run_name=toy",
             "logging.progress=false",
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
             "data.synthetic.num_episodes=2",
             "data.synthetic.episode_length=12",
         ]

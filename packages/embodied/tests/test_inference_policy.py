@@ -37,7 +37,7 @@ def _overrides(run: Path, *extra: str) -> list[str]:
         "optim.lr=1e-3",
         "optim.schedule.warmup_steps=0",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "checkpoint.save_on_exit=false",
         "data.synthetic.num_episodes=2",
         "data.synthetic.episode_length=12",

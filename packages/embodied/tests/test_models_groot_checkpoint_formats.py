@@ -363,7 +363,7 @@ def test_training_starts_from_an_isaac_checkpoint(
             "train.global_batch_size=null",
             "optim.lr=0.0",
             "logging.progress=false",
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
             "data.synthetic.num_episodes=2",
             "data.synthetic.episode_length=12",
         ],

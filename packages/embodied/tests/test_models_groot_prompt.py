@@ -217,7 +217,7 @@ def test_tiny_run_trains_with_isaac_prompts_and_exports_its_tokenizer(
             "train.global_batch_size=null",
             "optim.lr=1e-3",
             "logging.progress=false",
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
             "data.synthetic.num_episodes=2",
             "data.synthetic.episode_length=12",
         ],

@@ -265,7 +265,7 @@ def test_training_starts_from_a_siglip_backbone(tmp_path: Path, capsys) -> None:
             "train.global_batch_size=null",
             "optim.lr=0.0",
             "logging.progress=false",
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
             "data.synthetic.num_episodes=2",
             "data.synthetic.episode_length=12",
         ],

@@ -34,7 +34,7 @@ def _overrides(out: Path, *extra: str) -> list[str]:
         "train.global_batch_size=null",
         "train.log_every=1",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "data.synthetic.num_episodes=4",
         "data.synthetic.episode_length=10",
         "data.eval_batches=2",

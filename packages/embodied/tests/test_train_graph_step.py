@@ -164,7 +164,7 @@ def _trainer_overrides(out: Path, *extra: str) -> list[str]:
         "train.precision=bf16",
         "train.master_weights=true",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "export.enabled=false",
         "checkpoint.save_on_exit=false",
         "data.synthetic.num_episodes=2",

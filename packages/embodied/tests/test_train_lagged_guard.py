@@ -224,7 +224,7 @@ def _overrides(out: Path, *extra: str) -> list[str]:
         "train.master_weights=true",
         "optim.schedule.warmup_steps=4",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "checkpoint.save_on_exit=false",
         "data.synthetic.num_episodes=2",
         "data.synthetic.episode_length=12",

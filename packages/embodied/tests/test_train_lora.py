@@ -180,7 +180,7 @@ def test_lora_run_loss_falls(tmp_path: Path) -> None:
             "data.synthetic.num_episodes=1",
             "data.synthetic.episode_length=8",
             "logging.progress=false",
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
             "checkpoint.save_on_exit=false",
             "checkpoint.every_steps=0",
             "export.enabled=false",

@@ -40,7 +40,7 @@ def _overfit(tmp_path: Path, experiment: str, steps: int, lr: float, warmup: int
             "data.synthetic.num_episodes=1",
             "data.synthetic.episode_length=8",
             "logging.progress=false",
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
             "checkpoint.save_on_exit=false",
             "checkpoint.every_steps=0",
             "export.enabled=false",

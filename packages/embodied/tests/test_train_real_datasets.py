@@ -44,7 +44,7 @@ def _compose(model: str, out: Path, data: Path, *extra: str):
             "train.micro_batch_size=2",
             "train.global_batch_size=null",
             "logging.progress=false",
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
             "export.enabled=false",
             *extra,
         ],

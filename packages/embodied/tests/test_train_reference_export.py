@@ -45,7 +45,7 @@ def _cfg(experiment: str, run: Path, *overrides: str):
             "train.global_batch_size=null",
             "optim.lr=1e-3",
             "logging.progress=false",
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
             "data.synthetic.num_episodes=2",
             "data.synthetic.episode_length=12",
             *overrides,

@@ -38,7 +38,7 @@ def _overrides(out: Path, data: Path | None) -> list[str]:
         f"checkpoint.every_steps={KILL_AFTER_CHECKPOINT}",
         "checkpoint.keep_last=0",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "export.enabled=false",
         "data.synthetic.num_episodes=2",
         "data.synthetic.episode_length=12",

@@ -36,7 +36,7 @@ def _overrides(out: Path, *extra: str) -> list[str]:
         "train.global_batch_size=null",  # micro x dp: one micro-batch a step
         "train.log_every=1",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "data.synthetic.num_episodes=2",
         "data.synthetic.episode_length=12",
         *extra,

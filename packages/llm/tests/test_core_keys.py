@@ -32,7 +32,7 @@ TINY = [
     "train.global_batch_size=4",
     "lora.enabled=true",
     "logging.progress=false",
-    "logging.tensorboard=false",
+    "logging.trackers=[]",
 ]
 
 

@@ -352,7 +352,7 @@ def _two_steps(out: Path, *model: str) -> list[str]:
         "data.seq_len=32", "data.num_documents=64", "train.steps=2",
         "train.micro_batch_size=2", "train.global_batch_size=4", "train.log_every=1",
         "train.eval_every=0", "optim.schedule.warmup_steps=1", "checkpoint.every_steps=0",
-        "logging.progress=false", "logging.tensorboard=false", "llm.generate_prompt=null",
+        "logging.progress=false", "logging.trackers=[]", "llm.generate_prompt=null",
         f"output_dir={out}",
     ]  # fmt: skip
 

@@ -24,7 +24,7 @@ ONE_PROCESS = [
     "train.eval_every=0",
     "checkpoint.every_steps=0",
     "logging.progress=false",
-    "logging.tensorboard=false",
+    "logging.trackers=[]",
     "export.enabled=false",
     "llm.generate_prompt=null",
 ]

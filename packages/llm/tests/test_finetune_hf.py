@@ -173,7 +173,7 @@ def test_one_command_fine_tunes_and_the_export_generates_correctly(user_files) -
         "train.global_batch_size=2",
         "optim.lr=1e-3",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "llm.generate_prompt=count from 3 please",
         "llm.generate_tokens=6",
     ]

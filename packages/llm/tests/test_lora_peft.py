@@ -124,7 +124,7 @@ def test_a_run_continues_training_a_peft_adapter(tmp_path: Path):
         f"model.init_from={ckpt}", f"data.paths=[{jsonl}]", f"data.cache_dir={tmp_path}/cache",
         f"output_dir={tmp_path}/run", "lora.enabled=true", "lora.rank=4", "lora.alpha=8",
         f"lora.init_from={tmp_path}/start", "train.steps=2", "train.global_batch_size=2",
-        "optim.lr=1e-2", "logging.progress=false", "logging.tensorboard=false",
+        "optim.lr=1e-2", "logging.progress=false", "logging.trackers=[]",
     ]  # fmt: skip
     (res,) = run_multiprocess(_train_worker, 1, overrides, timeout=300)
     assert len(res["losses"]) == 2

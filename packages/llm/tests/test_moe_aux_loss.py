@@ -285,7 +285,7 @@ def test_training_logs_the_hf_aux_loss(tmp_path: Path) -> None:
         "train.global_batch_size=2", "train.eval_every=0", "train.log_every=1",
         "checkpoint.every_steps=0", "checkpoint.save_on_exit=false", "checkpoint.resume=none",
         f"checkpoint.dir={tmp_path}/ckpt", "logging.progress=false",
-        "logging.tensorboard=false", "export.enabled=false", "llm.generate_prompt=null",
+        "logging.trackers=[]", "export.enabled=false", "llm.generate_prompt=null",
     ]  # fmt: skip
     for mode in ("hf", "megatron"):
         rows, params_left = run_multiprocess(

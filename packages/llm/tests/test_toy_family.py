@@ -57,7 +57,7 @@ def test_the_toy_family_trains_two_steps_through_the_cli(
         "train.log_every=1",
         "checkpoint.every_steps=0",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "export.enabled=false",
         "llm.generate_prompt=null",
     ]

@@ -390,7 +390,7 @@ def test_the_readmes_dpo_command_runs_as_written(tmp_path: Path) -> None:
     argv += [f"output_dir={tmp_path / 'out'}", "data.seq_len=48", "train.steps=6",
              "train.global_batch_size=4", "train.log_every=1", "optim.lr=1e-3",
              "optim.schedule.warmup_steps=1", "logging.progress=false",
-             "logging.tensorboard=false"]  # fmt: skip
+             "logging.trackers=[]"]  # fmt: skip
     losses, export = run_multiprocess(_recipe_worker, 1, argv)[0]
     assert abs(losses[0] - LN2_FP32) < 1e-6 and losses[-1] < losses[0] - 0.05, losses
     assert export is not None and (Path(export) / "model.safetensors").is_file()

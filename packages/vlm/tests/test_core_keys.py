@@ -34,7 +34,7 @@ TINY = [
     "vlm.answer_eval_samples=0",
     "vlm.eval_batches=1",
     "logging.progress=false",
-    "logging.tensorboard=false",
+    "logging.trackers=[]",
 ]
 
 

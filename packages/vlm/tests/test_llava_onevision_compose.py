@@ -155,7 +155,7 @@ def test_train_two_steps_and_export(tmp_path: Path) -> None:
         "train.eval_every=0",
         "train.log_every=1",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "checkpoint.every_steps=0",
         "vlm.answer_eval_samples=2",  # transformers generates from the export
         "vlm.eval_batches=1",

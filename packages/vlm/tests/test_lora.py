@@ -173,7 +173,7 @@ def _run_overrides(out: Path, data: Path) -> list[str]:
         "train.eval_every=0",
         "train.log_every=1",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         f"checkpoint.every_steps={SAVE_EVERY}",
         "checkpoint.keep_last=0",
         "vlm.answer_eval_samples=0",

@@ -68,7 +68,7 @@ def lora_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
             "lora.enabled=true", "lora.rank=4", "lora.alpha=8", f"model.freeze={request.param}",
             "optim.lr=3e-3", "optim.schedule.warmup_steps=0", "train.precision=fp32",
             f"output_dir={run}", "train.steps=2", "train.global_batch_size=2",
-            "data.seq_len=512", "logging.progress=false", "logging.tensorboard=false"]  # fmt: skip
+            "data.seq_len=512", "logging.progress=false", "logging.trackers=[]"]  # fmt: skip
     done = _cli(argv, tmp)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"PEFT adapter: {run / 'hf_adapter'}" in done.stdout + done.stderr
@@ -151,7 +151,7 @@ def test_tp2_writes_the_tp1_adapter(tmp_path: Path) -> None:
                      f"data.out_dir={data}", "data.num_train=8", "data.num_eval=2",
                      "data.seq_len=256", "train.steps=2", "train.global_batch_size=2",
                      "train.eval_every=0", "logging.progress=false",
-                     "logging.tensorboard=false", "vlm.answer_eval_samples=0",
+                     "logging.trackers=[]", "vlm.answer_eval_samples=0",
                      "lora.enabled=true", "lora.rank=4", "model.freeze=[vision]",
                      f"parallel.tensor_parallel={tp}"]  # fmt: skip
         run_multiprocess(_adapter_run, tp, overrides, timeout=600)

@@ -33,7 +33,7 @@ def _overrides(out: Path, data: Path, *extra: str) -> list[str]:
         "train.eval_every=1",
         "train.log_every=1",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "checkpoint.every_steps=1",
         "checkpoint.keep_last=0",
         "vlm.answer_eval_samples=0",

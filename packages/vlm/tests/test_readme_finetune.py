@@ -68,7 +68,7 @@ def test_the_readmes_fine_tune_section_runs_as_written(tmp_path: Path) -> None:
     assert sorted(a.split("=")[0] for a in argv if a.split("=")[0] in swap) == sorted(swap)
     run = tmp_path / "run"
     argv += [f"output_dir={run}", "train.steps=2", "train.global_batch_size=2",
-             "data.seq_len=512", "logging.progress=false", "logging.tensorboard=false"]  # fmt: skip
+             "data.seq_len=512", "logging.progress=false", "logging.trackers=[]"]  # fmt: skip
     _cli(argv, tmp_path)
     export = run / "hf"
     assert (export / "generation_config.json").is_file()

@@ -27,7 +27,7 @@ def _overrides(out: Path, data: Path, world: int) -> list[str]:
         "train.eval_every=0",
         "train.log_every=1",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "checkpoint.every_steps=0",
         "checkpoint.save_on_exit=false",
         "export.enabled=false",

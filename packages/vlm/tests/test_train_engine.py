@@ -32,7 +32,7 @@ def _overrides(tmp: Path, *extra: str) -> list[str]:
         f"train.steps={STEPS}",
         "train.eval_every=0",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "checkpoint.save_on_exit=false",
         "vlm.answer_eval_samples=0",
         "export.enabled=false",

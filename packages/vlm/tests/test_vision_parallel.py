@@ -312,7 +312,7 @@ def test_run_with_vit_tp1_takes_the_tp2_steps(
     base = [
         f"data.out_dir={tmp_path / 'data'}", "data.num_train=24", "data.num_eval=4",
         "data.seq_len=256", "train.steps=3", "train.eval_every=0", "logging.progress=false",
-        "logging.tensorboard=false", "checkpoint.every_steps=0", "vlm.eval_batches=1",
+        "logging.trackers=[]", "checkpoint.every_steps=0", "vlm.eval_batches=1",
         "parallel.tensor_parallel=2",
     ]  # fmt: skip
     split = run_multiprocess(

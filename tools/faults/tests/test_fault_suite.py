@@ -40,7 +40,7 @@ COMMON = [
     "checkpoint.keep_last=0",
     "checkpoint.save_on_exit=true",
     "logging.progress=false",
-    "logging.tensorboard=false",
+    "logging.trackers=[]",
     "export.enabled=false",
     f"train.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
 ]

@@ -74,7 +74,7 @@ COMMON = [
     "train.micro_batch_size=1",
     "train.global_batch_size=4",
     "logging.progress=false",
-    "logging.tensorboard=false",
+    "logging.trackers=[]",
     "checkpoint.save_on_exit=false",
 ]
 

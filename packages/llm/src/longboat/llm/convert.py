@@ -9,16 +9,12 @@ in one process (a world-size-1 gloo group: megatron needs process groups).
 from __future__ import annotations
 
 import dataclasses
-import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from longboat.core.config.errors import ConfigError
-from longboat.core.config.schema import CheckpointConfig, ParallelConfig
+from longboat.core.config.schema import CheckpointConfig
 from longboat.core.family import find_family
 from longboat.core.megatron import parallel_state as mparallel
 from longboat.core.megatron.decoder_config import DecoderModelConfig
@@ -26,26 +22,6 @@ from longboat.llm.build import build_model
 from longboat.llm.hf_checkpoint import check_matches_flavor, load_hf, read_hf_config, save_hf
 
 Progress = Callable[[int, int], None]
-
-
-@contextmanager
-def single_process_megatron() -> Iterator[None]:
-    """A world-size-1 gloo group + megatron parallel state on CPU, torn down after."""
-    from longboat.core.device import get_accelerator
-    from longboat.core.distributed.multiprocess import find_free_port
-
-    owns_group = not dist.is_initialized()
-    if owns_group:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(find_free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    mparallel.initialize(ParallelConfig(), get_accelerator("cpu"))
-    try:
-        yield
-    finally:
-        mparallel.destroy()
-        if owns_group:
-            dist.destroy_process_group()
 
 
 def _checkpoint_cfg(out: Path) -> CheckpointConfig:
@@ -74,7 +50,7 @@ def hf_to_native(
         wanted = find_family("llm", cfg.name).flavor(flavor)
         check_matches_flavor(wanted, cfg, f"{hf_dir}/config.json")
         cfg = dataclasses.replace(cfg, flavor=wanted.flavor)
-    with single_process_megatron():
+    with mparallel.single_process():
         chunks = build_model(cfg)
         load_hf(chunks, cfg, hf_dir, progress=progress)
         manager = CheckpointManager(
@@ -146,7 +122,7 @@ def native_to_hf(
     path = _resolve_native(Path(native))
     cfg = native_config(path)
     run_tokenizer, source = run_sources(path)
-    with single_process_megatron():
+    with mparallel.single_process():
         chunks = build_model(cfg)
         manager = CheckpointManager(_checkpoint_cfg(path.parent))
         manager.load({"model": chunks[0]}, path)

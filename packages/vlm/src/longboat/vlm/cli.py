@@ -15,7 +15,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     commands = {
         "data": ("prepare a run's encoded data once; inspect conversation files", data_main),
-        "generate": ("answer questions about images with a run's export", generate_main),
+        "generate": (
+            "answer questions about images with a run's export or checkpoint",
+            generate_main,
+        ),
     }
     return stack_main("vlm", argv, commands=commands)
 

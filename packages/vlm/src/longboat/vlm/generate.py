@@ -1,7 +1,9 @@
-"""``longboat-vlm generate``: ask a run's export questions about images.
+"""``longboat-vlm generate``: ask a run's export or native checkpoint questions about images.
 
-The export (a Qwen2.5-VL / Qwen3-VL Hugging Face directory a run wrote) is loaded with
-``transformers``; each prompt goes in as a user turn through the tokenizer's chat template,
+The model is a Hugging Face directory a run wrote (its export) or a native checkpoint (a
+step folder or a ``checkpoint.dir``, written first into a temporary Hugging Face directory
+as the run's export would be: ``longboat.vlm.convert.native_to_hf``, with the run's
+tokenizer). It is loaded with ``transformers``; each prompt goes in as a user turn through the tokenizer's chat template,
 each ``<image>`` in it (or, without one, the images before the text) becomes the model's
 vision tokens, the images are resized as in training (transformers' PIL image processor
 with the export's ``preprocessor_config.json``), and the answer is greedy, up to the
@@ -15,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -107,17 +111,34 @@ class VisionChatGenerator:
         return str(self.tok.decode(new, skip_special_tokens=True)).strip()
 
 
+@contextmanager
+def hf_directory(model: str | Path, tokenizer: str | Path | None = None) -> Iterator[Path]:
+    """``model`` itself when it is a Hugging Face directory; a native checkpoint written into
+    a temporary one (removed afterwards) otherwise."""
+    path = Path(model)
+    if (path / "config.json").is_file():
+        yield path
+        return
+    if not path.exists():
+        raise ValueError(f"{path} does not exist; pass a run's HF export or native checkpoint")
+    from longboat.vlm.convert import native_to_hf
+
+    with tempfile.TemporaryDirectory(prefix="longboat-vlm-generate-") as tmp:
+        yield native_to_hf(path, Path(tmp) / "hf", tokenizer=tokenizer)
+
+
 def build_generate_parser() -> argparse.ArgumentParser:
     """The ``longboat-vlm generate`` argument parser."""
     p = argparse.ArgumentParser(
         prog="longboat-vlm generate",
-        description="Answer questions about images with a VLM run's Hugging Face export.",
+        description="Answer questions about images with a VLM run's export or checkpoint.",
     )
-    p.add_argument("model", help="the run's HF export directory")
+    p.add_argument("model", help="the run's HF export, or a native checkpoint (step folder)")
     p.add_argument("--prompt", help="a question (with --image)")
     p.add_argument("--image", action="append", default=[], type=Path, help="an image (repeatable)")
     p.add_argument("--prompts", type=Path, help="JSON lines: prompt, image / images")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per answer")
+    p.add_argument("--tokenizer", help="native checkpoints: tokenizer dir (default: the run's)")
     p.add_argument("--output", type=Path, help="also write {prompt, images, answer} JSON lines")
     return p
 
@@ -132,12 +153,14 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("no prompt: pass --prompt TEXT [--image PATH] or --prompts FILE")
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
-        gen = VisionChatGenerator(args.model)
         rows: list[dict[str, Any]] = []
-        for prompt, images in asks:
-            answer = gen.answer(prompt, images, args.max_new_tokens)
-            rows.append({"prompt": prompt, "images": [str(p) for p in images], "answer": answer})
-            print(f"### {prompt}\n{answer}\n", flush=True)
+        with hf_directory(args.model, args.tokenizer) as hf_dir:
+            gen = VisionChatGenerator(hf_dir)
+            for prompt, images in asks:
+                answer = gen.answer(prompt, images, args.max_new_tokens)
+                images_text = [str(p) for p in images]
+                rows.append({"prompt": prompt, "images": images_text, "answer": answer})
+                print(f"### {prompt}\n{answer}\n", flush=True)
     except (ValueError, FileNotFoundError) as exc:
         print(f"longboat-vlm generate: error: {exc}", file=sys.stderr)
         return 2

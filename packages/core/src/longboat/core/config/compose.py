@@ -457,6 +457,23 @@ def compose_experiment(
     return typed
 
 
+def stored_config(
+    config: Mapping[str, Any], stack: str, *, stacks: Mapping[str, Stack] | None = None
+) -> Any:
+    """A run's config as it was stored (a checkpoint manifest's ``config``) as the stack's
+    dataclasses again: the root schema and the registered model / data schemas, each stored
+    value typed; keys the schema no longer has are left out (their defaults apply)."""
+    stacks = discover_stacks() if stacks is None else stacks
+    owner = stacks[stack]
+    stored = {k: v for k, v in config.items() if k not in ("experiment", "stack")}
+    ignored = ProblemCollector()  # a stored config is taken as far as today's schema goes
+    typed = _typed_root(stored, owner, stacks, ignored)
+    merge_checked(typed, stored, ignored, set())
+    typed.experiment = str(config.get("experiment") or typed.experiment)
+    typed.stack = owner.name
+    return OmegaConf.to_object(typed)
+
+
 def to_dataclass(cfg: DictConfig) -> ExperimentConfig:
     """The composed config as dataclass instances (root schema and registered subclasses)."""
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]
@@ -470,5 +487,6 @@ __all__ = [
     "group_options",
     "known_groups",
     "list_experiments",
+    "stored_config",
     "to_dataclass",
 ]

@@ -17,6 +17,7 @@ from longboat.core.config.errors import ProblemCollector
 
 CORE_RENAMED_KEYS: Mapping[str, str] = {
     "train.activation_checkpointing": "train.recompute",
+    "logging.tensorboard": "logging.trackers (a list: [tensorboard] for true, [] for false)",
 }
 """Old core key -> what replaces it."""
 

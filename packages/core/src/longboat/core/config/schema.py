@@ -264,10 +264,22 @@ class LoggingConfig:
     """Metrics and progress output."""
 
     dir: str = "outputs/logs"
-    """Where ``<run_name>/`` with metrics.jsonl, TensorBoard events, config.yaml and
+    """Where ``<run_name>/`` with metrics.jsonl, the trackers' files, config.yaml and
     loss_curve.png goes (``${output_dir}/logs`` in composed experiments)."""
-    tensorboard: bool = True
-    """Also write TensorBoard events when tensorboard is installed."""
+    trackers: list[str] | None = None
+    """Experiment trackers beside metrics.jsonl, fed on rank 0 with the resolved config,
+    every logged row and the final metrics: ``tensorboard`` (``longboat-core[tensorboard]``),
+    ``wandb`` (``longboat-core[wandb]``), ``mlflow`` (``longboat-core[mlflow]``); a named
+    tracker that is not installed is an error. null: tensorboard where it is installed;
+    ``[]``: metrics.jsonl only."""
+    project: str = "longboat"
+    """The W&B project and the MLflow experiment a run is logged under."""
+    wandb_mode: str = "offline"
+    """offline (the run's files under ``<run_name>/wandb``, uploaded later with ``wandb
+    sync``) or online (needs ``wandb login``)."""
+    mlflow_uri: str | None = None
+    """MLflow tracking URI (a server, a database); null: a file store under
+    ``<run_name>/mlruns``."""
     progress: bool = True
     """Show a rich progress bar on rank 0."""
     run_name: str = "run"

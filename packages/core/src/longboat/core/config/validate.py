@@ -26,6 +26,7 @@ from longboat.core.config.schema import (
     PRECISIONS,
     RECOMPUTE_MODES,
 )
+from longboat.core.config.trackers import tracker_problems
 from longboat.core.engine.memory.budget import check_memory_budget
 
 HEAD_KEYS = ("num_attention_heads", "num_heads", "n_heads")
@@ -329,6 +330,7 @@ def collect_problems(
     dp = _check_parallel(node, world_size, p)
     _check_batch(node, dp, p)
     _check_paths(node, p)
+    tracker_problems(_get(node, "logging"), p)
     stack_name = _get(node, "stack")
     stacks = discover_stacks() if stacks is None else stacks
     stack = stacks.get(stack_name) if isinstance(stack_name, str) else None

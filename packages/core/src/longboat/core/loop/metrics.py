@@ -1,14 +1,18 @@
-"""Metrics sink: JSON lines always, TensorBoard events when tensorboard is installed."""
+"""Metrics sink: JSON lines always, and the run's experiment trackers (TensorBoard, W&B,
+MLflow: ``longboat.core.loop.trackers``)."""
 
 from __future__ import annotations
 
 import json
 import math
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from longboat.core.loop.trackers import FAILED, FINISHED, KILLED, Tracker
 
 
 def _to_jsonable(value: Any) -> Any:
@@ -23,7 +27,7 @@ def _to_jsonable(value: Any) -> Any:
 
 
 def _scalar(value: Any) -> float | None:
-    """The value as a float for TensorBoard (NaN/inf kept), or None if not a scalar number."""
+    """The value as a float for the trackers (NaN/inf kept), or None if not a scalar number."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             return None
@@ -56,7 +60,7 @@ def _drop_rows_after(path: Path, step: int) -> None:
 
 
 class MetricsSink:
-    """Writes ``<log_dir>/<run_name>/metrics.jsonl`` and TensorBoard events next to it.
+    """Writes ``<log_dir>/<run_name>/metrics.jsonl`` and feeds the run's trackers.
 
     Each JSONL line is ``{"step": int, "time": unix_seconds, <metric>: value, ...}``;
     tensors become numbers, NaN/inf become the strings ``"nan"``/``"inf"``. The file is
@@ -64,15 +68,17 @@ class MetricsSink:
     from) the rows of later steps, left by a run that died after its last checkpoint, are
     dropped first (and TensorBoard purges its events past that step), so every step appears
     once. Each row is appended with the file opened only for that write, so a run that
-    fails without closing its sink leaves no open file behind. With ``enabled=False``
-    (non-zero ranks) every call is a no-op.
+    fails without closing its sink leaves no open file behind. ``trackers`` (built with
+    ``make_trackers`` for this run folder) get each row's numbers; ``start`` hands them the
+    config and ``close`` the final metrics. With ``enabled=False`` (non-zero ranks) every
+    call is a no-op.
     """
 
     def __init__(
         self,
         log_dir: str | Path,
         run_name: str = "run",
-        tensorboard: bool = True,
+        trackers: Sequence[Tracker] = (),
         enabled: bool = True,
         *,
         start_step: int | None = None,
@@ -80,9 +86,8 @@ class MetricsSink:
         self.enabled = enabled
         self.run_dir = Path(log_dir) / run_name
         self.jsonl_path = self.run_dir / "metrics.jsonl"
-        self.tb_dir = self.run_dir / "tensorboard"
         self._open = False
-        self._tb: Any = None
+        self.trackers: list[Tracker] = []
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -90,43 +95,47 @@ class MetricsSink:
             _drop_rows_after(self.jsonl_path, start_step)
         self.jsonl_path.touch()
         self._open = True
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # optional extra longboat-core[tensorboard]
-                SummaryWriter = None
-            if SummaryWriter is not None:
-                purge = None if start_step is None else start_step + 1
-                self._tb = SummaryWriter(log_dir=str(self.tb_dir), purge_step=purge)
+        self.trackers = list(trackers)
 
-    @property
-    def tensorboard_enabled(self) -> bool:
-        """True when TensorBoard events are being written."""
-        return self._tb is not None
+    def start(self, config: Mapping[str, Any]) -> None:
+        """Hand every tracker the run's resolved config."""
+        for tracker in self.trackers:
+            tracker.start(config)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        """Record ``metrics`` at ``step`` (numbers also go to TensorBoard as scalars)."""
+        """Record ``metrics`` at ``step`` (the numbers also go to the trackers)."""
         if not self._open:
             return
         row = {"step": int(step), "time": time.time()}
         row.update({k: _to_jsonable(v) for k, v in metrics.items()})
         with self.jsonl_path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
-        if self._tb is not None:
-            for key in metrics:
-                scalar = _scalar(metrics[key])
-                if scalar is not None:
-                    self._tb.add_scalar(key, scalar, global_step=int(step))
+        if self.trackers:
+            scalars = {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None}
+            for tracker in self.trackers:
+                tracker.log(int(step), scalars)
 
-    def close(self) -> None:
-        """Flush and close the files (safe to call twice)."""
+    def close(self, final: Mapping[str, Any] | None = None, *, status: str = FINISHED) -> None:
+        """Close the trackers with the run's final metrics ``final`` and how it ended
+        (``trackers.FINISHED`` / ``STOPPED`` / ``FAILED`` / ``KILLED``); safe to call twice.
+        Every tracker is closed even when one fails."""
         self._open = False
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        trackers, self.trackers = self.trackers, []
+        numbers = {k: s for k, v in (final or {}).items() if (s := _scalar(v)) is not None}
+        error: BaseException | None = None
+        for tracker in trackers:
+            try:
+                tracker.finish(numbers, status)
+            except Exception as exc:  # close the others, then report the first failure
+                error = error or exc
+        if error is not None and status not in (FAILED, KILLED):
+            raise error
 
     def __enter__(self) -> MetricsSink:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.close(status=KILLED if issubclass(exc_type, KeyboardInterrupt) else FAILED)

@@ -10,6 +10,8 @@ megatron's per-call TP-group lookup without its deprecation warning
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,6 +181,24 @@ def initialize(
         raise
     _STATE["layout"] = layout
     return layout
+
+
+@contextmanager
+def single_process() -> Iterator[None]:
+    """Megatron's parallel state for one CPU process (a world-size-1 gloo group when none
+    exists), torn down after: offline conversion and export of a native checkpoint."""
+    from longboat.core.device import get_accelerator
+    from longboat.core.distributed.init import single_process_group
+
+    cpu = get_accelerator("cpu")
+    owns_group = single_process_group(cpu)
+    initialize(ParallelConfig(), cpu)
+    try:
+        yield
+    finally:
+        destroy()
+        if owns_group:
+            dist.destroy_process_group()
 
 
 def destroy() -> None:

@@ -10,7 +10,9 @@ everything around the steps, the same in every stack:
 - rank failures (``RankWatchdog``): a rank that dies or hangs stops every rank within
   ``train.collective_timeout_s``, named in one line; a step without progress for many median
   step times is reported with the rank's Python stacks;
-- the progress bar, metrics (JSONL + TensorBoard, one row per step even after a resume),
+- the progress bar, metrics (JSONL and the ``logging.trackers``: TensorBoard, W&B, MLflow,
+  one row per step even after a resume; the trackers get the config, the final metrics,
+  and are closed also when the run fails),
   the NaN guard through the step's update gate (synchronous or one step late), the LR
   schedule, checkpoint cadence and keep-last-N, periodic eval, the profiler window, the
   final export, ``config.yaml`` and ``loss_curve.png`` beside the metrics.
@@ -38,6 +40,7 @@ from longboat.core.checkpoint import CheckpointError, CheckpointManager
 from longboat.core.distributed.init import set_collective_timeout
 from longboat.core.distributed.watchdog import RankWatchdog
 from longboat.core.errors import UserError
+from longboat.core.loop import trackers
 from longboat.core.loop.metrics import MetricsSink
 from longboat.core.loop.nan_guard import NaNGuard
 from longboat.core.loop.profiler import StepProfiler
@@ -203,15 +206,28 @@ class Trainer:
         self._resume()
         t.after_resume(self.step)
         self.gate = t.make_gate(self.guard, self.schedule)
+        run_dir = Path(cfg.logging.dir) / cfg.logging.run_name
         self.metrics = MetricsSink(
             cfg.logging.dir,
             cfg.logging.run_name,
-            tensorboard=cfg.logging.tensorboard,
+            trackers.make_trackers(cfg.logging, run_dir, start_step=self.step) if t.is_main else (),
             enabled=t.is_main,
             start_step=self.step,
         )
+        try:
+            self._run()
+        except BaseException as exc:  # the trackers' runs end as failed / killed
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            self.metrics.close(status=trackers.KILLED if interrupted else trackers.FAILED)
+            raise
+        return r
+
+    def _run(self) -> None:
+        """Everything after the metrics sink opened: the start lines, the steps, the end."""
+        cfg, t, r = self.cfg, self.training, self.result
         if t.is_main:
             rundir.save_config(cfg, self.metrics.run_dir)
+            self.metrics.start(dataclasses.asdict(cfg))
         self._print_start()
         r.eval[self.step] = t.evaluate()
         if self.step == 0 and r.eval[0]:
@@ -229,7 +245,6 @@ class Trainer:
             r.elapsed_s = time.perf_counter() - t0
             self.watchdog.steps_done()
             self._finish()
-        return r
 
     def _loop(self) -> None:
         """Steps ``start .. train.steps`` (or up to a stop signal)."""
@@ -331,8 +346,6 @@ class Trainer:
         if cfg.checkpoint.save_on_exit and self.last_saved != self.step and r.end_step > 0:
             self._save(self.step)
         self.ckpt.close()
-        self.tensorboard = self.metrics.tensorboard_enabled
-        self.metrics.close()
         r.checkpoint = self.ckpt.latest() if t.is_main else None
         r.metrics_path = self.metrics.jsonl_path
         if r.stopped_by_signal is None:
@@ -341,8 +354,23 @@ class Trainer:
             title = f"{cfg.stack} {cfg.experiment}: {cfg.logging.run_name}"
             r.plot_path = rundir.plot_loss_curve(r.metrics_path, title=title)
         self._print_end()
+        self.metrics.close(
+            self._final_metrics(),
+            status=trackers.FINISHED if r.stopped_by_signal is None else trackers.STOPPED,
+        )
         if _distributed():
             dist.barrier()
+
+    def _final_metrics(self) -> dict[str, Any]:
+        """What the trackers keep as the run's result: the last step, the last training
+        loss, the wall time, the held-out metrics at the end and the stack's numbers."""
+        r = self.result
+        final: dict[str, Any] = {"step": r.end_step, "elapsed_s": r.elapsed_s}
+        if r.losses:
+            final["loss"] = r.losses[-1]
+        final.update(r.eval.get(r.end_step, {}))
+        final.update(r.extra)  # only numbers reach the trackers
+        return final
 
     # --- resume --------------------------------------------------------------------------
 
@@ -454,8 +482,8 @@ class Trainer:
         say(f"Checkpoints: {cfg.checkpoint.dir} (latest: {latest})")
         say(f"Metrics:     {r.metrics_path}")
         say(f"Config:      {r.metrics_path.with_name(rundir.CONFIG_NAME)}")
-        if self.tensorboard:
-            say(f"TensorBoard: tensorboard --logdir {self.metrics.tb_dir}")
+        for tracker in self.metrics.trackers:
+            say(tracker.where())
         if r.plot_path is not None:
             say(f"Loss curve:  {r.plot_path}")
         for line in t.report(r):

@@ -17,7 +17,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -219,6 +219,39 @@ def _cached_samples(
     return got if got is not None else run(False)
 
 
+class RunProcessing(NamedTuple):
+    """How a run turns text and images into model inputs (``run_processing``)."""
+
+    tokenizer: Any
+    encoder: Any
+    """The ``SampleEncoder`` of the tokenizer and the processor."""
+    processor: Any
+    model_cfg: Any
+    """The model config with the tokenizer's vision token ids."""
+    notes: list[str]
+    """Where the image size bounds came from (``pixel_bounds``)."""
+
+
+def run_processing(cfg: Any, model_cfg: Any, tokenizer_dir: str | Path) -> RunProcessing:
+    """The tokenizer of ``tokenizer_dir``, the vision processor of the run's model and image
+    bounds, and ``model_cfg`` with the tokenizer's vision token ids (errors where they do not
+    fit); what the training data is encoded with and what its export carries."""
+    from longboat.vlm.data.encoding import SampleEncoder, load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    bounds, notes = pixel_bounds(cfg.data, getattr(cfg.model, "init_from", None))
+    processor = _processor(cfg, model_cfg, bounds)
+    encoder = SampleEncoder(tokenizer, processor)
+    model_cfg = _with_token_ids(
+        model_cfg,
+        encoder.tokens,
+        len(tokenizer),
+        str(tokenizer_dir),
+        checkpoint=getattr(cfg.model, "init_from", None),
+    )
+    return RunProcessing(tokenizer, encoder, processor, model_cfg, notes)
+
+
 def open_run_data(
     cfg: Any, model_cfg: Any, *, progress: bool = False, answer_questions: bool | None = None
 ) -> RunData:
@@ -227,7 +260,6 @@ def open_run_data(
     ``progress``: a bar while encoding. ``answer_questions`` (default: whether
     ``vlm.answer_eval_samples`` is set): keep the held-out conversations for answering."""
     from longboat.vlm.data.conversations import read_conversations
-    from longboat.vlm.data.encoding import SampleEncoder, load_tokenizer
     from longboat.vlm.data.packing import PackedMultimodalDataset
 
     if answer_questions is None:
@@ -250,18 +282,10 @@ def open_run_data(
                 key="data.tokenizer",
                 fix="give a tokenizer directory (or model.init_from, whose tokenizer is used)",
             )
-    tokenizer = load_tokenizer(tokenizer_dir)
-    bounds, pixel_notes = pixel_bounds(data, getattr(cfg.model, "init_from", None))
-    notes += pixel_notes
-    processor = _processor(cfg, model_cfg, bounds)
-    encoder = SampleEncoder(tokenizer, processor)
-    model_cfg = _with_token_ids(
-        model_cfg,
-        encoder.tokens,
-        len(tokenizer),
-        str(tokenizer_dir),
-        checkpoint=getattr(cfg.model, "init_from", None),
+    tokenizer, encoder, processor, model_cfg, pixel_notes = run_processing(
+        cfg, model_cfg, tokenizer_dir
     )
+    notes += pixel_notes
 
     cache_dir = getattr(data, "cache_dir", None)
 

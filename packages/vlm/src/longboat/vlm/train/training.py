@@ -93,6 +93,35 @@ def recompute_components(train: Any) -> tuple[str, ...]:
     return tuple(train.recompute_components or RECOMPUTE_COMPONENTS)
 
 
+def build_run_model(
+    cfg: Any, family: Any, model_cfg: Any, precision: str, device_type: str
+) -> tuple[Any, Any, Any]:
+    """``(model, model config, layer kernels)``: the run's VLM built as its training builds
+    it (``model.layer_backend``, longboat's layer kernels, recompute, vision tensor
+    parallelism), with fresh weights; ``family`` is the loaded family module."""
+    from longboat.kernels.layers import longboat_layer_kernels
+
+    mcfg = dataclasses.replace(
+        model_cfg,
+        language=dataclasses.replace(model_cfg.language, layer_backend=cfg.model.layer_backend),
+    )
+    # M-RoPE angles differ per token: megatron's rotation, not the 1D-position kernels;
+    # a decoder with 1D positions (composed families) takes the fast rotary kernels too.
+    if mcfg.language.mrope_section is None:
+        kernels = longboat_layer_kernels()
+    else:
+        kernels = longboat_layer_kernels(rope=False, qkv_rope=False)
+    model = family.build(
+        mcfg,
+        precision=precision,
+        device_type=device_type,
+        kernels=kernels,
+        recompute=recompute_components(cfg.train),
+        vision_tensor_parallel=cfg.model.vision_tensor_parallel,
+    )
+    return model, mcfg, kernels
+
+
 HOST_KEYS = frozenset({"image_grid_thw", "video_grid_thw"})
 """Row entries that stay on the host: the towers plan their packing from the grids there, so
 a grid on the device would be read back every step."""
@@ -224,27 +253,12 @@ class VLMTraining(MegatronTraining):
 
     def _build_step(self) -> Any:
         from longboat.kernels import adamw_master_step_
-        from longboat.kernels.layers import longboat_layer_kernels
         from longboat.vlm.train.step import VLMTrainStep
 
-        cfg, mcfg = self.cfg, self.model_cfg
-        mcfg = dataclasses.replace(
-            mcfg, language=dataclasses.replace(mcfg.language, layer_backend=cfg.model.layer_backend)
-        )
-        # M-RoPE angles differ per token: megatron's rotation, not the 1D-position kernels;
-        # a decoder with 1D positions (composed families) takes the fast rotary kernels too.
-        if mcfg.language.mrope_section is None:
-            kernels = longboat_layer_kernels()
-        else:
-            kernels = longboat_layer_kernels(rope=False, qkv_rope=False)
+        cfg = self.cfg
         family = self.family.load()
-        model = family.build(
-            mcfg,
-            precision=self.precision,
-            device_type=self.accelerator.device_type,
-            kernels=kernels,
-            recompute=recompute_components(cfg.train),
-            vision_tensor_parallel=cfg.model.vision_tensor_parallel,
+        model, mcfg, kernels = build_run_model(
+            cfg, family, self.model_cfg, self.precision, self.accelerator.device_type
         )
         if cfg.model.init_from:
             family.load_hf(model, mcfg, cfg.model.init_from)
