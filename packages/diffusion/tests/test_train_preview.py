@@ -154,7 +154,7 @@ def test_the_squares_vae_draws_the_latents_and_encodes_them_back(tmp_path: Path)
         video = decoder.vae.decode(z[None]).sample[0]  # [3, 9, 32, 48]
     assert tuple(video.shape) == (3, 1 + 4 * 2, 32, 48) == (3, record.frames, 32, 48)
     # what the latents say: the colour of each cell, 8x8 pixels, latent frame f -> 4 frames
-    c = torch.einsum("ck,cthw->kthw", torch.from_numpy(colour_basis(16)).float(), z)
+    c = torch.einsum("ck,cthw->kthw", torch.tensor(colour_basis(16), dtype=torch.float32), z)
     c = c.repeat_interleave(8, 2).repeat_interleave(8, 3) / math.sqrt(16 / 3)
     want = c[:, [0, 1, 1, 1, 1, 2, 2, 2, 2]]
     assert (video - want).abs().max() < 1e-4
