@@ -127,3 +127,45 @@ def test_an_unknown_preview_format_is_named() -> None:
     with pytest.raises(ConfigError) as err:
         compose_experiment("quickstart", ["diffusion.preview_format=webm"], stack="diffusion")
     assert err.value.keys == ["diffusion.preview_format"]
+
+
+def test_the_squares_vae_draws_the_latents_and_encodes_them_back(tmp_path: Path) -> None:
+    """``squares_vae``: ``decode`` paints each latent cell as an 8x8 block of its colour and
+    each latent frame after the first as 4 frames; ``encode`` of that video is the latents.
+    ``generate_squares`` writes it beside the set, where the preview's decoder finds it."""
+    pytest.importorskip("diffusers")
+    import math
+
+    import numpy as np
+
+    from longboat.diffusion.data.preview import colour_basis
+    from longboat.diffusion.data.synthetic import BACKGROUND, COLOURS
+    from longboat.diffusion.data.vae_decode import LatentDecoder
+
+    cfg = SyntheticSquaresDataConfig(
+        out_dir=str(tmp_path / "d"), num_samples=20, shapes=[[3, 4, 6]], num_eval_samples=0
+    )
+    ds = LatentDataset(generate_squares(cfg))
+    decoder = LatentDecoder.of_dataset(ds)
+    assert decoder is not None and decoder.dir == tmp_path / "d" / "vae"
+    record = square_record(17, cfg)  # green, moving left
+    z = record.latents
+    with torch.no_grad():
+        video = decoder.vae.decode(z[None]).sample[0]  # [3, 9, 32, 48]
+    assert tuple(video.shape) == (3, 1 + 4 * 2, 32, 48) == (3, record.frames, 32, 48)
+    # what the latents say: the colour of each cell, 8x8 pixels, latent frame f -> 4 frames
+    c = torch.einsum("ck,cthw->kthw", torch.tensor(colour_basis(16), dtype=torch.float32), z)
+    c = c.repeat_interleave(8, 2).repeat_interleave(8, 3) / math.sqrt(16 / 3)
+    want = c[:, [0, 1, 1, 1, 1, 2, 2, 2, 2]]
+    assert (video - want).abs().max() < 1e-4
+    assert set(np.unique(want.numpy().round(4))) == {-1.0, -0.75, 1.0}  # background, green
+    pixels = decoder.decode(z)
+    green = np.all(pixels == 255 * np.asarray(COLOURS["green"]), axis=-1)
+    dark = np.all(pixels == round(255 * BACKGROUND[0]), axis=-1)
+    assert (green | dark).all() and green.sum() == 9 * 16 * 16  # 2x2 cells in each frame
+    with torch.no_grad():
+        back = decoder.vae.encode(video[None]).latent_dist
+    assert (back.mean[0] - z).abs().max() < 1e-4 and back.std.max() < 1e-6
+    assert read_square(back.mean[0]).direction == "left"
+    batch = decoder.decode(torch.stack([z, z.flip(1)]))  # one call, two clips
+    assert batch.shape == (2, 9, 32, 48, 3) and np.array_equal(batch[0], pixels)

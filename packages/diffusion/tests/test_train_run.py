@@ -2,7 +2,8 @@
 
 A run assembled as the command line assembles it (``build_training`` + core's ``Trainer``)
 trains, evaluates the held-out loss, checkpoints, exports a diffusers directory whose
-``WanTransformer3DModel`` gives the trained model's outputs, and writes the preview GIF; a run
+``WanTransformer3DModel`` gives the trained model's outputs, and writes the preview GIF,
+decoded by the squares' VAE; a run
 killed with SIGKILL after a checkpoint resumes and reproduces the uninterrupted per-step losses
 exactly; bad configs exit 2 naming the key before anything is built.
 """
@@ -95,6 +96,7 @@ def _run_worker(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
         with torch.no_grad():
             probe = training.step_fn.model(*_probe())
         text, mask, shape, captions = _held_out_text(training)
+        again = training.write_preview(result.end_step)  # the end-of-run preview, once more
         sampled = sample(
             training.step_fn.model,
             shape,
@@ -115,6 +117,8 @@ def _run_worker(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
             "text": text,
             "captions": captions,
             "sampled": sampled,
+            "preview_again": again,
+            "report": training.report(result),
         }
     finally:
         training.close()
@@ -172,12 +176,61 @@ def test_a_run_trains_evaluates_exports_and_previews(reference: dict[str, Any]) 
     assert gif.is_file() and gif.parent.parent == ref["root"] / "reference"
     from PIL import Image
 
-    with Image.open(gif) as im:
-        assert im.n_frames == 3  # the longest held-out clips: 3 latent frames
+    with Image.open(gif) as im:  # PIL merges repeated frames into longer ones
+        durations = [im.seek(k) or im.info["duration"] for k in range(im.n_frames)]
+    # the longest held-out clips: 3 latent frames decoded into 4 (3 - 1) + 1 of 125 ms (a
+    # GIF counts in 10 ms: 120)
+    assert sum(round(d / 125) for d in durations) == 9, durations
     assert len(ref["extra"]["preview_captions"]) == 2
     assert 0 <= ref["extra"]["preview_colour_right"] <= 2
     assert ref["extra"]["preview_moving"] == 2
     assert "tp=1 cp=1 dp=1" in ref["describe"][0]
+
+
+@pytest.mark.multiprocess
+def test_the_quickstart_preview_is_video_decoded_by_the_sets_vae(
+    reference: dict[str, Any],
+) -> None:
+    """The held-out set carries its VAE; the preview decodes the samples and their held-out
+    clips with it into RGB video of 4 (T - 1) + 1 frames, equal to diffusers decoding the same
+    latents, the held-out clip showing the square drawn in its colour."""
+    import numpy as np
+    from diffusers import AutoencoderKLWan
+    from PIL import Image
+
+    from longboat.diffusion.data.synthetic import BACKGROUND, COLOURS
+
+    res = reference["preview_again"]
+    assert res.path == Path(reference["extra"]["preview"])
+    assert any("decoded by the data set's VAE" in line for line in reference["report"])
+    vae_dir = reference["root"] / "data_eval" / "vae"
+    vae = AutoencoderKLWan.from_pretrained(vae_dir).eval()
+    assert len(res.samples) == len(res.pixels) == 2
+    for z, pixels in zip(res.samples, res.pixels, strict=True):
+        assert tuple(z.shape) == (16, 3, 4, 4)
+        assert pixels.shape == (9, 32, 32, 3) and pixels.dtype == np.uint8
+        with torch.no_grad():
+            direct = vae.decode(z[None]).sample[0]  # [3, 9, 32, 32] in [-1, 1]
+        direct = ((direct + 1) / 2).clamp(0, 1).permute(1, 2, 3, 0).numpy() * 255
+        assert np.abs(pixels - direct).max() <= 0.51  # rounding only
+    # the sheet: each 32 px clip scaled x3 to 96 px, sample left, held-out clip right of it
+    with Image.open(res.path) as im:
+        frames = []  # every 125 ms frame (PIL merges repeated frames into longer ones)
+        for k in range(im.n_frames):
+            im.seek(k)
+            frame = np.asarray(im.convert("RGB")).astype(float)
+            frames += [frame] * round(im.info["duration"] / 125)
+    assert len(frames) == 9
+    for k in range(9):
+        shown = frames[k][:96, :96]
+        want = res.pixels[0][k].repeat(3, 0).repeat(3, 1)
+        assert np.abs(shown - want).mean() < 8, k  # a GIF's palette, nothing more
+    held = frames[0][:96, 98 : 98 + 96]  # the held-out clip of "a red square moving left"
+    colours = {tuple(np.round(255 * np.asarray(c))) for c in (BACKGROUND, COLOURS["red"])}
+    seen = {tuple(p) for p in held.reshape(-1, 3)}
+    assert seen == colours, seen
+    red = np.all(held == 255 * np.asarray(COLOURS["red"]), axis=-1)
+    assert red.sum() == (2 * 8 * 3) ** 2  # a square of 2 latent cells, 8 px each, x3
 
 
 @pytest.mark.multiprocess

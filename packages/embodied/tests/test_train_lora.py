@@ -2,7 +2,8 @@
 adapters train (the base weights are bit-equal after training, with master weights), the
 export holds ``W + scale * B @ A`` for every adapted linear and the base weights elsewhere,
 the adapter folder has PEFT's names and shapes and PEFT loads it onto the base policy, a
-LoRA run's loss falls, and bad ``lora.*`` values are refused naming the key."""
+LoRA run's loss falls, LoRA under FSDP2 matches one process, and bad ``lora.*`` values are
+refused naming the key."""
 
 from __future__ import annotations
 
@@ -206,7 +207,6 @@ def _compose(tmp_path: Path, *extra: str) -> Any:
     [
         ("lora.rank=0", "lora.rank"),
         ("lora.dropout=1.0", "lora.dropout"),
-        ("parallel.strategy=fsdp", "lora.enabled"),
     ],
 )
 def test_bad_lora_keys_are_refused(tmp_path: Path, override: str, key: str) -> None:
@@ -279,6 +279,81 @@ def test_data_parallel_lora_keeps_ranks_equal(tmp_path: Path, strategy: str) -> 
     assert res[0]["master_weights"] is (strategy == "ddp")
     assert (Path(res[0]["export"]) / "model.safetensors").is_file()
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def _sharded_lora_run(rank: int, world: int, out: Path, strategy: str) -> dict[str, Any]:
+    """A 3-step fp32 LoRA run of global batch 2 (micro-batches of 1) at ``world`` ranks."""
+    from safetensors.torch import load_file
+
+    from longboat.core.train import Trainer, typed_config
+    from longboat.embodied.train.lora import peft_adapter_state
+    from longboat.embodied.train.training import build_training
+
+    torch.set_num_threads(1)
+    overrides = tiny_run_overrides(
+        out,
+        "train.steps=3",
+        "train.precision=fp32",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=2",
+        "train.log_every=1",
+        "optim.lr=1e-2",
+        "optim.schedule.warmup_steps=0",
+        "checkpoint.every_steps=0",
+        f"parallel.strategy={strategy}",
+        "lora.enabled=true",
+        f"lora.rank={RANK}",
+        f"lora.alpha={ALPHA}",
+    )
+    cfg = typed_config(compose_experiment("groot_n1_6_tiny", overrides, world_size=world))
+    training = build_training(cfg)
+    try:
+        model = training.model
+        base = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
+        result = Trainer(cfg, training).fit()
+        after = {k: v for k, v in model.state_dict().items() if "lora_" not in k}
+        return {
+            "losses": result.losses,
+            "adapters": peft_adapter_state(model),  # every rank: FSDP gathers the shards
+            "base_kept": all(torch.equal(base[k], after[k]) for k in base),
+            "exported": load_file(str(Path(result.export_dir) / "model.safetensors")),
+            "adapter_file": load_file(str(out / "adapter" / "adapter_model.safetensors")),
+        }
+    finally:
+        training.close()
+
+
+@pytest.mark.slow  # 2 ranks and a reference run: about 90 s on 2 cores
+@pytest.mark.multiprocess
+def test_fsdp_lora_matches_one_process(tmp_path: Path) -> None:
+    """LoRA under FSDP2 on 2 ranks (frozen base and trainable adapters sharded in the same
+    blocks) gives the losses of one process on the same global batch within 1e-5 relative;
+    the base stays, and the export (the gathered state with the adapters merged) and the
+    PEFT adapter folder match the one-process run's."""
+    from longboat.core.distributed import run_multiprocess
+
+    one = _sharded_lora_run(0, 1, tmp_path / "one", "ddp")
+    two = run_multiprocess(_sharded_lora_run, 2, tmp_path / "fsdp", "fsdp", timeout=600)
+    torch.testing.assert_close(
+        torch.tensor(two[0]["losses"], dtype=torch.float64),
+        torch.tensor(one["losses"], dtype=torch.float64),
+        rtol=1e-5,
+        atol=0.0,
+    )
+    assert len(set(one["losses"])) == 3
+    assert one["base_kept"] and two[0]["base_kept"] and two[1]["base_kept"]
+    a, b = two[0]["adapters"], two[1]["adapters"]
+    assert a.keys() == b.keys() == one["adapters"].keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the ranks gathered the same adapters
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in a.items())
+    for got, want in ((a, one["adapters"]), (two[0]["adapter_file"], one["adapter_file"])):
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-6, msg=k)
+    exported, reference = two[0]["exported"], one["exported"]
+    assert exported.keys() == reference.keys()
+    assert not any("lora_" in k or "base_layer" in k for k in exported)
+    for k, v in reference.items():
+        torch.testing.assert_close(exported[k], v, rtol=1e-4, atol=1e-6, msg=k)
 
 
 def _resumable(out: Path, steps: int) -> dict[str, Any]:

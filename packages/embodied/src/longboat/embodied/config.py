@@ -213,10 +213,6 @@ class EmbodiedLoRAConfig(LoRAConfig):
     """Dropout on the adapters' input while training (PEFT's ``lora_dropout``)."""
 
 
-LORA_STRATEGIES = ("ddp", "zero1")
-"""``parallel.strategy`` values LoRA trains under (the adapted linears stay whole modules)."""
-
-
 @dataclass
 class EmbodiedExperimentConfig(ExperimentConfig):
     """Root config of an embodied experiment. Under core's ``output_dir`` (the run
@@ -328,8 +324,8 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
 
 
 def check_lora_keys(cfg: Any, problems: ProblemCollector, model_name: Any = None) -> None:
-    """``lora.*`` / ``export.adapter_dir``: a rank below 1, a dropout outside [0, 1), a
-    sharded strategy, an adapter folder without LoRA, targets matching no linear of
+    """``lora.*`` / ``export.adapter_dir``: a rank below 1, a dropout outside [0, 1), an
+    adapter folder without LoRA, targets matching no linear of
     ``model_name``'s flavor (built on the meta device: no weights allocated)."""
     lora = cfg.get("lora")
     export = cfg.get("export")
@@ -350,16 +346,6 @@ def check_lora_keys(cfg: Any, problems: ProblemCollector, model_name: Any = None
     if not 0.0 <= float(dropout) < 1.0:
         problems.add(
             "lora.dropout", "must be in [0, 1)", value=dropout, fix="e.g. lora.dropout=0.05"
-        )
-    strategy = cfg.parallel.get("strategy") if "parallel" in cfg else None
-    if strategy is not None and strategy not in LORA_STRATEGIES:
-        problems.add(
-            "lora.enabled",
-            f"the embodied stack trains LoRA under {' or '.join(LORA_STRATEGIES)} only (the "
-            f"adapters of sharded linears are not merged), not parallel.strategy={strategy}",
-            value=True,
-            fix=f"set parallel.strategy={' or '.join(LORA_STRATEGIES)} (the frozen base needs "
-            "no sharded optimizer state), or lora.enabled=false",
         )
     targets = list(lora.get("targets") or [])
     if targets and isinstance(model_name, str):

@@ -1,9 +1,11 @@
 """The quickstart's synthetic latent set: coloured squares moving across 16-channel latents.
 
-No VAE is involved: a sample's latents are written directly. Every cell holds
+A sample's latents are written directly: every cell holds
 ``colour_basis(C) @ (2 * rgb - 1) * sqrt(C / 3)`` for the RGB colour of what covers it (a
-dark background, or the square), so :func:`~longboat.diffusion.data.preview.latents_to_gif`
-shows the real colours. A square of side ``max(2, 3/8 * min(H, W))`` starts centred (moved by a
+dark background, or the square). Each set carries the VAE of these latents in ``vae/``
+(:mod:`~longboat.diffusion.data.squares_vae`, written when diffusers is installed): its
+decoder paints each cell as an 8x8 block of its colour, so the training run's previews are
+decoded video, and its encoder gives the latents back from that video. A square of side ``max(2, 3/8 * min(H, W))`` starts centred (moved by a
 seeded offset of at most ``start_jitter`` cells, or anywhere with -1) and moves one latent cell
 per latent frame (wrapping around the edges).
 
@@ -74,6 +76,8 @@ DIRECTIONS: dict[str, tuple[int, int]] = {
 BACKGROUND = (0.125, 0.125, 0.125)
 GENERATOR_VERSION = 1
 SAMPLES_PER_SHARD = 64
+VAE_DIR = "vae"
+"""The set's VAE, beside its shards."""
 
 
 def _seed(*parts: object) -> int:
@@ -157,6 +161,21 @@ def square_record(i: int, cfg: SyntheticSquaresDataConfig) -> LatentRecord:
     )
 
 
+def _write_vae(root: Path, channels: int) -> bool:
+    """Write the set's VAE (``<root>/vae``) when diffusers is installed; whether it is there."""
+    import importlib.util
+
+    vae = root / VAE_DIR
+    if (vae / "config.json").is_file():
+        return True
+    if importlib.util.find_spec("diffusers") is None:
+        return False
+    from longboat.diffusion.data.squares_vae import build_squares_vae
+
+    build_squares_vae(vae, channels)
+    return True
+
+
 def _options(cfg: SyntheticSquaresDataConfig) -> dict[str, Any]:
     return {
         "generator": "synthetic_squares",
@@ -181,6 +200,7 @@ def generate_squares(cfg: SyntheticSquaresDataConfig, *, prefix: str = "data") -
         if m["complete"] and m["options"] == options:
             if read_empty_caption(root) is None:  # a set written before it carried one
                 write_empty_caption(root, empty_caption_embedding(cfg.text_dim))
+            _write_vae(root, cfg.latent_channels)  # likewise
             return root
         if m["options"].get("generator") != "synthetic_squares":
             raise DataError(
@@ -190,11 +210,16 @@ def generate_squares(cfg: SyntheticSquaresDataConfig, *, prefix: str = "data") -
     # Drop the old manifest first: until the new one is written nothing here looks valid.
     (root / MANIFEST).unlink(missing_ok=True)
     shutil.rmtree(root / SHARD_DIR, ignore_errors=True)
+    shutil.rmtree(root / VAE_DIR, ignore_errors=True)
+    vae = "vae/ (squares_vae: draws the latents)" if _write_vae(root, cfg.latent_channels) else None
     manifest = new_manifest(
         latent_channels=cfg.latent_channels,
         text_dim=cfg.text_dim,
         dtype="float32",
-        encoders={"vae": "none (latents written directly)", "text_encoder": "caption_embedding"},
+        encoders={
+            "vae": vae or "none (latents written directly)",
+            "text_encoder": "caption_embedding",
+        },
         options=options,
     )
     write_empty_caption(root, empty_caption_embedding(cfg.text_dim))

@@ -3,8 +3,9 @@
 Captions are taken from the held-out set (distinct captions, the longest clips first, so
 motion shows); each is sampled from seeded noise with the Euler sampler at its held-out
 sample's latent shape, and the sheet shows every sample next to that held-out sample with
-the caption written under them. With a VAE (``LatentDecoder``: the run's pipeline's) both
-are decoded to pixels, videos as an animated GIF and images as a PNG grid; without one the
+the caption written under them. With a VAE (``LatentDecoder``: the run's pipeline's, else the
+preview set's own, as the quickstart's squares carry) both are decoded to pixels (one VAE call
+per latent shape), videos as an animated GIF and images as a PNG grid; without one the
 latents are shown through the fixed colour basis (``latents_to_rgb``). When the
 held-out samples are the synthetic squares (their metadata names colour and direction),
 ``read_square`` reads each sample's colour and motion and the preview counts how many match
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from longboat.diffusion.data.batching import collate_latents
@@ -36,7 +38,7 @@ class PreviewResult:
     """What ``preview`` wrote and, for the synthetic squares, what it read back."""
 
     path: Path | None
-    """The GIF (None on ranks that do not write)."""
+    """The sheet written (GIF, mp4 or PNG; None on ranks that do not write)."""
     captions: list[str]
     colour_right: int | None = None
     """Samples whose square has the caption's colour (None: data without colour labels)."""
@@ -46,6 +48,28 @@ class PreviewResult:
     """Captions that name a direction."""
     readings: list[tuple[str, str]] = field(default_factory=list)
     """(colour, direction) read from each sample."""
+    samples: list[torch.Tensor] = field(default_factory=list)
+    """The generated latents, ``[C, T, H, W]`` per caption."""
+    pixels: list[np.ndarray] | None = None
+    """Each sample decoded by the VAE, uint8 ``[T', H', W', 3]`` (None: no VAE, or a rank
+    that does not write)."""
+
+
+def _decode(
+    decoder: Any,
+    generated: list[torch.Tensor],
+    held_out: list[torch.Tensor],
+    by_shape: dict[tuple[int, ...], list[int]],
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The samples and their held-out clips decoded, one VAE call per latent shape."""
+    pixels: list[Any] = [None] * len(generated)
+    clips: list[Any] = [None] * len(generated)
+    for ks in by_shape.values():
+        both = torch.stack([generated[k] for k in ks] + [held_out[k].float() for k in ks])
+        decoded = decoder.decode(both)
+        for j, k in enumerate(ks):
+            pixels[k], clips[k] = decoded[j], decoded[len(ks) + j]
+    return pixels, clips
 
 
 def pick_captions(dataset: LatentDataset, n: int, limit: int = 0) -> list[int]:
@@ -109,16 +133,17 @@ def preview(
             out[k] = x[j].float().cpu()
     generated = [out[k] for k in range(len(samples))]
     captions = [s["caption"] for s in samples]
-    path = None
+    path, pixels = None, None
     if write:
-        view = decoder.decode if decoder is not None else latents_to_rgb
-        cells = [
-            ([view(g), view(s["latents"].float())], c)
-            for g, s, c in zip(generated, samples, captions, strict=True)
-        ]
+        if decoder is not None:
+            pixels, clips = _decode(decoder, generated, [s["latents"] for s in samples], by_shape)
+        else:
+            clips = [latents_to_rgb(s["latents"].float()) for s in samples]
+        views = pixels if pixels is not None else [latents_to_rgb(g) for g in generated]
+        cells = [([v, c], t) for v, c, t in zip(views, clips, captions, strict=True)]
         frame_ms = 125 if decoder is not None else 250
         path = write_sheet(cells, out_path, frame_ms=frame_ms, min_height=96, video=video)
-    result = PreviewResult(path=path, captions=captions)
+    result = PreviewResult(path=path, captions=captions, samples=generated, pixels=pixels)
     metas = [s["metadata"] for s in samples]
     if samples and all("colour" in m and "direction" in m for m in metas):
         from longboat.diffusion.data.synthetic import read_square

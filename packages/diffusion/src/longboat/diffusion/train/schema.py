@@ -75,8 +75,9 @@ class DiffusionRunConfig:
     (the training set's without a held-out set) in ``sample_steps`` Euler steps and write them
     beside the dataset's clips, each caption under its pair (``<output_dir>/preview``):
     decoded by the VAE of the run's pipeline (``pipeline_from`` / a pipeline
-    ``model.init_from``) as an animated GIF (video) or a PNG grid (images), else the latents
-    through a fixed colour map."""
+    ``model.init_from``), else by the preview set's own (its ``vae/``, as the quickstart's
+    squares carry, or the VAE its manifest names), as an animated GIF (video) or a PNG grid
+    (images); without a VAE (or diffusers) the latents through a fixed colour map."""
     preview_every: int = 0
     """Also write a preview every this many steps (0: only at the end)."""
     preview_format: str = "gif"

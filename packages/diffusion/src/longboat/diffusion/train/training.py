@@ -153,7 +153,10 @@ class DiffusionTraining(MegatronTraining):
         self.step_fn.use_one_pass(one_pass, adamw_master_step_)
         self.ddp_modules = [self.step_fn.ddp]
         self._decoder: Any = None
-        """The previews' ``LatentDecoder`` (False: none; None: not looked for yet)."""
+        """The previews' ``LatentDecoder`` (False: none; None: not looked for yet): the
+        pipeline's VAE, else the preview set's own."""
+        self._decoder_of = ""
+        """Whose VAE ``_decoder`` is, for the report."""
         self.exact_main_weights = 0
         """Main weights started from the checkpoint's fp32 values (not its bf16 rounding)."""
         if exact:
@@ -338,7 +341,7 @@ class DiffusionTraining(MegatronTraining):
         result.extra["preview"] = str(res.path) if res.path else None
         result.extra["preview_captions"] = res.captions
         source = "held-out" if self.data.held_out is not None else "training"
-        pixels = "decoded by the pipeline's VAE" if self._decoder else "latents in colour"
+        pixels = f"decoded by {self._decoder_of}" if self._decoder else "latents in colour"
         lines.append(
             f"Preview:     {res.path} ({len(res.captions)} {source} captions, "
             f"{self.cfg.diffusion.sample_steps} Euler steps, {pixels}; each sample left of "
@@ -380,7 +383,12 @@ class DiffusionTraining(MegatronTraining):
         run = self.cfg.diffusion
         if self._decoder is None and self.is_main:
             source = pipeline_source(self.cfg)  # the VAE decodes on the run's device
-            self._decoder = LatentDecoder.of_pipeline(source, device=self.device) or False
+            decoder = LatentDecoder.of_pipeline(source, device=self.device)
+            self._decoder_of = "the pipeline's VAE"
+            if decoder is None:
+                decoder = LatentDecoder.of_dataset(dataset, device=self.device)
+                self._decoder_of = "the data set's VAE"
+            self._decoder = decoder or False
         indices = pick_captions(dataset, run.preview_captions, run.eval_samples)
         shift = run.sample_shift if run.sample_shift is not None else self.cfg.objective.shift
         return preview(

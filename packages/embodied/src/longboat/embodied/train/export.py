@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +31,21 @@ def export_policy(
     overrides: dict[str, Any],
     model_cfg: Any,
     extra: dict[str, Any] | None = None,
+    transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write the full (unsharded) weights and the config; every rank must call it.
 
     Works under DDP, ZeRO-1, FSDP2 and HSDP: the state dict is gathered to full
-    tensors on CPU (a collective), rank 0 writes. Keys are the policy's own FQNs.
+    tensors on CPU (a collective), rank 0 writes. Keys are the policy's own FQNs, after
+    ``transform`` (e.g. LoRA adapters merged into their base weights) where given.
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)
     out = Path(out_dir)
     is_main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     if is_main:
+        if transform is not None:
+            state = transform(state)
         out.mkdir(parents=True, exist_ok=True)
         # clone: tied weights share storage, which safetensors refuses to write twice.
         tensors = {k: v.detach().cpu().clone().contiguous() for k, v in state.items()}

@@ -9,9 +9,10 @@ name matches a linear whose module path is that name or ends with ``.<name>``; a
 list means the policy's defaults (``DEFAULT_TARGETS``: its language model's attention and
 MLP linears and its action head's linears; every linear for a policy not listed).
 
-The export holds the merged weights (``merged_lora``: each adapted linear is put back with
-``W + scale * B @ A``, so the exported keys and every export format are those of a run
-without LoRA), and ``save_peft_adapter`` writes the adapters alone as a PEFT adapter folder
+The export holds the merged weights (``merge_lora_state`` on the gathered full state dict:
+each adapted linear is put back with ``W + scale * B @ A``, so the exported keys and every
+export format are those of a run without LoRA; the same under DDP, ZeRO-1, FSDP2 and HSDP,
+whose shards the gathering joins), and ``save_peft_adapter`` writes the adapters alone as a PEFT adapter folder
 (``adapter_config.json`` + ``adapter_model.safetensors``, keys
 ``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``) that
 ``peft.PeftModel.from_pretrained(policy, folder)`` loads onto the base policy.
@@ -19,12 +20,11 @@ without LoRA), and ``save_peft_adapter`` writes the adapters alone as a PEFT ada
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +41,10 @@ __all__ = [
     "apply_run_lora",
     "describe_lora",
     "lora_linears",
+    "lora_scales",
     "lora_targets",
     "match_targets",
-    "merged_lora",
+    "merge_lora_state",
     "peft_adapter_state",
     "save_peft_adapter",
 ]
@@ -152,41 +153,52 @@ def lora_linears(model: nn.Module) -> dict[str, LoRALinear]:
     }
 
 
-@contextlib.contextmanager
-def merged_lora(model: nn.Module) -> Iterator[None]:
-    """Within the block, every ``LoRALinear`` is replaced by its base linear holding the
-    merged weight ``W + scale * B @ A`` (computed in fp32, stored in W's dtype): the model's
-    state dict is then that of the policy without adapters. Restored afterwards."""
-    swapped: list[tuple[nn.Module, str, LoRALinear, torch.Tensor]] = []
-    try:
-        for parent in list(model.modules()):
-            for child_name, child in list(parent.named_children()):
-                if not isinstance(child, LoRALinear):
-                    continue
-                base = child.base_layer
-                original = base.weight.data
-                with torch.no_grad():
-                    merged = (original.float() + child.delta().to(original.device)).to(
-                        original.dtype
-                    )
-                base.weight.data = merged
-                setattr(parent, child_name, base)
-                swapped.append((parent, child_name, child, original))
-        yield
-    finally:
-        for parent, child_name, child, original in reversed(swapped):
-            child.base_layer.weight.data = original
-            setattr(parent, child_name, child)
+def merge_lora_state(
+    state: dict[str, torch.Tensor], scales: dict[str, float]
+) -> dict[str, torch.Tensor]:
+    """A full state dict of the adapted policy -> the policy's own: each adapted linear
+    ``<name>`` (``scales``: its ``alpha / rank``) becomes ``<name>.weight = W + scale * B @ A``
+    (computed in fp32, stored in W's dtype) and ``<name>.bias``; the adapters' keys go. Every
+    other key is kept as it is."""
+    adapters = {f"{n}.lora_{ab}.weight" for n in scales for ab in "AB"}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if key in adapters:
+            continue
+        name, sep, rest = key.partition(".base_layer.")
+        if not (sep and name in scales):
+            out[key] = value
+            continue
+        if rest == "weight":
+            a = state[f"{name}.lora_A.weight"].float()
+            b = state[f"{name}.lora_B.weight"].float().to(a.device)
+            merged = value.float() + (b @ a * scales[name]).to(value.device)
+            value = merged.to(value.dtype)
+        out[f"{name}.{rest}"] = value
+    return out
+
+
+def lora_scales(model: nn.Module) -> dict[str, float]:
+    """Each adapted linear's ``alpha / rank`` by module path."""
+    return {name: m.scale for name, m in lora_linears(model).items()}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole tensor: an FSDP2 shard gathered (a collective), else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def peft_adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters with PEFT's names (``base_model.model.<module>.lora_A.weight`` /
     ``lora_B.weight``), fp32 on the CPU; ``scale`` stays out (PEFT applies
-    ``lora_alpha / r``)."""
+    ``lora_alpha / r``). Under FSDP2 / HSDP every rank calls it (the shards are gathered)."""
     out = {}
     for name, m in lora_linears(model).items():
-        out[f"base_model.model.{name}.lora_A.weight"] = m.lora_A.weight.detach().float().cpu()
-        out[f"base_model.model.{name}.lora_B.weight"] = m.lora_B.weight.detach().float().cpu()
+        for ab in ("lora_A", "lora_B"):
+            weight = _full(getattr(m, ab).weight.detach())
+            out[f"base_model.model.{name}.{ab}.weight"] = weight.float().cpu()
     return out
 
 
@@ -204,13 +216,17 @@ def save_peft_adapter(
     dropout: float,
     base_model: str | None = None,
 ) -> Path:
-    """Write the adapters as a PEFT LoRA adapter folder (module doc). ``target_modules`` is
-    a regex of exactly the adapted paths, so PEFT adapts the same linears."""
+    """Write the adapters as a PEFT LoRA adapter folder (module doc); every rank calls it
+    (FSDP2 / HSDP shards are gathered), rank 0 writes. ``target_modules`` is a regex of
+    exactly the adapted paths, so PEFT adapts the same linears."""
+    import torch.distributed as dist
     from safetensors.torch import save_file
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     tensors = peft_adapter_state(model)
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
     names = sorted(lora_linears(model))
     tmp = out / (ADAPTER_WEIGHTS + ".tmp")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), {"format": "pt"})

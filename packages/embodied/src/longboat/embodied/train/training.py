@@ -25,6 +25,7 @@ the NaN guard's counters, checkpoints, the profiler, the export call).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -528,31 +529,34 @@ class EmbodiedTraining(Training):
             if self.ema is not None and cfg.ema.export
             else contextlib.nullcontext()
         )
-        merged = lora.merged_lora(self.model) if cfg.lora.enabled else contextlib.nullcontext()
-        # the average (ema.export) in place of the trained weights; LoRA merged into the base
+        merge = None
+        if cfg.lora.enabled:  # LoRA merged into the base weights of the gathered state
+            scales = lora.lora_scales(self.model)
+            merge = functools.partial(lora.merge_lora_state, scales=scales)
+        # the average (ema.export) in place of the trained weights
         with masters, averaged:
-            if adapter and cfg.lora.enabled and self.is_main:  # the adapters alone
+            if adapter and cfg.lora.enabled:  # the adapters alone (every rank: gathered)
                 lo = cfg.lora
                 lora.save_peft_adapter(self.model, lora.adapter_dir(cfg), rank=lo.rank,
                                        alpha=lo.alpha, dropout=lo.dropout,
                                        base_model=cfg.model.init_from)  # fmt: skip
-            with merged:
-                export_policy(
-                    self.model,
-                    out,
-                    model_name=cfg.model.name,
-                    flavor=cfg.model.flavor,
-                    overrides=self.overrides,
-                    model_cfg=self.model_cfg,
-                    extra={
-                        "trained_steps": self.steps_done,
-                        "experiment": cfg.experiment,
-                        "cameras": self.data.cameras,
-                        "image_hw": list(self.data.image_hw),
-                        "init_from": cfg.model.init_from,
-                        "tokenizer": str(self.tokenizer_dir) if self.tokenizer_dir else None,
-                    },
-                )
+            export_policy(
+                self.model,
+                out,
+                model_name=cfg.model.name,
+                flavor=cfg.model.flavor,
+                overrides=self.overrides,
+                model_cfg=self.model_cfg,
+                extra={
+                    "trained_steps": self.steps_done,
+                    "experiment": cfg.experiment,
+                    "cameras": self.data.cameras,
+                    "image_hw": list(self.data.image_hw),
+                    "init_from": cfg.model.init_from,
+                    "tokenizer": str(self.tokenizer_dir) if self.tokenizer_dir else None,
+                },
+                transform=merge,
+            )
         if self.is_main:  # what acting on raw observations needs (load_policy)
             PolicyProcessor.from_run(
                 cfg.model.name,
