@@ -409,6 +409,9 @@ def lerobot_config_for(
         expert_width_multiplier=out.get("expert_width_multiplier", multiplier),
         min_period=cfg.time_min_period,
         max_period=cfg.time_max_period,
+        freeze_vision_encoder=not cfg.tune_visual,
+        train_expert_only=not cfg.tune_llm,
+        train_state_proj=cfg.tune_state_proj,
         input_features={
             **{k: {"type": "VISUAL", "shape": [3, side, side]} for k in visual},
             "observation.state": {"type": "STATE", "shape": [state_dim]},
