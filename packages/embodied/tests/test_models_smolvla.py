@@ -207,3 +207,42 @@ def test_tiny_trains_through_the_trainer_and_resumes_bit_exactly(tmp_path: Path)
     again = train(_run(out, steps))
     assert again.resumed_from == first.checkpoint
     assert first.losses + again.losses == straight
+
+
+def test_a_run_from_a_lerobot_checkpoint_needs_the_backbone_tokenizer(tmp_path: Path):
+    """The tokenizer is found through the checkpoint's vlm_model_name; without one the run
+    is a ConfigError naming model.tokenizer; a byte-level run is not written as LeRobot."""
+    from longboat.embodied.models import policy
+    from longboat.embodied.models.smolvla.processor import PromptTokenizer, find_tokenizer
+    from longboat.embodied.train.reference_formats import run_tokenizer
+
+    vlm = _vlm_dir(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"type": "smolvla", "vlm_model_name": str(vlm)}))
+    assert find_tokenizer(None, str(ckpt)) is None  # the backbone has no tokenizer files yet
+    cfg = compose_experiment("smolvla_tiny", [f"model.init_from={ckpt}"], world_size=1)
+    with pytest.raises(ConfigError, match=r"model\.tokenizer"):
+        run_tokenizer(cfg)
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(["pick up the cube\n"] * 4, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>").save_pretrained(str(vlm))
+    assert find_tokenizer(None, str(ckpt)) == vlm
+    ids, mask = PromptTokenizer(vlm, 8)(["pick up the cube", "pick\n"], [None, None])
+    assert ids.shape == (2, 8) and mask.sum(1).tolist()[1] < mask.sum(1).tolist()[0]
+    # A newline ends every prompt, once.
+    assert torch.equal(PromptTokenizer(vlm, 8)(["pick\n"], [None])[0], ids[1:])
+    lerobot = policy("smolvla").export_format("lerobot")
+    assert "model.tokenizer" in lerobot.unavailable(_model().cfg, 1)
+    assert lerobot.unavailable(_model(backbone_prompts=True).cfg, 1) is None

@@ -316,3 +316,106 @@ def test_trained_weights_export_and_load_in_lerobot(lerobot_dir: Path, tmp_path:
     for key in ("observation.state", "action"):
         for stat in ("mean", "std"):
             torch.testing.assert_close(state[f"{key}.{stat}"], stats[key][stat])
+
+
+def test_trained_run_exports_to_lerobot(lerobot_dir: Path, vlm_dir: Path, tmp_path: Path) -> None:
+    """A longboat run started from the LeRobot checkpoint (model.init_from; the tokenizer
+    found through its vlm_model_name), trained 20 steps, writes its LeRobot directory itself
+    (export.format=auto). LeRobot's own preprocessor, loaded from it, tokenises the raw
+    samples' prompts as longboat's collator did and normalises the state alike, and
+    LeRobot's from_pretrained predicts our actions from its output."""
+    from lerobot.processor.converters import batch_to_transition, transition_to_batch
+    from lerobot.processor.pipeline import PolicyProcessorPipeline
+
+    from longboat.core.config.compose import compose_experiment
+    from longboat.embodied.data import LeRobotDataset
+    from longboat.embodied.models.smolvla.processor import PromptTokenizer
+    from longboat.embodied.train.export import load_exported_policy
+    from longboat.embodied.train.trainer import train
+
+    run = tmp_path / "run"
+    steps = 20
+    cfg = compose_experiment(
+        "smolvla_tiny",
+        [
+            f"output_dir={run}",
+            f"model.init_from={lerobot_dir}",
+            f"train.steps={steps}",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=null",
+            "optim.lr=1e-3",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "data.synthetic.num_episodes=2",
+            "data.synthetic.episode_length=12",
+        ],
+        world_size=1,
+    )
+    losses = train(cfg).losses
+    assert len(losses) == steps
+    print(f"trained {steps} steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    out = run / "export" / "lerobot"
+    ours = load_exported_policy(run / "export")
+    assert ours.cfg.backbone_prompts
+    policy = SmolVLAPolicy.from_pretrained(out)
+    start, _ = load_lerobot_smolvla(lerobot_dir)
+    moved = sum(
+        (a.float() - b.float()).abs().sum().item()
+        for a, b in zip(ours.state_dict().values(), start.state_dict().values(), strict=True)
+    )
+    assert moved > 0  # training changed the weights
+
+    pre = PolicyProcessorPipeline.from_pretrained(
+        out,
+        config_filename="policy_preprocessor.json",
+        to_transition=batch_to_transition,
+        to_output=transition_to_batch,
+    )
+    ds = LeRobotDataset(
+        run / "dataset", normalization={"observation.state": "min_max", "action": "min_max"}
+    )
+    rows = [0, 7, 13, 20]
+    samples = [ds[i] for i in rows]
+    cams = [k for k in policy.config.image_features if "empty_camera" not in k]
+    raw = {k: torch.stack([s[k] for s in samples]) for k in cams}
+    raw["observation.state"] = torch.as_tensor(
+        ds._columns["observation.state"][rows], dtype=torch.float32
+    )
+    raw["task"] = [s["task"] for s in samples]
+    theirs = pre(raw)
+    ids, mask = PromptTokenizer(vlm_dir, ours.cfg.prompt_length())(
+        [s["task"] for s in samples], [s["observation.state"] for s in samples]
+    )
+    their_ids = theirs["observation.language.tokens"].cpu()
+    their_mask = theirs["observation.language.attention_mask"].cpu().bool()
+    n = their_ids.shape[1]  # LeRobot pads to the longest prompt, longboat to max_length
+    assert torch.equal(their_ids, ids[:, :n]) and torch.equal(their_mask, mask[:, :n])
+    assert not mask[:, n:].any()
+    state = torch.stack([s["observation.state"] for s in samples]).float()
+    torch.testing.assert_close(theirs["observation.state"].float(), state, rtol=1e-5, atol=1e-5)
+
+    b = len(rows)
+    noise = torch.randn(b, H, 8, generator=torch.Generator().manual_seed(5))
+    policy.eval()
+    with mock.patch.object(policy.model, "sample_noise", lambda shape, device: noise):
+        ref = policy.predict_action_chunk(theirs)
+    n_slots = ours.cfg.num_cameras
+    images = torch.zeros(b, n_slots, 3, SIDE, SIDE)
+    image_mask = torch.zeros(b, n_slots, dtype=torch.bool)
+    for i, k in enumerate(cams):
+        images[:, i], image_mask[:, i] = raw[k], True
+    padded_state = torch.zeros(b, ours.cfg.max_state_dim)
+    padded_state[:, : state.shape[1]] = state
+    ours.eval()
+    got = ours.predict_action(
+        {
+            "images": images,
+            "image_mask": image_mask,
+            "input_ids": ids,
+            "attention_mask": mask,
+            "state": padded_state,
+        },
+        noise=noise,
+    )[..., : ref.shape[-1]]
+    print(f"actions max abs diff {(got - ref).abs().max().item():.2e}")
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)

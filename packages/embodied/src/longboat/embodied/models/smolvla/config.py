@@ -88,6 +88,11 @@ class SmolVLAConfig:
     """Train the state projection (LeRobot's ``train_state_proj``)."""
     frozen_dtype: str = "bfloat16"
     """dtype of frozen parameters after ``apply_freezing`` (trainable ones are fp32)."""
+    backbone_prompts: bool = False
+    """The prompts are tokenised by the backbone's Hugging Face tokenizer (LeRobot's
+    preprocessor: the task and a newline); set by a run with ``model.tokenizer`` or a LeRobot
+    checkpoint. False: the byte-level stand-in's ids, which LeRobot's preprocessor does not
+    produce, so such a run is not written in LeRobot's format."""
 
     FLAVORS: ClassVar[dict[str, Callable[[], SmolVLAConfig]]]
 

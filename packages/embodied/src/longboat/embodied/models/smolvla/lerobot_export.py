@@ -70,6 +70,11 @@ def export_lerobot_smolvla(
 def unavailable(cfg: Any, num_datasets: int) -> str | None:
     """Why a run of config ``cfg`` on ``num_datasets`` sub-datasets cannot be written as a
     LeRobot SmolVLA policy (None: it can)."""
+    if not getattr(cfg, "backbone_prompts", False):
+        return (
+            "the byte-level stand-in tokenizer's ids are not what LeRobot's preprocessor "
+            "feeds (set model.tokenizer=<dir> to the backbone's tokenizer)"
+        )
     if num_datasets > 1:
         return (
             f"{num_datasets} sub-datasets, and LeRobot's SmolVLA normaliser holds one set of "

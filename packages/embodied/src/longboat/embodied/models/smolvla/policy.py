@@ -15,10 +15,11 @@ from longboat.embodied.models.family import (
     ExportFormat,
     PolicyBatchSpec,
     PolicyFamily,
+    PromptProcessor,
     flavors_of,
 )
 from longboat.embodied.models.registry import apply_overrides
-from longboat.embodied.models.smolvla import lerobot_export
+from longboat.embodied.models.smolvla import lerobot_export, processor
 from longboat.embodied.models.smolvla.config import SmolVLAConfig
 from longboat.embodied.models.smolvla.lerobot_format import (
     WEIGHTS_NAME,
@@ -102,6 +103,14 @@ FAMILY = PolicyFamily(
     batch_spec=batch_spec,
     action_width_key="action_dim",
     synthetic_image_hw=(32, 32),
+    prompts=PromptProcessor(
+        find_tokenizer=processor.find_tokenizer,
+        needs_tokenizer=processor.needs_tokenizer,
+        missing_tokenizer_error=processor.missing_tokenizer_error,
+        build=processor.build_prompt_tokenizer,
+        config_overrides={"backbone_prompts": True},
+        hint="set model.tokenizer=<dir> for the backbone's tokenizer (SmolVLM2's)",
+    ),
     checkpoints=CheckpointAdapter(
         description="LeRobot SmolVLA policies (e.g. lerobot/smolvla_base)",
         resolve_config=resolve_lerobot_config,
