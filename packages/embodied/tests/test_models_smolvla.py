@@ -133,11 +133,12 @@ def _vlm_dir(tmp_path: Path) -> Path:
 
 
 def test_lerobot_format_round_trip_is_exact(tmp_path: Path):
-    m = _model().eval()
+    vlm = str(_vlm_dir(tmp_path))
+    m = _model(vlm_model_name=vlm).eval()
     with torch.no_grad():
         for p in m.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    base = {"type": "smolvla", "vlm_model_name": str(_vlm_dir(tmp_path)), "num_vlm_layers": 4}
+    base = {"type": "smolvla", "vlm_model_name": vlm, "num_vlm_layers": 4}
     cfg = lerobot_config_for(
         m, state_dim=6, action_dim=5, camera_keys=["observation.images.top"], base=base
     )
@@ -152,7 +153,7 @@ def test_lerobot_format_round_trip_is_exact(tmp_path: Path):
     # Another backbone than the one vlm_model_name describes is refused, naming the key.
     with pytest.raises(ConfigError, match="vlm_model_name"):
         lerobot_config_for(
-            _model(**{"vision.num_layers": 1}),
+            _model(**{"vision.num_layers": 1, "vlm_model_name": vlm}),
             state_dim=6,
             action_dim=5,
             camera_keys=[],
@@ -245,4 +246,7 @@ def test_a_run_from_a_lerobot_checkpoint_needs_the_backbone_tokenizer(tmp_path: 
     assert torch.equal(PromptTokenizer(vlm, 8)(["pick\n"], [None])[0], ids[1:])
     lerobot = policy("smolvla").export_format("lerobot")
     assert "model.tokenizer" in lerobot.unavailable(_model().cfg, 1)
-    assert lerobot.unavailable(_model(backbone_prompts=True).cfg, 1) is None
+    assert "vlm_model_name" in lerobot.unavailable(_model(backbone_prompts=True).cfg, 1)
+    described = _model(backbone_prompts=True, vlm_model_name=str(vlm)).cfg
+    assert lerobot.unavailable(described, 1) is None
+    assert "2 sub-datasets" in lerobot.unavailable(described, 2)

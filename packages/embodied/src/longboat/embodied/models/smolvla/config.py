@@ -10,6 +10,9 @@ from typing import ClassVar, Literal
 from longboat.embodied.models.common.lm import DecoderConfig
 from longboat.embodied.models.common.vit import ViTConfig
 
+SMOLVLM2_500M = "HuggingFaceTB/SmolVLM2-500M-Video-Instruct"
+"""LeRobot's default backbone (the full flavor's shapes)."""
+
 
 def expert_intermediate_size(width: int) -> int:
     """The action expert's MLP width for a residual ``width``: 4 * (2/3 of it), rounded up to
@@ -88,6 +91,10 @@ class SmolVLAConfig:
     """Train the state projection (LeRobot's ``train_state_proj``)."""
     frozen_dtype: str = "bfloat16"
     """dtype of frozen parameters after ``apply_freezing`` (trainable ones are fp32)."""
+    vlm_model_name: str | None = None
+    """The SmolVLM2 model whose config.json describes the backbone (LeRobot's
+    ``vlm_model_name``: a Hub name or a local directory); None: none does, and the policy is
+    not written in LeRobot's format, which builds the backbone from that config."""
     backbone_prompts: bool = False
     """The prompts are tokenised by the backbone's Hugging Face tokenizer (LeRobot's
     preprocessor: the task and a newline); set by a run with ``model.tokenizer`` or a LeRobot
@@ -162,6 +169,7 @@ def full() -> SmolVLAConfig:
         scale_factor=4,
         text=text,
         expert=expert_for(text, 0.75),
+        vlm_model_name=SMOLVLM2_500M,
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from longboat.core.config.errors import ConfigError
 from longboat.embodied.models.common.dataset_meta import ACTION_KEY, STATE_KEY, dataset_meta
 from longboat.embodied.models.smolvla.lerobot_format import (
+    backbone_mismatch,
     lerobot_config_for,
     read_lerobot_config,
     save_lerobot_smolvla,
@@ -75,6 +76,9 @@ def unavailable(cfg: Any, num_datasets: int) -> str | None:
             "the byte-level stand-in tokenizer's ids are not what LeRobot's preprocessor "
             "feeds (set model.tokenizer=<dir> to the backbone's tokenizer)"
         )
+    why = backbone_mismatch(cfg)
+    if why is not None:
+        return why
     if num_datasets > 1:
         return (
             f"{num_datasets} sub-datasets, and LeRobot's SmolVLA normaliser holds one set of "

@@ -15,6 +15,7 @@ Loading drops them; saving writes a copy of the token embeddings and a unit norm
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -28,12 +29,10 @@ from longboat.core.config.errors import ConfigError
 from longboat.embodied.models.common.lm import DecoderConfig
 from longboat.embodied.models.common.vit import ViTConfig
 from longboat.embodied.models.smolvla import config as smolvla_config
-from longboat.embodied.models.smolvla.config import SmolVLAConfig, expert_for
+from longboat.embodied.models.smolvla.config import SMOLVLM2_500M, SmolVLAConfig, expert_for
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-SMOLVLM2_500M = "HuggingFaceTB/SmolVLM2-500M-Video-Instruct"
-"""LeRobot's default backbone (the full flavor's shapes)."""
 
 
 def read_lerobot_config(directory: str | Path) -> dict[str, Any]:
@@ -147,14 +146,8 @@ def config_from_lerobot(lerobot_cfg: dict[str, Any]) -> SmolVLAConfig:
             "the LeRobot smolvla config cannot be built: " + "; ".join(problems),
             key="model.init_from",
         )
-    vlm = read_vlm_config(str(lerobot_cfg.get("vlm_model_name", SMOLVLM2_500M)))
-    if vlm is None:
-        full = smolvla_config.full()
-        vision, scale, text = full.vision, full.scale_factor, full.text
-        if n_vlm > 0:
-            text = DecoderConfig(**{**text.__dict__, "num_layers": min(n_vlm, 32)})
-    else:
-        vision, scale, text = backbone_from_vlm(vlm, n_vlm)
+    vlm_name = str(lerobot_cfg.get("vlm_model_name", SMOLVLM2_500M))
+    vision, scale, text = describe_backbone(vlm_name, n_vlm)
     side = vision.pos_grid[0] * vision.patch_size
     res = lerobot_cfg.get("resize_imgs_with_padding") or [side, side]
     if list(res) != [side, side]:
@@ -185,7 +178,40 @@ def config_from_lerobot(lerobot_cfg: dict[str, Any]) -> SmolVLAConfig:
         tune_llm=not lerobot_cfg.get("train_expert_only", True),
         tune_state_proj=bool(lerobot_cfg.get("train_state_proj", True)),
         frozen_dtype="float32",
+        vlm_model_name=vlm_name,
     )
+
+
+def describe_backbone(vlm_name: str, num_vlm_layers: int) -> tuple[ViTConfig, int, DecoderConfig]:
+    """(vision tower, pixel-shuffle factor, text model kept) of the SmolVLM2 model
+    ``vlm_name`` names, its first ``num_vlm_layers`` text layers kept (<= 0: all)."""
+    vlm = read_vlm_config(vlm_name)
+    if vlm is not None:
+        return backbone_from_vlm(vlm, num_vlm_layers)
+    full = smolvla_config.full()
+    layers = num_vlm_layers if 0 < num_vlm_layers < 32 else 32
+    return full.vision, full.scale_factor, dataclasses.replace(full.text, num_layers=layers)
+
+
+def backbone_mismatch(cfg: SmolVLAConfig) -> str | None:
+    """Why LeRobot would not rebuild ``cfg``'s backbone from ``cfg.vlm_model_name`` (None:
+    it would)."""
+    if cfg.vlm_model_name is None:
+        return (
+            "no SmolVLM2 model describes the backbone (vlm_model_name), and LeRobot builds it "
+            "from that model's config.json: start from a LeRobot SmolVLA checkpoint or use "
+            "the full flavor"
+        )
+    try:
+        described = describe_backbone(cfg.vlm_model_name, cfg.text.num_layers)
+    except ConfigError as err:
+        return str(err)
+    if described != (cfg.vision, cfg.scale_factor, cfg.text):
+        return (
+            f"the backbone is not the one vlm_model_name={cfg.vlm_model_name!r} describes, "
+            "and LeRobot builds it from that model's config.json"
+        )
+    return None
 
 
 # ---- key mapping -------------------------------------------------------------------------
@@ -360,23 +386,15 @@ def lerobot_config_for(
     normalization: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """A LeRobot ``SmolVLAConfig`` dict describing ``model``: ``base`` (the config.json the
-    weights came from, if any; its ``vlm_model_name`` names the backbone) with the
-    architecture and feature fields set from ``model``. Without ``base`` only the full
-    flavor's backbone (SmolVLM2-500M) can be named."""
+    weights came from, if any) with the architecture and feature fields set from ``model``;
+    ``vlm_model_name`` is the model config's (a ConfigError where it does not describe the
+    backbone: ``backbone_mismatch``)."""
     cfg: SmolVLAConfig = model.cfg
     out = dict(base or {})
-    vlm_name = str(out.get("vlm_model_name", SMOLVLM2_500M))
-    described = config_from_lerobot(
-        {**out, "vlm_model_name": vlm_name, "num_vlm_layers": cfg.text.num_layers}
-    )
-    if (described.vision, described.scale_factor, described.text) != (
-        cfg.vision,
-        cfg.scale_factor,
-        cfg.text,
-    ):
+    why = backbone_mismatch(cfg)
+    if why is not None:
         raise ConfigError(
-            f"the policy's backbone is not the one vlm_model_name={vlm_name!r} describes; "
-            "LeRobot builds SmolVLA's backbone from that model's config.json",
+            f"cannot be written in LeRobot's format: {why}",
             key="model.init_from",
             fix="start from a LeRobot SmolVLA checkpoint whose backbone the run keeps",
         )
@@ -401,7 +419,7 @@ def lerobot_config_for(
         empty_cameras=n_empty,
         tokenizer_max_length=cfg.max_token_len,
         num_steps=cfg.num_inference_steps,
-        vlm_model_name=vlm_name,
+        vlm_model_name=cfg.vlm_model_name,
         attention_mode=cfg.attention_mode,
         num_expert_layers=-1,
         num_vlm_layers=cfg.text.num_layers,

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from longboat.core.config.errors import ConfigError
-from longboat.embodied.models.smolvla.lerobot_format import SMOLVLM2_500M
+from longboat.embodied.models.smolvla.config import SMOLVLM2_500M
 
 TOKENIZER_DIR = "tokenizer"
 """Sub-folder of an exported policy holding its tokenizer files."""
