@@ -250,3 +250,33 @@ def test_a_run_from_a_lerobot_checkpoint_needs_the_backbone_tokenizer(tmp_path: 
     described = _model(backbone_prompts=True, vlm_model_name=str(vlm)).cfg
     assert lerobot.unavailable(described, 1) is None
     assert "2 sub-datasets" in lerobot.unavailable(described, 2)
+
+
+def test_unsupported_lerobot_settings_are_config_errors_naming_them(tmp_path: Path):
+    from longboat.embodied.models.smolvla.lerobot_format import config_from_lerobot
+
+    vlm = str(_vlm_dir(tmp_path))
+    base = {"type": "smolvla", "vlm_model_name": vlm, "num_vlm_layers": 4}
+    assert config_from_lerobot(base).text.num_layers == 4
+    for bad, named in (
+        ({"add_image_special_tokens": True}, "add_image_special_tokens"),
+        ({"num_expert_layers": 2}, "num_expert_layers=2"),
+        ({"resize_imgs_with_padding": [64, 64]}, "resize_imgs_with_padding"),
+        ({"vlm_model_name": str(tmp_path / "absent")}, "vlm_model_name"),
+    ):
+        with pytest.raises(ConfigError, match=named):
+            config_from_lerobot({**base, **bad})
+
+
+def test_flops_count_the_backward_only_where_parts_train():
+    from longboat.embodied.models import policy
+
+    family = policy("smolvla")
+    frozen = family.flops_per_sample(family.flavor("full"), 2, (512, 512), 48)
+    trained = family.flops_per_sample(
+        build_model("smolvla", "full", overrides={"tune_llm": True}, device="meta").cfg,
+        2,
+        (512, 512),
+        48,
+    )
+    assert 0 < frozen < trained < 3 * frozen
