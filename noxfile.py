@@ -9,7 +9,7 @@ same versions.
     uv run nox -s build isolation  # wheels + sdists, then each wheel alone
     uv run nox -s gpu              # GPU tests and benchmarks (needs CUDA)
     uv run nox -s faults           # fault injection on every stack -> benchmarks/results/
-    uv run nox -s build lerobot_parity  # pi0.5 against lerobot 0.6.1 in its own venv
+    uv run nox -s build lerobot_parity  # pi0.5, GR00T, SmolVLA against lerobot 0.6.1
 """
 
 from __future__ import annotations
@@ -290,17 +290,17 @@ def cpu_install(session: nox.Session) -> None:
         session.log(f"a CPU torch stays: {len(planned)} other distributions would be installed")
 
 
-LEROBOT_PIN = "lerobot[pi,groot]==0.6.1"
+LEROBOT_PIN = "lerobot[pi,groot,smolvla]==0.6.1"
 LEROBOT_TESTS = ROOT / "packages" / "embodied" / "tests" / "lerobot_parity"
 
 
 @nox.session(venv_backend="none")
 def lerobot_parity(session: nox.Session) -> None:
-    """pi0.5 and GR00T against LeRobot's own implementations (not a default session).
+    """pi0.5, GR00T and SmolVLA against LeRobot's own implementations (not a default session).
     lerobot 0.6.1 pins torch<2.12, numpy<2.3 and transformers<5.6, so it cannot join the
-    workspace lock: a fresh venv gets lerobot[pi,groot]==0.6.1 (groot: diffusers, peft,
-    dm-tree, timm, decord; no flash-attn) with its pins (torch 2.11 from the package index,
-    a large first download) and the built longboat-core / -kernels / -embodied wheels from
+    workspace lock: a fresh venv gets lerobot[pi,groot,smolvla]==0.6.1 (groot: diffusers,
+    peft, dm-tree, timm, decord; no flash-attn; smolvla: num2words, accelerate) with its pins
+    (torch 2.11 from the package index, a large first download) and the built longboat-core / -kernels / -embodied wheels from
     dist/ (`nox -s build lerobot_parity`), then runs tests/lerobot_parity on the CPU."""
     stems = ("longboat_core", "longboat_kernels", "longboat_embodied")
     wheels = [sorted(DIST.glob(f"{stem}-*.whl")) for stem in stems]

@@ -30,9 +30,9 @@ def test_a_family_path_folder_is_a_policy_and_only_with_the_variable(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("LONGBOAT_FAMILY_PATH", raising=False)
-    assert policy_names() == ["groot_n1_6", "pi05"]
+    assert policy_names() == ["groot_n1_6", "pi05", "smolvla"]
     monkeypatch.setenv("LONGBOAT_FAMILY_PATH", str(FAMILIES))
-    assert policy_names() == ["groot_n1_6", "pi05", "toy_policy"]
+    assert policy_names() == ["groot_n1_6", "pi05", "smolvla", "toy_policy"]
     toy = policy("toy_policy")
     # core's one registry found it: a core Family of the embodied stack, imported by location
     assert isinstance(toy, Family) and toy.stack == "embodied"
@@ -61,7 +61,7 @@ def test_an_installed_package_names_its_policy_by_entry_point(
     (info / "entry_points.txt").write_text("[longboat.families]\ntoy_policy = toy_policy:FAMILY\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.syspath_prepend(str(FAMILIES))
-    assert policy_names() == ["groot_n1_6", "pi05", "toy_policy"]
+    assert policy_names() == ["groot_n1_6", "pi05", "smolvla", "toy_policy"]
     assert policy("toy_policy").model_class.__module__ == "toy_policy"
 
 

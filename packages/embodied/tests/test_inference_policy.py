@@ -54,8 +54,8 @@ def _run(experiment: str, run: Path, *extra: str):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
     """Two-step runs: pi0.5 from scratch (its stand-in tokenizer), with the byte-level
-    stand-in and with a tokenizer, GR00T from scratch (the byte-level stand-in) and with a
-    tokenizer; (run dir, its config) each."""
+    stand-in and with a tokenizer, GR00T and SmolVLA from scratch (the byte-level stand-in)
+    and with a tokenizer; (run dir, its config) each."""
     root = tmp_path_factory.mktemp("inference")
     pi_tok = write_tiny_tokenizer(root / "pi_tokenizer")
     groot_tok = write_tiny_qwen_tokenizer(root / "groot_tokenizer")
@@ -66,6 +66,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, obje
         ("pi05_tok", "pi05_tiny", (f"model.tokenizer={pi_tok}",)),
         ("groot", "groot_n1_6_tiny", ()),
         ("groot_tok", "groot_n1_6_tiny", (f"model.tokenizer={groot_tok}",)),
+        ("smolvla", "smolvla_tiny", ()),
+        ("smolvla_tok", "smolvla_tiny", (f"model.tokenizer={pi_tok}",)),
     ):
         run = root / name
         out[name] = (run, _run(experiment, run, *extra))
@@ -88,12 +90,15 @@ def _reference(cfg, index: int, noise: torch.Tensor) -> torch.Tensor:
     return norm.unnormalize(ACTION_KEY, actions[0, :, :width].float()).float()
 
 
-@pytest.mark.parametrize("name", ["pi05", "pi05_byte", "pi05_tok", "groot", "groot_tok"])
+@pytest.mark.parametrize(
+    "name", ["pi05", "pi05_byte", "pi05_tok", "groot", "groot_tok", "smolvla", "smolvla_tok"]
+)
 def test_raw_frame_gives_the_training_batch_actions_in_robot_units(runs, name: str) -> None:
     run, cfg = runs[name]
     export = run / "export"
     assert (export / PROCESSOR_NAME).is_file()
-    assert (export / "tokenizer").is_dir() == (name in ("pi05", "pi05_tok", "groot_tok"))
+    tokenizers = ("pi05", "pi05_tok", "groot_tok", "smolvla_tok")
+    assert (export / "tokenizer").is_dir() == (name in tokenizers)
     policy = load_policy(export)
     frame = LeRobotDataset(run / "dataset")[5]  # float frames, state in the robot's units
     spec = policy.processor.spec

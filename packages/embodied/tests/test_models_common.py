@@ -239,7 +239,7 @@ def test_apply_freezing_sets_flags_and_dtypes():
     assert counts["trainable"] == sum(p.numel() for p in m.parameters() if p.requires_grad)
 
 
-@pytest.mark.parametrize("name", ["groot_n1_6", "pi05"])
+@pytest.mark.parametrize("name", ["groot_n1_6", "pi05", "smolvla"])
 def test_meta_build_then_init_weights_gives_a_working_model(name):
     # The FSDP path: build on meta, materialise with to_empty, initialise in place.
     from longboat.embodied.models.synthetic import synthetic_batch

@@ -82,7 +82,7 @@ def _policy_batch(name: str, cfg: object) -> dict:
     return collate(helpers._samples(name, cfg.action_horizon, 2))
 
 
-@pytest.mark.parametrize("name", ["groot_n1_6", "pi05"])
+@pytest.mark.parametrize("name", ["groot_n1_6", "pi05", "smolvla"])
 def test_every_block_of_the_real_policies_is_entered(name: str) -> None:
     """FSDP gathers a block's shards in hooks on its forward (or registered methods): every
     block must actually be entered that way in a training forward, or it would run on shards."""

@@ -24,7 +24,7 @@ STEPS = 3
 GLOBAL_BATCH = 4
 RTOL = 1e-5
 CAMERAS = ("observation.images.front", "observation.images.wrist")
-IMAGE_HW = {"groot_n1_6": (56, 84), "pi05": (56, 56)}
+IMAGE_HW = {"groot_n1_6": (56, 84), "pi05": (56, 56), "smolvla": (32, 32)}
 TASKS = ("pick up the red cube", "place the cube in the bowl")
 
 

@@ -23,10 +23,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import save_file
 
-from longboat.core.config.errors import ConfigError
+from longboat.embodied.models.common.lerobot_stats import stats_tensors
 from longboat.embodied.models.pi05.processor import (
     PALIGEMMA_TOKENIZER,
     TOKENIZER_DIR,
@@ -34,39 +33,6 @@ from longboat.embodied.models.pi05.processor import (
 )
 
 TOKENIZER = PALIGEMMA_TOKENIZER
-STATS = ("mean", "std", "min", "max", "q01", "q99")
-NEEDED = {"MEAN_STD": ("mean", "std"), "MIN_MAX": ("min", "max"), "QUANTILES": ("q01", "q99")}
-"""The statistics each LeRobot normalisation mode reads."""
-
-
-def _stats_tensors(
-    stats: Mapping[str, Mapping[str, Any]],
-    features: Mapping[str, Any],
-    norm_map: Mapping[str, str],
-) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    problems = []
-    for key, feat in features.items():
-        if feat.get("type") not in ("STATE", "ACTION"):
-            continue
-        width = int(feat["shape"][0])
-        if key not in stats:
-            problems.append(f"no statistics for {key!r}")
-            continue
-        mode = norm_map.get(feat["type"], "IDENTITY")
-        for stat in STATS:
-            if stat not in stats[key]:
-                if stat in NEEDED.get(mode, ()):
-                    problems.append(f"{key!r} has no {stat!r} ({feat['type']} is {mode})")
-                continue
-            t = torch.as_tensor(stats[key][stat], dtype=torch.float32).flatten()
-            if t.numel() != width:
-                problems.append(f"{key}.{stat} has {t.numel()} values, the feature {width}")
-                continue
-            out[f"{key}.{stat}"] = t.contiguous()
-    if problems:
-        raise ConfigError("normaliser statistics do not fit the policy: " + "; ".join(problems))
-    return out
 
 
 def save_lerobot_processors(
@@ -92,7 +58,7 @@ def save_lerobot_processors(
     inputs = dict(lerobot_cfg["input_features"])
     outputs = dict(lerobot_cfg["output_features"])
     norm_map = dict(lerobot_cfg.get("normalization_mapping") or {})
-    tensors = _stats_tensors(stats, {**inputs, **outputs}, norm_map)
+    tensors = stats_tensors(stats, {**inputs, **outputs}, norm_map)
     device_step = {
         "registry_name": "device_processor",
         "config": {"device": device, "float_dtype": None},
