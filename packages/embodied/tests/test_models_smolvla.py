@@ -181,7 +181,7 @@ def _run(out: Path, steps: int):
             "optim.schedule.warmup_steps=2",
             "checkpoint.every_steps=0",
             "logging.progress=false",
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
             "export.enabled=false",
             "data.synthetic.num_episodes=2",
             "data.synthetic.episode_length=12",

@@ -345,7 +345,7 @@ def test_trained_run_exports_to_lerobot(lerobot_dir: Path, vlm_dir: Path, tmp_pa
             "train.global_batch_size=null",
             "optim.lr=1e-3",
             "logging.progress=false",
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
             "data.synthetic.num_episodes=2",
             "data.synthetic.episode_length=12",
         ],
