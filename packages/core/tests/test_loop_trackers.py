@@ -124,12 +124,14 @@ def _history_value(item: Any) -> float:
 
 
 def test_wandb_offline_run_holds_config_history_and_summary(tmp_path: Path) -> None:
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     result = run(_cfg(tmp_path, "logging.trackers=[wandb]", "logging.project=tiny"))
+    wandb.teardown()  # the W&B service process exits: everything it holds is on disk
     files = list((tmp_path / "logs" / "demo" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1
     records = _wandb_records(files[0])
     kinds = [r.WhichOneof("record_type") for r in records]
+    assert "run" in kinds, kinds
     run_record = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert (run_record.project, run_record.display_name) == ("tiny", "demo")
     config = {}
