@@ -127,6 +127,22 @@ def test_the_toy_policy_trains_two_steps_through_the_cli(
     assert not any("toy_policy" in p.read_text() for p in TRAIN_DIR.glob("*.py"))
 
 
+def test_lora_defaults_come_from_the_family(family_path: None) -> None:
+    """``lora.targets=[]`` reads ``PolicyFamily.lora_targets`` (the toy policy names none:
+    every linear), and no module under train/ spells a policy's name to pick them."""
+    from longboat.embodied.train.lora import apply_lora, lora_targets
+
+    assert policy("toy_policy").lora_targets == ()
+    assert lora_targets("toy_policy", []) == []
+    model = build_model("toy_policy", "tiny")
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert set(apply_lora(model, [], rank=2, alpha=4.0, dropout=0.0)) == linears
+    for name in policy_names():
+        assert lora_targets(name, []) == list(policy(name).lora_targets)
+        for path in TRAIN_DIR.glob("*.py"):
+            assert f'"{name}"' not in path.read_text(), (name, path.name)
+
+
 def test_an_unknown_policy_is_a_config_error_with_a_did_you_mean(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -196,6 +196,87 @@ def test_lora_run_loss_falls(tmp_path: Path) -> None:
     assert last < 0.65 * first, losses
 
 
+_LM = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+SMOLVLA_TINY_TARGETS = {
+    *(f"joint.layers.{i}.{part}.{leaf}" for i in range(4) for part in ("lm", "expert")
+      for leaf in _LM),
+    "state_proj", "action_in_proj", "action_out_proj", "action_time_mlp_in",
+    "action_time_mlp_out",
+}  # fmt: skip
+"""SmolVLA tiny's linears that ``lora.targets=[]`` adapts: the text model's and the action
+expert's attention and MLP in each of its 4 layers, and the state / action / time
+projections (not the vision encoder nor its connector)."""
+
+
+def test_smolvla_default_targets_come_from_its_family() -> None:
+    from torch import nn
+
+    from longboat.embodied.models import build_model
+    from longboat.embodied.models.registry import policy
+    from longboat.embodied.train.lora import apply_lora, lora_targets
+
+    targets = lora_targets("smolvla", [])
+    assert targets == list(policy("smolvla").lora_targets)
+    model = build_model("smolvla", "tiny")
+    linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert linears > SMOLVLA_TINY_TARGETS  # the vision encoder and connector stay as they are
+    adapted = apply_lora(model, targets, rank=RANK, alpha=ALPHA, dropout=0.0)
+    assert set(adapted) == SMOLVLA_TINY_TARGETS
+    assert lora_targets("smolvla", ["q_proj"]) == ["q_proj"]  # given targets win
+
+
+def test_smolvla_lora_run_trains_only_adapters(tmp_path: Path) -> None:
+    """A 3-step LoRA run of experiment=smolvla_tiny: its default targets are adapted, only
+    the adapters train (every B that reaches the loss moves off zero), the base weights stay
+    bit-equal and the adapter folder holds exactly those linears."""
+    from safetensors.torch import load_file
+
+    from longboat.core.train import Trainer, typed_config
+    from longboat.embodied.train.lora import lora_linears
+    from longboat.embodied.train.training import build_training
+
+    overrides = tiny_run_overrides(
+        tmp_path,
+        "train.steps=3",
+        "train.precision=fp32",
+        "optim.lr=1e-2",
+        "optim.schedule.warmup_steps=0",
+        "checkpoint.every_steps=0",
+        "lora.enabled=true",
+        f"lora.rank={RANK}",
+        f"lora.alpha={ALPHA}",
+    )
+    cfg = typed_config(compose_experiment("smolvla_tiny", overrides, world_size=1))
+    training = build_training(cfg)
+    model = training.model
+    try:
+        assert set(lora_linears(model)) == SMOLVLA_TINY_TARGETS
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+        base = {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" not in k}
+        result = Trainer(cfg, training).fit()
+        describe = training.describe()
+    finally:
+        training.close()
+    assert len(result.losses) == 3 and all(torch.isfinite(torch.tensor(result.losses)))
+    after = {k: v for k, v in model.state_dict().items() if "lora_" not in k}
+    assert base.keys() == after.keys()
+    for k in base:
+        assert torch.equal(base[k], after[k]), k
+    line = next(x for x in describe if x.startswith("LoRA:"))
+    assert f"on {len(SMOLVLA_TINY_TARGETS)} linears" in line and "state_proj" in line
+    adapters = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert set(adapters) == {
+        f"base_model.model.{n}.lora_{ab}.weight" for n in SMOLVLA_TINY_TARGETS for ab in "AB"
+    }
+    # The last text layer's query, output and MLP projections never reach the loss (the
+    # prefix's last output is not read): their adapters stay at zero, every other one trains.
+    dead = {f"joint.layers.3.lm.{leaf}" for leaf in _LM if leaf not in ("k_proj", "v_proj")}
+    for n in SMOLVLA_TINY_TARGETS:
+        moved = bool(adapters[f"base_model.model.{n}.lora_B.weight"].abs().sum() > 0)
+        assert moved is (n not in dead), n
+
+
 def _compose(tmp_path: Path, *extra: str) -> Any:
     return compose_experiment(
         "groot_n1_6_tiny", tiny_run_overrides(tmp_path, "lora.enabled=true", *extra), world_size=1

@@ -17,7 +17,8 @@ outside the folder switches on the policy's name:
 - ``checkpoints``: the ``model.init_from`` adapter for its released checkpoints;
 - ``backbones``: the Hugging Face backbones a from-scratch run may start from;
 - ``export_formats``: the reference formats the end of a run writes (``export.format``);
-- ``flops_per_sample``: the useful training FLOPs of one sample (benchmarks' MFU).
+- ``flops_per_sample``: the useful training FLOPs of one sample (benchmarks' MFU);
+- ``lora_targets``: the linears ``lora.targets=[]`` adapts (PEFT's ``target_modules`` names).
 
 Only those and ``batch_spec`` are required; a policy without the others trains from scratch
 with the byte-level stand-in tokenizer and exports the native format only.
@@ -191,6 +192,10 @@ class PolicyFamily(Family):
     """``model.init_from`` of a Hugging Face backbone; None: not supported."""
     export_formats: tuple[ExportFormat, ...] = ()
     """Reference formats written beside the native export (the first is ``auto``'s)."""
+    lora_targets: tuple[str, ...] = ()
+    """The linears a LoRA run with ``lora.targets=[]`` adapts, named as PEFT's
+    ``target_modules`` does (a module path or its last parts, e.g. ``q_proj``); empty: every
+    ``nn.Linear`` of the policy."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

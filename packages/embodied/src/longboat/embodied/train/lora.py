@@ -6,8 +6,9 @@ linear as it was (``base_layer``, frozen) plus ``scale * B(A(dropout(x)))`` with
 policy starts where its base weights are). Every other parameter is frozen too, so only
 the adapters train. ``lora.targets`` names linears as PEFT's ``target_modules`` does: a
 name matches a linear whose module path is that name or ends with ``.<name>``; an empty
-list means the policy's defaults (``DEFAULT_TARGETS``: its language model's attention and
-MLP linears and its action head's linears; every linear for a policy not listed).
+list means the policy's defaults (its ``PolicyFamily.lora_targets``, usually its language
+model's attention and MLP linears and its action head's linears; every linear where the
+policy names none).
 
 The export holds the merged weights (``merge_lora_state`` on the gathered full state dict:
 each adapted linear is put back with ``W + scale * B @ A``, so the exported keys and every
@@ -31,10 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from longboat.embodied.models.registry import find_policy
+
 __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
-    "DEFAULT_TARGETS",
     "LoRALinear",
     "adapter_dir",
     "apply_lora",
@@ -51,15 +53,6 @@ __all__ = [
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-
-_LLM = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-DEFAULT_TARGETS: dict[str, list[str]] = {
-    # The Eagle LM's attention / MLP and the DiT action head's attention / feed-forward.
-    "groot_n1_6": [*_LLM, "to_q", "to_k", "to_v", "to_out", "ff_in", "ff_out"],
-    # The joint PaliGemma / action-expert layers and the action / time projections.
-    "pi05": [*_LLM, "action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out"],
-}
-"""``lora.targets=[]`` (the default) per policy; a policy not listed: every linear."""
 
 
 class LoRALinear(nn.Module):
@@ -110,10 +103,12 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 
 def lora_targets(model_name: str, targets: Sequence[str]) -> list[str]:
-    """The names ``lora.targets`` means: as given, or the policy's defaults when empty."""
+    """The names ``lora.targets`` means: as given, or when empty the policy's defaults
+    (``PolicyFamily.lora_targets`` of ``model_name``; none: every linear)."""
     if targets:
         return list(targets)
-    return list(DEFAULT_TARGETS.get(model_name, []))
+    family = find_policy(model_name)
+    return list(family.lora_targets) if family is not None else []
 
 
 def match_targets(model: nn.Module, targets: Sequence[str]) -> dict[str, list[str]]:

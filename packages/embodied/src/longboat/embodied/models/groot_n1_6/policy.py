@@ -144,4 +144,9 @@ FAMILY = PolicyFamily(
         ),
     ),
     flops_per_sample=flops_per_sample,
+    # The Eagle LM's attention and MLP, and the DiT action head's attention and feed-forward.
+    lora_targets=(
+        *("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        *("to_q", "to_k", "to_v", "to_out", "ff_in", "ff_out"),
+    ),
 )

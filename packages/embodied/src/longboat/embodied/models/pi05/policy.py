@@ -115,4 +115,10 @@ FAMILY = PolicyFamily(
         ),
     ),
     flops_per_sample=flops_per_sample,
+    # The attention and MLP of the joint PaliGemma / action-expert layers, and the action and
+    # time projections.
+    lora_targets=(
+        *("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        *("action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out"),
+    ),
 )

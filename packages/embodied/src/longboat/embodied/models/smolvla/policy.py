@@ -127,4 +127,11 @@ FAMILY = PolicyFamily(
         ),
     ),
     flops_per_sample=flops_per_sample,
+    # The attention and MLP of the joint SmolVLM2-text / action-expert layers, and the state,
+    # action and action-time projections; the vision encoder and its connector stay frozen.
+    lora_targets=(
+        *("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        *("state_proj", "action_in_proj", "action_out_proj"),
+        *("action_time_mlp_in", "action_time_mlp_out"),
+    ),
 )
