@@ -1,6 +1,6 @@
 """A stack's ``train`` command with one fault injected: the process the fault suite launches.
 
-    python tools/faults/run_stack.py STACK [--fault KIND@STEP[:RANK]] train experiment=... k=v
+    python tools/faults/run_stack.py STACK [--fault KIND@STEP[:RANK]] [--fault-attempts N] train ...
 
 runs ``longboat-STACK train ...`` exactly as the console script does (same composition,
 validation, trainer, exit codes), plus one fault after step STEP on rank RANK (every rank
@@ -15,8 +15,8 @@ when omitted):
 - ``disk_full``: the save of step STEP fails with ENOSPC while DCP writes the shards.
 
 Launched once per rank with torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) for
-a multi-process run, or by ``torchrun --max-restarts N`` itself (the fault then happens in the
-first attempt only).
+a multi-process run, or by ``torchrun --max-restarts N`` itself: the fault then happens in
+the first ``--fault-attempts`` attempts (default 1) and the later ones run clean.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("stack")
     parser.add_argument("--fault", default=None)
+    parser.add_argument("--fault-attempts", type=int, default=1)
     args, rest = parser.parse_known_args(argv)
     fault = _parse_fault(args.fault)
 
@@ -101,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 
     stack_train = get_stack(args.stack).resolve_train()
     rank = int(os.environ.get("RANK", "0"))
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        fault = None  # a fault happens once: torchrun's restart runs clean
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) >= args.fault_attempts:
+        fault = None  # torchrun's restarts after the faulty attempts run clean
 
     def train(cfg: Any) -> Any:
         if fault is None:

@@ -78,6 +78,7 @@ CASE_ORDER = [
     "corrupt_latest",
     "disk_full",
     "bad_shard",
+    "torchrun_restart",
 ]
 
 
@@ -113,6 +114,10 @@ def _write_report() -> None:
         "| bad_shard | bytes of a data file damaged (each stack's own reader test: "
         "`BAD_SHARD_TESTS`) | one line naming the file and the row / episode, exit 2, before "
         "any step |",
+        "| torchrun_restart | `torchrun --max-restarts N`, two ranks; rank 1 raises after step 3 "
+        "in each of the first N attempts (`TORCHRUN_RESTARTS`: core 8, llm 2) | each attempt "
+        "names rank 1; each restart joins the job's store afresh and resumes at 2; the last "
+        "one ends with exit 0 and the reference losses |",
         "",
     ]
     Path(path).parent.mkdir(parents=True, exist_ok=True)

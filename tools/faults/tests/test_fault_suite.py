@@ -359,3 +359,38 @@ def test_a_bad_data_shard_is_named_before_training(stack: str, case: str) -> Non
         timeout=LAUNCH_TIMEOUT_S,
     )
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:]
+
+
+TORCHRUN = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+TORCHRUN_RESTARTS = {"core": 8, "llm": 2}
+"""torchrun_restart: the failing attempts before the clean one, per stack. Every attempt joins
+the job's store again (torchrun's agent keeps it), so a restart that fails 40% of the time
+shows in core's cell with probability 1 - 0.6**8 = 98%."""
+
+
+@pytest.mark.faults
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(3 * 900)
+@pytest.mark.parametrize("case", ["torchrun_restart"])
+@pytest.mark.parametrize("stack", list(TORCHRUN_RESTARTS))
+def test_torchrun_max_restarts_resumes_exactly(stack: str, case: str, suite_dir: Path) -> None:
+    """torchrun's agent restarts the job each time rank 1 raises: the same run, bit for bit."""
+    restarts = TORCHRUN_RESTARTS[stack]
+    ref = reference(stack, 2, suite_dir)
+    out = suite_dir / f"{stack}-{case}"
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", str(restarts)]
+    cmd += [str(RUNNER), stack, "--fault", "raise@3:1", "--fault-attempts", str(restarts)]
+    cmd += ["train", *_stack_args(stack, suite_dir / f"{stack}-data"), *COMMON]
+    cmd += [f"output_dir={out}"]
+    done = subprocess.run(
+        cmd, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S * 2
+    )
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-6000:]
+    failed = "rank 1 failed after step 3 (RuntimeError: fault injected"
+    assert text.count(failed) == restarts, text[-6000:]
+    resumed = f"checkpoints/step_{SAVE_EVERY:08d} (step {SAVE_EVERY})"
+    assert text.count(resumed) == restarts, text[-6000:]  # every restart, from step 2
+    assert losses(out) == ref
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -40,6 +42,73 @@ def _env_int(name: str) -> int:
         ) from None
 
 
+_JOIN = "longboat/join/"
+"""Store keys of the handshake by which the ranks of one launch agree on their prefix."""
+_POLL_S = 0.02
+
+_launch_prefix: str | None = None
+
+
+def launch_store_prefix() -> str | None:
+    """The store prefix of this launch's process groups (``init_distributed``), or None when
+    they were not made by it. Other keys a launch puts in the job's store (the watchdog's)
+    go under it, so nothing an earlier attempt wrote is read as this one's."""
+    return _launch_prefix
+
+
+def join_launch(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> str:
+    """A store prefix that every rank of this launch gets and no earlier launch used.
+
+    torchrun's agent hosts one store for the whole job and starts each attempt's ranks
+    against it (``--max-restarts``, a node that rejoins), so the keys an earlier attempt's
+    process groups wrote are still there under the same names: a new rank that reads a peer's
+    address before that peer wrote its own connects to a process that is gone (gloo's
+    connectFullMesh: "Connection refused", or a wait until the timeout), and a store-based
+    barrier counts the old ranks. ``TORCHELASTIC_RESTART_COUNT`` is no generation: each agent
+    counts its own restarts (a replaced node's starts at 0). So the ranks agree on a fresh
+    one: every rank but 0 posts a fresh nonce under its rank number; rank 0 answers each nonce
+    it reads with a fresh generation until every rank has confirmed under that generation (a
+    stale nonce gets an answer that nobody reads). Raises ``RuntimeError`` naming the ranks
+    that did not join within ``timeout``.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    if rank == 0:
+        generation = uuid.uuid4().hex
+        answered: dict[int, bytes] = {}
+        pending = list(range(1, world_size))
+        while pending:
+            for r in list(pending):
+                if store.check([f"{_JOIN}{generation}/ready/{r}"]):
+                    pending.remove(r)
+                elif store.check([f"{_JOIN}ask/{r}"]):
+                    nonce = store.get(f"{_JOIN}ask/{r}")
+                    if answered.get(r) != nonce:
+                        store.set(f"{_JOIN}answer/{nonce.decode()}", generation)
+                        answered[r] = nonce
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"rank(s) {pending} of {world_size} did not join the process group within "
+                    f"{timeout.total_seconds():g}s; check their logs (a rank that failed to start)"
+                )
+            if pending:
+                time.sleep(_POLL_S)
+    else:
+        nonce = uuid.uuid4().hex
+        answer = f"{_JOIN}answer/{nonce}"
+        store.set(f"{_JOIN}ask/{rank}", nonce)
+        try:
+            store.wait([answer], timeout)
+        except (RuntimeError, dist.DistError) as exc:  # DistStoreError on the timeout
+            raise RuntimeError(
+                f"rank {rank}: rank 0 did not admit it to the process group within "
+                f"{timeout.total_seconds():g}s ({exc}); check rank 0's log"
+            ) from None
+        generation = store.get(answer).decode()
+        store.delete_key(answer)
+        store.set(f"{_JOIN}{generation}/ready/{rank}", "1")
+    return f"longboat/{generation}/"
+
+
 def init_distributed(
     accelerator: Accelerator | None = None,
     *,
@@ -53,7 +122,9 @@ def init_distributed(
     timedelta): how long joining the group and a collective wait for a peer; generous, as
     ranks start at different times and rank 0 may prepare data while the others wait. The
     trainer narrows it to ``train.collective_timeout_s`` for the steps
-    (``set_collective_timeout``).
+    (``set_collective_timeout``). The group's keys go under a prefix that the ranks of this
+    launch agree on first (``join_launch``): an attempt that torchrun's agent restarts on the
+    job's store never reads what an earlier attempt left there.
     """
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
@@ -79,9 +150,20 @@ def init_distributed(
     if acc.device_type != "cpu":
         # Binding the group to the device lets NCCL-like backends connect eagerly.
         kwargs["device_id"] = acc.device(local_rank)
+    global _launch_prefix
+    # The job's store as torch's env:// rendezvous makes it (a client of torchrun's agent
+    # store, or hosted by rank 0), under a prefix of this launch alone (``join_launch``).
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    prefix = join_launch(store, rank, world_size, timeout)
     dist.init_process_group(
-        backend=backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs
+        backend=backend,
+        store=dist.PrefixStore(prefix, store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        **kwargs,
     )
+    _launch_prefix = prefix
     return DistInfo(rank, local_rank, world_size, backend)
 
 
@@ -106,8 +188,10 @@ def set_collective_timeout(seconds: float) -> None:
 
 def destroy_distributed() -> None:
     """Tear down the default process group if one exists (safe to call twice)."""
+    global _launch_prefix
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _launch_prefix = None
 
 
 def single_process_group(accelerator: Accelerator) -> bool:

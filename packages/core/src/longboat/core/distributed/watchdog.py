@@ -39,6 +39,7 @@ from typing import Any, TextIO
 
 import torch.distributed as dist
 
+from longboat.core.distributed.init import launch_store_prefix
 from longboat.core.errors import RankFailure, UserError
 
 HEARTBEAT_S = 1.0
@@ -92,7 +93,8 @@ def _in_collective(frame: Any) -> bool:
 
 def _store(timeout_s: float) -> Any | None:
     """A client of the job's rendezvous store of its own (a peer's blocking call on the
-    process group's client cannot stall it), keys under this attempt's prefix."""
+    process group's client cannot stall it), keys under this launch's prefix
+    (``launch_store_prefix``: nothing an earlier attempt wrote is read)."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
         return None
@@ -106,7 +108,10 @@ def _store(timeout_s: float) -> Any | None:
         )
     except (RuntimeError, ValueError, OSError):
         return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    launch = launch_store_prefix()
+    if launch is not None:
+        return dist.PrefixStore(f"{launch}watchdog/", client)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a group made elsewhere
     run = os.environ.get("TORCHELASTIC_RUN_ID", "")
     return dist.PrefixStore(f"longboat/watchdog/{run}/{attempt}/", client)
 
