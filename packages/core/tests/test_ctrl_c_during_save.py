@@ -24,7 +24,7 @@ STEPS = ("train.steps=24", "checkpoint.every_steps=10", "checkpoint.keep_last=0"
 
 
 def _cfg(out: Path):
-    overrides = [f"output_dir={out}", "logging.progress=false", "logging.tensorboard=false"]
+    overrides = [f"output_dir={out}", "logging.progress=false", "logging.trackers=[]"]
     return compose_experiment("demo", [*overrides, *STEPS], stack="core")
 
 
