@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from longboat.core.checkpoint.errors import CheckpointError
+from longboat.embodied.models.common.checkpoint_files import WEIGHTS_NAME
 from longboat.embodied.models.family import (
     BackboneAdapter,
     CheckpointAdapter,
@@ -22,7 +23,6 @@ from longboat.embodied.models.pi05 import hf_backbone, lerobot_export, processor
 from longboat.embodied.models.pi05.config import Pi05Config
 from longboat.embodied.models.pi05.flops import flops_per_sample
 from longboat.embodied.models.pi05.lerobot_format import (
-    WEIGHTS_NAME,
     config_from_lerobot,
     from_lerobot_state_dict,
     load_lerobot_weights,

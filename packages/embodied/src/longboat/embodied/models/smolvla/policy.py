@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from longboat.core.checkpoint.errors import CheckpointError
+from longboat.embodied.models.common.checkpoint_files import WEIGHTS_NAME
 from longboat.embodied.models.family import (
     CheckpointAdapter,
     ExportFormat,
@@ -22,7 +23,6 @@ from longboat.embodied.models.registry import apply_overrides
 from longboat.embodied.models.smolvla import lerobot_export, processor
 from longboat.embodied.models.smolvla.config import SmolVLAConfig
 from longboat.embodied.models.smolvla.lerobot_format import (
-    WEIGHTS_NAME,
     config_from_lerobot,
     from_lerobot_state_dict,
     load_lerobot_weights,
