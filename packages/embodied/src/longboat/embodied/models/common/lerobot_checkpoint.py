@@ -24,6 +24,7 @@ from longboat.embodied.models.common.checkpoint_files import (
     WEIGHTS_NAME,
     mismatch_report,
     raise_on_mismatch,
+    read_shapes,
 )
 
 CONFIG_NAME = "config.json"
@@ -160,6 +161,23 @@ def load_lerobot_weights_with(
     assert not result.missing_keys and not result.unexpected_keys
 
 
+def check_lerobot_weights(
+    init_from: str | Path,
+    build: Callable[[Any], torch.nn.Module],
+    cfg: Any,
+    from_lerobot_state_dict: Callable[..., dict[str, Tensor]],
+) -> None:
+    """Check the names and shapes of ``init_from/model.safetensors`` against ``build(cfg)``
+    (built on the meta device, nothing read but the file's header); a CheckpointError lists
+    every mismatch."""
+    path = Path(init_from) / WEIGHTS_NAME
+    if not path.is_file():
+        raise CheckpointError(f"{path} does not exist (a LeRobot policy holds model.safetensors)")
+    with torch.device("meta"):
+        model = build(cfg)
+    from_lerobot_state_dict(model, read_shapes(init_from), source=str(path))
+
+
 def save_lerobot_directory(
     state: dict[str, Tensor], directory: str | Path, lerobot_cfg: dict[str, Any]
 ) -> Path:
@@ -170,3 +188,23 @@ def save_lerobot_directory(
     save_file(state, str(directory / WEIGHTS_NAME))
     (directory / CONFIG_NAME).write_text(json.dumps(lerobot_cfg, indent=4) + "\n")
     return directory
+
+
+def write_processor_files(
+    directory: Path,
+    pre: dict[str, Any],
+    post: dict[str, Any],
+    tensors: dict[str, Tensor],
+    state_files: tuple[str, str],
+) -> list[Path]:
+    """Write LeRobot's ``policy_preprocessor.json`` (``pre``) and ``policy_postprocessor.json``
+    (``post``) and the normaliser statistics ``tensors`` into both ``state_files`` (the
+    normaliser's and the unnormaliser's) in ``directory``; returns the files written."""
+    written = []
+    for name, body in (("policy_preprocessor.json", pre), ("policy_postprocessor.json", post)):
+        (directory / name).write_text(json.dumps(body, indent=2) + "\n")
+        written.append(directory / name)
+    for name in state_files:
+        save_file(tensors, str(directory / name))
+        written.append(directory / name)
+    return written
