@@ -29,6 +29,9 @@ from longboat.embodied.models.common.checkpoint_files import (
 
 CONFIG_NAME = "config.json"
 EMPTY_CAMERA_PREFIX = "observation.images.empty_camera_"
+TRAINING_NORMALIZATION = {"VISUAL": "IDENTITY", "STATE": "MIN_MAX", "ACTION": "MIN_MAX"}
+"""How longboat's embodied training normalises (min_max), as LeRobot's
+``normalization_mapping`` spells it."""
 
 
 def read_policy_config(directory: str | Path, policy_type: str, display: str) -> dict[str, Any]:
