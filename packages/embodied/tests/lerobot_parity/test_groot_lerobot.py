@@ -28,6 +28,7 @@ from lerobot.configs import FeatureType, PolicyFeature
 from lerobot.policies.groot.configuration_groot import GrootConfig
 from lerobot.policies.groot.groot_n1_7 import GR00TN17, GR00TN17Config
 from lerobot.policies.groot.modeling_groot import GrootPolicy
+from lerobot_parity_kit import perturb
 from transformers import Qwen3VLConfig
 from transformers.feature_extraction_utils import BatchFeature
 
@@ -43,13 +44,6 @@ pytestmark = pytest.mark.lerobot
 
 B, L, WIDTH, HORIZON, MAX_DIM, STATE_DIM, ACTION_DIM = 2, 12, 64, 10, 8, 6, 5
 CAM = "observation.images.front"
-
-
-def _perturb(module: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +133,7 @@ def lerobot_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             output_features={"action": PolicyFeature(type=FeatureType.ACTION, shape=(ACTION_DIM,))},
         )
     )
-    _perturb(policy, seed=1)
+    perturb(policy, seed=1)
     policy.save_pretrained(policy_dir)
     return policy_dir
 
@@ -276,7 +270,7 @@ def test_export_loads_in_lerobot(lerobot_dir: Path, tmp_path: Path) -> None:
     from lerobot.processor import PolicyProcessorPipeline
 
     ours = _ours_from(lerobot_dir)
-    _perturb(ours.action_head, seed=2)
+    perturb(ours.action_head, seed=2)
     stats = _stats(3)
     out = save_lerobot_groot(
         ours, tmp_path, backbone_from=lerobot_dir, state_dim=STATE_DIM, action_dim=ACTION_DIM,

@@ -29,6 +29,7 @@ from lerobot.configs import FeatureType, PolicyFeature
 from lerobot.policies.pi05 import modeling_pi05
 from lerobot.policies.pi05.configuration_pi05 import PI05Config
 from lerobot.policies.pi05.modeling_pi05 import PI05Policy
+from lerobot_parity_kit import lerobot_loss_and_actions, our_loss_and_actions, perturb
 
 from longboat.embodied.models.pi05.lerobot_format import (
     GEMMA_VARIANTS,
@@ -109,14 +110,6 @@ def _lerobot_config() -> PI05Config:
     )
 
 
-def _perturb(module: torch.nn.Module, seed: int) -> None:
-    """Random weights everywhere, including the zero-initialised adaRMS denses and norms."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-
-
 def _inputs(seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     length = 24
@@ -168,23 +161,11 @@ def _our_batch(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _lerobot_loss_and_actions(policy: PI05Policy, x: dict[str, torch.Tensor]):
-    policy.eval()
-    with (
-        mock.patch.object(policy.model, "sample_noise", lambda shape, device: x["noise"]),
-        mock.patch.object(policy.model, "sample_time", lambda b, device: x["time"]),
-    ):
-        loss, _ = policy.forward(_lerobot_batch(x))
-        actions = policy.predict_action_chunk(_lerobot_batch(x))
-    return loss.detach(), actions
+    return lerobot_loss_and_actions(policy, lambda: _lerobot_batch(x), x["noise"], x["time"])
 
 
 def _our_loss_and_actions(model: torch.nn.Module, x: dict[str, torch.Tensor]):
-    model.eval()
-    batch = _our_batch(x)
-    with torch.no_grad():
-        loss = model(batch)["loss"]
-        actions = model.predict_action(batch, noise=x["noise"])[..., :ACTION_DIM]
-    return loss, actions
+    return our_loss_and_actions(model, _our_batch(x), x["noise"], ACTION_DIM)
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +175,7 @@ def lerobot_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     with tiny_lerobot():
         policy = PI05Policy(_lerobot_config())
-    _perturb(policy, seed=1)
+    perturb(policy, seed=1)
     policy.save_pretrained(out)
     return out
 
@@ -273,7 +254,7 @@ def test_export_loads_in_lerobot(lerobot_dir: Path, tmp_path: Path) -> None:
     )
 
     ours, base = load_lerobot_pi05(lerobot_dir)
-    _perturb(ours, seed=2)
+    perturb(ours, seed=2)
     cfg = lerobot_config_for(
         ours, state_dim=STATE_DIM, action_dim=ACTION_DIM, camera_keys=CAMS, base=base
     )

@@ -20,6 +20,7 @@ pytest.importorskip("lerobot", reason="lerobot is installed only by `nox -s lero
 from lerobot.configs import FeatureType, PolicyFeature
 from lerobot.policies.smolvla.configuration_smolvla import SmolVLAConfig as LeRobotSmolVLAConfig
 from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy
+from lerobot_parity_kit import lerobot_loss_and_actions, our_loss_and_actions, perturb
 
 from longboat.embodied.models.smolvla.lerobot_format import (
     lerobot_config_for,
@@ -124,13 +125,6 @@ def _lerobot_config(vlm: Path) -> LeRobotSmolVLAConfig:
     )
 
 
-def _perturb(module: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-
-
 def _inputs(seed: int = 0, size: tuple[int, int] = (SIDE, SIDE)) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     length = 12
@@ -182,23 +176,11 @@ def _our_batch(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _lerobot_loss_and_actions(policy: SmolVLAPolicy, x: dict[str, torch.Tensor]):
-    policy.eval()
-    with (
-        mock.patch.object(policy.model, "sample_noise", lambda shape, device: x["noise"]),
-        mock.patch.object(policy.model, "sample_time", lambda b, device: x["time"]),
-    ):
-        loss, _ = policy.forward(_lerobot_batch(x))
-        actions = policy.predict_action_chunk(_lerobot_batch(x))
-    return loss.detach(), actions
+    return lerobot_loss_and_actions(policy, lambda: _lerobot_batch(x), x["noise"], x["time"])
 
 
 def _our_loss_and_actions(model: torch.nn.Module, x: dict[str, torch.Tensor]):
-    model.eval()
-    batch = _our_batch(x)
-    with torch.no_grad():
-        loss = model(batch)["loss"]
-        actions = model.predict_action(batch, noise=x["noise"])[..., :ACTION_DIM]
-    return loss, actions
+    return our_loss_and_actions(model, _our_batch(x), x["noise"], ACTION_DIM)
 
 
 def _assert_same(loss, ref_loss, actions, ref_actions, what: str) -> None:
@@ -221,7 +203,7 @@ def lerobot_dir(tmp_path_factory: pytest.TempPathFactory, vlm_dir: Path) -> Path
     out = tmp_path_factory.mktemp("lerobot_smolvla")
     torch.manual_seed(0)
     policy = SmolVLAPolicy(_lerobot_config(vlm_dir))
-    _perturb(policy, seed=1)
+    perturb(policy, seed=1)
     policy.save_pretrained(out)
     return out
 

@@ -21,3 +21,18 @@ def dataset_meta(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         if not path.is_file():
             raise ConfigError(f"{path} does not exist", key="--dataset", value=str(root))
     return json.loads(info_path.read_text()), json.loads(stats_path.read_text())
+
+
+def state_action_features(
+    root: Path, stats: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(features, stats)`` of the LeRobot dataset ``root``: ``meta/info.json``'s features
+    and ``stats`` (default: ``meta/stats.json``); a ConfigError naming ``--dataset`` when
+    the state or the action lacks either."""
+    info, dataset_stats = dataset_meta(root)
+    stats = dataset_stats if stats is None else stats
+    feats = info.get("features", {})
+    missing = [k for k in (STATE_KEY, ACTION_KEY) if k not in feats or k not in stats]
+    if missing:
+        raise ConfigError(f"{root} has no features / stats for {missing}", key="--dataset")
+    return feats, stats

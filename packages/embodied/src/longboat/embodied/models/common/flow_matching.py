@@ -80,6 +80,37 @@ def training_draw(
     return action, mask, noise, t
 
 
+def pi0_training_inputs(
+    batch: dict[str, Tensor], generator: torch.Generator | None, alpha: float
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor, Tensor]:
+    """(action, action mask, x_t, t, target velocity) of one pi0 / pi0.5 training step:
+    ``training_draw`` with ``pi0_time`` (Beta ``alpha``), x_t = t*noise + (1-t)*action,
+    target = noise - action."""
+    action, mask, noise, t = training_draw(
+        batch,
+        generator,
+        lambda b, device: pi0_time(b, device=device, generator=generator, alpha=alpha),
+    )
+    tt = t[:, None, None]
+    x_t = tt * noise + (1 - tt) * action
+    target = noise - action
+    return action, mask, x_t, t, target
+
+
+def flow_loss_outputs(
+    pred: Tensor, target: Tensor, action: Tensor, mask: Tensor | None
+) -> dict[str, Tensor]:
+    """A flow-matching model's training outputs: {"loss" (MSE over the entries of
+    ``action`` that ``mask`` keeps, broadcast to its shape), "pred_velocity",
+    "target_velocity"}."""
+    mask_full = None if mask is None else mask.expand_as(action)
+    return {
+        "loss": masked_mse(pred, target, mask_full),
+        "pred_velocity": pred,
+        "target_velocity": target,
+    }
+
+
 def masked_mse(pred: Tensor, target: Tensor, mask: Tensor | None) -> Tensor:
     """Mean squared error over the entries where mask is true (all when None)."""
     err = (pred.float() - target.float()).pow(2)

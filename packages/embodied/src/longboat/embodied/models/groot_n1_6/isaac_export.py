@@ -12,7 +12,11 @@ from typing import Any
 
 from longboat.core.config.errors import ConfigError
 from longboat.embodied.data import LeRobotMetadata
-from longboat.embodied.models.common.dataset_meta import ACTION_KEY, STATE_KEY, dataset_meta
+from longboat.embodied.models.common.dataset_meta import (
+    ACTION_KEY,
+    STATE_KEY,
+    state_action_features,
+)
 from longboat.embodied.models.groot_n1_6 import processor
 from longboat.embodied.models.groot_n1_6.isaac_format import (
     isaac_config_for,
@@ -96,11 +100,7 @@ def export_groot(
         save_isaac_groot(model, out_dir, isaac_cfg)
         save_isaac_processor(out_dir, isaac_cfg, embodiments)
         return Path(out_dir)
-    info, stats = dataset_meta(root)
-    feats = info.get("features", {})
-    missing = [k for k in (STATE_KEY, ACTION_KEY) if k not in feats or k not in stats]
-    if missing:
-        raise ConfigError(f"{root} has no features / stats for {missing}", key="--dataset")
+    feats, stats = state_action_features(root)
     return save_lerobot_groot(
         load_exported_policy(export_dir),
         out_dir,

@@ -30,8 +30,8 @@ from torch.profiler import record_function
 
 from longboat.embodied.models.common.flow_matching import (
     euler_integrate,
+    flow_loss_outputs,
     groot_time,
-    masked_mse,
     randn_like_gen,
     training_draw,
     zero_padding,
@@ -164,9 +164,7 @@ class GrootN16(nn.Module):
         x_t = (1 - tt) * noise + tt * action
         target = action - noise
         pred = self.action_head.velocity(state_tok, x_t, t, batch["embodiment_id"], cond)
-        mask_full = None if mask is None else mask.expand_as(action)
-        loss = masked_mse(pred, target, mask_full)
-        return {"loss": loss, "pred_velocity": pred, "target_velocity": target}
+        return flow_loss_outputs(pred, target, action, mask)
 
     @torch.no_grad()
     def predict_action(

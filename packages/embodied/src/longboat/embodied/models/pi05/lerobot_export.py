@@ -13,7 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from longboat.core.config.errors import ConfigError
-from longboat.embodied.models.common.dataset_meta import ACTION_KEY, STATE_KEY, dataset_meta
+from longboat.embodied.models.common.dataset_meta import (
+    ACTION_KEY,
+    STATE_KEY,
+    state_action_features,
+)
+from longboat.embodied.models.common.lerobot_checkpoint import TRAINING_NORMALIZATION
 from longboat.embodied.models.hf_backbones import is_hf_backbone
 from longboat.embodied.models.pi05.lerobot_format import (
     lerobot_config_for,
@@ -21,9 +26,6 @@ from longboat.embodied.models.pi05.lerobot_format import (
     save_lerobot_pi05,
 )
 from longboat.embodied.models.pi05.lerobot_processors import save_lerobot_processors
-
-TRAINING_NORMALIZATION = {"VISUAL": "IDENTITY", "STATE": "MIN_MAX", "ACTION": "MIN_MAX"}
-"""How longboat's embodied training normalises (``train/datasets.py``: min_max)."""
 
 
 def export_lerobot_pi05(
@@ -48,12 +50,7 @@ def export_lerobot_pi05(
             "is written for pi05 here (groot_n1_6: export_groot)",
             key="export_dir",
         )
-    info, dataset_stats = dataset_meta(root)
-    stats = dataset_stats if stats is None else stats
-    feats = info.get("features", {})
-    missing = [k for k in (STATE_KEY, ACTION_KEY) if k not in feats or k not in stats]
-    if missing:
-        raise ConfigError(f"{root} has no features / stats for {missing}", key="--dataset")
+    feats, stats = state_action_features(root, stats)
     tokenizer = tokenizer or exported.get("tokenizer")
     if not tokenizer:
         raise ConfigError(

@@ -18,24 +18,20 @@ embedding copy, a zero norm weight (Gemma's identity) and a zero expert head.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from longboat.core.checkpoint.errors import CheckpointError
 from longboat.core.config.errors import ConfigError
+from longboat.embodied.models.common import lerobot_checkpoint as lrc
 from longboat.embodied.models.common.image_preprocessing import ImagePreprocessConfig
+from longboat.embodied.models.common.lerobot_checkpoint import num_cameras
 from longboat.embodied.models.common.lm import DecoderConfig
 from longboat.embodied.models.common.vit import ViTConfig, siglip_so400m
 from longboat.embodied.models.pi05 import config as pi05_config
 from longboat.embodied.models.pi05.config import Pi05Config
-
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 
 # Gemma shapes by LeRobot's variant name: (width, depth, mlp_dim, heads, kv_heads, head_dim).
 # gemma_2b / gemma_300m are LeRobot's (openpi's); the longboat_tiny_* pair is our tiny
@@ -72,41 +68,7 @@ def _decoder(variant: str, vocab: int) -> DecoderConfig:
 
 def read_lerobot_config(directory: str | Path) -> dict[str, Any]:
     """``config.json`` of a LeRobot policy directory (a ConfigError naming the problem)."""
-    path = Path(directory) / CONFIG_NAME
-    if not path.is_file():
-        raise ConfigError(
-            f"{path} does not exist",
-            key="model.init_from",
-            value=str(directory),
-            fix="point model.init_from at a LeRobot policy directory (config.json + "
-            "model.safetensors)",
-        )
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{path} is not valid JSON ({err})", key="model.init_from") from err
-    if not isinstance(raw, dict) or raw.get("type") != "pi05":
-        found = raw.get("type") if isinstance(raw, dict) else type(raw).__name__
-        raise ConfigError(
-            f"{path} is a {found!r} policy, not 'pi05'",
-            key="model.init_from",
-            fix='use a pi0.5 checkpoint (config.json with "type": "pi05")',
-        )
-    return raw
-
-
-def num_cameras(lerobot_cfg: dict[str, Any]) -> int:
-    """Camera slots of the policy: its VISUAL input features and ``empty_cameras`` slots
-    (LeRobot lists those as ``observation.images.empty_camera_<i>`` features once built)."""
-    feats = lerobot_cfg.get("input_features") or {}
-    visual = {k for k, f in feats.items() if isinstance(f, dict) and f.get("type") == "VISUAL"}
-    empty = int(lerobot_cfg.get("empty_cameras", 0) or 0)
-    return len(visual | {empty_camera_key(i) for i in range(empty)})
-
-
-def empty_camera_key(i: int) -> str:
-    """LeRobot's name of the i-th empty camera slot."""
-    return f"observation.images.empty_camera_{i}"
+    return lrc.read_policy_config(directory, "pi05", "pi0.5")
 
 
 def config_from_lerobot(lerobot_cfg: dict[str, Any]) -> Pi05Config:
@@ -245,11 +207,7 @@ def to_lerobot_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
     for src, dst in renames(cfg).items():
         out[dst] = ours[src]
-    for i in range(cfg.vision.num_layers):
-        for p in ("weight", "bias"):
-            parts = ours[f"vision.blocks.{i}.qkv.{p}"].chunk(3, dim=0)
-            for key, part in zip(qkv_keys(i), parts, strict=True):
-                out[f"{key}.{p}"] = part
+    lrc.split_vision_qkv(ours, out, cfg.vision.num_layers, qkv_keys)
     emb = ours["embed_tokens.weight"]
     out[_UNUSED_VLM_HEAD] = emb
     out[_UNUSED_VLM_NORM] = torch.zeros(cfg.llm.hidden_size, dtype=emb.dtype)
@@ -277,33 +235,17 @@ def from_lerobot_state_dict(
     cfg: Pi05Config = model.cfg
     want = expected_lerobot_shapes(model)
     optional = {_UNUSED_VLM_HEAD, _UNUSED_VLM_NORM, _UNUSED_EXPERT_HEAD}
-    missing = sorted(k for k in want if k not in state)
-    unexpected = sorted(k for k in state if k not in want and k not in optional)
-    misshaped = [
-        f"{k}: {tuple(state[k].shape)} in the file, {want[k]} expected"
-        for k in sorted(want)
-        if k in state and tuple(state[k].shape) != want[k]
-    ]
-    if missing or unexpected or misshaped:
-        lines = [f"{source} does not fit pi05 as its config.json describes it:"]
-        for title, keys in (
-            ("missing", missing),
-            ("unexpected", unexpected),
-            ("mis-shaped", misshaped),
-        ):
-            if keys:
-                shown = keys[:20] + ([f"... and {len(keys) - 20} more"] if len(keys) > 20 else [])
-                lines.append(f"  {len(keys)} {title}: " + ", ".join(shown))
-        lines.append(
-            "  Fix: use the config.json saved with these weights (paligemma_variant, "
-            "action_expert_variant, image_resolution, chunk_size, max_action_dim)"
-        )
-        raise CheckpointError("\n".join(lines))
+    lrc.check_lerobot_state(
+        want,
+        state,
+        optional=optional,
+        source=source,
+        what="pi05 as its config.json describes it",
+        fix="use the config.json saved with these weights (paligemma_variant, "
+        "action_expert_variant, image_resolution, chunk_size, max_action_dim)",
+    )
     out = {src: state[dst] for src, dst in renames(cfg).items()}
-    for i in range(cfg.vision.num_layers):
-        for p in ("weight", "bias"):
-            parts = [state[f"{key}.{p}"] for key in qkv_keys(i)]
-            out[f"vision.blocks.{i}.qkv.{p}"] = torch.cat(parts, dim=0)
+    lrc.join_vision_qkv(state, out, cfg.vision.num_layers, qkv_keys)
     return out
 
 
@@ -313,16 +255,7 @@ def from_lerobot_state_dict(
 def load_lerobot_weights(model: torch.nn.Module, directory: str | Path) -> None:
     """Copy ``directory/model.safetensors`` (LeRobot names) into ``model`` in place,
     keeping each parameter's dtype and device; mismatches raise before any copy."""
-    path = Path(directory) / WEIGHTS_NAME
-    if not path.is_file():
-        raise CheckpointError(f"{path} does not exist (a LeRobot policy holds model.safetensors)")
-    try:
-        state = load_file(str(path))
-    except Exception as err:  # safetensors raises its own error types
-        raise CheckpointError(f"{path} is not a readable safetensors file ({err})") from err
-    ours = from_lerobot_state_dict(model, state, source=str(path))
-    result = model.load_state_dict(ours, strict=True)
-    assert not result.missing_keys and not result.unexpected_keys
+    lrc.load_lerobot_weights_with(model, directory, from_lerobot_state_dict)
 
 
 def load_lerobot_pi05(directory: str | Path, *, device: str | torch.device = "cpu"):
@@ -369,14 +302,7 @@ def lerobot_config_for(
         return by_shape[key]
 
     side = cfg.input_image_size()[0]
-    camera_keys = [k for k in camera_keys if not k.startswith("observation.images.empty_camera_")]
-    if len(camera_keys) > cfg.num_cameras:
-        raise ConfigError(
-            f"{len(camera_keys)} cameras {camera_keys} but the model has {cfg.num_cameras} slots",
-            key="data.cameras",
-        )
-    n_empty = cfg.num_cameras - len(camera_keys)
-    visual = [*camera_keys, *(empty_camera_key(i) for i in range(n_empty))]
+    visual, n_empty = lrc.camera_slots(camera_keys, cfg.num_cameras)
     out = dict(base or {})
     out.update(
         type="pi05",
@@ -420,8 +346,4 @@ def save_lerobot_pi05(
     model: torch.nn.Module, directory: str | Path, lerobot_cfg: dict[str, Any]
 ) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (LeRobot's names) into ``directory``."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(to_lerobot_state_dict(model), str(directory / WEIGHTS_NAME))
-    (directory / CONFIG_NAME).write_text(json.dumps(lerobot_cfg, indent=4) + "\n")
-    return directory
+    return lrc.save_lerobot_directory(to_lerobot_state_dict(model), directory, lerobot_cfg)

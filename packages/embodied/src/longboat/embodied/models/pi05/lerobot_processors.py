@@ -23,8 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_file
-
+from longboat.embodied.models.common.lerobot_checkpoint import write_processor_files
 from longboat.embodied.models.common.lerobot_stats import stats_tensors
 from longboat.embodied.models.pi05.processor import (
     PALIGEMMA_TOKENIZER,
@@ -109,14 +108,7 @@ def save_lerobot_processors(
             device_step,
         ],
     }
-    written = []
-    for name, body in (("policy_preprocessor.json", pre), ("policy_postprocessor.json", post)):
-        (directory / name).write_text(json.dumps(body, indent=2) + "\n")
-        written.append(directory / name)
-    for name in (pre_state, post_state):
-        save_file(tensors, str(directory / name))
-        written.append(directory / name)
-    return written
+    return write_processor_files(directory, pre, post, tensors, (pre_state, post_state))
 
 
 def preprocessor_overrides(directory: str | Path) -> dict[str, dict[str, str]]:

@@ -30,10 +30,9 @@ from torch import Tensor, nn
 from longboat.embodied.models.common import ops
 from longboat.embodied.models.common.flow_matching import (
     euler_integrate,
-    masked_mse,
-    pi0_time,
+    flow_loss_outputs,
+    pi0_training_inputs,
     randn_like_gen,
-    training_draw,
 )
 from longboat.embodied.models.common.freezing import FreezingGroups
 from longboat.embodied.models.common.image_preprocessing import preprocess_images
@@ -185,23 +184,11 @@ class Pi05(nn.Module):
         """Flow-matching training loss. Returns {"loss", "pred_velocity", "target_velocity"}."""
         self._check(batch, need_action=True)
         prefix, prefix_valid = self.embed_prefix(batch, generator)
-        action, mask, noise, t = training_draw(
-            batch,
-            generator,
-            lambda b, device: pi0_time(
-                b, device=device, generator=generator, alpha=self.cfg.noise_beta_alpha
-            ),
+        action, mask, x_t, t, target = pi0_training_inputs(
+            batch, generator, self.cfg.noise_beta_alpha
         )
-        tt = t[:, None, None]
-        x_t = tt * noise + (1 - tt) * action
-        target = noise - action
         pred = self.velocity(prefix, prefix_valid, x_t, t)
-        mask_full = None if mask is None else mask.expand_as(action)
-        return {
-            "loss": masked_mse(pred, target, mask_full),
-            "pred_velocity": pred,
-            "target_velocity": target,
-        }
+        return flow_loss_outputs(pred, target, action, mask)
 
     @torch.no_grad()
     def predict_action(

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-import torch
-
-from longboat.core.checkpoint.errors import CheckpointError
+from longboat.embodied.models.common.lerobot_checkpoint import check_lerobot_weights
 from longboat.embodied.models.family import (
     BackboneAdapter,
     CheckpointAdapter,
@@ -22,7 +19,6 @@ from longboat.embodied.models.pi05 import hf_backbone, lerobot_export, processor
 from longboat.embodied.models.pi05.config import Pi05Config
 from longboat.embodied.models.pi05.flops import flops_per_sample
 from longboat.embodied.models.pi05.lerobot_format import (
-    WEIGHTS_NAME,
     config_from_lerobot,
     from_lerobot_state_dict,
     load_lerobot_weights,
@@ -62,15 +58,8 @@ def batch_spec(
 def resolve_lerobot_config(overrides: Mapping[str, Any], init_from: str) -> Pi05Config:
     """A LeRobot pi0.5 policy's architecture + ``overrides``; its weights' names and shapes
     checked (a CheckpointError listing every mismatch)."""
-    from longboat.embodied.models.common.checkpoint_files import read_shapes
-
     cfg = apply_overrides(config_from_lerobot(read_lerobot_config(init_from)), overrides)
-    path = Path(init_from) / WEIGHTS_NAME
-    if not path.is_file():
-        raise CheckpointError(f"{path} does not exist (a LeRobot policy holds model.safetensors)")
-    with torch.device("meta"):
-        model = Pi05(cfg)
-    from_lerobot_state_dict(model, read_shapes(init_from), source=str(path))
+    check_lerobot_weights(init_from, Pi05, cfg, from_lerobot_state_dict)
     return cfg
 
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from longboat.core.config.errors import ConfigError
+from longboat.embodied.models.common.prompt_tokenizer import FixedLengthTokenizer, check_vocab
 
 PALIGEMMA_TOKENIZER = "google/paligemma-3b-pt-224"
 """The Hub name LeRobot's pi0.5 preprocessor loads its tokenizer from."""
@@ -147,34 +148,8 @@ def copy_tokenizer(source: str | Path, directory: str | Path) -> Path:
     return out
 
 
-class PromptTokenizer:
+class PromptTokenizer(FixedLengthTokenizer):
     """pi0.5 prompts (``pi05_prompt``) tokenised to ``max_length`` ids as LeRobot does."""
-
-    def __init__(self, path: str | Path, max_length: int) -> None:
-        try:
-            from transformers import AutoTokenizer
-        except ImportError as err:
-            raise ConfigError(
-                "needs the transformers package to read a Hugging Face tokenizer",
-                key="model.tokenizer",
-                value=str(path),
-                fix="pip install 'transformers>=5'",
-            ) from err
-        self.path = Path(path)
-        self.max_length = int(max_length)
-        try:
-            self.tokenizer: Any = AutoTokenizer.from_pretrained(str(path))
-        except Exception as err:  # transformers raises many error types for a bad directory
-            raise ConfigError(
-                f"could not be loaded by transformers.AutoTokenizer ({err})",
-                key="model.tokenizer",
-                value=str(path),
-            ) from err
-
-    @property
-    def vocab_size(self) -> int:
-        """Ids the tokenizer can emit (added tokens included)."""
-        return len(self.tokenizer)
 
     def __call__(
         self, tasks: Sequence[str], states: Sequence[torch.Tensor], **layout: Any
@@ -185,15 +160,7 @@ class PromptTokenizer:
         ``max_length`` long."""
         del layout
         prompts = [pi05_prompt(t, s) for t, s in zip(tasks, states, strict=True)]
-        out = self.tokenizer(
-            prompts,
-            max_length=self.max_length,
-            truncation=True,
-            padding="max_length",
-            padding_side="right",
-            return_tensors="pt",
-        )
-        return out["input_ids"].to(torch.int64), out["attention_mask"].to(torch.bool)
+        return self.tokenize(prompts)
 
     def describe(self) -> str:
         """One line for the run's start."""
@@ -207,12 +174,10 @@ def build_prompt_tokenizer(path: Path, cfg: Any) -> PromptTokenizer:
     """The run's ``PromptTokenizer`` (LeRobot's ``tokenizer_max_length`` tokens), checked
     against the model before it is built: no id past its vocabulary."""
     tokenizer = PromptTokenizer(path, cfg.prompt_length())
-    if tokenizer.vocab_size > cfg.llm.vocab_size:
-        raise ConfigError(
-            f"has {tokenizer.vocab_size} ids, more than the model's vocabulary of "
-            f"{cfg.llm.vocab_size}",
-            key="model.tokenizer",
-            value=str(path),
-            fix="use the tokenizer the checkpoint was trained with (PaliGemma's for pi0.5)",
-        )
+    check_vocab(
+        tokenizer,
+        path,
+        cfg.llm.vocab_size,
+        "use the tokenizer the checkpoint was trained with (PaliGemma's for pi0.5)",
+    )
     return tokenizer

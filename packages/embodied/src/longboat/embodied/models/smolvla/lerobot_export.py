@@ -12,7 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from longboat.core.config.errors import ConfigError
-from longboat.embodied.models.common.dataset_meta import ACTION_KEY, STATE_KEY, dataset_meta
+from longboat.embodied.models.common.dataset_meta import (
+    ACTION_KEY,
+    STATE_KEY,
+    state_action_features,
+)
+from longboat.embodied.models.common.lerobot_checkpoint import TRAINING_NORMALIZATION
 from longboat.embodied.models.smolvla.lerobot_format import (
     backbone_mismatch,
     lerobot_config_for,
@@ -20,9 +25,6 @@ from longboat.embodied.models.smolvla.lerobot_format import (
     save_lerobot_smolvla,
 )
 from longboat.embodied.models.smolvla.lerobot_processors import save_lerobot_processors
-
-TRAINING_NORMALIZATION = {"VISUAL": "IDENTITY", "STATE": "MIN_MAX", "ACTION": "MIN_MAX"}
-"""How longboat's embodied training normalises (min_max)."""
 
 
 def export_lerobot_smolvla(
@@ -44,12 +46,7 @@ def export_lerobot_smolvla(
             f"{export_dir} holds a {exported.get('model_name')!r} policy, not smolvla",
             key="export_dir",
         )
-    info, dataset_stats = dataset_meta(root)
-    stats = dataset_stats if stats is None else stats
-    feats = info.get("features", {})
-    missing = [k for k in (STATE_KEY, ACTION_KEY) if k not in feats or k not in stats]
-    if missing:
-        raise ConfigError(f"{root} has no features / stats for {missing}", key="--dataset")
+    feats, stats = state_action_features(root, stats)
     model = load_exported_policy(export_dir)
     base = None
     init_from = exported.get("init_from")

@@ -11,13 +11,11 @@ tensors.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_file
-
+from longboat.embodied.models.common.lerobot_checkpoint import write_processor_files
 from longboat.embodied.models.common.lerobot_stats import stats_tensors
 
 PRE_STATE = "policy_preprocessor_step_5_normalizer_processor.safetensors"
@@ -81,11 +79,4 @@ def save_lerobot_processors(
             device_step,
         ],
     }
-    written = []
-    for name, body in (("policy_preprocessor.json", pre), ("policy_postprocessor.json", post)):
-        (directory / name).write_text(json.dumps(body, indent=2) + "\n")
-        written.append(directory / name)
-    for name in (PRE_STATE, POST_STATE):
-        save_file(tensors, str(directory / name))
-        written.append(directory / name)
-    return written
+    return write_processor_files(directory, pre, post, tensors, (PRE_STATE, POST_STATE))

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from longboat.core.config.errors import ConfigError
+from longboat.embodied.models.common.prompt_tokenizer import FixedLengthTokenizer, check_vocab
 from longboat.embodied.models.smolvla.config import SMOLVLM2_500M
 
 TOKENIZER_DIR = "tokenizer"
@@ -95,34 +96,8 @@ def smolvla_prompt(task: str) -> str:
     return task if task.endswith("\n") else f"{task}\n"
 
 
-class PromptTokenizer:
+class PromptTokenizer(FixedLengthTokenizer):
     """SmolVLA prompts (``smolvla_prompt``) tokenised to ``max_length`` ids as LeRobot does."""
-
-    def __init__(self, path: str | Path, max_length: int) -> None:
-        try:
-            from transformers import AutoTokenizer
-        except ImportError as err:
-            raise ConfigError(
-                "needs the transformers package to read a Hugging Face tokenizer",
-                key="model.tokenizer",
-                value=str(path),
-                fix="pip install 'transformers>=5'",
-            ) from err
-        self.path = Path(path)
-        self.max_length = int(max_length)
-        try:
-            self.tokenizer: Any = AutoTokenizer.from_pretrained(str(path))
-        except Exception as err:  # transformers raises many error types for a bad directory
-            raise ConfigError(
-                f"could not be loaded by transformers.AutoTokenizer ({err})",
-                key="model.tokenizer",
-                value=str(path),
-            ) from err
-
-    @property
-    def vocab_size(self) -> int:
-        """Ids the tokenizer can emit (added tokens included)."""
-        return len(self.tokenizer)
 
     def __call__(
         self, tasks: Sequence[str], states: Sequence[torch.Tensor], **layout: Any
@@ -130,15 +105,7 @@ class PromptTokenizer:
         """Tasks -> (input_ids int64 [B, L], attention_mask bool [B, L]); the states and
         ``layout`` are read past (the prompt holds neither the state nor image tokens)."""
         del states, layout
-        out = self.tokenizer(
-            [smolvla_prompt(t) for t in tasks],
-            max_length=self.max_length,
-            truncation=True,
-            padding="max_length",
-            padding_side="right",
-            return_tensors="pt",
-        )
-        return out["input_ids"].to(torch.int64), out["attention_mask"].to(torch.bool)
+        return self.tokenize([smolvla_prompt(t) for t in tasks])
 
     def describe(self) -> str:
         """One line for the run's start."""
@@ -152,12 +119,10 @@ def build_prompt_tokenizer(path: Path, cfg: Any) -> PromptTokenizer:
     """The run's ``PromptTokenizer``, checked against the model before it is built: no id
     past its vocabulary."""
     tokenizer = PromptTokenizer(path, cfg.prompt_length())
-    if tokenizer.vocab_size > cfg.text.vocab_size:
-        raise ConfigError(
-            f"has {tokenizer.vocab_size} ids, more than the model's vocabulary of "
-            f"{cfg.text.vocab_size}",
-            key="model.tokenizer",
-            value=str(path),
-            fix="use the tokenizer of the checkpoint's backbone (SmolVLM2's for SmolVLA)",
-        )
+    check_vocab(
+        tokenizer,
+        path,
+        cfg.text.vocab_size,
+        "use the tokenizer of the checkpoint's backbone (SmolVLM2's for SmolVLA)",
+    )
     return tokenizer
