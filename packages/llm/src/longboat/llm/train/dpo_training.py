@@ -41,7 +41,6 @@ class DPOTraining(LLMTraining):
         from megatron.core import parallel_state as mps
 
         from longboat.core.data.batch_plan import batch_layout
-        from longboat.core.distributed import run_precision
         from longboat.core.rng import seed_everything
         from longboat.llm.train.data import row_plan
         from longboat.llm.train.dpo import ReferenceLogps
@@ -55,7 +54,7 @@ class DPOTraining(LLMTraining):
             len(self.pairs), data.eval_fraction, data.seed
         )
         self.reference = ReferenceLogps(len(self.pairs))
-        self.precision = run_precision(cfg.train.precision, cfg.llm.cpu_precision, self.accelerator)
+        self.resolve_precision()
         self.init_layout(cfg.parallel, cfg.train.seed)
         batches = batch_layout(
             cfg.train.global_batch_size, cfg.train.micro_batch_size, self.layout.data_parallel
@@ -66,6 +65,8 @@ class DPOTraining(LLMTraining):
         self.device = self.accelerator.device()
         seed_everything(cfg.train.seed, self.accelerator)
         self.step_fn = self._build_step()
+        # a microbatch of P pairs is 2P rows
+        self.fp8_table = self._decide_adaptive(2 * data.seq_len * cfg.train.micro_batch_size)
         self.ddp_modules = list(self.step_fn.model)
 
     def _build_step(self) -> Any:

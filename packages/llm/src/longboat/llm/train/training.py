@@ -124,11 +124,7 @@ class LLMTraining(MegatronTraining):
         train_docs, eval_docs = train_and_eval_documents(data, parts)
         self.train_rows = PackedDataset(train_docs, data.seq_len)
         self.eval_rows = PackedDataset(eval_docs, data.seq_len) if len(eval_docs) else None
-        self.precision = run_precision(cfg.train.precision, cfg.llm.cpu_precision, self.accelerator)
-        self.fp8_recipe: str | None = None
-        """``train.fp8.recipe`` of an FP8 run (its weights then train in bf16)."""
-        if self.precision == "fp8":
-            self.precision, self.fp8_recipe = "bf16", cfg.train.fp8.recipe
+        self.resolve_precision()
         self.init_layout(cfg.parallel, cfg.train.seed)
         batches = batch_layout(
             cfg.train.global_batch_size, cfg.train.micro_batch_size, self.layout.data_parallel
@@ -141,6 +137,16 @@ class LLMTraining(MegatronTraining):
         self.step_fn = self._build_step()
         self.fp8_table = self._decide_adaptive(data.seq_len * cfg.train.micro_batch_size)
         self.ddp_modules = list(self.step_fn.model)
+
+    def resolve_precision(self) -> None:
+        """``precision`` of the weights and ``fp8_recipe`` (``train.fp8.recipe`` of an FP8 run,
+        whose weights then train in bf16; else None) from ``train.precision`` and the device."""
+        cfg = self.cfg
+        self.precision = run_precision(cfg.train.precision, cfg.llm.cpu_precision, self.accelerator)
+        self.fp8_recipe: str | None = None
+        self.fp8_table = ""
+        if self.precision == "fp8":
+            self.precision, self.fp8_recipe = "bf16", cfg.train.fp8.recipe
 
     def _build_step(self) -> Any:
         from longboat.llm.hf_checkpoint import load_hf
