@@ -19,6 +19,10 @@ import pytest
 import torch
 from vlm_testkit import make_qwen2_5_vl_checkpoint
 
+# Slow: two fine-tunes (minutes on CPU), and after this module's in-process generation the
+# test process cannot fork multiprocess workers for later modules (they hang).
+pytestmark = pytest.mark.slow
+
 QUESTIONS = [("What colour is the shape?", "00001.png"), ("Where is it?", "00002.png")]
 
 
