@@ -340,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def write() -> None:
         shape = "" if args.shape == "886m" else f"{args.shape}_"
-        stem = f"llm_throughput_{shape}{result['date']}"
+        fp8 = "fp8_" if any("fp8" in name for name in runs) else ""
+        stem = f"llm_throughput_{shape}{fp8}{result['date']}"
         note = f"config: {json.dumps(config)}" + "".join(
             f"\n\n{r['name']}: forward from `{r['notes']['forward']}`, "
             + ("[tokens, vocab] logits materialised" if r["notes"].get("logits_materialised")

@@ -9,9 +9,9 @@
 # own time limit (seconds, env LIMIT_*), so one that overruns leaves the others their time;
 # results are written as each run ends. ONLY="gpu_tests llm vla diffusion diffusion_align vlm_align llm_align scaling
 # scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling wan_scaling vla_align pi05
-# vla_scaling_levers" picks
-# steps (default: all but pi05 and vla_scaling_levers, which WITH_PI05=1 / WITH_VLA_LEVERS=1
-# add), so the set can be split over several calls.
+# vla_scaling_levers fp8 memory" picks
+# steps (default: all but pi05, vla_scaling_levers, fp8 and memory, which WITH_PI05=1 /
+# WITH_VLA_LEVERS=1 / WITH_FP8=1 / WITH_MEMORY=1 add), so the set can be split over several calls.
 #
 # The two-GPU rows (each its own command below, results named by the script):
 #   scaling           llm_scaling: DP=2 vs DP=1 tokens/s (886M shape), TP=2 vs TP=1 loss curve
@@ -38,7 +38,7 @@
 # recompute = train.recompute=selective (self-attention outputs kept), recompute_full =
 # train.recompute=full).
 set -u
-ONLY=${ONLY:-"gpu_tests llm vla diffusion diffusion_align vlm_align llm_align scaling scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling wan_scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")$([ "${WITH_VLA_LEVERS:-0}" = "1" ] && echo " vla_scaling_levers")"}
+ONLY=${ONLY:-"gpu_tests llm vla diffusion diffusion_align vlm_align llm_align scaling scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling wan_scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")$([ "${WITH_VLA_LEVERS:-0}" = "1" ] && echo " vla_scaling_levers")$([ "${WITH_FP8:-0}" = "1" ] && echo " fp8")$([ "${WITH_MEMORY:-0}" = "1" ] && echo " memory")"}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 RESULTS=${RESULTS:-benchmarks/results}
 mkdir -p "$RESULTS"
@@ -132,3 +132,21 @@ if want pi05; then
     --runs reference,longboat,longboat_master,longboat_graphed --results-dir "$RESULTS" \
     --time-budget "$(( ${LIMIT_PI05:-300} - 15 ))"
 fi
+# FP8 (benchmarks/notes/fp8.md): the FP8 kernels' GPU tests, one decoder layer's linears per
+# recipe, then the training step on the Qwen3-1.7B shape with train.precision=fp8 per recipe
+# beside the CLI's bf16 default and the fastest HF baseline. FP8_RUNS picks the rows.
+if want fp8; then
+  step "fp8 gpu tests" timeout "${LIMIT_FP8_TESTS:-120}" python3 -m pytest -q -p no:cacheprovider \
+    --import-mode=importlib -m gpu -rs packages/kernels/tests/test_fp8_triton.py packages/kernels/tests/test_fp8.py
+  step "fp8 gemm" timeout "${LIMIT_FP8_GEMM:-120}" python3 tools/bench/fp8_gemm.py \
+    --out /tmp/fp8_gemm.json --results-dir "$RESULTS" --shapes qwen3_1_7b
+  step "llm throughput fp8" timeout "${LIMIT_FP8:-360}" python3 tools/bench/llm_throughput.py \
+    --shape qwen3_1_7b --out /tmp/llm_throughput_fp8.json --results-dir "$RESULTS" \
+    --runs "${FP8_RUNS:-longboat,longboat_fp8,longboat_fp8_rowwise,longboat_fp8_tensorwise,hf_compiled}" \
+    --steps 10 --warmup 3 --time-budget "$(( ${LIMIT_FP8:-360} - 10 ))"
+fi
+# The memory plan against the measured peak (pi0.5 and GR00T-N1.6, batch 32, CLI defaults, and
+# at the references' measured peaks).
+want memory && step "memory plan" timeout "${LIMIT_MEMORY:-300}" python3 tools/bench/memory_plan.py \
+  --out /tmp/memory_plan.json --results-dir "$RESULTS" --models pi05,groot_n1_6 \
+  --budgets "${MEMORY_BUDGETS:-auto,33}" --time-budget "$(( ${LIMIT_MEMORY:-300} - 15 ))"
