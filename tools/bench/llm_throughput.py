@@ -96,9 +96,18 @@ vocab 151,936, the released load-balancing loss weight 0.001), seq 4096, micro-b
 QWEN3_MOE_TINY = dict(family="qwen3_moe", vocab=256, hidden=64, layers=2, heads=4, kv_heads=2,
                       head_dim=16, ffn=128, experts=4, topk=2, moe_ffn=32, aux=0.001, seq=64,
                       micro_batch=1, tie=0)  # fmt: skip
-SHAPES = {"886m": FULL, "qwen3_1_7b": QWEN3_1_7B, "qwen3_moe_4l": QWEN3_MOE_4L}
+MOONLIGHT_4L = dict(family="deepseek_v3", flavor="moonlight_16b_a3b", vocab=163840, layers=4,
+                    experts=64, seq=4096, micro_batch=1)  # fmt: skip
+"""Moonlight-16B-A3B (DeepSeek-V3 architecture: MLA with kv rank 512, 2 shared + 64 routed
+experts, top-6 sigmoid routing, vocab 163,840) cut to 4 layers (1 dense + 3 MoE), seq 4096,
+micro-batch 1, against transformers' ``DeepseekV3ForCausalLM``; every other key is the
+flavor's."""
+MOONLIGHT_TINY = dict(family="deepseek_v3", flavor="tiny", vocab=256, layers=3, experts=8, seq=64,
+                      micro_batch=1)  # fmt: skip
+SHAPES = {"886m": FULL, "qwen3_1_7b": QWEN3_1_7B, "qwen3_moe_4l": QWEN3_MOE_4L,
+          "moonlight_4l": MOONLIGHT_4L}  # fmt: skip
 TINY_SHAPES = {"886m": TINY, "qwen3_1_7b": {**TINY, "family": "qwen3", "tie": 1},
-               "qwen3_moe_4l": QWEN3_MOE_TINY}  # fmt: skip
+               "qwen3_moe_4l": QWEN3_MOE_TINY, "moonlight_4l": MOONLIGHT_TINY}  # fmt: skip
 VARIANTS: dict[str, list[str]] = {
     "longboat": [],
     "longboat_compiled": ["train.compile=true"],
@@ -131,8 +140,13 @@ RUN_WEIGHT = {"hf_compiled": 4.0, "longboat_compiled": 2.5, "hf_eager": 1.5, "lo
 
 
 def shape_overrides(c: dict[str, int], world: int = 1) -> list[str]:
-    """The benchmark's model shape and batch (``micro_batch`` per data-parallel rank)."""
+    """The benchmark's model shape and batch (``micro_batch`` per data-parallel rank); a shape
+    with a ``flavor`` takes that flavor's keys and sets only its depth."""
     family = c.get("family", "llama3")
+    batch = [f"train.micro_batch_size={c['micro_batch']}",
+             f"train.global_batch_size={c['micro_batch'] * world}"]  # fmt: skip
+    if "flavor" in c:
+        return [f"model={family}_{c['flavor']}", f"model.num_layers={c['layers']}", *batch]
     return [
         f"model={family}_tiny", f"model.vocab_size={c['vocab']}", f"model.hidden_size={c['hidden']}",
         f"model.num_layers={c['layers']}", f"model.num_attention_heads={c['heads']}",
@@ -151,8 +165,8 @@ def overrides(c: dict[str, int], world: int = 1) -> list[str]:
 
 
 def moe_overrides(c: dict[str, Any]) -> list[str]:
-    """An MoE shape's expert keys (none for a dense shape)."""
-    if "experts" not in c:
+    """An MoE shape's expert keys (none for a dense shape or a flavor's own)."""
+    if "experts" not in c or "flavor" in c:
         return []
     return [f"model.num_experts={c['experts']}", f"model.moe_topk={c['topk']}",
             f"model.moe_ffn_hidden_size={c['moe_ffn']}", "model.moe_norm_topk_prob=true",

@@ -108,9 +108,13 @@ def hf_causal_lm(m: Any, device: torch.device) -> torch.nn.Module:
     the ``grouped_mm`` experts) with the shapes of ``m``, in train mode."""
     import transformers
 
+    if m.name == "deepseek_v3":
+        return hf_deepseek_v3(m, device)
     kind = {"llama3": "Llama", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}.get(m.name)
     if kind is None:
-        raise ValueError(f"model.name={m.name}: the HF baseline knows llama3, qwen3, qwen3_moe")
+        raise ValueError(
+            f"model.name={m.name}: the HF baseline knows llama3, qwen3, qwen3_moe, deepseek_v3"
+        )
     config_cls = getattr(transformers, f"{kind}Config")
     model_cls = getattr(transformers, f"{kind}ForCausalLM")
     moe = {}
@@ -139,6 +143,27 @@ def hf_causal_lm(m: Any, device: torch.device) -> torch.nn.Module:
     cfg._attn_implementation = "sdpa"
     if moe:  # transformers' fastest built-in experts: one grouped GEMM per projection
         cfg._experts_implementation = "grouped_mm"
+    with device:
+        model = model_cls(cfg)
+    return model.train()
+
+
+def hf_deepseek_v3(m: Any, device: torch.device) -> torch.nn.Module:
+    """``DeepseekV3ForCausalLM`` (``DeepseekV32ForCausalLM`` with sparse attention) from the
+    family's own export config of ``m``: SDPA, the ``grouped_mm`` experts, in train mode. Its
+    routing is aux-loss-free (bias only), so its loss has no load-balancing term."""
+    import transformers
+
+    from longboat.llm.models.deepseek_v3.hf_config import to_hf_config
+
+    cfg = to_hf_config(m)
+    cfg.use_cache = False
+    cfg._attn_implementation = "sdpa"
+    cfg._experts_implementation = "grouped_mm"
+    sparse = m.index_topk is not None
+    model_cls = (
+        transformers.DeepseekV32ForCausalLM if sparse else transformers.DeepseekV3ForCausalLM
+    )
     with device:
         model = model_cls(cfg)
     return model.train()

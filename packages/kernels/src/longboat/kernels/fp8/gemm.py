@@ -9,7 +9,8 @@ Backends:
   ``tensor x tensor``, ``row x row``, ``1x128 x 128x128``, ``1x128 x 1x128`` and
   ``128x128 x 1x128``; K and N multiples of 16. ``Fp8Operand.gemm_scale`` gives each scale
   in the strides those checks ask for (1x128: ``(1, rows)``; 128x128: the transposed view of
-  the buffer padded to 4 K-blocks).
+  the buffer padded to 4 K-blocks). Where ``F.scaled_mm`` is missing (torch before 2.10),
+  ``torch._scaled_mm`` takes the same scale tensors and infers each scaling from their shapes.
 - ``emulated`` (any device): both operands dequantised to fp32 and multiplied in fp32; the
   reference the CUDA path is checked against, and the path tests take on CPU.
 
@@ -72,6 +73,10 @@ def _scaled_mm(a: Fp8Operand, b: Fp8Operand, *, out_dtype: torch.dtype, fast_acc
         scale_b = scale_b.reshape(1, -1)
     if a.granularity == "tensor":
         scale_a, scale_b = scale_a.reshape(1), scale_b.reshape(1)
+    if not hasattr(F, "scaled_mm"):  # torch < 2.10: the private op infers scalings from shapes
+        return torch._scaled_mm(
+            a.data, b.data.t(), scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum
+        )
     return F.scaled_mm(
         a.data,
         b.data.t(),
