@@ -9,9 +9,10 @@
 # own time limit (seconds, env LIMIT_*), so one that overruns leaves the others their time;
 # results are written as each run ends. ONLY="gpu_tests llm vla diffusion diffusion_align vlm_align llm_align scaling
 # scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling wan_scaling vla_align pi05
-# vla_scaling_levers fp8 memory" picks
-# steps (default: all but pi05, vla_scaling_levers, fp8 and memory, which WITH_PI05=1 /
-# WITH_VLA_LEVERS=1 / WITH_FP8=1 / WITH_MEMORY=1 add), so the set can be split over several calls.
+# vla_scaling_levers fp8 memory moonlight" picks
+# steps (default: all but pi05, vla_scaling_levers, fp8, memory and moonlight, which WITH_PI05=1 /
+# WITH_VLA_LEVERS=1 / WITH_FP8=1 / WITH_MEMORY=1 / WITH_MOONLIGHT=1 add), so the set can be split
+# over several calls.
 #
 # The two-GPU rows (each its own command below, results named by the script):
 #   scaling           llm_scaling: DP=2 vs DP=1 tokens/s (886M shape), TP=2 vs TP=1 loss curve
@@ -38,7 +39,7 @@
 # recompute = train.recompute=selective (self-attention outputs kept), recompute_full =
 # train.recompute=full).
 set -u
-ONLY=${ONLY:-"gpu_tests llm vla diffusion diffusion_align vlm_align llm_align scaling scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling wan_scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")$([ "${WITH_VLA_LEVERS:-0}" = "1" ] && echo " vla_scaling_levers")$([ "${WITH_FP8:-0}" = "1" ] && echo " fp8")$([ "${WITH_MEMORY:-0}" = "1" ] && echo " memory")"}
+ONLY=${ONLY:-"gpu_tests llm vla diffusion diffusion_align vlm_align llm_align scaling scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling wan_scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")$([ "${WITH_VLA_LEVERS:-0}" = "1" ] && echo " vla_scaling_levers")$([ "${WITH_FP8:-0}" = "1" ] && echo " fp8")$([ "${WITH_MEMORY:-0}" = "1" ] && echo " memory")$([ "${WITH_MOONLIGHT:-0}" = "1" ] && echo " moonlight")"}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 RESULTS=${RESULTS:-benchmarks/results}
 mkdir -p "$RESULTS"
@@ -150,3 +151,8 @@ fi
 want memory && step "memory plan" timeout "${LIMIT_MEMORY:-300}" python3 tools/bench/memory_plan.py \
   --out /tmp/memory_plan.json --results-dir "$RESULTS" --models pi05,groot_n1_6 \
   --budgets "${MEMORY_BUDGETS:-auto,33}" --time-budget "$(( ${LIMIT_MEMORY:-300} - 15 ))"
+# DeepSeek-V3 architecture: Moonlight-16B-A3B cut to 4 layers against DeepseekV3ForCausalLM.
+want moonlight && step "llm throughput moonlight_4l" timeout "${LIMIT_MOONLIGHT:-300}" \
+  python3 tools/bench/llm_throughput.py --shape moonlight_4l --out /tmp/llm_moonlight.json \
+  --results-dir "$RESULTS" --runs "${MOONLIGHT_RUNS:-longboat,hf_eager}" --steps 10 --warmup 3 \
+  --time-budget "$(( ${LIMIT_MOONLIGHT:-300} - 10 ))"
