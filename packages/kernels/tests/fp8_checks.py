@@ -26,6 +26,10 @@ from longboat.kernels.fp8 import (  # noqa: E402  (after the interpreter check)
     quantize,
     quantize_torch,
 )
+from longboat.kernels.fp8.quantize import (  # noqa: E402
+    quantize_blocks_transposed,
+    quantize_dual,
+)
 
 SHAPES = [(1, 130), (37, 128), (130, 300), (256, 64)]
 
@@ -70,5 +74,41 @@ def test_custom_op_fake_matches_the_kernel() -> None:
         for view in (x, x.t()):
             torch.library.opcheck(
                 torch.ops.longboat.fp8_quantize.default, (view, granularity, E4M3),
+                test_utils=("test_schema", "test_faketensor"),
+            )  # fmt: skip
+
+
+def _same(got, want) -> None:  # type: ignore[no-untyped-def]
+    assert got.scale.shape == want.scale.shape and got.scale.stride() == want.scale.stride()
+    assert torch.equal(got.scale, want.scale), f"scales differ by {rel(got.scale, want.scale):.2e}"
+    assert got.data.dtype == want.data.dtype and got.data.is_contiguous()
+    a, b = got.data.float(), want.data.float()
+    assert torch.equal(a, b), f"{int((a != b).sum())} codes differ"
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("shape", [*SHAPES, (300, 130)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_dual_and_transposed_blocks_match_reference(shape, dtype, transposed) -> None:  # type: ignore[no-untyped-def]
+    """One read, two 1x128 operands (x along K, x^T along the rows), and W^T's 128x128
+    operand written transposed: bit for bit the single quantisations of x and x.t()."""
+    torch.manual_seed(7 + sum(shape))
+    scale_rows = torch.exp2(torch.randint(-3, 3, (shape[0], 1), device=DEVICE).float())
+    x = (torch.randn(*shape, device=DEVICE) * scale_rows).to(torch.bfloat16)
+    x = x.t() if transposed else x
+    got, got_t = quantize_dual(x, dtype, impl="triton")
+    _same(got, quantize_torch(x, "1x128", dtype))
+    _same(got_t, quantize_torch(x.t(), "1x128", dtype))
+    _same(
+        quantize_blocks_transposed(x, dtype, impl="triton"), quantize_torch(x.t(), "128x128", dtype)
+    )
+
+
+def test_dual_custom_ops_fakes_match_the_kernels() -> None:
+    x = torch.randn(130, 300, device=DEVICE, dtype=torch.bfloat16)
+    for view in (x, x.t()):
+        for name in ("fp8_quantize_dual", "fp8_quantize_blocks_t"):
+            torch.library.opcheck(
+                getattr(torch.ops.longboat, name).default, (view, E4M3),
                 test_utils=("test_schema", "test_faketensor"),
             )  # fmt: skip

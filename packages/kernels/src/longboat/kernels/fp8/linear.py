@@ -23,8 +23,11 @@ Recipes (``RECIPES``), the granularity of A / B per GEMM:
 - ``tensorwise`` (current scaling): one scale per tensor, computed from the tensor itself
   each step; e4m3 forward, e5m2 gradients (one scale must cover the whole gradient's range).
 
-What is saved for backward is ``x`` and ``W`` in their own dtype (the same memory as a bf16
-linear); the backward quantises them again along the other dimension. A weight gradient
+What is saved for backward: with a 1x128 recipe (``blockwise``), ``x^T``'s FP8 operand for
+the weight gradient, quantised in the forward from the same read as ``x``'s (one byte a
+value instead of two; the same codes the backward would make), and ``W``; otherwise ``x``
+and ``W`` in their own dtype, quantised again in the backward along the other dimension.
+The backward quantises ``dy`` for both of its GEMMs in one pass where the recipe allows. A weight gradient
 can go to a hook instead of autograd (``wgrad_hook``: megatron's accumulation into
 ``main_grad``), computed in fp32 where ``wgrad_dtype`` says so.
 """
@@ -37,7 +40,14 @@ from dataclasses import dataclass
 import torch
 
 from longboat.kernels.fp8.gemm import fp8_mm, output_supported, resolve_gemm_backend
-from longboat.kernels.fp8.quantize import E4M3, E5M2, quantize
+from longboat.kernels.fp8.quantize import (
+    E4M3,
+    E5M2,
+    Fp8Operand,
+    quantize,
+    quantize_blocks_transposed,
+    quantize_dual,
+)
 
 Tensor = torch.Tensor
 WgradHook = Callable[[Tensor], Tensor | None]
@@ -82,6 +92,24 @@ def _pad_tokens(t: Tensor, multiple: int) -> Tensor:
     return t if extra == 0 else torch.nn.functional.pad(t, (0, extra))
 
 
+def _dual_ok(recipe: Fp8Recipe, tokens: int, backend: str) -> bool:
+    """Whether one pass can quantise an activation (or gradient) for both of its GEMMs: the
+    recipe tiles both along 128 values, and cuBLAS gets a token count that is a multiple of
+    16 (else the weight-gradient operands are padded first, the unfused way)."""
+    return (
+        recipe.activation == "1x128"
+        and recipe.wgrad == "1x128"
+        and (backend != "scaled_mm" or tokens % 16 == 0)
+    )
+
+
+def _weight_t(weight: Tensor, recipe: Fp8Recipe) -> Fp8Operand:
+    """``W^T``'s operand for the input-gradient GEMM."""
+    if recipe.weight == "128x128":  # W's own blocks, written transposed from a row-major read
+        return quantize_blocks_transposed(weight, recipe.fwd_dtype)
+    return quantize(weight.t(), recipe.weight, recipe.fwd_dtype)
+
+
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -96,32 +124,58 @@ class _Fp8LinearFn(torch.autograd.Function):
     ) -> Tensor:
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
-        xq = quantize(x2, recipe.activation, recipe.fwd_dtype)
+        # With a weight gradient to come and a 1x128 recipe, x^T's operand is made now from the
+        # same read and saved instead of x (half its bytes, the same codes as in the backward).
+        dual = ctx.needs_input_grad[1] and _dual_ok(recipe, x2.shape[0], backend)  # type: ignore[attr-defined]
+        if dual:
+            xq, xtq = quantize_dual(x2, recipe.fwd_dtype)
+            ctx.save_for_backward(xtq.data, xtq.scale, weight)  # type: ignore[attr-defined]
+        else:
+            xq = quantize(x2, recipe.activation, recipe.fwd_dtype)
+            ctx.save_for_backward(x2, weight)  # type: ignore[attr-defined]
         wq = quantize(weight, recipe.weight, recipe.fwd_dtype)
         y = fp8_mm(xq, wq, out_dtype=x.dtype, bias=bias, backend=backend)
-        ctx.save_for_backward(x, weight)  # type: ignore[attr-defined]
-        ctx.meta = (recipe, wgrad_hook, wgrad_dtype, backend, bias is not None)  # type: ignore[attr-defined]
+        ctx.meta = (
+            recipe,
+            wgrad_hook,
+            wgrad_dtype,
+            backend,
+            bias is not None,
+            dual,
+            x.shape,
+            x.dtype,
+        )  # type: ignore[attr-defined]
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: object, dy: Tensor):  # type: ignore[override]
-        x, weight = ctx.saved_tensors  # type: ignore[attr-defined]
-        recipe, hook, wgrad_dtype, backend, has_bias = ctx.meta  # type: ignore[attr-defined]
-        n, k = weight.shape
-        x2 = x.reshape(-1, k)
-        dy2 = dy.reshape(-1, n)
+        recipe, hook, wgrad_dtype, backend, has_bias, dual, x_shape, x_dtype = ctx.meta  # type: ignore[attr-defined]
+        saved = ctx.saved_tensors  # type: ignore[attr-defined]
+        weight = saved[-1]
+        dy2 = dy.reshape(-1, weight.shape[0])
         dx = dw = db = None
         needs = ctx.needs_input_grad  # type: ignore[attr-defined]
+        dyq = dytq = None
+        if needs[0] and needs[1] and _dual_ok(recipe, dy2.shape[0], backend):
+            dyq, dytq = quantize_dual(dy2, recipe.grad_dtype)
         if needs[0]:
-            dyq = quantize(dy2, recipe.activation, recipe.grad_dtype)
-            wtq = quantize(weight.t(), recipe.weight, recipe.fwd_dtype)
-            dx = fp8_mm(dyq, wtq, out_dtype=x.dtype, backend=backend).view(x.shape)
+            if dyq is None:
+                dyq = quantize(dy2, recipe.activation, recipe.grad_dtype)
+            dx = fp8_mm(dyq, _weight_t(weight, recipe), out_dtype=x_dtype, backend=backend)
+            dx = dx.view(x_shape)
         if needs[1]:
-            dyt, xt = dy2.t(), x2.t()
-            if backend == "scaled_mm":  # cuBLAS wants the contraction a multiple of 16
-                dyt, xt = _pad_tokens(dyt, 16), _pad_tokens(xt, 16)
-            dytq = quantize(dyt, recipe.wgrad, recipe.grad_dtype)
-            xtq = quantize(xt, recipe.wgrad, recipe.fwd_dtype)
+            if dual:
+                xtq = Fp8Operand(saved[0], saved[1], recipe.wgrad)
+            else:
+                xt = saved[0].t()
+                if backend == "scaled_mm":  # cuBLAS wants the contraction a multiple of 16
+                    xt = _pad_tokens(xt, 16)
+                xtq = quantize(xt, recipe.wgrad, recipe.fwd_dtype)
+            if dytq is None:
+                dyt = dy2.t()
+                if backend == "scaled_mm":
+                    dyt = _pad_tokens(dyt, 16)
+                dytq = quantize(dyt, recipe.wgrad, recipe.grad_dtype)
             dw = fp8_mm(dytq, xtq, out_dtype=wgrad_dtype or weight.dtype, backend=backend)
             if hook is not None:
                 dw = hook(dw)

@@ -189,6 +189,41 @@ def quantize(
     return Fp8Operand(data, scale_view(storage, granularity, x.shape[1]), granularity)
 
 
+def quantize_dual(
+    x: Tensor, dtype: torch.dtype = E4M3, impl: str | None = None
+) -> tuple[Fp8Operand, Fp8Operand]:
+    """The ``1x128`` operands of ``x`` ``[rows, K]`` (along K) and of ``x^T`` (along the
+    rows), equal to ``quantize(x, "1x128")`` and ``quantize(x.t(), "1x128")``; on the Triton
+    path one kernel reads each 128 x 128 tile once and writes both (the second transposed)."""
+    _check(x, "1x128", dtype)
+    if resolve_impl(impl, x) == "torch":
+        return quantize_torch(x, "1x128", dtype), quantize_torch(x.t(), "1x128", dtype)
+    from longboat.kernels._dispatch import op
+    from longboat.kernels.fp8.quantize_triton import fp8_quantize_dual_eager
+
+    rows, k = x.shape
+    data, storage, data_t, storage_t = op("fp8_quantize_dual", fp8_quantize_dual_eager)(x, dtype)
+    return (
+        Fp8Operand(data, scale_view(storage, "1x128", k), "1x128"),
+        Fp8Operand(data_t, scale_view(storage_t, "1x128", rows), "1x128"),
+    )
+
+
+def quantize_blocks_transposed(
+    x: Tensor, dtype: torch.dtype = E4M3, impl: str | None = None
+) -> Fp8Operand:
+    """``quantize(x.t(), "128x128")`` (a weight's operand for the input-gradient GEMM) with
+    ``x`` read row by row and the codes written transposed on the Triton path."""
+    _check(x, "128x128", dtype)
+    if resolve_impl(impl, x) == "torch":
+        return quantize_torch(x.t(), "128x128", dtype)
+    from longboat.kernels._dispatch import op
+    from longboat.kernels.fp8.quantize_triton import fp8_quantize_blocks_t_eager
+
+    data, storage = op("fp8_quantize_blocks_t", fp8_quantize_blocks_t_eager)(x, dtype)
+    return Fp8Operand(data, scale_view(storage, "128x128", x.shape[0]), "128x128")
+
+
 def transpose_blockwise(op: Fp8Operand) -> Fp8Operand:
     """The ``128x128`` operand of ``W^T`` from that of ``W``: the same blocks, so the same
     codes and scales, transposed (the data copied row-major)."""
@@ -210,6 +245,8 @@ __all__ = [
     "fp8_max",
     "padded_blocks",
     "quantize",
+    "quantize_blocks_transposed",
+    "quantize_dual",
     "quantize_torch",
     "scale_storage_shape",
     "scale_view",
