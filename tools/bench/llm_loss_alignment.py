@@ -20,6 +20,11 @@ the load-balancing term in the objective and the curves are the LM losses.
   (``shift_labels`` = longboat's labels where its loss mask keeps them).
 - ``reference_perturbed``: the reference with every batch's rows reversed: the noise band
   (``bench_align``).
+- ``candidate`` (with ``--candidate KEY=VALUE ...``, e.g. ``train.precision=fp8``): longboat
+  again from the same weights on the same batches with those keys, judged against the
+  ``longboat`` run within the same band (``candidate_verdict``; e.g. FP8 against our bf16),
+  and also that its mean signed difference over the last 100 steps is inside
+  ``+-CANDIDATE_BIAS``.
 
 Writes ``max_abs_loss_diff``, the verdict and the curves to ``--out`` and
 ``<results-dir>/llm_loss_alignment_<date>.{json,md,png}``; prints the table last.
@@ -37,11 +42,15 @@ import bench_align
 import llm_throughput as lt
 import torch
 from baselines import llm_reference as ref
-from bench_env import free_memory, key_values, result_meta, write_results
+from bench_env import free_memory, key_values, md_table, result_meta, write_results
 from bench_train import compose, train_timed
 
 CACHE = Path(os.environ.get("TMPDIR", "/tmp")) / "longboat_bench_quickstart"
 """Where the quickstart corpus is built once (``data.out_dir``)."""
+
+
+CANDIDATE_BIAS = 0.01
+"""Largest mean signed loss difference over the tail a candidate may show against longboat."""
 
 
 def data_overrides(c: dict[str, int], cache: Path) -> list[str]:
@@ -83,6 +92,18 @@ def reference_losses(
     return [float(x) for x in losses]
 
 
+def candidate_table(c: dict[str, Any]) -> str:
+    """The candidate run against longboat, within the reference's band."""
+    v = c["verdict"]
+    header = ["candidate keys", "max abs diff (band)", "mean abs diff (band)", "tail signed mean",
+              "passes"]  # fmt: skip
+    row = [" ".join(c["keys"]), f"{v['max_diff']:.2e} ({v['band_max_diff']:.2e})",
+           f"{v['mean_diff']:.2e} ({v['band_mean_diff']:.2e})",
+           f"{v['tail_mean_signed_diff']:+.2e} (limit +-{v['tail_bias_limit']})",
+           "yes" if v["passes"] else "no"]  # fmt: skip
+    return "vs longboat:\n\n" + md_table(header, [row])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -94,8 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results-dir", type=Path, default=None)
     p.add_argument("--seed", type=int, default=0, help="the HF model's init")
     p.add_argument("--data-dir", type=Path, default=None, help="where the corpus is built once")
-    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="another config key for both sides (e.g. optim.lr=3e-4)")  # fmt: skip
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another config key for both sides (e.g. optim.lr=3e-4)",
+    )
+    p.add_argument("--candidate", action="append", default=[], metavar="KEY=VALUE",
+                   help="keys of a second longboat run judged against the first")  # fmt: skip
     args = p.parse_args(argv)
     if args.steps < 3:
         p.error("--steps: at least 3")
@@ -125,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
 
         r = train_timed("llm", lt.EXPERIMENT, ov, acc, warmup=1, steps=args.steps - 2,
                         prepare=prepare, probe=lambda t: {"cfg": t.cfg})  # fmt: skip
+        cand_keys = [f"{k}={v}" for k, v in key_values(args.candidate, "--candidate").items()]
+        cand = None
+        if cand_keys:
+            free_memory(acc)
+            cand = train_timed("llm", lt.EXPERIMENT, [*ov, *cand_keys], acc, warmup=1,
+                               steps=args.steps - 2)  # fmt: skip
         bf16 = seen["precision"] == "bf16"
         curves = {
             name: reference_losses(Path(hf_dir), seen["batches"], r["cfg"], acc, bf16=bf16,
@@ -132,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in ("reference", "reference_perturbed")
         }  # fmt: skip
     curves["longboat"] = r["losses"]
+    if cand is not None:
+        curves["candidate"] = cand["losses"]
     config = {**c, "steps": args.steps, "seed": args.seed, "experiment": lt.EXPERIMENT,
               "overrides": ov[:-1], "precision": seen["precision"],
               "reference_autocast_bf16": bf16, "optim": lt._plain(r["cfg"].optim),
@@ -141,15 +177,31 @@ def main(argv: list[str] | None = None) -> int:
     result["verdict"] = bench_align.judge(
         curves["longboat"], curves["reference"], curves["reference_perturbed"], relative=False
     )
+    if cand is not None:
+        # the band: the reference against its perturbed self, as for longboat's own verdict
+        cv = bench_align.judge_differences(
+            bench_align.differences(curves["candidate"], curves["longboat"], False),
+            bench_align.differences(curves["reference_perturbed"], curves["reference"], False),
+            relative=False,
+        )
+        cv["tail_bias_limit"] = CANDIDATE_BIAS
+        cv["tail_inside_limit"] = abs(cv["tail_mean_signed_diff"]) <= CANDIDATE_BIAS
+        cv["passes"] = cv["passes"] and cv["tail_inside_limit"]
+        result["candidate"] = {"keys": cand_keys, "verdict": cv,
+                               "median_step_s": cand["timing"].summary(cand["items_per_step"])["median_step_s"]}  # fmt: skip
     diffs = [abs(a - b) for a, b in zip(curves["longboat"], curves["reference"])]
     result["max_abs_loss_diff"] = max(diffs)
     result["mean_abs_loss_diff"] = sum(diffs) / len(diffs)
     result["longboat_median_step_s"] = r["timing"].summary(r["items_per_step"])["median_step_s"]
     title = f"llm_loss_alignment {result['date']} {result['gpu']}: max |dloss| {max(diffs):.4f}"
+    tag = "_fp8" if any("fp8" in k for k in cand_keys) else ("_candidate" if cand_keys else "")
+    text = bench_align.table(result)
+    if cand is not None:
+        text += "\n\n" + candidate_table(result["candidate"])
     write_results(result, out=args.out, results_dir=args.results_dir,
-                  stem=f"llm_loss_alignment_{'' if args.shape == '886m' else args.shape + '_'}{result['date']}", table=bench_align.table(result),
+                  stem=f"llm_loss_alignment_{'' if args.shape == '886m' else args.shape + '_'}{result['date']}{tag}", table=text,
                   plot=bench_align.plot(result, title))  # fmt: skip
-    print(bench_align.table(result))
+    print(text)
     return 0
 
 

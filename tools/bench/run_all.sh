@@ -9,8 +9,8 @@
 # own time limit (seconds, env LIMIT_*), so one that overruns leaves the others their time;
 # results are written as each run ends. ONLY="gpu_tests llm vla diffusion diffusion_align vlm_align llm_align scaling
 # scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling wan_scaling vla_align pi05
-# vla_scaling_levers fp8 memory moonlight" picks
-# steps (default: all but pi05, vla_scaling_levers, fp8, memory and moonlight, which WITH_PI05=1 /
+# vla_scaling_levers fp8 fp8_align memory moonlight" picks
+# steps (default: all but pi05, vla_scaling_levers, fp8, fp8_align, memory and moonlight, which WITH_PI05=1 /
 # WITH_VLA_LEVERS=1 / WITH_FP8=1 / WITH_MEMORY=1 / WITH_MOONLIGHT=1 add), so the set can be split
 # over several calls.
 #
@@ -39,7 +39,7 @@
 # recompute = train.recompute=selective (self-attention outputs kept), recompute_full =
 # train.recompute=full).
 set -u
-ONLY=${ONLY:-"gpu_tests llm vla diffusion diffusion_align vlm_align llm_align scaling scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling wan_scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")$([ "${WITH_VLA_LEVERS:-0}" = "1" ] && echo " vla_scaling_levers")$([ "${WITH_FP8:-0}" = "1" ] && echo " fp8")$([ "${WITH_MEMORY:-0}" = "1" ] && echo " memory")$([ "${WITH_MOONLIGHT:-0}" = "1" ] && echo " moonlight")"}
+ONLY=${ONLY:-"gpu_tests llm vla diffusion diffusion_align vlm_align llm_align scaling scaling_tp_qwen3 moe_scaling vla_scaling vlm_scaling wan_scaling vla_align$([ "${WITH_PI05:-0}" = "1" ] && echo " pi05")$([ "${WITH_VLA_LEVERS:-0}" = "1" ] && echo " vla_scaling_levers")$([ "${WITH_FP8:-0}" = "1" ] && echo " fp8 fp8_align")$([ "${WITH_MEMORY:-0}" = "1" ] && echo " memory")$([ "${WITH_MOONLIGHT:-0}" = "1" ] && echo " moonlight")"}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 RESULTS=${RESULTS:-benchmarks/results}
 mkdir -p "$RESULTS"
@@ -146,6 +146,11 @@ if want fp8; then
     --runs "${FP8_RUNS:-longboat,longboat_fp8,longboat_fp8_rowwise,longboat_fp8_tensorwise,hf_compiled}" \
     --steps 10 --warmup 3 --time-budget "$(( ${LIMIT_FP8:-360} - 10 ))"
 fi
+# FP8 on the loss curve: 200 steps of the Qwen3-1.7B shape, train.precision=fp8 against our bf16
+# from the same weights and batches, judged within the HF baseline's own noise band.
+want fp8_align && step "llm loss alignment fp8" timeout "${LIMIT_FP8_ALIGN:-420}" \
+  python3 tools/bench/llm_loss_alignment.py --shape qwen3_1_7b --micro-batch 2 --steps 200 \
+  --out /tmp/llm_loss_alignment_fp8.json --results-dir "$RESULTS" --candidate train.precision=fp8
 # The memory plan against the measured peak (pi0.5 and GR00T-N1.6, batch 32, CLI defaults, and
 # at the references' measured peaks).
 want memory && step "memory plan" timeout "${LIMIT_MEMORY:-300}" python3 tools/bench/memory_plan.py \
