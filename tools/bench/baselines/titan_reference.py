@@ -4,13 +4,14 @@ its training pieces, imported from the ``torchtitan`` package, at the benchmark'
 torchtitan 0.2.x is the line this module drives (its ``JobConfig`` / ``TrainSpec`` API; checked
 with 0.2.2 on torch 2.11 and 2.15). torchtitan 0.3.0 rewrote that API (``Trainer.Config``,
 ``Configurable``) and imports ``DataParallelMeshDims`` from ``torch.distributed.fsdp``, which
-torch 2.11 does not have: with 0.3.0 installed the row fails with that version in its error.
+torch 2.11 does not have: with 0.3.0 installed the rows are skipped rows saying so.
 
 What runs is what torchtitan's ``train.py`` (``torchtitan.train.Trainer``) builds for
 ``--model.name llama3`` on one device, from its own functions: the ``JobConfig`` parsed by its
 ``ConfigManager`` from command-line flags (``job_flags``), ``Transformer`` built on the meta
-device, its model converters (``--model.converters quantize.linear.float8``), ``parallelize_llama`` (compile per
-``TransformerBlock``; at world size 1 no FSDP or DDP wrapper is applied), ``to_empty`` +
+device, its model converters (``--model.converters quantize.linear.float8``),
+``parallelize_llama`` (compile per ``TransformerBlock``; at world size 1 no FSDP or DDP wrapper
+is applied), ``to_empty`` +
 ``init_weights``, ``build_optimizers`` (fused ``AdamW``), ``build_lr_schedulers``,
 ``build_cross_entropy_loss`` (compiled), ``maybe_enable_amp`` and ``clip_grad_norm_``. At world
 size 1 torchtitan keeps fp32 parameters, gradients and optimizer state and runs the forward and
@@ -65,6 +66,10 @@ def unavailable(name: str) -> str | None:
 
     if importlib.util.find_spec("torchtitan") is None:
         return NOT_INSTALLED
+    version = versions()["torchtitan"]
+    if not version.startswith("0.2."):
+        return (f"skipped: torchtitan {version} is installed; the rows drive its 0.2 line "
+                "(0.3 changed the API and needs a torch newer than 2.11)")  # fmt: skip
     if name == "titan_float8" and importlib.util.find_spec("torchao") is None:
         return "skipped: torchao is not installed (torchtitan's Float8 converter needs it)"
     return None
