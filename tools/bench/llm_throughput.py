@@ -30,6 +30,12 @@ Runs, in turn:
   (``baselines/llm_reference.py``, which lists how each differs from upstream) with the longboat
   config's shapes and optimizer settings. ``hf_liger`` runs when ``liger-kernel`` is installed,
   after the others (Liger patches transformers' classes process-wide).
+- ``titan_compiled`` / ``titan_float8``: torchtitan's Llama 3 model, compiled per block, and its
+  one-device training step (fp32 params under bf16 autocast, fused AdamW); ``titan_float8`` adds
+  its Float8 converter (torchao, tensorwise scaling, the LM head in bf16)
+  (``baselines/titan_reference.py`` lists how they differ from torchtitan's ``train.py``). They
+  run the Llama shape where torchtitan (0.2.x) is installed; asked for without it, each is a
+  skipped row saying so.
 
 Per run: median step time over ``--steps`` timed steps after ``--warmup`` (``bench_timing``:
 steps back to back, device events between them), tokens/s, the window's wall-clock tokens/s,
@@ -54,6 +60,7 @@ from typing import Any
 import bench_env as env
 import torch
 from baselines import llm_reference as ref
+from baselines import titan_reference as titan
 from bench_env import failed_row, fmt, md_table
 from bench_profile import profile_steps
 from bench_timing import time_loop
@@ -130,13 +137,16 @@ ALL_RUNS = (
     "longboat_no_graph",
     "longboat_compiled",
     "hf_liger",
+    "titan_compiled",
+    "titan_float8",
     "longboat",
 )
-PEERS = ("transformers", "triton", "megatron-core")
+PEERS = ("transformers", "triton", "megatron-core", "torchtitan", "torchao")
 """The distributions whose versions the result records."""
 MOE_SKIPS = {"hf_liger": ref.LIGER_DENSE_ONLY}
 """Runs an MoE shape leaves out (dropped from the default list, a skipped row when asked for)."""
-RUN_WEIGHT = {"hf_compiled": 4.0, "longboat_compiled": 2.5, "hf_eager": 1.5, "longboat": 1.5}
+RUN_WEIGHT = {"hf_compiled": 4.0, "longboat_compiled": 2.5, "hf_eager": 1.5, "longboat": 1.5,
+              "titan_compiled": 2.5, "titan_float8": 3.0}  # fmt: skip
 
 
 def shape_overrides(c: dict[str, int], world: int = 1) -> list[str]:
@@ -171,6 +181,20 @@ def moe_overrides(c: dict[str, Any]) -> list[str]:
     return [f"model.num_experts={c['experts']}", f"model.moe_topk={c['topk']}",
             f"model.moe_ffn_hidden_size={c['moe_ffn']}", "model.moe_norm_topk_prob=true",
             f"model.moe_aux_loss_coeff={c['aux']}"]  # fmt: skip
+
+
+def titan_skips(runs: list[str], c: dict[str, Any]) -> dict[str, str]:
+    """The torchtitan rows asked for that cannot run: not installed, or not a Llama shape."""
+    out = {}
+    for r in runs:
+        if r not in titan.RUNS:
+            continue
+        why = titan.unavailable(r)
+        if why is None and c.get("family", "llama3") != "llama3":
+            why = "the torchtitan rows run the Llama shape (886m) only"
+        if why is not None:
+            out[r] = why
+    return out
 
 
 def run_longboat_variant(name: str, c: dict[str, int], acc: Any, args: Any) -> dict[str, Any]:
@@ -212,6 +236,10 @@ def run_baseline(name: str, cfg: Any, c: dict[str, int], acc: Any, args: Any) ->
     with ref.megatron_state(acc) if name == "mcore_local_spec" else contextlib.nullcontext():
         if name == "mcore_local_spec":
             step = run = ref.McoreStep(cfg.model, cfg.optim, device)
+        elif name in titan.RUNS:
+            step = run = titan.TitanStep(cfg.model, cfg.optim, device, seq=c["seq"],
+                                         micro_batch=c["micro_batch"], float8=name == "titan_float8")  # fmt: skip
+            notes.update(step.notes())
         elif name in ("hf_eager", "hf_compiled", "hf_liger"):
             model = ref.hf_causal_lm(cfg.model, device)
             step = ref.HFStep(
@@ -228,7 +256,9 @@ def run_baseline(name: str, cfg: Any, c: dict[str, int], acc: Any, args: Any) ->
         build_s = time.perf_counter() - t0
         gen = torch.Generator().manual_seed(args.seed)
         seqs = torch.randint(0, c["vocab"], (4, c["micro_batch"], c["seq"] + 1), generator=gen)
-        batches = [(s[:, :-1].to(device), s[:, 1:].to(device)) for s in seqs]
+        # torchtitan's step takes CPU batches (its dataloader's) and copies them over itself
+        on = torch.device("cpu") if name in titan.RUNS else device
+        batches = [(s[:, :-1].to(on), s[:, 1:].to(on)) for s in seqs]
         cycle = (batches[i % 4] for i in range(10**9))
         timing, losses = time_loop(acc, cycle, lambda b, i: run(*b), args.warmup, args.steps)
         if isinstance(step, ref.HFStep):
@@ -238,6 +268,8 @@ def run_baseline(name: str, cfg: Any, c: dict[str, int], acc: Any, args: Any) ->
         if summary:
             notes["profile"] = summary
         peak = acc.memory_stats().get("peak_allocated_gb", 0.0)
+        if isinstance(step, titan.TitanStep):
+            step.close()
     return {"timing": timing, "losses": losses, "peak_mem_gb": peak, "build_s": build_s,
             "items_per_step": c["micro_batch"] * c["seq"], "allocated_at_start_gb": leftover,
             "notes": notes}  # fmt: skip
@@ -319,10 +351,14 @@ def main(argv: list[str] | None = None) -> int:
         default = tuple(r for r in default if r != "mcore_local_spec")
     if importlib.util.find_spec("liger_kernel") is None:  # a peer not installed is no failure
         default = tuple(r for r in default if r != "hf_liger")
+    if c.get("family", "llama3") != "llama3":  # torchtitan's rows run the Llama shape
+        default = tuple(r for r in default if r not in titan.RUNS)
+    default = tuple(r for r in default if r not in titan.RUNS or not titan.unavailable(r))
     if "experts" in c:
         default = tuple(r for r in default if r not in MOE_SKIPS)
     runs = args.runs.split(",") if args.runs else list(default)
     skipped = {r: MOE_SKIPS[r] for r in runs if "experts" in c and r in MOE_SKIPS}
+    skipped.update(titan_skips(runs, c))
     runs = [r for r in runs if r not in skipped]
     cfg = compose("llm", EXPERIMENT, overrides(c), "unused")  # the baselines' shapes and optim
     flops = ref.flops_per_token(cfg.model, c["seq"])
@@ -344,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     result = env.result_meta("llm_throughput", on_gpu, PEERS, config)
     for name, why in skipped.items():  # asked for, but no counterpart for this shape
+        why = why.removeprefix("skipped: ")
         print(f"== {name}: skipped ({why})", flush=True)
         result["runs"].append({"name": name, "error": f"skipped: {why}"})
 
@@ -364,6 +401,12 @@ def main(argv: list[str] | None = None) -> int:
             + (f"; experts_implementation={r['notes']['experts']}" if "experts" in r["notes"] else "")
             for r in result["runs"]
             if "forward" in r.get("notes", {})
+        ) + "".join(
+            f"\n\n{r['name']}: torchtitan {r['notes']['versions']['torchtitan']} (torchao "
+            f"{r['notes']['versions']['torchao']}), block linears {r['notes']['block_linear']}, "
+            f"LM head {r['notes']['lm_head']}, {r['notes']['precision']}; flags `{r['notes']['flags']}`"
+            for r in result["runs"]
+            if "flags" in r.get("notes", {})
         )  # fmt: skip
         env.write_results(result, out=args.out, results_dir=args.results_dir, stem=stem,
                       table=table(result), plot=plot(result), note=note)  # fmt: skip

@@ -135,7 +135,8 @@ if want pi05; then
 fi
 # FP8 (benchmarks/notes/fp8.md): the FP8 kernels' GPU tests, one decoder layer's linears per
 # recipe, then the training step on the Qwen3-1.7B shape with train.precision=fp8 per recipe
-# beside the CLI's bf16 default and the fastest HF baseline. FP8_RUNS picks the rows.
+# beside the CLI's bf16 default and the fastest HF baseline (FP8_RUNS picks the rows), and the
+# 886M shape beside torchtitan's rows (FP8_886M_RUNS).
 if want fp8; then
   step "fp8 gpu tests" timeout "${LIMIT_FP8_TESTS:-120}" python3 -m pytest -q -p no:cacheprovider \
     --import-mode=importlib -m gpu -rs packages/kernels/tests/test_fp8_triton.py packages/kernels/tests/test_fp8.py
@@ -145,6 +146,12 @@ if want fp8; then
     --shape qwen3_1_7b --out /tmp/llm_throughput_fp8.json --results-dir "$RESULTS" \
     --runs "${FP8_RUNS:-longboat,longboat_fp8,longboat_fp8_rowwise,longboat_fp8_tensorwise,hf_compiled}" \
     --steps 10 --warmup 3 --time-budget "$(( ${LIMIT_FP8:-360} - 10 ))"
+  # The 886M shape beside torchtitan's bf16 and Float8 rows (skipped rows unless torchtitan 0.2.x
+  # and torchao are importable: benchmarks/notes/llm.md lists the wheels).
+  step "llm throughput fp8 886m" timeout "${LIMIT_FP8_886M:-420}" python3 tools/bench/llm_throughput.py \
+    --out /tmp/llm_throughput_886m_fp8.json --results-dir "$RESULTS" \
+    --runs "${FP8_886M_RUNS:-hf_compiled,titan_compiled,titan_float8,longboat,longboat_fp8}" \
+    --steps 10 --warmup 3 --time-budget "$(( ${LIMIT_FP8_886M:-420} - 10 ))"
 fi
 # FP8 on the loss curve: 200 steps of the Qwen3-1.7B shape, train.precision=fp8 against our bf16
 # from the same weights and batches, judged within the HF baseline's own noise band.

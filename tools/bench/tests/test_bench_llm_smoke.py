@@ -270,3 +270,61 @@ def test_moe_shape_runs_the_cli_assembly_against_qwen3_moe(tmp_path: Path) -> No
     assert result["config"]["active_params"] < result["config"]["params"]
     md = (tmp_path / f"llm_throughput_qwen3_moe_4l_{result['date']}.md").read_text()
     assert "vs hf_eager" in md and "MFU (active params)" in md
+
+
+def test_torchtitan_rows_are_skipped_rows_without_torchtitan(tmp_path: Path) -> None:
+    """Asked for where torchtitan is not installed (CI), each torchtitan row is a skipped row
+    saying so and what to install; nothing else runs."""
+    import importlib.util
+
+    import llm_throughput
+
+    if importlib.util.find_spec("torchtitan") is not None:
+        pytest.skip("torchtitan is installed here: the rows would run")
+    out = tmp_path / "llm.json"
+    runs = "titan_compiled,titan_float8"
+    assert llm_throughput.main(["--out", str(out), "--tiny", "--steps", "1", "--runs", runs]) == 0
+    result = json.loads(out.read_text())
+    assert [r["name"] for r in result["runs"]] == runs.split(",")
+    for r in result["runs"]:
+        assert r["error"] == (
+            "skipped: torchtitan is not installed (0.2.x; benchmarks/notes/llm.md lists its wheels)"
+        )
+    assert result["versions"]["torchtitan"] == "absent"
+    assert "| titan_float8 | failed: skipped: torchtitan is not installed" in llm_throughput.table(
+        result
+    )
+
+
+def test_torchtitan_flags_match_the_benchmark_config() -> None:
+    """The torchtitan command line of ``titan_float8`` on a GPU: the benchmark's batch, clip and
+    AdamW settings, compile of blocks and loss, no recompute, Float8 with the LM head in bf16;
+    on a CPU (no compile) Float8 is emulated."""
+    import llm_throughput as lt
+    from baselines import titan_reference as titan
+    from bench_train import compose
+
+    cfg = compose("llm", lt.EXPERIMENT, lt.overrides(lt.FULL), "unused")
+    o = cfg.optim
+    flags = titan.job_flags(cfg.model, o, seq=2048, micro_batch=8, float8=True, compiled=True,
+                            dump_folder="/d")  # fmt: skip
+    assert flags == [
+        "--job.dump_folder", "/d", "--model.name", "llama3", "--model.hf_assets_path", "/d",
+        "--training.local_batch_size", "8", "--training.seq_len", "2048",
+        "--training.max_norm", "1.0", "--training.mixed_precision_param", "bfloat16",
+        "--optimizer.name", "AdamW", "--optimizer.lr", str(o.lr),
+        "--optimizer.beta1", str(float(o.betas[0])), "--optimizer.beta2", str(float(o.betas[1])),
+        "--optimizer.eps", str(o.eps), "--optimizer.weight_decay", str(o.weight_decay),
+        "--lr_scheduler.warmup_steps", str(o.schedule.warmup_steps),
+        "--activation_checkpoint.mode", "none",
+        "--compile.enable", "--compile.components", "model", "loss",
+        "--model.converters", "quantize.linear.float8",
+        "--quantize.linear.float8.filter_fqns", "output",
+    ]  # fmt: skip
+    assert o.grad_clip == 1.0 and o.schedule.warmup_steps >= 1
+    eager = titan.job_flags(cfg.model, o, seq=64, micro_batch=2, float8=True, compiled=False,
+                            dump_folder="/d")  # fmt: skip
+    assert "--compile.enable" not in eager and eager[-1] == "--quantize.linear.float8.emulate"
+    bf16 = titan.job_flags(cfg.model, o, seq=64, micro_batch=2, float8=False, compiled=False,
+                           dump_folder="/d")  # fmt: skip
+    assert not any("float8" in f for f in bf16)
