@@ -291,6 +291,8 @@ def fp8_grouped_linear(
             f"{tuple(weight.shape)}"
         )
     resolved = resolve_grouped_backend(backend, r)
+    if resolved == "grouped" and x.is_cuda and _SCALED_GROUPED_MM is None:
+        resolved = "looped"  # a torch without the grouped FP8 GEMM
     return _Fp8GroupedLinearFn.apply(x, weight, tokens_per_expert, r, resolved)
 
 
