@@ -329,7 +329,8 @@ class DiffusionTraining(MegatronTraining):
             from longboat.kernels.fp8.model import fp8_summary
 
             model = [self.step_fn.model]
-            lines.append(fp8_summary(model, self.fp8_recipe, what="DiT block linears"))
+            kept = "the first and last blocks, embeddings, modulation and output projection"
+            lines.append(fp8_summary(model, self.fp8_recipe, what="DiT block linears", kept=kept))
         if self.lora_linears:
             lo = cfg.lora
             trained = sum(p.numel() for p in self.step_fn.model.parameters() if p.requires_grad)

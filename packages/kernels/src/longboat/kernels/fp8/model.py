@@ -34,10 +34,14 @@ def decide_adaptive(modules: Iterable[torch.nn.Module], tokens: int, device: tor
     return "\n".join(fn.decide(sorted(shapes), device) for fn, shapes in by_fn.values())
 
 
+KEPT = "the first and last layers, embeddings, output head, router and norms"
+"""What a decoder keeps in bf16 under FP8 (``fp8_summary``'s default)."""
+
+
 def fp8_summary(modules: Iterable[torch.nn.Module], recipe: str, table: str = "", *,
-                what: str = "decoder linears") -> str:  # fmt: skip
+                what: str = "decoder linears", kept: str = KEPT) -> str:  # fmt: skip
     """One line: how many of the kernel linears (``what`` they are) and of the grouped MoE
-    experts run their GEMMs in FP8 with ``recipe``, and what stays in the weights' dtype;
+    experts run their GEMMs in FP8 with ``recipe``, and what stays in bf16 (``kept``);
     ``table``: the adaptive decisions, appended."""
     modules = list(modules)
     linears = kernel_linears(modules)
@@ -47,13 +51,10 @@ def fp8_summary(modules: Iterable[torch.nn.Module], recipe: str, table: str = ""
     if experts:
         on_e = sum(m.grouped_linear_fn is not None for m in experts)
         grouped = f", {on_e} of {len(experts)} layers' grouped MoE experts"
-    line = (
-        f"FP8 ({recipe}): {on} of {len(linears)} {what}{grouped}; the first and last layers, "
-        "embeddings, output head, router and norms in bf16."
-    )
+    line = f"FP8 ({recipe}): {on} of {len(linears)} {what}{grouped}; {kept} in bf16."
     if table:
         line += " Per shape (tokens x out x in), ms of a forward + backward:\n" + table
     return line
 
 
-__all__ = ["decide_adaptive", "fp8_summary", "grouped_experts", "kernel_linears"]
+__all__ = ["KEPT", "decide_adaptive", "fp8_summary", "grouped_experts", "kernel_linears"]

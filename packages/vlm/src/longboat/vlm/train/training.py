@@ -455,7 +455,8 @@ class VLMTraining(MegatronTraining):
             from longboat.kernels.fp8.model import fp8_summary
 
             language = [self.step_fn.model.language]
-            lines.append(fp8_summary(language, self.fp8_recipe, self.fp8_table))
+            kept = "the decoder's first and last layers, the vision tower, projector, embeddings, head, router and norms"  # fmt: skip
+            lines.append(fp8_summary(language, self.fp8_recipe, self.fp8_table, kept=kept))
         lines += self.step_fn.notices()  # levers that cannot apply, and what runs instead
         if self.exact_main_weights:
             lines.append("fp32 main weights from the checkpoint's values (not their rounding).")
