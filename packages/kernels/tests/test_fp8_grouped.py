@@ -133,3 +133,23 @@ def test_grouped_fp8_on_gpu(recipe: str, backend: str) -> None:
     assert rel(dx, ref[1]) <= grad + 0.01
     assert rel(dw, ref[2]) <= grad + 0.01
     assert torch.equal(dw[1], torch.zeros_like(dw[1]))
+
+
+def test_layer_kernels_carry_the_grouped_fp8_function() -> None:
+    """``longboat_layer_kernels(fp8=...)`` gives the MoE experts their FP8 function: the looped
+    recipes say they read the counts on the host (no CUDA graph), rowwise does not, adaptive
+    shares the dense linears' chooser; the function is ``fp8_grouped_linear`` of its recipe."""
+    from longboat.kernels.fp8.layer_linear import AdaptiveGroupedLinear, fp8_grouped_linear_fn
+    from longboat.kernels.layers import longboat_layer_kernels
+
+    assert longboat_layer_kernels().grouped_linear is None
+    assert longboat_layer_kernels(fp8="blockwise").grouped_linear.waits_for_host
+    assert not longboat_layer_kernels(fp8="rowwise").grouped_linear.waits_for_host
+    adaptive = longboat_layer_kernels(fp8="adaptive")
+    assert isinstance(adaptive.grouped_linear, AdaptiveGroupedLinear)
+    assert adaptive.grouped_linear.dense is adaptive.linear
+    with pytest.raises(ValueError, match="expected one of"):
+        fp8_grouped_linear_fn("delayed")
+    x, w, _, counts = problem([4, 12])
+    fn = fp8_grouped_linear_fn("tensorwise")
+    assert torch.equal(fn(x, w, counts), fp8_grouped_linear(x, w, counts, recipe="tensorwise"))
