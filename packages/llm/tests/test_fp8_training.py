@@ -224,3 +224,69 @@ def test_resume_refuses_another_recipe(tmp_path) -> None:  # type: ignore[no-unt
     check_precision_resume(tmp_path, cfg("fp8"), cfg("fp8"))
     check_precision_resume(tmp_path, cfg("bf16", "rowwise"), cfg("fp32"))  # no FP8 involved
     check_precision_resume(tmp_path, {"train": {}}, cfg("fp8"))  # no precision recorded
+
+
+MOE_STEPS = 6
+
+
+def _moe_worker(rank: int, world: int, family: str, runs: list[tuple[str | None, bool]]) -> dict:
+    """Train a 4-layer tiny MoE ``family`` for each ``(recipe, experts_fp8)`` of ``runs`` from the
+    same weights; ``experts_fp8=False`` puts the grouped experts back on the bf16 GEMM."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from longboat.core.config.schema import OptimConfig, ParallelConfig
+    from longboat.core.device import get_accelerator
+    from longboat.core.family import find_family
+    from longboat.core.megatron import parallel_state
+    from longboat.core.megatron.grouped_experts import GroupedExperts
+    from longboat.llm.train.lm_step import build_train_step
+
+    parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"), seed=1)
+    try:
+        cfg = dataclasses.replace(find_family("llm", family).flavor("tiny"), num_layers=4)
+        seq = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+        tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+        out: dict[str, object] = {}
+        for recipe, experts_fp8 in runs:
+            model_parallel_cuda_manual_seed(1)
+            torch.manual_seed(1)
+            ts = build_train_step(
+                cfg, OptimConfig(lr=3e-3, weight_decay=0.1, grad_clip=1.0), precision="bf16",
+                device="cpu", use_cpu_initialization=True, fp8_recipe=recipe,
+            )  # fmt: skip
+            experts = [m for m in ts.chunks[0].modules() if isinstance(m, GroupedExperts)]
+            if not experts_fp8:
+                for m in experts:
+                    m.grouped_linear_fn = None
+            out[f"{recipe}/{experts_fp8}"] = {
+                "experts": (sum(m.grouped_linear_fn is not None for m in experts), len(experts)),
+                "loss": [float(ts.step(tokens, labels)) for _ in range(MOE_STEPS)],
+            }
+        return out
+    finally:
+        parallel_state.destroy()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "family,fp8_experts", [("qwen3_moe", (2, 4)), ("deepseek_v3", (2, 3))]
+)  # fmt: skip
+def test_moe_fp8_runs_grouped_experts_in_fp8(family: str, fp8_experts: tuple[int, int]) -> None:
+    """``train.precision=fp8`` on an MoE model: the middle layers' grouped experts run their
+    GEMMs in FP8 (per-expert scales; the first and last layers' experts, the router and the
+    dense layer in bf16), the loss follows bf16's within the dense test's tolerances (6 steps,
+    measured: at most 0.021 on a step over blockwise, rowwise and tensorwise), and the expert
+    GEMMs' FP8 changes the losses against the same run with bf16 experts (the FP8 expert path
+    ran)."""
+    runs = [(None, False), ("blockwise", True), ("rowwise", True), ("blockwise", False)]
+    (out,) = run_multiprocess(_moe_worker, 1, family, runs)
+    base = out["None/False"]["loss"]
+    assert out["None/False"]["experts"] == (0, fp8_experts[1]), out
+    assert base[-1] < base[0] - 0.1, out  # the steps train
+    for recipe in ("blockwise", "rowwise"):
+        res = out[f"{recipe}/True"]
+        assert res["experts"] == fp8_experts, (recipe, res)
+        diffs = [abs(a - b) for a, b in zip(res["loss"], base, strict=True)]
+        assert max(diffs) <= LOSS_TOL and diffs[-1] <= FINAL_TOL, (recipe, diffs)
+    dense_only = out["blockwise/False"]["loss"]
+    assert dense_only != out["blockwise/True"]["loss"], "the FP8 expert GEMMs did not run"

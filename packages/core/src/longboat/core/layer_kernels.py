@@ -46,6 +46,11 @@ LinearFn = Callable[..., torch.Tensor]
 (``x`` ``[..., in]``, ``weight`` ``[out, in]``) whose backward hands the weight gradient (in
 ``wgrad_dtype``, default the weight's) to ``wgrad_hook`` where one is given and gives autograd
 what the hook returns. This is ``longboat.kernels.fp8.fp8_linear``'s contract (FP8 GEMMs)."""
+GroupedLinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``fn(x, weight, tokens_per_expert) -> y``: every MoE expert's ``x_e @ weight[e]^T`` (``x``
+``[T, in]`` with its rows sorted by expert, ``tokens_per_expert`` ``[E]`` rows each on the host
+or the device, ``weight`` ``[E, out, in]``), differentiable in ``x`` and ``weight``. This is
+``longboat.kernels.fp8.grouped.fp8_grouped_linear``'s contract (FP8 expert GEMMs)."""
 
 
 def sdpa_attention(
@@ -115,6 +120,10 @@ class LayerKernels:
     linear: LinearFn | None = None
     """The GEMMs of the decoder layers' attention and MLP linears (``LinearFn``; e.g. FP8,
     ``longboat_layer_kernels(fp8=...)``); None keeps megatron's. The first and last layers,
-    MoE experts, the LM head and the router keep megatron's in any case."""
+    the LM head and the router keep megatron's in any case."""
+    grouped_linear: GroupedLinearFn | None = None
+    """The GEMMs of the grouped MoE experts (``GroupedLinearFn``; e.g. FP8 with per-expert
+    scales, ``longboat_layer_kernels(fp8=...)``); None keeps the bf16 grouped GEMM. The first
+    and last layers' experts keep it in any case."""
     name: str = "torch"
     """Label for logs."""

@@ -29,6 +29,7 @@ STACK = Stack(
         recompute_layers=True,  # the first n blocks
         ema=True,  # an fp32 average of the transformer's weights (ema.*)
         export_adapter=True,  # with lora.enabled: a diffusers LoRA (train/lora.py)
+        precisions=("fp32", "bf16", "fp16", "fp8"),  # fp8: the DiT blocks' linears
     ),
     renamed_keys={
         "model.recompute_blocks": "train.recompute_layers (with train.recompute=selective)",

@@ -94,13 +94,16 @@ def longboat_layer_kernels(
     ``add_rms_norm=False``: megatron's attention residual add, then the RMSNorm kernel
     (instead of ``AddNormTransformerLayer`` with ``longboat.kernels.add_rmsnorm``).
     ``fp8``: an FP8 recipe (``blockwise``, ``rowwise``, ``tensorwise``, ``adaptive``) for the
-    layers' linears (``longboat.kernels.fp8``); None keeps megatron's GEMMs. ``linear``: a
+    layers' linears and grouped MoE experts (``longboat.kernels.fp8``, per-expert scales for
+    the experts); None keeps megatron's GEMMs and the bf16 grouped experts. ``linear``: a
     ``LinearFn`` of one's own for those linears instead (``fp8`` takes precedence).
     """
+    grouped_linear = None
     if fp8 is not None:
-        from longboat.kernels.fp8.layer_linear import fp8_linear_fn
+        from longboat.kernels.fp8.layer_linear import fp8_grouped_linear_fn, fp8_linear_fn
 
         linear = fp8_linear_fn(fp8)
+        grouped_linear = fp8_grouped_linear_fn(fp8, linear)
     return LayerKernels(
         attention=_attention,
         rms_norm=_rms_norm,
@@ -109,5 +112,6 @@ def longboat_layer_kernels(
         rope=_rope if rope else None,
         qkv_rope=_qkv_rope if rope and qkv_rope else None,
         linear=linear,
+        grouped_linear=grouped_linear,
         name="longboat.kernels" if fp8 is None else f"longboat.kernels+fp8({fp8})",
     )

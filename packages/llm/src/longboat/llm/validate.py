@@ -37,7 +37,6 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
     from longboat.core.family import find_family, list_families
 
     _check_core_keys(cfg, model, problems)
-    _check_fp8(cfg, model, problems)
     if model is None or model.get("name") not in list_families("llm"):
         return
     from longboat.llm.moe_aux_loss import pooled_aux_loss_problems
@@ -190,28 +189,6 @@ def _check_core_keys(cfg: Any, model: Any, problems: Any) -> None:
             "is where LoRA adapters go, but lora.enabled=false",
             value=adapter,
             fix="set lora.enabled=true, or leave export.adapter_dir null",
-        )
-
-
-def _check_fp8(cfg: Any, model: Any, problems: Any) -> None:
-    """``train.precision=fp8`` runs on the longboat layer spec's linears, eagerly."""
-    train = cfg.get("train") or {}
-    if train.get("precision") != "fp8":
-        return
-    if train.get("compile"):
-        problems.add(
-            "train.compile",
-            "is not traced through the FP8 linears (train.precision=fp8)",
-            value=True,
-            fix="use train.compile=false with train.precision=fp8, or another precision",
-        )
-    backend = model.get("layer_backend") if model is not None else None
-    if backend in ("te", "local"):
-        problems.add(
-            "model.layer_backend",
-            "has no FP8 linears of longboat's (train.precision=fp8 runs on the longboat spec)",
-            value=backend,
-            fix="use model.layer_backend=longboat (or auto without Transformer Engine)",
         )
 
 

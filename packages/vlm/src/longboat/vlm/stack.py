@@ -28,6 +28,7 @@ STACK = Stack(
         recompute=("none", "full"),  # whole ViT blocks and decoder layers
         recompute_components=("vision", "language"),
         export_adapter=True,  # LoRA adapters as a PEFT adapter (lora.enabled=true)
+        precisions=("fp32", "bf16", "fp16", "fp8"),  # fp8: the language decoder's linears
     ),
     renamed_keys={
         "model.init_from_hf": "model.init_from",

@@ -66,6 +66,28 @@ def _get(node: Any, key: str) -> Any:
     return node
 
 
+def fp8_problems(cfg: Any, problems: ProblemCollector, *, compiled: bool = True) -> None:
+    """What a ``train.precision=fp8`` run cannot honour in any stack: its FP8 GEMMs run eagerly
+    (no ``train.compile``) on the linears of longboat's layer spec (no ``model.layer_backend``
+    of Transformer Engine or megatron's local modules). ``compiled``: whether the stack has a
+    compiled path at all (where not, ``train.compile`` is refused as such already)."""
+    if compiled and _get(cfg, "train.compile"):
+        problems.add(
+            "train.compile",
+            "is not traced through the FP8 linears (train.precision=fp8)",
+            value=True,
+            fix="use train.compile=false with train.precision=fp8, or another precision",
+        )
+    backend = _get(cfg, "model.layer_backend")
+    if backend in ("te", "local"):
+        problems.add(
+            "model.layer_backend",
+            "has no FP8 linears of longboat's (train.precision=fp8 runs on the longboat spec)",
+            value=backend,
+            fix="use model.layer_backend=longboat (or auto without Transformer Engine)",
+        )
+
+
 def capability_problems(
     cfg: Any, caps: Capabilities, stack: str, problems: ProblemCollector
 ) -> None:
@@ -106,6 +128,8 @@ def capability_problems(
     if precision in PRECISIONS and precision not in caps.precisions:
         refuse("train.precision", precision, "does not train in this precision",
                "train.precision=" + " | ".join(caps.precisions))  # fmt: skip
+    if precision == "fp8" and "fp8" in caps.precisions:
+        fp8_problems(cfg, problems, compiled=caps.compile)
     if "fp8" not in caps.precisions:  # the train.fp8.* settings mean nothing there
         recipe = _get(cfg, "train.fp8.recipe")
         if recipe is not None and recipe != "blockwise":
@@ -140,4 +164,4 @@ def capability_problems(
                "no export.adapter_dir (leave it null)")  # fmt: skip
 
 
-__all__ = ["Capabilities", "capability_problems"]
+__all__ = ["Capabilities", "capability_problems", "fp8_problems"]

@@ -9,6 +9,7 @@ from longboat.core.distributed.init import (
     run_precision,
     set_collective_timeout,
     single_process_group,
+    split_fp8,
 )
 from longboat.core.distributed.multiprocess import (
     MultiprocessError,
@@ -39,4 +40,5 @@ __all__ = [
     "run_precision",
     "set_collective_timeout",
     "single_process_group",
+    "split_fp8",
 ]

@@ -224,6 +224,14 @@ def check_precision_hardware(precision: str, accelerator: Accelerator) -> None:
         )
 
 
+def split_fp8(precision: str, recipe: str) -> tuple[str, str | None]:
+    """``(the weights' precision, the FP8 recipe)`` of a run that trains in ``precision``
+    (``run_precision``'s answer) with ``train.fp8.recipe`` ``recipe``: ``fp8`` is bf16 weights
+    whose linears run their GEMMs in FP8 with the recipe; any other precision has no recipe.
+    Every stack that trains in FP8 reads its precision through this."""
+    return ("bf16", recipe) if precision == "fp8" else (precision, None)
+
+
 def run_precision(precision: str, cpu_precision: str, accelerator: Accelerator) -> str:
     """The precision a run trains in: ``cpu_precision`` on CPU, fp32 where bf16 is asked for
     but the accelerator lacks it, else ``precision``; ``fp8`` where the accelerator has no

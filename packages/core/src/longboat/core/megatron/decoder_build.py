@@ -37,8 +37,9 @@ def build_decoder(
     ``layout``: the parallel layout (default: megatron's current one); ``transformer_config``:
     what turns the architecture and layout into megatron's config (``to_transformer_config``).
     ``moe_router``: a ``TopKRouter`` subclass to build the MoE layers' routers with (the layer
-    spec's ``MoESubmodules.router``); None keeps megatron's. With ``kernels.linear`` (FP8
-    GEMMs) the first and last layers keep megatron's GEMMs (``linears.keep_outer_layers``).
+    spec's ``MoESubmodules.router``); None keeps megatron's. With ``kernels.linear`` /
+    ``kernels.grouped_linear`` (FP8 GEMMs) the first and last layers keep megatron's GEMMs and
+    the bf16 grouped experts (``linears.keep_outer_layers``).
     """
     layout = layout if layout is not None else current_layout()
     if layout is None:
@@ -64,7 +65,7 @@ def build_decoder(
         **config_overrides,
     )
     chunks = build_decoder_model(cfg, tcfg, spec)
-    if kernels is not None and kernels.linear is not None:
+    if kernels is not None and (kernels.linear is not None or kernels.grouped_linear is not None):
         from longboat.core.megatron.linears import keep_outer_layers
 
         keep_outer_layers(chunks, cfg.num_layers)

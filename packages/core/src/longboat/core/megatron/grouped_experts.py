@@ -18,6 +18,10 @@ dispatcher is megatron's (the all-to-all needs its split sizes on the host).
 Where ``grouped_mm`` cannot run (an older torch, a dtype or a row width it does not take) the
 same weights run one GEMM per expert (``looped_linear``). Values equal ``SequentialMLP``'s on the
 same weights (``tests/megatron/test_grouped_experts.py``).
+
+With a ``GroupedLinearFn`` (``LayerKernels.grouped_linear``: the FP8 expert GEMMs of a
+``train.precision=fp8`` run) both projections run on it instead; a function that reads the
+token counts on the host says so with ``waits_for_host = True``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 GLUFn = Callable[[torch.Tensor], torch.Tensor]
+GroupedLinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -141,8 +146,9 @@ class GroupedExperts(MegatronModule):
     ``linear_fc2.weight`` ``[E, H, F]``.
 
     ``glu``: the fused SwiGLU on the packed fc1 output (the layer spec's kernel); None runs
-    ``activation_func(gate) * up``. The routing probability scales the activation before fc2,
-    as megatron's expert MLP does.
+    ``activation_func(gate) * up``. ``grouped_linear``: the projections' GEMMs
+    (``GroupedLinearFn``, e.g. FP8); None runs ``grouped_linear`` / ``looped_linear`` here. The
+    routing probability scales the activation before fc2, as megatron's expert MLP does.
     """
 
     def __init__(
@@ -154,6 +160,7 @@ class GroupedExperts(MegatronModule):
         name: str | None = None,
         *,
         glu: GLUFn | None = None,
+        grouped_linear: GroupedLinearFn | None = None,
     ) -> None:
         super().__init__(config=config)
         unsupported = {
@@ -186,6 +193,9 @@ class GroupedExperts(MegatronModule):
                 ]
             )
         self._glu = glu
+        self.grouped_linear_fn = grouped_linear
+        """The projections' GEMMs; None: this module's bf16 ones (``keep_outer_layers`` sets
+        it to None in the first and last layers)."""
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
         if self._glu is not None:
@@ -203,6 +213,10 @@ class GroupedExperts(MegatronModule):
     ) -> tuple[torch.Tensor, None]:
         x = permuted_local_hidden_states
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        fn = self.grouped_linear_fn
+        if fn is not None:
+            h = self._scale(self._activation(fn(x, w1, tokens_per_expert)), permuted_probs)
+            return fn(h, w2, tokens_per_expert), None
         if x.dtype == w1.dtype and self.runs_grouped():
             ends = group_ends(tokens_per_expert, x.device)
             h = grouped_linear(x, w1, ends)
@@ -215,6 +229,8 @@ class GroupedExperts(MegatronModule):
     def runs_grouped(self) -> bool:
         """Whether both projections run as grouped GEMMs on the weights' dtype and device
         (else one GEMM per expert, which reads the counts on the host)."""
+        if self.grouped_linear_fn is not None:
+            return not getattr(self.grouped_linear_fn, "waits_for_host", False)
         return _grouped_mm_takes(self.linear_fc1.weight) and _grouped_mm_takes(
             self.linear_fc2.weight
         )
@@ -368,6 +384,11 @@ def moe_host_sync(modules: Any) -> str | None:
                 "megatron's per-expert MoE experts (model.moe_experts=sequential) wait for the "
                 "token counts on the host"
             )
+        if not m.experts.runs_grouped() and m.experts.grouped_linear_fn is not None:
+            return (
+                "the FP8 expert GEMMs of this recipe run one expert after the other, which "
+                "waits for the token counts on the host"
+            )
         if not m.experts.runs_grouped():
             w1 = m.experts.linear_fc1.weight
             return (
@@ -382,6 +403,7 @@ def moe_host_sync(modules: Any) -> str | None:
     return None
 
 
-def grouped_experts_builder(glu: GLUFn | None) -> Any:
-    """The ``MoESubmodules.experts`` builder of ``GroupedExperts`` with ``glu``."""
-    return functools.partial(GroupedExperts, glu=glu)
+def grouped_experts_builder(glu: GLUFn | None, grouped_linear: GroupedLinearFn | None = None) -> Any:  # fmt: skip
+    """The ``MoESubmodules.experts`` builder of ``GroupedExperts`` with ``glu`` and
+    ``grouped_linear``."""
+    return functools.partial(GroupedExperts, glu=glu, grouped_linear=grouped_linear)

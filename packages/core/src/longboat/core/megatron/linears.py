@@ -160,24 +160,48 @@ class KernelRowParallelLinear(EpilogueRowParallelLinear):
         return _kernel_call(self.linear_fn, input, weight, kwargs.get("bias"), fusion)
 
 
-def keep_outer_layers(chunks: list[torch.nn.Module], num_layers: int) -> int:
-    """Put the first and last decoder layers' kernel linears back on megatron's GEMMs (their
-    ``linear_fn`` to None): FP8 keeps the layers nearest the embeddings and the head in the
-    run's dtype. Returns how many linears still run on their kernel."""
+def _top_level_layers(chunk: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``chunk`` with a ``layer_number`` that sit inside no other such module
+    (decoder layers, DiT blocks; not their attention)."""
+    found: list[tuple[str, torch.nn.Module]] = []
+    for name, module in chunk.named_modules():
+        if getattr(module, "layer_number", None) is None:
+            continue
+        if any(name.startswith(outer + ".") for outer, _ in found):
+            continue
+        found.append((name, module))
+    return [m for _, m in found]
+
+
+def run_high_precision(module: torch.nn.Module) -> None:
+    """Put every kernel linear of ``module`` back on megatron's GEMMs (``linear_fn`` None) and
+    its grouped MoE experts on the bf16 grouped GEMM (``grouped_linear_fn`` None)."""
+    for sub in module.modules():
+        if isinstance(sub, KernelColumnParallelLinear | KernelRowParallelLinear):
+            sub.linear_fn = None
+        if hasattr(sub, "grouped_linear_fn"):  # grouped_experts.GroupedExperts
+            sub.grouped_linear_fn = None
+
+
+def keep_outer_layers(chunks: list[torch.nn.Module], num_layers: int | None = None) -> int:
+    """Run the first and last layers (``layer_number`` 1 and ``num_layers``; None: the largest
+    number among the chunks' layers) in high precision (``run_high_precision``): FP8 keeps the
+    layers nearest the embeddings and the head in the run's dtype. Layers are the modules with
+    a ``layer_number`` inside no other (decoder layers, DiT blocks). Returns how many linears
+    still run on their kernel."""
+    layers = [m for chunk in chunks for m in _top_level_layers(chunk)]
+    if num_layers is None:
+        num_layers = max((int(m.layer_number) for m in layers), default=1)
     outer = {1, num_layers}
-    kept = 0
-    for chunk in chunks:
-        for module in chunk.modules():
-            if getattr(module, "layer_number", None) in outer and hasattr(module, "mlp"):
-                for sub in module.modules():
-                    if isinstance(sub, KernelColumnParallelLinear | KernelRowParallelLinear):
-                        sub.linear_fn = None
-        kept += sum(
-            isinstance(m, KernelColumnParallelLinear | KernelRowParallelLinear)
-            and m.linear_fn is not None
-            for m in chunk.modules()
-        )
-    return kept
+    for layer in layers:
+        if layer.layer_number in outer:
+            run_high_precision(layer)
+    return sum(
+        isinstance(m, KernelColumnParallelLinear | KernelRowParallelLinear)
+        and m.linear_fn is not None
+        for chunk in chunks
+        for m in chunk.modules()
+    )
 
 
 __all__ = [
@@ -186,4 +210,5 @@ __all__ = [
     "KernelColumnParallelLinear",
     "KernelRowParallelLinear",
     "keep_outer_layers",
+    "run_high_precision",
 ]

@@ -489,6 +489,23 @@ def resolve_backend(backend: str, device_type: str) -> str:
     return backend
 
 
+def check_fp8_layer_backend(layer_backend: str, device_type: str) -> None:
+    """``ConfigError`` where ``model.layer_backend`` resolves on ``device_type`` to a layer spec
+    other than longboat's, the one whose linears take the FP8 GEMMs of a
+    ``train.precision=fp8`` run (``auto`` picks Transformer Engine's where it is installed)."""
+    from longboat.core.config.errors import ConfigError
+
+    backend = resolve_backend(layer_backend, device_type)
+    if backend != "longboat":
+        raise ConfigError(
+            f"resolves to the {backend} layer spec, which has no longboat FP8 linears "
+            "(train.precision=fp8)",
+            key="model.layer_backend",
+            value=layer_backend,
+            fix="set model.layer_backend=longboat",
+        )
+
+
 def _layer_module(kernels: LayerKernels) -> type:
     return TransformerLayer if kernels.add_rms_norm is None else AddNormTransformerLayer
 
@@ -553,7 +570,7 @@ def decoder_layer_spec(
         use_te_activation_func=provider.kernels.swiglu is not None,
     )
     if num_experts and resolve_moe_experts(moe_experts) == "grouped":
-        mlp = _grouped_moe(mlp, kernels.swiglu)
+        mlp = _grouped_moe(mlp, kernels.swiglu, kernels.grouped_linear)
     return ModuleSpec(
         module=_layer_module(kernels),
         submodules=TransformerLayerSubmodules(
@@ -620,15 +637,15 @@ def _replace_moe(mlp: Any, moe: Any, module: type | None = None) -> Any:
     return dataclasses.replace(mlp, submodules=moe, module=module or mlp.module)
 
 
-def _grouped_moe(mlp: Any, glu: Any) -> Any:
+def _grouped_moe(mlp: Any, glu: Any, grouped_linear: Any = None) -> Any:
     """The MoE layer spec ``mlp`` as ``GroupedMoELayer`` with ``GroupedExperts`` (``glu``: the
-    fused SwiGLU, None for megatron's)."""
+    fused SwiGLU, None for megatron's; ``grouped_linear``: the experts' GEMMs, e.g. FP8)."""
     import dataclasses
 
     from longboat.core.megatron.grouped_experts import GroupedMoELayer, grouped_experts_builder
 
     mlp, moe = _moe_spec(mlp, "grouped experts")
-    moe = dataclasses.replace(moe, experts=grouped_experts_builder(glu))
+    moe = dataclasses.replace(moe, experts=grouped_experts_builder(glu, grouped_linear))
     return _replace_moe(mlp, moe, GroupedMoELayer)
 
 

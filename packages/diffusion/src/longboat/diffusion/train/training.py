@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from longboat.core.config.errors import ConfigError
 from longboat.core.device.transfer import pins_host_memory
-from longboat.core.distributed import run_precision
+from longboat.core.distributed import run_precision, split_fp8
 from longboat.core.megatron.training import MegatronTraining
 from longboat.core.train import RunResult, StepOutput, UpdateGate, run_training, typed_config
 from longboat.core.train.trainer import Callback
@@ -58,6 +58,25 @@ def _recompute_kind(m: Any) -> str:
     return " (attention too)" if m.recompute_attention else " (attention outputs kept)"
 
 
+def build_dit(family: Any, model_cfg: Any, precision: str, fp8_recipe: str | None = None) -> Any:
+    """The run's DiT (``family``: the loaded family module) with fresh weights in
+    ``precision``. ``fp8_recipe`` (``train.fp8.recipe`` of a ``train.precision=fp8`` run,
+    ``precision`` then bf16): the blocks' attention and MLP linears run their GEMMs in FP8
+    (longboat's FP8 linear, as the llm and vlm decoders' do); the first and last blocks, the
+    patch, time and caption embeddings, the modulation and the output projection in bf16. On a
+    device without FP8 matmuls they are emulated (tests: the command line refuses such a
+    device)."""
+    from longboat.diffusion.models.common.layers import dit_layer_kernels
+
+    if fp8_recipe is None:
+        return family.build(model_cfg, precision=precision)
+    from longboat.core.megatron.linears import keep_outer_layers
+
+    model = family.build(model_cfg, precision=precision, kernels=dit_layer_kernels(fp8_recipe))
+    keep_outer_layers([model])
+    return model
+
+
 class DiffusionTraining(MegatronTraining):
     """One ``longboat-diffusion train`` run, built (see the module doc)."""
 
@@ -81,9 +100,10 @@ class DiffusionTraining(MegatronTraining):
 
         cfg = self.cfg
         self.family = model_family(cfg.model)
-        self.precision = run_precision(
+        precision = run_precision(
             cfg.train.precision, cfg.diffusion.cpu_precision, self.accelerator
         )
+        self.precision, self.fp8_recipe = split_fp8(precision, cfg.train.fp8.recipe)
         self.init_layout(cfg.parallel, cfg.train.seed)
         self.dp, self.dp_rank = mps.get_data_parallel_world_size(), mps.get_data_parallel_rank()
         batches = batch_layout(cfg.train.global_batch_size, cfg.train.micro_batch_size, self.dp)
@@ -97,7 +117,7 @@ class DiffusionTraining(MegatronTraining):
         self.items_per_step = self._samples_per_step()
         seed_everything(cfg.train.seed, self.accelerator)
         family = self.family.load()
-        model = family.build(self.model_cfg, precision=self.precision)
+        model = build_dit(family, self.model_cfg, self.precision, self.fp8_recipe)
         exact: dict[str, torch.Tensor] = {}
         lora = cfg.lora if cfg.lora.enabled else None
         if cfg.model.init_from:
@@ -305,6 +325,12 @@ class DiffusionTraining(MegatronTraining):
                 else "."
             ),
         ]
+        if self.fp8_recipe is not None:  # adaptive: each shape decided when first seen
+            from longboat.kernels.fp8.model import fp8_summary
+
+            model = [self.step_fn.model]
+            kept = "the first and last blocks, embeddings, modulation and output projection"
+            lines.append(fp8_summary(model, self.fp8_recipe, what="DiT block linears", kept=kept))
         if self.lora_linears:
             lo = cfg.lora
             trained = sum(p.numel() for p in self.step_fn.model.parameters() if p.requires_grad)

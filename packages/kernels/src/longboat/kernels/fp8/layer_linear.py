@@ -5,7 +5,8 @@
 ``adaptive`` the choice of an ``AdaptiveChooser`` per ``(tokens, out, in)`` shape: FP8 in the
 fastest recipe where it beats bf16 on this GPU by the chooser's margin, bf16 elsewhere
 (``AdaptiveLinear``: a run decides its shapes at start with ``decide``; a shape first seen
-in a call is decided then).
+in a call is decided then). ``fp8_grouped_linear_fn(recipe)`` is the same for the grouped MoE
+experts (core's ``GroupedLinearFn``: ``fp8_grouped_linear`` with per-expert scales).
 """
 
 from __future__ import annotations
@@ -64,6 +65,60 @@ class AdaptiveLinear:
         return fp8_linear(x, weight, bias, recipe=picked, **kw)
 
 
+class GroupedFp8Linear:
+    """The ``GroupedLinearFn`` of a fixed recipe: ``fp8_grouped_linear`` (per-expert scales).
+    ``waits_for_host``: whether its backend reads the token counts on the host (the looped
+    one: a CUDA-graph capture cannot hold it)."""
+
+    def __init__(self, recipe: str) -> None:
+        from longboat.kernels.fp8.grouped import resolve_grouped_backend
+        from longboat.kernels.fp8.linear import get_recipe
+
+        self.recipe = recipe
+        self.waits_for_host = resolve_grouped_backend(None, get_recipe(recipe)) == "looped"
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        from longboat.kernels.fp8.grouped import fp8_grouped_linear
+
+        return fp8_grouped_linear(x, weight, tokens_per_expert, recipe=self.recipe)
+
+
+class AdaptiveGroupedLinear:
+    """The ``adaptive`` recipe's ``GroupedLinearFn``: FP8 in the recipe, or bf16, that the
+    dense linears' chooser (``AdaptiveLinear``) picks for an expert's mean GEMM,
+    ``(tokens // experts, out, in)``; decided on first call and logged."""
+
+    waits_for_host = True  # a looped recipe may be picked
+
+    def __init__(self, dense: AdaptiveLinear) -> None:
+        self.dense = dense
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        from longboat.kernels.fp8.grouped import fp8_grouped_linear, high_precision_grouped_linear
+
+        chooser = self.dense.chooser(x.device)
+        shape = (max(1, x.shape[0] // weight.shape[0]), weight.shape[1], weight.shape[2])
+        known = shape in chooser.decisions
+        picked = chooser.choice(shape)
+        if not known:
+            LOG.info("fp8 adaptive (MoE experts) on %s:\n%s", chooser.gpu, chooser.table())
+        if picked == HIGH_PRECISION:
+            return high_precision_grouped_linear(x, weight, tokens_per_expert)
+        return fp8_grouped_linear(x, weight, tokens_per_expert, recipe=picked)
+
+
+def fp8_grouped_linear_fn(recipe: str, dense: Any = None) -> Any:
+    """The MoE experts' ``GroupedLinearFn`` of ``recipe`` (``adaptive``: sharing the chooser of
+    ``dense``, the layers' ``AdaptiveLinear``, or a new one)."""
+    if recipe == ADAPTIVE:
+        return AdaptiveGroupedLinear(
+            dense if isinstance(dense, AdaptiveLinear) else AdaptiveLinear()
+        )
+    if recipe not in RECIPES:
+        raise ValueError(f"FP8 recipe {recipe!r}: expected one of {[*sorted(RECIPES), ADAPTIVE]}")
+    return GroupedFp8Linear(recipe)
+
+
 def fp8_linear_fn(recipe: str) -> Any:
     """The ``LinearFn`` of ``recipe`` (a name of ``RECIPES`` or ``adaptive``)."""
     if recipe == ADAPTIVE:
@@ -77,4 +132,11 @@ def fp8_linear_fn(recipe: str) -> Any:
     return fn
 
 
-__all__ = ["ADAPTIVE", "AdaptiveLinear", "fp8_linear_fn"]
+__all__ = [
+    "ADAPTIVE",
+    "AdaptiveGroupedLinear",
+    "AdaptiveLinear",
+    "GroupedFp8Linear",
+    "fp8_grouped_linear_fn",
+    "fp8_linear_fn",
+]

@@ -278,21 +278,11 @@ def build_train_step(
 
 
 def check_fp8_backend(model_cfg: DecoderModelConfig, device_type: str) -> None:
-    """``ConfigError`` where the layer spec the run resolves to is not longboat's, the one
-    whose linears take the FP8 GEMMs (``model.layer_backend=auto`` picks Transformer
-    Engine's where it is installed)."""
-    from longboat.core.config.errors import ConfigError
-    from longboat.core.megatron.specs import resolve_backend
+    """``ConfigError`` where the run's layer spec has no longboat FP8 linears (core's
+    ``specs.check_fp8_layer_backend``)."""
+    from longboat.core.megatron.specs import check_fp8_layer_backend
 
-    backend = resolve_backend(model_cfg.layer_backend, device_type)
-    if backend != "longboat":
-        raise ConfigError(
-            f"resolves to the {backend} layer spec, which has no longboat FP8 linears "
-            "(train.precision=fp8)",
-            key="model.layer_backend",
-            value=model_cfg.layer_backend,
-            fix="set model.layer_backend=longboat",
-        )
+    check_fp8_layer_backend(model_cfg.layer_backend, device_type)
 
 
 def wants_exact_main_weights(hf_dir: Any, precision: str, lora: bool) -> bool:

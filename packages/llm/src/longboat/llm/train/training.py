@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from longboat.core.device.transfer import batch_to_device
-from longboat.core.distributed import run_precision
+from longboat.core.distributed import run_precision, split_fp8
 from longboat.core.megatron.quiet import quiet_megatron
 from longboat.core.megatron.training import MegatronTraining
 from longboat.core.train import (
@@ -142,11 +142,9 @@ class LLMTraining(MegatronTraining):
         """``precision`` of the weights and ``fp8_recipe`` (``train.fp8.recipe`` of an FP8 run,
         whose weights then train in bf16; else None) from ``train.precision`` and the device."""
         cfg = self.cfg
-        self.precision = run_precision(cfg.train.precision, cfg.llm.cpu_precision, self.accelerator)
-        self.fp8_recipe: str | None = None
+        precision = run_precision(cfg.train.precision, cfg.llm.cpu_precision, self.accelerator)
+        self.precision, self.fp8_recipe = split_fp8(precision, cfg.train.fp8.recipe)
         self.fp8_table = ""
-        if self.precision == "fp8":
-            self.precision, self.fp8_recipe = "bf16", cfg.train.fp8.recipe
 
     def _build_step(self) -> Any:
         from longboat.llm.hf_checkpoint import load_hf
@@ -255,36 +253,20 @@ class LLMTraining(MegatronTraining):
             source_dir=self.cfg.model.init_from,
         )
 
-    def _kernel_linears(self) -> list[Any]:
-        from longboat.core.megatron.linears import KernelColumnParallelLinear as Col
-        from longboat.core.megatron.linears import KernelRowParallelLinear as Row
-
-        return [m for c in self.step_fn.chunks for m in c.modules() if isinstance(m, Col | Row)]
-
     def _decide_adaptive(self, tokens: int) -> str | None:
         """``train.fp8.recipe=adaptive``: FP8 or bf16 per linear shape, measured on this GPU
         before the first step (or read from the timing cache); the decisions as a table."""
         if self.fp8_recipe != "adaptive":
             return None
-        by_fn: dict[int, tuple[Any, set[tuple[int, int, int]]]] = {}
-        for m in self._kernel_linears():
-            if m.linear_fn is not None and hasattr(m.linear_fn, "decide"):
-                entry = by_fn.setdefault(id(m.linear_fn), (m.linear_fn, set()))
-                entry[1].add((tokens, *m.weight.shape))
-        tables = [fn.decide(sorted(shapes), self.device) for fn, shapes in by_fn.values()]
-        return "\n".join(tables) or None
+        from longboat.kernels.fp8.model import decide_adaptive
+
+        return decide_adaptive(self.step_fn.chunks, tokens, self.device) or None
 
     def fp8_line(self) -> str:
-        """How many of the decoder layers' linears run their GEMMs in FP8."""
-        linears = self._kernel_linears()
-        fp8 = sum(m.linear_fn is not None for m in linears)
-        line = (
-            f"FP8 ({self.fp8_recipe}): {fp8} of {len(linears)} decoder linears; the first and "
-            "last layers, MoE experts, LM head, router, norms and embeddings in bf16."
-        )
-        if self.fp8_table:
-            line += " Per shape (tokens x out x in), ms of a forward + backward:\n" + self.fp8_table
-        return line
+        """How many of the decoder layers' linears and grouped MoE experts run in FP8."""
+        from longboat.kernels.fp8.model import fp8_summary
+
+        return fp8_summary(self.step_fn.chunks, str(self.fp8_recipe), self.fp8_table or "")
 
     def describe(self) -> list[str]:
         m, s, lay, rows = self.model_cfg, self.plan.layout, self.layout, self.train_rows

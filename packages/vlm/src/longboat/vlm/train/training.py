@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from longboat.core.config.errors import ConfigError
 from longboat.core.device.transfer import batch_to_device
-from longboat.core.distributed import run_precision
+from longboat.core.distributed import run_precision, split_fp8
 from longboat.core.megatron.training import MegatronTraining
 from longboat.core.train import (
     RunResult,
@@ -94,11 +94,21 @@ def recompute_components(train: Any) -> tuple[str, ...]:
 
 
 def build_run_model(
-    cfg: Any, family: Any, model_cfg: Any, precision: str, device_type: str
+    cfg: Any,
+    family: Any,
+    model_cfg: Any,
+    precision: str,
+    device_type: str,
+    fp8_recipe: str | None = None,
 ) -> tuple[Any, Any, Any]:
     """``(model, model config, layer kernels)``: the run's VLM built as its training builds
     it (``model.layer_backend``, longboat's layer kernels, recompute, vision tensor
-    parallelism), with fresh weights; ``family`` is the loaded family module."""
+    parallelism), with fresh weights; ``family`` is the loaded family module.
+    ``fp8_recipe`` (``train.fp8.recipe`` of a ``train.precision=fp8`` run, ``precision`` then
+    the weights' bf16): the language decoder's linears and grouped MoE experts run their GEMMs
+    in FP8 (its first and last layers, the vision tower, projector, embeddings and head in
+    bf16); on a device without FP8 matmuls they are emulated (tests: the command line refuses
+    such a device)."""
     from longboat.kernels.layers import longboat_layer_kernels
 
     mcfg = dataclasses.replace(
@@ -107,10 +117,14 @@ def build_run_model(
     )
     # M-RoPE angles differ per token: megatron's rotation, not the 1D-position kernels;
     # a decoder with 1D positions (composed families) takes the fast rotary kernels too.
+    if fp8_recipe is not None:
+        from longboat.core.megatron.specs import check_fp8_layer_backend
+
+        check_fp8_layer_backend(mcfg.language.layer_backend, device_type)
     if mcfg.language.mrope_section is None:
-        kernels = longboat_layer_kernels()
+        kernels = longboat_layer_kernels(fp8=fp8_recipe)
     else:
-        kernels = longboat_layer_kernels(rope=False, qkv_rope=False)
+        kernels = longboat_layer_kernels(rope=False, qkv_rope=False, fp8=fp8_recipe)
     model = family.build(
         mcfg,
         precision=precision,
@@ -119,6 +133,12 @@ def build_run_model(
         recompute=recompute_components(cfg.train),
         vision_tensor_parallel=cfg.model.vision_tensor_parallel,
     )
+    if fp8_recipe is not None:  # FP8 is the decoder's: the tower and projector stay in bf16
+        from longboat.core.megatron.linears import run_high_precision
+
+        for name, child in model.named_children():
+            if name != "language":
+                run_high_precision(child)
     return model, mcfg, kernels
 
 
@@ -229,7 +249,8 @@ class VLMTraining(MegatronTraining):
         progress = self.is_main and cfg.logging.progress
         self.data = open_run_data(cfg, self.model_cfg, progress=progress)
         self.model_cfg = self.data.model_cfg
-        self.precision = run_precision(cfg.train.precision, cfg.vlm.cpu_precision, self.accelerator)
+        precision = run_precision(cfg.train.precision, cfg.vlm.cpu_precision, self.accelerator)
+        self.precision, self.fp8_recipe = split_fp8(precision, cfg.train.fp8.recipe)
         self.init_layout(cfg.parallel, cfg.train.seed)
         dp = self.layout.data_parallel
         batches = batch_layout(cfg.train.global_batch_size, cfg.train.micro_batch_size, dp)
@@ -258,8 +279,9 @@ class VLMTraining(MegatronTraining):
         cfg = self.cfg
         family = self.family.load()
         model, mcfg, kernels = build_run_model(
-            cfg, family, self.model_cfg, self.precision, self.accelerator.device_type
-        )
+            cfg, family, self.model_cfg, self.precision, self.accelerator.device_type,
+            fp8_recipe=self.fp8_recipe,
+        )  # fmt: skip
         if cfg.model.init_from:
             family.load_hf(model, mcfg, cfg.model.init_from)
         step = VLMTrainStep(
@@ -271,6 +293,12 @@ class VLMTraining(MegatronTraining):
             seed=cfg.train.seed,
             cuda_graph=cfg.train.cuda_graph is not False,
         )
+        self.fp8_table = ""
+        if self.fp8_recipe == "adaptive":  # FP8 or bf16 per decoder linear, measured here
+            from longboat.kernels.fp8.model import decide_adaptive
+
+            tokens = self.data.train.seq_len * cfg.train.micro_batch_size
+            self.fp8_table = decide_adaptive([model.language], tokens, self.device)
         step.static_shapes_blocker = self._graph_shapes_blocker()
         step.use_one_pass("auto" if cfg.optim.one_pass_adamw else False, adamw_master_step_)
         self.exact_main_weights = 0
@@ -423,6 +451,12 @@ class VLMTraining(MegatronTraining):
             f"global batch {self.global_batch} rows."
         ]
         lines += self.data.notes
+        if self.fp8_recipe is not None:
+            from longboat.kernels.fp8.model import fp8_summary
+
+            language = [self.step_fn.model.language]
+            kept = "the decoder's first and last layers, the vision tower, projector, embeddings, head, router and norms"  # fmt: skip
+            lines.append(fp8_summary(language, self.fp8_recipe, self.fp8_table, kept=kept))
         lines += self.step_fn.notices()  # levers that cannot apply, and what runs instead
         if self.exact_main_weights:
             lines.append("fp32 main weights from the checkpoint's values (not their rounding).")

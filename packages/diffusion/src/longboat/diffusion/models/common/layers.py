@@ -215,11 +215,16 @@ def build_options(precision: str, kernels: LayerKernels | None) -> tuple[torch.d
             "unknown precision", key="train.precision", value=precision,
             fix=f"use one of {sorted(PRECISIONS)}",
         )  # fmt: skip
-    if kernels is None:
-        from longboat.kernels.layers import longboat_layer_kernels
+    return PRECISIONS[precision], kernels if kernels is not None else dit_layer_kernels()
 
-        kernels = longboat_layer_kernels(swiglu=False, qkv_rope=False, add_rms_norm=False)
-    return PRECISIONS[precision], kernels
+
+def dit_layer_kernels(fp8: str | None = None) -> LayerKernels:
+    """The layer kernels a DiT's blocks run on: ``longboat.kernels``' attention, RMSNorm and
+    RoPE (no SwiGLU, fused QKV split or residual-add norm: the blocks have none of those);
+    ``fp8``: an FP8 recipe for the blocks' linears (``train.precision=fp8``)."""
+    from longboat.kernels.layers import longboat_layer_kernels
+
+    return longboat_layer_kernels(swiglu=False, qkv_rope=False, add_rms_norm=False, fp8=fp8)
 
 
 __all__ = [
@@ -230,6 +235,7 @@ __all__ = [
     "TwoLayerMLP",
     "adaln_modulate",
     "build_options",
+    "dit_layer_kernels",
     "dit_transformer_config",
     "empty_captions",
     "gated_add",

@@ -444,5 +444,9 @@ def build_chunks(
         )
         model.model_type = getattr(model, "model_type", None)
         chunks.append(model)
+    if kernels is not None and (kernels.linear is not None or kernels.grouped_linear is not None):
+        from longboat.core.megatron.linears import keep_outer_layers
+
+        keep_outer_layers(chunks, cfg.num_layers)  # FP8: the first and last layers in bf16
     device = torch.device(device_type)
     return [c.to(device) for c in chunks]
