@@ -1,4 +1,5 @@
-"""Helpers the vlm tests share: synthetic video files and packed Qwen2.5-VL-style rows."""
+"""Helpers the vlm tests share: synthetic video files, packed Qwen2.5-VL-style rows and tiny
+random Hugging Face checkpoints of each family."""
 
 from __future__ import annotations
 
@@ -60,32 +61,52 @@ def packed_image_row(cfg: Any, seed: int, grids: list[list[int]], text: int = 6)
     }
 
 
+HF_CLASSES = {
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "llava_onevision": "LlavaOnevisionForConditionalGeneration",
+}
+"""Each VLM family's ``transformers`` model class."""
+
+
 def make_qwen2_5_vl_checkpoint(
     out: Path, *, eos_first: bool = False, max_pixels: int = 12544, seed: int = 0
 ) -> Path:
-    """A tiny random Qwen2.5-VL Hugging Face directory as a user downloads one: weights,
-    ``config.json`` (the vision token ids of its tokenizer), the shapes tokenizer with Qwen's
-    chat template and a ``preprocessor_config.json`` with ``max_pixels``. ``eos_first``: every
-    embedding points one way and EOS's furthest, so the (tied) head predicts EOS first
-    whatever the prompt, a model whose ``generate()`` must stop at once."""
+    """``make_vlm_checkpoint`` of Qwen2.5-VL."""
+    return make_vlm_checkpoint(
+        out, "qwen2_5_vl", eos_first=eos_first, max_pixels=max_pixels, seed=seed
+    )
+
+
+def make_vlm_checkpoint(
+    out: Path,
+    family: str,
+    *,
+    eos_first: bool = False,
+    max_pixels: int = 12544,
+    seed: int = 0,
+) -> Path:
+    """A tiny random Hugging Face directory of the VLM ``family`` (``HF_CLASSES``) as a user
+    downloads one: weights, ``config.json`` (the vision token ids of its tokenizer), the
+    shapes tokenizer with Qwen's chat template and, for the Qwen families, a
+    ``preprocessor_config.json`` with ``max_pixels``. ``eos_first``: every embedding points
+    one way and EOS's furthest, so the (tied) head predicts EOS first whatever the prompt, a
+    model whose ``generate()`` must stop at once."""
     import dataclasses
+    import importlib
     import json
 
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    import transformers
 
     from longboat.vlm.data.shapes_dataset import build_shapes_tokenizer
-    from longboat.vlm.models.qwen2_5_vl.model import flavor, to_hf_config
 
+    module = importlib.import_module(f"longboat.vlm.models.{family}.model")
     info = build_shapes_tokenizer(out)
-    cfg = dataclasses.replace(
-        flavor("tiny"),
-        image_token_id=info.image_token_id,
-        video_token_id=info.video_token_id,
-        vision_start_token_id=info.vision_start_token_id,
-        vision_end_token_id=info.vision_end_token_id,
-    )
+    base = module.flavor("tiny")
+    ids = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    cfg = dataclasses.replace(base, **{k: getattr(info, k) for k in ids if hasattr(base, k)})
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(to_hf_config(cfg)).eval()
+    model = getattr(transformers, HF_CLASSES[family])(module.to_hf_config(cfg)).eval()
     with torch.no_grad():
         if not eos_first:  # weights spread wide enough that answers follow the input
             for name, p in model.named_parameters():
@@ -101,6 +122,8 @@ def make_qwen2_5_vl_checkpoint(
             emb[:, 0] += 10.0
             emb[info.eos_token_id, 0] += 20.0
     model.save_pretrained(out)
+    if family == "llava_onevision":
+        return out
     (out / "preprocessor_config.json").write_text(
         json.dumps(
             {

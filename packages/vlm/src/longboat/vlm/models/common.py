@@ -236,6 +236,17 @@ def gather_split_tower(
     return unshard(per_rank)
 
 
+def tower_hf_state(model: Any, vision_cfg: Any, vision_hf: Any, prefix: str) -> dict[str, Any]:
+    """The split tower of ``model`` (with its mergers) as full tensors under their HF names
+    after ``prefix`` (``vision_hf``: ``unshard_vision_state_dict``, ``vision_to_hf``);
+    collective over the TP group like ``save_decoder_and_tower``, empty where the model has
+    no tower (a later pipeline stage)."""
+    if model.vision is None:
+        return {}
+    full = gather_split_tower(model, vision_hf.unshard_vision_state_dict)
+    return vision_hf.vision_to_hf(full, vision_cfg, prefix=prefix)
+
+
 def load_decoder_and_tower(model: Any, cfg: Any, hf_dir: str | Path, vision_hf: Any) -> int:
     """Read a checkpoint holding the decoder under ``model.*`` and the tower under
     ``vision_hf.HF_PREFIXES`` into this rank's model (the tower on the stage that has it);

@@ -9,7 +9,10 @@ A family's implementation module (``load()``: its ``model.py``) provides
 - ``build(config, *, precision, device_type, kernels, recompute, vision_tensor_parallel)
   -> VisionLanguageModel`` (``VISION_DATA_PARALLEL = True`` where ``vision_tensor_parallel=1``
   under a TP decoder is supported),
-- ``load_hf(model, config, dir)`` and ``save_hf(model, config, out_dir)``.
+- ``load_hf(model, config, dir)`` and ``save_hf(model, config, out_dir)``,
+- optionally ``PEFT_LAYOUT`` (a ``longboat.vlm.models.peft_layout.PeftLayout``) and
+  ``visual_hf_state(model, config)`` (the tower and projector under ``transformers``' names),
+  where a LoRA run's adapters can be written as a PEFT adapter.
 
 A config holds ``language`` (a core ``DecoderModelConfig``), ``vision`` (its tower's config
 with ``patch_size``, ``spatial_merge_size``, ``temporal_patch_size``, ``depth`` and

@@ -10,9 +10,11 @@ an HF export runs in: the adapters folded into the decoder's weights, put back a
 
 ``save_language_adapter`` writes the adapters on their own as a PEFT adapter directory
 (``longboat.core.megatron.peft``) for ``transformers``' model of the family: the decoder's
-adapters under the family's ``PEFT_LANGUAGE_PREFIX``, and the vision tower or the projector
-where they trained too (not in ``model.freeze``) as PEFT's ``modules_to_save``, so the
-adapter on the source checkpoint is the trained model.
+adapters under the decoder prefix of the family's ``PEFT_LAYOUT``
+(``longboat.vlm.models.peft_layout``), and the vision tower or the projector where they
+trained too (not in ``model.freeze``) as PEFT's ``modules_to_save``, so the adapter on the
+source checkpoint is the trained model. A family whose trained part PEFT cannot carry (a bare
+parameter) says why (``adapter_export_problem``), before training.
 """
 
 from __future__ import annotations
@@ -84,11 +86,24 @@ def validate_adapter_export(cfg: Any, world_size: int | None, problems: Any) -> 
         )
 
 
-def adapter_export_problem(family_module: Any) -> str | None:
-    """Why the family's LoRA adapters cannot be written as a PEFT adapter (None: they can)."""
-    if getattr(family_module, "PEFT_LANGUAGE_PREFIX", None) is None:
-        return "has no PEFT adapter layout (its adapters go only into the merged export)"
-    return None
+def adapter_export_problem(
+    family_module: Any, frozen: Sequence[str] = ()
+) -> tuple[str, str] | None:
+    """``(why, fix)`` where the family's LoRA run with ``frozen`` components cannot be written
+    as a PEFT adapter (``fix`` empty or a clause ending in ``", or "``); None where it can."""
+    layout = getattr(family_module, "PEFT_LAYOUT", None)
+    if layout is None:
+        return "has no PEFT adapter layout (its adapters go only into the merged export)", ""
+    trained = _trained(frozen)
+    why = layout.problem(trained)
+    if why is None:
+        return None
+    unsaved = [c for c in trained if c in layout.cannot_save]
+    return why, f"add {' and '.join(unsaved)} to model.freeze, or "
+
+
+def _trained(frozen: Sequence[str]) -> list[str]:
+    return [c for c in ("vision", "projector") if c not in frozen]
 
 
 def save_language_adapter(
@@ -102,23 +117,23 @@ def save_language_adapter(
     base_model: str | None = None,
 ) -> Path:
     """Write the decoder's adapters (and the tower or projector where they trained) as a PEFT
-    adapter directory for ``base_model`` (collective, like the HF export)."""
+    adapter directory for ``base_model`` (collective, like the HF export), named after the
+    family's ``PEFT_LAYOUT``."""
     from longboat.core.megatron.peft import save_peft
 
-    modules: dict[str, dict[str, Any]] = {}
-    trained = [c for c in ("vision", "projector") if c not in frozen]
+    layout = family_module.PEFT_LAYOUT
+    trained = _trained(frozen)
+    modules = {}
     if trained:
         visual = family_module.visual_hf_state(model, model_cfg)  # collective
-        name = family_module.PEFT_VISUAL if "vision" in trained else family_module.PEFT_PROJECTOR
-        if visual:
-            modules[name] = {k: v for k, v in visual.items() if k.startswith(f"{name}.")}
+        modules = layout.modules_to_save(trained, visual)
     return save_peft(
         [model.language],
         model_cfg.language,
         out_dir,
         rank=lora.rank,
         alpha=lora.alpha,
-        prefix=family_module.PEFT_LANGUAGE_PREFIX,
+        prefix=layout.language,
         base_model=base_model,
         scoped_targets=True,
         modules_to_save=modules or None,

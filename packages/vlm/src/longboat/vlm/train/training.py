@@ -209,13 +209,14 @@ class VLMTraining(MegatronTraining):
             from longboat.vlm.train.lora import adapter_export_problem
 
             family = model_family(cfg)
-            problem = adapter_export_problem(family.load())
+            problem = adapter_export_problem(family.load(), cfg.model.freeze)
             if problem is not None:
+                why, fix = problem
                 raise ConfigError(
-                    f"the {family.name} family {problem}",
+                    f"the {family.name} family {why}",
                     key="export.adapter_dir",
                     value=adapter,
-                    fix="leave export.adapter_dir null (the export has the adapters merged)",
+                    fix=f"{fix}leave export.adapter_dir null (the export has the adapters merged)",
                 )
         if cfg.model.vision_tensor_parallel is not None:
             from longboat.vlm.models.vision_parallel import resolve_vision_tensor_parallel
@@ -413,7 +414,14 @@ class VLMTraining(MegatronTraining):
 
         cfg = self.cfg
         family_module = self.family.load()
-        if cfg.lora.enabled and adapter_export_problem(family_module) is None:
+        self.adapter_note = None
+        problem = adapter_export_problem(family_module, cfg.model.freeze)
+        if cfg.lora.enabled and problem is not None:
+            self.adapter_note = (
+                f"PEFT adapter: not written (the {self.family.name} family {problem[0]}; "
+                f"{problem[1]}use the merged HF export)"
+            )
+        if cfg.lora.enabled and problem is None:
             # the adapters on their own, before the export merges them
             self.adapter_dir = save_language_adapter(
                 self.step_fn.model,
@@ -486,6 +494,8 @@ class VLMTraining(MegatronTraining):
             lines.append(f"HF export:   {result.export_dir}")
         if getattr(self, "adapter_dir", None) is not None:
             lines.append(f"PEFT adapter: {self.adapter_dir} (peft.PeftModel.from_pretrained)")
+        elif getattr(self, "adapter_note", None) is not None:
+            lines.append(self.adapter_note)
         n = self.cfg.vlm.answer_eval_samples
         if self.is_main and result.export_dir is not None and n > 0:
             from longboat.vlm.train.data import answer_held_out

@@ -50,6 +50,7 @@ from longboat.vlm.models.llava_onevision.config import (
     compose,
     flavor,
 )
+from longboat.vlm.models.peft_layout import PeftLayout
 from longboat.vlm.models.projector.config import ProjectorConfig
 from longboat.vlm.models.siglip.config import SiglipVisionConfig
 from longboat.vlm.models.vlm import VisionLanguageModel
@@ -59,6 +60,17 @@ VISION_PREFIX = "model.vision_tower."
 PROJECTOR_PREFIX = "model.multi_modal_projector."
 NEWLINE = "model.image_newline"
 LANGUAGE_PREFIX = "model.language_model."
+PEFT_LAYOUT = PeftLayout(
+    language=LANGUAGE_PREFIX,
+    vision=(VISION_PREFIX.rstrip("."),),
+    projector=(PROJECTOR_PREFIX.rstrip("."),),
+    cannot_save={
+        "projector": f"the {NEWLINE} it trains with is a bare parameter of transformers' "
+        "LlavaOnevisionModel, which PEFT's modules_to_save (whole modules) cannot carry"
+    },
+)
+"""``transformers``' ``LlavaOnevisionForConditionalGeneration`` module names: the decoder's
+layers, the SigLIP tower and the projector (what a PEFT adapter of a LoRA run names)."""
 
 __all__ = [
     "FLAVORS",
@@ -73,6 +85,7 @@ __all__ = [
     "save_hf",
     "text_position_ids",
     "to_hf_config",
+    "visual_hf_state",
 ]
 
 
@@ -447,6 +460,14 @@ def load_hf(model: VisionLanguageModel, cfg: LlavaOnevisionConfig, hf_dir: str |
         raise ConfigError(f"{hf_dir}: vision tensors do not fit: missing {missing}; shapes {bad}")
     model.vision.load_state_dict(ours, strict=False)
     return n + len(ours)
+
+
+def visual_hf_state(
+    model: VisionLanguageModel, cfg: LlavaOnevisionConfig
+) -> dict[str, torch.Tensor]:
+    """The tower, the projector and ``image_newline`` under ``transformers``' names
+    (``LAYOUT``); the model is not tensor-parallel, so every rank holds them whole."""
+    return vision_to_hf(tower_state(model.vision), cfg)
 
 
 def save_hf(model: VisionLanguageModel, cfg: LlavaOnevisionConfig, out_dir: str | Path) -> Path:

@@ -27,13 +27,14 @@ from longboat.vlm.models.common import (
     check_checkpoint_architecture,
     check_model_type,
     check_recompute,
-    gather_split_tower,
     load_decoder_and_tower,
     pick_flavor,
     read_config_json,
     save_decoder_and_tower,
+    tower_hf_state,
 )
 from longboat.vlm.models.mrope import mrope_position_ids
+from longboat.vlm.models.peft_layout import PeftLayout
 from longboat.vlm.models.qwen2_5_vl.vision_config import Qwen25VisionConfig
 from longboat.vlm.models.vlm import VisionLanguageModel
 
@@ -43,13 +44,11 @@ PIPELINE_PARALLEL = True
 VISION_DATA_PARALLEL = True
 """``build(vision_tensor_parallel=1)`` under a TP decoder: an unsharded tower encoding the
 images data-parallel over the TP ranks (``longboat.vlm.models.vision_parallel``)."""
-PEFT_LANGUAGE_PREFIX = "model.language_model."
-"""Where ``transformers``' ``Qwen2_5_VLForConditionalGeneration`` keeps the decoder's layers
-(the module names a PEFT adapter's keys use)."""
-PEFT_VISUAL = "model.visual"
-PEFT_PROJECTOR = "model.visual.merger"
-"""The tower and its patch merger as ``transformers`` names the modules (PEFT's
-``modules_to_save``)."""
+PEFT_LAYOUT = PeftLayout(
+    language="model.language_model.", vision=("model.visual",), projector=("model.visual.merger",)
+)
+"""``transformers``' ``Qwen2_5_VLForConditionalGeneration`` module names: the decoder's layers,
+the tower and its patch merger (what a PEFT adapter of a LoRA run names)."""
 
 
 @dataclass
@@ -242,10 +241,7 @@ def visual_hf_state(model: VisionLanguageModel, cfg: Qwen25VLConfig) -> dict[str
     model has no tower (a later pipeline stage)."""
     from longboat.vlm.models.qwen2_5_vl import vision_hf
 
-    if model.vision is None:
-        return {}
-    full = gather_split_tower(model, vision_hf.unshard_vision_state_dict)
-    return vision_hf.vision_to_hf(full, cfg.vision, prefix=f"{PEFT_VISUAL}.")
+    return tower_hf_state(model, cfg.vision, vision_hf, "model.visual.")
 
 
 def _flavors() -> dict[str, Qwen25VLConfig]:

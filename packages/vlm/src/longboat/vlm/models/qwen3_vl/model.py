@@ -36,12 +36,14 @@ from longboat.vlm.models.common import (
     pick_flavor,
     read_config_json,
     save_decoder_and_tower,
+    tower_hf_state,
 )
 from longboat.vlm.models.mrope import (
     interleaved_mrope_sections,
     interleaved_mrope_streams,
     mrope_position_ids,
 )
+from longboat.vlm.models.peft_layout import PeftLayout
 from longboat.vlm.models.qwen3_vl.vision_config import Qwen3VisionConfig, vision_flavor
 
 if TYPE_CHECKING:  # megatron is imported when a model is built, not to read a config
@@ -54,6 +56,14 @@ must also hold the decoder layers that take deepstack features)."""
 VISION_DATA_PARALLEL = True
 """``build(vision_tensor_parallel=1)`` under a TP decoder: an unsharded tower encoding the
 images data-parallel over the TP ranks (``longboat.vlm.models.vision_parallel``)."""
+PEFT_LAYOUT = PeftLayout(
+    language="model.language_model.",
+    vision=("model.visual",),
+    projector=("model.visual.merger", "model.visual.deepstack_merger_list."),
+)
+"""``transformers``' ``Qwen3VLForConditionalGeneration`` module names: the decoder's layers,
+the tower, its patch merger and each deepstack merger (what a PEFT adapter of a LoRA run
+names)."""
 QWEN3_VL_MROPE = [24, 20, 20]
 """transformers' default M-RoPE sections for Qwen3-VL (head_dim 128) when the config has none."""
 
@@ -302,6 +312,15 @@ def save_hf(model: VisionLanguageModel, cfg: Qwen3VLConfig, out_dir: str | Path)
         language_prefix="model.language_model.",
         visual_prefix="model.visual.",
     )
+
+
+def visual_hf_state(model: VisionLanguageModel, cfg: Qwen3VLConfig) -> dict[str, torch.Tensor]:
+    """The tower with its mergers as full tensors named after ``transformers``' modules
+    (``model.visual.*``); collective over the TP group like ``save_hf``, empty where the
+    model has no tower (a later pipeline stage)."""
+    from longboat.vlm.models.qwen3_vl import vision_hf
+
+    return tower_hf_state(model, cfg.vision, vision_hf, "model.visual.")
 
 
 def _flavors() -> dict[str, Qwen3VLConfig]:
