@@ -3,8 +3,12 @@
     longboat-embodied eval runs/pusht/export --suite pusht --episodes 50 --num-envs 8 \\
         --seed 0 --videos 3 --out runs/pusht/eval
 
+    longboat-embodied eval checkpoint=runs/pusht --suite pusht --episodes 50
+
 POLICY is an export folder (``<output_dir>/export``, or its ``lerobot/`` / ``isaac/``
-folder) or a run directory. Writes ``results.json``, ``results.md`` (success rate per task
+folder) or a run directory (its export); ``checkpoint=PATH`` a run's native checkpoint (a
+run directory: its newest; its ``checkpoint.dir``; or a ``step_XXXXXXXX`` folder), the
+policy rebuilt from the run's stored config and its dataset's statistics. Writes ``results.json``, ``results.md`` (success rate per task
 and for the suite, with a Wilson 95% interval) and ``videos/*.mp4`` into --out, and prints
 the table. The same arguments give the same episodes and the same results.
 """
@@ -38,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=doc.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("policy", help="export folder or run directory")
+    parser.add_argument(
+        "policy", help="export folder, run directory, or checkpoint=PATH (a native checkpoint)"
+    )
     parser.add_argument(
         "--suite",
         required=True,

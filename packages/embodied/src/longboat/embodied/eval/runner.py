@@ -3,7 +3,8 @@
 
 ``load_acting_policy`` reads an export folder (native, ``export/lerobot`` or
 ``export/isaac``) or a run directory (its ``export/``) through
-``longboat.embodied.inference.load_policy``; ``check_compatible`` refuses, before any
+``longboat.embodied.inference.load_policy``, or a run's native checkpoint
+(``checkpoint=PATH``, ``eval.checkpoint``); ``check_compatible`` refuses, before any
 environment starts, a policy whose cameras, state or action width the suite cannot feed.
 """
 
@@ -36,7 +37,7 @@ def policy_dir(path: str | Path, key: str = "policy") -> Path:
         key=key,
         value=str(path),
         fix="give a run's export folder (<output_dir>/export, or its lerobot/ or isaac/ "
-        "folder) or the run directory",
+        "folder), the run directory, or a native checkpoint as checkpoint=PATH",
     )
 
 
@@ -100,13 +101,47 @@ def check_compatible(
         raise ConfigError(problems)
 
 
+def _holds_checkpoint(path: str | Path) -> bool:
+    from longboat.embodied.eval.checkpoint import resolve_checkpoint
+
+    try:
+        resolve_checkpoint(path)
+    except ConfigError:
+        return False
+    return True
+
+
 def load_acting_policy(
     path: str | Path, suite: SuiteSpec, *, device: str = "cpu", n_action_steps: int | None = None
 ) -> TrainedPolicy:
-    """The exported policy at ``path`` (``policy_dir``), checked against ``suite``."""
+    """The policy ``path`` names, checked against ``suite``: ``checkpoint=PATH`` a run's
+    native checkpoint (``eval.checkpoint``: a step folder, a ``checkpoint.dir`` or a run
+    directory); else an export folder (``policy_dir``), or a native checkpoint where the
+    path holds no export (a step folder, or a run that wrote none yet)."""
+    from longboat.embodied.eval.checkpoint import CHECKPOINT_KEY, checkpoint_policy
     from longboat.embodied.inference.processor import PolicyProcessor
 
-    root = policy_dir(path)
+    text = str(path)
+    native = text.startswith(f"{CHECKPOINT_KEY}=")
+    if native:
+        path = text[len(CHECKPOINT_KEY) + 1 :]
+        if not path:
+            raise ConfigError(
+                "names no folder",
+                key=CHECKPOINT_KEY,
+                value="",
+                fix="checkpoint=<run directory or step_XXXXXXXX folder>",
+            )
+    else:
+        try:
+            root = policy_dir(path)
+        except ConfigError:
+            if not _holds_checkpoint(path):
+                raise
+            native = True
+    if native:
+        policy = checkpoint_policy(path, suite, device=device, n_action_steps=n_action_steps)
+        return TrainedPolicy(policy, n_action_steps=n_action_steps)
     processor = PolicyProcessor.load(root)  # small: check before the weights load
     emb = processor.embodiments[0]
     check_compatible(suite, processor.cameras, emb.state_dim, emb.action_dim)

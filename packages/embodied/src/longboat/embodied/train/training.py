@@ -194,6 +194,29 @@ def open_run_data(
     )
 
 
+def build_run_model(
+    cfg: EmbodiedExperimentConfig,
+    model_cfg: Any,
+    *,
+    initial_weights: bool = True,
+    verbose: bool = False,
+) -> tuple[nn.Module, dict[str, int]]:
+    """The run's policy on the CPU, before parallelism: built from ``train.seed``,
+    ``model.init_from``'s weights loaded (``initial_weights``), frozen as configured, its LoRA
+    adapters added; its parameters then have the names and dtypes of the run's checkpoint.
+    Returns it with its trainable / frozen parameter counts."""
+    torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
+    model = build_model(cfg.model.name, model_cfg)
+    if cfg.model.init_from and initial_weights:
+        loaded = load_initial_weights(model, cfg.model.name, cfg.model.init_from)
+        if loaded and verbose:
+            print(loaded, flush=True)  # a backbone alone: which parts stay initialised
+    counts = apply_freezing(model, model_cfg)
+    if cfg.lora.enabled:  # only the adapters train (train/lora.py)
+        counts = lora.apply_run_lora(model, cfg)
+    return model, counts
+
+
 def build_policy(
     cfg: EmbodiedExperimentConfig,
     model_cfg: Any,
@@ -203,15 +226,7 @@ def build_policy(
 ) -> tuple[nn.Module, dict[str, int]]:
     """The policy on its device: frozen as configured, parallelized, its blocks compiled
     (``train.compile``); and its trainable / frozen parameter counts."""
-    torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
-    model = build_model(cfg.model.name, model_cfg)
-    if cfg.model.init_from:
-        loaded = load_initial_weights(model, cfg.model.name, cfg.model.init_from)
-        if loaded and setup.rank == 0:
-            print(loaded, flush=True)  # a backbone alone: which parts stay initialised
-    counts = apply_freezing(model, model_cfg)
-    if cfg.lora.enabled:  # only the adapters train (train/lora.py)
-        counts = lora.apply_run_lora(model, cfg)
+    model, counts = build_run_model(cfg, model_cfg, verbose=setup.rank == 0)
     model.to(device)
     model, compiled = engine.prepare_model(
         model,
@@ -693,6 +708,7 @@ __all__ = [
     "EmbodiedTraining",
     "RunData",
     "build_policy",
+    "build_run_model",
     "build_step_fn",
     "build_training",
     "model_overrides",
