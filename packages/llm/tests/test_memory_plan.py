@@ -273,3 +273,37 @@ def test_run_plans_to_a_gb_budget_and_reports_without_one() -> None:
     assert "micro-batch 2 -> 1" in small["line"]
     assert pinned["keys"] == ["train.memory_budget"], pinned
     assert "train.recompute=none" in pinned["error"], pinned
+
+
+def _sharded_params_worker(rank: int, world: int) -> dict[str, tuple[int, int]]:
+    from longboat.core.config.schema import ParallelConfig
+    from longboat.core.device import get_accelerator
+    from longboat.core.family import find_family
+    from longboat.core.megatron import parallel_state
+    from longboat.llm.build import build_model
+
+    out = {}
+    for family, par in (("llama3", {"tensor_parallel": 2}), ("llama3", {"pipeline_parallel": 2}),
+                        ("qwen3_moe", {"expert_parallel": 2})):  # fmt: skip
+        layout = parallel_state.initialize(ParallelConfig(**par), get_accelerator("cpu"), seed=1)
+        try:
+            cfg = find_family("llm", family).flavor("tiny")
+            chunks = build_model(cfg, precision="bf16", use_cpu_initialization=True)
+            built = sum(p.numel() for c in chunks for p in c.parameters())
+            shapes = DecoderShapes.of(cfg, seq_len=16, precision="bf16", layout=layout)
+            from megatron.core import parallel_state as mps
+
+            stage = mps.get_pipeline_model_parallel_rank()
+            out[f"{family} {par}"] = (built, shapes.stage_params(stage))
+        finally:
+            parallel_state.destroy()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_parameter_count_per_rank_under_tensor_pipeline_and_expert_parallel() -> None:
+    """Two ranks: each rank's parameters under TP 2, PP 2 (embedding on the first stage,
+    final norm and output layer on the last) and EP 2 (half the experts) == the estimate."""
+    for per_rank in run_multiprocess(_sharded_params_worker, 2):
+        for name, (built, estimated) in per_rank.items():
+            assert built == estimated, (name, built, estimated)
