@@ -18,7 +18,6 @@ from longboat.llm.stack import STACK
 REFUSED = {
     "train.recompute_components=[vision]",
     "export.format=native",
-    "train.memory_budget=40",  # no memory plan on the megatron backend yet
 }
 """What the llm stack refuses of the probes (``export.adapter_dir`` composes with LoRA)."""
 

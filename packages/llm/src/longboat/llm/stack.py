@@ -31,6 +31,7 @@ STACK = Stack(
         compile=True,  # each decoder layer
         export_adapter=True,  # with LoRA
         precisions=("fp32", "bf16", "fp16", "fp8"),  # fp8: the decoder layers' linears
+        memory_plan=True,  # train.memory_budget: train.recompute and the micro-batch split
     ),
     renamed_keys={
         "llm.init_from_hf": "model.init_from",

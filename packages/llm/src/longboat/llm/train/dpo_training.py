@@ -56,6 +56,8 @@ class DPOTraining(LLMTraining):
         self.reference = ReferenceLogps(len(self.pairs))
         self.resolve_precision()
         self.init_layout(cfg.parallel, cfg.train.seed)
+        # a pair is two rows, on megatron's logits path (the objective needs per-token losses)
+        self.memory_plan = self.plan_memory(rows_per_sample=2, fused_ce=False)
         batches = batch_layout(
             cfg.train.global_batch_size, cfg.train.micro_batch_size, self.layout.data_parallel
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from longboat.core.config.schema import DataConfig, ExperimentConfig
+from longboat.core.config.schema import DataConfig, ExperimentConfig, TrainConfig
 from longboat.core.config.schema import LoRAConfig as CoreLoRAConfig
 
 
@@ -149,10 +149,25 @@ class LLMRunConfig:
 
 
 @dataclass
+class LLMTrainConfig(TrainConfig):
+    """The LLM training loop (core's fields; ``recompute`` left to the memory plan)."""
+
+    recompute: str | None = None  # type: ignore[assignment]
+    """Activation recompute: none, selective (each layer's core attention) or full (whole
+    layers; with ``recompute_layers`` the first n of each pipeline stage). null (the
+    default): the memory plan chooses (``train.memory_budget``): none where everything fits,
+    else selective, else full, then a smaller micro-batch; none where there is no budget
+    (auto on a device without memory of its own, e.g. the CPU). A value set here is kept
+    (pinned); a pinned run that cannot fit its budget is refused before work."""
+
+
+@dataclass
 class LLMExperimentConfig(ExperimentConfig):
     """Root config of ``longboat-llm train``."""
 
     stack: str = "llm"
+    train: LLMTrainConfig = field(default_factory=LLMTrainConfig)
+    """The training loop."""
     llm: LLMRunConfig = field(default_factory=LLMRunConfig)
     """LLM run settings (eval, generation, kernels, levers)."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)

@@ -126,6 +126,7 @@ class LLMTraining(MegatronTraining):
         self.eval_rows = PackedDataset(eval_docs, data.seq_len) if len(eval_docs) else None
         self.resolve_precision()
         self.init_layout(cfg.parallel, cfg.train.seed)
+        self.memory_plan = self.plan_memory(rows_per_sample=1, fused_ce=cfg.llm.fused_linear_ce)
         batches = batch_layout(
             cfg.train.global_batch_size, cfg.train.micro_batch_size, self.layout.data_parallel
         )
@@ -145,6 +146,68 @@ class LLMTraining(MegatronTraining):
         precision = run_precision(cfg.train.precision, cfg.llm.cpu_precision, self.accelerator)
         self.precision, self.fp8_recipe = split_fp8(precision, cfg.train.fp8.recipe)
         self.fp8_table = ""
+
+    def plan_memory(self, *, rows_per_sample: int, fused_ce: bool) -> Any:
+        """The run's memory plan (``train.memory_budget``; core's
+        ``megatron.engine.memory_plan``), its choices written back: ``train.recompute`` and,
+        split, ``train.micro_batch_size`` (the global batch kept). A str (the plan's line)
+        where the model's shapes have no estimate (a family with its own architecture
+        fields). ``rows_per_sample``: packed rows in one sample (DPO: a pair is two)."""
+        from longboat.core.data.batch_plan import batch_layout
+        from longboat.core.megatron.engine.memory_plan import (
+            DecoderShapes,
+            OptimizerPlan,
+            plan_run_memory,
+        )
+
+        cfg, t, m = self.cfg, self.cfg.train, self.model_cfg
+        if family_resume_keys(m):  # e.g. latent attention: not the shapes the estimate knows
+            t.recompute = t.recompute or "none"
+            return (
+                f"Memory plan: none ({m.name} has its own architecture fields, which the "
+                "estimate does not cover; set train.recompute to choose)."
+            )
+        dp = self.layout.data_parallel
+        layout = batch_layout(t.global_batch_size, t.micro_batch_size, dp)
+        shapes = DecoderShapes.of(
+            m,
+            seq_len=cfg.data.seq_len * rows_per_sample,
+            precision=self.precision,
+            layout=self.layout,
+            fused_ce=fused_ce,
+        )
+        opt = OptimizerPlan(
+            data_parallel=dp,
+            precision=self.precision,
+            optimizer=cfg.optim.name,
+            trainable_fraction=0.0 if cfg.lora.enabled else 1.0,
+            bf16_grads_single_pass=cfg.llm.wgrad_fusion and not t.compile,
+        )
+        modes = ("none", "selective", "full")
+        if m.num_experts and m.moe_aux_loss == "hf" and m.moe_aux_loss_coeff:
+            modes = ("none", "selective")  # transformers' pooled term needs the router's graph
+        plan = plan_run_memory(
+            t,
+            shapes,
+            opt,
+            self.accelerator,
+            accum=layout.accum,
+            micro_batch_pinned=t.cuda_graph is True,
+            recompute_modes=modes,
+        )
+        t.recompute = plan.choice.recompute
+        if plan.choice.micro_batch != t.micro_batch_size:
+            t.global_batch_size = layout.global_batch
+            t.micro_batch_size = plan.choice.micro_batch
+        return plan
+
+    def callbacks(self) -> list[Any]:
+        """The memory plan's measured-peak line after the first steps (where it planned)."""
+        from longboat.core.engine.memory.report import MeasuredPeak
+
+        if isinstance(self.memory_plan, str):
+            return []
+        return [MeasuredPeak(self.accelerator, self.memory_plan)]
 
     def _build_step(self) -> Any:
         from longboat.llm.hf_checkpoint import load_hf
@@ -278,6 +341,8 @@ class LLMTraining(MegatronTraining):
             f"{s.accum} microbatch(es) x {s.micro_batch} x dp {s.dp_size}."
         ]
         lines.append(self.schedule_line())
+        plan = self.memory_plan
+        lines.append(plan if isinstance(plan, str) else plan.line())
         if self.fp8_recipe is not None:
             lines.append(self.fp8_line())
         if self.cfg.lora.enabled:

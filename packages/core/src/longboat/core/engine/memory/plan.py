@@ -65,18 +65,22 @@ class PeakEstimate:
     """The backward's working set (module doc)."""
     batch: int
     """The micro-batch on the device."""
+    allowance: int = 0
+    """A fixed allowance for what no shape predicts (the allocator's fragmentation, library
+    workspaces), where the estimator adds one."""
 
     @property
     def total(self) -> int:
         """The predicted peak."""
-        return self.states.total + self.activations + self.workspace + self.batch
+        return self.states.total + self.activations + self.workspace + self.batch + self.allowance
 
     def breakdown(self) -> str:
         """``weights a + grads b + ...`` (``format_bytes``)."""
         s = self.states
         parts = [("weights", s.weights + s.frozen), ("grads", s.grads), ("masters", s.masters),
                  ("moments", s.moments), ("other", s.extra), ("activations", self.activations),
-                 ("workspace", self.workspace + self.batch + s.scratch)]  # fmt: skip
+                 ("workspace", self.workspace + self.batch + s.scratch),
+                 ("allocator allowance", self.allowance)]  # fmt: skip
         return " + ".join(f"{name} {format_bytes(b)}" for name, b in parts if b)
 
 

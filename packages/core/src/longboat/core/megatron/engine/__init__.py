@@ -7,6 +7,8 @@
 - ``lagged_gate``: the NaN gate with the skip on the device and the verdict one step late.
 - ``graphed_step``: the whole step replayed as one CUDA graph (``train.cuda_graph``).
 - ``one_pass_adamw``: the distributed optimizer's update as one kernel pass per shard.
+- ``memory_plan``: a decoder's predicted peak from its shapes and the choice of recompute and
+  micro-batch split for ``train.memory_budget``.
 """
 
 from longboat.core.megatron.engine.step_engine import MegatronStepEngine

@@ -1,0 +1,463 @@
+"""The megatron backend's memory plan: a decoder's peak on one rank from its shapes, and the
+choice of ``train.recompute`` and the micro-batch split that fits ``train.memory_budget``.
+
+Nothing is built or run: every byte comes from the architecture (``DecoderShapes``, made by
+``DecoderShapes.of`` from a ``DecoderModelConfig``, the parallel layout and the run's
+sequence length), as the megatron engine lays it out:
+
+- weights: the exact parameter count of this rank's model chunk (embedding on the first
+  pipeline stage, output layer and final norm on the last; attention and MLP sharded by
+  tensor parallelism, routed experts by expert parallelism), in the weights' dtype;
+- gradients: megatron DDP's grad buffer, fp32 or (single-pass bf16 gradients,
+  ``core.megatron.wgrad_fusion.grad_plan``) bf16; the buffer's bucket padding (at most a few
+  hundred elements) is not counted;
+- optimizer state: the distributed optimizer's fp32 main weights (for bf16 / fp16 weights)
+  and AdamW's two fp32 moments, sharded over the data-parallel ranks;
+- activations: what each transformer layer saves for its backward with the longboat layer
+  kernels (fused RMSNorm, add + RMSNorm, SwiGLU, QKV + RoPE, flash attention), for recompute
+  none, selective (megatron's: the core attention, which then keeps its inputs but not its
+  log-sum-exp) and full (each layer keeps only its input), times the microbatches 1F1B holds
+  on the first stage; the LM head's: fused linear cross-entropy keeps the hidden and weight
+  gradients it computes in the forward plus one transient logits chunk, the logits path an
+  fp32 copy of the ``[tokens, vocab]`` logits;
+- the backward's working set (the gradients flowing through one layer, plus a recomputed
+  layer's activations under full recompute) or the LM head's transient, whichever is larger;
+- a fixed allowance, ``ALLOCATOR_ALLOWANCE``, for what no shape gives: the caching
+  allocator's fragmentation and the library workspaces (cuBLAS, NCCL). The CUDA context
+  itself is outside the budget (``auto`` reads the free memory after it exists).
+
+``choose_decoder_plan`` takes the first choice that fits: recompute none, selective, full,
+then smaller micro-batches (the same global batch in more accumulated microbatches) with the
+last mode; pinned levers stay as set, and a run whose pinned levers cannot fit raises a
+``ConfigError`` with the numbers. Without a budget (``auto`` on a device that reports no
+memory) the pinned or default levers are kept and only reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from longboat.core.config.errors import ConfigError, ConfigProblem
+from longboat.core.engine.memory.budget import GB, format_bytes
+from longboat.core.engine.memory.plan import (
+    RECOMPUTE_ORDER,
+    MemoryPlan,
+    PeakEstimate,
+    PlanChoice,
+    micro_batch_options,
+)
+from longboat.core.engine.memory.states import StateBytes
+
+ALLOCATOR_ALLOWANCE = int(0.5 * GB)
+"""Bytes every plan adds for the caching allocator's fragmentation and library workspaces
+(cuBLAS, NCCL buffers): no shape predicts them."""
+
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderShapes:
+    """A decoder's shapes on one rank, as the memory plan needs them (module doc)."""
+
+    hidden: int
+    """Model width."""
+    ffn: int
+    """Dense SwiGLU width."""
+    layers: int
+    """Decoder layers of the whole model."""
+    heads: int
+    """Query heads."""
+    query_groups: int
+    """Key / value heads."""
+    head_dim: int
+    """Per-head width."""
+    vocab: int
+    """Embedding rows."""
+    seq_len: int
+    """Tokens of one sample (a packed row)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on queries and keys."""
+    attention_bias: bool = False
+    """Bias on the q / k / v projection."""
+    tie_embeddings: bool = False
+    """The output layer shares the input embedding."""
+    experts: int = 0
+    """Routed experts per layer (0: dense)."""
+    expert_ffn: int = 0
+    """Per-expert SwiGLU width."""
+    topk: int = 0
+    """Experts per token."""
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    expert_parallel: int = 1
+    context_parallel: int = 1
+    sequence_parallel: bool = False
+    """Residual-stream tensors sharded over the tensor-parallel ranks."""
+    weight_bytes: int = 2
+    """Bytes of a weight (and of an activation: the weights' dtype)."""
+    fused_ce: bool = True
+    """The loss through fused linear cross-entropy (else megatron's logits)."""
+
+    @classmethod
+    def of(
+        cls,
+        cfg: Any,
+        *,
+        seq_len: int,
+        precision: str,
+        layout: Any = None,
+        fused_ce: bool = True,
+        sequence_parallel: bool = False,
+    ) -> DecoderShapes:
+        """The shapes of ``cfg`` (a ``DecoderModelConfig``) at ``seq_len`` tokens a sample, in
+        ``precision`` (the weights' dtype: fp32 / bf16 / fp16), under ``layout`` (a megatron
+        parallel layout; None: one rank). ``fused_ce``: the loss path (a tensor-, sequence- or
+        context-parallel run takes the logits path whatever is asked)."""
+        tp = getattr(layout, "tensor_parallel", 1)
+        cp = getattr(layout, "context_parallel", 1)
+        fused = fused_ce and tp == 1 and cp == 1 and not sequence_parallel
+        return cls(
+            hidden=cfg.hidden_size,
+            ffn=cfg.ffn_hidden_size,
+            layers=cfg.num_layers,
+            heads=cfg.num_attention_heads,
+            query_groups=cfg.num_query_groups,
+            head_dim=cfg.head_dim,
+            vocab=cfg.vocab_size,
+            seq_len=seq_len,
+            qk_norm=bool(cfg.qk_norm),
+            attention_bias=bool(cfg.attention_bias),
+            tie_embeddings=bool(cfg.tie_embeddings),
+            experts=cfg.num_experts,
+            expert_ffn=cfg.moe_ffn_hidden_size or 0,
+            topk=cfg.moe_topk if cfg.num_experts else 0,
+            tensor_parallel=tp,
+            pipeline_parallel=getattr(layout, "pipeline_parallel", 1),
+            expert_parallel=getattr(layout, "expert_parallel", 1),
+            context_parallel=cp,
+            sequence_parallel=sequence_parallel,
+            weight_bytes=_DTYPE_BYTES[precision],
+            fused_ce=fused,
+        )
+
+    # --- parameters ---------------------------------------------------------------------
+
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer on this rank."""
+        h, d, tp = self.hidden, self.head_dim, self.tensor_parallel
+        qkv = (self.heads + 2 * self.query_groups) * d // tp
+        n = h + qkv * h + (qkv if self.attention_bias else 0)  # input norm, qkv
+        n += 2 * d if self.qk_norm else 0
+        n += self.heads * d // tp * h + h  # output projection, pre-MLP norm
+        if self.experts:
+            local = self.experts // self.expert_parallel
+            n += self.experts * h + local * 3 * self.expert_ffn * h  # router, experts
+        else:
+            n += 3 * self.ffn // tp * h
+        return n
+
+    def stage_params(self, stage: int = 0) -> int:
+        """Parameters of pipeline stage ``stage``'s chunk on one rank."""
+        pp = self.pipeline_parallel
+        first, last = stage == 0, stage == pp - 1
+        embedding = self.vocab // self.tensor_parallel * self.hidden
+        n = self.layers // pp * self.layer_params()
+        n += embedding if first else 0
+        if last:
+            n += self.hidden  # final norm
+            # tied: the last stage keeps its own copy of the embedding (pipeline > 1)
+            n += embedding if not (self.tie_embeddings and first) else 0
+        return n
+
+    # --- activations --------------------------------------------------------------------
+
+    def _tokens(self, micro_batch: int) -> int:
+        return micro_batch * self.seq_len // self.context_parallel
+
+    def layer_saved(self, micro_batch: int, recompute: str) -> int:
+        """Bytes one layer saves for its backward at ``micro_batch`` samples (module doc)."""
+        t, e, h, tp = (
+            self._tokens(micro_batch),
+            self.weight_bytes,
+            self.hidden,
+            self.tensor_parallel,
+        )
+        stream = e * t * h // (tp if self.sequence_parallel else 1)  # a residual-stream tensor
+        if recompute == "full":
+            return stream
+        a, g, d = self.heads // tp, self.query_groups // tp, self.head_dim
+        rows = t // (tp if self.sequence_parallel else 1)
+        n = 2 * stream + 2 * 4 * rows  # norm input + rstd, add + norm sum + rstd
+        n += 2 * e * t * h  # the normed inputs of the qkv and fc1 / router linears
+        n += 4 * self.seq_len * d  # rotary cos / sin tables (fp32)
+        n += e * t * (2 * a + 2 * g) * d  # q, k, v and the attention output
+        if recompute != "selective":
+            n += 4 * t * a  # the attention's log-sum-exp
+        if self.qk_norm:  # the normed q's input and rstd, the qkv output the k norm reads
+            # (v stays a view of it) and the k norm's rstd
+            n += e * t * (2 * a + g) * d + 4 * t * (a + g)
+        if self.experts:  # routing maps and probabilities, the dispatched tokens in and
+            # out of the experts, the experts' gate and up projections
+            k, f = self.topk, self.expert_ffn
+            n += 48 * t * k + 2 * e * t * k * (h + f)
+        else:
+            n += e * t * 3 * self.ffn // tp  # fc1 output (gate, up), fc2 input
+        return n
+
+    def head_saved(self, micro_batch: int) -> int:
+        """Bytes the final norm and the LM loss save (last stage)."""
+        t, e, h = self._tokens(micro_batch), self.weight_bytes, self.hidden
+        n = e * t * h + 4 * t  # final norm
+        if self.fused_ce:  # the gradients, computed in the forward
+            return n + e * t * h + self.weight_bytes * self.vocab * h
+        v = self.vocab // self.tensor_parallel
+        return n + e * t * h + 4 * t * v + 9 * t  # output input, fp32 softmax, mask, target
+
+    def head_transient(self, micro_batch: int) -> int:
+        """The LM loss's transient buffers: one logits chunk (fused), or the low-precision
+        logits beside their fp32 copy (logits path)."""
+        t, v = self._tokens(micro_batch), self.vocab // self.tensor_parallel
+        if self.fused_ce:
+            rows = max(1, (1 << 30) // max(1, v * self.weight_bytes))
+            chunk = min(t, max(1 << (rows.bit_length() - 1), 16))
+            return chunk * v * self.weight_bytes
+        return self.weight_bytes * t * v
+
+    def backward_workspace(self, micro_batch: int, recompute: str) -> int:
+        """The backward's working set inside one layer: the gradients of its largest
+        activations, plus (full recompute) the layer's own activations brought back."""
+        t, e = self._tokens(micro_batch), self.weight_bytes
+        tp = self.tensor_parallel
+        width = (
+            self.topk * (3 * self.expert_ffn + self.hidden) if self.experts else 3 * self.ffn // tp
+        )
+        n = 2 * e * t * self.hidden + e * t * width
+        if recompute == "full":
+            n += self.layer_saved(micro_batch, "none")
+        return n
+
+    def batch_bytes(self, micro_batch: int) -> int:
+        """A microbatch on the device: tokens, labels, positions (int64), loss mask (fp32)."""
+        return 28 * micro_batch * self.seq_len
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerPlan:
+    """How the megatron engine stores the trainable state (module doc)."""
+
+    data_parallel: int = 1
+    """Ranks the distributed optimizer shards its state over."""
+    precision: str = "bf16"
+    """The weights' dtype."""
+    optimizer: str = "adamw"
+    """``optim.name``: adamw keeps two moments, sgd (no momentum) none."""
+    trainable_fraction: float = 1.0
+    """Share of the parameters that train (LoRA: the adapters' share); the rest are frozen."""
+    bf16_grads_single_pass: bool = True
+    """bf16 grads where a step takes one microbatch (``wgrad_fusion.grad_plan``)."""
+
+
+def grad_bytes(opt: OptimizerPlan, microbatches: int, pipeline_parallel: int = 1) -> int:
+    """Bytes of one gradient element in megatron's grad buffer for a step of
+    ``microbatches`` (``core.megatron.wgrad_fusion.grad_plan``)."""
+    from longboat.core.megatron.wgrad_fusion import grad_plan
+
+    if opt.precision == "bf16" and not opt.bf16_grads_single_pass:
+        return 4
+    _fusion, fp32 = grad_plan(precision=opt.precision, microbatches=microbatches,
+                              data_parallel=opt.data_parallel,
+                              pipeline_parallel=pipeline_parallel)  # fmt: skip
+    return 4 if fp32 else _DTYPE_BYTES[opt.precision]
+
+
+def decoder_state_bytes(
+    params: int, opt: OptimizerPlan, *, microbatches: int, pipeline_parallel: int = 1
+) -> StateBytes:
+    """Exact bytes of one rank's weights, grad buffer, main weights and moments for
+    ``params`` parameters (module doc)."""
+    w = _DTYPE_BYTES[opt.precision]
+    trainable = round(params * opt.trainable_fraction)
+    frozen = params - trainable
+    dp = opt.data_parallel
+    shard = -(-trainable // dp)
+    masters = 4 * shard if opt.precision != "fp32" else 0
+    moments = 2 * 4 * shard if opt.optimizer == "adamw" else 0
+    return StateBytes(
+        weights=w * trainable,
+        grads=grad_bytes(opt, microbatches, pipeline_parallel) * trainable,
+        masters=masters,
+        moments=moments,
+        frozen=w * frozen,
+        trainable_params=trainable,
+        frozen_params=frozen,
+    )
+
+
+def estimate_decoder_peak(
+    shapes: DecoderShapes,
+    opt: OptimizerPlan,
+    choice: PlanChoice,
+    *,
+    samples: int,
+    full_layers: int | None = None,
+) -> PeakEstimate:
+    """The predicted peak of ``choice`` on the busiest pipeline stage. ``samples``: the
+    samples a step takes on one rank (micro-batch x microbatches; the accumulation follows
+    from the choice's micro-batch); ``full_layers``: with full recompute, only the first
+    that many layers of each stage recompute (``train.recompute_layers``)."""
+    b, mode = choice.micro_batch, choice.recompute
+    microbatches = max(1, samples // b)
+    pp = shapes.pipeline_parallel
+    best: PeakEstimate | None = None
+    for stage in range(pp):
+        states = decoder_state_bytes(shapes.stage_params(stage), opt,
+                                     microbatches=microbatches, pipeline_parallel=pp)  # fmt: skip
+        in_flight = min(pp - stage, microbatches)  # 1F1B's warm-up on this stage
+        layers = shapes.layers // pp
+        redo = layers if mode != "full" or full_layers is None else min(full_layers, layers)
+        per_mb = redo * shapes.layer_saved(b, mode)
+        per_mb += (layers - redo) * shapes.layer_saved(b, "none")
+        saved = in_flight * per_mb
+        transient = 0
+        if mode == "full":
+            saved += in_flight * 4 * shapes.seq_len * shapes.head_dim  # the rotary table
+        if stage == pp - 1:
+            saved += shapes.head_saved(b)
+            transient = shapes.head_transient(b)
+        workspace = max(shapes.backward_workspace(b, mode), transient)
+        est = PeakEstimate(states, saved, workspace, in_flight * shapes.batch_bytes(b),
+                           allowance=ALLOCATOR_ALLOWANCE)  # fmt: skip
+        if best is None or est.total > best.total:
+            best = est
+    assert best is not None
+    return best
+
+
+def choose_decoder_plan(
+    shapes: DecoderShapes,
+    opt: OptimizerPlan,
+    *,
+    micro_batch: int,
+    accum: int,
+    budget: float | None,
+    budget_source: str,
+    recompute: str | None = None,
+    micro_batch_pinned: bool = False,
+    recompute_modes: Sequence[str] = RECOMPUTE_ORDER,
+    full_layers: int | None = None,
+) -> MemoryPlan:
+    """The run's plan (module doc). ``micro_batch`` / ``accum``: the run's micro-batch and
+    this rank's microbatches a step as configured; ``recompute``: ``train.recompute`` as set
+    (None: the plan chooses); ``micro_batch_pinned``: the micro-batch stays whole;
+    ``full_layers``: ``train.recompute_layers`` (with full recompute)."""
+    samples = micro_batch * accum
+    default = PlanChoice(recompute or "none", micro_batch)
+
+    def est(c: PlanChoice) -> PeakEstimate:
+        return estimate_decoder_peak(shapes, opt, c, samples=samples, full_layers=full_layers)
+
+    if budget is None:
+        return MemoryPlan(default, est(default), None, budget_source)
+    modes = [recompute] if recompute is not None else list(recompute_modes)
+    candidates = [PlanChoice(m, micro_batch) for m in modes]
+    if not micro_batch_pinned:
+        smaller = sorted((m for m in micro_batch_options(micro_batch) if m < micro_batch),
+                         reverse=True)  # fmt: skip
+        candidates += [PlanChoice(modes[-1], m) for m in smaller]
+    options = tuple((c, est(c)) for c in candidates)
+    for choice, e in options:
+        if e.total <= budget:
+            chosen = []
+            if recompute is None and choice.recompute != "none":
+                chosen.append(f"train.recompute={choice.recompute}")
+            if choice.micro_batch != micro_batch:
+                chosen.append(f"micro-batch {micro_batch} -> {choice.micro_batch}")
+            return MemoryPlan(choice, e, budget, budget_source, tuple(chosen), options)
+    best_choice, best = min(options, key=lambda ce: ce[1].total)
+    pins = [f"train.recompute={recompute}"] if recompute is not None else []
+    if micro_batch_pinned:
+        pins.append(f"micro-batch {micro_batch} (one microbatch a step)")
+    raise ConfigError(
+        [
+            ConfigProblem(
+                key="train.memory_budget",
+                message=(
+                    f"the run does not fit {format_bytes(budget)} ({budget_source}; "
+                    f"{', '.join(pins) or 'nothing pinned'}): the smallest plan, "
+                    f"train.recompute={best_choice.recompute} at micro-batch "
+                    f"{best_choice.micro_batch}, needs {format_bytes(best.total)} "
+                    f"({best.breakdown()})"
+                ),
+                fix=(
+                    "raise train.memory_budget"
+                    + (", unset the pinned keys" if pins else "")
+                    + ", or shard the model over more ranks (parallel.data_parallel for the "
+                    "optimizer state, tensor_parallel / pipeline_parallel for the rest)"
+                ),
+            )
+        ]
+    )
+
+
+def smallest_budget_over_ranks(budget: float | None, accelerator: Any) -> float | None:
+    """The smallest budget of all ranks (every rank must choose the same micro-batch: an
+    ``auto`` budget follows each device's free memory)."""
+    import torch
+    import torch.distributed as dist
+
+    if budget is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return budget
+    device = accelerator.device() if accelerator.device_type != "cpu" else "cpu"
+    value = torch.tensor([budget], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return float(value.item())
+
+
+__all__ = [
+    "ALLOCATOR_ALLOWANCE",
+    "DecoderShapes",
+    "OptimizerPlan",
+    "choose_decoder_plan",
+    "decoder_state_bytes",
+    "estimate_decoder_peak",
+    "grad_bytes",
+    "plan_run_memory",
+    "smallest_budget_over_ranks",
+]
+
+
+def plan_run_memory(
+    train: Any,
+    shapes: DecoderShapes,
+    opt: OptimizerPlan,
+    accelerator: Any,
+    *,
+    accum: int,
+    micro_batch_pinned: bool = False,
+    recompute_modes: Sequence[str] = RECOMPUTE_ORDER,
+) -> MemoryPlan:
+    """The plan of a run whose ``train`` section (``train.memory_budget``, ``recompute``,
+    ``recompute_layers``, ``micro_batch_size``) is given, on ``accelerator``: the budget
+    resolved (the smallest of all ranks), the levers the user set pinned (``recompute`` not
+    null; ``recompute_layers`` pins full recompute of that many layers), then
+    ``choose_decoder_plan``. ``accum``: this rank's microbatches a step as configured."""
+    from longboat.core.engine.memory.budget import resolve_budget_bytes
+
+    budget, source = resolve_budget_bytes(train.memory_budget, accelerator)
+    budget = smallest_budget_over_ranks(budget, accelerator)
+    layers = getattr(train, "recompute_layers", None)
+    pinned = train.recompute or ("full" if layers is not None else None)
+    return choose_decoder_plan(
+        shapes,
+        opt,
+        micro_batch=int(train.micro_batch_size),
+        accum=accum,
+        budget=budget,
+        budget_source=source,
+        recompute=pinned,
+        micro_batch_pinned=micro_batch_pinned,
+        recompute_modes=recompute_modes,
+        full_layers=layers,
+    )
