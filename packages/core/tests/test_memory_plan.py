@@ -104,7 +104,9 @@ def test_bf16_moments_only_where_allowed_then_the_micro_batch_split() -> None:
     plan = _plan(40 * GB, allow_bf16_moments=True)
     assert plan.choice == PlanChoice("full", 32, moment_bytes=2)
     assert plan.estimate.states.moments == 4 * TRAINABLE
-    assert "bf16 optimizer moments" in plan.chosen
+    assert plan.chosen == ("train.recompute=full", "optim.moment_dtype=bf16")
+    assert plan.changes_numerics == ("optim.moment_dtype=bf16",)
+    assert "optim.moment_dtype=bf16: changes numerics (nothing else fits)" in plan.line()
     split = _plan(45 * GB)
     assert split.choice == PlanChoice("full", 8)  # 16 does not fit, 8 does
     assert split.chosen == ("train.recompute=full", "micro-batch 32 -> 8")

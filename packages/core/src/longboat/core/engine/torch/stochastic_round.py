@@ -54,13 +54,20 @@ def noise16(key: Tensor, start: int, n: int) -> Tensor:
     return hash32((idx & MASK32) ^ key) & 0xFFFF
 
 
+PIECE = 1 << 22
+"""Elements ``stochastic_round_`` rounds at a time (bounds its int64 temporaries)."""
+
+
 def stochastic_round_(x: Tensor, out: Tensor, key: Tensor, start: int) -> Tensor:
     """``out`` (bf16, flat) := the fp32 values ``x`` (flat, same length) rounded to bf16
     stochastically with the noise of flat indices ``start ..`` under ``key``. Returns ``out``.
-    Allocates ``x``-sized int64 temporaries (the update's slices bound them)."""
-    bits = x.detach().reshape(-1).view(torch.int32).to(torch.int64) & MASK32
-    bits = (bits + noise16(key, start, bits.numel())) >> 16
-    bits = torch.where(torch.isnan(x.reshape(-1)), 0x7FC0, bits & 0xFFFF)
-    bits = bits - ((bits & 0x8000) << 1)  # as a signed 16-bit value
-    out.view(torch.int16).copy_(bits)
+    Works ``PIECE`` elements at a time (int64 temporaries of that size)."""
+    flat, out16 = x.detach().reshape(-1), out.view(torch.int16)
+    for a in range(0, flat.numel(), PIECE):
+        piece = flat[a : a + PIECE]
+        bits = piece.view(torch.int32).to(torch.int64) & MASK32
+        bits = (bits + noise16(key, start + a, bits.numel())) >> 16
+        bits = torch.where(torch.isnan(piece), 0x7FC0, bits & 0xFFFF)
+        bits = bits - ((bits & 0x8000) << 1)  # as a signed 16-bit value
+        out16[a : a + PIECE].copy_(bits)
     return out
