@@ -141,12 +141,12 @@ class Pins:
         keys = []
         if self.recompute is not None:
             keys.append(f"train.recompute={self.recompute}")
+        if self.micro_batch:
+            keys.append("one micro-batch a step")
         if self.moment_bytes is not None:
             keys.append(f"optim.moment_dtype={'bf16' if self.moment_bytes == 2 else 'fp32'}")
         if self.master_storage is not None:
             keys.append(f"train.master_weight_storage={self.master_storage}")
-        if self.micro_batch:
-            keys.append("one micro-batch a step")
         return ", ".join(keys) or "nothing pinned"
 
 
