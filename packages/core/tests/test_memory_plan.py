@@ -190,9 +190,11 @@ def test_storage_changes_only_where_nothing_else_fits_and_say_so() -> None:
     assert ("chose train.recompute=full, micro-batch 32 -> 16; optim.moment_dtype=bf16, "
             "train.master_weight_storage=bf16_sr: changes numerics") in sr.line()  # fmt: skip
     # The chooser's order: every option without a storage change (3 modes, then micro-batches
-    # 16, 8, 4, 2, 1), then the same with bf16 moments, then with bf16_sr as well.
+    # 16, 8, 4, 2, 1), then the 3 modes with bf16 moments, then with bf16_sr as well, then
+    # the splits of each storage level.
     levels = [(c.moment_bytes, c.master_storage) for c, _ in sr.options]
-    assert levels == [(4, None)] * 8 + [(2, None)] * 8 + [(2, "bf16_sr")] * 8
+    bf16, sr16 = (2, None), (2, "bf16_sr")
+    assert levels == [(4, None)] * 8 + [bf16] * 3 + [sr16] * 3 + [bf16] * 5 + [sr16] * 5
     # Where recompute or the split fits, no storage change, even when allowed.
     assert _plan(H100, **both).choice == PlanChoice("full", 32)
     assert _plan(45 * GB, **both).choice == PlanChoice("full", 8)

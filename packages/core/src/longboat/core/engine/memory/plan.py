@@ -10,9 +10,11 @@ block inputs (the gradient flowing through the residual stream and its sum).
 budget. First the levers that change no numerics: per-block recompute (``none``,
 ``selective``, ``full``), then the micro-batch split (the same global batch in more
 accumulated micro-batches). Only where none of those fits, the storage levers, which change
-numerics, one level at a time, each again with recompute then the split: bf16 optimizer
-moments (``optim.moment_dtype=bf16``), then bf16 weights without masters
-(``train.master_weight_storage=bf16_sr``), each only where the stack offers it. The plan's
+numerics, in levels: bf16 optimizer moments (``optim.moment_dtype=bf16``), then also bf16
+weights without masters (``train.master_weight_storage=bf16_sr``), each only where the
+stack offers it; every level is tried with recompute at the whole micro-batch before any
+level's split (once numerics change, the step keeps its size, as a reference that trains
+all in bf16 does; a split turns the CUDA-graphed step off and adds passes). The plan's
 line names a storage key it chose and says that it changes numerics. A lever the user pinned
 by its key stays as set; when nothing fits, a ``ConfigError`` gives the numbers before any
 work.
@@ -197,18 +199,22 @@ def _candidates(
     storage_levels: Sequence[tuple[int, str | None]],
     recompute_modes: Sequence[str],
 ) -> list[PlanChoice]:
-    """The choices in the chooser's order (module doc): per storage level (the run's own
-    first), the recompute modes at the whole micro-batch, then the smaller micro-batches at
-    the most recompute."""
+    """The choices in the chooser's order (module doc): at the run's own storage the
+    recompute modes at the whole micro-batch, then the smaller micro-batches at the most
+    recompute; then every storage level's recompute modes at the whole micro-batch, then
+    their splits."""
     modes = [pins.recompute] if pins.recompute is not None else list(recompute_modes)
     smaller = (
         []
         if pins.micro_batch
         else sorted((m for m in micro_options if m < micro_batch), reverse=True)
     )
-    out = []
-    for moments, storage in storage_levels:
+    (own_moments, own_storage), *changes = storage_levels
+    out = [PlanChoice(m, micro_batch, own_moments, own_storage) for m in modes]
+    out.extend(PlanChoice(modes[-1], m, own_moments, own_storage) for m in smaller)
+    for moments, storage in changes:
         out.extend(PlanChoice(m, micro_batch, moments, storage) for m in modes)
+    for moments, storage in changes:
         out.extend(PlanChoice(modes[-1], m, moments, storage) for m in smaller)
     return out
 
