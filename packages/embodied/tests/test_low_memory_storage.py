@@ -167,3 +167,31 @@ def test_bad_storage_keys_are_config_errors() -> None:
     with pytest.raises(ValueError, match="moment_dtype"):
         MasterWeightAdamW([{"params": list(model.parameters())[:1]}], lr=1e-3,
                           moment_dtype=torch.float16)  # fmt: skip
+
+
+def test_trainer_resume_with_bf16_sr_and_bf16_moments_is_bit_exact(tmp_path: Path) -> None:
+    """The trainer's checkpoint path (as ``test_train_resume``'s master-weight test): a run
+    with both storage changes pinned, resumed from its step-2 checkpoint in another
+    directory, continues the exact loss curve (the rounding noise is a function of the
+    restored step count)."""
+    import shutil
+
+    from test_train_resume import KILL_AFTER_CHECKPOINT, STEPS, _overrides
+
+    from longboat.core.config.compose import compose_experiment
+    from longboat.embodied.train.trainer import train
+
+    extra = ["train.precision=bf16", "train.master_weights=true", "optim.moment_dtype=bf16",
+             "train.master_weight_storage=bf16_sr"]  # fmt: skip
+    straight = tmp_path / "straight"
+    compose = lambda out, data: compose_experiment(  # noqa: E731
+        "groot_n1_6_tiny", [*_overrides(out, data), *extra], world_size=1
+    )
+    reference = train(compose(straight, None)).losses
+    moved = tmp_path / "moved"
+    ckpt = f"step_{KILL_AFTER_CHECKPOINT:08d}"
+    shutil.copytree(straight / "checkpoints" / ckpt, moved / "checkpoints" / ckpt)
+    result = train(compose(moved, straight / "dataset"))
+    assert result.start_step == KILL_AFTER_CHECKPOINT
+    assert len(set(reference)) == STEPS
+    assert result.losses == reference[KILL_AFTER_CHECKPOINT:]
