@@ -7,6 +7,7 @@ import torch
 
 from longboat.core.engine.torch.stochastic_round import (
     PIECE,
+    SEED_MIX,
     hash32,
     noise16,
     step_key,
@@ -69,6 +70,8 @@ def test_noise_is_uniform_16_bits_and_pieces_join() -> None:
     counts = torch.bincount(noise >> 12, minlength=16).double()  # 16 bins of 4096 expected
     assert ((counts - 4096).abs() < 5 * 64).all()
     assert int(hash32(torch.tensor([0]))) == 0 and int(hash32(torch.tensor([1]))) != 1
+    base = int(hash32(torch.tensor((11 ^ SEED_MIX) & 0xFFFFFFFF)))
+    assert int(key) == int(hash32(torch.tensor((base + 3) & 0xFFFFFFFF)))
     # Across a piece boundary the flat index keeps counting.
     x = torch.randn(PIECE + 5, generator=torch.Generator().manual_seed(1))
     whole = _round(x, 4, 2)

@@ -142,6 +142,17 @@ def test_resume_through_dcp_checkpoints_is_bit_exact(tmp_path: Path, storage, mo
         assert torch.equal(_bits(got), _bits(want))
 
 
+def test_low_memory_steps_are_capturable() -> None:
+    from longboat.core.loop.capture_check import find_capture_hazards
+
+    for impl in (None, "torch"):
+        opt = _optimizer("bf16_sr", torch.bfloat16, impl, seed=5)
+        opt.flat_grad.normal_()
+        opt.prepare_grads(1.0)
+        opt.sync_hyperparams()
+        assert find_capture_hazards(opt.step_on_device) == [], impl
+
+
 def test_bf16_sr_is_seeded() -> None:
     # Another seed, other roundings; the same seed, the same run.
     grad = None

@@ -38,13 +38,22 @@ def hash32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
+def _hash32_int(x: int) -> int:
+    """``hash32`` of one Python int in [0, 2**32)."""
+    x ^= x >> 16
+    x = (x * HASH_MUL1) & MASK32
+    x ^= x >> 15
+    x = (x * HASH_MUL2) & MASK32
+    return x ^ (x >> 16)
+
+
 def step_key(seed: int, step: Tensor) -> Tensor:
     """The per-step noise key (a 0-d int64 tensor on ``step``'s device, in [0, 2**32)):
     ``hash32((hash32(seed ^ SEED_MIX) + step) mod 2**32)``; ``step`` is the optimizer's step
-    count (any numeric 0-d tensor, already counting this step). Device ops only (capturable)."""
-    base = hash32(torch.tensor((seed ^ SEED_MIX) & MASK32, dtype=torch.int64))
-    s = step.detach().to(torch.int64)
-    return hash32((s + int(base)) & MASK32)
+    count (any numeric 0-d tensor, already counting this step). Device ops only, with no host
+    read (capturable in a CUDA graph)."""
+    base = _hash32_int((seed ^ SEED_MIX) & MASK32)
+    return hash32((step.detach().to(torch.int64) + base) & MASK32)
 
 
 def noise16(key: Tensor, start: int, n: int) -> Tensor:
