@@ -206,3 +206,17 @@ def test_trainer_resume_with_bf16_sr_and_bf16_moments_is_bit_exact(tmp_path: Pat
     assert result.start_step == KILL_AFTER_CHECKPOINT
     assert len(set(reference)) == STEPS
     assert result.losses == reference[KILL_AFTER_CHECKPOINT:]
+
+
+def test_storage_keys_need_the_master_weight_optimizer(tmp_path: Path) -> None:
+    from longboat.core.config.compose import compose_experiment
+
+    base = [f"output_dir={tmp_path}", "train.precision=bf16"]
+    cfg = compose_experiment("groot_n1_6_tiny", [*base, "optim.moment_dtype=bf16",
+                                                 "train.master_weight_storage=bf16_sr"])  # fmt: skip
+    assert (cfg.optim.moment_dtype, cfg.train.master_weight_storage) == ("bf16", "bf16_sr")
+    for key, value in (("optim.moment_dtype", "bf16"), ("train.master_weight_storage", "bf16_sr")):
+        with pytest.raises(ConfigError) as err:
+            compose_experiment("groot_n1_6_tiny", [*base, "train.master_weights=false",
+                                                   f"{key}={value}"])  # fmt: skip
+        assert err.value.keys == [key] and "train.master_weights=true" in str(err.value)

@@ -295,6 +295,25 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
             fix="use split or fp32 (exact fp32 masters), or bf16_sr (no masters: stochastic "
             "rounding, changes numerics)",
         )
+    optim = cfg.get("optim")
+    low_storage = {
+        "optim.moment_dtype": None if optim is None else optim.get("moment_dtype"),
+        "train.master_weight_storage": None
+        if train is None
+        else train.get("master_weight_storage"),
+    }
+    for key, value in low_storage.items():
+        if value not in ("bf16", "bf16_sr") or train is None:
+            continue
+        if train.get("master_weights") is False or train.get("precision") != "bf16":
+            problems.add(
+                key,
+                "is kept by the master-weight optimizer, which this run does not use",
+                value=value,
+                fix="set train.precision=bf16 and train.master_weights=true (or null), or "
+                + ("optim.moment_dtype=fp32" if key.startswith("optim") else
+                   "train.master_weight_storage=split"),
+            )  # fmt: skip
     if train is not None and train.get("master_weight_update", "kernel") not in (
         "slices",
         "kernel",
