@@ -42,7 +42,8 @@ def plan_probe(training: Any) -> dict[str, Any]:
     return {
         "plan_line": plan.line(),
         "choice": {"recompute": c.recompute, "micro_batch": c.micro_batch,
-                   "moment_bytes": c.moment_bytes},
+                   "moment_bytes": c.moment_bytes, "master_storage": c.master_storage,
+                   "changes_numerics": list(plan.changes_numerics)},
         "predicted_gb": plan.estimate.total / GB,
         "predicted_parts_gb": {
             "states": plan.estimate.states.total / GB,
@@ -52,7 +53,8 @@ def plan_probe(training: Any) -> dict[str, Any]:
         "budget_gb": plan.budget / GB if plan.budget else None,
         "options": [
             {"recompute": o.recompute, "micro_batch": o.micro_batch,
-             "moment_bytes": o.moment_bytes, "predicted_gb": e.total / GB}
+             "moment_bytes": o.moment_bytes, "master_storage": o.master_storage,
+             "predicted_gb": e.total / GB}
             for o, e in plan.options
         ],
         "cuda_graph": bool(training.cfg.train.cuda_graph),
@@ -93,8 +95,8 @@ def table(result: dict[str, Any]) -> str:
             continue
         c = r.get("choice")
         chose = "no plan" if c is None else f"recompute={c['recompute']}, micro {c['micro_batch']}"
-        if c and c["moment_bytes"] == 2:
-            chose += ", bf16 moments"
+        if c and c.get("changes_numerics"):
+            chose += f"; {', '.join(c['changes_numerics'])} (changes numerics)"
         off = r["off"]
         rows.append([r["name"], chose, fmt(r.get("predicted_gb"), ".2f"),
                      fmt(r["measured_gb"], ".2f"), "-" if off is None else f"{off:+.1%}",

@@ -2,14 +2,18 @@
 initial weights, on the same batches with the same flow-matching draws.
 
     python tools/bench/vla_loss_alignment.py --out results.json [--model groot_n1_6|pi05]
-        [--steps 200] [--batch 8] [--tiny] [--master-weights] [--results-dir DIR]
+        [--steps 200] [--batch 8] [--tiny] [--master-weights] [--memory-budget GB]
+        [--results-dir DIR]
 
 - ``longboat``: ``longboat-embodied train experiment=<model>_tiny`` (``model=<model>`` at full
   shapes) on vla_throughput's synthetic dataset (square frames), bf16 (``--precision fp32`` with
   pi0.5's ``--ref-precision float32``: the same math on both sides), batch ``--batch``, the
   reference's optimizer recipe (GR00T: AdamW 1e-4, betas 0.9/0.999, wd 1e-5; pi0.5: openpi's
   AdamW at a constant ``--lr``, betas 0.9/0.95, wd 1e-10; clip 1.0, constant LR) and the model
-  overrides below; ``--master-weights`` adds ``train.master_weights=true`` (``longboat_master``).
+  overrides below; ``--master-weights`` adds ``train.master_weights=true`` (``longboat_master``);
+  ``--memory-budget GB`` adds ``train.memory_budget=GB``, so longboat trains with what its
+  memory plan chooses there (pi0.5 at the openpi-style reference's 33 GB: bf16 moments and
+  bf16_sr weights, which change numerics), and records the plan's line.
 - ``reference``: the baseline's model and step (``baselines/``), its weights copied from the model
   longboat built (``transfer_weights``: GR00T's fused ViT qkv split into q/k/v, the conv patch
   embedding as Siglip2's linear over (p, p, 3) patches, the projector's input channels from
@@ -252,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="longboat's train.precision (pi05 fp32 + --ref-precision float32: the "
                    "same math on both sides)")  # fmt: skip
     p.add_argument("--master-weights", action="store_true", help="longboat with train.master_weights")  # fmt: skip
+    p.add_argument("--memory-budget", default=None,
+                   help="longboat with train.memory_budget=<GB> (the plan's storage choices)")  # fmt: skip
     p.add_argument("--variants", default=None,
                    help="comma-separated vla_throughput.VARIANTS to align in one process against "
                    "one reference curve (default: longboat, or longboat_master with "
@@ -290,12 +296,19 @@ def main(argv: list[str] | None = None) -> int:
         batches = seen["batches"]
         return lambda start: ([batches[i % len(batches)]] for i in range(start, 10**9))
 
-    losses = {}
+    def plan_line(training: Any) -> dict[str, Any]:
+        plan = training.memory_plan
+        return {"plan_line": plan if isinstance(plan, str) else plan.line()}
+
+    budget = [] if args.memory_budget is None else [f"train.memory_budget={args.memory_budget}"]
+    losses, plans = {}, {}
     for variant in names:
-        ov = [*vt.longboat_overrides(args, root), *optim, *vt.VARIANTS[variant]]
+        ov = [*vt.longboat_overrides(args, root), *optim, *vt.VARIANTS[variant], *budget]
         r = train_timed("embodied", vt.EXPERIMENT[args.model], ov, acc, warmup=1,
-                        steps=args.steps - 2, prepare=prepare, feed=feed)  # fmt: skip
-        losses[variant] = r["losses"]
+                        steps=args.steps - 2, prepare=prepare, feed=feed,
+                        probe=plan_line)  # fmt: skip
+        losses[variant], plans[variant] = r["losses"], r.get("plan_line")
+        print(f"{variant}: {plans[variant]}")
     rf = seen["reference"]
     curves = {"reference": rf.losses(seen["batches"], args.steps, reverse=False),
               "reference_perturbed": rf.losses(seen["batches"], args.steps, reverse=True),
@@ -303,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     config = {"model": args.model, "flavor": "tiny" if args.tiny else "full", "batch": args.batch,
               "steps": args.steps, "precision": args.precision, "longboat_overrides": ov,
               "master_weights": args.master_weights, "distinct_batches": len(seen["batches"]),
+              "memory_budget": args.memory_budget, "memory_plans": plans,
               "variants": {n: vt.VARIANTS[n] for n in names},
               "perturbation": "samples of every batch in reverse order"}  # fmt: skip
     if args.model == "pi05":
@@ -320,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     tag += ("_master" if args.master_weights and not args.variants else "") + (
         "_variants" if len(names) > 1 else ""
     )
+    tag += f"_budget{args.memory_budget}" if args.memory_budget is not None else ""
     title = f"vla_loss_alignment {args.model} {result['date']} (max rel diff {v['max_diff']:.2%})"
     tables = [
         f"{n}:\n" + bench_align.table({**result, "verdict": vd}, n) for n, vd in verdicts.items()

@@ -121,3 +121,12 @@ def test_renamed_keys_in_yaml_are_refused_before_the_unknown_key_check(
     text = str(err.value)
     assert "was renamed to train.steps" in text and "was renamed to train.recompute" in text
     assert "unknown key" not in text
+
+
+def test_bf16_moments_are_refused_where_the_stack_keeps_fp32_moments() -> None:
+    for bad in ("optim.moment_dtype=bf16", "optim.moment_dtype=fp16"):
+        with pytest.raises(ConfigError) as err:
+            compose_experiment("demo", [*BASE, bad], stack="core")
+        assert err.value.keys[0] == "optim.moment_dtype"
+    cfg = compose_experiment("demo", [*BASE, "optim.moment_dtype=fp32"], stack="core")
+    assert cfg.optim.moment_dtype == "fp32"

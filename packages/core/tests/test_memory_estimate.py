@@ -4,6 +4,8 @@ measurements (within 10%)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -85,27 +87,40 @@ def test_state_bytes_of_fp32_adamw_are_the_allocated_buffers() -> None:
     assert predicted.trainable_params == sum(p.numel() for p in trainable)
 
 
-@pytest.mark.parametrize("storage", ["fp32", "split"])
-def test_state_bytes_of_master_weights_are_the_flat_buffers(storage: str) -> None:
-    """``MasterWeightAdamW``'s flat buffers, alignment padding and slice scratch included."""
+@pytest.mark.parametrize("moment_bytes", [4, 2])
+@pytest.mark.parametrize("storage", ["fp32", "split", "bf16_sr"])
+def test_state_bytes_of_master_weights_are_the_flat_buffers(
+    storage: str, moment_bytes: int
+) -> None:
+    """``MasterWeightAdamW``'s flat buffers, alignment padding and slice scratch included,
+    for every master storage and moment dtype; the plan's re-costing of a storage change
+    (``with_storage``) from the default layout gives the same bytes."""
     torch.manual_seed(0)
     model = TinyModel()
     layout = OptimizerLayout(
-        master_weights=True, master_storage=storage, align=ALIGN, scratch_elements=CHUNK
-    )
+        master_weights=True, master_storage=storage, align=ALIGN, scratch_elements=CHUNK,
+        moment_bytes=moment_bytes,
+    )  # fmt: skip
     predicted = state_bytes(model.parameters(), layout)
+    default = dataclasses.replace(layout, master_storage="split", moment_bytes=4)
+    recosted = state_bytes(model.parameters(), default).with_storage(default, layout)
+    assert recosted == predicted
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = MasterWeightAdamW([{"params": trainable}], lr=1e-3, master_storage=storage)
+    moments = torch.bfloat16 if moment_bytes == 2 else torch.float32
+    opt = MasterWeightAdamW(
+        [{"params": trainable}], lr=1e-3, master_storage=storage, moment_dtype=moments
+    )
     _step(model, opt)
     assert predicted.weights == opt.flat_param.nbytes
     assert predicted.grads == opt.flat_grad.nbytes
-    masters = opt.master_lo if storage == "split" else opt.master
-    assert predicted.masters == masters.nbytes
+    masters = {"split": opt.master_lo, "fp32": opt._master, "bf16_sr": None}[storage]
+    assert predicted.masters == (0 if masters is None else masters.nbytes)
     assert predicted.moments == opt.exp_avg.nbytes + opt.exp_avg_sq.nbytes
-    assert predicted.scratch == opt._scratch.nbytes + opt._master_scratch.nbytes
+    scratch = opt._scratch.nbytes + opt._master_scratch.nbytes + opt._moment_scratch.nbytes
+    assert predicted.scratch == scratch
     padded = opt.flat_param.numel()
     assert padded > predicted.trainable_params  # the alignment is counted
-    per_param = 16 if storage == "fp32" else 14
+    per_param = 2 + 2 + {"fp32": 4, "split": 2, "bf16_sr": 0}[storage] + 2 * moment_bytes
     assert predicted.total - predicted.scratch - predicted.frozen == per_param * padded
 
 

@@ -104,7 +104,9 @@ def test_bf16_moments_only_where_allowed_then_the_micro_batch_split() -> None:
     plan = _plan(40 * GB, allow_bf16_moments=True)
     assert plan.choice == PlanChoice("full", 32, moment_bytes=2)
     assert plan.estimate.states.moments == 4 * TRAINABLE
-    assert "bf16 optimizer moments" in plan.chosen
+    assert plan.chosen == ("train.recompute=full", "optim.moment_dtype=bf16")
+    assert plan.changes_numerics == ("optim.moment_dtype=bf16",)
+    assert "optim.moment_dtype=bf16: changes numerics (nothing else fits)" in plan.line()
     split = _plan(45 * GB)
     assert split.choice == PlanChoice("full", 8)  # 16 does not fit, 8 does
     assert split.chosen == ("train.recompute=full", "micro-batch 32 -> 8")
@@ -165,3 +167,42 @@ def test_the_measured_peak_line_needs_device_memory() -> None:
     report = MeasuredPeak(CPUAccelerator(), _plan(H100), after_steps=1)
     report.on_step_end(None, 1, None)  # the CPU reports no device memory: nothing printed
     assert report.line is None and report.done
+
+
+def test_storage_changes_only_where_nothing_else_fits_and_say_so() -> None:
+    """pi0.5 at the openpi-style reference's 33 GB: split masters and fp32 moments (14 bytes a
+    parameter, 42.5 GB of state) fit at no recompute or micro-batch; bf16 moments (32.4 GB)
+    fit at full recompute in micro-batches of 8 (one numerics change before two). At 30 GB
+    only bf16 weights without masters and bf16 moments (8 bytes a parameter, as the
+    reference keeps) fit: at micro-batches of 16."""
+    both = {"allow_bf16_moments": True, "allow_bf16_sr": True}
+    plan = _plan(33 * GB, **both)
+    assert plan.choice == PlanChoice("full", 8, moment_bytes=2)
+    assert plan.estimate.states.moments == 4 * TRAINABLE
+    assert plan.estimate.total <= 33 * GB
+    assert plan.chosen == ("train.recompute=full", "micro-batch 32 -> 8", "optim.moment_dtype=bf16")
+    assert plan.changes_numerics == ("optim.moment_dtype=bf16",)
+    sr = _plan(30 * GB, **both)
+    assert sr.choice == PlanChoice("full", 16, moment_bytes=2, master_storage="bf16_sr")
+    s = sr.estimate.states
+    assert (s.masters, s.moments) == (0, 4 * TRAINABLE)
+    assert sr.changes_numerics == ("optim.moment_dtype=bf16", "train.master_weight_storage=bf16_sr")
+    assert ("chose train.recompute=full, micro-batch 32 -> 16; optim.moment_dtype=bf16, "
+            "train.master_weight_storage=bf16_sr: changes numerics") in sr.line()  # fmt: skip
+    # The chooser's order: every option without a storage change (3 modes, then micro-batches
+    # 16, 8, 4, 2, 1), then the 3 modes with bf16 moments, then with bf16_sr as well, then
+    # the splits of each storage level.
+    levels = [(c.moment_bytes, c.master_storage) for c, _ in sr.options]
+    bf16, sr16 = (2, None), (2, "bf16_sr")
+    assert levels == [(4, None)] * 8 + [bf16] * 3 + [sr16] * 3 + [bf16] * 5 + [sr16] * 5
+    # Where recompute or the split fits, no storage change, even when allowed.
+    assert _plan(H100, **both).choice == PlanChoice("full", 32)
+    assert _plan(45 * GB, **both).choice == PlanChoice("full", 8)
+    # Pinned storage keys are kept: fp32 moments pinned leaves bf16_sr (12 bytes a
+    # parameter) that cannot fit 30 GB: refused with the numbers and the pinned keys.
+    with pytest.raises(ConfigError) as err:
+        _plan(30 * GB, pins=Pins(moment_bytes=4), **both)
+    text = str(err.value)
+    assert "optim.moment_dtype=fp32" in text and "train.master_weight_storage=bf16_sr" in text
+    with pytest.raises(ConfigError, match=r"train\.master_weight_storage=split"):
+        _plan(30 * GB, pins=Pins(master_storage="split"), **both)

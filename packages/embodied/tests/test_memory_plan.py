@@ -146,3 +146,88 @@ def test_a_gpu_run_plans_for_the_free_memory_and_reports_the_measured_peak(
         assert report.line is not None and report.line.startswith("Memory plan: measured peak")
     finally:
         run.close()
+
+
+def test_storage_changes_only_where_recompute_and_the_split_cannot_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Budgets under every option of the run's own storage (split masters, fp32 moments):
+    the plan takes bf16 moments, and under every bf16-moment option bf16 weights without
+    masters too, writes them into the run (the optimizer holds that storage) and its line
+    says they change numerics; a budget that recompute meets changes no storage.
+
+    Slices of 4096 elements: the CPU update's fp32 scratch (one slice each of grads,
+    masters and, with bf16 moments, both moments) is then small beside the state, as at a
+    real model's size (at the default 32M-element slice the tiny policy's scratch is the
+    whole model again, and bf16 moments would cost more than they save)."""
+    from longboat.core.engine.torch import master_weights as mw_module
+    from longboat.embodied.train import memory_plan as plan_module
+    from longboat.embodied.train.memory_plan import resolve_storage
+
+    monkeypatch.setattr(mw_module, "CHUNK", 4096)
+    monkeypatch.setattr(plan_module, "CHUNK", 4096)
+
+    roomy = _build(tmp_path / "a", "train.memory_budget=1000")
+    try:
+        options = roomy.memory_plan.options
+        data, cfg, model_cfg, acc = roomy.data, roomy.cfg, roomy.model_cfg, roomy.accelerator
+        assert roomy.optimizer.exp_avg.dtype == torch.float32
+        assert roomy.optimizer.master_storage == "split" and cfg.optim.moment_dtype == "fp32"
+    finally:
+        roomy.close()
+    peak = {c: e.total for c, e in options}
+    own = min(t for c, t in peak.items() if c.moment_bytes == 4 and c.master_storage is None)
+    bf16 = min(t for c, t in peak.items() if c.moment_bytes == 2 and c.master_storage is None)
+    sr = min(t for c, t in peak.items() if c.master_storage == "bf16_sr")
+    assert own > bf16 > sr
+    # recompute suffices: the no-recompute peak just missed
+    none = peak[PlanChoice("none", 4, 4)]
+    selective = peak[PlanChoice("selective", 4, 4)]
+    recompute = _build(tmp_path / "b", f"train.memory_budget={(none + selective) / 2 / GB}")
+    try:
+        plan = recompute.memory_plan
+        assert plan.choice == PlanChoice("selective", 4, 4) and plan.changes_numerics == ()
+        assert recompute.optimizer.exp_avg.dtype == torch.float32
+        assert recompute.optimizer.master_storage == "split"
+    finally:
+        recompute.close()
+    # only bf16 moments fit
+    first = next(c for c, t in peak.items() if c.moment_bytes == 2 and t < own)
+    run = _build(tmp_path / "c", f"train.memory_budget={(own + peak[first]) / 2 / GB}")
+    try:
+        plan = run.memory_plan
+        assert plan.choice == first and plan.changes_numerics == ("optim.moment_dtype=bf16",)
+        assert (
+            run.cfg.optim.moment_dtype == "bf16" and run.cfg.train.master_weight_storage == "split"
+        )
+        assert run.optimizer.exp_avg.dtype == torch.bfloat16
+        line = next(x for x in run.describe() if x.startswith("Memory plan"))
+        assert "optim.moment_dtype=bf16: changes numerics" in line
+    finally:
+        run.close()
+    # only bf16_sr (with bf16 moments) fits
+    first = next(c for c, t in peak.items() if c.master_storage == "bf16_sr" and t < bf16)
+    run = _build(tmp_path / "d", f"train.memory_budget={(bf16 + peak[first]) / 2 / GB}")
+    try:
+        plan = run.memory_plan
+        assert plan.choice == first
+        assert plan.changes_numerics == (
+            "optim.moment_dtype=bf16",
+            "train.master_weight_storage=bf16_sr",
+        )
+        assert run.cfg.train.master_weight_storage == "bf16_sr"
+        assert run.optimizer.master_storage == "bf16_sr" and run.optimizer.master_lo is None
+        assert plan.estimate.states.masters == 0
+        assert plan.estimate.states.moments == run.optimizer.exp_avg.nbytes * 2
+    finally:
+        run.close()
+    # A pinned storage is kept: refused instead, naming the pinned key.
+    cfg.train = dataclasses.replace(cfg.train, memory_budget=str((bf16 + sr) / 2 / GB),
+                                    recompute=None, master_weight_storage="split")  # fmt: skip
+    cfg.optim = dataclasses.replace(cfg.optim, moment_dtype=None)
+    with pytest.raises(ConfigError) as err:
+        plan_run_memory(cfg, model_cfg, data, dataclasses.replace(run.layout), acc,
+                        master_weights=True, strategy="ddp")  # fmt: skip
+    assert "train.master_weight_storage=split" in str(err.value)
+    resolve_storage(cfg, None)
+    assert cfg.optim.moment_dtype == "fp32"

@@ -634,7 +634,7 @@ def test_master_weight_storage_config_key(tmp_path):
 
     base = [f"output_dir={tmp_path}", "train.master_weights=true", "train.precision=bf16"]
     cfg = compose_experiment("groot_n1_6_tiny", base, world_size=1)
-    assert cfg.train.master_weight_storage == "split"
+    assert cfg.train.master_weight_storage is None  # the run resolves it: split unless planned
     with pytest.raises(ConfigError) as err:
         compose_experiment(
             "groot_n1_6_tiny", [*base, "train.master_weight_storage=fp16"], world_size=1

@@ -163,3 +163,20 @@ def test_loss_alignment_of_several_variants_against_one_reference(tmp_path: Path
         assert result["verdicts"][name]["max_diff"] < 2e-4, (name, result["verdicts"][name])
         assert result["first_step_rel_diffs"][name] < 2e-5
     assert (tmp_path / f"vla_loss_alignment_{result['date']}_tiny_variants.md").is_file()
+
+
+def test_loss_alignment_at_a_memory_budget_records_the_plan(tmp_path: Path) -> None:
+    """``--memory-budget``: longboat trains with ``train.memory_budget`` and the result keeps
+    the plan's line (what it chose, storage included)."""
+    import vla_loss_alignment
+
+    out = tmp_path / "align.json"
+    args = ["--out", str(out), "--tiny", "--steps", "3", "--batch", "2", *DATA,
+            "--data-dir", str(tmp_path / "ds"), "--results-dir", str(tmp_path),
+            "--master-weights", "--memory-budget", "1000"]  # fmt: skip
+    assert vla_loss_alignment.main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["memory_budget"] == "1000"
+    line = result["config"]["memory_plans"]["longboat_master"]
+    assert line.startswith("Memory plan: kept train.recompute=none") and "1000.0 GB" in line
+    assert (tmp_path / f"vla_loss_alignment_{result['date']}_tiny_master_budget1000.md").is_file()

@@ -174,12 +174,17 @@ class EmbodiedTrainConfig(TrainConfig):
     parallel.strategy=ddp only (all-reduced by the optimizer in one collective). null (the
     default): on where it applies (precision=bf16, parallel.strategy=ddp, optim.name=adamw);
     a bf16 run it cannot apply to says why on its Policy line."""
-    master_weight_storage: str = "split"
+    master_weight_storage: str | None = None  # type: ignore[assignment]
     """How train.master_weights stores the fp32 masters: split (the bf16 weights plus an
     int16 low half per parameter: the exact fp32 masters in 2 bytes a parameter less, 3.2 GB
     for 1.6B trainable parameters; the bf16 weights round ties away from zero instead of to
     even) or fp32 (a separate fp32 buffer). The optimizer's math and its checkpoints are the
-    same for both (a checkpoint of one resumes in the other)."""
+    same for both (a checkpoint of one resumes in the other). bf16_sr: no masters at all (4
+    bytes a parameter less than fp32): the update runs in fp32 from the bf16 weight and is
+    rounded back stochastically with noise derived from (train.seed, step, element), so runs
+    and resumes reproduce exactly; changes numerics (the memory plan picks it only where
+    nothing else fits). null (the default): split, unless the memory plan
+    (train.memory_budget) fits only with bf16_sr; a value set here is kept (pinned)."""
     master_weight_update: str = "kernel"
     """How train.master_weights updates: kernel (the default: one Triton pass per param group
     reading the bf16 grads and writing masters, moments and bf16 weights, ~26 instead of ~85
@@ -277,13 +282,38 @@ def validate_embodied(cfg: Any, world_size: int | None, problems: ProblemCollect
         )
     if sim_eval is not None:
         check_sim_eval_keys(sim_eval, problems)
-    if train is not None and train.get("master_weight_storage", "split") not in ("split", "fp32"):
+    if train is not None and train.get("master_weight_storage") not in (
+        None,
+        "split",
+        "fp32",
+        "bf16_sr",
+    ):
         problems.add(
             "train.master_weight_storage",
             "unknown master-weight storage",
             value=train.get("master_weight_storage"),
-            fix="use split or fp32",
+            fix="use split or fp32 (exact fp32 masters), or bf16_sr (no masters: stochastic "
+            "rounding, changes numerics)",
         )
+    optim = cfg.get("optim")
+    low_storage = {
+        "optim.moment_dtype": None if optim is None else optim.get("moment_dtype"),
+        "train.master_weight_storage": None
+        if train is None
+        else train.get("master_weight_storage"),
+    }
+    for key, value in low_storage.items():
+        if value not in ("bf16", "bf16_sr") or train is None:
+            continue
+        if train.get("master_weights") is False or train.get("precision") != "bf16":
+            problems.add(
+                key,
+                "is kept by the master-weight optimizer, which this run does not use",
+                value=value,
+                fix="set train.precision=bf16 and train.master_weights=true (or null), or "
+                + ("optim.moment_dtype=fp32" if key.startswith("optim") else
+                   "train.master_weight_storage=split"),
+            )  # fmt: skip
     if train is not None and train.get("master_weight_update", "kernel") not in (
         "slices",
         "kernel",

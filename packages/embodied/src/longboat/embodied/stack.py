@@ -63,6 +63,7 @@ STACK = Stack(
         precisions=("fp32", "bf16"),  # no fp16 loss scaling
         export_formats=_export_formats,  # auto, native and every policy's own
         ema=True,  # an fp32 average of the policy's weights (ema.*)
+        bf16_moments=True,  # optim.moment_dtype=bf16 in the master-weight AdamW
         memory_plan=True,  # train.memory_budget: train.recompute and the micro-batch split
         export_adapter=True,  # with lora.enabled: a PEFT adapter folder (train/lora.py)
     ),

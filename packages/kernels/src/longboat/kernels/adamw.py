@@ -30,6 +30,17 @@ NaN (``hi = 0x7FC0``, ``lo = 0``: its payload is lost, it stays NaN). Per elemen
 kernel reads grad, hi, lo and both moments (14 bytes) and writes hi, lo and the moments
 (12): 26 bytes, and the optimizer keeps 2 bytes a parameter less (no fp32 master buffer).
 ``split_fp32_`` / ``join_fp32_`` convert between the two storages.
+
+bf16 moments: ``exp_avg`` / ``exp_avg_sq`` may be bf16 (4 bytes a parameter less); they
+are read to fp32, updated in fp32 and stored rounded to nearest even, as torch's
+fp32 -> bf16 copy rounds. Changes numerics (the moments lose 16 mantissa bits a step).
+
+Stochastic rounding (``sr_key=``): no masters at all; ``master`` is the bf16 weight buffer,
+the update runs in fp32 from it and the result is rounded back to bf16 stochastically with
+counter-based noise from (seed, step, flat index) (``longboat.core.engine.torch.
+stochastic_round``, computed alike here and in the torch reference). Per element the kernel
+reads grad, weight and both moments and writes weight and moments: 10 + 10 bytes with bf16
+moments. Changes numerics (the weight carries no bits below bf16; unbiased on average).
 """
 
 from __future__ import annotations
@@ -43,6 +54,10 @@ from longboat.core.engine.torch.bf16_split import (  # noqa: F401
     join_fp32_,
     split_bits_,
     split_fp32_,
+)
+from longboat.core.engine.torch.stochastic_round import (  # noqa: F401
+    step_key,
+    stochastic_round_,
 )
 from longboat.kernels._dispatch import op, resolve_impl
 from longboat.kernels._triton import tl, triton
@@ -75,9 +90,23 @@ def adamw_master_step_torch_(
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     master_lo: Tensor | None = None,
+    sr_key: Tensor | None = None,
+    sr_start: int = 0,
 ) -> None:
     """Pure-torch reference of :func:`adamw_master_step_` (same contract, same fp32 math;
     allocates full-size temporaries, so it is for checks and small buffers)."""
+    if sr_key is not None:
+        weight = master
+        master = weight.float()
+        adamw_master_step_torch_(
+            master, grad, exp_avg, exp_avg_sq, None, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+            weight_decay=weight_decay, step=step, grad_scale=grad_scale, found_inf=found_inf,
+        )  # fmt: skip
+        rounded = stochastic_round_(master, torch.empty_like(weight), sr_key, sr_start)
+        if found_inf is not None:
+            rounded = torch.where(found_inf != 0, weight, rounded)
+        weight.copy_(rounded)
+        return
     if master_lo is not None:
         adamw_split_master_step_torch_(
             master, master_lo, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2,
@@ -93,18 +122,19 @@ def adamw_master_step_torch_(
     if grad_scale is not None:
         g = g / grad_scale.float()
     p = master * (1.0 - lr32 * weight_decay)
-    m = exp_avg * beta1 + g * (1.0 - beta1)
-    v = exp_avg_sq * beta2 + g * g * (1.0 - beta2)
+    m = exp_avg.float() * beta1 + g * (1.0 - beta1)
+    v = exp_avg_sq.float() * beta2 + g * g * (1.0 - beta2)
     p = p - step_size * m / (v.sqrt() / bc2_sqrt + eps)
     if found_inf is None:
         new = (p, m, v)
     else:
         skip = found_inf != 0
         new = tuple(
-            torch.where(skip, old, t) for old, t in zip((master, exp_avg, exp_avg_sq), (p, m, v))
+            torch.where(skip, old.float(), t)
+            for old, t in zip((master, exp_avg, exp_avg_sq), (p, m, v))
         )
     for buf, value in zip((master, exp_avg, exp_avg_sq), new):
-        buf.copy_(value)
+        buf.copy_(value)  # bf16 moments: rounded to nearest even, as the kernel stores them
     if param_out is not None:
         rounded = master.to(param_out.dtype)
         if found_inf is not None:
@@ -151,14 +181,36 @@ def _round_to_bf16(x):
 
 
 @triton.jit
+def _hash32(x):
+    # stochastic_round.hash32 in int64 arithmetic (values in [0, 2**32); the multipliers are
+    # below 2**31, so the products are exact before the mask).
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _store_fp32_or_bf16(PTR, offs, x, mask):
+    if PTR.dtype.element_ty == tl.bfloat16:
+        tl.store(PTR + offs, _round_to_bf16(x), mask=mask)
+    else:
+        tl.store(PTR + offs, x, mask=mask)
+
+
+@triton.jit
 def _adamw_master_kernel(
-    P, LO, G, M, V, OUT, LR, STEP_POW1, STEP_POW2, SCALE, FOUND_INF,
-    N, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
-    SPLIT: tl.constexpr, HAS_OUT: tl.constexpr, HAS_SCALE: tl.constexpr,
+    P, LO, G, M, V, OUT, LR, STEP_POW1, STEP_POW2, SCALE, FOUND_INF, KEY,
+    N, SR_START, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+    SPLIT: tl.constexpr, SR: tl.constexpr, HAS_OUT: tl.constexpr, HAS_SCALE: tl.constexpr,
     HAS_INF: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # SPLIT: P holds the int16 bits of the bf16 weights (the masters' high halves) and LO
     # their int16 low halves; the master is (hi << 16) + lo on the int32 bit patterns.
+    # SR: P holds the int16 bits of the bf16 weights, the only copy: the update starts from
+    # them and rounds back stochastically with the noise of (KEY, SR_START + offs).
+    # M and V: fp32, or bf16 (loaded to fp32, stored rounded to nearest even).
     # int64 before the multiply: buffers of more than 2**31 elements.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     limit = N
@@ -179,10 +231,13 @@ def _adamw_master_kernel(
         hi = tl.load(P + offs, mask=mask, other=0).to(tl.int32)
         lo = tl.load(LO + offs, mask=mask, other=0).to(tl.int32)
         p = ((hi << 16) + lo).to(tl.float32, bitcast=True)
+    elif SR:
+        hi = tl.load(P + offs, mask=mask, other=0).to(tl.int32)
+        p = (hi << 16).to(tl.float32, bitcast=True)
     else:
         p = tl.load(P + offs, mask=mask, other=0.0)
-    m = tl.load(M + offs, mask=mask, other=0.0)
-    v = tl.load(V + offs, mask=mask, other=0.0)
+    m = tl.load(M + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(V + offs, mask=mask, other=0.0).to(tl.float32)
     p = p * (1.0 - lr * weight_decay)
     m = m * beta1 + g * one_minus_beta1
     v = v * beta2 + g * g * one_minus_beta2
@@ -199,10 +254,17 @@ def _adamw_master_kernel(
         lo = tl.where(nan, 0, lo)
         tl.store(P + offs, hi.to(tl.int16), mask=mask)
         tl.store(LO + offs, lo.to(tl.int16), mask=mask)
+    elif SR:
+        key = tl.load(KEY)
+        noise = _hash32(((SR_START + offs) & 0xFFFFFFFF) ^ key) & 0xFFFF
+        bits = p.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+        hi = ((bits + noise) >> 16) & 0xFFFF
+        hi = tl.where(p != p, 0x7FC0, hi)
+        tl.store(P + offs, (hi - ((hi & 0x8000) << 1)).to(tl.int16), mask=mask)
     else:
         tl.store(P + offs, p, mask=mask)
-    tl.store(M + offs, m, mask=mask)
-    tl.store(V + offs, v, mask=mask)
+    _store_fp32_or_bf16(M, offs, m, mask)
+    _store_fp32_or_bf16(V, offs, v, mask)
     if HAS_OUT:
         if OUT.dtype.element_ty == tl.bfloat16:
             out = _round_to_bf16(p)
@@ -226,9 +288,12 @@ def _launch_adamw_master_kernel(
     beta2: float,
     eps: float,
     weight_decay: float,
+    sr_key: Tensor | None = None,
+    sr_start: int = 0,
 ) -> None:
-    """One launch of ``_adamw_master_kernel`` over ``p``: fp32 masters when ``lo`` is None,
-    else split storage (``p`` the int16 view of the bf16 weights, ``lo`` their low halves);
+    """One launch of ``_adamw_master_kernel`` over ``p``: fp32 masters when ``lo`` and
+    ``sr_key`` are None, else split storage (``p`` the int16 view of the bf16 weights, ``lo``
+    their low halves) or stochastically rounded bf16 weights (``p`` their int16 view);
     ``out`` (optional) gets the updated master rounded to its dtype."""
     n = p.numel()
     if n == 0:
@@ -242,8 +307,9 @@ def _launch_adamw_master_kernel(
         lr, pow1, pow2,
         grad_scale if grad_scale is not None else lr,  # unused (HAS_SCALE=False)
         found_inf if found_inf is not None else lr,  # unused (HAS_INF=False)
-        n, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, weight_decay,
-        SPLIT=lo is not None, HAS_OUT=out is not None, HAS_SCALE=grad_scale is not None,
+        sr_key if sr_key is not None else lr,  # unused (SR=False)
+        n, sr_start, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, weight_decay,
+        SPLIT=lo is not None, SR=sr_key is not None, HAS_OUT=out is not None, HAS_SCALE=grad_scale is not None,
         HAS_INF=found_inf is not None, BLOCK=BLOCK, num_warps=4,
     )  # fmt: skip
 
@@ -293,6 +359,29 @@ def _adamw_split_master_step_impl(
     )  # fmt: skip
 
 
+def _adamw_sr_step_impl(
+    weight: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    lr: Tensor,
+    step: Tensor,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+    sr_key: Tensor,
+    sr_start: int,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    # No param_out: the bf16 weight is the only copy.
+    _launch_adamw_master_kernel(
+        weight.view(torch.int16), None, grad, exp_avg, exp_avg_sq, None, lr, step, grad_scale,
+        found_inf, beta1, beta2, eps, weight_decay, sr_key=sr_key, sr_start=sr_start,
+    )  # fmt: skip
+
+
 def _in_place_only_fake(*args: object) -> None:
     """Fake impl of both ops: they only write their arguments in place (no outputs)."""
     return None
@@ -307,6 +396,11 @@ _adamw_split_master_step = torch.library.custom_op(
     "longboat::adamw_split_master_step", mutates_args=("hi", "lo", "exp_avg", "exp_avg_sq")
 )(_adamw_split_master_step_impl)
 _adamw_split_master_step.register_fake(_in_place_only_fake)
+
+_adamw_sr_step = torch.library.custom_op(
+    "longboat::adamw_sr_step", mutates_args=("weight", "exp_avg", "exp_avg_sq")
+)(_adamw_sr_step_impl)
+_adamw_sr_step.register_fake(_in_place_only_fake)
 
 
 def adamw_master_step_triton_(
@@ -325,9 +419,17 @@ def adamw_master_step_triton_(
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     master_lo: Tensor | None = None,
+    sr_key: Tensor | None = None,
+    sr_start: int = 0,
 ) -> None:
     """Triton :func:`adamw_master_step_` (one launch plus two scalar fp64 ``pow``)."""
     scalars = (float(beta1), float(beta2), float(eps), float(weight_decay))
+    if sr_key is not None:
+        op("adamw_sr_step", _adamw_sr_step_impl)(
+            master, grad, exp_avg, exp_avg_sq, lr, step, grad_scale, found_inf, sr_key,
+            int(sr_start), *scalars,
+        )  # fmt: skip
+        return
     if master_lo is not None:
         op("adamw_split_master_step", _adamw_split_master_step_impl)(
             master, master_lo, grad, exp_avg, exp_avg_sq, lr, step, grad_scale, found_inf,
@@ -339,9 +441,6 @@ def adamw_master_step_triton_(
     )
 
 
-_FP32_BUFFERS = ("master", "exp_avg", "exp_avg_sq")
-
-
 def _check(
     master: Tensor,
     grad: Tensor,
@@ -350,6 +449,7 @@ def _check(
     param_out: Tensor | None,
     scalars: dict[str, Tensor | None],
     master_lo: Tensor | None = None,
+    sr_key: Tensor | None = None,
 ) -> None:
     buffers = {"master": master, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if param_out is not None:
@@ -367,6 +467,18 @@ def _check(
                 "adamw_master_step_: with master_lo (split storage) master is the bf16 weight "
                 "buffer itself; pass param_out=None"
             )
+    if sr_key is not None:
+        if master_lo is not None or param_out is not None or master.dtype != torch.bfloat16:
+            raise ValueError(
+                "adamw_master_step_: stochastic rounding (sr_key given) updates the bf16 "
+                f"weights in place: pass master = the bf16 weights (got {master.dtype}), "
+                "master_lo=None and param_out=None"
+            )
+        if sr_key.dtype != torch.int64 or sr_key.numel() != 1 or sr_key.device != master.device:
+            raise ValueError(
+                "adamw_master_step_: sr_key must be a one-element int64 tensor on "
+                f"{master.device} (stochastic_round.step_key), got {sr_key!r}"
+            )
     for name, t in buffers.items():
         if t.dim() != 1 or not t.is_contiguous() or t.numel() != master.numel():
             raise ValueError(
@@ -378,10 +490,12 @@ def _check(
             raise ValueError(
                 f"adamw_master_step_: {name} is on {t.device}, master on {master.device}"
             )
-    for name in ("exp_avg", "exp_avg_sq") if master_lo is not None else _FP32_BUFFERS:
-        if buffers[name].dtype != torch.float32:
+    if master_lo is None and sr_key is None and master.dtype != torch.float32:
+        raise ValueError(f"adamw_master_step_: master must be float32, got {master.dtype}")
+    for name in ("exp_avg", "exp_avg_sq"):
+        if buffers[name].dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(
-                f"adamw_master_step_: {name} must be float32, got {buffers[name].dtype}"
+                f"adamw_master_step_: {name} must be float32 or bfloat16, got {buffers[name].dtype}"
             )
     low = (torch.float32, torch.bfloat16, torch.float16)
     if grad.dtype not in low or (param_out is not None and param_out.dtype not in low):
@@ -415,6 +529,8 @@ def adamw_master_step_(
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     master_lo: Tensor | None = None,
+    sr_key: Tensor | None = None,
+    sr_start: int = 0,
     impl: str | None = None,
 ) -> None:
     """One AdamW step on fp32 ``master`` and moments, in place, from ``grad``; writes the
@@ -424,6 +540,14 @@ def adamw_master_step_(
     buffer, the masters' high halves, and ``master_lo`` their low halves; both are updated
     in place (the same master values as fp32 storage, bit for bit) and ``param_out`` must be
     None.
+
+    ``sr_key`` (int64 0-d, ``stochastic_round.step_key(seed, step)``): bf16 weights without
+    masters. ``master`` is then the bf16 weight buffer, the only copy: the update runs in
+    fp32 from it and rounds back stochastically with the noise of flat indices
+    ``sr_start ..`` (``stochastic_round``); ``param_out`` must be None.
+
+    ``exp_avg`` / ``exp_avg_sq``: fp32, or bf16 (read to fp32, updated in fp32, stored
+    rounded to nearest even).
 
     All buffers are flat, contiguous and of one length; ``master``, ``exp_avg`` and
     ``exp_avg_sq`` fp32, ``grad`` and ``param_out`` bf16, fp16 or fp32. ``lr``, ``step``
@@ -436,9 +560,11 @@ def adamw_master_step_(
     else Triton on CUDA tensors and the torch reference elsewhere).
     """
     scalars = {"lr": lr, "step": step, "grad_scale": grad_scale, "found_inf": found_inf}
-    _check(master, grad, exp_avg, exp_avg_sq, param_out, scalars, master_lo)
+    _check(master, grad, exp_avg, exp_avg_sq, param_out, scalars, master_lo, sr_key)
     kwargs = {
         "master_lo": master_lo,
+        "sr_key": sr_key,
+        "sr_start": sr_start,
         "lr": lr,
         "beta1": beta1,
         "beta2": beta2,

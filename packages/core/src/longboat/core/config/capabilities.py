@@ -53,6 +53,9 @@ class Capabilities:
     memory_plan: bool = False
     """Whether the stack plans its memory to ``train.memory_budget`` (without a plan, only
     ``auto`` is accepted)."""
+    bf16_moments: bool = False
+    """Whether ``optim.moment_dtype=bf16`` (AdamW moments stored in bf16) is kept (the torch
+    engine's master-weight AdamW); without it only fp32 (or null) is accepted."""
     ema: bool = False
     """Whether ``ema.enabled=true`` keeps (``longboat.core.train.ema``), checkpoints and, with
     ``ema.export``, exports an average of the weights."""
@@ -156,6 +159,10 @@ def capability_problems(
     if budget is not None and str(budget).strip().lower() != "auto" and not caps.memory_plan:
         refuse("train.memory_budget", budget, "does not plan its memory yet",
                "train.memory_budget=auto only")  # fmt: skip
+    moments = _get(cfg, "optim.moment_dtype")
+    if moments not in (None, "fp32") and not caps.bf16_moments:
+        refuse("optim.moment_dtype", moments, "keeps fp32 optimizer moments",
+               "optim.moment_dtype=fp32 only")  # fmt: skip
     if _get(cfg, "ema.enabled") and not caps.ema:
         refuse("ema.enabled", True, "keeps no average of the weights", "ema.enabled=false only")
     adapter = _get(cfg, "export.adapter_dir")

@@ -40,6 +40,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.fp8.recipe": FP8_RECIPES,
     "train.recompute": RECOMPUTE_MODES,
     "optim.schedule.name": LR_SCHEDULES,
+    "optim.moment_dtype": ("fp32", "bf16"),
 }
 """String fields whose values are a closed set."""
 

@@ -105,6 +105,12 @@ def build_optimizer(
             key="optim.name",
             value=optim.name,
         )
+    if (getattr(optim, "moment_dtype", None) or "fp32") != "fp32":
+        raise ConfigError(
+            f"optim.moment_dtype={optim.moment_dtype!r}: the megatron backend keeps fp32 "
+            "moments. Fix: optim.moment_dtype=fp32.",
+            key="optim.moment_dtype",
+        )
     if precision not in _PARAM_DTYPES:
         raise ConfigError(f"train.precision={precision!r}: expected fp32, bf16 or fp16.")
     cfg = OptimizerConfig(

@@ -8,7 +8,9 @@ loss on one and two of the run's own samples (collated at the longest prompt, as
 CUDA-graphed step pads them) gives each block's saved activations at the run's shapes, with
 the ops dispatched as on the device (``longboat.kernels.meta_stands_for``). Core's chooser
 then picks ``train.recompute`` (left null) and the micro-batch split for
-``train.memory_budget``.
+``train.memory_budget``, and only where neither fits, with master weights, the storage:
+``optim.moment_dtype=bf16`` then ``train.master_weight_storage=bf16_sr`` (each left null;
+both change numerics).
 """
 
 from __future__ import annotations
@@ -38,6 +40,24 @@ second block)."""
 SHARDED_STATE = {"zero1": "state", "fsdp": "all", "hsdp": "all"}
 """What each ``parallel.strategy`` shards over the data-parallel ranks."""
 
+DEFAULT_MASTER_STORAGE = "split"
+"""``train.master_weight_storage`` where it is null and the plan chooses no storage change."""
+DEFAULT_MOMENT_DTYPE = "fp32"
+"""``optim.moment_dtype`` where it is null and the plan chooses no storage change."""
+MOMENT_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def resolve_storage(cfg: Any, plan: MemoryPlan | None) -> None:
+    """Write the storage keys back into ``cfg``: the plan's choice, else the defaults for
+    the keys left null."""
+    t, o = cfg.train, cfg.optim
+    if plan is not None:
+        if plan.choice.master_storage is not None:
+            t.master_weight_storage = plan.choice.master_storage
+        o.moment_dtype = "bf16" if plan.choice.moment_bytes == 2 else "fp32"
+    t.master_weight_storage = t.master_weight_storage or DEFAULT_MASTER_STORAGE
+    o.moment_dtype = o.moment_dtype or DEFAULT_MOMENT_DTYPE
+
 
 def no_plan_line(why: str, *, hint: str = "set train.memory_budget=<GB> to plan") -> str:
     """The plan's line where nothing was planned or chosen, and why."""
@@ -53,8 +73,11 @@ def optimizer_layout(
     slices = t.master_weight_update == "slices" or device_type != "cuda"
     return OptimizerLayout(
         master_weights=master_weights,
-        master_storage=t.master_weight_storage if master_weights else "fp32",
+        master_storage=(t.master_weight_storage or DEFAULT_MASTER_STORAGE)
+        if master_weights
+        else "fp32",
         moments=2 if cfg.optim.name == "adamw" else 1,
+        moment_bytes=MOMENT_BYTES[cfg.optim.moment_dtype or DEFAULT_MOMENT_DTYPE],
         align=ALIGN if master_weights else 1,
         scratch_elements=CHUNK if master_weights and slices else 0,
         state_shards=dp_size if shards else 1,
@@ -136,7 +159,11 @@ def plan_run_memory(
         warnings.warn(f"memory plan: the policy's meta probe failed ({reason})", stacklevel=2)
         return no_plan_line(f"the policy's forward did not run on the meta device: {reason}",
                             hint="set train.recompute to choose")  # fmt: skip
-    pins = Pins(recompute=t.recompute, micro_batch=t.cuda_graph is True)
+    moments = cfg.optim.moment_dtype
+    pins = Pins(recompute=t.recompute, micro_batch=t.cuda_graph is True,
+                moment_bytes=None if moments is None else MOMENT_BYTES[moments],
+                master_storage=t.master_weight_storage if master_weights else None)  # fmt: skip
+    adamw_masters = master_weights and cfg.optim.name == "adamw"
     return choose_plan(
         states,
         opt_layout,
@@ -145,5 +172,7 @@ def plan_run_memory(
         budget=budget,
         budget_source=source,
         pins=pins,
+        allow_bf16_moments=adamw_masters,
+        allow_bf16_sr=adamw_masters,
         recompute_modes=RECOMPUTE_MODES,
     )

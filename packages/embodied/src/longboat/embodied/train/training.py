@@ -69,7 +69,7 @@ from longboat.embodied.train.datasets import ensure_synthetic, open_dataset
 from longboat.embodied.train.evaluate import HeldOutEval
 from longboat.embodied.train.export import export_policy
 from longboat.embodied.train.loader import RankMicroBatches, build_loader
-from longboat.embodied.train.memory_plan import plan_run_memory
+from longboat.embodied.train.memory_plan import plan_run_memory, resolve_storage
 from longboat.embodied.train.plan import data_position, sample_plan
 from longboat.embodied.train.policy_batch import (
     PolicyCollator,
@@ -289,7 +289,9 @@ def plan_memory(run: EmbodiedTraining, strategy: str) -> Any:
                            master_weights=master, strategy=strategy)  # fmt: skip
     if isinstance(plan, str):
         t.recompute = t.recompute or "none"
+        resolve_storage(cfg, None)
         return plan
+    resolve_storage(cfg, plan)
     t.recompute = plan.choice.recompute
     if plan.choice.micro_batch != t.micro_batch_size:
         t.micro_batch_size = plan.choice.micro_batch
@@ -371,6 +373,7 @@ class EmbodiedTraining(Training):
             master_weights=t.master_weights,
             master_storage=t.master_weight_storage,
             master_update=t.master_weight_update,
+            master_seed=t.seed,
         )
         self.step_fn = build_step_fn(
             cfg,

@@ -10,9 +10,12 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-MASTER_STORAGES = ("fp32", "split")
-"""``OptimizerLayout.master_storage``: a flat fp32 master buffer (4 bytes a parameter), or
-the bf16 weights plus int16 low halves (2 bytes a parameter beside the weights)."""
+MASTER_BYTES = {"fp32": 4, "split": 2, "bf16_sr": 0}
+"""Bytes a parameter of master weights per ``OptimizerLayout.master_storage``: a flat fp32
+master buffer, the bf16 weights plus int16 low halves, or none (bf16 weights updated with
+stochastic rounding)."""
+MASTER_STORAGES = tuple(MASTER_BYTES)
+"""``OptimizerLayout.master_storage`` values."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,8 +27,8 @@ class OptimizerLayout:
     optimizer (the torch engine's ``MasterWeightAdamW``, the megatron engine's distributed
     optimizer); False: the parameters' own dtype for weights and grads, no masters."""
     master_storage: str = "fp32"
-    """With master weights: ``fp32`` (4 bytes a parameter) or ``split`` (2: an int16 low half
-    beside the bf16 weight)."""
+    """With master weights: ``fp32`` (4 bytes a parameter), ``split`` (2: an int16 low half
+    beside the bf16 weight) or ``bf16_sr`` (0: stochastic rounding, changes numerics)."""
     moments: int = 2
     """Optimizer moments per parameter: AdamW 2, SGD with momentum 1."""
     moment_bytes: int = 4
@@ -35,7 +38,8 @@ class OptimizerLayout:
     weights: ``master_weights.ALIGN``; 1: no flat buffers)."""
     scratch_elements: int = 0
     """fp32 scratch elements the update keeps (the master-weight slice path's grad scratch;
-    with split storage a second one of the same size)."""
+    with split or bf16_sr storage a second one of the same size, with bf16 moments two
+    more)."""
     state_shards: int = 1
     """Ranks the masters and moments are sharded over (ZeRO-1, FSDP, the distributed
     optimizer); 1: replicated."""
@@ -90,7 +94,29 @@ class StateBytes:
 
     def with_moment_bytes(self, moment_bytes: int, layout: OptimizerLayout) -> StateBytes:
         """The same state with moments of ``moment_bytes`` bytes instead of ``layout``'s."""
-        return dataclasses.replace(self, moments=self.moments * moment_bytes // layout.moment_bytes)
+        return self.with_storage(layout, dataclasses.replace(layout, moment_bytes=moment_bytes))
+
+    def with_storage(self, layout: OptimizerLayout, new: OptimizerLayout) -> StateBytes:
+        """The same state (counted under ``layout``) under ``new``, which differs from it in
+        ``moment_bytes`` and / or ``master_storage`` only."""
+        if not self.moments:
+            return self
+        unit = self.moments // (layout.moments * layout.moment_bytes)  # elements a state shard
+        masters = unit * MASTER_BYTES[new.master_storage] if new.master_weights else 0
+        scratch = self.scratch
+        if scratch:
+            scratch = scratch // _scratch_copies(layout) * _scratch_copies(new)
+        return dataclasses.replace(
+            self, masters=masters, moments=unit * new.moments * new.moment_bytes, scratch=scratch
+        )
+
+
+def _scratch_copies(layout: OptimizerLayout) -> int:
+    """fp32 scratch buffers of ``scratch_elements`` the update keeps (see the field)."""
+    if not layout.master_weights:
+        return 1
+    extra = layout.master_storage != "fp32"
+    return 1 + extra + (2 if layout.moment_bytes == 2 else 0)
 
 
 def _shard(n: int, shards: int) -> int:
@@ -113,11 +139,11 @@ def state_bytes(params: Iterable[nn.Parameter], layout: OptimizerLayout) -> Stat
             frozen += n * p.element_size()
     if layout.master_weights:
         weights = grads = 2 * padded
-        masters = (4 if layout.master_storage == "fp32" else 2) * padded
+        masters = MASTER_BYTES[layout.master_storage] * padded
         moments = layout.moments * layout.moment_bytes * padded
         # The slice path's scratch holds one slice: never more than the buffers.
         scratch_elems = min(layout.scratch_elements, padded)
-        scratch = 4 * scratch_elems * (2 if layout.master_storage == "split" else 1)
+        scratch = 4 * scratch_elems * _scratch_copies(layout)
     else:
         weights = grads = own_bytes if layout.param_bytes is None else layout.param_bytes * padded
         masters = 0

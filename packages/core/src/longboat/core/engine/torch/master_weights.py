@@ -40,6 +40,18 @@ Master storage (``master_storage``):
   ``load_state_dict`` (a direct write changes the master to the written value plus the old
   low half).
 
+- ``"bf16_sr"``: no masters at all (12 bytes a parameter less than ``"fp32"``'s 4, i.e.
+  2 + 2 bytes of weights and grads plus the moments). Each update runs in fp32 from the bf16
+  weight and is rounded back to bf16 stochastically with counter-based noise from
+  (``seed``, step, flat index) (``stochastic_round``): unbiased, reproducible, and a resume
+  draws the noise of an uninterrupted run without any saved generator state. Changes
+  numerics: the weights carry no bits below bf16.
+
+Moment storage (``moment_dtype``): fp32 (default), or bf16 (2 bytes a parameter each, as
+trainers that keep the moments in the parameters' dtype do): read to fp32, updated in fp32,
+stored rounded to nearest even. Changes numerics. The slice path copies each slice's bf16
+moments into two more fp32 scratches around the same ``torch._fused_adamw_`` call.
+
 Autocast stays on around the forward: ops autocast runs in fp32 (softmax, norms, losses)
 still do; only the per-use casts of fp32 weights to bf16 disappear.
 
@@ -54,7 +66,10 @@ The state dict is the standard per-parameter layout (``master``, ``exp_avg``,
 FQN; ``load_state_dict`` copies into the flat buffers (the views stay views). Both storages
 write and read the same state dict (fp32 ``master`` entries; with ``"split"`` they are
 joined on the host, so a checkpoint costs no device memory), so a checkpoint of one resumes
-in the other with the same masters and moments.
+in the other with the same masters and moments. ``"bf16_sr"`` saves its bf16 weights as
+the fp32 ``master`` entries (exact) and resumes them exactly; loading another storage's
+masters into it rounds them to nearest. The moments are saved in their own dtype (bf16 with
+``moment_dtype=torch.bfloat16``) and load into either dtype.
 """
 
 from __future__ import annotations
@@ -68,6 +83,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from longboat.core.engine.torch.bf16_split import join_bits_, join_fp32_, split_bits_
+from longboat.core.engine.torch.stochastic_round import step_key, stochastic_round_
 
 ALIGN = 64
 """Element alignment of every parameter's offset in the flat buffers."""
@@ -79,8 +95,12 @@ size) and of each fused AdamW call (its index math is 32-bit). 1.6B trainable pa
 take ~49 slices. Both storages slice alike: on CPU the fused AdamW's results depend on
 where a slice ends (its vectorized loop and scalar tail round differently)."""
 
-MASTER_STORAGES = ("fp32", "split")
-"""``master_storage`` values: a flat fp32 master buffer, or bf16 weights + int16 low halves."""
+MASTER_STORAGES = ("fp32", "split", "bf16_sr")
+"""``master_storage`` values: a flat fp32 master buffer, bf16 weights + int16 low halves, or
+bf16 weights alone with stochastic rounding (changes numerics)."""
+
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""``optim.moment_dtype`` values and the dtype of the AdamW moments they store."""
 
 _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -104,7 +124,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     hands it over, as the embodied stack's ``MasterWeightAdamW`` does).
     ``master_storage``: ``"fp32"`` (a flat fp32 master buffer) or ``"split"`` (the bf16
     weights plus int16 low halves: the same masters in 2 bytes a parameter less; needs
-    ``param_dtype=torch.bfloat16``), see the module doc.
+    ``param_dtype=torch.bfloat16``) or ``"bf16_sr"`` (bf16 weights, no masters, stochastic
+    rounding seeded by ``seed``), see the module doc.
+    ``moment_dtype``: the moments' dtype, ``torch.float32`` or ``torch.bfloat16``.
     """
 
     def __init__(
@@ -119,17 +141,24 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         kernel_impl: str | None = None,
         kernel: Callable[..., None] | None = None,
         master_storage: str = "fp32",
+        moment_dtype: torch.dtype = torch.float32,
+        seed: int = 0,
     ) -> None:
         if master_storage not in MASTER_STORAGES:
             raise ValueError(
                 f"MasterWeightAdamW: master_storage={master_storage!r}; use one of "
                 f"{MASTER_STORAGES}"
             )
-        if master_storage == "split" and param_dtype != torch.bfloat16:
+        if master_storage != "fp32" and param_dtype != torch.bfloat16:
             raise ValueError(
-                f"MasterWeightAdamW: master_storage='split' keeps the fp32 masters' high halves "
-                f"in the weights, so they must be bfloat16, got param_dtype={param_dtype}; use "
-                "param_dtype=torch.bfloat16 or master_storage='fp32'"
+                f"MasterWeightAdamW: master_storage={master_storage!r} keeps the weights in "
+                f"bfloat16, got param_dtype={param_dtype}; use param_dtype=torch.bfloat16 or "
+                "master_storage='fp32'"
+            )
+        if moment_dtype not in MOMENT_DTYPES.values():
+            raise ValueError(
+                f"MasterWeightAdamW: moment_dtype={moment_dtype}; use torch.float32 or "
+                "torch.bfloat16"
             )
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": 0.0}
         super().__init__(groups, defaults)
@@ -155,10 +184,20 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         self.param_dtype = param_dtype
         self.master_storage = master_storage
         self.process_group = process_group
+        self.moment_dtype = moment_dtype
+        self.seed = int(seed)
         split = master_storage == "split"
+        self.stochastic = master_storage == "bf16_sr"
         self._master: Tensor | None = None
         self.master_lo: Tensor | None = None
-        if split:
+        if self.stochastic:
+            self.flat_param = torch.zeros(total, dtype=param_dtype, device=device)
+            for p, off in zip(params, offsets):
+                self.flat_param[off : off + p.numel()].copy_(p.detach().reshape(-1))
+            if self._world_size() > 1:  # as int32 words (gloo has no bf16)
+                src = dist.get_global_rank(self._group(), 0)
+                dist.broadcast(self.flat_param.view(torch.int32), src=src, group=self._group())
+        elif split:
             self.flat_param = torch.zeros(total, dtype=param_dtype, device=device)
             self.master_lo = torch.zeros(total, dtype=torch.int16, device=device)
             for p, off in zip(params, offsets):
@@ -184,7 +223,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         # moments are allocated.
         for p, off in zip(params, offsets):
             p.data = self.flat_param[off : off + p.numel()].view(p.shape)
-        self.exp_avg = torch.zeros(total, dtype=torch.float32, device=device)
+        self.exp_avg = torch.zeros(total, dtype=moment_dtype, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.flat_grad = torch.zeros(total, dtype=param_dtype, device=device)
         self.step_count = torch.zeros((), dtype=torch.float32, device=device)
@@ -202,6 +241,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             ]
             for start, end in self._segments
         ]
+        self._chunk_starts = [list(range(start, end, CHUNK)) for start, end in self._segments]
         if kernel_impl not in (None, "torch", "triton"):
             raise ValueError(
                 f"MasterWeightAdamW: kernel_impl={kernel_impl!r}; use None, 'torch' or 'triton'"
@@ -224,7 +264,12 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         # storage the slice's joined fp32 masters.
         self._scratch = torch.empty(scratch, dtype=torch.float32, device=device)
         self._master_scratch = torch.empty(
-            scratch if split else 0, dtype=torch.float32, device=device
+            scratch if split or self.stochastic else 0, dtype=torch.float32, device=device
+        )
+        # bf16 moments: the slice's moments in fp32 around the fused call.
+        low_moments = moment_dtype != torch.float32
+        self._moment_scratch = torch.empty(
+            (2, scratch if low_moments else 0), dtype=torch.float32, device=device
         )
         n_slices = sum(len(c) for c in self._chunks)
         self._slice_norms = torch.zeros(max(n_slices, 1), dtype=torch.float32, device=device)
@@ -239,7 +284,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             p.grad = grad_view
             self._views.append((p, grad_view))
             self.state[p] = {"step": self.step_count}
-            if not split:
+            if self._master is not None:
                 self.state[p]["master"] = self._master[off : off + n].view(p.shape)
             self.state[p]["exp_avg"] = self.exp_avg[off : off + n].view(p.shape)
             self.state[p]["exp_avg_sq"] = self.exp_avg_sq[off : off + n].view(p.shape)
@@ -261,9 +306,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         """The flat fp32 master buffer (``master_storage="fp32"`` only)."""
         if self._master is None:
             raise AttributeError(
-                "MasterWeightAdamW(master_storage='split') keeps no fp32 master buffer (the "
-                "masters are flat_param + master_lo); use flat_master() for a joined fp32 copy, "
-                "master_params() or state_dict()"
+                f"MasterWeightAdamW(master_storage={self.master_storage!r}) keeps no fp32 master "
+                "buffer; use flat_master() for an fp32 copy, master_params() or state_dict()"
             )
         return self._master
 
@@ -273,6 +317,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         ``master``, or with split storage ``flat_param`` and ``master_lo`` joined."""
         if self._master is not None:
             return self._master.clone()
+        if self.master_lo is None:
+            return self.flat_param.float()
         return join_fp32_(self.flat_param, self.master_lo)
 
     def _split_into(self, src: Tensor, start: int, end: int) -> None:
@@ -360,15 +406,20 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     def _kernel_update(self) -> None:
         """One ``adamw_master_step_`` pass per param group (it writes the bf16 weights)."""
-        for group, views, lr in zip(self.param_groups, self._segment_views, self.lr_tensors):
+        sr = {"sr_key": step_key(self.seed, self.step_count)} if self.stochastic else {}
+        for group, views, lr, (start, _) in zip(
+            self.param_groups, self._segment_views, self.lr_tensors, self._segments
+        ):
             master, grad, exp_avg, exp_avg_sq, param, lo = views
             beta1, beta2 = group["betas"]
+            if sr:
+                sr["sr_start"] = start
             self.kernel(
-                param if lo is not None else master,
+                master if master is not None else param,
                 grad,
                 exp_avg,
                 exp_avg_sq,
-                None if lo is not None else param,
+                param if master is not None else None,
                 lr=lr,
                 beta1=beta1,
                 beta2=beta2,
@@ -379,26 +430,39 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 found_inf=self.found_inf,
                 master_lo=lo,
                 impl=self.kernel_impl,
+                **sr,
             )
 
     def _slice_update(self) -> None:
         """Grads cast slice by slice into the fp32 scratch, ``torch._fused_adamw_`` per slice,
         then one master -> bf16 copy. Split storage: each slice's masters are joined into
         the master scratch before the same call and split back after it."""
-        for group, chunks, lr in zip(self.param_groups, self._chunks, self.lr_tensors):
+        key = step_key(self.seed, self.step_count) if self.stochastic else None
+        low_moments = self.moment_dtype != torch.float32
+        for group, chunks, lr, starts in zip(
+            self.param_groups, self._chunks, self.lr_tensors, self._chunk_starts
+        ):
             beta1, beta2 = group["betas"]
-            for master, grad, exp_avg, exp_avg_sq, param, lo in chunks:
+            for (master, grad, exp_avg, exp_avg_sq, param, lo), a in zip(chunks, starts):
                 n = grad.numel()
                 grad32 = self._scratch[:n]
                 if lo is not None:
                     bits = self._master_scratch[:n].view(torch.int32)
                     master = join_bits_(bits, param, lo)
+                elif key is not None:
+                    master = self._master_scratch[:n]
+                    master.copy_(param)
+                m, v = exp_avg, exp_avg_sq
+                if low_moments:
+                    m, v = self._moment_scratch[0, :n], self._moment_scratch[1, :n]
+                    m.copy_(exp_avg)
+                    v.copy_(exp_avg_sq)
                 grad32.copy_(grad)
                 torch._fused_adamw_(
                     [master],
                     [grad32],
-                    [exp_avg],
-                    [exp_avg_sq],
+                    [m],
+                    [v],
                     [],
                     [self.step_count],
                     lr=lr,
@@ -411,9 +475,14 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                     grad_scale=self.grad_scale,
                     found_inf=self.found_inf,
                 )
+                if low_moments:  # a skipped step copies back the same values
+                    exp_avg.copy_(m)
+                    exp_avg_sq.copy_(v)
                 if lo is not None:
                     # The grads are spent: their scratch holds the NaN mask.
                     split_bits_(bits, param, lo, nan=grad32.view(torch.bool)[:n])
+                elif key is not None:  # a skipped step's bf16-exact values round to themselves
+                    stochastic_round_(master, param, key, a)
         if self._master is not None:
             self.flat_param.copy_(self._master)
 
@@ -450,6 +519,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         if self._master is not None:
             return self.state[p]["master"]
         off, n = self._offsets[i], p.numel()
+        if self.master_lo is None:  # bf16_sr: the weights are the only copy
+            return (
+                self.flat_param[off : off + n].to(device=device, dtype=torch.float32).view(p.shape)
+            )
         hi = self.flat_param[off : off + n].to(device)
         lo = self.master_lo[off : off + n].to(device)
         return join_fp32_(hi, lo).view(p.shape)
@@ -506,6 +579,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                     self.state[p][key].copy_(saved[key])
                 if self._master is not None:
                     self.state[p]["master"].copy_(saved["master"])
+                elif self.master_lo is None:  # bf16_sr: exact for its own checkpoints
+                    off = self._offsets[i]
+                    self.flat_param[off : off + p.numel()].copy_(saved["master"].reshape(-1))
                 else:
                     off = self._offsets[i]
                     self._split_into(saved["master"].reshape(-1), off, off + p.numel())

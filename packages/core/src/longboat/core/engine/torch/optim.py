@@ -12,7 +12,11 @@ from torch.distributed.tensor import DTensor
 
 from longboat.core.config.errors import ConfigError, require_choice
 from longboat.core.config.schema import OptimConfig
-from longboat.core.engine.torch.master_weights import MASTER_STORAGES, MasterWeightAdamW
+from longboat.core.engine.torch.master_weights import (
+    MASTER_STORAGES,
+    MOMENT_DTYPES,
+    MasterWeightAdamW,
+)
 from longboat.core.engine.torch.strategy import ParallelSetup, check_master_weights
 
 # Device types whose torch build ships a fused AdamW kernel.
@@ -47,6 +51,7 @@ def build_optimizer(
     master_update: str = "slices",
     master_weight_class: type[MasterWeightAdamW] = MasterWeightAdamW,
     master_kernel_impl: Callable[[torch.Tensor], str | None] | None = None,
+    master_seed: int = 0,
 ) -> torch.optim.Optimizer:
     """AdamW (or SGD) over the trainable params; ZeroRedundancyOptimizer for ``zero1``.
 
@@ -54,7 +59,10 @@ def build_optimizer(
     trainable params into bf16 views of one flat buffer with fp32 master weights in the
     optimizer; pair it with ``parallelize(..., master_weights=True)``.
     ``master_storage`` (``train.master_weight_storage``): how it stores the masters,
-    ``"fp32"`` or ``"split"`` (the same masters in 2 bytes a parameter less).
+    ``"fp32"``, ``"split"`` (the same masters in 2 bytes a parameter less) or ``"bf16_sr"``
+    (no masters: bf16 weights updated with stochastic rounding seeded by ``master_seed``;
+    changes numerics). ``cfg.moment_dtype`` (``optim.moment_dtype``): fp32 or bf16 moments
+    (bf16 needs ``master_weights``; changes numerics).
     ``master_update`` (``train.master_weight_update``): ``"slices"`` (``torch._fused_adamw_``
     per slice) or ``"kernel"`` (one Triton ``adamw_master_step_`` pass per param group where
     Triton runs compiled, i.e. on CUDA unless ``LONGBOAT_KERNELS_IMPL=torch``; the slices
@@ -70,6 +78,18 @@ def build_optimizer(
             "the model has no trainable parameters",
             key="model",
             fix="unfreeze some parameters (the model config's freezing options)",
+        )
+    moment_dtype = cfg.moment_dtype or "fp32"
+    require_choice(
+        moment_dtype, tuple(MOMENT_DTYPES), key="optim.moment_dtype", what="moment dtype"
+    )
+    if moment_dtype != "fp32" and not master_weights:
+        raise ConfigError(
+            "bf16 optimizer moments are kept by the master-weight optimizer only",
+            key="optim.moment_dtype",
+            value=moment_dtype,
+            fix="set train.master_weights=true (with train.precision=bf16) or "
+            "optim.moment_dtype=fp32",
         )
     if master_weights:
         check_master_weights(setup.strategy)
@@ -94,6 +114,8 @@ def build_optimizer(
             betas=tuple(cfg.betas),
             eps=cfg.eps,
             master_storage=master_storage,
+            moment_dtype=MOMENT_DTYPES[moment_dtype],
+            seed=master_seed,
             kernel_impl=_kernel_impl(master_update, groups, master_kernel_impl),
         )
     if cfg.name == "adamw":
