@@ -139,9 +139,10 @@ fi
 # 886M shape beside torchtitan's rows (FP8_886M_RUNS).
 if want fp8; then
   step "fp8 gpu tests" timeout "${LIMIT_FP8_TESTS:-120}" python3 -m pytest -q -p no:cacheprovider \
-    --import-mode=importlib -m gpu -rs packages/kernels/tests/test_fp8_triton.py packages/kernels/tests/test_fp8.py
-  step "fp8 gemm" timeout "${LIMIT_FP8_GEMM:-120}" python3 tools/bench/fp8_gemm.py \
-    --out /tmp/fp8_gemm.json --results-dir "$RESULTS" --shapes qwen3_1_7b
+    --import-mode=importlib -m gpu -rs packages/kernels/tests/test_fp8_triton.py \
+    packages/kernels/tests/test_fp8.py packages/kernels/tests/test_fp8_grouped.py
+  [ "${LIMIT_FP8_GEMM:-120}" -gt 0 ] && step "fp8 gemm" timeout "${LIMIT_FP8_GEMM:-120}" \
+    python3 tools/bench/fp8_gemm.py --out /tmp/fp8_gemm.json --results-dir "$RESULTS" --shapes qwen3_1_7b
   step "llm throughput fp8" timeout "${LIMIT_FP8:-360}" python3 tools/bench/llm_throughput.py \
     --shape qwen3_1_7b --out /tmp/llm_throughput_fp8.json --results-dir "$RESULTS" \
     --runs "${FP8_RUNS:-longboat,longboat_fp8,longboat_fp8_rowwise,longboat_fp8_tensorwise,hf_compiled}" \
