@@ -556,3 +556,27 @@ def test_sparse_attention_counts_the_indexer_and_only_the_chosen_keys() -> None:
     per_token = [flops_per_sample(v32, s) / s for s in (64, 256)]
     dense_per_token = [flops_per_sample(dense, s) / s for s in (64, 256)]
     assert per_token[1] - per_token[0] < dense_per_token[1] - dense_per_token[0]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sparse_attention_on_the_dsa_kernels_in_the_interpreter() -> None:
+    """``dsa_kernel_checks.py`` in a subprocess with Triton's interpreter: the V3.2 model with
+    its sparse attention on longboat's DSA kernels equals megatron's path (logits, every
+    gradient, the indexer's KL loss) and transformers (logits). ~3 minutes on 2 cores: every
+    longboat kernel of the model runs through the interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    here = Path(__file__).parent
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "2"}
+    env.pop("LONGBOAT_KERNELS_IMPL", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
+           str(here / "dsa_kernel_checks.py")]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=here.parents[2], env=env, capture_output=True, text=True, timeout=900
+    )
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, tail
+    assert "2 passed" in proc.stdout, tail

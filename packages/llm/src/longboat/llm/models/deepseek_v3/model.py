@@ -181,9 +181,11 @@ def _latent_self_attention() -> type:
     return LatentSelfAttention
 
 
-def _sparse_attention_spec(linear: Any, row: Any, norm: Any) -> Any:
+def _sparse_attention_spec(linear: Any, row: Any, norm: Any, kernels: bool) -> Any:
     """DeepSeek-V3.2's attention: megatron's absorbed MLA over its DSA core attention (the
-    lightning indexer picks ``index_topk`` keys per query; attention runs over those only)."""
+    lightning indexer picks ``index_topk`` keys per query; attention runs over those only);
+    ``kernels``: the DSA core attention on longboat's Triton kernels where they apply
+    (``sparse_attention.kernel_dsattention``)."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer.enums import AttnMaskType
@@ -198,6 +200,8 @@ def _sparse_attention_spec(linear: Any, row: Any, norm: Any) -> Any:
         DSAttentionSubmodules,
     )
     from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from longboat.llm.models.deepseek_v3.sparse_attention import kernel_dsattention
 
     indexer = ModuleSpec(
         module=DSAIndexer,
@@ -218,7 +222,8 @@ def _sparse_attention_spec(linear: Any, row: Any, norm: Any) -> Any:
             linear_kv_down_proj=ColumnParallelLinear,
             linear_kv_up_proj=linear,
             core_attention=ModuleSpec(
-                module=DSAttention, submodules=DSAttentionSubmodules(indexer=indexer)
+                module=kernel_dsattention() if kernels else DSAttention,
+                submodules=DSAttentionSubmodules(indexer=indexer),
             ),
             linear_proj=row,
             q_layernorm=norm,
@@ -260,7 +265,7 @@ def _mla_attention_spec(backend: str, kernels: Any, q_latent: bool, sparse: bool
     if sparse:
         if backend != "local":  # the absorbed attention builds its norms from a spec
             norm = ModuleSpec(module=KernelRMSNorm, params={"rms_norm": provider.kernels.rms_norm})
-        return _sparse_attention_spec(linear, row, norm)
+        return _sparse_attention_spec(linear, row, norm, kernels=backend != "local")
     return ModuleSpec(
         module=_latent_self_attention(),
         params={"attn_mask_type": AttnMaskType.causal},

@@ -1,0 +1,312 @@
+"""Sparse attention over selected keys (DeepSeek-V3.2 DSA), forward and backward in Triton.
+
+One shared key/value head (MQA; MLA's absorbed form: queries taken into the latent space,
+``k`` the latent plus the rotary key, ``v`` the latent) and ``h`` query heads. A program
+owns one query token and ``BLOCK_H`` of its heads: every head of a token attends the same
+selected keys, so each gathered key row is loaded once for ``BLOCK_H`` heads and the
+products are ``[BLOCK_H, BLOCK_T]`` tile dots. It walks the token's ``topk`` indices
+``BLOCK_T`` at a time, gathers those rows of ``k`` / ``v`` by index, and keeps an online
+softmax (running max, sum, fp32 accumulator). The key width ``dk`` is walked in
+``BLOCK_DK`` chunks, so a width like MLA's 576 (512 + 64) is not padded to 1024; the value
+width is one ``next_pow2(dv)`` tile. The forward stores the log-sum-exp for the backward.
+
+Backward (one pass, the same grid): recompute the probabilities from the log-sum-exp,
+``ds = p * (dO . v - rowsum(dO * O))``; ``dq`` and the scattered ``dk`` / ``dv`` rows
+are accumulated with fp32 atomic adds (a key row is chosen by many queries), so on the GPU
+the gradients' last bits depend on the order the atomics land.
+
+Indices must be distinct within a row; ``-1`` (or any index outside ``[0, sk)``) is no key.
+Causality is the indexer's business: the kernel attends whatever is selected. A query with
+no selected key outputs zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longboat.kernels._dispatch import op, resolve_impl, triton_interpreter_on
+from longboat.kernels._triton import next_pow2, tl, triton
+from longboat.kernels.dsa.reference import sparse_attention_torch
+
+Tensor = torch.Tensor
+
+_BLOCK_H, _BLOCK_T, _BLOCK_DK = 16, 32, 64
+_NUM_WARPS = 4
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """``a @ b`` with fp32 accumulation; ``IEEE``: fp32 products (no TF32), and operands
+    upcast to fp32 first (Triton's CPU interpreter mis-multiplies bf16 tiles; the operands
+    are rounded to their dtype either way, so the result is the GPU's up to summation
+    order)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _scores(q_row, K, k_base, idx, valid, offs_h, h_ok, stride_qh, stride_ks, DK, scale,
+            BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DK: tl.constexpr,
+            IEEE: tl.constexpr):  # fmt: skip
+    """``scale * q[heads] . k[idx]`` as ``[BLOCK_H, BLOCK_T]`` fp32, ``-inf`` at invalid."""
+    s = tl.zeros((BLOCK_H, BLOCK_T), dtype=tl.float32)
+    for d0 in range(0, DK, BLOCK_DK):
+        offs_d = d0 + tl.arange(0, BLOCK_DK)
+        d_ok = offs_d < DK
+        q = tl.load(q_row + offs_h[:, None] * stride_qh + offs_d[None, :],
+                    mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        k = tl.load(k_base + idx[None, :] * stride_ks + offs_d[:, None],
+                    mask=d_ok[:, None] & valid[None, :], other=0.0)  # fmt: skip
+        s += _dot(q, k, IEEE)
+    return tl.where(valid[None, :], s * scale, float("-inf"))
+
+
+@triton.jit
+def _sparse_attn_fwd_kernel(
+    Q, K, V, IDX, OUT, LSE,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_vb, stride_vs,
+    stride_ib, stride_is, stride_ob, stride_os, stride_oh,
+    SQ, H, SK, TOPK, DK, DV, scale,
+    BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    bi, qi = row // SQ, row % SQ
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < DV
+    q_row = Q + bi * stride_qb + qi * stride_qs
+    k_base, v_base = K + bi * stride_kb, V + bi * stride_vb
+    idx_row = IDX + bi * stride_ib + qi * stride_is
+    m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
+    for t0 in range(0, TOPK, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        idx = tl.load(idx_row + offs_t, mask=offs_t < TOPK, other=-1).to(tl.int64)
+        valid = (idx >= 0) & (idx < SK)
+        idx = tl.where(valid, idx, 0)
+        s = _scores(q_row, K, k_base, idx, valid, offs_h, h_ok, stride_qh, stride_ks, DK,
+                    scale, BLOCK_H, BLOCK_T, BLOCK_DK, IEEE)  # fmt: skip
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp finite
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + idx[:, None] * stride_vs + offs_dv[None, :],
+                    mask=valid[:, None] & dv_ok[None, :], other=0.0)  # fmt: skip
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m = m_new
+    has_key = l_sum > 0.0
+    out = acc / tl.where(has_key, l_sum, 1.0)[:, None]
+    # +inf for a query without keys: its backward probabilities exp(s - lse) are all 0.
+    lse = tl.where(has_key, m + tl.log(tl.where(has_key, l_sum, 1.0)), float("inf"))
+    o_ptr = OUT + bi * stride_ob + qi * stride_os + offs_h[:, None] * stride_oh + offs_dv[None, :]
+    tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=h_ok[:, None] & dv_ok[None, :])
+    tl.store(LSE + row * H + offs_h, lse, mask=h_ok)
+
+
+@triton.jit
+def _sparse_attn_bwd_kernel(
+    Q, K, V, IDX, DO, LSE, DELTA, DQ, DK_, DV_,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_vb, stride_vs,
+    stride_ib, stride_is, stride_dob, stride_dos, stride_doh,
+    SQ, H, SK, TOPK, DK, DV, scale,
+    BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    # DQ [b, sq, h, dk], DK_ [b, sk, dk], DV_ [b, sk, dv]: contiguous fp32, zero-filled.
+    row = tl.program_id(0).to(tl.int64)
+    bi, qi = row // SQ, row % SQ
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < DV
+    q_row = Q + bi * stride_qb + qi * stride_qs
+    k_base, v_base = K + bi * stride_kb, V + bi * stride_vb
+    idx_row = IDX + bi * stride_ib + qi * stride_is
+    do = tl.load(DO + bi * stride_dob + qi * stride_dos + offs_h[:, None] * stride_doh
+                 + offs_dv[None, :], mask=h_ok[:, None] & dv_ok[None, :], other=0.0)  # fmt: skip
+    lse = tl.load(LSE + row * H + offs_h, mask=h_ok, other=float("inf"))
+    delta = tl.load(DELTA + row * H + offs_h, mask=h_ok, other=0.0)
+    dq_row = DQ + row * H * DK
+    dk_base, dv_base = DK_ + bi * SK * DK, DV_ + bi * SK * DV
+    for t0 in range(0, TOPK, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        idx = tl.load(idx_row + offs_t, mask=offs_t < TOPK, other=-1).to(tl.int64)
+        valid = (idx >= 0) & (idx < SK)
+        idx = tl.where(valid, idx, 0)
+        s = _scores(q_row, K, k_base, idx, valid, offs_h, h_ok, stride_qh, stride_ks, DK,
+                    scale, BLOCK_H, BLOCK_T, BLOCK_DK, IEEE)  # fmt: skip
+        p = tl.exp(s - lse[:, None])  # 0 at invalid keys and padded heads
+        v = tl.load(v_base + idx[:, None] * stride_vs + offs_dv[None, :],
+                    mask=valid[:, None] & dv_ok[None, :], other=0.0)  # fmt: skip
+        dv = _dot(tl.trans(p.to(do.dtype)), do, IEEE)  # [BLOCK_T, BLOCK_DV]
+        tl.atomic_add(dv_base + idx[:, None] * DV + offs_dv[None, :], dv,
+                      mask=valid[:, None] & dv_ok[None, :])  # fmt: skip
+        dp = _dot(do, tl.trans(v), IEEE)  # [BLOCK_H, BLOCK_T]
+        ds = p * (dp - delta[:, None]) * scale
+        for d0 in range(0, DK, BLOCK_DK):
+            offs_d = d0 + tl.arange(0, BLOCK_DK)
+            d_ok = offs_d < DK
+            k = tl.load(k_base + idx[:, None] * stride_ks + offs_d[None, :],
+                        mask=valid[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+            q = tl.load(q_row + offs_h[:, None] * stride_qh + offs_d[None, :],
+                        mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+            dq = _dot(ds.to(k.dtype), k, IEEE)  # [BLOCK_H, BLOCK_DK]
+            tl.atomic_add(dq_row + offs_h[:, None] * DK + offs_d[None, :], dq,
+                          mask=h_ok[:, None] & d_ok[None, :])  # fmt: skip
+            dk = _dot(tl.trans(ds.to(q.dtype)), q, IEEE)  # [BLOCK_T, BLOCK_DK]
+            tl.atomic_add(dk_base + idx[:, None] * DK + offs_d[None, :], dk,
+                          mask=valid[:, None] & d_ok[None, :])  # fmt: skip
+
+
+def _ieee_dots(q: Tensor) -> bool:
+    """fp32 inputs get fp32 products (not TF32); under the interpreter every dtype does."""
+    return q.dtype == torch.float32 or triton_interpreter_on()
+
+
+def _unit_last(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch_args(q: Tensor, k: Tensor, v: Tensor) -> tuple[tuple[int, int], dict[str, object]]:
+    b, sq, h, _ = q.shape
+    grid = (b * sq, triton.cdiv(h, _BLOCK_H))
+    meta = dict(
+        BLOCK_H=_BLOCK_H, BLOCK_T=_BLOCK_T, BLOCK_DK=_BLOCK_DK,
+        BLOCK_DV=max(16, next_pow2(v.shape[-1])), IEEE=_ieee_dots(q),
+        num_warps=_NUM_WARPS,
+    )  # fmt: skip
+    return grid, meta
+
+
+def _sparse_attn_fwd_impl(
+    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    b, sq, h, dk = q.shape
+    sk, dv, topk = k.shape[1], v.shape[-1], indices.shape[-1]
+    q, k, v, indices = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(indices)
+    out = torch.empty((b, sq, h, dv), device=q.device, dtype=q.dtype)
+    lse = torch.empty((b, sq, h), device=q.device, dtype=torch.float32)
+    if b * sq * h == 0:
+        return out, lse
+    grid, meta = _launch_args(q, k, v)
+    _sparse_attn_fwd_kernel[grid](
+        q, k, v, indices, out, lse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), indices.stride(0), indices.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        sq, h, sk, topk, dk, dv, scale, **meta,
+    )  # fmt: skip
+    return out, lse
+
+
+_sparse_attn_fwd = torch.library.custom_op("longboat::dsa_sparse_attention_fwd", mutates_args=())(
+    _sparse_attn_fwd_impl
+)
+
+
+@_sparse_attn_fwd.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float):
+    b, sq, h, _ = q.shape
+    return q.new_empty((b, sq, h, v.shape[-1])), q.new_empty((b, sq, h), dtype=torch.float32)
+
+
+def _sparse_attn_bwd_impl(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, indices: Tensor, out: Tensor, lse: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    b, sq, h, dk = q.shape
+    sk, dv, topk = k.shape[1], v.shape[-1], indices.shape[-1]
+    q, k, v, indices = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(indices)
+    dout = _unit_last(dout)
+    delta = (dout.float() * out.float()).sum(-1).contiguous()  # [b, sq, h]
+    dq = torch.zeros((b, sq, h, dk), device=q.device, dtype=torch.float32)
+    dk_ = torch.zeros((b, sk, dk), device=q.device, dtype=torch.float32)
+    dv_ = torch.zeros((b, sk, dv), device=q.device, dtype=torch.float32)
+    if b * sq * h > 0:
+        grid, meta = _launch_args(q, k, v)
+        _sparse_attn_bwd_kernel[grid](
+            q, k, v, indices, dout, lse.contiguous(), delta, dq, dk_, dv_,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), indices.stride(0), indices.stride(1),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            sq, h, sk, topk, dk, dv, scale, **meta,
+        )  # fmt: skip
+    return dq.to(q.dtype), dk_.to(k.dtype), dv_.to(v.dtype)
+
+
+_sparse_attn_bwd = torch.library.custom_op("longboat::dsa_sparse_attention_bwd", mutates_args=())(
+    _sparse_attn_bwd_impl
+)
+
+
+@_sparse_attn_bwd.register_fake
+def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, indices: Tensor, out: Tensor,
+      lse: Tensor, scale: float):  # fmt: skip
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+class _SparseAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, indices, scale):  # type: ignore[override]
+        out, lse = op("dsa_sparse_attention_fwd", _sparse_attn_fwd_impl)(q, k, v, indices, scale)
+        ctx.save_for_backward(q, k, v, indices, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, indices, out, lse = ctx.saved_tensors
+        dq, dk, dv = op("dsa_sparse_attention_bwd", _sparse_attn_bwd_impl)(
+            dout, q, k, v, indices, out, lse, ctx.scale
+        )
+        return dq, dk, dv, None, None
+
+
+def sparse_attention_triton(
+    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float
+) -> Tensor:
+    """Triton sparse attention (forward + backward), same signature as
+    :func:`longboat.kernels.dsa.sparse_attention_torch`."""
+    return _SparseAttentionFn.apply(q, k, v, indices, float(scale))
+
+
+def sparse_attention(
+    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float, *, impl: str | None = None
+) -> Tensor:
+    """Attention of each query over its selected keys only (DSA's sparse attention).
+
+    ``q [b, sq, h, dk]``; one key/value head shared by all query heads: ``k [b, sk, dk]``,
+    ``v [b, sk, dv]`` (``dv`` may differ from ``dk``; ``v`` may be a view of ``k``, as
+    MLA's absorbed latent is); ``indices [b, sq, topk]`` integer, distinct per row, ``-1``
+    for no key; ``scale`` multiplies ``q . k``. Returns ``[b, sq, h, dv]`` in q's dtype,
+    softmax in fp32; gradients for ``q``, ``k``, ``v``. ``impl`` as every longboat kernel
+    (Triton on CUDA under ``auto``; ``torch``: the dense masked reference).
+    """
+    if q.dim() != 4 or k.dim() != 3 or v.dim() != 3 or indices.dim() != 3:
+        raise ValueError(
+            "sparse_attention: q must be [b, sq, h, dk], k [b, sk, dk], v [b, sk, dv], indices "
+            f"[b, sq, topk]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, "
+            f"{tuple(indices.shape)}"
+        )
+    b, sq = q.shape[:2]
+    if k.shape[0] != b or k.shape[2] != q.shape[3] or v.shape[:2] != k.shape[:2]:
+        raise ValueError(
+            f"sparse_attention: shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}"
+        )
+    if tuple(indices.shape[:2]) != (b, sq) or indices.is_floating_point():
+        raise ValueError(
+            f"sparse_attention: indices must be integer [{b}, {sq}, topk], got "
+            f"{indices.dtype} {tuple(indices.shape)}"
+        )
+    if resolve_impl(impl, q, k, v) == "torch":
+        return sparse_attention_torch(q, k, v, indices, scale)
+    return sparse_attention_triton(q, k, v, indices, scale)
+
+
+__all__ = ["sparse_attention", "sparse_attention_triton"]

@@ -1,0 +1,155 @@
+"""DSA kernels (lightning indexer, sparse attention fwd + bwd) vs their dense masked torch
+references.
+
+Not collected by the default run (no ``test_`` prefix): ``test_dsa.py`` runs this file in a
+subprocess, on CPU under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is
+imported) at tiny shapes, or on CUDA (``LONGBOAT_KERNEL_TEST_DEVICE=cuda``) at a moderate
+MLA-absorbed shape too (576-wide keys, 512-wide latent values, 256 keys per query).
+
+Tolerances, as ``||kernel - ref|| / ||ref||`` on the same inputs: fp32 1e-5 for the output
+and every gradient (the interpreter computes the same fp32 products; only the summation
+order differs); bf16 2e-2 (probabilities and ``ds`` are rounded to bf16 before the tile dots,
+as flash attention does, and the reference keeps them in fp32).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+DEVICE = os.environ.get("LONGBOAT_KERNEL_TEST_DEVICE", "cpu")
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 on CPU", allow_module_level=True)
+
+from longboat.kernels import dsa  # noqa: E402  (after the interpreter check)
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+ON_GPU = DEVICE == "cuda"
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=DEVICE) * scale).to(dtype)
+
+
+def assert_same_selection(scores: torch.Tensor, got: torch.Tensor, want: torch.Tensor) -> None:
+    """``got`` and ``want`` select the same keys per query where the reference ``scores``
+    separate the k-th best from the (k+1)-th by more than rounding (1e-5 of the row's largest
+    score); at a tie or near-tie either choice is right, and the selected scores (read from
+    ``scores``) must agree within that rounding instead."""
+    topk = want.shape[-1]
+    finite = scores.masked_fill(~torch.isfinite(scores), 0.0)
+    eps = 1e-5 * finite.abs().amax(-1).clamp(min=1e-12)  # [b, sq]
+    ordered = scores.sort(-1, descending=True).values
+    ordered = torch.nn.functional.pad(ordered, (0, topk + 1), value=float("-inf"))
+    cut, after = ordered[..., topk - 1], ordered[..., topk]
+    clean = (cut - after > eps) | (cut == float("-inf"))  # -inf at the cut: every visible key
+    same = torch.equal(got.sort(-1).values[clean], want.sort(-1).values[clean])
+    assert same, "selected key sets differ where the cut is not a tie"
+    picked = scores.gather(-1, got.clamp(min=0)).masked_fill(got < 0, -1e30).sort(-1).values
+    wanted = scores.gather(-1, want.clamp(min=0)).masked_fill(want < 0, -1e30).sort(-1).values
+    assert bool(((picked - wanted).abs() <= eps[..., None]).all()), "selected scores differ"
+    assert int(clean.sum()) > clean.numel() // 2, "too many ties: the check says little"
+
+
+INDEXER_SHAPES = [  # b, sq, sk, index heads, head dim, topk
+    (2, 37, 37, 4, 16, 8),
+    (1, 20, 45, 3, 24, 50),  # more keys than queries (bottom-right causal), topk > sk
+    (1, 70, 70, 2, 64, 16),
+]
+if ON_GPU:
+    INDEXER_SHAPES.append((2, 2048, 2048, 64, 128, 256))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", INDEXER_SHAPES)
+@pytest.mark.parametrize("relu", [True, False])
+def test_indexer_matches_reference(shape, relu, dtype) -> None:  # type: ignore[no-untyped-def]
+    """Scores within 1e-5 in fp32 from either input dtype (bf16 products are exact in fp32;
+    only the summation order differs)."""
+    b, sq, sk, heads, d, topk = shape
+    torch.manual_seed(sq * sk + heads)
+    q, k = randn(b, sq, heads, d, dtype=dtype), randn(b, sk, d, dtype=dtype)
+    w = randn(b, sq, heads, dtype=dtype)
+    scores, idx = dsa.lightning_indexer(q, k, w, topk, relu=relu, impl="triton")
+    ref_scores, ref_idx = dsa.lightning_indexer_torch(q, k, w, topk, relu=relu)
+    assert scores.dtype == torch.float32 and idx.shape == (b, sq, topk)
+    visible = torch.isfinite(ref_scores)
+    assert torch.equal(torch.isfinite(scores), visible), "causal mask differs"
+    assert rel_err(scores[visible], ref_scores[visible]) <= 1e-5
+    assert_same_selection(ref_scores, idx, ref_idx)
+    # every selected key is visible, and -1 only where fewer than topk keys are
+    rows = torch.arange(sq, device=DEVICE)[None, :, None] + (sk - sq)
+    assert bool(((idx <= rows) | (idx == -1)).all())
+    n_visible = visible.sum(-1, keepdim=True).clamp(max=topk)
+    assert torch.equal((idx >= 0).sum(-1, keepdim=True), n_visible)
+
+
+ATTN_SHAPES = [  # b, sq, sk, heads, dk, dv, topk, value_from_key
+    (2, 14, 14, 3, 40, 24, 8, True),  # MLA absorbed: v = first dv channels of k
+    (1, 19, 33, 5, 72, 40, 13, False),  # dk over two chunks, own v, 5 heads (one tile pads)
+    (1, 9, 9, 18, 24, 24, 40, True),  # 18 heads: two head tiles; topk > sk
+]
+if ON_GPU:
+    ATTN_SHAPES.append((1, 1024, 1024, 16, 576, 512, 256, True))
+
+
+def _indices(b: int, sq: int, sk: int, topk: int) -> torch.Tensor:
+    """Distinct causal keys per query from random scores (the indexer's output format),
+    with ``-1`` where fewer than ``topk`` are visible; query 0 of sample 0 selects none."""
+    scores = torch.rand(b, sq, sk, device=DEVICE)
+    scores = scores.masked_fill(~dsa.causal_key_mask(sq, sk, scores.device), float("-inf"))
+    idx = dsa.select_topk(scores, topk)
+    idx[0, 0] = -1
+    return idx
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", ATTN_SHAPES)
+def test_sparse_attention_matches_dense_masked_reference(dtype, shape) -> None:  # type: ignore[no-untyped-def]
+    b, sq, sk, heads, dk, dv, topk, value_from_key = shape
+    torch.manual_seed(sq + heads + dk)
+    q = randn(b, sq, heads, dk, dtype=dtype).requires_grad_()
+    k = randn(b, sk, dk, dtype=dtype).requires_grad_()
+    v_own = randn(b, sk, dv, dtype=dtype).requires_grad_()
+    idx = _indices(b, sq, sk, topk)
+    leaves = [q, k] if value_from_key else [q, k, v_own]
+    scale = dk**-0.5
+    results = []
+    for impl in ("torch", "triton"):
+        for t in leaves:
+            t.grad = None
+        v = k[..., :dv] if value_from_key else v_own
+        out = dsa.sparse_attention(q, k, v, idx, scale, impl=impl)
+        gen = torch.Generator(device=DEVICE).manual_seed(1)
+        (out.float() * torch.randn(out.shape, device=DEVICE, generator=gen)).sum().backward()
+        results.append((out.detach(), [t.grad.clone() for t in leaves]))
+    (ref, ref_grads), (got, got_grads) = results
+    tol = TOL[dtype]
+    assert got.dtype == dtype and got.shape == (b, sq, heads, dv)
+    assert torch.isfinite(got).all()
+    assert float(got[0, 0].abs().max()) == 0.0, "a query without keys outputs zeros"
+    assert rel_err(got, ref) <= tol, f"out: {rel_err(got, ref):.2e}"
+    for name, a, r in zip(("dq", "dk", "dv"), got_grads, ref_grads, strict=False):
+        assert a.dtype == dtype and torch.isfinite(a).all(), name
+        assert rel_err(a, r) <= tol, f"{name}: {rel_err(a, r):.2e}"
+
+
+def test_indexer_selection_drives_the_attention() -> None:
+    """End to end: the Triton indexer's keys, fed to the Triton attention, equal the dense
+    reference over the reference indexer's keys (fp32)."""
+    torch.manual_seed(5)
+    b, s, heads, dk, dv = 1, 30, 4, 48, 32
+    qi, ki, w = randn(b, s, 2, 16), randn(b, s, 16), randn(b, s, 2).abs()
+    _, idx = dsa.lightning_indexer(qi, ki, w, 6, impl="triton")
+    _, ref_idx = dsa.lightning_indexer_torch(qi, ki, w, 6)
+    q, k = randn(b, s, heads, dk), randn(b, s, dk)
+    got = dsa.sparse_attention(q, k, k[..., :dv], idx, 0.2, impl="triton")
+    ref = dsa.sparse_attention_torch(q, k, k[..., :dv], ref_idx, 0.2)
+    assert rel_err(got, ref) <= 1e-5
