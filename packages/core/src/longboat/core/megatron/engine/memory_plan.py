@@ -374,7 +374,7 @@ def choose_decoder_plan(
                 chosen.append(f"train.recompute={choice.recompute}")
             if choice.micro_batch != micro_batch:
                 chosen.append(f"micro-batch {micro_batch} -> {choice.micro_batch}")
-            return MemoryPlan(choice, e, budget, budget_source, tuple(chosen), options)
+            return MemoryPlan(choice, e, budget, budget_source, tuple(chosen), options=options)
     best_choice, best = min(options, key=lambda ce: ce[1].total)
     pins = [f"train.recompute={recompute}"] if recompute is not None else []
     if micro_batch_pinned:
