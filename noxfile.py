@@ -44,7 +44,10 @@ DIST = ROOT / "dist"
 TEST_ENV = ROOT / ".nox" / "test-env"
 
 # Modules that need an optional extra; the isolation check does not import them.
-OPTIONAL_MODULES = {"longboat-core": ("longboat.core.megatron",)}
+OPTIONAL_MODULES = {
+    "longboat-core": ("longboat.core.megatron",),
+    "longboat-embodied": ("longboat.embodied.eval.libero_env",),  # the [libero] extra's gym env
+}
 # Imports every module of a package (argv[1]) except the prefixes that follow it.
 IMPORT_ALL = """
 import importlib, pkgutil, sys
