@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from longboat.kernels.fp8.gemm import fp8_mm, resolve_gemm_backend
-from longboat.kernels.fp8.linear import Fp8Recipe, _pad_tokens, get_recipe
+from longboat.kernels.fp8.linear import Fp8Recipe, _pad_tokens, _weight_t, get_recipe
 from longboat.kernels.fp8.quantize import AMAX_FLOOR, E4M3, fp8_max, quantize
 
 Tensor = torch.Tensor
@@ -72,32 +72,43 @@ def resolve_grouped_backend(backend: str | None, recipe: Fp8Recipe) -> str:
 # --- the looped backend: one fp8_mm per expert ------------------------------------------
 
 
-def _looped_forward(
-    x: Tensor, weight: Tensor, counts: list[int], recipe: Fp8Recipe, gemm: str
+def _looped_mm(
+    a: Tensor,
+    counts: list[int],
+    a_dtype: torch.dtype,
+    b_of: Any,
+    n: int,
+    activation: str,
+    gemm: str,
 ) -> Tensor:
-    out = x.new_zeros(x.shape[0], weight.shape[1])
+    """``a``'s rows of each expert (``counts``, in order) times that expert's operand
+    ``b_of(e)`` (an ``Fp8Operand`` ``[n, K]``), one ``fp8_mm`` per expert with tokens."""
+    out = a.new_zeros(a.shape[0], n)
     start = 0
     for e, c in enumerate(counts):
         if c:
-            xq = quantize(x[start : start + c], recipe.activation, recipe.fwd_dtype)
-            wq = quantize(weight[e], recipe.weight, recipe.fwd_dtype)
-            out[start : start + c] = fp8_mm(xq, wq, out_dtype=x.dtype, backend=gemm)
+            aq = quantize(a[start : start + c], activation, a_dtype)
+            out[start : start + c] = fp8_mm(aq, b_of(e), out_dtype=a.dtype, backend=gemm)
         start += c
     return out
+
+
+def _looped_forward(
+    x: Tensor, weight: Tensor, counts: list[int], recipe: Fp8Recipe, gemm: str
+) -> Tensor:
+    def w(e: int) -> Any:
+        return quantize(weight[e], recipe.weight, recipe.fwd_dtype)
+
+    return _looped_mm(x, counts, recipe.fwd_dtype, w, weight.shape[1], recipe.activation, gemm)
 
 
 def _looped_dgrad(
     dy: Tensor, weight: Tensor, counts: list[int], recipe: Fp8Recipe, gemm: str
 ) -> Tensor:
-    dx = dy.new_zeros(dy.shape[0], weight.shape[2])
-    start = 0
-    for e, c in enumerate(counts):
-        if c:
-            dyq = quantize(dy[start : start + c], recipe.activation, recipe.grad_dtype)
-            wtq = quantize(weight[e].t(), recipe.weight, recipe.fwd_dtype)
-            dx[start : start + c] = fp8_mm(dyq, wtq, out_dtype=dy.dtype, backend=gemm)
-        start += c
-    return dx
+    def wt(e: int) -> Any:
+        return _weight_t(weight[e], recipe)
+
+    return _looped_mm(dy, counts, recipe.grad_dtype, wt, weight.shape[2], recipe.activation, gemm)
 
 
 def _looped_wgrad(
