@@ -111,10 +111,19 @@ micro-batch 1, against transformers' ``DeepseekV3ForCausalLM``; every other key 
 flavor's."""
 MOONLIGHT_TINY = dict(family="deepseek_v3", flavor="tiny", vocab=256, layers=3, experts=8, seq=64,
                       micro_batch=1)  # fmt: skip
+V32_32K = dict(family="deepseek_v3", flavor="v32", vocab=129280, layers=1, seq=32768,
+               micro_batch=1, keys=["model.first_k_dense=1", "model.mtp_num_layers=0"])  # fmt: skip
+"""DeepSeek-V3.2-Exp cut to its first layer (MLA with 128 heads, the lightning indexer's 64
+heads and 2,048 keys per query, the dense SwiGLU of 18,432; no MTP layer), seq 32,768,
+micro-batch 1;
+``longboat_dense_mla`` is the same model with the indexer off (``model.index_topk=null``)."""
+V32_TINY = dict(family="deepseek_v3", flavor="v32_tiny", vocab=256, layers=2, seq=64,
+                micro_batch=1)  # fmt: skip
 SHAPES = {"886m": FULL, "qwen3_1_7b": QWEN3_1_7B, "qwen3_moe_4l": QWEN3_MOE_4L,
-          "moonlight_4l": MOONLIGHT_4L}  # fmt: skip
+          "moonlight_4l": MOONLIGHT_4L, "v32_32k": V32_32K}  # fmt: skip
 TINY_SHAPES = {"886m": TINY, "qwen3_1_7b": {**TINY, "family": "qwen3", "tie": 1},
-               "qwen3_moe_4l": QWEN3_MOE_TINY, "moonlight_4l": MOONLIGHT_TINY}  # fmt: skip
+               "qwen3_moe_4l": QWEN3_MOE_TINY, "moonlight_4l": MOONLIGHT_TINY,
+               "v32_32k": V32_TINY}  # fmt: skip
 VARIANTS: dict[str, list[str]] = {
     "longboat": [],
     "longboat_compiled": ["train.compile=true"],
@@ -125,6 +134,7 @@ VARIANTS: dict[str, list[str]] = {
     "longboat_fp8_rowwise": ["train.precision=fp8", "train.fp8.recipe=rowwise"],
     "longboat_fp8_tensorwise": ["train.precision=fp8", "train.fp8.recipe=tensorwise"],
     "longboat_fp8_adaptive": ["train.precision=fp8", "train.fp8.recipe=adaptive"],
+    "longboat_dense_mla": ["model.index_topk=null"],  # DeepSeek-V3.2 without its sparse attention
 }
 """Config keys each longboat run adds to the CLI's defaults."""
 # hf_liger after the HF runs (it patches transformers process-wide); the graphed runs (the
@@ -151,12 +161,13 @@ RUN_WEIGHT = {"hf_compiled": 4.0, "longboat_compiled": 2.5, "hf_eager": 1.5, "lo
 
 def shape_overrides(c: dict[str, int], world: int = 1) -> list[str]:
     """The benchmark's model shape and batch (``micro_batch`` per data-parallel rank); a shape
-    with a ``flavor`` takes that flavor's keys and sets only its depth."""
+    with a ``flavor`` takes that flavor's keys and sets only its depth (and its ``keys``)."""
     family = c.get("family", "llama3")
     batch = [f"train.micro_batch_size={c['micro_batch']}",
              f"train.global_batch_size={c['micro_batch'] * world}"]  # fmt: skip
     if "flavor" in c:
-        return [f"model={family}_{c['flavor']}", f"model.num_layers={c['layers']}", *batch]
+        depth = [f"model.num_layers={c['layers']}", *c.get("keys", [])]
+        return [f"model={family}_{c['flavor']}", *depth, *batch]
     return [
         f"model={family}_tiny", f"model.vocab_size={c['vocab']}", f"model.hidden_size={c['hidden']}",
         f"model.num_layers={c['layers']}", f"model.num_attention_heads={c['heads']}",
