@@ -54,6 +54,7 @@ import dataclasses
 import importlib.util
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -208,8 +209,11 @@ def titan_skips(runs: list[str], c: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def run_longboat_variant(name: str, c: dict[str, int], acc: Any, args: Any) -> dict[str, Any]:
-    """``build_training`` + ``Trainer`` with the variant's keys (``bench_train``)."""
+def run_longboat_variant(
+    name: str, c: dict[str, int], acc: Any, args: Any, extra: Sequence[str] = ()
+) -> dict[str, Any]:
+    """``build_training`` + ``Trainer`` with the variant's keys (``bench_train``), then
+    ``extra`` (e.g. the run's ``train.memory_budget``)."""
 
     def probe(training: Any) -> dict[str, Any]:
         step = training.step_fn
@@ -221,13 +225,19 @@ def run_longboat_variant(name: str, c: dict[str, int], acc: Any, args: Any) -> d
             "one_pass_adamw": step.one_pass is not None,
         }
         fp8 = getattr(training, "fp8_recipe", None)
-        return {"levers": levers, "precision": f"fp8 ({fp8})" if fp8 else training.precision}
+        plan = getattr(training, "memory_plan", None)
+        return {
+            "levers": levers,
+            "precision": f"fp8 ({fp8})" if fp8 else training.precision,
+            "memory_plan": plan if isinstance(plan, str) else plan.line(),
+            "recompute": training.cfg.train.recompute,
+        }
 
     out = args.profile_dir and args.profile_dir / f"llm_profile_{name}.txt"
     return train_timed(
         "llm",
         EXPERIMENT,
-        [*overrides(c), *VARIANTS[name]],
+        [*overrides(c), *VARIANTS[name], *extra],
         acc,
         warmup=args.warmup,
         steps=args.steps,
@@ -351,6 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile-steps", type=int, default=0, help="profiled steps after timing")
     p.add_argument("--profile-dir", type=Path, default=None, help="where profile tables go")
+    p.add_argument(
+        "--memory-budget",
+        default=None,
+        help="train.memory_budget of the longboat rows: GB, or a baseline's run name (its "
+        "measured peak; that run goes first)",
+    )
     args = p.parse_args(argv)
     from longboat.core.device import get_accelerator
 
@@ -371,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     skipped = {r: MOE_SKIPS[r] for r in runs if "experts" in c and r in MOE_SKIPS}
     skipped.update(titan_skips(runs, c))
     runs = [r for r in runs if r not in skipped]
+    budget_from = args.memory_budget if args.memory_budget in runs else None
+    if budget_from:  # the reference first: its measured peak is the longboat rows' budget
+        runs = [budget_from, *(r for r in runs if r != budget_from)]
     cfg = compose("llm", EXPERIMENT, overrides(c), "unused")  # the baselines' shapes and optim
     flops = ref.flops_per_token(cfg.model, c["seq"])
     config = {
@@ -388,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         "flops_per_token": flops,
         "flops_formula": "6*N_active + 6*L*seq*heads*head_dim",
         "peak_flops": env.PEAK_BF16_FLOPS,
+        "memory_budget": args.memory_budget,
     }
     result = env.result_meta("llm_throughput", on_gpu, PEERS, config)
     for name, why in skipped.items():  # asked for, but no counterpart for this shape
@@ -395,9 +415,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}: skipped ({why})", flush=True)
         result["runs"].append({"name": name, "error": f"skipped: {why}"})
 
+    def budget_keys() -> list[str]:
+        if args.memory_budget is None:
+            return []
+        if budget_from is None:
+            return [f"train.memory_budget={float(args.memory_budget)}"]
+        ref_row = next(r for r in result["runs"] if r["name"] == budget_from)
+        if "peak_mem_gb" not in ref_row:
+            raise RuntimeError(f"no memory budget: {budget_from} has no measured peak")
+        return [f"train.memory_budget={ref_row['peak_mem_gb']:.2f}"]
+
     def run_one(name: str) -> dict[str, Any]:
         if name in VARIANTS:
-            return entry(name, run_longboat_variant(name, c, acc, args), flops)
+            keys = budget_keys()
+            row = entry(name, run_longboat_variant(name, c, acc, args, keys), flops)
+            return {**row, "budget_keys": keys} if keys else row
         return entry(name, run_baseline(name, cfg, c, acc, args), flops)
 
     def write() -> None:
@@ -418,6 +450,10 @@ def main(argv: list[str] | None = None) -> int:
             f"LM head {r['notes']['lm_head']}, {r['notes']['precision']}; flags `{r['notes']['flags']}`"
             for r in result["runs"]
             if "flags" in r.get("notes", {})
+        ) + "".join(
+            f"\n\n{r['name']}: {' '.join(r.get('budget_keys', []))} {r['memory_plan']}".replace("  ", " ")
+            for r in result["runs"]
+            if "memory_plan" in r
         )  # fmt: skip
         env.write_results(result, out=args.out, results_dir=args.results_dir, stem=stem,
                       table=table(result), plot=plot(result), note=note)  # fmt: skip
