@@ -52,7 +52,12 @@ from .reference_adamw import ReferenceAdamW
 
 def param_counts(m: Any) -> tuple[int, int]:
     """(every parameter, the parameters one token passes through) of the Llama / Qwen3 /
-    Qwen3-MoE model ``m`` (a ``DecoderModelConfig``; equal for a dense model)."""
+    Qwen3-MoE model ``m`` (a ``DecoderModelConfig``; equal for a dense model); a
+    DeepSeek-V3 model's by its family's own count (latent attention, shared experts)."""
+    if getattr(m, "kv_lora_rank", None) is not None:
+        from longboat.llm.models.deepseek_v3.flops import param_counts as deepseek_counts
+
+        return deepseek_counts(m)
     h, hd = m.hidden_size, m.head_dim
     attn = h * m.num_attention_heads * hd * 2 + 2 * h * m.num_query_groups * hd
     base = attn + 2 * h + (2 * hd if getattr(m, "qk_norm", False) else 0)
