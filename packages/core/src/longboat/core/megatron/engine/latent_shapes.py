@@ -290,30 +290,49 @@ class LatentDecoderShapes(DecoderShapes):
             + self.weight_bytes * t * self.index_heads * self.index_head_dim
         )
 
-    def backward_workspace(self, micro_batch: int, recompute: str) -> int:
-        """The backward's working set in one layer: the MLP's (the gradients of the largest
-        activations) or the attention's gradients (sparse: the kernel's fp32 dq / dk / dv and
-        their casts), or the indexer's forward working set, whichever is largest; plus
-        (full recompute) the layer's own activations brought back."""
-        t, e, h = self._tokens(micro_batch), self.weight_bytes, self.hidden
-        a = self.heads // self.tensor_parallel
-        width = self.topk * (3 * self.expert_ffn + h) + 3 * self.shared_ffn if self.experts else 0
-        width = max(width, 3 * self.ffn // self.tensor_parallel if self.first_k_dense else 0)
-        mlp = 2 * e * t * h + e * t * width
+    def attention_backward(self, micro_batch: int, recompute: str) -> int:
+        """The attention's backward working set: the gradient of its output and its kernel's
+        gradients (sparse: the fp32 dq / dk / dv the kernel accumulates and their bf16 casts;
+        dense: flash attention's dq / dk / dv at the padded width), plus, with selective
+        recompute, what the recomputed core attention holds again (sparse: the indices, the
+        output and its log-sum-exp; dense: the padded output, its cut copy and the
+        log-sum-exp)."""
+        t, e, a = self._tokens(micro_batch), self.weight_bytes, self.heads // self.tensor_parallel
+        kv = self.kv_lora_rank
         if self.index_topk is not None:
-            latent = self.kv_lora_rank + self.qk_rope_head_dim
-            attn = (4 + e) * t * (
-                a * latent + latent + self.kv_lora_rank
-            ) + e * t * a * self.kv_lora_rank
-        else:
-            attn = (
-                4 * e * t * a * max(self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim)
-            )
-        n = max(mlp, 2 * e * t * h + attn, self.indexer_transient(micro_batch))
-        if recompute == "full":  # the largest layer's, dense or MoE
-            kinds = [d for d, present in ((True, self.first_k_dense), (False, self.experts))
-                     if present]  # fmt: skip
-            n += max(self.layer_saved(micro_batch, "none", dense=d) for d in kinds or [True])
+            latent = kv + self.qk_rope_head_dim
+            n = (4 + e) * t * (a * latent + latent + kv) + e * t * a * kv
+            if recompute == "selective":
+                n += 8 * t * self._keys() + e * t * a * kv + 4 * t * a
+            return n
+        width = max(self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim)
+        n = 4 * e * t * a * width
+        if recompute == "selective":
+            n += e * t * a * (width + self.v_head_dim) + 4 * t * a
+        return n
+
+    def backward_workspace(self, micro_batch: int, recompute: str) -> int:
+        """The backward's working set in one layer, the largest of: the MLP's (the gradients
+        of its largest activations), the attention's (``attention_backward``) less the MLP's
+        saved activations (freed when the attention's backward runs), and the indexer's
+        forward working set; with full recompute the layer's own activations are brought
+        back first (the largest layer's, dense or MoE)."""
+        t, e, h = self._tokens(micro_batch), self.weight_bytes, self.hidden
+        rows = t // (self.tensor_parallel if self.sequence_parallel else 1)
+        attn = 2 * e * t * h + self.attention_backward(micro_batch, recompute)
+        moe_layers = self.layers - self.first_k_dense
+        kinds = [d for d, present in ((True, self.first_k_dense), (False, moe_layers))
+                 if present]  # fmt: skip
+        n = self.indexer_transient(micro_batch)
+        for dense in kinds:
+            if dense:
+                width = 3 * self.ffn // self.tensor_parallel
+            else:
+                width = self.topk * (3 * self.expert_ffn + h) + 3 * self.shared_ffn
+            mlp = 2 * e * t * h + e * t * width
+            freed = self.mlp_saved(micro_batch, dense) + e * rows * h + 4 * rows
+            back = self.layer_saved(micro_batch, "none", dense=dense) if recompute == "full" else 0
+            n = max(n, back + mlp, back + attn - freed)
         return n
 
 
