@@ -152,8 +152,13 @@ class LLMTraining(MegatronTraining):
         ``megatron.engine.memory_plan``), its choices written back: ``train.recompute`` and,
         split, ``train.micro_batch_size`` (the global batch kept). A str (the plan's line)
         where the model's shapes have no estimate (a family with its own architecture
-        fields). ``rows_per_sample``: packed rows in one sample (DPO: a pair is two)."""
+        fields other than multi-head latent attention's, or DeepSeek-V3.2's indexer trained by
+        its KL loss). ``rows_per_sample``: packed rows in one sample (DPO: a pair is two)."""
         from longboat.core.data.batch_plan import batch_layout
+        from longboat.core.megatron.engine.latent_shapes import (
+            LatentDecoderShapes,
+            is_latent_attention,
+        )
         from longboat.core.megatron.engine.memory_plan import (
             DecoderShapes,
             OptimizerPlan,
@@ -161,15 +166,21 @@ class LLMTraining(MegatronTraining):
         )
 
         cfg, t, m = self.cfg, self.cfg.train, self.model_cfg
-        if family_resume_keys(m):  # e.g. latent attention: not the shapes the estimate knows
+        latent = is_latent_attention(m)
+        unplanned = None
+        if latent and getattr(m, "index_loss_coeff", 0):
+            unplanned = "the sparse attention's indexer KL loss (model.index_loss_coeff > 0)"
+        elif not latent and family_resume_keys(m):
+            unplanned = f"{m.name}'s own architecture fields"
+        if unplanned is not None:
             t.recompute = t.recompute or "none"
             return (
-                f"Memory plan: none ({m.name} has its own architecture fields, which the "
-                "estimate does not cover; set train.recompute to choose)."
+                f"Memory plan: none (the estimate does not cover {unplanned}; set "
+                "train.recompute to choose)."
             )
         dp = self.layout.data_parallel
         layout = batch_layout(t.global_batch_size, t.micro_batch_size, dp)
-        shapes = DecoderShapes.of(
+        shapes = (LatentDecoderShapes if latent else DecoderShapes).of(
             m,
             seq_len=cfg.data.seq_len * rows_per_sample,
             precision=self.precision,

@@ -206,6 +206,17 @@ class DecoderShapes:
             n += e * t * 3 * self.ffn // tp  # fc1 output (gate, up), fc2 input
         return n
 
+    def stage_saved(self, stage: int, micro_batch: int, recompute: str, redo: int) -> int:
+        """Bytes pipeline stage ``stage``'s layers save for one microbatch, the first ``redo``
+        of them under ``recompute`` and the rest with none (full recompute: plus the rotary
+        table the layers share)."""
+        layers = self.layers // self.pipeline_parallel
+        n = redo * self.layer_saved(micro_batch, recompute)
+        n += (layers - redo) * self.layer_saved(micro_batch, "none")
+        if recompute == "full":
+            n += 4 * self.seq_len * self.head_dim
+        return n
+
     def head_saved(self, micro_batch: int) -> int:
         """Bytes the final norm and the LM loss save (last stage)."""
         t, e, h = self._tokens(micro_batch), self.weight_bytes, self.hidden
@@ -317,12 +328,8 @@ def estimate_decoder_peak(
         in_flight = min(pp - stage, microbatches)  # 1F1B's warm-up on this stage
         layers = shapes.layers // pp
         redo = layers if mode != "full" or full_layers is None else min(full_layers, layers)
-        per_mb = redo * shapes.layer_saved(b, mode)
-        per_mb += (layers - redo) * shapes.layer_saved(b, "none")
-        saved = in_flight * per_mb
+        saved = in_flight * shapes.stage_saved(stage, b, mode, redo)
         transient = 0
-        if mode == "full":
-            saved += in_flight * 4 * shapes.seq_len * shapes.head_dim  # the rotary table
         if stage == pp - 1:
             saved += shapes.head_saved(b)
             transient = shapes.head_transient(b)
