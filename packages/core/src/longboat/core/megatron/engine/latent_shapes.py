@@ -31,12 +31,13 @@ longboat layer kernels:
   projection's input, one MoE layer, its final norm and a loss over megatron's logits path
   (fp32 ``[tokens, vocab]``).
 
-The backward's working set adds the attention gradients (the sparse kernel's fp32 dq / dk /
-dv before their cast) and, with sparse attention, the indexer's fp32 ``[b, s, s]`` score
-matrix, which the forward (and a recomputed forward) holds for one layer while choosing its
-keys. The routers' expert-bias and token-count buffers (fp32, two per MoE layer of
-``experts`` elements) are buffers, not parameters: no gradient or optimizer state, and
-under a kilobyte a layer; they are not counted.
+The backward's working set adds the attention's gradients (the sparse kernel's fp32 dq / dk
+/ dv beside their bf16 casts), counted over what is still saved when they exist (the layer's
+MLP activations are freed by then), and, with sparse attention, the indexer's fp32
+``[b, s, s]`` score matrix, which the forward (and a recomputed forward) holds for one layer
+while choosing its keys. The routers' expert-bias and token-count buffers (fp32, two per MoE
+layer of ``experts`` elements) are buffers, not parameters: no gradient or optimizer state,
+a few kilobytes a layer; they are not counted.
 """
 
 from __future__ import annotations
