@@ -37,6 +37,7 @@ from longboat.vlm.train.pipeline import check_pipeline
 RESUME_KEYS = (
     "parallel.tensor_parallel",
     "parallel.pipeline_parallel",
+    "parallel.expert_parallel",
     "model.vision_tensor_parallel",
     "model.name",
     "model.flavor",
@@ -454,6 +455,7 @@ class VLMTraining(MegatronTraining):
             f" ViT {vis.depth} layers x {vis.hidden_size}, decoder {lang.num_layers} layers x "
             f"{lang.hidden_size}, vocab {lang.vocab_size}; {self.precision}; "
             f"tp={lay.tensor_parallel} pp={lay.pipeline_parallel} dp={lay.data_parallel}"
+            f"{f' ep={lay.expert_parallel}' if lay.expert_parallel > 1 else ''}"
             f"{vit_tp}. Data: {len(rows)} packed rows of "
             f"{rows.seq_len} tokens ({rows.fill:.0%} filled) from {len(rows.samples)} samples; "
             f"global batch {self.global_batch} rows."
@@ -511,12 +513,12 @@ class VLMTraining(MegatronTraining):
         return lines
 
     def _checkpoint_module(self) -> torch.nn.Module:
-        """The model, or with tensor / pipeline parallelism a view whose names carry this
-        rank's coordinates (every rank holds a different shard under the same names)."""
+        """The model, or with tensor / pipeline / expert parallelism a view whose names carry
+        this rank's coordinates (every rank holds a different shard under the same names)."""
         from longboat.core.megatron.training import rank_prefix, rank_view
 
         model, lay = self.step_fn.model, self.layout
-        if lay.tensor_parallel * lay.pipeline_parallel == 1:
+        if lay.tensor_parallel * lay.pipeline_parallel * lay.expert_parallel == 1:
             return model
         return rank_view(model.named_parameters(), rank_prefix())
 
