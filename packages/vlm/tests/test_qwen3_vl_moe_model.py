@@ -33,7 +33,7 @@ from longboat.vlm.models.qwen3_vl_moe.model import (
 )
 
 TOL = 1e-4  # max abs logit difference vs transformers (fp32)
-EP_TOL = 1e-5  # EP=2 vs one process
+EP_TOL = 1e-5  # EP=2 / TP=2 vs one process
 CFG = flavor("tiny")
 V, L = CFG.vision, CFG.language
 IMG, VID, VS, VE = (
@@ -124,16 +124,20 @@ def reference(hf_dir: Path) -> dict[str, Any]:
     return out
 
 
-def _worker(rank: int, world: int, hf_dir: Path, ep: int, export: Path | None) -> dict[str, Any]:
+def _worker(
+    rank: int, world: int, hf_dir: Path, ep: int, export: Path | None, tp: int = 1
+) -> dict[str, Any]:
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     from longboat.core.config.schema import ParallelConfig
     from longboat.core.device import get_accelerator
     from longboat.core.megatron import parallel_state
+    from longboat.core.megatron.hf_io import rank_coords, tp_shards
     from longboat.vlm.models.qwen3_vl_moe.model import build, load_hf, save_hf
 
     cfg = read_hf_config(hf_dir)
-    parallel_state.initialize(ParallelConfig(expert_parallel=ep), get_accelerator("cpu"))
+    layout = ParallelConfig(expert_parallel=ep, tensor_parallel=tp)
+    parallel_state.initialize(layout, get_accelerator("cpu"))
     try:
         model = build(cfg)
         load_hf(model, cfg, hf_dir)
@@ -141,8 +145,10 @@ def _worker(rank: int, world: int, hf_dir: Path, ep: int, export: Path | None) -
         tracker = get_moe_metrics_tracker()
         for i, name in enumerate(CASES):
             model.eval()
-            with torch.no_grad():
-                out[name] = model(**_case(name, i))
+            with torch.no_grad():  # the vocabulary's TP shards gathered
+                out[name] = torch.cat(tp_shards(model(**_case(name, i)), rank_coords()), dim=-1)
+            if tp > 1:  # megatron trains MoE under TP only with sequence parallelism
+                continue
             # a training forward records megatron's per-layer load-balancing term
             model.train()
             tracker.clear()
@@ -236,6 +242,25 @@ def test_ep2_matches_one_process_and_transformers(
     reloaded = Qwen3VLMoeForConditionalGeneration.from_pretrained(export).eval()
     diff = (_hf_forward(reloaded, _case("video", 2)).logits - reference["video"]).abs().max()
     assert diff.item() < TOL, f"EP=2 export: max |dlogit| {diff.item():.2e}"
+
+
+@pytest.mark.multiprocess
+def test_tp2_matches_one_process_and_transformers(
+    hf_dir: Path, reference: dict[str, Any], ours: dict[str, Any], tmp_path: Path
+) -> None:
+    """TP=2 (inference: megatron trains MoE layers under TP only with sequence parallelism,
+    which the run refuses): attention and vocabulary sharded, each rank's experts whole
+    (expert tensor parallel 1); the export gathers the shards."""
+    export = tmp_path / "export"
+    outs = run_multiprocess(_worker, 2, hf_dir, 1, export, 2, timeout=300)
+    for rank, got in enumerate(outs):
+        _check_logits(got, reference, f"TP=2 rank {rank}")
+        for name in CASES:
+            diff = (got[name] - ours[name]).abs().max().item()
+            assert diff < EP_TOL, f"TP=2 rank {rank}, {name}: {diff:.2e} vs one process"
+    reloaded = Qwen3VLMoeForConditionalGeneration.from_pretrained(export).eval()
+    diff = (_hf_forward(reloaded, _case("one_image", 1)).logits - reference["one_image"]).abs()
+    assert diff.max().item() < TOL, f"TP=2 export: max |dlogit| {diff.max().item():.2e}"
 
 
 def test_config_round_trip(hf_dir: Path) -> None:

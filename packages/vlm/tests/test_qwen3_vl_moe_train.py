@@ -122,3 +122,13 @@ def test_composed_model_is_the_flavor() -> None:
     swap = ["model/llm@model.language=qwen3_moe_30b_a3b", "model.flavor=30b_a3b"]
     big = model_config(typed_config(_compose([*swap, "model.language.rope_theta=5000000.0"])))
     assert big.architecture() == flavor("30b_a3b").architecture()
+
+
+def test_tensor_parallel_is_refused_before_the_data(tmp_path: Path) -> None:
+    from longboat.core.config.errors import ConfigError
+    from longboat.vlm.train.training import build_training
+
+    overrides = _overrides(tmp_path / "out", tmp_path / "data", "parallel.tensor_parallel=2")
+    with pytest.raises(ConfigError, match=r"parallel.tensor_parallel=2: an MoE decoder"):
+        build_training(_compose(overrides))
+    assert not (tmp_path / "data").exists(), "refused before the data was prepared"

@@ -83,6 +83,20 @@ def model_config(cfg: Any) -> Any:
     return family.flavor(cfg.model.flavor)
 
 
+def check_moe_layout(parallel: Any, model_cfg: Any) -> None:
+    """Refuse tensor parallelism under an MoE decoder (before the data and the model are
+    built): megatron trains MoE layers under TP only with sequence parallelism, which the
+    vlm stack does not run; the experts split over ``parallel.expert_parallel`` instead."""
+    if model_cfg.language.num_experts and parallel.tensor_parallel > 1:
+        raise ConfigError(
+            "an MoE decoder trains under tensor parallelism only with sequence parallelism, "
+            "which longboat-vlm does not run",
+            key="parallel.tensor_parallel",
+            value=parallel.tensor_parallel,
+            fix="set it to 1 and split the experts with parallel.expert_parallel",
+        )
+
+
 def recompute_components(train: Any) -> tuple[str, ...]:
     """The components whose activations are recomputed (``train.recompute=full``: each ViT
     block of ``vision``, each decoder layer of ``language``; ``train.recompute_components``
@@ -248,6 +262,7 @@ class VLMTraining(MegatronTraining):
         self.family = model_family(cfg)
         self.model_cfg = model_config(cfg)
         check_pipeline(cfg.parallel, self.model_cfg, tuple(cfg.model.freeze), family=self.family)
+        check_moe_layout(cfg.parallel, self.model_cfg)
         progress = self.is_main and cfg.logging.progress
         self.data = open_run_data(cfg, self.model_cfg, progress=progress)
         self.model_cfg = self.data.model_cfg
