@@ -125,7 +125,13 @@ def reference(hf_dir: Path) -> dict[str, Any]:
 
 
 def _worker(
-    rank: int, world: int, hf_dir: Path, ep: int, export: Path | None, tp: int = 1
+    rank: int,
+    world: int,
+    hf_dir: Path,
+    ep: int,
+    export: Path | None,
+    tp: int = 1,
+    experts: str = "auto",
 ) -> dict[str, Any]:
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
@@ -136,6 +142,7 @@ def _worker(
     from longboat.vlm.models.qwen3_vl_moe.model import build, load_hf, save_hf
 
     cfg = read_hf_config(hf_dir)
+    cfg.language.moe_experts = experts  # auto: grouped (stacked) experts where torch has them
     layout = ParallelConfig(expert_parallel=ep, tensor_parallel=tp)
     parallel_state.initialize(layout, get_accelerator("cpu"))
     try:
@@ -225,6 +232,19 @@ def test_released_expert_orientation_loads(
     save_file(state, str(released / "model.safetensors"), metadata={"format": "pt"})
     got = run_multiprocess(_worker, 1, released, 1, None, timeout=300)[0]
     _check_logits(got, reference, "released orientation")
+
+
+def test_sequential_experts_load_and_export(
+    hf_dir: Path, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """megatron's one-linear-per-expert layout (``moe_experts=sequential``, e.g. for LoRA on
+    the experts) reads and writes the same fused tensors."""
+    export = tmp_path / "export"
+    got = run_multiprocess(_worker, 1, hf_dir, 1, export, 1, "sequential", timeout=300)[0]
+    _check_logits(got, reference, "sequential experts")
+    reloaded = Qwen3VLMoeForConditionalGeneration.from_pretrained(export).eval()
+    diff = (_hf_forward(reloaded, _case("video", 2)).logits - reference["video"]).abs().max()
+    assert diff.item() < TOL, f"sequential export: max |dlogit| {diff.item():.2e}"
 
 
 @pytest.mark.multiprocess
