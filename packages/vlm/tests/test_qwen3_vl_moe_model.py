@@ -324,3 +324,72 @@ def test_30b_a3b_parameter_count_matches_transformers() -> None:
         assert theirs[name] == shape, name
     total = sum(torch.Size(s).numel() for s in theirs.values())
     assert 31.0e9 < total < 31.2e9, total  # 30.5B decoder + 0.6B tower, as released
+
+
+def _microbatch(batch: dict[str, Any]) -> dict[str, Any]:
+    """A training row of ``batch``: every next token a target."""
+    ids = batch["input_ids"]
+    labels = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+    mask = torch.ones(ids.shape, dtype=torch.float32)
+    mask[:, -1] = 0
+    return {**batch, "labels": labels, "loss_mask": mask}
+
+
+PP_SEEDS = (2, 5)  # rows of one shape (the stages exchange one activation shape)
+
+
+def _pp_worker(rank: int, world: int, hf_dir: Path, export: Path) -> float:
+    from longboat.core.config.schema import OptimConfig, ParallelConfig
+    from longboat.core.device import get_accelerator
+    from longboat.core.megatron import parallel_state
+    from longboat.vlm.models.qwen3_vl_moe.model import build, load_hf, save_hf
+    from longboat.vlm.train.step import VLMTrainStep
+
+    cfg = read_hf_config(hf_dir)
+    parallel_state.initialize(ParallelConfig(pipeline_parallel=2), get_accelerator("cpu"))
+    try:
+        model = build(cfg)  # stage 0: the tower, the embedding and both deepstack layers
+        assert (model.vision is not None) == (rank == 0)
+        load_hf(model, cfg, hf_dir)
+        step = VLMTrainStep(model, OptimConfig(), precision="fp32")
+        loss = step.evaluate([_microbatch(_case("video", seed)) for seed in PP_SEEDS])
+        save_hf(model, cfg, export)
+        return loss
+    finally:
+        parallel_state.destroy()
+
+
+@pytest.mark.multiprocess
+def test_pp2_matches_transformers(tmp_path: Path) -> None:
+    """A 4-layer decoder over two pipeline stages (the first holds both deepstack layers):
+    the 1F1B evaluation's loss equals transformers', and each stage's export shard (its
+    layers' fused experts) reloads to the same logits."""
+    import json
+
+    four = compose(CFG, language={"num_layers": 4})
+    hf_cfg = to_hf_config(four)
+    torch.manual_seed(1)
+    model = Qwen3VLMoeForConditionalGeneration(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.08)
+            if "norm" in name:
+                p.add_(1.0)
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    num = den = 0.0
+    logits = {}
+    for seed in PP_SEEDS:
+        batch = _case("video", seed)
+        logits[seed] = _hf_forward(model, batch).logits
+        ids = batch["input_ids"]
+        ce = torch.nn.functional.cross_entropy(logits[seed][0, :-1], ids[0, 1:], reduction="sum")
+        num, den = num + float(ce), den + ids.shape[1] - 1
+    export = tmp_path / "export"
+    for got in run_multiprocess(_pp_worker, 2, src, export, timeout=300):
+        assert abs(got - num / den) < 1e-5 * (num / den), f"PP=2 eval loss {got} vs {num / den}"
+    index = json.loads((export / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) == 2, "one shard per pipeline stage"
+    reloaded = Qwen3VLMoeForConditionalGeneration.from_pretrained(export).eval()
+    diff = (_hf_forward(reloaded, _case("video", 2)).logits - logits[2]).abs().max()
+    assert diff.item() < TOL, f"PP=2 export: max |dlogit| {diff.item():.2e}"

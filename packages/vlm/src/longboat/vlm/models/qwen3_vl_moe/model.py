@@ -48,8 +48,9 @@ if TYPE_CHECKING:  # megatron is imported when a model is built, not to read a c
 HF_MODEL_TYPE = "qwen3_vl_moe"
 EXPERT_LAYOUT = "fused"
 """How the checkpoints store the experts (core's ``hf_mapping.EXPERT_LAYOUTS``)."""
-PIPELINE_PARALLEL = False
-"""Pipeline parallelism is not offered for this family yet."""
+PIPELINE_PARALLEL = True
+"""``build`` / ``load_hf`` / ``save_hf`` work per pipeline stage, as the dense family's (the
+ViT on the first stage, which must hold the decoder layers that take deepstack features)."""
 VISION_DATA_PARALLEL = True
 """``build(vision_tensor_parallel=1)`` under a TP decoder, as the dense family."""
 
