@@ -2,8 +2,10 @@
 
 The command line trains the tiny Qwen3-VL-MoE a few steps (the loss falls) and exports a
 directory ``transformers`` loads as ``Qwen3VLMoeForConditionalGeneration``; expert
-parallelism over two gloo ranks (EP=2, DP=2) trains the same losses as one process with
-the same global batch (the load-balancing term a mean over the microbatches either way).
+parallelism over two gloo ranks (EP=2, DP=2) and a 4-layer decoder over two pipeline
+stages train the same losses as one process with the same global batch and weights (the
+load-balancing term, weighted 0.5 so its scale shows, a mean over the microbatches either
+way); tensor parallelism under the MoE decoder is refused before the data.
 """
 
 from __future__ import annotations
@@ -74,9 +76,12 @@ def _train_worker(rank: int, world: int, overrides: list[str]) -> list[float]:
     return list(train(_compose(overrides, "quickstart")).losses)
 
 
-def _initial_hf(tmp_path: Path, overrides: list[str]) -> Path:
-    """Random HF weights of the run's model (its tokenizer's token ids) for both runs: a
-    from-scratch init draws each expert-parallel rank's experts from another stream."""
+def _initial_hf(tmp_path: Path, overrides: list[str], num_layers: int | None = None) -> Path:
+    """Random HF weights of the run's model (its tokenizer's token ids; ``num_layers``
+    decoder layers) for both runs: a from-scratch init draws each expert-parallel rank's
+    experts (each pipeline stage's layers) from another stream."""
+    import dataclasses
+
     import torch
     from transformers import Qwen3VLMoeForConditionalGeneration
 
@@ -87,6 +92,13 @@ def _initial_hf(tmp_path: Path, overrides: list[str]) -> Path:
 
     cfg = typed_config(_compose(overrides, "quickstart"))
     model_cfg = open_run_data(cfg, model_config(cfg)).model_cfg
+    # a load-balancing weight large enough that its scale shows in the losses
+    language = dataclasses.replace(
+        model_cfg.language,
+        num_layers=num_layers or model_cfg.language.num_layers,
+        moe_aux_loss_coeff=0.5,
+    )
+    model_cfg = dataclasses.replace(model_cfg, language=language)
     torch.manual_seed(0)
     out = tmp_path / "init_hf"
     Qwen3VLMoeForConditionalGeneration(to_hf_config(model_cfg)).save_pretrained(out)
@@ -108,6 +120,23 @@ def test_ep2_trains_like_one_process(tmp_path: Path) -> None:
     for got in run_multiprocess(_train_worker, 2, ep2, timeout=400):
         assert max(abs(a - b) for a, b in zip(got, one, strict=True)) < 1e-5, (got, one)
     assert one[-1] < one[0], one
+
+
+@pytest.mark.multiprocess
+def test_pp2_trains_like_one_process(tmp_path: Path) -> None:
+    """A 4-layer decoder over two stages (1F1B, the load-balancing term scaled by megatron's
+    schedule) trains the losses of one process from the same weights."""
+    data = tmp_path / "data"
+    common = ["model=qwen3_vl_moe_tiny", "train.global_batch_size=2", "train.steps=3",
+              "export.enabled=false", "vlm.answer_eval_samples=0"]  # fmt: skip
+    hf = _initial_hf(tmp_path, _overrides(tmp_path / "unused", data, *common), num_layers=4)
+    init = f"model.init_from={hf}"
+    one = run_multiprocess(
+        _train_worker, 1, _overrides(tmp_path / "one", data, *common, init), timeout=400
+    )[0]
+    pp2 = _overrides(tmp_path / "pp2", data, *common, init, "parallel.pipeline_parallel=2")
+    for got in run_multiprocess(_train_worker, 2, pp2, timeout=400):
+        assert max(abs(a - b) for a, b in zip(got, one, strict=True)) < 1e-5, (got, one)
 
 
 def test_composed_model_is_the_flavor() -> None:
