@@ -15,7 +15,7 @@ from longboat.core.distributed import run_multiprocess
 from longboat.core.family import FAMILY_PATH_ENV, find_family, list_families
 
 TOY = Path(__file__).with_name("toy_family")
-EXPECTED_COUNT = 4  # the stack's families and the toy
+EXPECTED_COUNT = 5  # the stack's families and the toy
 
 
 @pytest.fixture
@@ -25,7 +25,13 @@ def toy_path(monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_the_toy_family_is_found_by_its_folder(toy_path: Path) -> None:
-    assert list_families("vlm") == ["llava_onevision", "qwen2_5_vl", "qwen3_vl", "toy_vlm"]
+    assert list_families("vlm") == [
+        "llava_onevision",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+        "toy_vlm",
+    ]
     family = find_family("vlm", "toy_vlm")
     assert family.stack == "vlm" and list(family.flavors) == ["tiny"]
     assert family.flavor("tiny").language.num_layers == 2

@@ -146,3 +146,38 @@ def test_fused_layouts_match_megatron_by_hand() -> None:
     shard = shard_from_hf(slot, _reader(hf, coords, []), dense, coords)
     gate, up = (hf[f"model.layers.1.mlp.{n}_proj.weight"] for n in ("gate", "up"))
     assert torch.equal(shard, torch.cat([gate[12:24], up[12:24]]))  # ffn 24 over 2 ranks
+
+
+@pytest.mark.parametrize("released", [False, True])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "decoder.layers.1.mlp.experts.linear_fc1.weight",  # grouped: the rank's experts stacked
+        "decoder.layers.1.mlp.experts.linear_fc2.weight",
+        "decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight",  # sequential: one
+        "decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight",
+    ],
+)
+def test_fused_experts_read_either_orientation(name: str, released: bool) -> None:
+    """``expert_layout="fused"``: EP rank 1 of 2 reads experts 2..3 (or expert 3) of a layer's
+    fused tensor, stored as transformers holds it or transposed as the released files are;
+    the export orientation puts it back where the two differ in shape."""
+    from longboat.core.megatron.hf_mapping import fused_experts_for_file
+
+    shapes = expected_hf_shapes(ARCH, expert_layout="fused")
+    p = "model.layers.1.mlp.experts."
+    assert shapes[p + "gate_up_proj"] == (4, 16, 16) and shapes[p + "down_proj"] == (4, 16, 8)
+    assert not any(".experts.0." in n for n in shapes)
+    hf = _hf_tensors()
+    g = torch.Generator().manual_seed(2)
+    memory = {n: torch.randn(shapes[n], generator=g) for n in (p + "gate_up_proj", p + "down_proj")}
+    stored = {n: fused_experts_for_file(t) if released else t for n, t in memory.items()}
+    assert stored[p + "down_proj"].shape == ((4, 8, 16) if released else (4, 16, 8))
+    coords = RankCoords(ep_rank=1, ep_size=2)
+    slot = megatron_to_hf_slot(name, ARCH, global_layer=1, ep=coords, expert_layout="fused")
+    shard = shard_from_hf(slot, _reader({**hf, **stored}, coords, []), ARCH, coords)
+    full = memory[slot.hf_names[0]]
+    if ".local_experts." in name:
+        assert slot.experts == (3,) and torch.equal(shard, full[3])
+    else:
+        assert slot.experts == (2, 3) and torch.equal(shard, full[2:4])

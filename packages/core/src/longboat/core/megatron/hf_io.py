@@ -28,9 +28,11 @@ from safetensors.torch import save_file
 
 from longboat.core.megatron.decoder_config import DecoderModelConfig
 from longboat.core.megatron.hf_mapping import (
+    FUSED_EXPERT_NAMES,
     RankCoords,
     Slot,
     expected_hf_shapes,
+    fused_experts_for_file,
     megatron_to_hf_slot,
     shard_from_hf,
     unshard_to_hf,
@@ -82,7 +84,11 @@ def rank_coords() -> RankCoords:
 
 
 def _named_slots(
-    chunks: list[torch.nn.Module], arch: DecoderModelConfig, coords: RankCoords, prefix: str
+    chunks: list[torch.nn.Module],
+    arch: DecoderModelConfig,
+    coords: RankCoords,
+    prefix: str,
+    expert_layout: str = "per_expert",
 ) -> Iterator[tuple[str, torch.nn.Parameter, Slot]]:
     for chunk in chunks:
         layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
@@ -95,7 +101,12 @@ def _named_slots(
                 name,
                 param,
                 megatron_to_hf_slot(
-                    name, arch, global_layer=global_layer, ep=coords, prefix=prefix
+                    name,
+                    arch,
+                    global_layer=global_layer,
+                    ep=coords,
+                    prefix=prefix,
+                    expert_layout=expert_layout,
                 ),
             )
 
@@ -106,16 +117,21 @@ def check_hf_checkpoint(
     *,
     prefix: str = "model.",
     other_prefixes: tuple[str, ...] = (),
+    expert_layout: str = "per_expert",
 ) -> dict[str, Path]:
     """Raise ``HFCheckpointMismatch`` naming every missing / unexpected / mis-shaped tensor.
 
     ``other_prefixes``: tensors of the checkpoint's other components (a VLM's ``visual.``),
-    which another loader reads; they are not unexpected here."""
+    which another loader reads; they are not unexpected here. ``expert_layout``: how the
+    checkpoint stores the routed experts (``hf_mapping.EXPERT_LAYOUTS``); fused expert
+    tensors may hold their last two dimensions in either order."""
+    expected = expected_hf_shapes(arch, prefix=prefix, expert_layout=expert_layout)
     return check_hf_tensors(
         hf_dir,
-        expected_hf_shapes(arch, prefix=prefix),
+        expected,
         tie_embeddings=arch.tie_embeddings,
         other_prefixes=other_prefixes,
+        transposable=frozenset(n for n in expected if n.endswith(FUSED_EXPERT_NAMES)),
     )
 
 
@@ -126,10 +142,12 @@ def check_hf_tensors(
     tie_embeddings: bool,
     optional: set[str] | frozenset[str] = frozenset(),
     other_prefixes: tuple[str, ...] = (),
+    transposable: frozenset[str] = frozenset(),
 ) -> dict[str, Path]:
     """The checkpoint's tensor index, after checking it against ``expected`` (name -> shape):
     raise ``HFCheckpointMismatch`` naming every missing (unless ``optional``), unexpected
-    (a tied head, ``other_prefixes`` and rotary buffers excepted) or mis-shaped tensor."""
+    (a tied head, ``other_prefixes`` and rotary buffers excepted) or mis-shaped tensor
+    (``transposable`` names may have their last two dimensions swapped)."""
     index = hf_weight_index(hf_dir)
     problems = [
         f"missing: {name} (expected shape {list(expected[name])})"
@@ -147,7 +165,9 @@ def check_hf_tensors(
             if path not in handles:
                 handles[path] = stack.enter_context(safe_open(str(path), "pt"))
             shape = tuple(handles[path].get_slice(name).get_shape())
-            if shape != expected[name]:
+            want = expected[name]
+            swapped = (*want[:-2], want[-1], want[-2]) if len(want) >= 2 else want
+            if shape != want and not (name in transposable and shape == swapped):
                 problems.append(
                     f"shape: {name} is {list(shape)} in the checkpoint, the model expects "
                     f"{list(expected[name])}"
@@ -166,15 +186,18 @@ def load_hf_weights(
     prefix: str = "model.",
     other_prefixes: tuple[str, ...] = (),
     progress: Any = None,
+    expert_layout: str = "per_expert",
 ) -> int:
     """Copy an HF checkpoint into this rank's megatron chunks; returns tensors loaded.
 
     ``progress`` (optional) is called with ``(done, total)`` after each tensor;
-    ``other_prefixes`` as in ``check_hf_checkpoint``.
+    ``other_prefixes`` and ``expert_layout`` as in ``check_hf_checkpoint``.
     """
-    index = check_hf_checkpoint(hf_dir, arch, prefix=prefix, other_prefixes=other_prefixes)
+    index = check_hf_checkpoint(
+        hf_dir, arch, prefix=prefix, other_prefixes=other_prefixes, expert_layout=expert_layout
+    )
     coords = rank_coords()
-    slots = list(_named_slots(chunks, arch, coords, prefix))
+    slots = list(_named_slots(chunks, arch, coords, prefix, expert_layout))
     problems: list[str] = []
     with ExitStack() as stack:
         handles: dict[Path, Any] = {}
@@ -212,6 +235,10 @@ def is_owner(slot: Slot) -> bool:
     """Whether this rank writes the HF tensors of ``slot`` (one owner per tensor)."""
     from megatron.core import parallel_state as mps
 
+    if slot.kind.startswith("expert_fused"):  # gathered over the expert-parallel group
+        return (
+            mps.get_expert_data_parallel_rank() == 0 and mps.get_expert_model_parallel_rank() == 0
+        )
     if slot.kind.startswith("expert"):
         return mps.get_expert_data_parallel_rank() == 0
     return (
@@ -234,25 +261,55 @@ def tp_shards(local: torch.Tensor, coords: RankCoords) -> list[torch.Tensor]:
 
 
 def gather_hf_state_dict(
-    chunks: list[torch.nn.Module], arch: DecoderModelConfig, *, prefix: str = "model."
+    chunks: list[torch.nn.Module],
+    arch: DecoderModelConfig,
+    *,
+    prefix: str = "model.",
+    expert_layout: str = "per_expert",
 ) -> dict[str, torch.Tensor]:
     """This rank's share of the full HF state dict (empty on non-owner ranks).
 
-    Collective over the TP group: every rank of the world must call it.
+    Collective over the TP group (and, with ``expert_layout="fused"``, the expert-parallel
+    group, whose first rank writes each layer's fused tensors whole): every rank of the
+    world must call it.
     """
     coords = rank_coords()
     out: dict[str, torch.Tensor] = {}
-    for name, param, slot in _named_slots(chunks, arch, coords, prefix):
+    fused: dict[str, tuple[Slot, dict[int, torch.Tensor]]] = {}
+    for name, param, slot in _named_slots(chunks, arch, coords, prefix, expert_layout):
         if name == "output_layer.weight" and arch.tie_embeddings:
             continue  # the embedding owner writes the tied tensor
         local = param.detach().contiguous()
+        if slot.kind.startswith("expert_fused"):
+            block = local if slot.stacked else local.unsqueeze(0)
+            parts = fused.setdefault(slot.hf_names[0], (slot, {}))[1]
+            parts.update(zip(slot.experts, block.unbind(0), strict=True))
+            continue
         if slot.kind == "replicated" or slot.kind.startswith("expert"):
             shards = [local]
         else:
             shards = tp_shards(local, coords)
         if is_owner(slot):
             out.update({k: v.clone() for k, v in unshard_to_hf(slot, shards, arch).items()})
+    for hf_name in sorted(fused):  # the same names, in the same order, on each EP rank
+        slot, parts = fused[hf_name]
+        full = ep_gather(torch.stack([parts[e] for e in sorted(parts)]), coords)
+        if is_owner(slot):
+            out[hf_name] = fused_experts_for_file(full).clone()
     return out
+
+
+@torch.no_grad()
+def ep_gather(local: torch.Tensor, coords: RankCoords) -> torch.Tensor:
+    """Every expert-parallel rank's ``local`` experts ``[E / EP, ...]`` concatenated in rank
+    order (collective over the EP group; ``local`` at EP 1)."""
+    if coords.ep_size == 1:
+        return local
+    from megatron.core import parallel_state as mps
+
+    parts = [torch.empty_like(local) for _ in range(coords.ep_size)]
+    dist.all_gather(parts, local.contiguous(), group=mps.get_expert_model_parallel_group())
+    return torch.cat(parts, 0)
 
 
 def save_hf_weights(
@@ -262,14 +319,16 @@ def save_hf_weights(
     *,
     prefix: str = "model.",
     extra: dict[str, torch.Tensor] | None = None,
+    expert_layout: str = "per_expert",
 ) -> Path:
     """Write the model as HF safetensors shards + index into ``out_dir`` (collective).
 
     ``extra``: more HF tensors this rank writes with its share (a VLM's vision tower, on the
     rank that gathered it); each pipeline stage's owner writes its own layers.
+    ``expert_layout``: how the routed experts are written (``hf_mapping.EXPERT_LAYOUTS``).
     """
     out_dir = Path(out_dir)
-    state = gather_hf_state_dict(chunks, arch, prefix=prefix)
+    state = gather_hf_state_dict(chunks, arch, prefix=prefix, expert_layout=expert_layout)
     state |= {k: v.detach().contiguous().cpu() for k, v in (extra or {}).items()}
     rank = dist.get_rank() if dist.is_initialized() else 0
     has_state: list[Any] = [bool(state)]
@@ -298,7 +357,8 @@ def save_hf_weights(
         weight_map: dict[str, str] = {}
         for m, _ in gathered:
             weight_map.update(m)
-        missing = sorted(set(expected_hf_shapes(arch, prefix=prefix)) - set(weight_map))
+        expected = expected_hf_shapes(arch, prefix=prefix, expert_layout=expert_layout)
+        missing = sorted(set(expected) - set(weight_map))
         if missing:
             raise RuntimeError(f"export is missing tensors: {missing}")
         if n > 1:

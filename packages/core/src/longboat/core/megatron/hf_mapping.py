@@ -15,6 +15,15 @@ expert-parallel rank ``r`` is HF expert ``r * num_local_experts + j``. Grouped e
 (``grouped_experts.GroupedExperts``) stack a rank's local experts in one tensor:
 ``expert_stack_gate_up`` (``[E, 2F, H]``, each expert's gate rows then up rows) and
 ``expert_stack_full`` (``[E, H, F]``), their HF names expert by expert.
+
+Two HF layouts of the experts (``expert_layout``): ``per_expert`` (``mlp.experts.<e>.
+{gate,up,down}_proj.weight``, Qwen3-MoE / Mixtral files) and ``fused`` (one
+``mlp.experts.gate_up_proj`` and one ``mlp.experts.down_proj`` tensor a layer, Qwen3-VL-MoE
+files). A fused tensor is read in either orientation: transformers' own (``[E, 2F, H]``,
+``[E, H, F]``: each expert's gate rows then up rows, as megatron stores them) or the
+released checkpoints' (``[E, H, 2F]``, ``[E, F, H]``); where the two shapes are equal
+(square experts) it is transformers' own, as transformers reads it. Exports write the
+released orientation except where it is ambiguous (``fused_experts_for_file``).
 """
 
 from __future__ import annotations
@@ -32,6 +41,11 @@ _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|li
 _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight(\d+)$")
 _STACKED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight$")
 
+EXPERT_LAYOUTS = ("per_expert", "fused")
+"""How an HF checkpoint stores a layer's routed experts (see the module doc)."""
+FUSED_EXPERT_NAMES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+"""The fused layout's two tensors of a layer (after ``<prefix>layers.<i>.``)."""
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -39,6 +53,11 @@ class Slot:
 
     kind: str
     hf_names: tuple[str, ...]
+    experts: tuple[int, ...] = ()
+    """Fused expert kinds: the global expert indices the megatron tensor holds, in order."""
+    stacked: bool = False
+    """Fused expert kinds: the megatron tensor stacks ``experts`` (``[n, ...]``) rather than
+    holding one expert."""
 
 
 @dataclass(frozen=True)
@@ -58,8 +77,10 @@ def megatron_to_hf_slot(
     global_layer: int | None,
     ep: RankCoords,
     prefix: str = "model.",
+    expert_layout: str = "per_expert",
 ) -> Slot:
-    """The ``Slot`` of megatron parameter ``name`` (``global_layer`` for decoder layers)."""
+    """The ``Slot`` of megatron parameter ``name`` (``global_layer`` for decoder layers);
+    ``expert_layout``: one of ``EXPERT_LAYOUTS``."""
     if name == "embedding.word_embeddings.weight":
         return Slot("column", (f"{prefix}embed_tokens.weight",))
     if name == "decoder.final_layernorm.weight":
@@ -100,6 +121,9 @@ def megatron_to_hf_slot(
     if rest in simple:
         return simple[rest]
     sm = _STACKED_EXPERT.match(rest)
+    if sm is not None and expert_layout == "fused":
+        local = arch.num_experts // ep.ep_size
+        return _fused_slot(hf, sm.group(1), range(ep.ep_rank * local, (ep.ep_rank + 1) * local))
     if sm is not None:
         local = arch.num_experts // ep.ep_size
         experts = [f"{hf}mlp.experts.{ep.ep_rank * local + j}." for j in range(local)]
@@ -114,6 +138,8 @@ def megatron_to_hf_slot(
         else:
             which, local = em.group(1), int(em.group(2))
         expert = ep.ep_rank * (arch.num_experts // ep.ep_size) + local
+        if expert_layout == "fused":
+            return _fused_slot(hf, which, range(expert, expert + 1), stacked=False)
         ex = f"{hf}mlp.experts.{expert}."
         if which == "linear_fc1":
             return Slot("expert_gate_up", (ex + "gate_proj.weight", ex + "up_proj.weight"))
@@ -121,10 +147,32 @@ def megatron_to_hf_slot(
     raise KeyError(name)
 
 
+def _fused_slot(hf: str, which: str, experts: range, *, stacked: bool = True) -> Slot:
+    """The fused-layout slot of one megatron expert tensor (``linear_fc1`` / ``linear_fc2``)."""
+    if which == "linear_fc1":
+        return Slot("expert_fused_gate_up", (hf + FUSED_EXPERT_NAMES[0],), tuple(experts), stacked)
+    return Slot("expert_fused_down", (hf + FUSED_EXPERT_NAMES[1],), tuple(experts), stacked)
+
+
+def fused_experts_from_file(t: torch.Tensor, per_expert: tuple[int, int]) -> torch.Tensor:
+    """``[n, *per_expert]`` experts (megatron's orientation) of a fused checkpoint tensor's
+    rows ``t``, which may hold them transposed (the released orientation)."""
+    if tuple(t.shape[1:]) != tuple(per_expert) and tuple(t.shape[1:]) == tuple(per_expert[::-1]):
+        return t.transpose(1, 2)
+    return t
+
+
+def fused_experts_for_file(t: torch.Tensor) -> torch.Tensor:
+    """The released orientation of a fused ``[E, a, b]`` expert tensor (megatron's
+    orientation), unless ``a == b``: then both read alike and transformers reads its own."""
+    return t if t.shape[1] == t.shape[2] else t.transpose(1, 2).contiguous()
+
+
 def expected_hf_shapes(
-    arch: DecoderModelConfig, *, prefix: str = "model."
+    arch: DecoderModelConfig, *, prefix: str = "model.", expert_layout: str = "per_expert"
 ) -> dict[str, tuple[int, ...]]:
-    """Every tensor an HF checkpoint of ``arch`` holds, with its shape."""
+    """Every tensor an HF checkpoint of ``arch`` holds, with its shape (fused experts in
+    megatron's orientation; ``fused_experts_from_file`` reads the other)."""
     h, d, v = arch.hidden_size, arch.head_dim, arch.vocab_size
     nq, nkv = arch.num_attention_heads * d, arch.num_query_groups * d
     shapes: dict[str, tuple[int, ...]] = {
@@ -151,6 +199,10 @@ def expected_hf_shapes(
         if arch.num_experts:
             f = int(arch.moe_ffn_hidden_size or 0)
             shapes[hf + "mlp.gate.weight"] = (arch.num_experts, h)
+            if expert_layout == "fused":
+                shapes[hf + FUSED_EXPERT_NAMES[0]] = (arch.num_experts, 2 * f, h)
+                shapes[hf + FUSED_EXPERT_NAMES[1]] = (arch.num_experts, h, f)
+                continue
             for e in range(arch.num_experts):
                 ex = hf + f"mlp.experts.{e}."
                 shapes[ex + "gate_proj.weight"] = (f, h)
@@ -198,6 +250,12 @@ def shard_from_hf(
         )
     if kind == "expert_stack_full":
         return torch.stack([read(n, full, full) for n in slot.hf_names])
+    if kind in ("expert_fused_gate_up", "expert_fused_down"):
+        f, h = int(arch.moe_ffn_hidden_size or 0), arch.hidden_size
+        per_expert = (2 * f, h) if kind == "expert_fused_gate_up" else (h, f)
+        rows = slice(slot.experts[0], slot.experts[-1] + 1)
+        block = fused_experts_from_file(read(slot.hf_names[0], rows, full), per_expert)
+        return block if slot.stacked else block[0]
     if kind == "expert_stack_gate_up":
         pairs = zip(slot.hf_names[0::2], slot.hf_names[1::2], strict=True)
         return torch.stack(

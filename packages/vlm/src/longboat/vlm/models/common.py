@@ -247,12 +247,15 @@ def tower_hf_state(model: Any, vision_cfg: Any, vision_hf: Any, prefix: str) -> 
     return vision_hf.vision_to_hf(full, vision_cfg, prefix=prefix)
 
 
-def load_decoder_and_tower(model: Any, cfg: Any, hf_dir: str | Path, vision_hf: Any) -> int:
+def load_decoder_and_tower(
+    model: Any, cfg: Any, hf_dir: str | Path, vision_hf: Any, *, expert_layout: str = "per_expert"
+) -> int:
     """Read a checkpoint holding the decoder under ``model.*`` and the tower under
     ``vision_hf.HF_PREFIXES`` into this rank's model (the tower on the stage that has it);
     returns the number of tensors read. ``vision_hf`` is the family's conversion module
-    (``vision_from_hf``, ``shard_vision_state_dict``). A tower that does not fit raises
-    ``ConfigError`` naming every missing, unexpected and wrongly shaped tensor."""
+    (``vision_from_hf``, ``shard_vision_state_dict``); ``expert_layout``: how an MoE decoder's
+    experts are stored (core's ``hf_mapping.EXPERT_LAYOUTS``). A tower that does not fit
+    raises ``ConfigError`` naming every missing, unexpected and wrongly shaped tensor."""
     from longboat.core.megatron.hf_io import hf_weight_index, load_hf_weights
     from longboat.vlm.models.vit_state import VisionStateDictError
 
@@ -260,7 +263,7 @@ def load_decoder_and_tower(model: Any, cfg: Any, hf_dir: str | Path, vision_hf: 
     prefixes = vision_hf.HF_PREFIXES
     n = load_hf_weights(
         [model.language], cfg.language, hf_dir, prefix=decoder_prefix(index),
-        other_prefixes=prefixes,
+        other_prefixes=prefixes, expert_layout=expert_layout,
     )  # fmt: skip
     if model.vision is None:  # a later pipeline stage: the tower lives on the first
         return n
@@ -280,13 +283,15 @@ def save_decoder_and_tower[C](
     *,
     language_prefix: str,
     visual_prefix: str,
+    expert_layout: str = "per_expert",
 ) -> Path:
     """Write ``config.json`` + the safetensors weights in the layout ``transformers`` loads:
     the decoder under ``language_prefix``, the tower under ``visual_prefix`` (``vision_hf``:
     ``unshard_vision_state_dict``, ``vision_to_hf``). Collective over the world:
     tensor-parallel shards are gathered; rank 0 writes the tower and the first stage's
     layers, with pipeline parallelism each later stage's owner writes its own layers to a
-    shard listed in ``model.safetensors.index.json``."""
+    shard listed in ``model.safetensors.index.json``. ``expert_layout`` as in
+    ``load_decoder_and_tower``."""
     import torch.distributed as dist
 
     from longboat.core.megatron.hf_io import save_hf_weights
@@ -298,7 +303,10 @@ def save_decoder_and_tower[C](
         full = gather_split_tower(model, vision_hf.unshard_vision_state_dict)
         if rank == 0:
             visual = vision_hf.vision_to_hf(full, cfg.vision, prefix=visual_prefix)
-    save_hf_weights([model.language], cfg.language, out_dir, prefix=language_prefix, extra=visual)
+    save_hf_weights(
+        [model.language], cfg.language, out_dir, prefix=language_prefix, extra=visual,
+        expert_layout=expert_layout,
+    )  # fmt: skip
     write_hf_config(to_hf_config, cfg, out_dir, rank)
     return out_dir
 
@@ -314,6 +322,40 @@ def write_hf_config[C](to_hf_config: Callable[[C], Any], cfg: C, out_dir: Path, 
         hf_config.save_pretrained(out_dir)
     if dist.is_initialized():
         dist.barrier()
+
+
+def language_from_section(raw: Mapping[str, Any], base: Any) -> Any:
+    """A composed family's decoder from a run's ``model.language`` section: ``name`` +
+    ``flavor`` pick a core decoder flavor (``decoder_flavors``; neither: ``base``, a
+    ``DecoderModelConfig``), the other keys override its fields."""
+    import dataclasses
+
+    from longboat.core.megatron.decoder_config import DecoderModelConfig
+    from longboat.core.megatron.decoder_flavors import decoder_flavor, decoder_names
+
+    raw = dict(raw)
+    name = raw.pop("name", None)
+    flavor = raw.pop("flavor", None)
+    if name is None and flavor is None:
+        cfg = dataclasses.replace(base)
+    else:
+        name = name or base.name
+        if name not in decoder_names():
+            raise ConfigError(
+                f"model.language.name={name!r}: unknown decoder family",
+                fix=f"use one of {decoder_names()} (model/llm@model.language=<option>)",
+            )
+        cfg = decoder_flavor(name, flavor or "tiny", key="model.language")
+    names = {f.name for f in dataclasses.fields(DecoderModelConfig)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(
+            f"{', '.join(f'model.language.{k}' for k in unknown)}: unknown key(s)",
+            fix=f"decoder configs take {sorted(names)}",
+        )
+    if "mrope_section" in raw and raw["mrope_section"] is not None:
+        raw["mrope_section"] = list(raw["mrope_section"])
+    return dataclasses.replace(cfg, **raw)
 
 
 def pick_flavor[C](flavors: Mapping[str, C], name: str, family: str) -> C:

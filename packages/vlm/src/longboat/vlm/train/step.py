@@ -150,6 +150,8 @@ class VLMTrainStep(MegatronStepEngine):
         denominator = self.denominator(microbatches)
         pipelined = pipeline_parallel_size() > 1
         total = torch.zeros((), dtype=torch.float32)
+        if not pipelined:  # megatron's schedule sets it for the pipelined path
+            self._scale_moe_aux_loss(len(microbatches))
         if pipelined:  # megatron's 1F1B schedule; grads finalised there
             total = pipelined_forward_backward(self, microbatches, denominator)
         else:
@@ -169,6 +171,18 @@ class VLMTrainStep(MegatronStepEngine):
             total = total / dp
         return from_last_stage(total) if pipelined else total
 
+    def _scale_moe_aux_loss(self, microbatches: int) -> None:
+        """An MoE decoder's per-layer load-balancing losses (megatron's, added in the
+        backward) weigh 1 / ``microbatches`` each, so the step's term is their mean over the
+        global batch's microbatches (DDP averages over the data-parallel ranks), whatever
+        the split between accumulation and data parallelism."""
+        if not getattr(self.model.language.config, "num_moe_experts", None):
+            return
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        device = next(self.model.parameters()).device
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / microbatches, device=device))
+
     def graph_modules(self) -> Any:
         return self.model.modules()
 
@@ -187,6 +201,7 @@ class VLMTrainStep(MegatronStepEngine):
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
+        self._scale_moe_aux_loss(1)
         loss = self.loss(inputs, inputs["denominator"])
         loss.backward()
         split = self.model.vision_split

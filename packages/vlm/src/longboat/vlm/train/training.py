@@ -37,6 +37,7 @@ from longboat.vlm.train.pipeline import check_pipeline
 RESUME_KEYS = (
     "parallel.tensor_parallel",
     "parallel.pipeline_parallel",
+    "parallel.expert_parallel",
     "model.vision_tensor_parallel",
     "model.name",
     "model.flavor",
@@ -80,6 +81,20 @@ def model_config(cfg: Any) -> Any:
     if compose is not None:
         return compose(cfg.model)
     return family.flavor(cfg.model.flavor)
+
+
+def check_moe_layout(parallel: Any, model_cfg: Any) -> None:
+    """Refuse tensor parallelism under an MoE decoder (before the data and the model are
+    built): megatron trains MoE layers under TP only with sequence parallelism, which the
+    vlm stack does not run; the experts split over ``parallel.expert_parallel`` instead."""
+    if model_cfg.language.num_experts and parallel.tensor_parallel > 1:
+        raise ConfigError(
+            "an MoE decoder trains under tensor parallelism only with sequence parallelism, "
+            "which longboat-vlm does not run",
+            key="parallel.tensor_parallel",
+            value=parallel.tensor_parallel,
+            fix="set it to 1 and split the experts with parallel.expert_parallel",
+        )
 
 
 def recompute_components(train: Any) -> tuple[str, ...]:
@@ -247,6 +262,7 @@ class VLMTraining(MegatronTraining):
         self.family = model_family(cfg)
         self.model_cfg = model_config(cfg)
         check_pipeline(cfg.parallel, self.model_cfg, tuple(cfg.model.freeze), family=self.family)
+        check_moe_layout(cfg.parallel, self.model_cfg)
         progress = self.is_main and cfg.logging.progress
         self.data = open_run_data(cfg, self.model_cfg, progress=progress)
         self.model_cfg = self.data.model_cfg
@@ -454,6 +470,7 @@ class VLMTraining(MegatronTraining):
             f" ViT {vis.depth} layers x {vis.hidden_size}, decoder {lang.num_layers} layers x "
             f"{lang.hidden_size}, vocab {lang.vocab_size}; {self.precision}; "
             f"tp={lay.tensor_parallel} pp={lay.pipeline_parallel} dp={lay.data_parallel}"
+            f"{f' ep={lay.expert_parallel}' if lay.expert_parallel > 1 else ''}"
             f"{vit_tp}. Data: {len(rows)} packed rows of "
             f"{rows.seq_len} tokens ({rows.fill:.0%} filled) from {len(rows.samples)} samples; "
             f"global batch {self.global_batch} rows."
@@ -511,12 +528,12 @@ class VLMTraining(MegatronTraining):
         return lines
 
     def _checkpoint_module(self) -> torch.nn.Module:
-        """The model, or with tensor / pipeline parallelism a view whose names carry this
-        rank's coordinates (every rank holds a different shard under the same names)."""
+        """The model, or with tensor / pipeline / expert parallelism a view whose names carry
+        this rank's coordinates (every rank holds a different shard under the same names)."""
         from longboat.core.megatron.training import rank_prefix, rank_view
 
         model, lay = self.step_fn.model, self.layout
-        if lay.tensor_parallel * lay.pipeline_parallel == 1:
+        if lay.tensor_parallel * lay.pipeline_parallel * lay.expert_parallel == 1:
             return model
         return rank_view(model.named_parameters(), rank_prefix())
 

@@ -16,7 +16,7 @@ from typing import Any
 from longboat.core.config.errors import ConfigError
 from longboat.core.megatron.decoder_config import DecoderModelConfig
 from longboat.core.megatron.decoder_flavors import decoder_flavor, decoder_names
-from longboat.vlm.models.common import pick_flavor
+from longboat.vlm.models.common import language_from_section, pick_flavor
 from longboat.vlm.models.llava_onevision.anyres import max_tiles
 from longboat.vlm.models.projector.config import ProjectorConfig
 from longboat.vlm.models.siglip.config import VISION_FLAVORS, SiglipVisionConfig
@@ -148,33 +148,6 @@ class LlavaOnevisionConfig:
             raise ConfigError("; ".join(problems))
 
 
-def _language(raw: Mapping[str, Any], base: DecoderModelConfig) -> DecoderModelConfig:
-    """``model.language``: ``name`` + ``flavor`` pick a language flavor (`core's `decoder_flavors``), other keys override it."""
-    raw = dict(raw)
-    name = raw.pop("name", None)
-    flavor = raw.pop("flavor", None)
-    if name is None and flavor is None:
-        cfg = dataclasses.replace(base)
-    else:
-        name = name or base.name
-        if name not in decoder_names():
-            raise ConfigError(
-                f"model.language.name={name!r}: unknown decoder family",
-                fix=f"use one of {decoder_names()} (model/llm@model.language=<option>)",
-            )
-        cfg = decoder_flavor(name, flavor or "tiny", key="model.language")
-    names = {f.name for f in dataclasses.fields(DecoderModelConfig)}
-    unknown = sorted(set(raw) - names)
-    if unknown:
-        raise ConfigError(
-            f"{', '.join(f'model.language.{k}' for k in unknown)}: unknown key(s)",
-            fix=f"decoder configs take {sorted(names)}",
-        )
-    if "mrope_section" in raw and raw["mrope_section"] is not None:
-        raw["mrope_section"] = list(raw["mrope_section"])
-    return dataclasses.replace(cfg, **raw)
-
-
 def _vision(raw: Mapping[str, Any], base: SiglipVisionConfig) -> SiglipVisionConfig:
     """``model.vision``: ``flavor`` picks a tower flavor, other keys override it."""
     raw = dict(raw)
@@ -200,7 +173,7 @@ def compose(
     """``base`` with the given sections laid over it, the projector's widths resolved, and
     validated (``ConfigError`` naming the keys of every joint that does not fit). A tower
     with another crop size keeps ``base``'s tile grids, in its own crops."""
-    lang = _language(language or {}, base.language)
+    lang = language_from_section(language or {}, base.language)
     tower = _vision(vision or {}, base.vision)
     proj_base = dataclasses.replace(base.projector, input_size=None, output_size=None)
     proj = ProjectorConfig.from_mapping(projector or {}, base=proj_base)

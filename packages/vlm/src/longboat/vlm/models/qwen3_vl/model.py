@@ -81,6 +81,8 @@ class Qwen3VLConfig:
     vision_start_token_id: int = 151652
     vision_end_token_id: int = 151653
 
+    decoder = "qwen3"
+    """The decoder kind this family composes (``model.language.name``)."""
     position_kind = "mrope_frames"
     """Position ids of packed rows (the data pipeline reads it): M-RoPE with each frame
     group of a video placed like a one-frame image, as ``build``'s model computes them."""
@@ -102,8 +104,10 @@ class Qwen3VLConfig:
                 f"model.vision.out_hidden_size={self.vision.out_hidden_size} must equal "
                 f"model.language.hidden_size={lang.hidden_size} (the mergers feed the decoder)"
             )
-        if lang.name != "qwen3":
-            problems.append(f"model.language.name={lang.name!r}: Qwen3-VL's decoder is qwen3")
+        if lang.name != self.decoder:
+            problems.append(
+                f"model.language.name={lang.name!r}: this family's decoder is {self.decoder}"
+            )
         section = lang.mrope_section
         if section is None:
             problems.append("model.language.mrope_section: required (Qwen3-VL uses M-RoPE)")
@@ -141,7 +145,7 @@ class Qwen3VLConfig:
         return qwen3_vl_processor(self.vision, data.min_pixels, data.max_pixels)
 
 
-def _mrope_from_hf(text: dict[str, Any], where: str) -> tuple[dict[str, Any], list[int]]:
+def mrope_from_text_config(text: dict[str, Any], where: str) -> tuple[dict[str, Any], list[int]]:
     """``(text config without the M-RoPE keys, mrope_section)``; transformers' Qwen3-VL
     always interleaves, so ``mrope_interleaved: false`` is refused rather than ignored."""
     text = dict(text)
@@ -180,7 +184,7 @@ def read_hf_config(source: str | Path | dict[str, Any]) -> Qwen3VLConfig:
     text = dict(hf.get("text_config") or {})
     if not text:
         raise ConfigError(f"{where}: no text_config", fix="a Qwen3-VL config.json has one")
-    text, section = _mrope_from_hf(text, where)
+    text, section = mrope_from_text_config(text, where)
     text["model_type"] = "qwen3"
     text["tie_word_embeddings"] = bool(
         hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
