@@ -149,26 +149,19 @@ class LLMTraining(MegatronTraining):
 
     def plan_memory(self, *, rows_per_sample: int, fused_ce: bool) -> Any:
         """The run's memory plan (``train.memory_budget``; core's
-        ``megatron.engine.memory_plan``), its choices written back: ``train.recompute`` and,
-        split, ``train.micro_batch_size`` (the global batch kept). A str (the plan's line)
-        where the model's shapes have no estimate (a family with its own architecture
-        fields). ``rows_per_sample``: packed rows in one sample (DPO: a pair is two)."""
-        from longboat.core.data.batch_plan import batch_layout
-        from longboat.core.megatron.engine.memory_plan import (
-            DecoderShapes,
-            OptimizerPlan,
-            plan_run_memory,
-        )
+        ``megatron.engine.memory_shapes.plan_megatron_run``), its choices written back:
+        ``train.recompute`` and, split, ``train.micro_batch_size`` (the global batch kept). A
+        str (the plan's line) where the model's shapes have no estimate (a family with its
+        own architecture fields). ``rows_per_sample``: packed rows in one sample (DPO: a pair
+        is two)."""
+        from longboat.core.megatron.engine.memory_plan import DecoderShapes, OptimizerPlan
+        from longboat.core.megatron.engine.memory_shapes import plan_megatron_run, unplanned
 
         cfg, t, m = self.cfg, self.cfg.train, self.model_cfg
         if family_resume_keys(m):  # e.g. latent attention: not the shapes the estimate knows
-            t.recompute = t.recompute or "none"
-            return (
-                f"Memory plan: none ({m.name} has its own architecture fields, which the "
-                "estimate does not cover; set train.recompute to choose)."
-            )
+            return unplanned(t, f"{m.name} has its own architecture fields, which the "
+                             "estimate does not cover")  # fmt: skip
         dp = self.layout.data_parallel
-        layout = batch_layout(t.global_batch_size, t.micro_batch_size, dp)
         shapes = DecoderShapes.of(
             m,
             seq_len=cfg.data.seq_len * rows_per_sample,
@@ -186,20 +179,9 @@ class LLMTraining(MegatronTraining):
         modes = ("none", "selective", "full")
         if m.num_experts and m.moe_aux_loss == "hf" and m.moe_aux_loss_coeff:
             modes = ("none", "selective")  # transformers' pooled term needs the router's graph
-        plan = plan_run_memory(
-            t,
-            shapes,
-            opt,
-            self.accelerator,
-            accum=layout.accum,
-            micro_batch_pinned=t.cuda_graph is True,
-            recompute_modes=modes,
-        )
-        t.recompute = plan.choice.recompute
-        if plan.choice.micro_batch != t.micro_batch_size:
-            t.global_batch_size = layout.global_batch
-            t.micro_batch_size = plan.choice.micro_batch
-        return plan
+        return plan_megatron_run(t, shapes, opt, self.accelerator, data_parallel=dp,
+                                 micro_batch_pinned=t.cuda_graph is True,
+                                 recompute_modes=modes)  # fmt: skip
 
     def callbacks(self) -> list[Any]:
         """The memory plan's measured-peak line after the first steps (where it planned)."""
