@@ -254,6 +254,10 @@ class DecoderShapes:
 
     # --- the estimator's view (``StagedShapes``) ------------------------------------------
 
+    def stage_fp32_params(self, stage: int = 0) -> int:
+        """None: a decoder's parameters all take the weights' dtype."""
+        return 0
+
     def stage_saved(
         self, stage: int, micro_batch: int, recompute: str, full_layers: int | None = None
     ) -> int:
@@ -306,10 +310,16 @@ def grad_bytes(opt: OptimizerPlan, microbatches: int, pipeline_parallel: int = 1
 
 
 def decoder_state_bytes(
-    params: int, opt: OptimizerPlan, *, microbatches: int, pipeline_parallel: int = 1
+    params: int,
+    opt: OptimizerPlan,
+    *,
+    microbatches: int,
+    pipeline_parallel: int = 1,
+    fp32_params: int = 0,
 ) -> StateBytes:
     """Exact bytes of one rank's weights, grad buffer, main weights and moments for
-    ``params`` parameters (module doc)."""
+    ``params`` parameters (module doc), ``fp32_params`` of them kept in fp32 whatever the
+    precision (norm weights a model keeps so)."""
     w = _DTYPE_BYTES[opt.precision]
     trainable = round(params * opt.trainable_fraction)
     frozen = params - trainable
@@ -318,7 +328,7 @@ def decoder_state_bytes(
     masters = 4 * shard if opt.precision != "fp32" else 0
     moments = 2 * 4 * shard if opt.optimizer == "adamw" else 0
     return StateBytes(
-        weights=w * trainable,
+        weights=w * trainable + (4 - w) * min(fp32_params, trainable),
         grads=grad_bytes(opt, microbatches, pipeline_parallel) * trainable,
         masters=masters,
         moments=moments,
@@ -337,6 +347,10 @@ class StagedShapes(Protocol):
 
     def stage_params(self, stage: int = 0) -> int:
         """Parameters of pipeline stage ``stage`` on one rank."""
+        ...
+
+    def stage_fp32_params(self, stage: int = 0) -> int:
+        """Of those, the parameters kept in fp32 whatever the precision."""
         ...
 
     def stage_saved(
@@ -377,7 +391,8 @@ def estimate_stage_peak(
     best: PeakEstimate | None = None
     for stage in range(pp):
         states = decoder_state_bytes(shapes.stage_params(stage), opt,
-                                     microbatches=microbatches, pipeline_parallel=pp)  # fmt: skip
+                                     microbatches=microbatches, pipeline_parallel=pp,
+                                     fp32_params=shapes.stage_fp32_params(stage))  # fmt: skip
         in_flight = min(pp - stage, microbatches)  # 1F1B's warm-up on this stage
         saved = in_flight * shapes.stage_saved(stage, b, mode, full_layers)
         tail, transient = shapes.stage_tail(stage, b)

@@ -71,6 +71,11 @@ class EncoderShapes:
         """Parameters of the whole encoder on this rank."""
         return self.layers * self.block_params() + self.other_params
 
+    def fp32_params(self) -> int:
+        """Parameters kept in fp32: the blocks' LayerNorm weights and biases (longboat's
+        LayerNorm kernel keeps them so; RMSNorm weights take the weights' dtype)."""
+        return self.layers * 4 * self.hidden if self.layer_norm else 0
+
     def block_saved(self, micro_batch: int, recompute: str) -> int:
         """Bytes one block saves for its backward at ``micro_batch`` microbatch(es): with
         full recompute its input; else the norms' inputs and outputs with their statistics,
@@ -134,6 +139,10 @@ class ComposedShapes:
         """The decoder stage's parameters, plus the encoders' on the first."""
         n = self.decoder.stage_params(stage)
         return n + (sum(e.params() for e in self.encoders) if stage == 0 else 0)
+
+    def stage_fp32_params(self, stage: int = 0) -> int:
+        """The encoders' fp32 parameters on the first stage."""
+        return sum(e.fp32_params() for e in self.encoders) if stage == 0 else 0
 
     def stage_saved(
         self, stage: int, micro_batch: int, recompute: str, full_layers: int | None = None
