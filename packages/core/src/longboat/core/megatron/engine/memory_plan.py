@@ -294,6 +294,10 @@ class OptimizerPlan:
     """Share of the parameters that train (LoRA: the adapters' share); the rest are frozen."""
     bf16_grads_single_pass: bool = True
     """bf16 grads where a step takes one microbatch (``wgrad_fusion.grad_plan``)."""
+    context_parallel: int = 1
+    """Context-parallel ranks (their gradient reduction keeps the grad buffer fp32)."""
+    average_weights: bool = False
+    """An fp32 average of the trainable weights is kept (``ema.enabled``)."""
 
 
 def grad_bytes(opt: OptimizerPlan, microbatches: int, pipeline_parallel: int = 1) -> int:
@@ -305,6 +309,7 @@ def grad_bytes(opt: OptimizerPlan, microbatches: int, pipeline_parallel: int = 1
         return 4
     _fusion, fp32 = grad_plan(precision=opt.precision, microbatches=microbatches,
                               data_parallel=opt.data_parallel,
+                              context_parallel=opt.context_parallel,
                               pipeline_parallel=pipeline_parallel)  # fmt: skip
     return 4 if fp32 else _DTYPE_BYTES[opt.precision]
 
@@ -319,7 +324,8 @@ def decoder_state_bytes(
 ) -> StateBytes:
     """Exact bytes of one rank's weights, grad buffer, main weights and moments for
     ``params`` parameters (module doc), ``fp32_params`` of them kept in fp32 whatever the
-    precision (norm weights a model keeps so)."""
+    precision (norm weights a model keeps so); ``opt.average_weights`` adds an fp32 copy
+    of the trainable weights."""
     w = _DTYPE_BYTES[opt.precision]
     trainable = round(params * opt.trainable_fraction)
     frozen = params - trainable
@@ -327,12 +333,15 @@ def decoder_state_bytes(
     shard = -(-trainable // dp)
     masters = 4 * shard if opt.precision != "fp32" else 0
     moments = 2 * 4 * shard if opt.optimizer == "adamw" else 0
+    fp32 = min(fp32_params, trainable)  # their grads are fp32 too (megatron's buffers)
+    g = grad_bytes(opt, microbatches, pipeline_parallel)
     return StateBytes(
-        weights=w * trainable + (4 - w) * min(fp32_params, trainable),
-        grads=grad_bytes(opt, microbatches, pipeline_parallel) * trainable,
+        weights=w * trainable + (4 - w) * fp32,
+        grads=g * trainable + (4 - g) * fp32,
         masters=masters,
         moments=moments,
         frozen=w * frozen,
+        extra=4 * trainable if opt.average_weights else 0,
         trainable_params=trainable,
         frozen_params=frozen,
     )
