@@ -3,7 +3,10 @@
 parts around them (patch and position embedding, mergers) counted here per family.
 
 A family module exposes ``tower_shapes(vision_cfg, *, tokens, weight_bytes,
-tensor_parallel)``; a family without one runs unplanned (its run says so).
+tensor_parallel)``; a family without one runs unplanned (its run says so). ``tokens`` is read
+from the rows' ``image_grid_thw`` / ``video_grid_thw`` as the Qwen families lay them out
+(frames, rows, columns of patches); LLaVA-OneVision's grids (views and pixel sizes) mean
+something else, and its SigLIP tower has no estimate yet.
 """
 
 from __future__ import annotations
