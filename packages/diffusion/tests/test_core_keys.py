@@ -23,7 +23,6 @@ REFUSED = {
     "train.compile=true",
     "export.format=native",
     "export.adapter_dir={tmp}/adapter_dir",
-    "train.memory_budget=40",  # no memory plan on the megatron backend yet
 }
 """What the diffusion stack refuses (``{tmp}``: the probes' folder)."""
 

@@ -22,7 +22,6 @@ REFUSED = {
     "train.compile=true",
     "export.format=native",
     "export.adapter_dir={tmp}/adapter_dir",
-    "train.memory_budget=40",  # no memory plan on the megatron backend yet
 }
 """What the vlm stack refuses (``{tmp}``: the probes' folder)."""
 

@@ -30,6 +30,7 @@ STACK = Stack(
         ema=True,  # an fp32 average of the transformer's weights (ema.*)
         export_adapter=True,  # with lora.enabled: a diffusers LoRA (train/lora.py)
         precisions=("fp32", "bf16", "fp16", "fp8"),  # fp8: the DiT blocks' linears
+        memory_plan=True,  # train.memory_budget: train.recompute and the micro-batch split
     ),
     renamed_keys={
         "model.recompute_blocks": "train.recompute_layers (with train.recompute=selective)",

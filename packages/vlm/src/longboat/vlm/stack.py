@@ -29,6 +29,7 @@ STACK = Stack(
         recompute_components=("vision", "language"),
         export_adapter=True,  # LoRA adapters as a PEFT adapter (lora.enabled=true)
         precisions=("fp32", "bf16", "fp16", "fp8"),  # fp8: the language decoder's linears
+        memory_plan=True,  # train.memory_budget: train.recompute over the tower and decoder
     ),
     renamed_keys={
         "model.init_from_hf": "model.init_from",

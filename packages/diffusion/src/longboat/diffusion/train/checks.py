@@ -72,7 +72,7 @@ def recompute_fields(train: Any) -> dict[str, Any]:
     self-attention's outputs kept) or full (attention too); ``train.recompute_layers``: the
     first n blocks, null every block)."""
     mode = getattr(train, "recompute", "none") if train is not None else "none"
-    if mode == "none":
+    if mode in (None, "none"):  # null: the memory plan has not chosen yet
         return {"recompute_blocks": 0, "recompute_attention": False}
     layers = train.recompute_layers
     return {

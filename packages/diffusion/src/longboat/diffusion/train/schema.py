@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from longboat.core.config.schema import ExperimentConfig, LoRAConfig, ModelConfig
+from longboat.core.config.schema import ExperimentConfig, LoRAConfig, ModelConfig, TrainConfig
 from longboat.diffusion.objective.flow_matching import FlowMatchingConfig
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "DiffusionLoRAConfig",
     "DiffusionModelConfig",
     "DiffusionRunConfig",
+    "DiffusionTrainConfig",
 ]
 
 
@@ -97,10 +98,27 @@ class DiffusionRunConfig:
 
 
 @dataclass
+class DiffusionTrainConfig(TrainConfig):
+    """The diffusion training loop (core's fields; ``recompute`` left to the memory plan)."""
+
+    recompute: str | None = None  # type: ignore[assignment]
+    """Activation recompute of the DiT blocks: none; selective (a recomputed block keeps its
+    input and its self-attention's outputs and runs the rest again in the backward); full
+    (it keeps only its input); with ``recompute_layers`` only the first n blocks. null (the
+    default): the memory plan chooses (``train.memory_budget``): none where everything fits,
+    else selective, else full, then a smaller micro-batch (same-shape batches); none where
+    there is no budget (auto on a device without memory of its own, e.g. the CPU). A value
+    set here is kept (pinned); a pinned run that cannot fit its budget is refused before
+    work."""
+
+
+@dataclass
 class DiffusionExperimentConfig(ExperimentConfig):
     """Root config of ``longboat-diffusion train``."""
 
     stack: str = "diffusion"
+    train: DiffusionTrainConfig = field(default_factory=DiffusionTrainConfig)
+    """The training loop."""
     model: DiffusionModelConfig = field(default_factory=DiffusionModelConfig)
     objective: FlowMatchingConfig = field(default_factory=FlowMatchingConfig)
     """How noise levels are drawn and weighted (flow matching as Wan trains it)."""

@@ -19,6 +19,7 @@ directory (``report``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -106,14 +107,23 @@ class DiffusionTraining(MegatronTraining):
         self.precision, self.fp8_recipe = split_fp8(precision, cfg.train.fp8.recipe)
         self.init_layout(cfg.parallel, cfg.train.seed)
         self.dp, self.dp_rank = mps.get_data_parallel_world_size(), mps.get_data_parallel_rank()
-        batches = batch_layout(cfg.train.global_batch_size, cfg.train.micro_batch_size, self.dp)
-        self.global_batch, self.accumulation = batches.global_batch, batches.accum
         self.device = self.accelerator.device()
         patch = tuple(int(p) for p in self.model_cfg.latent_patch)
-        self.data = open_run_data(
-            cfg, batches, dp_rank=self.dp_rank, is_main=self.is_main, patch_size=patch,
-            pin_memory=pins_host_memory(self.device),
-        )  # fmt: skip
+
+        def open_data() -> Any:
+            batches = batch_layout(cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                                   self.dp)  # fmt: skip
+            self.global_batch, self.accumulation = batches.global_batch, batches.accum
+            return open_run_data(
+                cfg, batches, dp_rank=self.dp_rank, is_main=self.is_main, patch_size=patch,
+                pin_memory=pins_host_memory(self.device),
+            )  # fmt: skip
+
+        self.data = open_data()
+        micro_batch = cfg.train.micro_batch_size
+        self.memory_plan = self.plan_memory()
+        if cfg.train.micro_batch_size != micro_batch:  # the plan split it: the same samples
+            self.data = open_data()  # in more accumulated micro-batches
         self.items_per_step = self._samples_per_step()
         seed_everything(cfg.train.seed, self.accelerator)
         family = self.family.load()
@@ -184,6 +194,16 @@ class DiffusionTraining(MegatronTraining):
 
             self.exact_main_weights = start_main_weights(self.step_fn.optimizer, model, exact)
             exact.clear()
+
+    def plan_memory(self) -> Any:
+        """The run's memory plan (``train.memory.plan_diffusion_memory``), its choice written back into
+        ``train.recompute`` / ``train.micro_batch_size`` and the model's recompute fields."""
+        from longboat.diffusion.train.checks import recompute_fields
+        from longboat.diffusion.train.memory import plan_diffusion_memory
+
+        plan = plan_diffusion_memory(self)
+        self.model_cfg = dataclasses.replace(self.model_cfg, **recompute_fields(self.cfg.train))
+        return plan
 
     def _graph_shapes_blocker(self) -> str | None:
         """Why the training batches change shape between steps, if they do (``train.cuda_graph``
@@ -325,6 +345,8 @@ class DiffusionTraining(MegatronTraining):
                 else "."
             ),
         ]
+        plan = self.memory_plan
+        lines.append(plan if isinstance(plan, str) else plan.line())
         if self.fp8_recipe is not None:  # adaptive: each shape decided when first seen
             from longboat.kernels.fp8.model import fp8_summary
 
@@ -433,10 +455,16 @@ class DiffusionTraining(MegatronTraining):
         )
 
     def callbacks(self) -> list[Any]:
+        """The memory plan's measured-peak line (where it planned) and the periodic preview."""
+        from longboat.core.engine.memory.report import MeasuredPeak
+
+        out: list[Any] = []
+        if not isinstance(self.memory_plan, str):
+            out.append(MeasuredPeak(self.accelerator, self.memory_plan))
         every = self.cfg.diffusion.preview_every
-        if every < 1 or self.preview_set() is None:
-            return []
-        return [PreviewEvery(self, every)]
+        if every >= 1 and self.preview_set() is not None:
+            out.append(PreviewEvery(self, every))
+        return out
 
     def _checkpoint_module(self) -> torch.nn.Module:
         """The model, or under tensor parallelism a view whose names carry this rank's

@@ -149,37 +149,28 @@ class LLMTraining(MegatronTraining):
 
     def plan_memory(self, *, rows_per_sample: int, fused_ce: bool) -> Any:
         """The run's memory plan (``train.memory_budget``; core's
-        ``megatron.engine.memory_plan``), its choices written back: ``train.recompute`` and,
-        split, ``train.micro_batch_size`` (the global batch kept). A str (the plan's line)
-        where the model's shapes have no estimate (a family with its own architecture
-        fields other than multi-head latent attention's, or DeepSeek-V3.2's indexer trained by
-        its KL loss). ``rows_per_sample``: packed rows in one sample (DPO: a pair is two)."""
-        from longboat.core.data.batch_plan import batch_layout
+        ``megatron.engine.memory_shapes.plan_megatron_run``), its choices written back:
+        ``train.recompute`` and, split, ``train.micro_batch_size`` (the global batch kept). A
+        str (the plan's line) where the model's shapes have no estimate (a family with its
+        own architecture fields other than multi-head latent attention's, or DeepSeek-V3.2's
+        indexer trained by its KL loss). ``rows_per_sample``: packed rows in one sample
+        (DPO: a pair is two)."""
         from longboat.core.megatron.engine.latent_shapes import (
             LatentDecoderShapes,
             is_latent_attention,
         )
-        from longboat.core.megatron.engine.memory_plan import (
-            DecoderShapes,
-            OptimizerPlan,
-            plan_run_memory,
-        )
+        from longboat.core.megatron.engine.memory_plan import DecoderShapes, OptimizerPlan
+        from longboat.core.megatron.engine.memory_shapes import plan_megatron_run, unplanned
 
         cfg, t, m = self.cfg, self.cfg.train, self.model_cfg
         latent = is_latent_attention(m)
-        unplanned = None
         if latent and getattr(m, "index_loss_coeff", 0):
-            unplanned = "the sparse attention's indexer KL loss (model.index_loss_coeff > 0)"
-        elif not latent and family_resume_keys(m):
-            unplanned = f"{m.name}'s own architecture fields"
-        if unplanned is not None:
-            t.recompute = t.recompute or "none"
-            return (
-                f"Memory plan: none (the estimate does not cover {unplanned}; set "
-                "train.recompute to choose)."
-            )
+            return unplanned(t, "the estimate does not cover the sparse attention's indexer "
+                             "KL loss (model.index_loss_coeff > 0)")  # fmt: skip
+        if not latent and family_resume_keys(m):
+            return unplanned(t, f"the estimate does not cover {m.name}'s own architecture "
+                             "fields")  # fmt: skip
         dp = self.layout.data_parallel
-        layout = batch_layout(t.global_batch_size, t.micro_batch_size, dp)
         shapes = (LatentDecoderShapes if latent else DecoderShapes).of(
             m,
             seq_len=cfg.data.seq_len * rows_per_sample,
@@ -197,20 +188,9 @@ class LLMTraining(MegatronTraining):
         modes = ("none", "selective", "full")
         if m.num_experts and m.moe_aux_loss == "hf" and m.moe_aux_loss_coeff:
             modes = ("none", "selective")  # transformers' pooled term needs the router's graph
-        plan = plan_run_memory(
-            t,
-            shapes,
-            opt,
-            self.accelerator,
-            accum=layout.accum,
-            micro_batch_pinned=t.cuda_graph is True,
-            recompute_modes=modes,
-        )
-        t.recompute = plan.choice.recompute
-        if plan.choice.micro_batch != t.micro_batch_size:
-            t.global_batch_size = layout.global_batch
-            t.micro_batch_size = plan.choice.micro_batch
-        return plan
+        return plan_megatron_run(t, shapes, opt, self.accelerator, data_parallel=dp,
+                                 micro_batch_pinned=t.cuda_graph is True,
+                                 recompute_modes=modes)  # fmt: skip
 
     def callbacks(self) -> list[Any]:
         """The memory plan's measured-peak line after the first steps (where it planned)."""

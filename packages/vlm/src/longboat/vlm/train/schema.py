@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from longboat.core.config.schema import DataConfig, ExperimentConfig, LoRAConfig, ModelConfig
+from longboat.core.config.schema import (
+    DataConfig,
+    ExperimentConfig,
+    LoRAConfig,
+    ModelConfig,
+    TrainConfig,
+)
 
 
 @dataclass
@@ -114,10 +120,25 @@ class VLMRunConfig:
 
 
 @dataclass
+class VLMTrainConfig(TrainConfig):
+    """The VLM training loop (core's fields; ``recompute`` left to the memory plan)."""
+
+    recompute: str | None = None  # type: ignore[assignment]
+    """Activation recompute: none, or full (each ViT block and each decoder layer keeps only
+    its input; ``recompute_components`` picks vision and / or language). null (the default):
+    the memory plan chooses (``train.memory_budget``): none where the tower and the decoder
+    fit, else full; none where there is no budget (auto on a device without memory of its
+    own, e.g. the CPU). A value set here is kept (pinned); a pinned run that cannot fit its
+    budget is refused before work."""
+
+
+@dataclass
 class VLMExperimentConfig(ExperimentConfig):
     """Root config of ``longboat-vlm train``."""
 
     stack: str = "vlm"
+    train: VLMTrainConfig = field(default_factory=VLMTrainConfig)
+    """The training loop."""
     model: VLMModelConfig = field(default_factory=VLMModelConfig)
     vlm: VLMRunConfig = field(default_factory=VLMRunConfig)
     """VLM run settings (eval, data loading)."""

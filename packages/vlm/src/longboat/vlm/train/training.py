@@ -100,10 +100,10 @@ def check_moe_layout(parallel: Any, model_cfg: Any) -> None:
 def recompute_components(train: Any) -> tuple[str, ...]:
     """The components whose activations are recomputed (``train.recompute=full``: each ViT
     block of ``vision``, each decoder layer of ``language``; ``train.recompute_components``
-    picks some, null: both)."""
+    picks some, null: both). ``train.recompute`` null (not planned yet): none."""
     from longboat.vlm.models.common import RECOMPUTE_COMPONENTS
 
-    if train.recompute == "none":
+    if train.recompute in (None, "none"):
         return ()
     return tuple(train.recompute_components or RECOMPUTE_COMPONENTS)
 
@@ -269,6 +269,7 @@ class VLMTraining(MegatronTraining):
         precision = run_precision(cfg.train.precision, cfg.vlm.cpu_precision, self.accelerator)
         self.precision, self.fp8_recipe = split_fp8(precision, cfg.train.fp8.recipe)
         self.init_layout(cfg.parallel, cfg.train.seed)
+        self.memory_plan = self.plan_memory()
         dp = self.layout.data_parallel
         batches = batch_layout(cfg.train.global_batch_size, cfg.train.micro_batch_size, dp)
         self.global_batch = batches.global_batch
@@ -288,6 +289,21 @@ class VLMTraining(MegatronTraining):
         seed_everything(cfg.train.seed, self.accelerator)
         self.step_fn = self._build_step()
         self.ddp_modules = [self.step_fn.ddp]
+
+    def plan_memory(self) -> Any:
+        """The run's memory plan over the vision tower and the decoder
+        (``train.memory.plan_vlm_memory``), its ``train.recompute`` written back."""
+        from longboat.vlm.train.memory import plan_vlm_memory
+
+        return plan_vlm_memory(self)
+
+    def callbacks(self) -> list[Any]:
+        """The memory plan's measured-peak line after the first steps (where it planned)."""
+        from longboat.core.engine.memory.report import MeasuredPeak
+
+        if isinstance(self.memory_plan, str):
+            return []
+        return [MeasuredPeak(self.accelerator, self.memory_plan)]
 
     def _build_step(self) -> Any:
         from longboat.kernels import adamw_master_step_
@@ -476,6 +492,8 @@ class VLMTraining(MegatronTraining):
             f"global batch {self.global_batch} rows."
         ]
         lines += self.data.notes
+        plan = self.memory_plan
+        lines.append(plan if isinstance(plan, str) else plan.line())
         if self.fp8_recipe is not None:
             from longboat.kernels.fp8.model import fp8_summary
 

@@ -258,11 +258,15 @@ class LatentDecoderShapes(DecoderShapes):
         n += self.layer_saved(micro_batch, recompute)
         return n + (e * t * h + 4 * t) + 2 * e * t * h + loss
 
-    def stage_saved(self, stage: int, micro_batch: int, recompute: str, redo: int) -> int:
-        """Bytes stage ``stage``'s layers save for one microbatch, the first ``redo`` of them
-        under ``recompute`` and the rest with none, plus the multi-token prediction depths on
-        the last stage (under ``recompute``)."""
+    def stage_saved(
+        self, stage: int, micro_batch: int, recompute: str, full_layers: int | None = None
+    ) -> int:
+        """Bytes stage ``stage``'s layers save for one microbatch (with full recompute and
+        ``full_layers``, only the first that many layers recompute, the rest keep everything),
+        plus the multi-token prediction depths on the last stage (under ``recompute``)."""
         dense, moe = self._stage_layers(stage)
+        layers = dense + moe
+        redo = layers if recompute != "full" or full_layers is None else min(full_layers, layers)
         n = 0
         for i in range(dense + moe):
             n += self.layer_saved(micro_batch, recompute if i < redo else "none", dense=i < dense)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from longboat.core.config.errors import ConfigError, ConfigProblem
 from longboat.core.engine.memory.budget import GB, format_bytes
@@ -99,6 +99,10 @@ class DecoderShapes:
     """Bytes of a weight (and of an activation: the weights' dtype)."""
     fused_ce: bool = True
     """The loss through fused linear cross-entropy (else megatron's logits)."""
+    fused_qkv_rope: bool = True
+    """q / k / v split and rotated by longboat's fused kernel; False: megatron's rotary (a
+    VLM decoder's M-RoPE), where v stays a view of the qkv projection's output and each
+    rotation keeps its own cos / sin."""
 
     @classmethod
     def of(
@@ -110,11 +114,13 @@ class DecoderShapes:
         layout: Any = None,
         fused_ce: bool = True,
         sequence_parallel: bool = False,
+        fused_qkv_rope: bool = True,
     ) -> DecoderShapes:
         """The shapes of ``cfg`` (a ``DecoderModelConfig``) at ``seq_len`` tokens a sample, in
         ``precision`` (the weights' dtype: fp32 / bf16 / fp16), under ``layout`` (a megatron
         parallel layout; None: one rank). ``fused_ce``: the loss path (a tensor-, sequence- or
-        context-parallel run takes the logits path whatever is asked)."""
+        context-parallel run takes the logits path whatever is asked); ``fused_qkv_rope``:
+        the layers rotate q / k with longboat's fused kernel (False: megatron's rotary)."""
         tp = getattr(layout, "tensor_parallel", 1)
         cp = getattr(layout, "context_parallel", 1)
         fused = fused_ce and tp == 1 and cp == 1 and not sequence_parallel
@@ -140,6 +146,7 @@ class DecoderShapes:
             sequence_parallel=sequence_parallel,
             weight_bytes=_DTYPE_BYTES[precision],
             fused_ce=fused,
+            fused_qkv_rope=fused_qkv_rope,
         )
 
     # --- parameters ---------------------------------------------------------------------
@@ -191,7 +198,10 @@ class DecoderShapes:
         rows = t // (tp if self.sequence_parallel else 1)
         n = 2 * stream + 2 * 4 * rows  # norm input + rstd, add + norm sum + rstd
         n += 2 * e * t * h  # the normed inputs of the qkv and fc1 / router linears
-        n += 4 * self.seq_len * d  # rotary cos / sin tables (fp32)
+        if self.fused_qkv_rope:
+            n += 4 * self.seq_len * d  # rotary cos / sin tables (fp32)
+        else:  # the qkv output v is a view of, and cos / sin of the q and k rotations
+            n += e * t * (a + 2 * g) * d + 4 * e * t * d
         n += e * t * (2 * a + 2 * g) * d  # q, k, v and the attention output
         if recompute != "selective":
             n += 4 * t * a  # the attention's log-sum-exp
@@ -204,17 +214,6 @@ class DecoderShapes:
             n += 48 * t * k + 2 * e * t * k * (h + f)
         else:
             n += e * t * 3 * self.ffn // tp  # fc1 output (gate, up), fc2 input
-        return n
-
-    def stage_saved(self, stage: int, micro_batch: int, recompute: str, redo: int) -> int:
-        """Bytes pipeline stage ``stage``'s layers save for one microbatch, the first ``redo``
-        of them under ``recompute`` and the rest with none (full recompute: plus the rotary
-        table the layers share)."""
-        layers = self.layers // self.pipeline_parallel
-        n = redo * self.layer_saved(micro_batch, recompute)
-        n += (layers - redo) * self.layer_saved(micro_batch, "none")
-        if recompute == "full":
-            n += 4 * self.seq_len * self.head_dim
         return n
 
     def head_saved(self, micro_batch: int) -> int:
@@ -253,6 +252,33 @@ class DecoderShapes:
         """A microbatch on the device: tokens, labels, positions (int64), loss mask (fp32)."""
         return 28 * micro_batch * self.seq_len
 
+    # --- the estimator's view (``StagedShapes``) ------------------------------------------
+
+    def stage_fp32_params(self, stage: int = 0) -> int:
+        """None: a decoder's parameters all take the weights' dtype."""
+        return 0
+
+    def stage_saved(
+        self, stage: int, micro_batch: int, recompute: str, full_layers: int | None = None
+    ) -> int:
+        """Bytes one in-flight microbatch keeps on pipeline stage ``stage``: its layers'
+        saved activations (with full recompute and ``full_layers``, only the first that many
+        layers recompute) and, recomputing, the rotary table they share."""
+        layers = self.layers // self.pipeline_parallel
+        redo = layers if recompute != "full" or full_layers is None else min(full_layers, layers)
+        n = redo * self.layer_saved(micro_batch, recompute)
+        n += (layers - redo) * self.layer_saved(micro_batch, "none")
+        if recompute == "full":
+            n += 4 * self.seq_len * self.head_dim  # the rotary table
+        return n
+
+    def stage_tail(self, stage: int, micro_batch: int) -> tuple[int, int]:
+        """(saved, transient) bytes of what follows the layers on ``stage``: the LM head and
+        loss on the last stage, nothing elsewhere."""
+        if stage != self.pipeline_parallel - 1:
+            return 0, 0
+        return self.head_saved(micro_batch), self.head_transient(micro_batch)
+
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerPlan:
@@ -268,6 +294,10 @@ class OptimizerPlan:
     """Share of the parameters that train (LoRA: the adapters' share); the rest are frozen."""
     bf16_grads_single_pass: bool = True
     """bf16 grads where a step takes one microbatch (``wgrad_fusion.grad_plan``)."""
+    context_parallel: int = 1
+    """Context-parallel ranks (their gradient reduction keeps the grad buffer fp32)."""
+    average_weights: bool = False
+    """An fp32 average of the trainable weights is kept (``ema.enabled``)."""
 
 
 def grad_bytes(opt: OptimizerPlan, microbatches: int, pipeline_parallel: int = 1) -> int:
@@ -279,15 +309,23 @@ def grad_bytes(opt: OptimizerPlan, microbatches: int, pipeline_parallel: int = 1
         return 4
     _fusion, fp32 = grad_plan(precision=opt.precision, microbatches=microbatches,
                               data_parallel=opt.data_parallel,
+                              context_parallel=opt.context_parallel,
                               pipeline_parallel=pipeline_parallel)  # fmt: skip
     return 4 if fp32 else _DTYPE_BYTES[opt.precision]
 
 
 def decoder_state_bytes(
-    params: int, opt: OptimizerPlan, *, microbatches: int, pipeline_parallel: int = 1
+    params: int,
+    opt: OptimizerPlan,
+    *,
+    microbatches: int,
+    pipeline_parallel: int = 1,
+    fp32_params: int = 0,
 ) -> StateBytes:
     """Exact bytes of one rank's weights, grad buffer, main weights and moments for
-    ``params`` parameters (module doc)."""
+    ``params`` parameters (module doc), ``fp32_params`` of them kept in fp32 whatever the
+    precision (norm weights a model keeps so); ``opt.average_weights`` adds an fp32 copy
+    of the trainable weights."""
     w = _DTYPE_BYTES[opt.precision]
     trainable = round(params * opt.trainable_fraction)
     frozen = params - trainable
@@ -295,46 +333,80 @@ def decoder_state_bytes(
     shard = -(-trainable // dp)
     masters = 4 * shard if opt.precision != "fp32" else 0
     moments = 2 * 4 * shard if opt.optimizer == "adamw" else 0
+    fp32 = min(fp32_params, trainable)  # their grads are fp32 too (megatron's buffers)
+    g = grad_bytes(opt, microbatches, pipeline_parallel)
     return StateBytes(
-        weights=w * trainable,
-        grads=grad_bytes(opt, microbatches, pipeline_parallel) * trainable,
+        weights=w * trainable + (4 - w) * fp32,
+        grads=g * trainable + (4 - g) * fp32,
         masters=masters,
         moments=moments,
         frozen=w * frozen,
+        extra=4 * trainable if opt.average_weights else 0,
         trainable_params=trainable,
         frozen_params=frozen,
     )
 
 
-def estimate_decoder_peak(
-    shapes: DecoderShapes,
+class StagedShapes(Protocol):
+    """What the megatron memory plan reads of a model: the decoder's ``DecoderShapes``, a
+    composition of it with encoders (``memory_shapes.ComposedShapes``: a VLM's vision tower),
+    or a stack's own block model (a DiT's)."""
+
+    pipeline_parallel: int
+
+    def stage_params(self, stage: int = 0) -> int:
+        """Parameters of pipeline stage ``stage`` on one rank."""
+        ...
+
+    def stage_fp32_params(self, stage: int = 0) -> int:
+        """Of those, the parameters kept in fp32 whatever the precision."""
+        ...
+
+    def stage_saved(
+        self, stage: int, micro_batch: int, recompute: str, full_layers: int | None = None
+    ) -> int:
+        """Bytes one in-flight microbatch keeps for the backward on ``stage``."""
+        ...
+
+    def stage_tail(self, stage: int, micro_batch: int) -> tuple[int, int]:
+        """(saved once, transient) bytes of the head / loss on ``stage``."""
+        ...
+
+    def backward_workspace(self, micro_batch: int, recompute: str) -> int:
+        """The backward's working set inside one block."""
+        ...
+
+    def batch_bytes(self, micro_batch: int) -> int:
+        """A microbatch's inputs on the device."""
+        ...
+
+
+def estimate_stage_peak(
+    shapes: StagedShapes,
     opt: OptimizerPlan,
     choice: PlanChoice,
     *,
     samples: int,
     full_layers: int | None = None,
 ) -> PeakEstimate:
-    """The predicted peak of ``choice`` on the busiest pipeline stage. ``samples``: the
-    samples a step takes on one rank (micro-batch x microbatches; the accumulation follows
-    from the choice's micro-batch); ``full_layers``: with full recompute, only the first
-    that many layers of each stage recompute (``train.recompute_layers``)."""
+    """The predicted peak of ``choice`` on the busiest pipeline stage of ``shapes``.
+    ``samples``: the samples a step takes on one rank (micro-batch x microbatches; the
+    accumulation follows from the choice's micro-batch); ``full_layers``: with full
+    recompute, only the first that many layers of each stage recompute
+    (``train.recompute_layers``)."""
     b, mode = choice.micro_batch, choice.recompute
     microbatches = max(1, samples // b)
     pp = shapes.pipeline_parallel
     best: PeakEstimate | None = None
     for stage in range(pp):
         states = decoder_state_bytes(shapes.stage_params(stage), opt,
-                                     microbatches=microbatches, pipeline_parallel=pp)  # fmt: skip
+                                     microbatches=microbatches, pipeline_parallel=pp,
+                                     fp32_params=shapes.stage_fp32_params(stage))  # fmt: skip
         in_flight = min(pp - stage, microbatches)  # 1F1B's warm-up on this stage
-        layers = shapes.layers // pp
-        redo = layers if mode != "full" or full_layers is None else min(full_layers, layers)
-        saved = in_flight * shapes.stage_saved(stage, b, mode, redo)
-        transient = 0
-        if stage == pp - 1:
-            saved += shapes.head_saved(b)
-            transient = shapes.head_transient(b)
+        saved = in_flight * shapes.stage_saved(stage, b, mode, full_layers)
+        tail, transient = shapes.stage_tail(stage, b)
         workspace = max(shapes.backward_workspace(b, mode), transient)
-        est = PeakEstimate(states, saved, workspace, in_flight * shapes.batch_bytes(b),
+        est = PeakEstimate(states, saved + tail, workspace, in_flight * shapes.batch_bytes(b),
                            allowance=ALLOCATOR_ALLOWANCE)  # fmt: skip
         if best is None or est.total > best.total:
             best = est
@@ -342,8 +414,12 @@ def estimate_decoder_peak(
     return best
 
 
+estimate_decoder_peak = estimate_stage_peak
+"""The decoder's name for ``estimate_stage_peak``."""
+
+
 def choose_decoder_plan(
-    shapes: DecoderShapes,
+    shapes: StagedShapes,
     opt: OptimizerPlan,
     *,
     micro_batch: int,
@@ -363,7 +439,7 @@ def choose_decoder_plan(
     default = PlanChoice(recompute or "none", micro_batch)
 
     def est(c: PlanChoice) -> PeakEstimate:
-        return estimate_decoder_peak(shapes, opt, c, samples=samples, full_layers=full_layers)
+        return estimate_stage_peak(shapes, opt, c, samples=samples, full_layers=full_layers)
 
     if budget is None:
         return MemoryPlan(default, est(default), None, budget_source)
@@ -426,9 +502,11 @@ __all__ = [
     "ALLOCATOR_ALLOWANCE",
     "DecoderShapes",
     "OptimizerPlan",
+    "StagedShapes",
     "choose_decoder_plan",
     "decoder_state_bytes",
     "estimate_decoder_peak",
+    "estimate_stage_peak",
     "grad_bytes",
     "plan_run_memory",
     "smallest_budget_over_ranks",
@@ -437,25 +515,26 @@ __all__ = [
 
 def plan_run_memory(
     train: Any,
-    shapes: DecoderShapes,
+    shapes: StagedShapes,
     opt: OptimizerPlan,
     accelerator: Any,
     *,
     accum: int,
     micro_batch_pinned: bool = False,
     recompute_modes: Sequence[str] = RECOMPUTE_ORDER,
+    layers_mode: str = "full",
 ) -> MemoryPlan:
     """The plan of a run whose ``train`` section (``train.memory_budget``, ``recompute``,
     ``recompute_layers``, ``micro_batch_size``) is given, on ``accelerator``: the budget
     resolved (the smallest of all ranks), the levers the user set pinned (``recompute`` not
-    null; ``recompute_layers`` pins full recompute of that many layers), then
+    null; ``recompute_layers`` pins ``layers_mode`` recompute of that many layers), then
     ``choose_decoder_plan``. ``accum``: this rank's microbatches a step as configured."""
     from longboat.core.engine.memory.budget import resolve_budget_bytes
 
     budget, source = resolve_budget_bytes(train.memory_budget, accelerator)
     budget = smallest_budget_over_ranks(budget, accelerator)
     layers = getattr(train, "recompute_layers", None)
-    pinned = train.recompute or ("full" if layers is not None else None)
+    pinned = train.recompute or (layers_mode if layers is not None else None)
     return choose_decoder_plan(
         shapes,
         opt,

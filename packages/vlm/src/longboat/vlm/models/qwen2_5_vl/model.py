@@ -36,6 +36,7 @@ from longboat.vlm.models.common import (
 from longboat.vlm.models.mrope import mrope_position_ids
 from longboat.vlm.models.peft_layout import PeftLayout
 from longboat.vlm.models.qwen2_5_vl.vision_config import Qwen25VisionConfig
+from longboat.vlm.models.tower_memory import qwen2_5_tower_shapes
 from longboat.vlm.models.vlm import VisionLanguageModel
 
 HF_MODEL_TYPE = "qwen2_5_vl"
@@ -265,6 +266,8 @@ def _flavors() -> dict[str, Qwen25VLConfig]:
 
 
 FLAVORS = ("tiny", "3b", "7b")
+tower_shapes = qwen2_5_tower_shapes
+"""The tower as the memory plan reads it (``tower_memory``)."""
 build = build_qwen2_5_vl
 """The registry's name for ``build_qwen2_5_vl``."""
 

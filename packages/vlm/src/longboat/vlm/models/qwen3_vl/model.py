@@ -45,6 +45,7 @@ from longboat.vlm.models.mrope import (
 )
 from longboat.vlm.models.peft_layout import PeftLayout
 from longboat.vlm.models.qwen3_vl.vision_config import Qwen3VisionConfig, vision_flavor
+from longboat.vlm.models.tower_memory import qwen3_tower_shapes
 
 if TYPE_CHECKING:  # megatron is imported when a model is built, not to read a config
     from longboat.vlm.models.vlm import VisionLanguageModel
@@ -368,6 +369,8 @@ def _flavors() -> dict[str, Qwen3VLConfig]:
 
 
 FLAVORS = ("tiny", "2b", "4b", "8b")
+tower_shapes = qwen3_tower_shapes
+"""The tower as the memory plan reads it (``tower_memory``)."""
 
 
 def flavor(name: str) -> Qwen3VLConfig:
