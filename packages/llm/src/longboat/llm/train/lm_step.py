@@ -198,12 +198,14 @@ def build_train_step(
     command line refuses such a device, ``check_precision_hardware``).
     ``model_overrides`` go to megatron's ``TransformerConfig`` (as in ``build_model``).
     """
+    from longboat.core.config.errors import ConfigError
     from longboat.core.megatron.engine import ddp
     from longboat.core.megatron.lora import apply_lora
     from longboat.kernels import adamw_master_step_
     from longboat.llm.build import aux_loss_layout, build_model
     from longboat.llm.moe_aux_loss import check_pooled_aux_loss, pooled_aux_loss_notice
     from longboat.llm.moe_experts import moe_experts_for_run
+    from longboat.llm.validate import lora_target_problems
 
     if device is None:
         from longboat.core.device import get_accelerator
@@ -234,6 +236,8 @@ def build_train_step(
     aux_layout = aux_loss_layout(model_overrides)
     check_pooled_aux_loss(model_cfg, **aux_layout)
     aux_notice = pooled_aux_loss_notice(model_cfg, **aux_layout)
+    if lora is not None and (bad := lora_target_problems(model_cfg, list(lora.targets))):
+        raise ConfigError(bad)
     model_cfg, experts_notice = moe_experts_for_run(model_cfg, lora)
     if fp8_recipe is not None:
         check_fp8_backend(model_cfg, device.type)
