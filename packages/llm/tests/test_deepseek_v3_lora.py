@@ -237,12 +237,16 @@ def test_routed_experts_take_adapters_only_when_named_and_then_run_per_expert() 
 
 
 def test_the_family_check_guards_a_run_built_without_composition() -> None:
-    from longboat.llm.validate import lora_target_problems
+    from longboat.llm.validate import lora_frozen_base, lora_target_problems
 
     v32 = tiny(index_topk=8, index_n_heads=2, index_head_dim=16)
     (problem,) = lora_target_problems(v32, ["linear_kv_up_proj"])
     assert problem.key == "lora.targets" and "drop linear_kv_up_proj" in problem.fix
     assert lora_target_problems(dataclasses.replace(v32, index_topk=None), DEFAULT) == []
+    # A LoRA run holds the aux-loss-free routing bias: the base stays as loaded.
+    held, notice = lora_frozen_base(tiny())
+    assert held.moe_router_bias_update_rate == 0.0 and "0.001 -> 0" in notice
+    assert lora_frozen_base(held) == (held, None)
 
 
 MOONLIGHT = ("moonlight_sft", "moonlight_lora")

@@ -202,6 +202,17 @@ def lora_target_problems(model_cfg: Any, targets: list[str]) -> list[Any]:
     return own.problems(model_cfg, list(targets)) if own is not None and targets else []
 
 
+def lora_frozen_base(model_cfg: Any) -> tuple[Any, str | None]:
+    """``model_cfg`` for a LoRA run, whose base stays as loaded (its family's
+    ``lora_targets.frozen_base``, e.g. DeepSeek-V3's expert bias held), and the run's line
+    saying so (None: nothing changed)."""
+    from longboat.core.family import find_family
+
+    own = getattr(find_family("llm", model_cfg.name), "lora_targets", None)
+    hold = getattr(own, "frozen_base", None)
+    return (model_cfg, None) if hold is None else hold(model_cfg)
+
+
 def lora_targets_of_family(composed: dict[str, Any], given: set[str], problems: Any) -> None:
     """A run that names no ``lora.targets`` adapts its family's default linears (a family's
     ``lora_targets``, e.g. DeepSeek-V3's latent-attention projections); Llama-style families

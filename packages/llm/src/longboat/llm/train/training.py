@@ -354,6 +354,8 @@ class LLMTraining(MegatronTraining):
             lines.append(self.step_fn.aux_loss_notice)
         if self.step_fn.experts_notice:
             lines.append(self.step_fn.experts_notice)
+        if self.step_fn.lora_notice:
+            lines.append(self.step_fn.lora_notice)
         return lines
 
     def lora_line(self) -> str:

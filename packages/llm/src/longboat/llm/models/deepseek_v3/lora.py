@@ -13,10 +13,14 @@ per-expert loop (adapters need per-expert linears) and ``grouped`` is refused.
 DeepSeek-V3.2's sparse attention is megatron's absorbed MLA, which reads
 ``linear_kv_up_proj``'s weight directly (folded into the queries and the output) instead of
 running the module, so an adapter there would never act: that target is refused.
+
+A LoRA run holds the routing bias of aux-loss-free balancing as loaded, like every base
+weight: the PEFT adapter on the base then computes what the merged export does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -81,6 +85,19 @@ def target_problems(cfg: Any, targets: list[str]) -> list[ConfigProblem]:
     return problems
 
 
+def frozen_base(cfg: Any) -> tuple[Any, str | None]:
+    """``cfg`` for a LoRA run: the routing bias of aux-loss-free balancing stays as loaded
+    (its update would change the frozen base, which a PEFT adapter does not carry), with the
+    run's line saying so; unchanged (None) when it does not move anyway."""
+    if not cfg.num_experts or not cfg.moe_router_bias_update_rate:
+        return cfg, None
+    notice = (
+        "LoRA: the experts' routing bias stays as loaded (model.moe_router_bias_update_rate "
+        f"{cfg.moe_router_bias_update_rate:g} -> 0: the base is frozen)."
+    )
+    return dataclasses.replace(cfg, moe_router_bias_update_rate=0.0), notice
+
+
 _KINDS = {"rows": "column", "cols": "row"}  # this family's split names -> core's
 
 
@@ -139,6 +156,7 @@ class DeepseekV3LoRATargets:
     peft_slot = staticmethod(peft_slot)
     peft_parameter = staticmethod(peft_parameter)
     peft_export_problem = staticmethod(peft_export_problem)
+    frozen_base = staticmethod(frozen_base)
 
 
 LORA_TARGETS = DeepseekV3LoRATargets()
@@ -147,6 +165,7 @@ __all__ = [
     "LORA_TARGETS",
     "PeftExportUnsupported",
     "default_targets",
+    "frozen_base",
     "peft_export_problem",
     "peft_parameter",
     "peft_slot",
