@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_deepseek_v3 import hf_logits, make_hf_checkpoint, tiny
+from test_deepseek_v3 import VARIANTS, hf_logits, make_hf_checkpoint, tiny
 
 from longboat.core.config.errors import ConfigError
 from longboat.core.distributed import run_multiprocess
@@ -140,13 +140,19 @@ def _train_worker(rank: int, world: int, overrides: list[str]) -> dict[str, Any]
 
 
 @pytest.mark.multiprocess
-def test_a_lora_run_trains_adapters_only_and_exports_base_plus_adapter(tmp_path: Path):
+@pytest.mark.parametrize("variant", ["tiny", "v32"])
+def test_a_lora_run_trains_adapters_only_and_exports_base_plus_adapter(
+    variant: str, tmp_path: Path
+) -> None:
     import json
 
     from llm_testkit import make_tiny_dataset, tiny_overrides
     from safetensors.torch import load_file
 
-    hf_dir = make_hf_checkpoint(tiny(), tmp_path / "base")
+    # v32: DeepSeek-V3.2's sparse attention, whose kv up projection takes no adapter
+    cfg = tiny(**VARIANTS[variant])
+    modules = [m for m in HF_MODULES if variant != "v32" or m != "kv_b_proj"]
+    hf_dir = make_hf_checkpoint(cfg, tmp_path / "base")
     data, tok = make_tiny_dataset(tmp_path / "data")
     overrides = [
         *[o for o in tiny_overrides(data, tok, tmp_path, steps=8) if not o.startswith("model.")],
@@ -165,7 +171,7 @@ def test_a_lora_run_trains_adapters_only_and_exports_base_plus_adapter(tmp_path:
     )
     adapter_dir = tmp_path / "run" / "hf_adapter"
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
-    assert config["target_modules"] == HF_MODULES
+    assert config["target_modules"] == modules
     assert config["target_parameters"] == sorted(HF_PARAMETERS)
     adapter = load_file(str(adapter_dir / "adapter_model.safetensors"))
     scale = config["lora_alpha"] / config["r"]
@@ -181,7 +187,8 @@ def test_a_lora_run_trains_adapters_only_and_exports_base_plus_adapter(tmp_path:
     assert set(merged) == set(base)
     assert [n for n in base if n not in adapted and not torch.equal(merged[n], base[n])] == []
     assert any(".mlp.experts.0." in n for n in base) and not any(".experts." in n for n in adapted)
-    assert len(adapted) == 3 * 5 + 3 + 2 * 3  # attention; dense and shared gate / up / down
+    moe = cfg.num_layers - cfg.first_k_dense  # attention; dense and shared gate / up / down
+    assert len(adapted) == cfg.num_layers * len(modules) + 3 * cfg.first_k_dense + 3 * moe
     # The adapter on the base in PEFT is the merged export.
     assert (_peft_logits(hf_dir, adapter_dir) - hf_logits(Path(res["export"]), _tokens())).abs(
     ).max().item() <= TOL  # fmt: skip
@@ -244,6 +251,10 @@ def test_the_family_check_guards_a_run_built_without_composition() -> None:
     assert problem.key == "lora.targets" and "drop linear_kv_up_proj" in problem.fix
     assert lora_target_problems(dataclasses.replace(v32, index_topk=None), DEFAULT) == []
     # A LoRA run holds the aux-loss-free routing bias: the base stays as loaded.
+    from longboat.llm.peft import peft_export_problem
+
+    assert peft_export_problem(tiny(), DEFAULT) is None
+    assert "fused tensors" in peft_export_problem(tiny(), ["linear_proj", "linear_fc2"])
     held, notice = lora_frozen_base(tiny())
     assert held.moe_router_bias_update_rate == 0.0 and "0.001 -> 0" in notice
     assert lora_frozen_base(held) == (held, None)
