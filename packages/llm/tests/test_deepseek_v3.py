@@ -428,8 +428,9 @@ def test_unsupported_layouts_are_refused_naming_the_key() -> None:
 def test_the_cli_refuses_what_the_family_cannot_run_before_any_work() -> None:
     from llm_testkit import compose
 
-    with pytest.raises(ConfigError, match=r"lora\.enabled"):
-        compose(["model=deepseek_v3_tiny", "lora.enabled=true"])
+    with pytest.raises(ConfigError, match=r"lora\.targets"):
+        compose(["model=deepseek_v3_v32_tiny", "lora.enabled=true",
+                 "lora.targets=[linear_kv_up_proj]"])  # fmt: skip
     with pytest.raises(ConfigError, match=r"model\.moe_router_group_topk"):
         compose(["model=deepseek_v3_tiny", "model.moe_router_group_topk=2"])
     from longboat.core.train import typed_config

@@ -34,7 +34,7 @@ ONE_PROCESS = [
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("experiments")
     out = {}
-    for family in ("llama3", "qwen3", "qwen3_moe"):
+    for family in ("llama3", "qwen3", "qwen3_moe", "deepseek_v3"):
         out[family], out["jsonl"] = make_hf_checkpoint(root / family, family)
     out["root"] = root
     out["pairs"] = _pairs_from_chats(out["jsonl"], root / "pairs.jsonl")
@@ -57,6 +57,7 @@ def _pairs_from_chats(chats: Path, out: Path) -> Path:
 
 def _overrides(name: str, files: dict[str, Path], out: Path) -> list[str]:
     family = next((f for f in ("qwen3_moe", "llama3", "qwen3") if name.startswith(f)), "qwen3")
+    family = "deepseek_v3" if name.startswith("moonlight") else family
     extra = [f"output_dir={out}", *ONE_PROCESS]
     if name.endswith("_tiny"):  # random tokens
         return [*extra, "data.seq_len=64"]

@@ -24,7 +24,10 @@ STACK = Stack(
     console_script="longboat-llm",
     train="longboat.llm.train:train",
     validators=("longboat.llm.validate:validate_llm",),
-    config_hooks=("longboat.llm.validate:model_from_checkpoint",),
+    config_hooks=(
+        "longboat.llm.validate:model_from_checkpoint",
+        "longboat.llm.validate:lora_targets_of_family",
+    ),
     capabilities=Capabilities(
         recompute=("none", "full", "selective"),
         recompute_layers=True,  # with full: the first n layers of each pipeline stage

@@ -63,6 +63,7 @@ def validate_llm(cfg: Any, world_size: int | None, problems: Any) -> None:
             full_recompute=train.get("recompute") == "full",
         )
         targets = list(lora.get("targets") or ()) if lora.get("enabled") else []
+        found = [*found, *lora_target_problems(model_cfg, targets)]
         for p in [*found, *moe_experts_problems(model_cfg, targets)]:
             problems.add(p.key, p.message, value=p.value, fix=p.fix)
     except (TypeError, ValueError):  # malformed values: the schema checks report them
@@ -190,6 +191,49 @@ def _check_core_keys(cfg: Any, model: Any, problems: Any) -> None:
             value=adapter,
             fix="set lora.enabled=true, or leave export.adapter_dir null",
         )
+
+
+def lora_target_problems(model_cfg: Any, targets: list[str]) -> list[Any]:
+    """Why ``targets`` cannot be the ``lora.targets`` of ``model_cfg`` (its family's checks,
+    e.g. DeepSeek-V3.2's refused ``linear_kv_up_proj``); empty for Llama-style families."""
+    from longboat.core.family import find_family
+
+    own = getattr(find_family("llm", model_cfg.name), "lora_targets", None)
+    return own.problems(model_cfg, list(targets)) if own is not None and targets else []
+
+
+def lora_frozen_base(model_cfg: Any) -> tuple[Any, str | None]:
+    """``model_cfg`` for a LoRA run, whose base stays as loaded (its family's
+    ``lora_targets.frozen_base``, e.g. DeepSeek-V3's expert bias held), and the run's line
+    saying so (None: nothing changed)."""
+    from longboat.core.family import find_family
+
+    own = getattr(find_family("llm", model_cfg.name), "lora_targets", None)
+    hold = getattr(own, "frozen_base", None)
+    return (model_cfg, None) if hold is None else hold(model_cfg)
+
+
+def lora_targets_of_family(composed: dict[str, Any], given: set[str], problems: Any) -> None:
+    """A run that names no ``lora.targets`` adapts its family's default linears (a family's
+    ``lora_targets``, e.g. DeepSeek-V3's latent-attention projections); Llama-style families
+    keep core's default (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``)."""
+    from longboat.core.family import find_family, list_families
+
+    lora = composed.get("lora")
+    if isinstance(lora, dict) and lora.get("targets") is not None:
+        return
+    model = composed.get("model")
+    if not isinstance(model, dict) or model.get("name") not in list_families("llm"):
+        return
+    family = find_family("llm", model["name"])
+    own = getattr(family, "lora_targets", None)
+    if own is None:
+        return
+    try:
+        cfg = family.model_schema().from_mapping(model)
+    except (TypeError, ValueError):  # malformed values: the schema checks report them
+        return
+    composed.setdefault("lora", {})["targets"] = list(own.default(cfg))
 
 
 def model_from_checkpoint(composed: dict[str, Any], given: set[str], problems: Any) -> None:

@@ -72,6 +72,14 @@ def _lora_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> A
     return out + delta.to(out.dtype), bias
 
 
+def _targeted(name: str, wanted: set[str]) -> bool:
+    """Whether module ``name`` is a LoRA target: its last name is in ``wanted``, or it ends with
+    a dotted target (``mlp.linear_fc1``: the dense MLP's, not the experts' ``linear_fc1``)."""
+    if name.rsplit(".", 1)[-1] in wanted:
+        return True
+    return any("." in t and (name == t or name.endswith("." + t)) for t in wanted)
+
+
 def _init_generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(
         (seed * 1_000_003 + zlib.crc32(name.encode()) * 31) % (2**63)
@@ -86,7 +94,9 @@ def apply_lora(
     targets: Iterable[str],
     seed: int = 0,
 ) -> int:
-    """Freeze every parameter, then add adapters to the linears named in ``targets``.
+    """Freeze every parameter, then add adapters to the linears named in ``targets`` (a
+    linear's last name, e.g. ``linear_fc1``, or a dotted tail of its module path, e.g.
+    ``shared_experts.linear_fc1``).
 
     ``A`` starts Kaiming-uniform (fan-in: the layer's full input width) from a generator
     seeded by ``seed`` and the layer's name; a row-parallel shard takes its columns of that
@@ -104,7 +114,7 @@ def apply_lora(
         for p in chunk.parameters():
             p.requires_grad_(False)
         for name, module in chunk.named_modules():
-            if name.rsplit(".", 1)[-1] not in wanted or not _is_parallel_linear(module):
+            if not _targeted(name, wanted) or not _is_parallel_linear(module):
                 continue
             weight = module.weight
             out_local, in_local = weight.shape
@@ -130,7 +140,8 @@ def apply_lora(
     if count == 0:
         raise ValueError(
             f"lora.targets={sorted(wanted)} matched no tensor-parallel linear of the model. "
-            "Fix: use linear_qkv, linear_proj, linear_fc1, linear_fc2."
+            "Fix: name the model's linears (Llama-style: linear_qkv, linear_proj, linear_fc1, "
+            "linear_fc2)."
         )
     return count
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +45,19 @@ _PEFT_PREFIX = "base_model.model."
 _ROW_KINDS = ("row",)  # A split over columns, B replicated; the other kinds split B's rows
 
 
+SlotFn = Callable[..., Slot]
+"""``slot_of(name, cfg, *, global_layer, ep, prefix) -> Slot``: a megatron tensor's HF names
+and split, in ``hf_mapping``'s kinds (``megatron_to_hf_slot`` for Llama-style decoders)."""
+
+
 def _adapted(
-    chunks: list[torch.nn.Module], cfg: DecoderModelConfig, coords: RankCoords, prefix: str
+    chunks: list[torch.nn.Module],
+    cfg: DecoderModelConfig,
+    coords: RankCoords,
+    prefix: str,
+    slot_of: SlotFn | None = None,
 ) -> Iterator[tuple[torch.nn.Module, Slot]]:
+    slot_of = slot_of or megatron_to_hf_slot
     for chunk in chunks:
         layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
         for name, module in chunk.named_modules():
@@ -56,9 +66,7 @@ def _adapted(
             layer = None
             if name.startswith("decoder.layers."):
                 layer = layers[int(name.split(".")[2])].layer_number - 1
-            slot = megatron_to_hf_slot(
-                f"{name}.weight", cfg, global_layer=layer, ep=coords, prefix=prefix
-            )
+            slot = slot_of(f"{name}.weight", cfg, global_layer=layer, ep=coords, prefix=prefix)
             yield module, slot
 
 
@@ -79,6 +87,8 @@ def save_peft(
     base_model: str | None = None,
     scoped_targets: bool = False,
     modules_to_save: dict[str, dict[str, torch.Tensor]] | None = None,
+    slot_of: SlotFn | None = None,
+    as_parameter: Callable[[str], str | None] | None = None,
 ) -> Path:
     """Write this model's LoRA adapters as a PEFT adapter directory (collective).
 
@@ -86,14 +96,20 @@ def save_peft(
     adapted modules by a pattern under ``prefix`` (``target_modules`` a regex) rather than by
     their last names, for a model whose other parts have modules of the same names (a VLM's
     vision MLP). ``modules_to_save``: ``{module name: {HF tensor name: full weight}}`` of
-    components that trained in full, written as PEFT's ``modules_to_save`` (from rank 0)."""
+    components that trained in full, written as PEFT's ``modules_to_save`` (from rank 0).
+    ``slot_of``: the family's tensor mapping (``SlotFn``; None: the Llama-style one).
+    ``as_parameter``: for an adapted HF module (``model.layers.0.mlp.gate_proj``), the
+    ``target_parameters`` entry PEFT must adapt it by (e.g. ``mlp.gate_proj.weight``), or
+    None for a ``target_modules`` name; for models whose module names PEFT re-targets (its
+    transformers-5 mapping sends DeepSeek-V3's ``gate_proj`` / ``up_proj`` / ``down_proj`` to
+    the fused routed experts). The tensors are named the same either way."""
     from safetensors.torch import save_file
 
     coords = rank_coords()
     tensors: dict[str, torch.Tensor] = {}
     ranks: dict[str, int] = {}
     scales: dict[str, float] = {}
-    for module, slot in _adapted(chunks, cfg, coords, prefix):
+    for module, slot in _adapted(chunks, cfg, coords, prefix, slot_of):
         a, b = module.lora_A.detach().float(), module.lora_B.detach().float()
         if slot.kind in _ROW_KINDS:
             a_full, bs = torch.cat(tp_shards(a, coords), 1), {slot.hf_names[0]: b}
@@ -125,7 +141,14 @@ def save_peft(
                 tensors[f"{_PEFT_PREFIX}{name}"] = t.detach().float().contiguous().cpu()
         out.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-        names = sorted({key.rsplit(".", 1)[-1] for key in ranks})
+        as_parameter = as_parameter or (lambda key: None)
+        by_parameter = {key: as_parameter(key) for key in ranks}
+        names = sorted({key.rsplit(".", 1)[-1] for key, p in by_parameter.items() if p is None})
+        parameters = sorted({p for p in by_parameter.values() if p is not None})
+
+        def pattern(key: str) -> str:
+            return key if by_parameter[key] is None else f"{key}.weight"
+
         targets: list[str] | str = names
         if scoped_targets:  # PEFT full-matches a string against every module name
             targets = rf"{re.escape(prefix)}layers\.\d+\.\w+\.(?:{'|'.join(names)})"
@@ -143,10 +166,12 @@ def save_peft(
             "use_rslora": False,
             "use_dora": False,
             "modules_to_save": sorted(modules_to_save) if modules_to_save else None,
+            **({"target_parameters": parameters} if parameters else {}),
             # Stacked adapters (see the module doc): their rank, and an alpha that keeps
             # their scale alpha / r.
-            "rank_pattern": {k: v for k, v in ranks.items() if v != rank},
-            "alpha_pattern": {k: scales[k] * v for k, v in ranks.items() if v != rank},
+            # (PEFT matches a parameter target's patterns against its weight's name.)
+            "rank_pattern": {pattern(k): v for k, v in ranks.items() if v != rank},
+            "alpha_pattern": {pattern(k): scales[k] * v for k, v in ranks.items() if v != rank},
         }
         (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if dist.is_initialized():
@@ -174,6 +199,12 @@ def read_peft(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.
     return config, load_file(str(weights))
 
 
+def _tp_rows(t: torch.Tensor, coords: RankCoords) -> torch.Tensor:
+    """This tensor-parallel rank's equal share of ``t``'s rows."""
+    per = t.shape[0] // coords.tp_size
+    return t[coords.tp_rank * per : (coords.tp_rank + 1) * per]
+
+
 @torch.no_grad()
 def load_peft(
     chunks: list[torch.nn.Module],
@@ -181,9 +212,11 @@ def load_peft(
     adapter_dir: str | Path,
     *,
     prefix: str = "model.",
+    slot_of: SlotFn | None = None,
 ) -> int:
     """Set every adapter of ``chunks`` (``apply_lora`` first) from a PEFT adapter; returns how
-    many were set. Each adapted linear's HF projections must be in the adapter."""
+    many were set. Each adapted linear's HF projections must be in the adapter. ``slot_of``:
+    as in ``save_peft``."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     config, tensors = read_peft(adapter_dir)
@@ -191,7 +224,7 @@ def load_peft(
     alphas = config.get("alpha_pattern") or {}
     arch, coords = cfg, rank_coords()
     count = 0
-    for module, slot in _adapted(chunks, cfg, coords, prefix):
+    for module, slot in _adapted(chunks, cfg, coords, prefix, slot_of):
         keys = [_module_key(n) for n in slot.hf_names]
         missing = [k for k in keys if f"{_PEFT_PREFIX}{k}.lora_A.weight" not in tensors]
         if missing:
@@ -220,7 +253,12 @@ def load_peft(
         def read(name: str, rows: Any, cols: Any, by_name: dict = by_name) -> torch.Tensor:
             return by_name[name][rows, slice(None) if cols == "tp" else cols]
 
-        b = by_name[slot.hf_names[0]] if row else shard_from_hf(slot, read, arch, coords)
+        if row:
+            b = by_name[slot.hf_names[0]]
+        elif slot.kind in ("column", "gate_up"):  # this rank's rows of each B, by B's height
+            b = torch.cat([_tp_rows(by_name[n], coords) for n in slot.hf_names], 0)
+        else:
+            b = shard_from_hf(slot, read, arch, coords)
         if row and coords.tp_size > 1:
             per = a_full.shape[1] // coords.tp_size
             a_full = a_full[:, coords.tp_rank * per : (coords.tp_rank + 1) * per]
@@ -237,4 +275,4 @@ def load_peft(
     return count
 
 
-__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "load_peft", "read_peft", "save_peft"]
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "SlotFn", "load_peft", "read_peft", "save_peft"]

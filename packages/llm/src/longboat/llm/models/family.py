@@ -69,6 +69,10 @@ class LLMFamily(Family):
     lora: bool = True
     """Whether the family takes ``lora.enabled=true`` (LoRA on its linears, the PEFT adapter
     export); False: refused at compose time."""
+    lora_targets: Any = None
+    """The family's LoRA targets (``LoRATargets``: the default ``lora.targets`` of a model
+    config and the problems of a given list); None: the Llama-style linears (core's default
+    ``lora.targets``), not checked."""
     notes: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -139,13 +143,14 @@ def decoder_family(
     weights: Any = None,
     flops: Callable[..., float] = flops_per_sample,
     lora: bool = True,
+    lora_targets: Any = None,
 ) -> LLMFamily:
     """The ``LLMFamily`` of a decoder: ``dialect`` names core's HF config dialect (default:
     the one of ``name``) or is a dialect of the family's own; ``layer_spec`` replaces the
     Llama-style layer. A family of another architecture also gives its ``schema`` (a
     ``DecoderModelConfig`` subclass), ``chunk_builder`` (``LLMFamily.chunk_builder``), HF
-    ``weights`` mapping (``HFDecoderAdapter.weights``), ``flops`` per sample and whether it
-    takes ``lora``."""
+    ``weights`` mapping (``HFDecoderAdapter.weights``), ``flops`` per sample, whether it
+    takes ``lora`` and its ``lora_targets`` (``LLMFamily.lora_targets``)."""
     if dialect is None or isinstance(dialect, str):
         dialect = hf_dialect(dialect or name)
     return LLMFamily(
@@ -161,6 +166,7 @@ def decoder_family(
         layer_spec_fn=layer_spec,
         chunk_builder=chunk_builder,
         lora=lora,
+        lora_targets=lora_targets,
     )
 
 

@@ -56,6 +56,8 @@ class TrainStep(MegatronStepEngine):
     """Why ``model.moe_aux_loss=auto`` trains with megatron's term here, if so."""
     experts_notice: str | None = None
     """Why ``model.moe_experts=auto`` runs megatron's per-expert loop here, if so."""
+    lora_notice: str | None = None
+    """What a LoRA run keeps frozen beyond the weights (DeepSeek-V3's expert bias), if so."""
     objective: Any = None
     """A ``train.megatron_schedule.StepObjective`` replacing the LM loss (e.g. DPO's), or
     None for next-token cross-entropy."""
@@ -198,12 +200,14 @@ def build_train_step(
     command line refuses such a device, ``check_precision_hardware``).
     ``model_overrides`` go to megatron's ``TransformerConfig`` (as in ``build_model``).
     """
+    from longboat.core.config.errors import ConfigError
     from longboat.core.megatron.engine import ddp
     from longboat.core.megatron.lora import apply_lora
     from longboat.kernels import adamw_master_step_
     from longboat.llm.build import aux_loss_layout, build_model
     from longboat.llm.moe_aux_loss import check_pooled_aux_loss, pooled_aux_loss_notice
     from longboat.llm.moe_experts import moe_experts_for_run
+    from longboat.llm.validate import lora_frozen_base, lora_target_problems
 
     if device is None:
         from longboat.core.device import get_accelerator
@@ -234,6 +238,11 @@ def build_train_step(
     aux_layout = aux_loss_layout(model_overrides)
     check_pooled_aux_loss(model_cfg, **aux_layout)
     aux_notice = pooled_aux_loss_notice(model_cfg, **aux_layout)
+    lora_notice = None
+    if lora is not None:
+        if bad := lora_target_problems(model_cfg, list(lora.targets)):
+            raise ConfigError(bad)
+        model_cfg, lora_notice = lora_frozen_base(model_cfg)
     model_cfg, experts_notice = moe_experts_for_run(model_cfg, lora)
     if fp8_recipe is not None:
         check_fp8_backend(model_cfg, device.type)
@@ -271,6 +280,7 @@ def build_train_step(
         graph_ready=cuda_graph,
         aux_loss_notice=aux_notice,
         experts_notice=experts_notice,
+        lora_notice=lora_notice,
         objective=objective,
     )
     step.use_one_pass(one_pass_adamw, adamw_master_step_)

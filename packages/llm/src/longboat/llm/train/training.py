@@ -288,8 +288,10 @@ class LLMTraining(MegatronTraining):
 
         cfg = self.cfg
         if cfg.lora.enabled:  # the adapters on their own, before export_hf merges them
-            from longboat.llm.peft import save_peft
+            from longboat.llm.peft import peft_export_problem, save_peft
 
+            self.adapter_note = peft_export_problem(self.model_cfg, cfg.lora.targets)
+        if cfg.lora.enabled and self.adapter_note is None:
             self.adapter_dir = save_peft(
                 self.step_fn.chunks,
                 self.model_cfg,
@@ -343,6 +345,8 @@ class LLMTraining(MegatronTraining):
             lines.append(self.step_fn.aux_loss_notice)
         if self.step_fn.experts_notice:
             lines.append(self.step_fn.experts_notice)
+        if self.step_fn.lora_notice:
+            lines.append(self.step_fn.lora_notice)
         return lines
 
     def lora_line(self) -> str:
@@ -380,6 +384,8 @@ class LLMTraining(MegatronTraining):
             lines.append(f"HF export:   {result.export_dir}")
         if getattr(self, "adapter_dir", None) is not None:
             lines.append(f"PEFT adapter: {self.adapter_dir} (peft.PeftModel.from_pretrained)")
+        if getattr(self, "adapter_note", None) is not None:
+            lines.append(f"PEFT adapter: not written ({self.adapter_note}).")
         prompt = self.cfg.llm.generate_prompt
         if not (self.is_main and result.export_dir is not None and prompt):
             return lines

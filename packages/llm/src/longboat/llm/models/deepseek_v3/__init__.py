@@ -5,6 +5,7 @@ from typing import Any
 
 from longboat.llm.models.deepseek_v3.config import FLAVORS, DeepseekV3Config
 from longboat.llm.models.deepseek_v3.hf_config import DIALECT
+from longboat.llm.models.deepseek_v3.lora import LORA_TARGETS
 from longboat.llm.models.family import decoder_family
 
 
@@ -50,5 +51,5 @@ FAMILY = decoder_family(
     chunk_builder=_build_chunks,
     weights=_Weights(),
     flops=_flops,
-    lora=False,  # its MLA linears have no LoRA targets and PEFT names yet
+    lora_targets=LORA_TARGETS,
 )
