@@ -229,6 +229,9 @@ class VLMTraining(MegatronTraining):
                 family=family.name,
                 supported=getattr(family.load(), "VISION_DATA_PARALLEL", False),
             )
+        from longboat.vlm.train.step import check_lr_scale
+
+        check_lr_scale(cfg.model.lr_scale, cfg.model.freeze)
         if cfg.data.name != "shapes" and not cfg.data.paths:
             raise ConfigError(
                 "no conversation files given",
@@ -290,6 +293,7 @@ class VLMTraining(MegatronTraining):
             cfg.optim,
             precision=self.precision,
             frozen=tuple(cfg.model.freeze),
+            lr_scale=dict(cfg.model.lr_scale),
             lora=cfg.lora,
             seed=cfg.train.seed,
             cuda_graph=cfg.train.cuda_graph is not False,
