@@ -485,6 +485,14 @@ class VLMTraining(MegatronTraining):
                 f"LoRA: rank {lo.rank}, alpha {lo.alpha:g} on {self.step_fn.lora_adapters} "
                 f"decoder linears ({', '.join(lo.targets)}); {trainable:,} trainable parameters."
             )
+        scaled = {c: f for c, f in self.cfg.model.lr_scale.items() if float(f) != 1.0}
+        if scaled:
+            lr = self.cfg.optim.lr
+            lines.append(
+                "Peak LR per component (model.lr_scale): "
+                + ", ".join(f"{c} {float(f) * lr:.3g}" for c, f in scaled.items())
+                + f", the rest {lr:.3g}."
+            )
         if self.step_fn.frozen_params:
             lines.append(
                 f"Frozen: {', '.join(self.cfg.model.freeze)} ({self.step_fn.frozen_params:,} "
