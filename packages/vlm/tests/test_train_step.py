@@ -62,6 +62,7 @@ def _worker(
     recompute: tuple[str, ...] = (),
     pp: int = 1,
     batch: list[dict[str, Any]] = BATCH,
+    lr_scale: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     from megatron.core import parallel_state as mps
 
@@ -81,7 +82,7 @@ def _worker(
         before = {c: [p.detach().clone() for p in component_params(model, c)] for c in
                   ("vision", "projector", "language")}  # fmt: skip
         optim = OptimConfig(lr=3e-3, weight_decay=0.0, grad_clip=1.0)
-        step = VLMTrainStep(model, optim, precision="fp32", frozen=frozen)
+        step = VLMTrainStep(model, optim, precision="fp32", frozen=frozen, lr_scale=lr_scale)
         dp, dp_rank = mps.get_data_parallel_world_size(), mps.get_data_parallel_rank()
         mine = batch[dp_rank::dp]
         losses = []
@@ -169,6 +170,35 @@ def test_frozen_components_do_not_move(hf_dir: Path) -> None:
     assert out["moved"]["vision"] == 0.0
     assert out["moved"]["projector"] == 0.0
     assert out["moved"]["language"] > 1e-4
+
+
+@pytest.mark.multiprocess
+def test_lr_scale_sets_each_components_step(hf_dir: Path) -> None:
+    """``model.lr_scale``: Adam's first update of a weight is ``lr * g / (|g| + eps)``, so the
+    largest move in each component is its own peak LR: 3e-3 for the decoder, a tenth of it
+    for the ViT blocks, a quarter for the projector."""
+    args = (hf_dir, 1, 1, (), (), 1, BATCH, {"vision": 0.1, "projector": 0.25})
+    (out,) = run_multiprocess(_worker, 1, *args, timeout=300)
+    moved = out["moved"]
+    assert moved["language"] == pytest.approx(3e-3, rel=1e-3)
+    assert moved["vision"] == pytest.approx(3e-4, rel=1e-3)
+    assert moved["projector"] == pytest.approx(7.5e-4, rel=1e-3)
+
+
+def test_lr_scale_is_checked_before_the_run() -> None:
+    from longboat.core.config.errors import ConfigError
+    from longboat.vlm.train.step import check_lr_scale
+
+    check_lr_scale({"vision": 0.1, "projector": 1})
+    for bad, frozen, key in (
+        ({"tower": 0.1}, (), "model.lr_scale.tower"),
+        ({"vision": 0.0}, (), "model.lr_scale.vision"),
+        ({"projector": "low"}, (), "model.lr_scale.projector"),
+        ({"vision": 0.1}, ("vision",), "model.lr_scale.vision"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            check_lr_scale(bad, frozen)
+        assert err.value.keys == [key], (bad, str(err.value))
 
 
 @pytest.mark.multiprocess

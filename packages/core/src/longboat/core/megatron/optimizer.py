@@ -81,8 +81,12 @@ def build_optimizer(
     *,
     precision: str = "fp32",
     distributed_optimizer: bool = False,
+    lr_scale: Mapping[str, tuple[Iterable[torch.nn.Parameter], float]] | None = None,
 ) -> Any:
     """megatron optimizer for ``optim`` (adamw / sgd), fp32 main params under bf16 / fp16.
+
+    ``lr_scale``: ``{name: (parameters, factor)}``, parameter sets that train at ``factor``
+    times ``optim.lr`` (``scaled_lr_groups``); the run's LR schedule scales them alike.
 
     ``optim.fused`` (default) runs torch's fused AdamW on CUDA when megatron falls back to
     torch's optimizer (no Transformer Engine / apex): see ``use_fused_torch_adamw``.
@@ -126,20 +130,31 @@ def build_optimizer(
         params_dtype=_PARAM_DTYPES[precision],
         use_distributed_optimizer=distributed_optimizer,
     )
-    optimizer = megatron_optimizer(cfg, ddp_chunks, fused=optim.fused)
+    optimizer = megatron_optimizer(cfg, ddp_chunks, fused=optim.fused, lr_scale=lr_scale)
     fuse_main_param_copies(optimizer)
     return optimizer
 
 
-def megatron_optimizer(cfg: Any, ddp_chunks: list[torch.nn.Module], *, fused: bool) -> Any:
+def megatron_optimizer(
+    cfg: Any,
+    ddp_chunks: list[torch.nn.Module],
+    *,
+    fused: bool,
+    lr_scale: Mapping[str, tuple[Iterable[torch.nn.Parameter], float]] | None = None,
+) -> Any:
     """megatron's optimizer for ``cfg`` (an ``OptimizerConfig``) over ``ddp_chunks`` as
     longboat runs it: each group's weight decay scaled by its ``wd_mult``
-    (``apply_weight_decay_multipliers``) and, with ``fused``, torch's fused AdamW on CUDA
-    (``use_fused_torch_adamw``)."""
+    (``apply_weight_decay_multipliers``), the parameter sets of ``lr_scale`` in groups of
+    their own learning rate (``scaled_lr_groups``) and, with ``fused``, torch's fused AdamW on
+    CUDA (``use_fused_torch_adamw``)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
-    optimizer = get_megatron_optimizer(cfg, ddp_chunks)
+    overrides = scaled_lr_groups(cfg, lr_scale) if lr_scale else None
+    optimizer = get_megatron_optimizer(cfg, ddp_chunks, config_overrides=overrides)
     apply_weight_decay_multipliers(optimizer, cfg.weight_decay)
+    for inner in inner_optimizers(optimizer):  # the schedule scales each group's start lr
+        for group in inner.param_groups:
+            group["lr"] = float(group.get("max_lr", cfg.lr))
     if fused:
         use_fused_torch_adamw(optimizer)
     return optimizer
@@ -204,6 +219,24 @@ def _fused_param_copy(part: Any) -> Any:
             torch._foreach_copy_(dst, src)
 
     return copy_main_params_to_model_params
+
+
+def scaled_lr_groups(
+    cfg: Any, lr_scale: Mapping[str, tuple[Iterable[torch.nn.Parameter], float]]
+) -> dict[Any, Any]:
+    """megatron's ``config_overrides``: its standard ones (no weight decay on biases and 1-D
+    parameters) and, for each ``name: (parameters, factor)`` of ``lr_scale``, a peak learning
+    rate of ``factor * cfg.lr`` for those parameters (matched by identity, so the names the
+    DDP wrapper gives them do not matter)."""
+    from megatron.core.optimizer import get_standard_config_overrides
+    from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
+
+    overrides = get_standard_config_overrides(cfg)
+    for name, (params, factor) in lr_scale.items():
+        ids = frozenset(id(p) for p in params)
+        match = ParamPredicate(name=f"lr_scale:{name}", fn=lambda p, ids=ids: id(p) in ids)
+        overrides[ParamKey(predicate=match)] = {"max_lr": float(factor) * cfg.lr}
+    return overrides
 
 
 def apply_weight_decay_multipliers(optimizer: Any, weight_decay: float) -> None:

@@ -29,6 +29,10 @@ class VLMModelConfig(ModelConfig):
     freeze: list[str] = field(default_factory=list)
     """Components that do not train: any of ``vision`` (the ViT blocks), ``projector`` (the
     patch merger; Qwen3-VL's deepstack mergers too), ``language`` (the decoder)."""
+    lr_scale: dict[str, float] = field(default_factory=dict)
+    """Learning-rate factors per component (``vision``, ``projector``, ``language``; the
+    others train at ``optim.lr``), e.g. ``{vision: 0.1, projector: 0.1}``: the vision tower and
+    projector at a tenth of the decoder's peak LR, the schedule's shape the same for all."""
     vision_tensor_parallel: int | None = None
     """Tensor-parallel size of the vision tower: null (the decoder's
     ``parallel.tensor_parallel``) or 1 under a TP decoder (Qwen-VL families, no pipeline

@@ -20,7 +20,7 @@ skip on the device) and the CUDA-graph step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -70,6 +70,26 @@ def freeze(model: Any, components: Sequence[str]) -> int:
     return n
 
 
+def check_lr_scale(lr_scale: Mapping[str, float], frozen: Sequence[str] = ()) -> None:
+    """Refuse a ``model.lr_scale`` that names an unknown or frozen component or a factor that
+    is not a positive number."""
+    for component, factor in lr_scale.items():
+        key = f"model.lr_scale.{component}"
+        if component not in COMPONENTS:
+            raise ConfigError("is not a component", key=key, fix=f"use one of {list(COMPONENTS)}")
+        if component in frozen:
+            raise ConfigError(
+                "scales the learning rate of a component model.freeze freezes",
+                key=key,
+                fix=f"drop {component} from model.lr_scale or from model.freeze",
+            )
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
+            raise ConfigError(
+                "must be a positive number", key=key, value=factor,
+                fix="e.g. 0.1 (a tenth of optim.lr)",
+            )  # fmt: skip
+
+
 MODEL_INPUTS = (
     "input_ids",
     "position_ids",
@@ -91,6 +111,7 @@ class VLMTrainStep(MegatronStepEngine):
         *,
         precision: str,
         frozen: Sequence[str] = (),
+        lr_scale: Mapping[str, float] | None = None,
         lora: Any = None,
         seed: int = 0,
         cuda_graph: bool = False,
@@ -104,9 +125,16 @@ class VLMTrainStep(MegatronStepEngine):
         self.frozen_params = freeze(model, frozen) if frozen else 0
         (self.ddp,) = wrap_ddp([model], distributed_optimizer=True, side_stream=cuda_graph)
         self.graph_ready = cuda_graph
+        # Components at their own peak LR (model.lr_scale); with LoRA only its adapters train.
+        scaled = {
+            c: ([p for p in component_params(model, c) if p.requires_grad], float(f))
+            for c, f in (lr_scale or {}).items()
+            if float(f) != 1.0
+        }
         self.optimizer = build_optimizer(
-            [self.ddp], optim, precision=precision, distributed_optimizer=True
-        )
+            [self.ddp], optim, precision=precision, distributed_optimizer=True,
+            lr_scale={c: v for c, v in scaled.items() if v[0]} or None,
+        )  # fmt: skip
         self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
             precision
         ]

@@ -244,6 +244,9 @@ class VLMTraining(MegatronTraining):
                 family=family.name,
                 supported=getattr(family.load(), "VISION_DATA_PARALLEL", False),
             )
+        from longboat.vlm.train.step import check_lr_scale
+
+        check_lr_scale(cfg.model.lr_scale, cfg.model.freeze)
         if cfg.data.name != "shapes" and not cfg.data.paths:
             raise ConfigError(
                 "no conversation files given",
@@ -322,6 +325,7 @@ class VLMTraining(MegatronTraining):
             cfg.optim,
             precision=self.precision,
             frozen=tuple(cfg.model.freeze),
+            lr_scale=dict(cfg.model.lr_scale),
             lora=cfg.lora,
             seed=cfg.train.seed,
             cuda_graph=cfg.train.cuda_graph is not False,
@@ -515,6 +519,14 @@ class VLMTraining(MegatronTraining):
             lines.append(
                 f"LoRA: rank {lo.rank}, alpha {lo.alpha:g} on {self.step_fn.lora_adapters} "
                 f"decoder linears ({', '.join(lo.targets)}); {trainable:,} trainable parameters."
+            )
+        scaled = {c: f for c, f in self.cfg.model.lr_scale.items() if float(f) != 1.0}
+        if scaled:
+            lr = self.cfg.optim.lr
+            lines.append(
+                "Peak LR per component (model.lr_scale): "
+                + ", ".join(f"{c} {float(f) * lr:.3g}" for c, f in scaled.items())
+                + f", the rest {lr:.3g}."
             )
         if self.step_fn.frozen_params:
             lines.append(
