@@ -538,6 +538,32 @@ def test_sparse_attention_trains_through_the_cli_and_exports_v32(tmp_path: Path)
     assert (hf_logits(tmp_path / "hf", tokens) - ours).abs().max().item() <= TOL
 
 
+def test_the_indexer_key_norm_runs_bf16_keys_on_fp32_weights_in_fp32() -> None:
+    """The indexer's key LayerNorm keeps fp32 weights (as megatron builds torch norms) and
+    takes bf16 keys, which CUDA's layer_norm refuses mixed: it normalises in fp32 and
+    returns the key's dtype, equal to the fp32 norm rounded once."""
+    from longboat.llm.models.deepseek_v3.model import IndexerKeyNorm
+
+    norm = IndexerKeyNorm(config=None, hidden_size=16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
+        norm.bias.uniform_(-0.1, 0.1, generator=torch.Generator().manual_seed(2))
+    k = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    out = norm(k)
+    ref = torch.nn.functional.layer_norm(k.float(), (16,), norm.weight, norm.bias, 1e-6)
+    assert norm.weight.dtype == torch.float32 and out.dtype == torch.bfloat16
+    assert torch.equal(out, ref.to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_sparse_attention_trains_in_bf16_on_cuda(tmp_path: Path) -> None:
+    """V3.2 on the DSA kernels in bf16 on CUDA (the CLI's GPU defaults): two steps train."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    argv = _two_steps(tmp_path, "model=deepseek_v3_v32_tiny", "train.precision=bf16")
+    _trained_rows(tmp_path, argv)
+
+
 def test_sparse_attention_counts_the_indexer_and_only_the_chosen_keys() -> None:
     from transformers import AutoModelForCausalLM
 

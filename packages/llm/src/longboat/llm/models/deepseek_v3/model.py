@@ -120,6 +120,22 @@ class DuplicatedLinear(torch.nn.Linear):
         return super().forward(x), None
 
 
+class IndexerKeyNorm(torch.nn.LayerNorm):
+    """The lightning indexer's key LayerNorm (built as megatron builds its torch norms:
+    ``norm(config=, hidden_size=, eps=)``, weights in fp32), computed in fp32 and returned in
+    the key's dtype: CUDA's layer_norm takes no bf16 input with fp32 weights."""
+
+    def __init__(self, *, config: Any, hidden_size: int, eps: float) -> None:
+        super().__init__(hidden_size, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        w, b = self.weight, self.bias
+        out = torch.nn.functional.layer_norm(
+            x.float(), self.normalized_shape, w.float(), b.float(), self.eps
+        )
+        return out.to(x.dtype)
+
+
 class LatentCoreAttention(torch.nn.Module):
     """Core attention of MLA on an injected kernel: the value head (``v_head_dim``) may be
     narrower than the query/key head; the kernel takes equal widths, so the values are
@@ -186,7 +202,6 @@ def _sparse_attention_spec(linear: Any, row: Any, norm: Any, kernels: bool) -> A
     lightning indexer picks ``index_topk`` keys per query; attention runs over those only);
     ``kernels``: the DSA core attention on longboat's Triton kernels where they apply
     (``sparse_attention.kernel_dsattention``)."""
-    from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
@@ -208,7 +223,7 @@ def _sparse_attention_spec(linear: Any, row: Any, norm: Any, kernels: bool) -> A
         submodules=DSAIndexerSubmodules(
             linear_wq_b=DuplicatedLinear,
             linear_wk=DuplicatedLinear,
-            k_norm=LocalSpecProvider().layer_norm(rms_norm=False, for_qk=True),
+            k_norm=IndexerKeyNorm,
             linear_weights_proj=DuplicatedLinear,
         ),
     )
