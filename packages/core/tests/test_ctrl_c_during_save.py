@@ -29,7 +29,8 @@ def _cfg(out: Path):
 
 
 def _ctrl_c_during_save(ckpt_dir: Path, step: int, times: int) -> threading.Thread:
-    """Send ``times`` SIGINTs while the save of ``step`` holds its shards in the temp folder."""
+    """Send ``times`` SIGINTs (0.05 s apart) while the save of ``step`` holds its shards in the
+    temp folder."""
 
     def watch() -> None:
         deadline = time.monotonic() + 120
@@ -37,7 +38,7 @@ def _ctrl_c_during_save(ckpt_dir: Path, step: int, times: int) -> threading.Thre
             if any((p / ".metadata").exists() for p in ckpt_dir.glob(f".tmp-step_{step:08d}-*")):
                 for _ in range(times):
                     os.kill(os.getpid(), signal.SIGINT)
-                    time.sleep(0.2)
+                    time.sleep(0.05)
                 return
             time.sleep(0.01)
 
@@ -59,6 +60,14 @@ def paused_saves(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(TEST_PAUSE_AT_ENV, "shards")
 
 
+@pytest.fixture
+def long_paused_saves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every save pauses 5 s once its shards are written: room for both SIGINTs inside the
+    save on a busy machine, where the watcher thread may wake late."""
+    monkeypatch.setenv(TEST_PAUSE_ENV, "5")
+    monkeypatch.setenv(TEST_PAUSE_AT_ENV, "shards")
+
+
 def test_ctrl_c_during_a_save_finishes_it_then_stops(
     tmp_path: Path, paused_saves: None, full_losses: list[float]
 ) -> None:
@@ -75,7 +84,7 @@ def test_ctrl_c_during_a_save_finishes_it_then_stops(
 
 
 def test_a_second_ctrl_c_interrupts_the_save_and_keeps_the_previous_checkpoint(
-    tmp_path: Path, paused_saves: None, full_losses: list[float]
+    tmp_path: Path, long_paused_saves: None, full_losses: list[float]
 ) -> None:
     out = tmp_path / "split"
     watcher = _ctrl_c_during_save(out / "checkpoints", 20, times=2)
