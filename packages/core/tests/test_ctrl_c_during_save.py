@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -61,11 +62,16 @@ def paused_saves(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def long_paused_saves(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every save pauses 5 s once its shards are written: room for both SIGINTs inside the
-    save on a busy machine, where the watcher thread may wake late."""
+def long_paused_saves(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every save pauses 5 s once its shards are written (room for both SIGINTs inside the
+    save on a busy machine, where the watcher thread may wake late), and SIGINT raises
+    KeyboardInterrupt as in a terminal: a process started in the background of a
+    non-interactive shell inherits SIGINT ignored, and Python then installs no handler."""
     monkeypatch.setenv(TEST_PAUSE_ENV, "5")
     monkeypatch.setenv(TEST_PAUSE_AT_ENV, "shards")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def test_ctrl_c_during_a_save_finishes_it_then_stops(
