@@ -182,17 +182,32 @@ def read_hf_config(source: str | Path | dict[str, Any]) -> Qwen3VLConfig:
         HF_MODEL_TYPE,
         fix="point at a Qwen3VLForConditionalGeneration checkpoint (Qwen3-VL dense)",
     )
+    return config_from_hf(hf, where, Qwen3VLConfig, name="Qwen3-VL")
+
+
+def config_from_hf(
+    hf: dict[str, Any],
+    where: str,
+    config_cls: type[Qwen3VLConfig],
+    *,
+    name: str,
+    text_overrides: dict[str, Any] | None = None,
+) -> Any:
+    """A Qwen3-VL-style model config (``config_cls``, whose ``decoder`` names the text
+    dialect) from a parsed ``config.json``: its text config (plus ``text_overrides``) through
+    that dialect with the M-RoPE sections, the tower's config and the token ids; validated."""
     text = dict(hf.get("text_config") or {})
     if not text:
-        raise ConfigError(f"{where}: no text_config", fix="a Qwen3-VL config.json has one")
+        raise ConfigError(f"{where}: no text_config", fix=f"a {name} config.json has one")
     text, section = mrope_from_text_config(text, where)
-    text["model_type"] = "qwen3"
+    text["model_type"] = config_cls.decoder
+    text.update(text_overrides or {})
     text["tie_word_embeddings"] = bool(
         hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     )
-    language = dataclasses.replace(hf_dialect("qwen3").from_hf_config(text), mrope_section=section)
-    cfg = Qwen3VLConfig(
-        language=language,
+    language = hf_dialect(config_cls.decoder).from_hf_config(text)
+    cfg = config_cls(
+        language=dataclasses.replace(language, mrope_section=section),
         vision=Qwen3VisionConfig.from_hf(dict(hf.get("vision_config") or {})),
         image_token_id=int(hf.get("image_token_id", 151655)),
         video_token_id=int(hf.get("video_token_id", 151656)),
@@ -203,10 +218,9 @@ def read_hf_config(source: str | Path | dict[str, Any]) -> Qwen3VLConfig:
     return cfg
 
 
-def to_hf_config(cfg: Qwen3VLConfig) -> Any:
-    """``transformers.Qwen3VLConfig`` for ``cfg``."""
-    from transformers import Qwen3VLConfig as HFConfig
-
+def hf_text_config(cfg: Qwen3VLConfig) -> dict[str, Any]:
+    """The ``text_config`` of a Qwen3-VL-style HF config: the decoder's common fields with
+    the interleaved M-RoPE sections (tying is the outer config's)."""
     from longboat.core.megatron.hf_decoder_config import common_to_hf
 
     lang = cfg.language
@@ -217,14 +231,29 @@ def to_hf_config(cfg: Qwen3VLConfig) -> Any:
         "mrope_section": list(lang.mrope_section or []),
         "mrope_interleaved": True,
     }
-    return HFConfig(
-        text_config=text,
+    return text
+
+
+def hf_outer_fields(cfg: Qwen3VLConfig) -> dict[str, Any]:
+    """The outer HF config's fields besides ``text_config`` and ``architectures``: the
+    tower's config, the token ids and tying."""
+    return dict(
         vision_config=cfg.vision.to_hf(),
         image_token_id=cfg.image_token_id,
         video_token_id=cfg.video_token_id,
         vision_start_token_id=cfg.vision_start_token_id,
         vision_end_token_id=cfg.vision_end_token_id,
-        tie_word_embeddings=lang.tie_embeddings,
+        tie_word_embeddings=cfg.language.tie_embeddings,
+    )
+
+
+def to_hf_config(cfg: Qwen3VLConfig) -> Any:
+    """``transformers.Qwen3VLConfig`` for ``cfg``."""
+    from transformers import Qwen3VLConfig as HFConfig
+
+    return HFConfig(
+        text_config=hf_text_config(cfg),
+        **hf_outer_fields(cfg),
         architectures=["Qwen3VLForConditionalGeneration"],
     )
 

@@ -28,7 +28,6 @@ import torch
 
 from longboat.core.config.errors import ConfigError
 from longboat.core.megatron.decoder_flavors import decoder_flavor
-from longboat.core.megatron.hf_decoder_config import hf_dialect
 from longboat.vlm.models.common import (
     check_checkpoint_architecture,
     check_model_type,
@@ -39,7 +38,13 @@ from longboat.vlm.models.common import (
     save_decoder_and_tower,
     tower_hf_state,
 )
-from longboat.vlm.models.qwen3_vl.model import QWEN3_VL_MROPE, Qwen3VLConfig, mrope_from_text_config
+from longboat.vlm.models.qwen3_vl.model import (
+    QWEN3_VL_MROPE,
+    Qwen3VLConfig,
+    config_from_hf,
+    hf_outer_fields,
+    hf_text_config,
+)
 from longboat.vlm.models.qwen3_vl.vision_config import Qwen3VisionConfig, vision_flavor
 
 if TYPE_CHECKING:  # megatron is imported when a model is built, not to read a config
@@ -78,42 +83,18 @@ def read_hf_config(source: str | Path | dict[str, Any]) -> Qwen3VLMoeConfig:
     check_model_type(
         hf, where, HF_MODEL_TYPE, fix="point at a Qwen3VLMoeForConditionalGeneration checkpoint"
     )
-    text = dict(hf.get("text_config") or {})
-    if not text:
-        raise ConfigError(f"{where}: no text_config", fix="a Qwen3-VL-MoE config.json has one")
-    text, section = mrope_from_text_config(text, where)
-    text["model_type"] = "qwen3_moe"
-    text["norm_topk_prob"] = True  # transformers' Qwen3-VL-MoE router has no switch
-    text["tie_word_embeddings"] = bool(
-        hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    # transformers' Qwen3-VL-MoE router has no switch: it always renormalises the top-k
+    return config_from_hf(
+        hf, where, Qwen3VLMoeConfig, name="Qwen3-VL-MoE", text_overrides={"norm_topk_prob": True}
     )
-    language = hf_dialect("qwen3_moe").from_hf_config(text)
-    cfg = Qwen3VLMoeConfig(
-        language=dataclasses.replace(language, mrope_section=section),
-        vision=Qwen3VisionConfig.from_hf(dict(hf.get("vision_config") or {})),
-        image_token_id=int(hf.get("image_token_id", 151655)),
-        video_token_id=int(hf.get("video_token_id", 151656)),
-        vision_start_token_id=int(hf.get("vision_start_token_id", 151652)),
-        vision_end_token_id=int(hf.get("vision_end_token_id", 151653)),
-    )
-    cfg.validate()
-    return cfg
 
 
 def to_hf_config(cfg: Qwen3VLMoeConfig) -> Any:
     """``transformers.Qwen3VLMoeConfig`` for ``cfg``."""
     from transformers import Qwen3VLMoeConfig as HFConfig
 
-    from longboat.core.megatron.hf_decoder_config import common_to_hf
-
     lang = cfg.language
-    text = common_to_hf(lang)
-    text.pop("tie_word_embeddings")
-    text["rope_parameters"] = {
-        **text["rope_parameters"],
-        "mrope_section": list(lang.mrope_section or []),
-        "mrope_interleaved": True,
-    }
+    text = hf_text_config(cfg)
     text.update(
         num_experts=lang.num_experts,
         num_experts_per_tok=lang.moe_topk,
@@ -124,12 +105,7 @@ def to_hf_config(cfg: Qwen3VLMoeConfig) -> Any:
     )
     return HFConfig(
         text_config=text,
-        vision_config=cfg.vision.to_hf(),
-        image_token_id=cfg.image_token_id,
-        video_token_id=cfg.video_token_id,
-        vision_start_token_id=cfg.vision_start_token_id,
-        vision_end_token_id=cfg.vision_end_token_id,
-        tie_word_embeddings=lang.tie_embeddings,
+        **hf_outer_fields(cfg),
         architectures=["Qwen3VLMoeForConditionalGeneration"],
     )
 
