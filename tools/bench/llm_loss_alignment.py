@@ -5,9 +5,11 @@
 
 A seeded fp32 ``transformers`` model of llm_throughput's shape (``--shape``: ``LlamaForCausalLM``
 for the 886M shape, ``Qwen3ForCausalLM`` for ``qwen3_1_7b``, ``Qwen3MoeForCausalLM`` for
-``qwen3_moe_4l``) is saved with ``save_pretrained``; longboat starts from it
-(``model.init_from``), the reference loads it again. For the MoE shape both sides train with
-the load-balancing term in the objective and the curves are the LM losses.
+``qwen3_moe_4l``, ``DeepseekV3ForCausalLM`` for ``moonlight_4l``) is saved with
+``save_pretrained``; longboat starts from it (``model.init_from``), the reference loads it
+again. For the Qwen3-MoE shape both sides train with the load-balancing term in the objective
+and the curves are the LM losses; for the DeepSeek-V3 shape both train without one and with a
+fixed routing bias, as transformers' model does (``routing_overrides``).
 
 - ``longboat``: ``longboat-llm train experiment=quickstart`` with llm_throughput's shape and
   batch, ``--steps`` steps, its own data (``data=quickstart``: the shipped text under a BPE of at
@@ -58,6 +60,15 @@ def data_overrides(c: dict[str, int], cache: Path) -> list[str]:
             f"data.vocab_size={min(1024, c['vocab'])}", f"data.out_dir={cache}"]  # fmt: skip
 
 
+def routing_overrides(c: dict[str, Any]) -> list[str]:
+    """DeepSeek-V3 shapes: transformers' ``DeepseekV3ForCausalLM`` trains with a fixed routing
+    bias and no balance loss, so longboat runs with the aux-loss-free bias update and the
+    sequence-wise loss off for the comparison (both are on in its defaults)."""
+    if c.get("family") != "deepseek_v3":
+        return []
+    return ["model.moe_router_bias_update_rate=0", "model.moe_aux_loss_coeff=0"]
+
+
 def shape(
     tiny: bool, micro_batch: int | None = None, seq: int | None = None, name: str = "886m"
 ) -> dict[str, int]:
@@ -67,6 +78,8 @@ def shape(
     c = dict(base, micro_batch=micro_batch or (2 if tiny else 4))
     if tiny:
         c["vocab"] = 512
+        if "flavor" in c:  # a flavor keeps its own vocabulary unless a key sets it
+            c["keys"] = [*c.get("keys", []), "model.vocab_size=512"]
     return {**c, "seq": seq or c["seq"]}
 
 
@@ -138,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             *lt.shape_overrides(c),
             *lt.moe_overrides(c),
             *data_overrides(c, cache),
+            *routing_overrides(c),
             *extra,
             f"model.init_from={hf_dir}",
         ]

@@ -131,6 +131,25 @@ def test_tiny_moe_loss_alignment_matches_hf(tmp_path: Path, quickstart_dir: Path
     assert curves["longboat"][0] == pytest.approx(curves["reference"][0], abs=1e-4)
 
 
+@pytest.mark.slow
+def test_tiny_deepseek_v3_loss_alignment_matches_hf(tmp_path: Path, quickstart_dir: Path) -> None:
+    """``--shape moonlight_4l``: the same from one ``DeepseekV3ForCausalLM`` (MLA, shared and
+    routed experts, the dense first layer); longboat's bias update and balance loss are off
+    as transformers trains: fp32 on the CPU, the curves agree to float32 rounding (1e-6
+    measured; 1.9e-3 after 5 steps with both on)."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "align.json"
+    run_script("llm_loss_alignment.py", ["--out", str(out), "--tiny", "--shape", "moonlight_4l",
+               "--steps", "8", "--data-dir", str(quickstart_dir), "--results-dir", str(tmp_path),
+               "--override", "optim.schedule.warmup_steps=2"])  # fmt: skip
+    result = json.loads(out.read_text())
+    curves = {r["name"]: r["losses"] for r in result["runs"]}
+    assert "model.moe_router_bias_update_rate=0" in result["config"]["overrides"]
+    assert result["max_abs_loss_diff"] < 1e-5
+    assert curves["reference"][-1] < curves["reference"][0] - 0.1
+    assert curves["longboat"][0] == pytest.approx(curves["reference"][0], abs=1e-4)
+
+
 def test_noise_band_verdict() -> None:
     import bench_align
 
