@@ -118,7 +118,7 @@ def tests(session: nox.Session, package: str) -> None:
     """One package's default test run (no slow or GPU tests; tools: tools/*/tests)."""
     bin_dir = _test_env(session)
     tests_dir = TEST_DIRS[package]
-    args = session.posargs or ["-m", "not slow and not gpu"]
+    args = session.posargs or ["-m", "not slow and not gpu", "--durations=8"]
     session.run(
         str(bin_dir / "pytest"),
         str(tests_dir),
