@@ -214,3 +214,43 @@ def test_sparse_attention_backward_in_chunks_of_rows(dtype) -> None:  # type: ig
         for name, a, r in zip(("out", "dq", "dk"), grads[key], ref, strict=True):
             assert a.dtype == dtype and rel_err(a, r) <= TOL[dtype], (key, name, rel_err(a, r))
         assert torch.equal(grads[key][1], grads[("triton", None)][1]), key
+
+
+if ON_GPU:  # defined on CUDA only (the CPU run must skip nothing)
+
+    def _peak_above_start(fn):  # type: ignore[no-untyped-def]
+        """(result of ``fn()``, peak bytes allocated above what was allocated before)."""
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        result = fn()
+        torch.cuda.synchronize()
+        return result, torch.cuda.max_memory_allocated() - start
+
+    def test_indexer_holds_one_chunk_of_scores_at_32k() -> None:
+        """At 32K tokens ``indexer_topk`` allocates its int64 indices, one chunk of fp32
+        scores and that chunk's top-k temporaries (~1.2 GiB), not the 4 GiB score matrix."""
+        s, heads, d, topk = 32768, 64, 128, 2048
+        q, k = randn(1, s, heads, d, dtype=torch.bfloat16), randn(1, s, d, dtype=torch.bfloat16)
+        w = randn(1, s, heads, dtype=torch.bfloat16)
+        idx, peak = _peak_above_start(lambda: dsa.indexer_topk(q, k, w, topk, impl="triton"))
+        rows = dsa.CHUNK_ELEMENTS // s
+        bound = 8 * s * topk + 4 * dsa.CHUNK_ELEMENTS + 21 * rows * topk + (64 << 20)
+        assert peak <= bound < 4 * s * s, (peak, bound)
+        assert bool((idx[0, -1] >= 0).all()) and bool((idx[0, 0, 1:] == -1).all())
+
+    def test_sparse_backward_holds_no_fp32_dq_of_the_sequence() -> None:
+        """MLA's absorbed shape at 16K tokens (128 heads, 576-wide keys, 512-wide values,
+        2048 keys): the backward allocates dq in bf16, one chunk of fp32 dq and the fp32
+        dk / dv with their casts; the fp32 dq of the whole sequence (4.8 GB) and fp32 copies
+        of dO and O never exist."""
+        s, heads, dk, dv, topk = 16384, 128, 576, 512, 2048
+        q = randn(1, s, heads, dk, dtype=torch.bfloat16, scale=0.1).requires_grad_()
+        k = randn(1, s, dk, dtype=torch.bfloat16).requires_grad_()
+        idx = _indices(1, s, s, topk)
+        out = dsa.sparse_attention(q, k, k[..., :dv], idx, dk**-0.5, impl="triton")
+        dout = torch.randn_like(out)
+        _, peak = _peak_above_start(lambda: out.backward(dout))
+        bound = 2 * s * heads * dk + 4 * dsa.CHUNK_ELEMENTS + 12 * s * (dk + dv) + (64 << 20)
+        assert peak <= bound < 4 * s * heads * dk, (peak, bound)
+        assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
