@@ -153,3 +153,104 @@ def test_indexer_selection_drives_the_attention() -> None:
     got = dsa.sparse_attention(q, k, k[..., :dv], idx, 0.2, impl="triton")
     ref = dsa.sparse_attention_torch(q, k, k[..., :dv], ref_idx, 0.2)
     assert rel_err(got, ref) <= 1e-5
+
+
+CHUNKED_INDEXER = [  # b, sq, sk, index heads, head dim, topk, chunk rows
+    (2, 37, 37, 3, 16, 8, 10),  # chunks of 10 over 37 queries: the last one holds 7
+    (1, 23, 41, 2, 24, 30, 6),  # more keys than queries; topk above what early rows see
+    (1, 29, 17, 2, 16, 5, 4),  # fewer keys than queries: the first 12 queries see none
+    (2, 9, 9, 2, 16, 16, 1),  # one query a chunk, topk > sk
+]
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("shape", CHUNKED_INDEXER)
+def test_indexer_topk_in_chunks_selects_the_reference_keys(shape, impl) -> None:  # type: ignore[no-untyped-def]
+    """``indexer_topk`` over chunks of queries (chunks that do not divide the sequence, each
+    scored against its causal key prefix) selects the keys of the whole-matrix reference,
+    ``-1`` exactly where fewer than ``topk`` keys are visible; on Triton the same keys as
+    the unchunked kernel path, and chunk_rows=None (one chunk at these sizes) too (up to
+    ties: ReLU scores tie at 0)."""
+    b, sq, sk, heads, d, topk, rows = shape
+    torch.manual_seed(sq + sk + rows)
+    q, k, w = randn(b, sq, heads, d), randn(b, sk, d), randn(b, sq, heads)
+    idx = dsa.indexer_topk(q, k, w, topk, impl=impl, chunk_rows=rows)
+    ref_scores, ref_idx = dsa.lightning_indexer_torch(q, k, w, topk)
+    assert idx.dtype == torch.int64 and idx.shape == (b, sq, topk)
+    assert_same_selection(ref_scores, idx, ref_idx)
+    visible = torch.isfinite(ref_scores).sum(-1).clamp(max=topk)
+    assert torch.equal((idx >= 0).sum(-1), visible)
+    if sk < sq:
+        assert bool((idx[:, : sq - sk] == -1).all()), "queries that see no key select none"
+    if impl == "triton":
+        scores, whole = dsa.lightning_indexer(q, k, w, topk, impl="triton")
+        assert_same_selection(scores, idx, whole)
+        assert_same_selection(scores, dsa.indexer_topk(q, k, w, topk, impl="triton"), whole)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_attention_backward_in_chunks_of_rows(dtype) -> None:  # type: ignore[no-untyped-def]
+    """The backward launched over chunks of query rows (7 rows over 2 x 13: chunks that span
+    the two samples and do not divide them; one row a chunk) equals the dense masked
+    reference within the tolerance, and its dq equals the one-launch dq bit for bit (each
+    program owns its dq rows: the chunks change no sum); the output is a view of a
+    head-major buffer."""
+    b, s, heads, dk, dv, topk = 2, 13, 18, 40, 24, 6
+    torch.manual_seed(11)
+    q = randn(b, s, heads, dk, dtype=dtype).requires_grad_()
+    k = randn(b, s, dk, dtype=dtype).requires_grad_()
+    idx = _indices(b, s, s, topk)
+    grads = {}
+    for impl, rows in (("torch", None), ("triton", None), ("triton", 7), ("triton", 1)):
+        q.grad = k.grad = None
+        out = dsa.sparse_attention(q, k, k[..., :dv], idx, 0.25, impl=impl, chunk_rows=rows)
+        if impl == "triton":
+            assert out.permute(2, 0, 1, 3).is_contiguous(), "output not head-major"
+        gen = torch.Generator(device=DEVICE).manual_seed(2)
+        (out.float() * torch.randn(out.shape, device=DEVICE, generator=gen)).sum().backward()
+        grads[(impl, rows)] = (out.detach(), q.grad.clone(), k.grad.clone())
+    ref = grads[("torch", None)]
+    for key in (("triton", None), ("triton", 7), ("triton", 1)):
+        for name, a, r in zip(("out", "dq", "dk"), grads[key], ref, strict=True):
+            assert a.dtype == dtype and rel_err(a, r) <= TOL[dtype], (key, name, rel_err(a, r))
+        assert torch.equal(grads[key][1], grads[("triton", None)][1]), key
+
+
+if ON_GPU:  # defined on CUDA only (the CPU run must skip nothing)
+
+    def _peak_above_start(fn):  # type: ignore[no-untyped-def]
+        """(result of ``fn()``, peak bytes allocated above what was allocated before)."""
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        result = fn()
+        torch.cuda.synchronize()
+        return result, torch.cuda.max_memory_allocated() - start
+
+    def test_indexer_holds_one_chunk_of_scores_at_32k() -> None:
+        """At 32K tokens ``indexer_topk`` allocates its int64 indices, one chunk of fp32
+        scores and that chunk's top-k temporaries (~1.2 GiB), not the 4 GiB score matrix."""
+        s, heads, d, topk = 32768, 64, 128, 2048
+        q, k = randn(1, s, heads, d, dtype=torch.bfloat16), randn(1, s, d, dtype=torch.bfloat16)
+        w = randn(1, s, heads, dtype=torch.bfloat16)
+        idx, peak = _peak_above_start(lambda: dsa.indexer_topk(q, k, w, topk, impl="triton"))
+        rows = dsa.CHUNK_ELEMENTS // s
+        bound = 8 * s * topk + 4 * dsa.CHUNK_ELEMENTS + 21 * rows * topk + (64 << 20)
+        assert peak <= bound < 4 * s * s, (peak, bound)
+        assert bool((idx[0, -1] >= 0).all()) and bool((idx[0, 0, 1:] == -1).all())
+
+    def test_sparse_backward_holds_no_fp32_dq_of_the_sequence() -> None:
+        """MLA's absorbed shape at 16K tokens (128 heads, 576-wide keys, 512-wide values,
+        2048 keys): the backward allocates dq in bf16, one chunk of fp32 dq and the fp32
+        dk / dv with their casts; the fp32 dq of the whole sequence (4.8 GB) and fp32 copies
+        of dO and O never exist."""
+        s, heads, dk, dv, topk = 16384, 128, 576, 512, 2048
+        q = randn(1, s, heads, dk, dtype=torch.bfloat16, scale=0.1).requires_grad_()
+        k = randn(1, s, dk, dtype=torch.bfloat16).requires_grad_()
+        idx = _indices(1, s, s, topk)
+        out = dsa.sparse_attention(q, k, k[..., :dv], idx, dk**-0.5, impl="triton")
+        dout = torch.randn_like(out)
+        _, peak = _peak_above_start(lambda: out.backward(dout))
+        bound = 2 * s * heads * dk + 4 * dsa.CHUNK_ELEMENTS + 12 * s * (dk + dv) + (64 << 20)
+        assert peak <= bound < 4 * s * heads * dk, (peak, bound)
+        assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()

@@ -1,10 +1,12 @@
 """DeepSeek-V3.2 sparse attention (DSA): the lightning indexer and attention over the
 selected keys, as Triton kernels with dense masked torch references.
 
-- :func:`lightning_indexer`: per-query causal key scores (Triton) and the ``topk`` best keys
-  (``torch.topk`` on those scores).
+- :func:`indexer_topk`: the ``topk`` best keys of each query (Triton scores, ``torch.topk``),
+  scored in chunks of queries so that the ``[b, sq, sk]`` score matrix never exists whole;
+  :func:`lightning_indexer`: the whole score matrix and the same keys.
 - :func:`sparse_attention`: attention of ``h`` query heads over one shared key/value head
-  restricted to the selected keys (MLA's absorbed form), forward and backward in Triton.
+  restricted to the selected keys (MLA's absorbed form), forward and backward in Triton; the
+  backward's fp32 dq exists one chunk of queries at a time.
 - ``*_torch``: the references (dense score matrices, masked), which the kernels are tested
   against.
 """
@@ -12,7 +14,12 @@ selected keys, as Triton kernels with dense masked torch references.
 import torch
 
 from longboat.kernels._dispatch import resolve_impl
-from longboat.kernels.dsa.indexer import indexer_scores_triton, lightning_indexer
+from longboat.kernels.dsa.indexer import (
+    CHUNK_ELEMENTS,
+    indexer_scores_triton,
+    indexer_topk,
+    lightning_indexer,
+)
 from longboat.kernels.dsa.reference import (
     causal_key_mask,
     indexer_scores_torch,
@@ -31,9 +38,11 @@ def runs_triton(*tensors: torch.Tensor, impl: str | None = None) -> bool:
 
 
 __all__ = [
+    "CHUNK_ELEMENTS",
     "causal_key_mask",
     "indexer_scores_torch",
     "indexer_scores_triton",
+    "indexer_topk",
     "lightning_indexer",
     "lightning_indexer_torch",
     "runs_triton",

@@ -10,10 +10,20 @@ softmax (running max, sum, fp32 accumulator). The key width ``dk`` is walked in
 ``BLOCK_DK`` chunks, so a width like MLA's 576 (512 + 64) is not padded to 1024; the value
 width is one ``next_pow2(dv)`` tile. The forward stores the log-sum-exp for the backward.
 
+The output is a ``[b, sq, h, dv]`` view of a head-major ``[h, b, sq, dv]`` buffer: a per-head
+projection after the attention (MLA's value up projection, a batched matmul over heads)
+reads it as ``[h, b * sq, dv]`` without a copy, so the attention's output and that
+projection's saved input are one tensor.
+
 Backward (one pass, the same grid): recompute the probabilities from the log-sum-exp,
-``ds = p * (dO . v - rowsum(dO * O))``; ``dq`` and the scattered ``dk`` / ``dv`` rows
-are accumulated with fp32 atomic adds (a key row is chosen by many queries), so on the GPU
-the gradients' last bits depend on the order the atomics land.
+``ds = p * (dO . v - rowsum(dO * O))`` (the row sums computed in the program from its
+``dO`` and ``O`` rows, in fp32); the scattered ``dk`` / ``dv`` rows are accumulated with
+fp32 atomic adds (a key row is chosen by many queries), so on the GPU their last bits
+depend on the order the atomics land. ``dq`` of a (query, head block) belongs to its one
+program; it is accumulated in fp32 over the program's key blocks, in chunks of query rows
+(``CHUNK_ELEMENTS`` fp32 elements of ``[rows, h, dk]``, one launch a chunk) into one
+reused buffer that is cast into the gradient after each launch, so no fp32 ``dq`` of the
+whole sequence exists (fp32 inputs accumulate straight into their gradient).
 
 Indices must be distinct within a row; ``-1`` (or any index outside ``[0, sk)``) is no key.
 Causality is the indexer's business: the kernel attends whatever is selected. A query with
@@ -26,6 +36,7 @@ import torch
 
 from longboat.kernels._dispatch import op, resolve_impl, triton_interpreter_on
 from longboat.kernels._triton import next_pow2, tl, triton
+from longboat.kernels.dsa.indexer import chunk_rows_for
 from longboat.kernels.dsa.reference import sparse_attention_torch
 
 Tensor = torch.Tensor
@@ -110,15 +121,18 @@ def _sparse_attn_fwd_kernel(
 
 @triton.jit
 def _sparse_attn_bwd_kernel(
-    Q, K, V, IDX, DO, LSE, DELTA, DQ, DK_, DV_,
+    Q, K, V, IDX, DO, OUT, LSE, DQ, DK_, DV_,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_vb, stride_vs,
-    stride_ib, stride_is, stride_dob, stride_dos, stride_doh,
-    SQ, H, SK, TOPK, DK, DV, scale,
+    stride_ib, stride_is, stride_dob, stride_dos, stride_doh, stride_ob, stride_os, stride_oh,
+    ROW0, SQ, H, SK, TOPK, DK, DV, scale,
     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    # DQ [b, sq, h, dk], DK_ [b, sk, dk], DV_ [b, sk, dv]: contiguous fp32, zero-filled.
-    row = tl.program_id(0).to(tl.int64)
+    # Program 0 of this launch is query row ROW0 of the flattened [b * sq] rows.
+    # DQ [rows of this launch, h, dk], DK_ [b, sk, dk], DV_ [b, sk, dv]: contiguous fp32,
+    # zero-filled.
+    local = tl.program_id(0).to(tl.int64)
+    row = ROW0 + local
     bi, qi = row // SQ, row % SQ
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
@@ -127,11 +141,14 @@ def _sparse_attn_bwd_kernel(
     q_row = Q + bi * stride_qb + qi * stride_qs
     k_base, v_base = K + bi * stride_kb, V + bi * stride_vb
     idx_row = IDX + bi * stride_ib + qi * stride_is
+    hv_ok = h_ok[:, None] & dv_ok[None, :]
     do = tl.load(DO + bi * stride_dob + qi * stride_dos + offs_h[:, None] * stride_doh
-                 + offs_dv[None, :], mask=h_ok[:, None] & dv_ok[None, :], other=0.0)  # fmt: skip
+                 + offs_dv[None, :], mask=hv_ok, other=0.0)  # fmt: skip
+    o = tl.load(OUT + bi * stride_ob + qi * stride_os + offs_h[:, None] * stride_oh
+                + offs_dv[None, :], mask=hv_ok, other=0.0)  # fmt: skip
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)  # rowsum(dO * O), fp32
     lse = tl.load(LSE + row * H + offs_h, mask=h_ok, other=float("inf"))
-    delta = tl.load(DELTA + row * H + offs_h, mask=h_ok, other=0.0)
-    dq_row = DQ + row * H * DK
+    dq_row = DQ + local * H * DK
     dk_base, dv_base = DK_ + bi * SK * DK, DV_ + bi * SK * DV
     for t0 in range(0, TOPK, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
@@ -172,15 +189,17 @@ def _unit_last(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch_args(q: Tensor, k: Tensor, v: Tensor) -> tuple[tuple[int, int], dict[str, object]]:
-    b, sq, h, _ = q.shape
-    grid = (b * sq, triton.cdiv(h, _BLOCK_H))
-    meta = dict(
+def _launch_meta(q: Tensor, v: Tensor) -> dict[str, object]:
+    return dict(
         BLOCK_H=_BLOCK_H, BLOCK_T=_BLOCK_T, BLOCK_DK=_BLOCK_DK,
         BLOCK_DV=max(16, next_pow2(v.shape[-1])), IEEE=_ieee_dots(q),
         num_warps=_NUM_WARPS,
     )  # fmt: skip
-    return grid, meta
+
+
+def _head_major(b: int, sq: int, h: int, dv: int, like: Tensor) -> Tensor:
+    """An uninitialised ``[b, sq, h, dv]`` view of a contiguous ``[h, b, sq, dv]`` buffer."""
+    return like.new_empty((h, b, sq, dv)).permute(1, 2, 0, 3)
 
 
 def _sparse_attn_fwd_impl(
@@ -189,17 +208,17 @@ def _sparse_attn_fwd_impl(
     b, sq, h, dk = q.shape
     sk, dv, topk = k.shape[1], v.shape[-1], indices.shape[-1]
     q, k, v, indices = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(indices)
-    out = torch.empty((b, sq, h, dv), device=q.device, dtype=q.dtype)
+    out = _head_major(b, sq, h, dv, q)
     lse = torch.empty((b, sq, h), device=q.device, dtype=torch.float32)
     if b * sq * h == 0:
         return out, lse
-    grid, meta = _launch_args(q, k, v)
+    grid = (b * sq, triton.cdiv(h, _BLOCK_H))
     _sparse_attn_fwd_kernel[grid](
         q, k, v, indices, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), indices.stride(0), indices.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        sq, h, sk, topk, dk, dv, scale, **meta,
+        sq, h, sk, topk, dk, dv, scale, **_launch_meta(q, v),
     )  # fmt: skip
     return out, lse
 
@@ -212,31 +231,43 @@ _sparse_attn_fwd = torch.library.custom_op("longboat::dsa_sparse_attention_fwd",
 @_sparse_attn_fwd.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float):
     b, sq, h, _ = q.shape
-    return q.new_empty((b, sq, h, v.shape[-1])), q.new_empty((b, sq, h), dtype=torch.float32)
+    return _head_major(b, sq, h, v.shape[-1], q), q.new_empty((b, sq, h), dtype=torch.float32)
 
 
 def _sparse_attn_bwd_impl(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, indices: Tensor, out: Tensor, lse: Tensor,
-    scale: float,
+    scale: float, chunk_rows: int,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     b, sq, h, dk = q.shape
     sk, dv, topk = k.shape[1], v.shape[-1], indices.shape[-1]
     q, k, v, indices = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(indices)
-    dout = _unit_last(dout)
-    delta = (dout.float() * out.float()).sum(-1).contiguous()  # [b, sq, h]
-    dq = torch.zeros((b, sq, h, dk), device=q.device, dtype=torch.float32)
+    dout, out, lse = _unit_last(dout), _unit_last(out), lse.contiguous()
+    dq = torch.empty((b, sq, h, dk), device=q.device, dtype=q.dtype)
     dk_ = torch.zeros((b, sk, dk), device=q.device, dtype=torch.float32)
     dv_ = torch.zeros((b, sk, dv), device=q.device, dtype=torch.float32)
-    if b * sq * h > 0:
-        grid, meta = _launch_args(q, k, v)
-        _sparse_attn_bwd_kernel[grid](
-            q, k, v, indices, dout, lse.contiguous(), delta, dq, dk_, dv_,
+    total = b * sq
+    if total * h == 0:
+        return dq.zero_(), dk_.to(k.dtype), dv_.to(v.dtype)
+    rows = min(total, chunk_rows_for(h * dk, chunk_rows or None))
+    flat_dq = dq.view(total, h, dk)
+    direct = q.dtype == torch.float32  # accumulate in the gradient itself
+    buf = None if direct else torch.empty((rows, h, dk), device=q.device, dtype=torch.float32)
+    meta = _launch_meta(q, v)
+    for r0 in range(0, total, rows):
+        n = min(rows, total - r0)
+        acc = flat_dq[r0 : r0 + n] if direct else buf[:n]
+        acc.zero_()
+        _sparse_attn_bwd_kernel[(n, triton.cdiv(h, _BLOCK_H))](
+            q, k, v, indices, dout, out, lse, acc, dk_, dv_,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), v.stride(0),
             v.stride(1), indices.stride(0), indices.stride(1),
             dout.stride(0), dout.stride(1), dout.stride(2),
-            sq, h, sk, topk, dk, dv, scale, **meta,
+            out.stride(0), out.stride(1), out.stride(2),
+            r0, sq, h, sk, topk, dk, dv, scale, **meta,
         )  # fmt: skip
-    return dq.to(q.dtype), dk_.to(k.dtype), dv_.to(v.dtype)
+        if not direct:
+            flat_dq[r0 : r0 + n].copy_(acc)
+    return dq, dk_.to(k.dtype), dv_.to(v.dtype)
 
 
 _sparse_attn_bwd = torch.library.custom_op("longboat::dsa_sparse_attention_bwd", mutates_args=())(
@@ -246,38 +277,44 @@ _sparse_attn_bwd = torch.library.custom_op("longboat::dsa_sparse_attention_bwd",
 
 @_sparse_attn_bwd.register_fake
 def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, indices: Tensor, out: Tensor,
-      lse: Tensor, scale: float):  # fmt: skip
+      lse: Tensor, scale: float, chunk_rows: int):  # fmt: skip
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 class _SparseAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, indices, scale):  # type: ignore[override]
+    def forward(ctx, q, k, v, indices, scale, chunk_rows):  # type: ignore[override]
         out, lse = op("dsa_sparse_attention_fwd", _sparse_attn_fwd_impl)(q, k, v, indices, scale)
         ctx.save_for_backward(q, k, v, indices, out, lse)
-        ctx.scale = scale
+        ctx.scale, ctx.chunk_rows = scale, chunk_rows
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, indices, out, lse = ctx.saved_tensors
         dq, dk, dv = op("dsa_sparse_attention_bwd", _sparse_attn_bwd_impl)(
-            dout, q, k, v, indices, out, lse, ctx.scale
+            dout, q, k, v, indices, out, lse, ctx.scale, ctx.chunk_rows
         )
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 def sparse_attention_triton(
-    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float
-) -> Tensor:
+    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float,
+    *, chunk_rows: int | None = None,
+) -> Tensor:  # fmt: skip
     """Triton sparse attention (forward + backward), same signature as
-    :func:`longboat.kernels.dsa.sparse_attention_torch`."""
-    return _SparseAttentionFn.apply(q, k, v, indices, float(scale))
+    :func:`longboat.kernels.dsa.sparse_attention_torch`; the output is a view of a
+    head-major buffer (module doc). ``chunk_rows``: query rows (of the flattened ``b * sq``)
+    a backward launch takes (None: as many as keep their fp32 dq within ``CHUNK_ELEMENTS``)."""
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"sparse_attention: chunk_rows must be >= 1, got {chunk_rows}")
+    return _SparseAttentionFn.apply(q, k, v, indices, float(scale), chunk_rows or 0)
 
 
 def sparse_attention(
-    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float, *, impl: str | None = None
-) -> Tensor:
+    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float, *, impl: str | None = None,
+    chunk_rows: int | None = None,
+) -> Tensor:  # fmt: skip
     """Attention of each query over its selected keys only (DSA's sparse attention).
 
     ``q [b, sq, h, dk]``; one key/value head shared by all query heads: ``k [b, sk, dk]``,
@@ -285,7 +322,9 @@ def sparse_attention(
     MLA's absorbed latent is); ``indices [b, sq, topk]`` integer, distinct per row, ``-1``
     for no key; ``scale`` multiplies ``q . k``. Returns ``[b, sq, h, dv]`` in q's dtype,
     softmax in fp32; gradients for ``q``, ``k``, ``v``. ``impl`` as every longboat kernel
-    (Triton on CUDA under ``auto``; ``torch``: the dense masked reference).
+    (Triton on CUDA under ``auto``; ``torch``: the dense masked reference). On Triton the
+    output is a view of a head-major ``[h, b, sq, dv]`` buffer and ``chunk_rows`` sets the
+    query rows of one backward launch (:func:`sparse_attention_triton`).
     """
     if q.dim() != 4 or k.dim() != 3 or v.dim() != 3 or indices.dim() != 3:
         raise ValueError(
@@ -306,7 +345,7 @@ def sparse_attention(
         )
     if resolve_impl(impl, q, k, v) == "torch":
         return sparse_attention_torch(q, k, v, indices, scale)
-    return sparse_attention_triton(q, k, v, indices, scale)
+    return sparse_attention_triton(q, k, v, indices, scale, chunk_rows=chunk_rows)
 
 
 __all__ = ["sparse_attention", "sparse_attention_triton"]

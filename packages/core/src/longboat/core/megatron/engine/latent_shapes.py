@@ -20,8 +20,9 @@ longboat layer kernels:
   ``longboat.kernels.dsa`` that CUDA devices run (and Triton's interpreter): the q up
   projection's output (its no-rope part is absorbed into the latent space), the absorbed
   query ``[tokens, heads, kv_lora_rank + rope]`` and the one latent key, the indexer's top-k
-  indices (int64), the sparse attention's output and log-sum-exp, the output's copy the
-  value up projection reads and that projection's output; the indexer itself runs without
+  indices (int64), the sparse attention's output (which the value up projection, a batched
+  matmul over heads, saves as its input: the kernel writes it head-major, so it is one
+  tensor) and log-sum-exp, and that projection's output; the indexer itself runs without
   grad and saves nothing (``index_loss_coeff`` = 0; its KL loss path is not estimated).
   Megatron's dense masked reference, which other devices run, is not what is planned;
 - the MLP: a dense SwiGLU as the GQA layer's; DeepSeekMoE's shared experts as a SwiGLU, the
@@ -31,11 +32,13 @@ longboat layer kernels:
   projection's input, one MoE layer, its final norm and a loss over megatron's logits path
   (fp32 ``[tokens, vocab]``).
 
-The backward's working set adds the attention's gradients (the sparse kernel's fp32 dq / dk
-/ dv beside their bf16 casts), counted over what is still saved when they exist (the layer's
-MLP activations are freed by then), and, with sparse attention, the indexer's fp32
-``[b, s, s]`` score matrix, which the forward (and a recomputed forward) holds for one layer
-while choosing its keys. The routers' expert-bias and token-count buffers (fp32, two per MoE
+The backward's working set adds the attention's gradients (the sparse kernel's dq in the
+weights' dtype, accumulated in fp32 one chunk of ``DSA_CHUNK_ELEMENTS`` at a time, and its
+fp32 dk / dv beside their casts), counted over what is still saved when they exist (the
+layer's MLP activations are freed by then), and, with sparse attention, the indexer's
+forward working set: its fp32 scores of one chunk of queries (``DSA_CHUNK_ELEMENTS`` at
+most) and that chunk's top-k temporaries, which the forward (and a recomputed forward)
+holds for one layer while choosing its keys. The routers' expert-bias and token-count buffers (fp32, two per MoE
 layer of ``experts`` elements) are buffers, not parameters: no gradient or optimizer state,
 a few kilobytes a layer; they are not counted.
 """
@@ -47,6 +50,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from longboat.core.megatron.engine.memory_plan import DecoderShapes
+
+DSA_CHUNK_ELEMENTS = 1 << 27
+"""fp32 elements of the chunks the DSA kernels work in (``longboat.kernels.dsa``'s
+``CHUNK_ELEMENTS``, which core does not import; a test holds the two equal): the indexer's
+scores of one chunk of queries, the sparse backward's fp32 dq of one chunk of rows."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,8 +212,8 @@ class LatentDecoderShapes(DecoderShapes):
         n += e * t * a * dv  # the output projection's input
         if self.index_topk is not None:  # the absorbed query, the latent key, the q up output
             n += e * t * a * (kv + rope) + e * t * (kv + rope) + e * t * a * qk
-            if recompute != "selective":  # indices; output, its copy for the v up, lse
-                n += 8 * t * self._keys() + 2 * e * t * a * kv + 4 * t * a
+            if recompute != "selective":  # indices; the output (the v up's input), lse
+                n += 8 * t * self._keys() + e * t * a * kv + 4 * t * a
             return n
         n += e * t * kv  # the normed kv latent
         if recompute == "selective":  # the core attention's inputs, values unpadded
@@ -283,22 +291,25 @@ class LatentDecoderShapes(DecoderShapes):
         return n
 
     def indexer_transient(self, micro_batch: int) -> int:
-        """The lightning indexer's forward working set (sparse attention): its fp32 causal
-        score matrix over every key, the top-k values and indices, its query heads."""
+        """The lightning indexer's forward working set (sparse attention): its query heads,
+        and for one chunk of queries (``DSA_CHUNK_ELEMENTS`` fp32 scores at most) the fp32
+        scores over the keys, the top-k values (fp32) and indices (int64), the indices with
+        ``-1`` filled in and the fill mask."""
         if self.index_topk is None:
             return 0
         t, s = self._tokens(micro_batch), self.seq_len // self.context_parallel
-        keys = self._keys()
+        rows = min(t, max(1, DSA_CHUNK_ELEMENTS // s))
         return (
-            4 * t * s
-            + 12 * t * keys
+            4 * rows * s
+            + 21 * rows * self._keys()
             + self.weight_bytes * t * self.index_heads * self.index_head_dim
         )
 
     def attention_backward(self, micro_batch: int, recompute: str) -> int:
         """The attention's backward working set: the gradient of its output and its kernel's
-        gradients (sparse: the fp32 dq / dk / dv the kernel accumulates and their bf16 casts;
-        dense: flash attention's dq / dk / dv at the padded width), plus, with selective
+        gradients (sparse: dq in the weights' dtype and, below fp32, the fp32 buffer of one
+        chunk of rows it is accumulated in; the fp32 dk / dv and their casts; dense: flash
+        attention's dq / dk / dv at the padded width), plus, with selective
         recompute, what the recomputed core attention holds again (sparse: the indices, the
         output and its log-sum-exp; dense: the padded output, its cut copy and the
         log-sum-exp)."""
@@ -306,7 +317,9 @@ class LatentDecoderShapes(DecoderShapes):
         kv = self.kv_lora_rank
         if self.index_topk is not None:
             latent = kv + self.qk_rope_head_dim
-            n = (4 + e) * t * (a * latent + latent + kv) + e * t * a * kv
+            n = e * t * a * kv + e * t * a * latent + (4 + e) * t * (latent + kv)
+            if e != 4:  # the fp32 dq of one chunk of rows
+                n += 4 * min(t, max(1, DSA_CHUNK_ELEMENTS // (a * latent))) * a * latent
             if recompute == "selective":
                 n += 8 * t * self._keys() + e * t * a * kv + 4 * t * a
             return n
@@ -346,4 +359,4 @@ def is_latent_attention(cfg: Any) -> bool:
     return getattr(cfg, "kv_lora_rank", None) is not None
 
 
-__all__ = ["LatentDecoderShapes", "is_latent_attention"]
+__all__ = ["DSA_CHUNK_ELEMENTS", "LatentDecoderShapes", "is_latent_attention"]

@@ -3,8 +3,10 @@
 ``KernelDSAttention`` is megatron's ``DSAttention`` whose common case (the absorbed MLA
 layout, one causal sequence per sample, no context or sequence parallelism, every layer
 choosing its own keys) runs on ``longboat.kernels.dsa``: the lightning-indexer kernel picks
-the keys and the Triton sparse attention attends them (forward and backward), never forming
-the ``[b, heads, s, s]`` score matrix. With the indexer's KL loss on
+the keys (in chunks of queries, never holding the whole ``[b, s, s]`` index scores) and the
+Triton sparse attention attends them (forward and backward), never forming the
+``[b, heads, s, s]`` score matrix; the value up projection is a batched matmul over heads
+that reads the attention's head-major output in place (it saves no copy of it). With the indexer's KL loss on
 (``index_loss_coeff`` > 0 while training), the keys and the loss come from megatron's
 reference indexer-loss path (it needs the dense indexer and attention distributions) and only
 the attention runs on the kernel. Where the Triton kernels cannot run (CPU tensors outside
@@ -49,7 +51,7 @@ def kernel_dsattention() -> type:
     )
     from megatron.core.utils import get_pg_size
 
-    from longboat.kernels.dsa import lightning_indexer, runs_triton, sparse_attention
+    from longboat.kernels.dsa import indexer_topk, runs_triton, sparse_attention
 
     class KernelDSAttention(DSAttention):
         """megatron's ``DSAttention`` with the indexer and sparse attention on longboat's
@@ -123,7 +125,7 @@ def kernel_dsattention() -> type:
                     reduce_group=None, avg_group=None,
                 )  # fmt: skip
             else:
-                _, indices = lightning_indexer(
+                indices = indexer_topk(
                     q.transpose(0, 1), k.transpose(0, 1), weights.transpose(0, 1),
                     self.index_topk, relu=relu,
                 )  # fmt: skip
@@ -133,8 +135,13 @@ def kernel_dsattention() -> type:
                 query.transpose(0, 1), latent, latent[..., : config.kv_lora_rank], indices,
                 self.softmax_scale,
             )  # fmt: skip
+            # [b, s, h, latent] over a head-major buffer: [h, b * s, latent] is a view, and
+            # the matmul saves it, not a copy; [h, b * s, v] -> [s, b, h * v]
+            heads = out.size(2)
             up_v = up_v_weight.to(device=query.device, dtype=query.dtype)
-            output = torch.einsum("bshc,hdc->sbhd", out, up_v).reshape(sq, b, -1)
+            per_head = out.permute(2, 0, 1, 3).reshape(heads, b * sq, -1)
+            values = torch.bmm(per_head, up_v.transpose(1, 2))
+            output = values.view(heads, b, sq, -1).permute(2, 1, 0, 3).reshape(sq, b, -1)
             if loss is not None:
                 output = DSAIndexerLossAutoScaler.apply(output, loss)
             return output
