@@ -7,10 +7,15 @@
 - ``_quant_blocks_kernel``: 128 x 128 blocks, one scale each (weights).
 - ``_quant_scaled_kernel``: the cast with one scale (tensorwise; the amax is a torch
   reduction before it).
-- ``_quant_dual_kernel``: a 128 x 128 tile read once and quantised twice, 1x128 along each
-  dimension, the second written transposed: an FP8 linear's ``x`` for the forward GEMM and
-  ``x^T`` for the weight gradient (and ``dy`` / ``dy^T`` in the backward) from one read.
+- ``_quant_dual_kernel``: a 128 x 128 tile quantised twice, 1x128 along each dimension, the
+  second written transposed: an FP8 linear's ``x`` for the forward GEMM and ``x^T`` for the
+  weight gradient (and ``dy`` / ``dy^T`` in the backward) from one program per tile.
   ``_quant_blocks_kernel`` with ``TRANS`` writes ``W^T``'s 128x128 operand the same way.
+
+The dual and blocks kernels walk their tile in chunks (``TileConfig``): a row-wise pass over
+``[sub_rows, 128]`` chunks and a column-wise pass over ``[128, sub_cols]`` chunks whose
+second read of the tile hits L2. Holding the whole tile in fp32 (64 values a thread at 8
+warps, times its temporaries) spilled registers and ran at a third of the memory bandwidth.
 
 The FP8 codes equal the torch reference's (``x / scale``, clamped to the format's range,
 rounded to nearest even). On the GPU the cast rounds; Triton's CPU interpreter converts to
@@ -21,12 +26,16 @@ FP8 with its own code, which loses the carry when rounding up crosses a power of
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from longboat.kernels._dispatch import triton_interpreter_on
 from longboat.kernels._triton import next_pow2, tl, triton
 
 Tensor = torch.Tensor
+_TILE = 128
+"""Side of the tiles of the dual and blocks kernels (``quantize.BLOCK``)."""
 
 
 @triton.jit
@@ -69,35 +78,131 @@ def _quant_groups_kernel(
     tl.store(S + r64 * stride_sr + pid_c * stride_sc, scale, mask=rmask)
 
 
+@dataclass(frozen=True)
+class TileConfig:
+    """How ``_quant_dual_kernel`` and ``_quant_blocks_kernel`` walk their 128 x 128 tile.
+
+    The tile is never held whole: a row-wise pass reads ``[sub_rows, 128]`` chunks, a
+    column-wise pass ``[128, sub_cols]`` chunks (its second read of the tile comes from L2),
+    so each thread holds ``128 * sub / (32 * num_warps)`` values of a chunk and nothing
+    spills. Candidates: ``TILE_CONFIGS``; the library's choice: ``DUAL_CONFIG`` and
+    ``BLOCKS_CONFIG`` (``tools/bench/fp8_quant.py`` times them all)."""
+
+    sub_rows: int
+    """Rows of a row-wise chunk (a power of two dividing 128)."""
+    sub_cols: int
+    """Columns of a column-wise chunk (a power of two dividing 128)."""
+    num_warps: int
+    """Warps of a program (one program per 128 x 128 tile)."""
+    trans_load: bool = True
+    """Column-wise chunks read as ``[sub_cols, 128]`` through transposed addresses, so their
+    FP8 codes are stored as laid out (each row of the transposed output gets 128 contiguous
+    bytes); False: read ``[128, sub_cols]`` and store through ``tl.trans``."""
+
+    @property
+    def name(self) -> str:
+        """``r<sub_rows>c<sub_cols>w<num_warps>`` (``t`` for ``trans_load``)."""
+        tail = "t" if self.trans_load else ""
+        return f"r{self.sub_rows}c{self.sub_cols}w{self.num_warps}{tail}"
+
+    def kernel_args(self) -> dict[str, object]:
+        """The launch arguments of this config (constexprs and ``num_warps``)."""
+        for n in (self.sub_rows, self.sub_cols):
+            if n < 1 or n > _TILE or _TILE % n:
+                raise ValueError(f"{self}: chunk sides must be powers of two dividing {_TILE}")
+        return {
+            "SUB": self.sub_rows,
+            "SUBC": self.sub_cols,
+            "TLOAD": self.trans_load,
+            "num_warps": self.num_warps,
+        }
+
+
+TILE_CONFIGS: tuple[TileConfig, ...] = (
+    TileConfig(16, 32, 8),
+    TileConfig(16, 32, 8, trans_load=False),
+    TileConfig(32, 32, 8),
+    TileConfig(16, 16, 4),
+    TileConfig(32, 64, 8),
+    TileConfig(8, 16, 4),
+)
+"""The configs a GPU benchmark picks from (``tools/bench/fp8_quant.py``)."""
+DUAL_CONFIG = TILE_CONFIGS[0]
+"""``_quant_dual_kernel``'s config: 256 threads; a ``[16, 128]`` bf16 row chunk is one
+16-byte load per thread (8 values, 8 fp32 registers a temporary), a ``[32, 128]`` column
+chunk two, so a program stays well under 64 registers a thread and 8 programs (2048
+threads) fit an SM: an ``[8192, 2048]`` input's 1024 tiles run in one wave on 132 SMs."""
+BLOCKS_CONFIG = TILE_CONFIGS[0]
+"""``_quant_blocks_kernel``'s config (both layouts); the same reasoning as ``DUAL_CONFIG``."""
+
+
 @triton.jit
 def _quant_blocks_kernel(
     X, Q, S,
     R, C,
     stride_xr, stride_xc, stride_sr,
     FMAX: tl.constexpr, FLOOR: tl.constexpr, B: tl.constexpr,
+    SUB: tl.constexpr, SUBC: tl.constexpr, TLOAD: tl.constexpr,
     ROUND: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, TRANS: tl.constexpr,
 ):  # fmt: skip
+    """One scale per ``[B, B]`` block of ``X`` ``[R, C]``: the amax over ``[SUB, B]`` row
+    chunks, then the codes chunk by chunk: ``Q`` ``[R, C]`` by row chunks, or with ``TRANS``
+    ``Q`` ``[C, R]`` (the operand of ``X^T``) by ``SUBC``-column chunks written transposed."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
-    rows = pid_r * B + tl.arange(0, B)
     cols = pid_c * B + tl.arange(0, B)
-    mask = (rows[:, None] < R) & (cols[None, :] < C)
-    r64 = rows.to(tl.int64)
-    x = tl.load(
-        X + r64[:, None] * stride_xr + cols[None, :].to(tl.int64) * stride_xc, mask=mask, other=0.0
-    ).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    scale = tl.maximum(amax, FLOOR) / FMAX
-    q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
-    if ROUND:
-        q = _round_to_grid(q, MANT, MIN_EXP)
+    cmask = cols < C
+    c64 = cols.to(tl.int64)
+    acc = tl.zeros([SUB, B], dtype=tl.float32)
+    for i in range(B // SUB):
+        rows = pid_r * B + i * SUB + tl.arange(0, SUB)
+        mask = (rows[:, None] < R) & cmask[None, :]
+        x = tl.load(
+            X + rows.to(tl.int64)[:, None] * stride_xr + c64[None, :] * stride_xc,
+            mask=mask, other=0.0,
+        ).to(tl.float32)  # fmt: skip
+        acc = tl.maximum(acc, tl.abs(x))
+    scale = tl.maximum(tl.max(tl.max(acc, axis=1), axis=0), FLOOR) / FMAX
     if TRANS:  # the operand of X^T: [C, R] row-major, block (pid_c, pid_r) of its scales
-        c64 = cols.to(tl.int64)
-        qt = tl.trans(q.to(Q.dtype.element_ty))
-        tl.store(Q + c64[:, None] * R + r64[None, :], qt, mask=tl.trans(mask))
+        rows = pid_r * B + tl.arange(0, B)
+        rmask = rows < R
+        r64 = rows.to(tl.int64)
+        for j in range(B // SUBC):
+            sc = pid_c * B + j * SUBC + tl.arange(0, SUBC)
+            scmask = sc < C
+            sc64 = sc.to(tl.int64)
+            if TLOAD:  # [SUBC, B]: rows of Q along the first axis
+                mask = scmask[:, None] & rmask[None, :]
+                x = tl.load(
+                    X + r64[None, :] * stride_xr + sc64[:, None] * stride_xc, mask=mask, other=0.0
+                ).to(tl.float32)
+                q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
+                if ROUND:
+                    q = _round_to_grid(q, MANT, MIN_EXP)
+                tl.store(Q + sc64[:, None] * R + r64[None, :], q.to(Q.dtype.element_ty), mask=mask)
+            else:  # [B, SUBC], transposed before the store
+                mask = rmask[:, None] & scmask[None, :]
+                x = tl.load(
+                    X + r64[:, None] * stride_xr + sc64[None, :] * stride_xc, mask=mask, other=0.0
+                ).to(tl.float32)
+                q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
+                if ROUND:
+                    q = _round_to_grid(q, MANT, MIN_EXP)
+                qt = tl.trans(q.to(Q.dtype.element_ty))
+                tl.store(Q + sc64[:, None] * R + r64[None, :], qt, mask=tl.trans(mask))
         tl.store(S + pid_c * stride_sr + pid_r, scale)
     else:
-        tl.store(Q + r64[:, None] * C + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
+        for i in range(B // SUB):
+            rows = pid_r * B + i * SUB + tl.arange(0, SUB)
+            r64 = rows.to(tl.int64)
+            mask = (rows[:, None] < R) & cmask[None, :]
+            x = tl.load(
+                X + r64[:, None] * stride_xr + c64[None, :] * stride_xc, mask=mask, other=0.0
+            ).to(tl.float32)
+            q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
+            if ROUND:
+                q = _round_to_grid(q, MANT, MIN_EXP)
+            tl.store(Q + r64[:, None] * C + c64[None, :], q.to(Q.dtype.element_ty), mask=mask)
         tl.store(S + pid_r * stride_sr + pid_c, scale)
 
 
@@ -107,37 +212,61 @@ def _quant_dual_kernel(
     R, C,
     stride_xr, stride_xc, stride_sr, stride_sc, stride_str, stride_stc,
     FMAX: tl.constexpr, FLOOR: tl.constexpr, B: tl.constexpr,
+    SUB: tl.constexpr, SUBC: tl.constexpr, TLOAD: tl.constexpr,
     ROUND: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr,
 ):  # fmt: skip
-    """One read of a ``[B, B]`` tile of ``X`` ``[R, C]``, two 1x128 quantisations: along C
-    (``Q`` ``[R, C]``, a scale per row of the tile) and along R, written transposed (``QT``
-    ``[C, R]``, a scale per column of the tile)."""
+    """Two 1x128 quantisations of a ``[B, B]`` tile of ``X`` ``[R, C]``: along C by
+    ``[SUB, B]`` row chunks (``Q`` ``[R, C]``, a scale per row of the tile), then along R by
+    ``[B, SUBC]`` column chunks, written transposed (``QT`` ``[C, R]``, a scale per column of
+    the tile). The column pass reads the tile again, from L2."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
-    rows = pid_r * B + tl.arange(0, B)
     cols = pid_c * B + tl.arange(0, B)
-    rmask = rows < R
     cmask = cols < C
-    mask = rmask[:, None] & cmask[None, :]
-    r64 = rows.to(tl.int64)
     c64 = cols.to(tl.int64)
-    x = tl.load(X + r64[:, None] * stride_xr + c64[None, :] * stride_xc, mask=mask, other=0.0).to(
-        tl.float32
-    )
-    ax = tl.abs(x)
-    s_row = tl.maximum(tl.max(ax, axis=1), FLOOR) / FMAX
-    q = tl.minimum(tl.maximum(x / s_row[:, None], -FMAX), FMAX)
-    if ROUND:
-        q = _round_to_grid(q, MANT, MIN_EXP)
-    tl.store(Q + r64[:, None] * C + c64[None, :], q.to(Q.dtype.element_ty), mask=mask)
-    tl.store(S + r64 * stride_sr + pid_c * stride_sc, s_row, mask=rmask)
-    s_col = tl.maximum(tl.max(ax, axis=0), FLOOR) / FMAX
-    qc = tl.minimum(tl.maximum(x / s_col[None, :], -FMAX), FMAX)
-    if ROUND:
-        qc = _round_to_grid(qc, MANT, MIN_EXP)
-    qt = tl.trans(qc.to(QT.dtype.element_ty))
-    tl.store(QT + c64[:, None] * R + r64[None, :], qt, mask=tl.trans(mask))
-    tl.store(ST + c64 * stride_str + pid_r * stride_stc, s_col, mask=cmask)
+    for i in range(B // SUB):
+        rows = pid_r * B + i * SUB + tl.arange(0, SUB)
+        rmask = rows < R
+        r64 = rows.to(tl.int64)
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(
+            X + r64[:, None] * stride_xr + c64[None, :] * stride_xc, mask=mask, other=0.0
+        ).to(tl.float32)
+        s_row = tl.maximum(tl.max(tl.abs(x), axis=1), FLOOR) / FMAX
+        q = tl.minimum(tl.maximum(x / s_row[:, None], -FMAX), FMAX)
+        if ROUND:
+            q = _round_to_grid(q, MANT, MIN_EXP)
+        tl.store(Q + r64[:, None] * C + c64[None, :], q.to(Q.dtype.element_ty), mask=mask)
+        tl.store(S + r64 * stride_sr + pid_c * stride_sc, s_row, mask=rmask)
+    rows = pid_r * B + tl.arange(0, B)
+    rmask = rows < R
+    r64 = rows.to(tl.int64)
+    for j in range(B // SUBC):
+        sc = pid_c * B + j * SUBC + tl.arange(0, SUBC)
+        scmask = sc < C
+        sc64 = sc.to(tl.int64)
+        if TLOAD:  # [SUBC, B]: a row of QT per row of the chunk
+            mask = scmask[:, None] & rmask[None, :]
+            x = tl.load(
+                X + r64[None, :] * stride_xr + sc64[:, None] * stride_xc, mask=mask, other=0.0
+            ).to(tl.float32)
+            s_col = tl.maximum(tl.max(tl.abs(x), axis=1), FLOOR) / FMAX
+            q = tl.minimum(tl.maximum(x / s_col[:, None], -FMAX), FMAX)
+            if ROUND:
+                q = _round_to_grid(q, MANT, MIN_EXP)
+            tl.store(QT + sc64[:, None] * R + r64[None, :], q.to(QT.dtype.element_ty), mask=mask)
+        else:  # [B, SUBC], transposed before the store
+            mask = rmask[:, None] & scmask[None, :]
+            x = tl.load(
+                X + r64[:, None] * stride_xr + sc64[None, :] * stride_xc, mask=mask, other=0.0
+            ).to(tl.float32)
+            s_col = tl.maximum(tl.max(tl.abs(x), axis=0), FLOOR) / FMAX
+            q = tl.minimum(tl.maximum(x / s_col[None, :], -FMAX), FMAX)
+            if ROUND:
+                q = _round_to_grid(q, MANT, MIN_EXP)
+            qt = tl.trans(q.to(QT.dtype.element_ty))
+            tl.store(QT + sc64[:, None] * R + r64[None, :], qt, mask=tl.trans(mask))
+        tl.store(ST + sc64 * stride_str + pid_r * stride_stc, s_col, mask=scmask)
 
 
 @triton.jit
@@ -173,12 +302,17 @@ def _grid_args(dtype: torch.dtype) -> dict[str, object]:
 
 
 def quantize_blocks_transposed_triton(
-    x: Tensor, scale: Tensor, dtype: torch.dtype, fmax: float, floor: float
+    x: Tensor,
+    scale: Tensor,
+    dtype: torch.dtype,
+    fmax: float,
+    floor: float,
+    config: TileConfig | None = None,
 ) -> Tensor:
     """The ``128x128`` quantisation of ``x^T`` from ``x`` ``[R, C]`` read row by row: the FP8
     ``[C, R]`` data (returned) and its scales written into ``scale`` (``[ceil(C/128),
     ceil(R/128)]``, the 128x128 layout of ``x^T``). Same codes and scales as quantising
-    ``x.t()``, without its strided reads."""
+    ``x.t()``, without its strided reads. ``config``: ``BLOCKS_CONFIG`` unless given."""
     rows, cols = x.shape
     q = torch.empty(cols, rows, device=x.device, dtype=dtype)
     if rows == 0 or cols == 0:
@@ -186,17 +320,25 @@ def quantize_blocks_transposed_triton(
     grid = (triton.cdiv(rows, 128), triton.cdiv(cols, 128))
     _quant_blocks_kernel[grid](
         x, q, scale, rows, cols, x.stride(0), x.stride(1), scale.stride(0),
-        FMAX=fmax, FLOOR=floor, B=128, num_warps=8, TRANS=True, **_grid_args(dtype),
+        FMAX=fmax, FLOOR=floor, B=_TILE, TRANS=True, **(config or BLOCKS_CONFIG).kernel_args(),
+        **_grid_args(dtype),
     )  # fmt: skip
     return q
 
 
 def quantize_dual_triton(
-    x: Tensor, scale: Tensor, scale_t: Tensor, dtype: torch.dtype, fmax: float, floor: float
+    x: Tensor,
+    scale: Tensor,
+    scale_t: Tensor,
+    dtype: torch.dtype,
+    fmax: float,
+    floor: float,
+    config: TileConfig | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The 1x128 quantisations of ``x`` ``[R, C]`` along C and of ``x^T`` along R in one
     pass: ``(data [R, C], data_t [C, R])``, the scales written into ``scale`` (``[R,
-    ceil(C/128)]``) and ``scale_t`` (``[C, ceil(R/128)]``) in the 1x128 layout."""
+    ceil(C/128)]``) and ``scale_t`` (``[C, ceil(R/128)]``) in the 1x128 layout. ``config``:
+    ``DUAL_CONFIG`` unless given."""
     rows, cols = x.shape
     q = torch.empty(rows, cols, device=x.device, dtype=dtype)
     qt = torch.empty(cols, rows, device=x.device, dtype=dtype)
@@ -206,16 +348,24 @@ def quantize_dual_triton(
     _quant_dual_kernel[grid](
         x, q, scale, qt, scale_t, rows, cols, x.stride(0), x.stride(1),
         scale.stride(0), scale.stride(1), scale_t.stride(0), scale_t.stride(1),
-        FMAX=fmax, FLOOR=floor, B=128, num_warps=8, **_grid_args(dtype),
+        FMAX=fmax, FLOOR=floor, B=_TILE, **(config or DUAL_CONFIG).kernel_args(),
+        **_grid_args(dtype),
     )  # fmt: skip
     return q, qt
 
 
 def quantize_triton(
-    x: Tensor, scale: Tensor, granularity: str, dtype: torch.dtype, fmax: float, floor: float
+    x: Tensor,
+    scale: Tensor,
+    granularity: str,
+    dtype: torch.dtype,
+    fmax: float,
+    floor: float,
+    config: TileConfig | None = None,
 ) -> Tensor:
     """Quantise ``x`` ``[R, C]`` into a new row-major FP8 tensor, writing the scales into
-    ``scale`` (allocated by the caller in the granularity's layout); returns the data."""
+    ``scale`` (allocated by the caller in the granularity's layout); returns the data.
+    ``config``: the 128x128 kernel's (``BLOCKS_CONFIG`` unless given)."""
     rows, cols = x.shape
     q = torch.empty(rows, cols, device=x.device, dtype=dtype)
     grid_args = _grid_args(dtype)
@@ -235,7 +385,8 @@ def quantize_triton(
         grid = (triton.cdiv(rows, 128), triton.cdiv(cols, 128))
         _quant_blocks_kernel[grid](
             x, q, scale, rows, cols, sx_r, sx_c, scale.stride(0),
-            FMAX=fmax, FLOOR=floor, B=128, num_warps=8, TRANS=False, **grid_args,
+            FMAX=fmax, FLOOR=floor, B=_TILE, TRANS=False,
+            **(config or BLOCKS_CONFIG).kernel_args(), **grid_args,
         )  # fmt: skip
     else:  # tensor
         # max |x| in one reduction over x as laid out (no |x| temporary; exact, like a max)
@@ -336,6 +487,10 @@ def _(x: Tensor, granularity: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 
 
 __all__ = [
+    "BLOCKS_CONFIG",
+    "DUAL_CONFIG",
+    "TILE_CONFIGS",
+    "TileConfig",
     "fp8_quantize_blocks_t_eager",
     "fp8_quantize_dual_eager",
     "fp8_quantize_eager",
