@@ -13,15 +13,18 @@
   ``_quant_blocks_kernel`` with ``TRANS`` writes ``W^T``'s 128x128 operand the same way.
 
 The dual and blocks kernels walk their tile in chunks (``TileConfig``): a row-wise pass over
-``[sub_rows, 128]`` chunks and a column-wise pass over ``[128, sub_cols]`` chunks whose
-second read of the tile hits L2. Holding the whole tile in fp32 (64 values a thread at 8
-warps, times its temporaries) spilled registers and ran at a third of the memory bandwidth.
+``[sub_rows, 128]`` chunks, then a column-wise pass whose second read of the tile hits L2.
+Holding the whole tile in fp32 (64 values a thread at 8 warps, and its temporaries) took
+149 registers a thread, so one 256-thread program ran per SM: a third of the memory
+bandwidth.
 
 The FP8 codes equal the torch reference's (``x / scale``, clamped to the format's range,
-rounded to nearest even). On the GPU the cast rounds; Triton's CPU interpreter converts to
-FP8 with its own code, which loses the carry when rounding up crosses a power of two (31.5
--> 16), so under the interpreter (``ROUND``) the kernels first round to the FP8 grid in fp32
-(``_round_to_grid``), leaving the cast exact.
+rounded to nearest even). Scales and quotients are IEEE divisions (``tl.math.div_rn``): on
+the GPU Triton's ``/`` on fp32 is ``div.full.f32``, within 2 ulp, which moves a scale by an
+ulp and a code across a rounding boundary now and then. On the GPU the cast rounds;
+Triton's CPU interpreter converts to FP8 with its own code, which loses the carry when
+rounding up crosses a power of two (31.5 -> 16), so under the interpreter (``ROUND``) the
+kernels first round to the FP8 grid in fp32 (``_round_to_grid``), leaving the cast exact.
 """
 
 from __future__ import annotations
@@ -70,70 +73,87 @@ def _quant_groups_kernel(
         X + r64[:, None] * stride_xr + cols[None, :].to(tl.int64) * stride_xc, mask=mask, other=0.0
     ).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.maximum(amax, FLOOR) / FMAX
-    q = tl.minimum(tl.maximum(x / scale[:, None], -FMAX), FMAX)
+    scale = tl.math.div_rn(tl.maximum(amax, FLOOR), FMAX)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FMAX), FMAX)
     if ROUND:
         q = _round_to_grid(q, MANT, MIN_EXP)
     tl.store(Q + r64[:, None] * C + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + r64 * stride_sr + pid_c * stride_sc, scale, mask=rmask)
 
 
+COLUMN_PASSES = ("load_t", "trans", "rows")
+"""How the column-wise pass of a ``TileConfig`` walks the tile (``TileConfig.column_pass``)."""
+
+
 @dataclass(frozen=True)
 class TileConfig:
     """How ``_quant_dual_kernel`` and ``_quant_blocks_kernel`` walk their 128 x 128 tile.
 
-    The tile is never held whole: a row-wise pass reads ``[sub_rows, 128]`` chunks, a
-    column-wise pass ``[128, sub_cols]`` chunks (its second read of the tile comes from L2),
-    so each thread holds ``128 * sub / (32 * num_warps)`` values of a chunk and nothing
-    spills. Candidates: ``TILE_CONFIGS``; the library's choice: ``DUAL_CONFIG`` and
-    ``BLOCKS_CONFIG`` (``tools/bench/fp8_quant.py`` times them all)."""
+    The tile is never held whole: a row-wise pass reads ``[sub_rows, 128]`` chunks and a
+    column-wise pass re-reads the tile (from L2) in chunks, so a thread holds a few values of
+    a chunk at a time. Candidates: ``TILE_CONFIGS``; the library's choice: ``DUAL_CONFIG``
+    and ``BLOCKS_CONFIG`` (``tools/bench/fp8_quant.py`` times them all)."""
 
     sub_rows: int
     """Rows of a row-wise chunk (a power of two dividing 128)."""
     sub_cols: int
-    """Columns of a column-wise chunk (a power of two dividing 128)."""
+    """Columns of a column-wise chunk (a power of two dividing 128; unused by ``rows``)."""
     num_warps: int
     """Warps of a program (one program per 128 x 128 tile)."""
-    trans_load: bool = True
-    """Column-wise chunks read as ``[sub_cols, 128]`` through transposed addresses, so their
-    FP8 codes are stored as laid out (each row of the transposed output gets 128 contiguous
-    bytes); False: read ``[128, sub_cols]`` and store through ``tl.trans``."""
+    column_pass: str = "load_t"
+    """``load_t``: ``[sub_cols, 128]`` chunks read through transposed addresses and stored
+    as laid out (each row of the transposed output gets 128 contiguous bytes); ``trans``:
+    ``[128, sub_cols]`` chunks stored through ``tl.trans``; ``rows``: the column amax is
+    gathered in the row-wise pass, then ``[sub_rows, 128]`` chunks are re-read and stored
+    through ``tl.trans`` (``sub_rows`` contiguous bytes a row of the output; fewest values
+    a thread)."""
 
     @property
     def name(self) -> str:
-        """``r<sub_rows>c<sub_cols>w<num_warps>`` (``t`` for ``trans_load``)."""
-        tail = "t" if self.trans_load else ""
-        return f"r{self.sub_rows}c{self.sub_cols}w{self.num_warps}{tail}"
+        """``r<sub_rows>c<sub_cols>w<num_warps>-<column_pass>`` (no ``c`` for ``rows``)."""
+        cols = "" if self.column_pass == "rows" else f"c{self.sub_cols}"
+        return f"r{self.sub_rows}{cols}w{self.num_warps}-{self.column_pass}"
 
     def kernel_args(self) -> dict[str, object]:
         """The launch arguments of this config (constexprs and ``num_warps``)."""
         for n in (self.sub_rows, self.sub_cols):
-            if n < 1 or n > _TILE or _TILE % n:
+            if n < 1 or n > _TILE or _TILE % n or n & (n - 1):
                 raise ValueError(f"{self}: chunk sides must be powers of two dividing {_TILE}")
+        if self.column_pass not in COLUMN_PASSES:
+            raise ValueError(f"{self}: column_pass must be one of {COLUMN_PASSES}")
         return {
             "SUB": self.sub_rows,
             "SUBC": self.sub_cols,
-            "TLOAD": self.trans_load,
+            "COLS": COLUMN_PASSES.index(self.column_pass),
             "num_warps": self.num_warps,
         }
 
 
 TILE_CONFIGS: tuple[TileConfig, ...] = (
-    TileConfig(16, 32, 8),
-    TileConfig(16, 32, 8, trans_load=False),
-    TileConfig(32, 32, 8),
-    TileConfig(16, 16, 4),
-    TileConfig(32, 64, 8),
-    TileConfig(8, 16, 4),
+    TileConfig(16, 16, 8, "rows"),
+    TileConfig(32, 32, 8, "rows"),
+    TileConfig(32, 32, 16, "rows"),
+    TileConfig(64, 64, 16, "rows"),
+    TileConfig(16, 8, 8, "load_t"),
+    TileConfig(16, 16, 8, "load_t"),
+    TileConfig(32, 16, 8, "load_t"),
+    TileConfig(16, 32, 8, "trans"),
 )
-"""The configs a GPU benchmark picks from (``tools/bench/fp8_quant.py``)."""
+"""The configs a GPU benchmark picks from (``tools/bench/fp8_quant.py``). Registers a thread
+(ptxas, sm_90a; dual / blocks / blocks transposed), in order: 48/34/42, 80/40/64, 57/34/39,
+64/40/47, 45/34/35, 62/34/48, 59/40/48, 78/34/47; none spills. The whole-tile kernels took
+149/89/94."""
 DUAL_CONFIG = TILE_CONFIGS[0]
-"""``_quant_dual_kernel``'s config: 256 threads; a ``[16, 128]`` bf16 row chunk is one
-16-byte load per thread (8 values, 8 fp32 registers a temporary), a ``[32, 128]`` column
-chunk two, so a program stays well under 64 registers a thread and 8 programs (2048
-threads) fit an SM: an ``[8192, 2048]`` input's 1024 tiles run in one wave on 132 SMs."""
-BLOCKS_CONFIG = TILE_CONFIGS[0]
-"""``_quant_blocks_kernel``'s config (both layouts); the same reasoning as ``DUAL_CONFIG``."""
+"""``_quant_dual_kernel``'s config: 256 threads, a ``[16, 128]`` bf16 chunk is one 16-byte
+load a thread; the column amax is gathered as the rows go by, so no chunk needs a
+reduction across warps of its own. 48 registers a thread: 5 programs (40 warps) an SM, 20
+KB of loads in flight an SM; the transposed codes leave in 16-byte pieces of a row, which
+L2 merges with the next chunk's."""
+BLOCKS_CONFIG = TILE_CONFIGS[6]
+"""``_quant_blocks_kernel``'s config (both layouts): ``[32, 128]`` row chunks (two 16-byte
+loads a thread; the weights' grids are small, 256 to 1536 blocks, so the bytes a program
+has in flight count more than programs an SM), ``[16, 128]`` transposed chunks for
+``W^T``'s codes (128 contiguous bytes a row); 40 and 48 registers a thread."""
 
 
 @triton.jit
@@ -142,12 +162,14 @@ def _quant_blocks_kernel(
     R, C,
     stride_xr, stride_xc, stride_sr,
     FMAX: tl.constexpr, FLOOR: tl.constexpr, B: tl.constexpr,
-    SUB: tl.constexpr, SUBC: tl.constexpr, TLOAD: tl.constexpr,
+    SUB: tl.constexpr, SUBC: tl.constexpr, COLS: tl.constexpr,
     ROUND: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, TRANS: tl.constexpr,
 ):  # fmt: skip
     """One scale per ``[B, B]`` block of ``X`` ``[R, C]``: the amax over ``[SUB, B]`` row
     chunks, then the codes chunk by chunk: ``Q`` ``[R, C]`` by row chunks, or with ``TRANS``
-    ``Q`` ``[C, R]`` (the operand of ``X^T``) by ``SUBC``-column chunks written transposed."""
+    ``Q`` ``[C, R]`` (the operand of ``X^T``) written transposed, by ``SUBC``-column chunks
+    (``COLS`` 0: read through transposed addresses, 1: through ``tl.trans``) or by row
+    chunks (``COLS`` 2)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     cols = pid_c * B + tl.arange(0, B)
@@ -162,8 +184,8 @@ def _quant_blocks_kernel(
             mask=mask, other=0.0,
         ).to(tl.float32)  # fmt: skip
         acc = tl.maximum(acc, tl.abs(x))
-    scale = tl.maximum(tl.max(tl.max(acc, axis=1), axis=0), FLOOR) / FMAX
-    if TRANS:  # the operand of X^T: [C, R] row-major, block (pid_c, pid_r) of its scales
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(acc, axis=1), axis=0), FLOOR), FMAX)
+    if TRANS and COLS != 2:  # the operand of X^T: [C, R] row-major, by column chunks
         rows = pid_r * B + tl.arange(0, B)
         rmask = rows < R
         r64 = rows.to(tl.int64)
@@ -171,12 +193,12 @@ def _quant_blocks_kernel(
             sc = pid_c * B + j * SUBC + tl.arange(0, SUBC)
             scmask = sc < C
             sc64 = sc.to(tl.int64)
-            if TLOAD:  # [SUBC, B]: rows of Q along the first axis
+            if COLS == 0:  # [SUBC, B]: rows of Q along the first axis
                 mask = scmask[:, None] & rmask[None, :]
                 x = tl.load(
                     X + r64[None, :] * stride_xr + sc64[:, None] * stride_xc, mask=mask, other=0.0
                 ).to(tl.float32)
-                q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
+                q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FMAX), FMAX)
                 if ROUND:
                     q = _round_to_grid(q, MANT, MIN_EXP)
                 tl.store(Q + sc64[:, None] * R + r64[None, :], q.to(Q.dtype.element_ty), mask=mask)
@@ -185,13 +207,13 @@ def _quant_blocks_kernel(
                 x = tl.load(
                     X + r64[:, None] * stride_xr + sc64[None, :] * stride_xc, mask=mask, other=0.0
                 ).to(tl.float32)
-                q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
+                q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FMAX), FMAX)
                 if ROUND:
                     q = _round_to_grid(q, MANT, MIN_EXP)
                 qt = tl.trans(q.to(Q.dtype.element_ty))
                 tl.store(Q + sc64[:, None] * R + r64[None, :], qt, mask=tl.trans(mask))
         tl.store(S + pid_c * stride_sr + pid_r, scale)
-    else:
+    else:  # by row chunks: Q [R, C], or with TRANS [C, R] through tl.trans
         for i in range(B // SUB):
             rows = pid_r * B + i * SUB + tl.arange(0, SUB)
             r64 = rows.to(tl.int64)
@@ -199,11 +221,18 @@ def _quant_blocks_kernel(
             x = tl.load(
                 X + r64[:, None] * stride_xr + c64[None, :] * stride_xc, mask=mask, other=0.0
             ).to(tl.float32)
-            q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FMAX), FMAX)
             if ROUND:
                 q = _round_to_grid(q, MANT, MIN_EXP)
-            tl.store(Q + r64[:, None] * C + c64[None, :], q.to(Q.dtype.element_ty), mask=mask)
-        tl.store(S + pid_r * stride_sr + pid_c, scale)
+            if TRANS:
+                qt = tl.trans(q.to(Q.dtype.element_ty))
+                tl.store(Q + c64[:, None] * R + r64[None, :], qt, mask=tl.trans(mask))
+            else:
+                tl.store(Q + r64[:, None] * C + c64[None, :], q.to(Q.dtype.element_ty), mask=mask)
+        if TRANS:
+            tl.store(S + pid_c * stride_sr + pid_r, scale)
+        else:
+            tl.store(S + pid_r * stride_sr + pid_c, scale)
 
 
 @triton.jit
@@ -212,18 +241,22 @@ def _quant_dual_kernel(
     R, C,
     stride_xr, stride_xc, stride_sr, stride_sc, stride_str, stride_stc,
     FMAX: tl.constexpr, FLOOR: tl.constexpr, B: tl.constexpr,
-    SUB: tl.constexpr, SUBC: tl.constexpr, TLOAD: tl.constexpr,
+    SUB: tl.constexpr, SUBC: tl.constexpr, COLS: tl.constexpr,
     ROUND: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr,
 ):  # fmt: skip
     """Two 1x128 quantisations of a ``[B, B]`` tile of ``X`` ``[R, C]``: along C by
-    ``[SUB, B]`` row chunks (``Q`` ``[R, C]``, a scale per row of the tile), then along R by
-    ``[B, SUBC]`` column chunks, written transposed (``QT`` ``[C, R]``, a scale per column of
-    the tile). The column pass reads the tile again, from L2."""
+    ``[SUB, B]`` row chunks (``Q`` ``[R, C]``, a scale per row of the tile), then along R,
+    written transposed (``QT`` ``[C, R]``, a scale per column of the tile), re-reading the
+    tile from L2: by ``[B, SUBC]`` column chunks (``COLS`` 0: read through transposed
+    addresses, 1: through ``tl.trans``), or (``COLS`` 2) by the row chunks again with the
+    column amax gathered in the first pass."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     cols = pid_c * B + tl.arange(0, B)
     cmask = cols < C
     c64 = cols.to(tl.int64)
+    if COLS == 2:
+        acc = tl.zeros([SUB, B], dtype=tl.float32)
     for i in range(B // SUB):
         rows = pid_r * B + i * SUB + tl.arange(0, SUB)
         rmask = rows < R
@@ -232,41 +265,62 @@ def _quant_dual_kernel(
         x = tl.load(
             X + r64[:, None] * stride_xr + c64[None, :] * stride_xc, mask=mask, other=0.0
         ).to(tl.float32)
-        s_row = tl.maximum(tl.max(tl.abs(x), axis=1), FLOOR) / FMAX
-        q = tl.minimum(tl.maximum(x / s_row[:, None], -FMAX), FMAX)
+        ax = tl.abs(x)
+        if COLS == 2:
+            acc = tl.maximum(acc, ax)
+        s_row = tl.math.div_rn(tl.maximum(tl.max(ax, axis=1), FLOOR), FMAX)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, s_row[:, None]), -FMAX), FMAX)
         if ROUND:
             q = _round_to_grid(q, MANT, MIN_EXP)
         tl.store(Q + r64[:, None] * C + c64[None, :], q.to(Q.dtype.element_ty), mask=mask)
         tl.store(S + r64 * stride_sr + pid_c * stride_sc, s_row, mask=rmask)
-    rows = pid_r * B + tl.arange(0, B)
-    rmask = rows < R
-    r64 = rows.to(tl.int64)
-    for j in range(B // SUBC):
-        sc = pid_c * B + j * SUBC + tl.arange(0, SUBC)
-        scmask = sc < C
-        sc64 = sc.to(tl.int64)
-        if TLOAD:  # [SUBC, B]: a row of QT per row of the chunk
-            mask = scmask[:, None] & rmask[None, :]
+    if COLS == 2:
+        s_col = tl.math.div_rn(tl.maximum(tl.max(acc, axis=0), FLOOR), FMAX)
+        for i in range(B // SUB):
+            rows = pid_r * B + i * SUB + tl.arange(0, SUB)
+            r64 = rows.to(tl.int64)
+            mask = (rows[:, None] < R) & cmask[None, :]
             x = tl.load(
-                X + r64[None, :] * stride_xr + sc64[:, None] * stride_xc, mask=mask, other=0.0
+                X + r64[:, None] * stride_xr + c64[None, :] * stride_xc, mask=mask, other=0.0
             ).to(tl.float32)
-            s_col = tl.maximum(tl.max(tl.abs(x), axis=1), FLOOR) / FMAX
-            q = tl.minimum(tl.maximum(x / s_col[:, None], -FMAX), FMAX)
-            if ROUND:
-                q = _round_to_grid(q, MANT, MIN_EXP)
-            tl.store(QT + sc64[:, None] * R + r64[None, :], q.to(QT.dtype.element_ty), mask=mask)
-        else:  # [B, SUBC], transposed before the store
-            mask = rmask[:, None] & scmask[None, :]
-            x = tl.load(
-                X + r64[:, None] * stride_xr + sc64[None, :] * stride_xc, mask=mask, other=0.0
-            ).to(tl.float32)
-            s_col = tl.maximum(tl.max(tl.abs(x), axis=0), FLOOR) / FMAX
-            q = tl.minimum(tl.maximum(x / s_col[None, :], -FMAX), FMAX)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(x, s_col[None, :]), -FMAX), FMAX)
             if ROUND:
                 q = _round_to_grid(q, MANT, MIN_EXP)
             qt = tl.trans(q.to(QT.dtype.element_ty))
-            tl.store(QT + sc64[:, None] * R + r64[None, :], qt, mask=tl.trans(mask))
-        tl.store(ST + sc64 * stride_str + pid_r * stride_stc, s_col, mask=scmask)
+            tl.store(QT + c64[:, None] * R + r64[None, :], qt, mask=tl.trans(mask))
+        tl.store(ST + c64 * stride_str + pid_r * stride_stc, s_col, mask=cmask)
+    else:
+        rows = pid_r * B + tl.arange(0, B)
+        rmask = rows < R
+        r64 = rows.to(tl.int64)
+        for j in range(B // SUBC):
+            sc = pid_c * B + j * SUBC + tl.arange(0, SUBC)
+            scmask = sc < C
+            sc64 = sc.to(tl.int64)
+            if COLS == 0:  # [SUBC, B]: a row of QT per row of the chunk
+                mask = scmask[:, None] & rmask[None, :]
+                x = tl.load(
+                    X + r64[None, :] * stride_xr + sc64[:, None] * stride_xc, mask=mask, other=0.0
+                ).to(tl.float32)
+                s_col = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), FLOOR), FMAX)
+                q = tl.minimum(tl.maximum(tl.math.div_rn(x, s_col[:, None]), -FMAX), FMAX)
+                if ROUND:
+                    q = _round_to_grid(q, MANT, MIN_EXP)
+                tl.store(
+                    QT + sc64[:, None] * R + r64[None, :], q.to(QT.dtype.element_ty), mask=mask
+                )
+            else:  # [B, SUBC], transposed before the store
+                mask = rmask[:, None] & scmask[None, :]
+                x = tl.load(
+                    X + r64[:, None] * stride_xr + sc64[None, :] * stride_xc, mask=mask, other=0.0
+                ).to(tl.float32)
+                s_col = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), FLOOR), FMAX)
+                q = tl.minimum(tl.maximum(tl.math.div_rn(x, s_col[None, :]), -FMAX), FMAX)
+                if ROUND:
+                    q = _round_to_grid(q, MANT, MIN_EXP)
+                qt = tl.trans(q.to(QT.dtype.element_ty))
+                tl.store(QT + sc64[:, None] * R + r64[None, :], qt, mask=tl.trans(mask))
+            tl.store(ST + sc64 * stride_str + pid_r * stride_stc, s_col, mask=scmask)
 
 
 @triton.jit
@@ -287,7 +341,7 @@ def _quant_scaled_kernel(
         X + r64[:, None] * stride_xr + cols[None, :].to(tl.int64) * stride_xc, mask=mask, other=0.0
     ).to(tl.float32)
     scale = tl.load(S)
-    q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FMAX), FMAX)
     if ROUND:
         q = _round_to_grid(q, MANT, MIN_EXP)
     tl.store(Q + r64[:, None] * C + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
