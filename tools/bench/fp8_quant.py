@@ -15,7 +15,7 @@ them per linear ``(M, N, K)`` of one decoder layer (``fp8_gemm.layer_linears``):
 - ``blocks_t``: ``quantize_blocks_transposed_triton``, ``W^T``'s 128x128 operand from ``W``.
 
 Per entry and shape, every candidate of ``TILE_CONFIGS`` (the dual and blocks kernels; the
-library's own ``DUAL_CONFIG`` / ``BLOCKS_CONFIG`` marked ``*``) and ``old``, the kernels as
+library's own ``DUAL_CONFIG`` / ``BLOCKS_CONFIG`` / ``BLOCKS_T_CONFIG`` marked ``*``) and ``old``, the kernels as
 they were before they walked their tile in chunks (the whole 128 x 128 tile in fp32 at 8
 warps, and Triton's approximate fp32 division, so its codes may differ from the reference
 by a rounding step now and then; kept here as the baseline): the median of ``--iters`` timed calls (accelerator
@@ -57,6 +57,7 @@ from longboat.kernels.fp8.quantize import (
 )
 from longboat.kernels.fp8.quantize_triton import (
     BLOCKS_CONFIG,
+    BLOCKS_T_CONFIG,
     DUAL_CONFIG,
     TILE_CONFIGS,
     TileConfig,
@@ -78,6 +79,8 @@ TINY = {"activations": [(200, 257), (136, 120)], "weights": [(136, 200)]}
 FLUSH_BYTES = 256 << 20
 """Written before each timed call: evicts the input from L2 (50 MB on an H100)."""
 DTYPE = E4M3
+DEFAULTS = {"dual": DUAL_CONFIG, "blocks": BLOCKS_CONFIG, "blocks_t": BLOCKS_T_CONFIG}
+"""The library's config of each chunked entry (its constant in ``quantize_triton``)."""
 Quantised = list[tuple[torch.Tensor, torch.Tensor]]
 """``(data, scale)`` of each operand an entry makes."""
 
@@ -241,7 +244,7 @@ def candidates(entry: str, names: set[str] | None) -> list[tuple[str, Callable, 
     if entry == "groups":
         out = [(LIBRARY, groups_fn, True)]
     else:
-        default = DUAL_CONFIG if entry == "dual" else BLOCKS_CONFIG
+        default = DEFAULTS[entry]
         make = dual_fn if entry == "dual" else (lambda c: blocks_fn(c, entry == "blocks_t"))
         out = [(c.name, make(c), c == default) for c in TILE_CONFIGS]
         out.append((OLD, make(None), False))
@@ -308,6 +311,7 @@ def bench(shapes: dict[str, dict[tuple[int, int], list[str]]], names: set[str] |
             x = (torch.randn(r, c, device=device, generator=gen) * row_scale).bfloat16()
             want = reference(entry, x)
             nbytes = moved_bytes(entry, r, c, x.element_size())
+            print(f"fp8_quant: {entry} {r} x {c}", file=sys.stderr, flush=True)
             for name, fn, default in candidates(entry, names):
                 row = {"entry": entry, "shape": [r, c], "operands": operands, "impl": name,
                        "default": default, "bytes": nbytes}  # fmt: skip
@@ -349,7 +353,7 @@ def winners(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def layer_totals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per entry and config: the time of one decoder layer's calls (each shape's time times
     the operands that have it), for configs exact and timed at every shape; the fastest
-    first. What ``DUAL_CONFIG`` / ``BLOCKS_CONFIG`` should be set to."""
+    first: the first of each entry is what its library config (``DEFAULTS``) should be."""
     out = []
     for entry in dict.fromkeys(r["entry"] for r in rows):
         mine = [r for r in rows if r["entry"] == entry]
@@ -427,6 +431,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--entries {sorted(unknown)}: expected some of {list(ENTRIES)}")
     if args.iters < 1:
         ap.error("--iters must be >= 1")
+    names = set(args.configs.split(",")) if args.configs else None
+    known = {c.name for c in TILE_CONFIGS} | {OLD}
+    if names is not None and names - known:
+        ap.error(f"--configs {sorted(names - known)}: expected some of {sorted(known)}")
     acc = get_accelerator()
     device = acc.device()
     on_gpu = device.type == "cuda"
@@ -436,7 +444,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.tiny and not acc.supports_fp8:
         print(f"fp8_quant: {acc.device_name()} has no FP8; use --tiny on CPU")
         return 2
-    names = set(args.configs.split(",")) if args.configs else None
     shapes = tiny_shapes() if args.tiny else shapes_of(args.shapes)
     rows = bench(
         shapes, names, args, device, timed=on_gpu and not args.tiny and not triton_interpreter_on()
@@ -445,10 +452,11 @@ def main(argv: list[str] | None = None) -> int:
     table = render(rows, wins, totals)
     result = env.result_meta("fp8_quant", on_gpu, ["triton"], {k: str(v) for k, v in vars(args).items()})  # fmt: skip
     result["config"]["candidates"] = [c.name for c in TILE_CONFIGS] + [OLD]
-    result["config"]["defaults"] = {"dual": DUAL_CONFIG.name, "blocks": BLOCKS_CONFIG.name}
+    result["config"]["defaults"] = {e: c.name for e, c in DEFAULTS.items()}
     result["runs"], result["winners"], result["layer_totals"] = rows, wins, totals
     note = (
-        f"Library defaults: DUAL_CONFIG={DUAL_CONFIG.name}, BLOCKS_CONFIG={BLOCKS_CONFIG.name} "
+        f"Library defaults: DUAL_CONFIG={DUAL_CONFIG.name}, BLOCKS_CONFIG={BLOCKS_CONFIG.name}, "
+        f"BLOCKS_T_CONFIG={BLOCKS_T_CONFIG.name} "
         "(packages/kernels/src/longboat/kernels/fp8/quantize_triton.py)."
     )
     best: dict[str, str] = {}

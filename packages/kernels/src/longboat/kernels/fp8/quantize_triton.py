@@ -91,8 +91,8 @@ class TileConfig:
 
     The tile is never held whole: a row-wise pass reads ``[sub_rows, 128]`` chunks and a
     column-wise pass re-reads the tile (from L2) in chunks, so a thread holds a few values of
-    a chunk at a time. Candidates: ``TILE_CONFIGS``; the library's choice: ``DUAL_CONFIG``
-    and ``BLOCKS_CONFIG`` (``tools/bench/fp8_quant.py`` times them all)."""
+    a chunk at a time. Candidates: ``TILE_CONFIGS``; the library's choice: ``DUAL_CONFIG``,
+    ``BLOCKS_CONFIG``, ``BLOCKS_T_CONFIG`` (``tools/bench/fp8_quant.py`` times them all)."""
 
     sub_rows: int
     """Rows of a row-wise chunk (a power of two dividing 128)."""
@@ -150,10 +150,13 @@ reduction across warps of its own. 48 registers a thread: 5 programs (40 warps) 
 KB of loads in flight an SM; the transposed codes leave in 16-byte pieces of a row, which
 L2 merges with the next chunk's."""
 BLOCKS_CONFIG = TILE_CONFIGS[6]
-"""``_quant_blocks_kernel``'s config (both layouts): ``[32, 128]`` row chunks (two 16-byte
-loads a thread; the weights' grids are small, 256 to 1536 blocks, so the bytes a program
-has in flight count more than programs an SM), ``[16, 128]`` transposed chunks for
-``W^T``'s codes (128 contiguous bytes a row); 40 and 48 registers a thread."""
+"""``_quant_blocks_kernel``'s config for ``W``'s row-major operand: ``[32, 128]`` row chunks
+(two 16-byte loads a thread; the weights' grids are small, 256 to 1536 blocks, so the bytes
+a program has in flight count more than programs an SM), 40 registers a thread."""
+BLOCKS_T_CONFIG = TILE_CONFIGS[6]
+"""``_quant_blocks_kernel``'s config for ``W^T``'s operand (``TRANS``): the amax over
+``[32, 128]`` row chunks, the codes by ``[16, 128]`` transposed chunks (128 contiguous bytes
+a row of ``W^T``), 48 registers a thread."""
 
 
 @triton.jit
@@ -366,7 +369,7 @@ def quantize_blocks_transposed_triton(
     """The ``128x128`` quantisation of ``x^T`` from ``x`` ``[R, C]`` read row by row: the FP8
     ``[C, R]`` data (returned) and its scales written into ``scale`` (``[ceil(C/128),
     ceil(R/128)]``, the 128x128 layout of ``x^T``). Same codes and scales as quantising
-    ``x.t()``, without its strided reads. ``config``: ``BLOCKS_CONFIG`` unless given."""
+    ``x.t()``, without its strided reads. ``config``: ``BLOCKS_T_CONFIG`` unless given."""
     rows, cols = x.shape
     q = torch.empty(cols, rows, device=x.device, dtype=dtype)
     if rows == 0 or cols == 0:
@@ -374,7 +377,7 @@ def quantize_blocks_transposed_triton(
     grid = (triton.cdiv(rows, 128), triton.cdiv(cols, 128))
     _quant_blocks_kernel[grid](
         x, q, scale, rows, cols, x.stride(0), x.stride(1), scale.stride(0),
-        FMAX=fmax, FLOOR=floor, B=_TILE, TRANS=True, **(config or BLOCKS_CONFIG).kernel_args(),
+        FMAX=fmax, FLOOR=floor, B=_TILE, TRANS=True, **(config or BLOCKS_T_CONFIG).kernel_args(),
         **_grid_args(dtype),
     )  # fmt: skip
     return q
@@ -542,6 +545,7 @@ def _(x: Tensor, granularity: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 
 __all__ = [
     "BLOCKS_CONFIG",
+    "BLOCKS_T_CONFIG",
     "DUAL_CONFIG",
     "TILE_CONFIGS",
     "TileConfig",
