@@ -55,6 +55,16 @@ def _round_to_grid(q, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
+def _row_chunk(X, first, end, c64, cmask, stride_xr, stride_xc, SUB: tl.constexpr):
+    """Rows ``first .. first + SUB`` of ``X`` at the columns ``c64`` (``cmask``), in X's
+    dtype; rows at or past ``end`` read as zeros without touching memory."""
+    rows = first + tl.arange(0, SUB)
+    mask = (rows[:, None] < end) & cmask[None, :]
+    ptrs = X + rows.to(tl.int64)[:, None] * stride_xr + c64[None, :] * stride_xc
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
 def _quant_groups_kernel(
     X, Q, S,
     R, C,
@@ -107,12 +117,17 @@ class TileConfig:
     gathered in the row-wise pass, then ``[sub_rows, 128]`` chunks are re-read and stored
     through ``tl.trans`` (``sub_rows`` contiguous bytes a row of the output; fewest values
     a thread)."""
+    prefetch: bool = False
+    """Loops over row chunks load the next chunk (in X's dtype) before working on the
+    current one: twice the bytes in flight a program, for a chunk's worth of registers."""
 
     @property
     def name(self) -> str:
-        """``r<sub_rows>c<sub_cols>w<num_warps>-<column_pass>`` (no ``c`` for ``rows``)."""
+        """``r<sub_rows>c<sub_cols>w<num_warps>-<column_pass>`` (no ``c`` for ``rows``; ``-p``
+        with ``prefetch``)."""
         cols = "" if self.column_pass == "rows" else f"c{self.sub_cols}"
-        return f"r{self.sub_rows}{cols}w{self.num_warps}-{self.column_pass}"
+        tail = "-p" if self.prefetch else ""
+        return f"r{self.sub_rows}{cols}w{self.num_warps}-{self.column_pass}{tail}"
 
     def kernel_args(self) -> dict[str, object]:
         """The launch arguments of this config (constexprs and ``num_warps``)."""
@@ -125,14 +140,17 @@ class TileConfig:
             "SUB": self.sub_rows,
             "SUBC": self.sub_cols,
             "COLS": COLUMN_PASSES.index(self.column_pass),
+            "PREFETCH": self.prefetch,
             "num_warps": self.num_warps,
         }
 
 
 TILE_CONFIGS: tuple[TileConfig, ...] = (
     TileConfig(16, 16, 8, "rows"),
+    TileConfig(16, 16, 8, "rows", prefetch=True),
     TileConfig(32, 32, 8, "rows"),
     TileConfig(32, 32, 16, "rows"),
+    TileConfig(32, 32, 16, "rows", prefetch=True),
     TileConfig(64, 64, 16, "rows"),
     TileConfig(16, 8, 8, "load_t"),
     TileConfig(16, 16, 8, "load_t"),
@@ -140,23 +158,25 @@ TILE_CONFIGS: tuple[TileConfig, ...] = (
     TileConfig(16, 32, 8, "trans"),
 )
 """The configs a GPU benchmark picks from (``tools/bench/fp8_quant.py``). Registers a thread
-(ptxas, sm_90a; dual / blocks / blocks transposed), in order: 48/34/42, 80/40/64, 57/34/39,
-64/40/47, 45/34/35, 62/34/48, 59/40/48, 78/34/47; none spills. The whole-tile kernels took
-149/89/94."""
-DUAL_CONFIG = TILE_CONFIGS[0]
-"""``_quant_dual_kernel``'s config: 256 threads, a ``[16, 128]`` bf16 chunk is one 16-byte
-load a thread; the column amax is gathered as the rows go by, so no chunk needs a
-reduction across warps of its own. 48 registers a thread: 5 programs (40 warps) an SM, 20
-KB of loads in flight an SM; the transposed codes leave in 16-byte pieces of a row, which
-L2 merges with the next chunk's."""
-BLOCKS_CONFIG = TILE_CONFIGS[6]
-"""``_quant_blocks_kernel``'s config for ``W``'s row-major operand: ``[32, 128]`` row chunks
-(two 16-byte loads a thread; the weights' grids are small, 256 to 1536 blocks, so the bytes
-a program has in flight count more than programs an SM), 40 registers a thread."""
-BLOCKS_T_CONFIG = TILE_CONFIGS[6]
-"""``_quant_blocks_kernel``'s config for ``W^T``'s operand (``TRANS``): the amax over
-``[32, 128]`` row chunks, the codes by ``[16, 128]`` transposed chunks (128 contiguous bytes
-a row of ``W^T``), 48 registers a thread."""
+(ptxas, sm_90a; dual / blocks / blocks transposed), in order: 48/40/42, 60/40/54, 80/46/63,
+51/36/32, 62/40/37, 64/45/46, 47/40/35, 62/40/48, 59/46/43, 80/40/50; none spills. The
+whole-tile kernels took 149/89/94."""
+DUAL_CONFIG = TILE_CONFIGS[1]
+"""``_quant_dual_kernel``'s config, r16w8-rows-p: 256 threads, a ``[16, 128]`` bf16 chunk is
+one 16-byte load a thread, the next chunk's load issued before this one is worked on; the
+column amax is gathered as the rows go by (no chunk needs a reduction across warps of its
+own). 60 registers a thread: 4 programs (32 warps) an SM with 2 x 4 KB of loads in flight
+each, 32 KB an SM, more than HBM's bandwidth x latency share of an SM (~20 KB). The
+transposed codes leave in 16-byte pieces of a row, which L2 merges with the next chunk's."""
+BLOCKS_CONFIG = TILE_CONFIGS[1]
+"""``_quant_blocks_kernel``'s config for ``W``'s row-major operand, r16w8-rows-p: the amax
+pass and the codes pass over ``[16, 128]`` chunks with the next one's load in flight; 40
+registers a thread (6 programs an SM)."""
+BLOCKS_T_CONFIG = TILE_CONFIGS[8]
+"""``_quant_blocks_kernel``'s config for ``W^T``'s operand (``TRANS``), r32c16w8-load_t: the
+amax over ``[32, 128]`` row chunks (two 16-byte loads a thread), the codes by ``[16, 128]``
+transposed chunks (128 contiguous bytes a row of ``W^T``); 43 registers a thread (5
+programs an SM)."""
 
 
 @triton.jit
@@ -165,7 +185,7 @@ def _quant_blocks_kernel(
     R, C,
     stride_xr, stride_xc, stride_sr,
     FMAX: tl.constexpr, FLOOR: tl.constexpr, B: tl.constexpr,
-    SUB: tl.constexpr, SUBC: tl.constexpr, COLS: tl.constexpr,
+    SUB: tl.constexpr, SUBC: tl.constexpr, COLS: tl.constexpr, PREFETCH: tl.constexpr,
     ROUND: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, TRANS: tl.constexpr,
 ):  # fmt: skip
     """One scale per ``[B, B]`` block of ``X`` ``[R, C]``: the amax over ``[SUB, B]`` row
@@ -178,14 +198,17 @@ def _quant_blocks_kernel(
     cols = pid_c * B + tl.arange(0, B)
     cmask = cols < C
     c64 = cols.to(tl.int64)
+    end = tl.minimum(R, pid_r * B + B)
     acc = tl.zeros([SUB, B], dtype=tl.float32)
+    if PREFETCH:
+        xn = _row_chunk(X, pid_r * B, end, c64, cmask, stride_xr, stride_xc, SUB)
     for i in range(B // SUB):
-        rows = pid_r * B + i * SUB + tl.arange(0, SUB)
-        mask = (rows[:, None] < R) & cmask[None, :]
-        x = tl.load(
-            X + rows.to(tl.int64)[:, None] * stride_xr + c64[None, :] * stride_xc,
-            mask=mask, other=0.0,
-        ).to(tl.float32)  # fmt: skip
+        first = pid_r * B + i * SUB
+        if PREFETCH:  # the next chunk's load in flight while this one is reduced
+            x = xn.to(tl.float32)
+            xn = _row_chunk(X, first + SUB, end, c64, cmask, stride_xr, stride_xc, SUB)
+        else:
+            x = _row_chunk(X, first, end, c64, cmask, stride_xr, stride_xc, SUB).to(tl.float32)
         acc = tl.maximum(acc, tl.abs(x))
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(acc, axis=1), axis=0), FLOOR), FMAX)
     if TRANS and COLS != 2:  # the operand of X^T: [C, R] row-major, by column chunks
@@ -217,13 +240,18 @@ def _quant_blocks_kernel(
                 tl.store(Q + sc64[:, None] * R + r64[None, :], qt, mask=tl.trans(mask))
         tl.store(S + pid_c * stride_sr + pid_r, scale)
     else:  # by row chunks: Q [R, C], or with TRANS [C, R] through tl.trans
+        if PREFETCH:
+            xn = _row_chunk(X, pid_r * B, end, c64, cmask, stride_xr, stride_xc, SUB)
         for i in range(B // SUB):
-            rows = pid_r * B + i * SUB + tl.arange(0, SUB)
+            first = pid_r * B + i * SUB
+            if PREFETCH:
+                x = xn.to(tl.float32)
+                xn = _row_chunk(X, first + SUB, end, c64, cmask, stride_xr, stride_xc, SUB)
+            else:
+                x = _row_chunk(X, first, end, c64, cmask, stride_xr, stride_xc, SUB).to(tl.float32)
+            rows = first + tl.arange(0, SUB)
             r64 = rows.to(tl.int64)
             mask = (rows[:, None] < R) & cmask[None, :]
-            x = tl.load(
-                X + r64[:, None] * stride_xr + c64[None, :] * stride_xc, mask=mask, other=0.0
-            ).to(tl.float32)
             q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FMAX), FMAX)
             if ROUND:
                 q = _round_to_grid(q, MANT, MIN_EXP)
@@ -244,7 +272,7 @@ def _quant_dual_kernel(
     R, C,
     stride_xr, stride_xc, stride_sr, stride_sc, stride_str, stride_stc,
     FMAX: tl.constexpr, FLOOR: tl.constexpr, B: tl.constexpr,
-    SUB: tl.constexpr, SUBC: tl.constexpr, COLS: tl.constexpr,
+    SUB: tl.constexpr, SUBC: tl.constexpr, COLS: tl.constexpr, PREFETCH: tl.constexpr,
     ROUND: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr,
 ):  # fmt: skip
     """Two 1x128 quantisations of a ``[B, B]`` tile of ``X`` ``[R, C]``: along C by
@@ -258,16 +286,22 @@ def _quant_dual_kernel(
     cols = pid_c * B + tl.arange(0, B)
     cmask = cols < C
     c64 = cols.to(tl.int64)
+    end = tl.minimum(R, pid_r * B + B)
     if COLS == 2:
         acc = tl.zeros([SUB, B], dtype=tl.float32)
+    if PREFETCH:
+        xn = _row_chunk(X, pid_r * B, end, c64, cmask, stride_xr, stride_xc, SUB)
     for i in range(B // SUB):
-        rows = pid_r * B + i * SUB + tl.arange(0, SUB)
+        first = pid_r * B + i * SUB
+        if PREFETCH:  # the next chunk's load in flight while this one is quantised
+            x = xn.to(tl.float32)
+            xn = _row_chunk(X, first + SUB, end, c64, cmask, stride_xr, stride_xc, SUB)
+        else:
+            x = _row_chunk(X, first, end, c64, cmask, stride_xr, stride_xc, SUB).to(tl.float32)
+        rows = first + tl.arange(0, SUB)
         rmask = rows < R
         r64 = rows.to(tl.int64)
         mask = rmask[:, None] & cmask[None, :]
-        x = tl.load(
-            X + r64[:, None] * stride_xr + c64[None, :] * stride_xc, mask=mask, other=0.0
-        ).to(tl.float32)
         ax = tl.abs(x)
         if COLS == 2:
             acc = tl.maximum(acc, ax)
@@ -279,13 +313,18 @@ def _quant_dual_kernel(
         tl.store(S + r64 * stride_sr + pid_c * stride_sc, s_row, mask=rmask)
     if COLS == 2:
         s_col = tl.math.div_rn(tl.maximum(tl.max(acc, axis=0), FLOOR), FMAX)
+        if PREFETCH:
+            xn = _row_chunk(X, pid_r * B, end, c64, cmask, stride_xr, stride_xc, SUB)
         for i in range(B // SUB):
-            rows = pid_r * B + i * SUB + tl.arange(0, SUB)
+            first = pid_r * B + i * SUB
+            if PREFETCH:
+                x = xn.to(tl.float32)
+                xn = _row_chunk(X, first + SUB, end, c64, cmask, stride_xr, stride_xc, SUB)
+            else:
+                x = _row_chunk(X, first, end, c64, cmask, stride_xr, stride_xc, SUB).to(tl.float32)
+            rows = first + tl.arange(0, SUB)
             r64 = rows.to(tl.int64)
             mask = (rows[:, None] < R) & cmask[None, :]
-            x = tl.load(
-                X + r64[:, None] * stride_xr + c64[None, :] * stride_xc, mask=mask, other=0.0
-            ).to(tl.float32)
             q = tl.minimum(tl.maximum(tl.math.div_rn(x, s_col[None, :]), -FMAX), FMAX)
             if ROUND:
                 q = _round_to_grid(q, MANT, MIN_EXP)
