@@ -34,6 +34,7 @@ import argparse
 import math
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -426,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--results-dir", type=Path, default=env.REPO / "benchmarks" / "results")
     args = ap.parse_args(argv)
+    t0 = time.perf_counter()
     unknown = set(args.entries.split(",")) - set(ENTRIES)
     if unknown:
         ap.error(f"--entries {sorted(unknown)}: expected some of {list(ENTRIES)}")
@@ -454,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     result["config"]["candidates"] = [c.name for c in TILE_CONFIGS] + [OLD]
     result["config"]["defaults"] = {e: c.name for e, c in DEFAULTS.items()}
     result["runs"], result["winners"], result["layer_totals"] = rows, wins, totals
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
     note = (
         f"Library defaults: DUAL_CONFIG={DUAL_CONFIG.name}, BLOCKS_CONFIG={BLOCKS_CONFIG.name}, "
         f"BLOCKS_T_CONFIG={BLOCKS_T_CONFIG.name} "
@@ -470,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         stem=f"fp8_quant_{env.DATE}", table=table, note=note,
     )  # fmt: skip
     print(table)
-    print("\n" + note)
+    print("\n" + note + f" {result['wall_s']:.0f} s (compiles included).")
     bad = [r for r in rows if not r.get("exact") and r["impl"] != OLD]
     for r in bad:
         print(f"fp8_quant: {r['entry']} {r['shape']} {r['impl']}: "
