@@ -564,6 +564,22 @@ def test_sparse_attention_trains_in_bf16_on_cuda(tmp_path: Path) -> None:
     _trained_rows(tmp_path, argv)
 
 
+def test_sparse_attention_runs_its_step_eagerly_with_the_reason() -> None:
+    """The engine's graph check finds the DSA layer's declared reason among the model's
+    modules: ``train.cuda_graph`` unset runs eagerly and says why; other modules pass."""
+    pytest.importorskip("megatron.core")
+    from longboat.core.megatron.engine.graphed_step import graph_blocker
+    from longboat.llm.models.deepseek_v3.sparse_attention import kernel_dsattention
+
+    layer = kernel_dsattention().__new__(kernel_dsattention())
+    torch.nn.Module.__init__(layer)
+    kwargs = dict(microbatches=1, pipeline_parallel=1, optimizer=object(), one_pass=None,
+                  grad_clip=0.0, fused=True)  # fmt: skip
+    why = graph_blocker(**kwargs, modules=[torch.nn.Linear(2, 2), layer])
+    assert why is not None and why.startswith("DeepSeek-V3.2's sparse attention")
+    assert graph_blocker(**kwargs, modules=[torch.nn.Linear(2, 2)]) is None
+
+
 def test_sparse_attention_counts_the_indexer_and_only_the_chosen_keys() -> None:
     from transformers import AutoModelForCausalLM
 

@@ -44,7 +44,8 @@ def graph_blocker(
 ) -> str | None:
     """None when the step can be captured, else why not. (An accelerator without CUDA graphs
     runs the same step eagerly: ``GraphedStep`` says so.) ``modules``: the model's, searched
-    for a layer that reads on the host (megatron's MoE token counts)."""
+    for a layer that reads on the host (megatron's MoE token counts) or that declares why a
+    graph cannot record it (a ``cuda_graph_blocker`` attribute that is a non-empty str)."""
     if microbatches != 1:
         return (
             f"{microbatches} microbatches a step (a graph captures one: set "
@@ -54,9 +55,13 @@ def graph_blocker(
         return "pipeline parallelism (its point-to-point schedule is not captured)"
     from longboat.core.megatron.grouped_experts import moe_host_sync
 
+    modules = list(modules)
     moe_sync = moe_host_sync(modules)
     if moe_sync is not None:
         return moe_sync
+    declared = next((b for m in modules if (b := getattr(m, "cuda_graph_blocker", None))), None)
+    if declared:
+        return str(declared)
     parts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
     if any(getattr(p, "grad_scaler", None) is not None for p in parts):
         return "fp16 loss scaling (megatron's step reads found_inf on the host)"

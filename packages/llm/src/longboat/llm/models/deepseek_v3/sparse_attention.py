@@ -57,6 +57,14 @@ def kernel_dsattention() -> type:
         """megatron's ``DSAttention`` with the indexer and sparse attention on longboat's
         Triton kernels where they apply (module docstring)."""
 
+        cuda_graph_blocker = (
+            "DeepSeek-V3.2's sparse attention (its step is not recorded as a CUDA graph: the "
+            "capture fails with unjoined stream work; at the sequence lengths it serves the "
+            "step is bound by compute, not launches)"
+        )
+        """Read by the engine's graph check: the step runs eagerly (``train.cuda_graph=true``
+        is refused with this reason)."""
+
         def _declines(self, query: torch.Tensor, key: torch.Tensor, value: Any,
                       packed_seq_params: Any, attn_mask_type: Any,
                       up_v_weight: Any) -> str | None:  # fmt: skip
