@@ -72,28 +72,28 @@ of SwiGLU 768, untied vocab 151,936, load-balancing weight 0.001) cut to 4 of it
 (the deepstack features go into layers 0-2); seq 4096, micro-batch 1: three images a sample
 (640x640, 448x896, 320x512 px: 952 image tokens, 3,808 patches) and an answer filling the row.
 
-Parameters: 3.653 B (decoder layers 4 x 623.6 M, of which the experts 604.0 M; embedding and
-LM head 2 x 311.2 M; tower with its four mergers 0.539 B); a token passes through 0.51 B of
-the decoder's matrices (``qwen3_vl.flops``).
+Parameters: 3.653 B (decoder layers 4 x 623.1 M, of which the experts 604.0 M; embedding and
+LM head 2 x 311.2 M; the tower with its four mergers 0.539 B); a token passes through 0.539 B
+of the decoder's matrices and LM head (4 x 56.9 M + 311.2 M, ``qwen3_vl.flops``).
 
 Memory (GiB = 2^30 bytes; an H100 80 GB holds 79.1 GiB):
 - longboat (bf16 weights, fp32 grad buffer, fp32 main weights and AdamW moments: 18 bytes a
-  parameter): states 61.2, activations 8.8 (the tower 3.4, the decoder layers and its logits
-  path), backward workspace 1.2, allowance 0.5: 71.7 GiB with no recompute (core's
-  ``estimate_stage_peak`` over the decoder's ``DecoderShapes`` and ``qwen3_tower_shapes``;
-  65.7 with full recompute). At 5 layers the same estimate is 82.7 (76.1 with full recompute),
-  over the device.
-- HF (fp32 weights and grads, AdamW's two fp32 moments: 16 bytes a parameter): states 54.4;
-  during the forward (the grads freed after each step) 40.8 of weights and moments, bf16
-  copies of the non-expert matrices under autocast 1.7, and what the forward saves: the
-  decoder about 0.37 MB a token a layer (fp32 residual stream and norms, bf16 attention
-  inputs, the grouped experts' fp32 activations at 8 rows a token) = 5.8, the LM head and
-  loss about 1.5 MB a token (bf16 logits, their fp32 copy and log-softmax) = 5.8, the tower
-  about 75 kB a patch a block (fp32 residual, bf16 matmul inputs, fp32 rotary q / k) = 7.2,
-  so about 61 at the loss; the backward adds the grads (up to 13.6) while it frees the
-  activations, so the peak stays under about 70 GiB.
+  parameter): states 61.2, activations 8.8, backward workspace 1.2, allowance 0.5: 71.7 with
+  no recompute (core's ``estimate_stage_peak`` over ``DecoderShapes`` and
+  ``qwen3_tower_shapes``, the estimate that gives 50.3 for the LLM benchmark's Qwen3-MoE
+  4-layer cut, measured 50.6). 5 layers: 82.7 (76.1 with full recompute), over the device.
+- HF (fp32 weights under bf16 autocast, fp32 grads, AdamW's two fp32 moments: 16 bytes a
+  parameter, 54.4): in the forward (grads freed after each step) weights and moments 40.8,
+  autocast's bf16 copies of the 0.92 B non-expert matrices 1.7, and what the forward saves,
+  as counted on CPU with ``saved_tensors_hooks`` at this width: 325 kB a token a decoder
+  layer (fp32 residual and norms, bf16 attention inputs, the grouped experts' fp32 rows, 8 a
+  token) = 4.9, the fp32 log-softmax of the loss = 2.3, 40 kB a patch a tower block = 3.9:
+  about 54 at the loss. The loss's backward adds about 6 (fp32 and bf16 logits grads, the LM
+  head's weight grad) and the rest of the backward frees more activations than it adds
+  grads: a peak of about 60 (the same count gives 48.9 for the LLM benchmark's Qwen3-MoE
+  cut, measured 47.6). 5 layers: about 69.
 """
-QWEN3_VL_MOE_TINY = dict(family="qwen3_vl_moe", model="qwen3_vl_moe_tiny", seq=512,
+QWEN3_VL_MOE_TINY = dict(family="qwen3_vl_moe", model="qwen3_vl_moe_tiny", layers=2, seq=512,
                          images=((56, 56), (84, 56)), px=8, vocab=300, samples=4)  # fmt: skip
 SHAPES = {"qwen2_5_vl_3b": FULL, "qwen3_vl_moe": QWEN3_VL_MOE}
 TINY_SHAPES = {"qwen2_5_vl_3b": TINY, "qwen3_vl_moe": QWEN3_VL_MOE_TINY}
@@ -270,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--samples", type=int, default=0, help="generated samples (0: the shape's)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="decoder layers of a cut shape (qwen3_vl_moe; 0: the shape's)",
+    )
     p.add_argument("--runs", default=None, help=f"comma list out of {','.join(ALL_RUNS)}")
     p.add_argument("--results-dir", type=Path, default=None)
     p.add_argument("--time-budget", type=float, default=0)
@@ -285,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = acc.device_type != "cpu"
     c = dict((TINY_SHAPES if args.tiny else SHAPES)[args.shape])
     c["samples"] = args.samples or c["samples"]
+    if args.layers:
+        if "layers" not in c:
+            p.error(
+                f"--layers: the {args.shape} shape is not a cut shape; it keeps its flavor's depth"
+            )
+        c["layers"] = args.layers
     moe = c["family"] == "qwen3_vl_moe"
     default = (MOE_RUNS if moe else ALL_RUNS) if on_gpu else ("hf", "longboat")
     if importlib.util.find_spec("liger_kernel") is None:

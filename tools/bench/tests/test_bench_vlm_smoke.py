@@ -86,9 +86,10 @@ def test_loss_alignment_reference_trains_the_longboat_curve(tmp_path: Path) -> N
 
 def test_qwen3_vl_moe_shape_trains_the_same_rows(tmp_path: Path) -> None:
     """``--shape qwen3_vl_moe --tiny``: transformers' Qwen3-VL-MoE (its grouped-GEMM experts)
-    and longboat train the same rows of the tiny family (4 experts, top-2); both start near
-    ln(384) (vocab 384, random init), MFU counts the family's active FLOPs, and ``hf_liger``
-    (no counterpart for this shape) is a skipped row."""
+    and longboat train the same rows of the tiny family (4 experts, top-2) with the decoder
+    set to 3 layers (``--layers``, the cut's key); both start near ln(384) (vocab 384, random
+    init), MFU counts the family's active FLOPs, and ``hf_liger`` (no counterpart for this
+    shape) is a skipped row."""
     pytest.importorskip("megatron.core")
     import math
 
@@ -96,7 +97,7 @@ def test_qwen3_vl_moe_shape_trains_the_same_rows(tmp_path: Path) -> None:
 
     out = tmp_path / "vlm_moe.json"
     run_script("vlm_throughput.py", ["--shape", "qwen3_vl_moe", "--tiny", "--out", str(out),
-               "--steps", "1", "--warmup", "1", "--runs", "hf,hf_liger,longboat",
+               "--steps", "1", "--warmup", "1", "--runs", "hf,hf_liger,longboat", "--layers", "3",
                "--results-dir", str(tmp_path)])  # fmt: skip
     result = json.loads(out.read_text())
     runs = {r["name"]: r for r in result["runs"]}
@@ -108,9 +109,13 @@ def test_qwen3_vl_moe_shape_trains_the_same_rows(tmp_path: Path) -> None:
         assert r["tokens_per_s"] > 0 and r["mfu"] > 0
         assert abs(r["losses"][0] - math.log(flavor("tiny").language.vocab_size)) < 0.3
     assert runs["hf"]["notes"]["experts"].startswith("grouped_mm")
-    assert "qwen3_vl_moe/tiny" in runs["longboat"]["notes"]["trainer"][0]
+    assert (
+        "qwen3_vl_moe/tiny: ViT 3 layers x 32, decoder 3 layers"
+        in runs["longboat"]["notes"]["trainer"][0]
+    )
     c = result["config"]
-    assert c["shape"] == "qwen3_vl_moe" and c["model"] == "qwen3_vl_moe_tiny"
+    assert c["shape"] == "qwen3_vl_moe" and c["model"] == "qwen3_vl_moe_tiny" and c["layers"] == 3
+    assert "model.language.num_layers=3" in c["overrides"]
     assert c["rows"] == c["samples"]  # one sample per row
     # MFU is FLOPs per sample over the median step: the same count on both sides
     for r in (runs["hf"], runs["longboat"]):
