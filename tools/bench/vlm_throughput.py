@@ -165,9 +165,9 @@ def flops_per_sample(
     return find_family("vlm", family).flops_per_sample(model_cfg, tokens, grids)
 
 
-def measure_rows(cfg: Any, family: str) -> tuple[Any, list[dict], float, float]:
+def measure_rows(cfg: Any) -> tuple[Any, list[dict], float, float]:
     """The run's model config (with the tokenizer's token ids), its packed rows, and a row's
-    mean real tokens and training FLOPs."""
+    mean real tokens and training FLOPs (as ``model.name``'s family counts them)."""
     from longboat.vlm.train.data import open_run_data
     from longboat.vlm.train.training import model_config
 
@@ -175,7 +175,8 @@ def measure_rows(cfg: Any, family: str) -> tuple[Any, list[dict], float, float]:
     rows = [run_data.train[i] for i in range(len(run_data.train))]
     lengths = [int(r["cu_seqlens"][1]) for r in rows]
     flops = float(np.mean([flops_per_sample(run_data.model_cfg, n, r["image_grid_thw"].tolist(),
-                                            family) for n, r in zip(lengths, rows, strict=True)]))  # fmt: skip
+                                            cfg.model.name)
+                           for n, r in zip(lengths, rows, strict=True)]))  # fmt: skip
     return run_data.model_cfg, rows, float(np.mean(lengths)), flops
 
 
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         data, tok = make_data(Path(tmp), c, args.seed)
         base = overrides(c, data, tok)
         cfg = compose("vlm", EXPERIMENT, base, str(Path(tmp) / "run"))
-        model_cfg, rows, tokens, flops = measure_rows(cfg, c["family"])
+        model_cfg, rows, tokens, flops = measure_rows(cfg)
         config = {"shape": args.shape, **{k: v for k, v in c.items() if k not in ("images", "px")},
                   "images": [list(x) for x in c["images"]],
                   "rows": len(rows), "mean_tokens": tokens, "flops_per_sample": flops,
