@@ -91,7 +91,7 @@ Memory (GiB = 2^30 bytes; an H100 80 GB holds 79.1 GiB):
   about 54 at the loss. The loss's backward adds about 6 (fp32 and bf16 logits grads, the LM
   head's weight grad) and the rest of the backward frees more activations than it adds
   grads: a peak of about 60 (the same count gives 48.9 for the LLM benchmark's Qwen3-MoE
-  cut, measured 47.6). 5 layers: about 69.
+  cut, measured 47.6). 5 layers: about 68. Margin at 4 layers: 7.4 GiB for longboat.
 """
 QWEN3_VL_MOE_TINY = dict(family="qwen3_vl_moe", model="qwen3_vl_moe_tiny", layers=2, seq=512,
                          images=((56, 56), (84, 56)), px=8, vocab=300, samples=4)  # fmt: skip
