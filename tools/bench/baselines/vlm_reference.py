@@ -1,4 +1,5 @@
-"""The VLM baseline: Hugging Face ``Qwen2_5_VLForConditionalGeneration`` as a plain training loop.
+"""The VLM baseline: Hugging Face ``Qwen2_5_VLForConditionalGeneration`` (or
+``Qwen3VLMoeForConditionalGeneration``) as a plain training loop.
 
 ``HFVLMStep`` (``hf``, ``hf_compiled``, ``hf_liger``): the model built from the longboat
 config's shapes (``to_hf_config``; SDPA attention, random init), fp32 weights under bf16
@@ -16,6 +17,15 @@ them). It gets one sample per step,
 unpacked (HF has no packing with per-sample attention under SDPA); the benchmark's samples
 each fill one longboat row, so both sides see the same tokens and images per step.
 
+Qwen3-VL-MoE (``hf_qwen3_vl_moe``): the model built from the family's own export config
+(``qwen3_vl_moe.model.to_hf_config``; SDPA attention, random init from the seeded RNG), every
+decoder layer sparse, ``output_router_logits=True`` so the loss is cross-entropy +
+``router_aux_loss_coef`` x transformers' load-balancing loss, the experts through
+transformers' ``grouped_mm`` implementation (one grouped GEMM per projection; its fastest
+built-in; ``hf_experts_kernel`` says which kernel ran: with the fp32 weights of the bf16
+autocast recipe the grouped GEMMs run in fp32, since autocast does not cover them).
+The training step is the same ``HFVLMStep``.
+
 ``load_qwen2_5_vl`` (the loss alignment): the same model read from a saved checkpoint in fp32.
 """
 
@@ -27,7 +37,11 @@ from typing import Any
 
 import torch
 
+from .llm_reference import hf_experts_kernel
 from .reference_adamw import ReferenceAdamW
+
+__all__ = ["HFVLMStep", "hf_batch", "hf_experts_kernel", "hf_qwen2_5_vl", "hf_qwen3_vl_moe",
+           "load_qwen2_5_vl"]  # fmt: skip
 
 
 def hf_qwen2_5_vl(model_cfg: Any, device: torch.device, *, liger: bool = False) -> Any:
@@ -44,6 +58,23 @@ def hf_qwen2_5_vl(model_cfg: Any, device: torch.device, *, liger: bool = False) 
     cfg._attn_implementation = "sdpa"
     with torch.device(device):
         model = Qwen2_5_VLForConditionalGeneration(cfg)
+    return model.float().train()
+
+
+def hf_qwen3_vl_moe(model_cfg: Any, device: torch.device) -> Any:
+    """A randomly initialised ``Qwen3VLMoeForConditionalGeneration`` of ``model_cfg``'s shapes
+    (a ``Qwen3VLMoeConfig``): SDPA, the ``grouped_mm`` experts, the load-balancing loss in
+    the training loss, fp32 weights, in training mode."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    from longboat.vlm.models.qwen3_vl_moe.model import to_hf_config
+
+    cfg = to_hf_config(model_cfg)
+    cfg.text_config.output_router_logits = True
+    cfg._attn_implementation = "sdpa"
+    cfg._experts_implementation = "grouped_mm"  # transformers' fastest built-in experts
+    with torch.device(device):
+        model = Qwen3VLMoeForConditionalGeneration(cfg)
     return model.float().train()
 
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from bench_env import PEAK_BF16_FLOPS as PEAK
 from bench_testkit import run_script
 
 
@@ -81,3 +82,44 @@ def test_loss_alignment_reference_trains_the_longboat_curve(tmp_path: Path) -> N
     stem = tmp_path / f"vlm_loss_alignment_{result['date']}"
     assert stem.with_suffix(".png").exists() and stem.with_suffix(".md").exists()
     assert stdout.rstrip().splitlines()[-1].startswith("| 10 | ")
+
+
+def test_qwen3_vl_moe_shape_trains_the_same_rows(tmp_path: Path) -> None:
+    """``--shape qwen3_vl_moe --tiny``: transformers' Qwen3-VL-MoE (its grouped-GEMM experts)
+    and longboat train the same rows of the tiny family (4 experts, top-2) with the decoder
+    set to 3 layers (``--layers``, the cut's key); both start near ln(384) (vocab 384, random
+    init), MFU counts the family's active FLOPs, and ``hf_liger`` (no counterpart for this
+    shape) is a skipped row."""
+    pytest.importorskip("megatron.core")
+    import math
+
+    from longboat.vlm.models.qwen3_vl_moe.model import flavor
+
+    out = tmp_path / "vlm_moe.json"
+    run_script("vlm_throughput.py", ["--shape", "qwen3_vl_moe", "--tiny", "--out", str(out),
+               "--steps", "1", "--warmup", "1", "--runs", "hf,hf_liger,longboat", "--layers", "3",
+               "--results-dir", str(tmp_path)])  # fmt: skip
+    result = json.loads(out.read_text())
+    runs = {r["name"]: r for r in result["runs"]}
+    assert list(runs) == ["hf_liger", "hf", "longboat"]
+    assert runs["hf_liger"]["error"].startswith("skipped: ")
+    for name in ("hf", "longboat"):
+        r = runs[name]
+        assert "error" not in r, r.get("error")
+        assert r["tokens_per_s"] > 0 and r["mfu"] > 0
+        assert abs(r["losses"][0] - math.log(flavor("tiny").language.vocab_size)) < 0.3
+    assert runs["hf"]["notes"]["experts"].startswith("grouped_mm")
+    assert (
+        "qwen3_vl_moe/tiny: ViT 3 layers x 32, decoder 3 layers"
+        in runs["longboat"]["notes"]["trainer"][0]
+    )
+    c = result["config"]
+    assert c["shape"] == "qwen3_vl_moe" and c["model"] == "qwen3_vl_moe_tiny" and c["layers"] == 3
+    assert "model.language.num_layers=3" in c["overrides"]
+    assert c["rows"] == c["samples"]  # one sample per row
+    # MFU is FLOPs per sample over the median step: the same count on both sides
+    for r in (runs["hf"], runs["longboat"]):
+        assert r["mfu"] * r["median_step_s"] == pytest.approx(
+            c["flops_per_sample"] / PEAK, rel=1e-9
+        )
+    assert (tmp_path / f"vlm_throughput_qwen3_vl_moe_{result['date']}.md").exists()

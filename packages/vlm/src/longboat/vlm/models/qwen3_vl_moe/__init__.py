@@ -3,6 +3,7 @@ composed from config, expert parallel, HF conversion."""
 
 from types import ModuleType
 
+from longboat.vlm.models.qwen3_vl.flops import flops_per_sample
 from longboat.vlm.models.registry import vlm_family
 
 
@@ -16,6 +17,7 @@ FAMILY = vlm_family(
     "qwen3_vl_moe",
     implementation=_implementation,
     flavors=("tiny", "30b_a3b"),
+    flops_per_sample=flops_per_sample,
     hf_model_types=("qwen3_vl_moe",),
     description="Qwen3-VL-MoE: Qwen3-VL's ViT with deepstack mergers + a Qwen3-MoE decoder (one config line swaps it), interleaved M-RoPE, expert parallel",
 )
