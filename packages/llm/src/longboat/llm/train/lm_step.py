@@ -283,7 +283,7 @@ def build_train_step(
         lora_notice=lora_notice,
         objective=objective,
     )
-    step.use_one_pass(one_pass_adamw, adamw_master_step_)
+    step.use_one_pass(one_pass_adamw, adamw_master_step_, getattr(optim, "moment_dtype", None))
     return step
 
 
