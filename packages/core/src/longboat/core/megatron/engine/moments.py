@@ -6,8 +6,9 @@ moments to fp32, updates them in fp32 and stores them rounded to nearest even, 2
 moment element instead of 4. Megatron's own step (torch's AdamW) would update bf16 moments
 in bf16 arithmetic (or refuse them), so a run whose steps go through it keeps fp32 moments:
 ``bf16_moments_blocker`` says which runs those are, ``moment_dtype_problems`` refuses
-``optim.moment_dtype=bf16`` for them before any work, and the memory plan chooses bf16
-moments only where it says none. bf16 moments change numerics (the moments lose 16 mantissa
+``optim.moment_dtype=bf16`` for them before any work, and the memory plan
+(``moment_plan_fields``) chooses bf16 moments, with ``optim.moment_dtype`` null, only where
+it says none and nothing else fits. bf16 moments change numerics (the moments lose 16 mantissa
 bits at every step).
 """
 
@@ -85,6 +86,18 @@ def moment_dtype_problems(cfg: Any, world_size: int | None, problems: Any) -> No
         )
 
 
+def moment_plan_fields(cfg: Any) -> dict[str, Any]:
+    """``memory_plan.OptimizerPlan``'s moment fields for a run's config: the moments'
+    bytes as set, whether ``optim.moment_dtype`` is pinned, and whether the plan may choose
+    bf16 moments (null and ``config_blocker`` finds nothing)."""
+    moments = cfg.optim.moment_dtype
+    return {
+        "moment_bytes": 2 if moments == "bf16" else 4,
+        "moments_pinned": moments is not None,
+        "allow_bf16_moments": moments is None and config_blocker(cfg) is None,
+    }
+
+
 def moment_torch_dtype(moment_dtype: str | None) -> torch.dtype:
     """The torch dtype of ``optim.moment_dtype`` (null: fp32)."""
     return MOMENT_DTYPES[moment_dtype or "fp32"]
@@ -94,5 +107,6 @@ __all__ = [
     "bf16_moments_blocker",
     "config_blocker",
     "moment_dtype_problems",
+    "moment_plan_fields",
     "moment_torch_dtype",
 ]
