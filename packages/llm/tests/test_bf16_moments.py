@@ -324,3 +324,74 @@ def test_bf16_moments_blocker_names_expert_parallel_clipping() -> None:
     assert bf16_moments_blocker(**ok, expert_parallel=4) is not None
     assert "expert_parallel" in bf16_moments_blocker(**ok, expert_parallel=4)
     assert bf16_moments_blocker(**{**ok, "grad_clip": 0.0}, expert_parallel=4) is None
+
+
+# ----------------------------------------------------------------------------- captured step
+
+
+def _hazards_worker(rank: int, world: int) -> list[tuple[str, str]]:
+    from longboat.core.loop.capture_check import capture_hazards
+
+    ps = _init()
+    try:
+        ts = _build("bf16", clip=1.0)
+        tokens, labels = _batch(_tiny_cfg(), seed=0)
+        ts.step(tokens, labels)
+        with capture_hazards() as found:
+            ts.step(tokens, labels)
+        return [(h.op, h.where.split("/")[-1]) for h in found]
+    finally:
+        ps.destroy()
+
+
+@pytest.mark.multiprocess
+def test_the_bf16_moment_update_has_no_capture_hazards() -> None:
+    """The clipped one-pass update on bf16 moments reads nothing on the host (core's
+    capture_check sees every aten op on CPU): a CUDA graph can capture it."""
+    (found,) = run_multiprocess(_hazards_worker, 1)
+    assert found == [], found
+
+
+def _cuda_worker(rank: int, world: int) -> dict[str, object]:
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from longboat.core.config.schema import OptimConfig, ParallelConfig
+    from longboat.core.device import get_accelerator
+    from longboat.core.megatron import parallel_state
+    from longboat.llm.train.lm_step import build_train_step
+
+    torch.cuda.set_device(0)
+    acc = get_accelerator("cuda")
+    parallel_state.initialize(ParallelConfig(), acc, seed=1)
+    try:
+        cfg = _tiny_cfg()
+        tokens, labels = (t.cuda() for t in _batch(cfg, seed=0, s=64))
+        out: dict[str, object] = {}
+        for moments in ("fp32", "bf16"):
+            model_parallel_cuda_manual_seed(1)
+            torch.manual_seed(1)
+            optim = OptimConfig(lr=1e-3, grad_clip=1.0, moment_dtype=moments)
+            ts = build_train_step(cfg, optim, precision="bf16", device="cuda", cuda_graph=True,
+                                  one_pass_adamw=True)  # fmt: skip
+            step = ts.graphed(acc, warmup=2)
+            out[moments] = [float(step(tokens, labels)) for _ in range(8)]
+            out[f"{moments}_graph"] = (step.graph.reason, step.graph.replays)
+            out[f"{moments}_dtypes"] = sorted({str(s[k].dtype) for _, _, s in _states(ts)
+                                               for k in ("exp_avg", "exp_avg_sq")})  # fmt: skip
+        return out
+    finally:
+        parallel_state.destroy()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graphed_bf16_moment_steps_on_cuda() -> None:
+    """The whole step as one CUDA graph with the Triton one-pass update on bf16 moments:
+    captured, moments still bf16, and the curve within bf16 noise of fp32 moments (8 steps)."""
+    (out,) = run_multiprocess(_cuda_worker, 1, backend="nccl", timeout=300, start_method="spawn")
+    for moments in ("fp32", "bf16"):
+        reason, replays = out[f"{moments}_graph"]
+        assert reason is None and replays >= 6, out
+    assert out["bf16_dtypes"] == ["torch.bfloat16"] and out["fp32_dtypes"] == ["torch.float32"]
+    assert out["bf16"][-1] < out["bf16"][0], out
+    assert all(abs(a - b) <= 3e-2 for a, b in zip(out["fp32"], out["bf16"])), out
