@@ -23,7 +23,10 @@ STACK = Stack(
     },
     console_script="longboat-diffusion",
     train="longboat.diffusion.train.training:train",
-    validators=("longboat.diffusion.train.checks:validate_diffusion",),
+    validators=(
+        "longboat.diffusion.train.checks:validate_diffusion",
+        "longboat.core.megatron.engine.moments:moment_dtype_problems",
+    ),
     capabilities=Capabilities(
         recompute=("none", "full", "selective"),  # selective: attention outputs kept
         recompute_layers=True,  # the first n blocks
@@ -31,6 +34,7 @@ STACK = Stack(
         export_adapter=True,  # with lora.enabled: a diffusers LoRA (train/lora.py)
         precisions=("fp32", "bf16", "fp16", "fp8"),  # fp8: the DiT blocks' linears
         memory_plan=True,  # train.memory_budget: train.recompute and the micro-batch split
+        bf16_moments=True,  # through the one-pass AdamW update (core engine.moments)
     ),
     renamed_keys={
         "model.recompute_blocks": "train.recompute_layers (with train.recompute=selective)",

@@ -23,7 +23,10 @@ STACK = Stack(
     },
     console_script="longboat-llm",
     train="longboat.llm.train:train",
-    validators=("longboat.llm.validate:validate_llm",),
+    validators=(
+        "longboat.llm.validate:validate_llm",
+        "longboat.core.megatron.engine.moments:moment_dtype_problems",
+    ),
     config_hooks=(
         "longboat.llm.validate:model_from_checkpoint",
         "longboat.llm.validate:lora_targets_of_family",
@@ -35,6 +38,7 @@ STACK = Stack(
         export_adapter=True,  # with LoRA
         precisions=("fp32", "bf16", "fp16", "fp8"),  # fp8: the decoder layers' linears
         memory_plan=True,  # train.memory_budget: train.recompute and the micro-batch split
+        bf16_moments=True,  # through the one-pass AdamW update (core engine.moments)
     ),
     renamed_keys={
         "llm.init_from_hf": "model.init_from",

@@ -23,13 +23,17 @@ STACK = Stack(
     },
     console_script="longboat-vlm",
     train="longboat.vlm.train.training:train",
-    validators=("longboat.vlm.train.lora:validate_adapter_export",),
+    validators=(
+        "longboat.vlm.train.lora:validate_adapter_export",
+        "longboat.core.megatron.engine.moments:moment_dtype_problems",
+    ),
     capabilities=Capabilities(
         recompute=("none", "full"),  # whole ViT blocks and decoder layers
         recompute_components=("vision", "language"),
         export_adapter=True,  # LoRA adapters as a PEFT adapter (lora.enabled=true)
         precisions=("fp32", "bf16", "fp16", "fp8"),  # fp8: the language decoder's linears
         memory_plan=True,  # train.memory_budget: train.recompute over the tower and decoder
+        bf16_moments=True,  # through the one-pass AdamW update (core engine.moments)
     ),
     renamed_keys={
         "model.init_from_hf": "model.init_from",

@@ -55,7 +55,8 @@ class Capabilities:
     ``auto`` is accepted)."""
     bf16_moments: bool = False
     """Whether ``optim.moment_dtype=bf16`` (AdamW moments stored in bf16) is kept (the torch
-    engine's master-weight AdamW); without it only fp32 (or null) is accepted."""
+    engine's master-weight AdamW, the megatron engine's one-pass AdamW update); without it
+    only fp32 (or null) is accepted."""
     ema: bool = False
     """Whether ``ema.enabled=true`` keeps (``longboat.core.train.ema``), checkpoints and, with
     ``ema.export``, exports an average of the weights."""

@@ -122,9 +122,11 @@ class OptimConfig:
     moment_dtype: str | None = None  # type: ignore[assignment]
     """dtype of AdamW's two moments: fp32, or bf16 (2 bytes a parameter each instead of 4;
     read to fp32 and updated in fp32, stored rounded to nearest: changes numerics). bf16 is
-    the torch engine's (embodied) with train.master_weights; elsewhere it is refused. null
-    (the default): fp32, unless the torch engine's memory plan (train.memory_budget) fits
-    only with bf16 moments; a value set here is kept (pinned)."""
+    kept by the torch engine (embodied) with train.master_weights, and by the megatron
+    engine (llm, vlm, diffusion) through the one-pass AdamW update (optim.one_pass_adamw,
+    not with fp16 loss scaling or clipping across expert-parallel parts); elsewhere it is
+    refused. null (the default): fp32, unless the memory plan (train.memory_budget) fits only
+    with bf16 moments; a value set here is kept (pinned)."""
     one_pass_adamw: bool = True
     """Megatron stacks: the AdamW update as one kernel pass per parameter shard
     (``longboat.core.megatron.engine.one_pass_adamw``): grads read from the grad buffer,

@@ -93,6 +93,10 @@ def build_optimizer(
 
     ``distributed_optimizer`` shards optimizer state over data-parallel ranks (ZeRO-1;
     megatron supports it for Adam only).
+
+    ``optim.moment_dtype=bf16`` is not set up here: the one-pass update keeps bf16 moments
+    (``MegatronStepEngine.use_one_pass``, which refuses it where that update does not take
+    every step).
     """
     from megatron.core.optimizer import OptimizerConfig
 
@@ -108,12 +112,6 @@ def build_optimizer(
             "or turn the distributed optimizer off.",
             key="optim.name",
             value=optim.name,
-        )
-    if (getattr(optim, "moment_dtype", None) or "fp32") != "fp32":
-        raise ConfigError(
-            f"optim.moment_dtype={optim.moment_dtype!r}: the megatron backend keeps fp32 "
-            "moments. Fix: optim.moment_dtype=fp32.",
-            key="optim.moment_dtype",
         )
     if precision not in _PARAM_DTYPES:
         raise ConfigError(f"train.precision={precision!r}: expected fp32, bf16 or fp16.")
@@ -335,7 +333,18 @@ class MegatronOptimizerState:
     """This rank's shard of the distributed optimizer as a ``state_dict`` (saved per rank).
 
     Holds the fp32 main weights (in bf16 training they differ from the model's bf16 weights)
-    and the inner optimizer's moments, step counts and param groups (the live LR).
+    and the inner optimizer's moments, step counts and param groups (the live LR). The state
+    is saved as each rank's own tensors (``torch.save`` of the core checkpoint's per-rank
+    file): the moments in the dtype the run keeps them in, bf16 with ``optim.moment_dtype=
+    bf16``.
+
+    Loading puts each AdamW moment into the dtype this run keeps it in (its allocated state's,
+    else the main weight's, fp32), copied straight from the loaded tensor: a bf16 checkpoint
+    resumes bf16 moments bit for bit, and a checkpoint of the other moment dtype converts,
+    bf16 -> fp32 exactly, fp32 -> bf16 rounded to nearest (the run then continues as a
+    bf16-moment run does; the changed ``optim.moment_dtype`` is among the keys a resumed run
+    announces). torch's own ``load_state_dict`` would cast every moment to the main weight's
+    dtype (an fp32 copy of bf16 moments on the device).
     """
 
     def __init__(self, optimizer: Any) -> None:
@@ -371,10 +380,30 @@ class MegatronOptimizerState:
                     raise ValueError("optimizer shard layout differs from the checkpoint's")
                 for p, value in zip(params, part["main"], strict=True):
                     p.copy_(value)
+                kept = {p: _moment_dtype(opt.state.get(p), p) for p in params}
                 sd = opt.state_dict()
-                sd["state"] = part["state"]
+                sd["state"] = {
+                    i: {k: v for k, v in s.items() if k not in MOMENT_KEYS}
+                    for i, s in part["state"].items()
+                }
                 sd["param_groups"] = part["param_groups"]
-                opt.load_state_dict(sd)
+                opt.load_state_dict(sd)  # step counts and param groups by torch's rules
+                ids = [i for g in part["param_groups"] for i in g["params"]]
+                for i, p in zip(ids, params, strict=True):
+                    for key, value in part["state"].get(i, {}).items():
+                        if key in MOMENT_KEYS:
+                            opt.state[p][key] = value.to(p.device, kept[p], copy=True)
+
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+"""AdamW's moments in a torch optimizer's per-parameter state."""
+
+
+def _moment_dtype(state: Mapping[str, Any] | None, param: torch.Tensor) -> torch.dtype:
+    """The dtype a run keeps ``param``'s moments in: its allocated state's (bf16 moments are
+    allocated before the first step), else the parameter's."""
+    moment = (state or {}).get("exp_avg")
+    return moment.dtype if isinstance(moment, torch.Tensor) else param.dtype
 
 
 def _torch_adam_groups(optimizer: Any, device_types: tuple[str, ...]) -> Iterator[dict]:

@@ -174,6 +174,7 @@ def plan_diffusion_memory(run: Any) -> Any:
     written back. A str (the plan's line) for a family without an estimate."""
     from longboat.core.megatron.engine.memory_plan import OptimizerPlan
     from longboat.core.megatron.engine.memory_shapes import plan_megatron_run, unplanned
+    from longboat.core.megatron.engine.moments import moment_plan_fields
     from longboat.diffusion.models.wan.config import WanConfig
 
     cfg, t, m, lay = run.cfg, run.cfg.train, run.model_cfg, run.layout
@@ -199,10 +200,11 @@ def plan_diffusion_memory(run: Any) -> Any:
         trainable_fraction=0.0 if cfg.lora.enabled else 1.0,
         context_parallel=lay.context_parallel,
         average_weights=bool(cfg.ema.enabled),
+        **moment_plan_fields(cfg),
     )
     return plan_megatron_run(t, shapes, opt, run.accelerator, data_parallel=lay.data_parallel,
                              micro_batch_pinned=train.packed or t.cuda_graph is True,
-                             layers_mode="selective")  # fmt: skip
+                             layers_mode="selective", optim=cfg.optim)  # fmt: skip
 
 
 __all__ = ["WanShapes", "plan_diffusion_memory", "wan_shapes"]

@@ -180,7 +180,7 @@ class DiffusionTraining(MegatronTraining):
             self.ema = EMAWeights(dict(model.named_parameters()), cfg.ema)
         self.step_fn.static_shapes_blocker = self._graph_shapes_blocker()
         one_pass = "auto" if cfg.optim.one_pass_adamw else False
-        self.step_fn.use_one_pass(one_pass, adamw_master_step_)
+        self.step_fn.use_one_pass(one_pass, adamw_master_step_, cfg.optim.moment_dtype)
         self.ddp_modules = [self.step_fn.ddp]
         self._decoder: Any = None
         """The previews' ``LatentDecoder`` (False: none; None: not looked for yet): the

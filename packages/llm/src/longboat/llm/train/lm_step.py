@@ -192,6 +192,8 @@ def build_train_step(
     ``engine.one_pass_adamw``, ``MegatronStepEngine.use_one_pass``); True requires it (an
     error where the optimizer cannot take it), ``"auto"`` (what ``optim.one_pass_adamw=true``
     means) uses it where it applies and records why not in ``TrainStep.one_pass_blocker``.
+    ``optim.moment_dtype=bf16``: the one-pass update keeps the moments in bf16 (a
+    ``ConfigError`` where it does not take every step: core's ``engine.moments``).
     ``kernel_options``: ``build_model``'s switches of the longboat layer kernels (tests).
     ``objective``: a ``train.megatron_schedule.StepObjective`` replacing the LM loss (DPO).
     ``fp8_recipe``: run the decoder layers' linears in FP8 with this recipe
@@ -283,7 +285,7 @@ def build_train_step(
         lora_notice=lora_notice,
         objective=objective,
     )
-    step.use_one_pass(one_pass_adamw, adamw_master_step_)
+    step.use_one_pass(one_pass_adamw, adamw_master_step_, getattr(optim, "moment_dtype", None))
     return step
 
 

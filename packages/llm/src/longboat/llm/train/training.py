@@ -161,6 +161,7 @@ class LLMTraining(MegatronTraining):
         )
         from longboat.core.megatron.engine.memory_plan import DecoderShapes, OptimizerPlan
         from longboat.core.megatron.engine.memory_shapes import plan_megatron_run, unplanned
+        from longboat.core.megatron.engine.moments import moment_plan_fields
 
         cfg, t, m = self.cfg, self.cfg.train, self.model_cfg
         latent = is_latent_attention(m)
@@ -184,13 +185,14 @@ class LLMTraining(MegatronTraining):
             optimizer=cfg.optim.name,
             trainable_fraction=0.0 if cfg.lora.enabled else 1.0,
             bf16_grads_single_pass=cfg.llm.wgrad_fusion and not t.compile,
+            **moment_plan_fields(cfg),
         )
         modes = ("none", "selective", "full")
         if m.num_experts and m.moe_aux_loss == "hf" and m.moe_aux_loss_coeff:
             modes = ("none", "selective")  # transformers' pooled term needs the router's graph
         return plan_megatron_run(t, shapes, opt, self.accelerator, data_parallel=dp,
                                  micro_batch_pinned=t.cuda_graph is True,
-                                 recompute_modes=modes)  # fmt: skip
+                                 recompute_modes=modes, optim=cfg.optim)  # fmt: skip
 
     def callbacks(self) -> list[Any]:
         """The memory plan's measured-peak line after the first steps (where it planned)."""

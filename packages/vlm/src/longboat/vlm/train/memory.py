@@ -42,6 +42,7 @@ def plan_vlm_memory(run: Any) -> Any:
         trainable_fraction,
         unplanned,
     )
+    from longboat.core.megatron.engine.moments import moment_plan_fields
     from longboat.vlm.models.common import RECOMPUTE_COMPONENTS
 
     cfg, t, m, lay = run.cfg, run.cfg.train, run.model_cfg, run.layout
@@ -71,6 +72,8 @@ def plan_vlm_memory(run: Any) -> Any:
         optimizer=cfg.optim.name,
         trainable_fraction=trainable_fraction(total - frozen, total),
         bf16_grads_single_pass=False,  # the VLM's grad buffers are fp32
+        **moment_plan_fields(cfg),
     )
     return plan_megatron_run(t, shapes, opt, run.accelerator, data_parallel=lay.data_parallel,
-                             micro_batch_pinned=True, recompute_modes=("none", "full"))  # fmt: skip
+                             micro_batch_pinned=True, recompute_modes=("none", "full"),
+                             optim=cfg.optim)  # fmt: skip

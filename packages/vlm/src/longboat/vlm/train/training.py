@@ -337,7 +337,11 @@ class VLMTraining(MegatronTraining):
             tokens = self.data.train.seq_len * cfg.train.micro_batch_size
             self.fp8_table = decide_adaptive([model.language], tokens, self.device)
         step.static_shapes_blocker = self._graph_shapes_blocker()
-        step.use_one_pass("auto" if cfg.optim.one_pass_adamw else False, adamw_master_step_)
+        step.use_one_pass(
+            "auto" if cfg.optim.one_pass_adamw else False,
+            adamw_master_step_,
+            cfg.optim.moment_dtype,
+        )
         self.exact_main_weights = 0
         """Main weights started from the checkpoint's fp32 values (``exact_main_weights``)."""
         if cfg.model.init_from and not cfg.lora.enabled:

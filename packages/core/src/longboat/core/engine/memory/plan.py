@@ -195,7 +195,7 @@ class MemoryPlan:
                 f"({self.budget_source}).")  # fmt: skip
 
 
-def _candidates(
+def candidate_choices(
     micro_batch: int,
     micro_options: Sequence[int],
     pins: Pins,
@@ -276,11 +276,11 @@ def choose_plan(
     micros = micro_batch_options(micro_batch) if micro_options is None else micro_options
     levels = storage_levels(layout, pins, allow_bf16_moments=allow_bf16_moments,
                             allow_bf16_sr=allow_bf16_sr)  # fmt: skip
-    candidates = _candidates(micro_batch, micros, pins, layout, levels, recompute_modes)
+    candidates = candidate_choices(micro_batch, micros, pins, layout, levels, recompute_modes)
     options = tuple((c, estimate_peak(states, layout, profile, c)) for c in candidates)
     for choice, est in options:
         if est.total <= budget:
-            chosen = _chosen(choice, default, pins)
+            chosen = chosen_keys(choice, default, pins)
             numerics = tuple(k for k in choice.storage_keys(layout) if k in chosen)
             return MemoryPlan(choice, est, budget, budget_source, chosen, numerics, options)
     best_choice, best = min(options, key=lambda ce: ce[1].total)
@@ -305,7 +305,8 @@ def choose_plan(
     )
 
 
-def _chosen(choice: PlanChoice, default: PlanChoice, pins: Pins) -> tuple[str, ...]:
+def chosen_keys(choice: PlanChoice, default: PlanChoice, pins: Pins) -> tuple[str, ...]:
+    """The keys ``choice`` sets away from ``default`` and not pinned (a plan's ``chosen``)."""
     keys = []
     if pins.recompute is None and choice.recompute != "none":
         keys.append(f"train.recompute={choice.recompute}")

@@ -12,7 +12,8 @@ sequence length), as the megatron engine lays it out:
   ``core.megatron.wgrad_fusion.grad_plan``) bf16; the buffer's bucket padding (at most a few
   hundred elements) is not counted;
 - optimizer state: the distributed optimizer's fp32 main weights (for bf16 / fp16 weights)
-  and AdamW's two fp32 moments, sharded over the data-parallel ranks;
+  and AdamW's two moments, fp32 or (``optim.moment_dtype=bf16``) bf16, sharded over the
+  data-parallel ranks;
 - activations: what each transformer layer saves for its backward with the longboat layer
   kernels (fused RMSNorm, add + RMSNorm, SwiGLU, QKV + RoPE, flash attention), for recompute
   none, selective (megatron's: the core attention, which then keeps its inputs but not its
@@ -26,15 +27,19 @@ sequence length), as the megatron engine lays it out:
   allocator's fragmentation and the library workspaces (cuBLAS, NCCL). The CUDA context
   itself is outside the budget (``auto`` reads the free memory after it exists).
 
-``choose_decoder_plan`` takes the first choice that fits: recompute none, selective, full,
-then smaller micro-batches (the same global batch in more accumulated microbatches) with the
-last mode; pinned levers stay as set, and a run whose pinned levers cannot fit raises a
-``ConfigError`` with the numbers. Without a budget (``auto`` on a device that reports no
-memory) the pinned or default levers are kept and only reported.
+``choose_decoder_plan`` takes the first choice that fits, in core's order
+(``engine.memory.plan``): recompute none, selective, full, then smaller micro-batches (the
+same global batch in more accumulated microbatches) with the last mode; only where none of
+those fits and the run allows it (``OptimizerPlan.allow_bf16_moments``), the same again with
+bf16 moments, which change numerics (the plan's line says so); pinned levers stay as set,
+and a run whose pinned levers cannot fit raises a ``ConfigError`` with the numbers. Without
+a budget (``auto`` on a device that reports no memory) the pinned or default levers are kept
+and only reported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -45,10 +50,14 @@ from longboat.core.engine.memory.plan import (
     RECOMPUTE_ORDER,
     MemoryPlan,
     PeakEstimate,
+    Pins,
     PlanChoice,
+    candidate_choices,
+    chosen_keys,
     micro_batch_options,
+    storage_levels,
 )
-from longboat.core.engine.memory.states import StateBytes
+from longboat.core.engine.memory.states import OptimizerLayout, StateBytes
 
 ALLOCATOR_ALLOWANCE = int(0.5 * GB)
 """Bytes every plan adds for the caching allocator's fragmentation and library workspaces
@@ -298,6 +307,15 @@ class OptimizerPlan:
     """Context-parallel ranks (their gradient reduction keeps the grad buffer fp32)."""
     average_weights: bool = False
     """An fp32 average of the trainable weights is kept (``ema.enabled``)."""
+    moment_bytes: int = 4
+    """Bytes of an AdamW moment element: 4 (fp32), 2 (``optim.moment_dtype=bf16``). A
+    choice's own ``PlanChoice.moment_bytes`` replaces it in that choice's estimate."""
+    moments_pinned: bool = False
+    """``optim.moment_dtype`` is set: the plan keeps ``moment_bytes``."""
+    allow_bf16_moments: bool = False
+    """The plan may choose bf16 moments where nothing else fits (``optim.moment_dtype``
+    null and every step through the one-pass update: ``engine.moments``); they change
+    numerics."""
 
 
 def grad_bytes(opt: OptimizerPlan, microbatches: int, pipeline_parallel: int = 1) -> int:
@@ -332,7 +350,7 @@ def decoder_state_bytes(
     dp = opt.data_parallel
     shard = -(-trainable // dp)
     masters = 4 * shard if opt.precision != "fp32" else 0
-    moments = 2 * 4 * shard if opt.optimizer == "adamw" else 0
+    moments = 2 * opt.moment_bytes * shard if opt.optimizer == "adamw" else 0
     fp32 = min(fp32_params, trainable)  # their grads are fp32 too (megatron's buffers)
     g = grad_bytes(opt, microbatches, pipeline_parallel)
     return StateBytes(
@@ -393,7 +411,10 @@ def estimate_stage_peak(
     ``samples``: the samples a step takes on one rank (micro-batch x microbatches; the
     accumulation follows from the choice's micro-batch); ``full_layers``: with full
     recompute, only the first that many layers of each stage recompute
-    (``train.recompute_layers``)."""
+    (``train.recompute_layers``). The moments take the choice's storage
+    (``PlanChoice.moment_bytes``)."""
+    if choice.moment_bytes != opt.moment_bytes:
+        opt = dataclasses.replace(opt, moment_bytes=choice.moment_bytes)
     b, mode = choice.micro_batch, choice.recompute
     microbatches = max(1, samples // b)
     pp = shapes.pipeline_parallel
@@ -434,34 +455,36 @@ def choose_decoder_plan(
     """The run's plan (module doc). ``micro_batch`` / ``accum``: the run's micro-batch and
     this rank's microbatches a step as configured; ``recompute``: ``train.recompute`` as set
     (None: the plan chooses); ``micro_batch_pinned``: the micro-batch stays whole;
-    ``full_layers``: ``train.recompute_layers`` (with full recompute)."""
+    ``full_layers``: ``train.recompute_layers`` (with full recompute). The moments'
+    storage: ``opt.moment_bytes``, pinned or (``opt.allow_bf16_moments``) bf16 where
+    nothing else fits, in core's candidate order (``engine.memory.plan``)."""
     samples = micro_batch * accum
-    default = PlanChoice(recompute or "none", micro_batch)
+    default = PlanChoice(recompute or "none", micro_batch, opt.moment_bytes)
 
     def est(c: PlanChoice) -> PeakEstimate:
         return estimate_stage_peak(shapes, opt, c, samples=samples, full_layers=full_layers)
 
     if budget is None:
         return MemoryPlan(default, est(default), None, budget_source)
-    modes = [recompute] if recompute is not None else list(recompute_modes)
-    candidates = [PlanChoice(m, micro_batch) for m in modes]
-    if not micro_batch_pinned:
-        smaller = sorted((m for m in micro_batch_options(micro_batch) if m < micro_batch),
-                         reverse=True)  # fmt: skip
-        candidates += [PlanChoice(modes[-1], m) for m in smaller]
+    pinned = Pins(recompute=recompute, micro_batch=micro_batch_pinned,
+                  moment_bytes=opt.moment_bytes if opt.moments_pinned else None)  # fmt: skip
+    layout = OptimizerLayout(moment_bytes=opt.moment_bytes)
+    bf16_moments = opt.allow_bf16_moments and opt.optimizer == "adamw"
+    levels = storage_levels(layout, pinned, allow_bf16_moments=bf16_moments, allow_bf16_sr=False)
+    candidates = candidate_choices(micro_batch, micro_batch_options(micro_batch), pinned,
+                                   layout, levels, recompute_modes)  # fmt: skip
     options = tuple((c, est(c)) for c in candidates)
     for choice, e in options:
         if e.total <= budget:
-            chosen = []
-            if recompute is None and choice.recompute != "none":
-                chosen.append(f"train.recompute={choice.recompute}")
-            if choice.micro_batch != micro_batch:
-                chosen.append(f"micro-batch {micro_batch} -> {choice.micro_batch}")
-            return MemoryPlan(choice, e, budget, budget_source, tuple(chosen), options=options)
+            chosen = chosen_keys(choice, default, pinned)
+            numerics = tuple(k for k in choice.storage_keys(layout) if k in chosen)
+            return MemoryPlan(choice, e, budget, budget_source, chosen, numerics, options)
     best_choice, best = min(options, key=lambda ce: ce[1].total)
     pins = [f"train.recompute={recompute}"] if recompute is not None else []
     if micro_batch_pinned:
         pins.append(f"micro-batch {micro_batch} (one microbatch a step)")
+    if opt.moments_pinned:
+        pins.append(f"optim.moment_dtype={'bf16' if opt.moment_bytes == 2 else 'fp32'}")
     raise ConfigError(
         [
             ConfigProblem(
@@ -470,8 +493,9 @@ def choose_decoder_plan(
                     f"the run does not fit {format_bytes(budget)} ({budget_source}; "
                     f"{', '.join(pins) or 'nothing pinned'}): the smallest plan, "
                     f"train.recompute={best_choice.recompute} at micro-batch "
-                    f"{best_choice.micro_batch}, needs {format_bytes(best.total)} "
-                    f"({best.breakdown()})"
+                    f"{best_choice.micro_batch}"
+                    + "".join(f", {k}" for k in best_choice.storage_keys(layout))
+                    + f", needs {format_bytes(best.total)} ({best.breakdown()})"
                 ),
                 fix=(
                     "raise train.memory_budget"

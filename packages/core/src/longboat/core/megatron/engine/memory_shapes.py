@@ -11,8 +11,8 @@ makes to plan its run.
   (a VLM's vision tower), one recompute choice applying to each part that takes it.
 - ``plan_megatron_run``: what llm, vlm and diffusion call: ``memory_plan.plan_run_memory``
   on the run's ``train`` section, the choice written back into it (``train.recompute`` and,
-  split, ``train.micro_batch_size`` with the global batch kept); ``unplanned`` where a model
-  has no estimate.
+  split, ``train.micro_batch_size`` with the global batch kept; bf16 moments chosen:
+  ``optim.moment_dtype``); ``unplanned`` where a model has no estimate.
 """
 
 from __future__ import annotations
@@ -182,11 +182,14 @@ def plan_megatron_run(
     micro_batch_pinned: bool = False,
     recompute_modes: Sequence[str] = RECOMPUTE_ORDER,
     layers_mode: str = "full",
+    optim: Any = None,
 ) -> MemoryPlan:
     """The run's memory plan (``train.memory_budget``) for ``shapes`` (a ``StagedShapes``),
     its choice written back into ``train``: ``recompute`` and, split, ``micro_batch_size``
-    (the global batch kept). ``micro_batch_pinned``: the micro-batch stays whole (one
-    microbatch a step captured as a graph, a packed row); ``recompute_modes``: the modes the
+    (the global batch kept); into ``optim`` (the run's ``optim`` section), where the plan
+    chose bf16 moments (``opt.allow_bf16_moments``), ``moment_dtype``.
+    ``micro_batch_pinned``: the micro-batch stays whole (one microbatch a step captured as a
+    graph, a packed row); ``recompute_modes``: the modes the
     stack offers for the plan to choose from, least first; ``layers_mode``: the mode a set
     ``train.recompute_layers`` pins when ``train.recompute`` is null. A run that cannot fit
     raises ``ConfigError`` with the numbers (``memory_plan.choose_decoder_plan``)."""
@@ -204,6 +207,8 @@ def plan_megatron_run(
         layers_mode=layers_mode,
     )
     train.recompute = plan.choice.recompute
+    if optim is not None and plan.choice.moment_bytes != opt.moment_bytes:
+        optim.moment_dtype = "bf16" if plan.choice.moment_bytes == 2 else "fp32"
     if plan.choice.micro_batch != train.micro_batch_size:
         train.global_batch_size = layout.global_batch
         train.micro_batch_size = plan.choice.micro_batch

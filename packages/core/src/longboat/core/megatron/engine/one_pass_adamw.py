@@ -33,6 +33,13 @@ read (``engine.lagged_gate``).
 param gather, no megatron-FSDP, no precision-aware optimizer. fp16 loss scaling, and clipping
 over parts with different grad-statistics groups (expert-parallel parts), are not handled:
 ``step`` returns False for them, and the caller takes megatron's ``optimizer.step()``.
+
+Moment storage (``moment_dtype``, ``optim.moment_dtype``): fp32, or bf16 (2 bytes a moment
+element instead of 4; the kernel reads them to fp32, updates in fp32 and stores them rounded
+to nearest even: changes numerics). bf16 moments are allocated in the inner optimizer's
+``state`` when the update is built, before the first step, and are updated by the same kernel;
+megatron's own step never runs on them: building the update refuses (``ConfigError``) a
+configuration whose steps it would not take (``handles()`` False).
 """
 
 from __future__ import annotations
@@ -123,7 +130,9 @@ def supported(optimizer: Any) -> str | None:
 class OnePassAdamW:
     """The one-pass update for a (chained) megatron distributed optimizer (module doc)."""
 
-    def __init__(self, optimizer: Any, kernel: MasterStepKernel) -> None:
+    def __init__(
+        self, optimizer: Any, kernel: MasterStepKernel, moment_dtype: torch.dtype = torch.float32
+    ) -> None:
         reason = supported(optimizer)
         if reason:
             raise ValueError(
@@ -143,6 +152,25 @@ class OnePassAdamW:
         self.last_grad_norm: Tensor | None = None
         """The global grad norm of the latest clipped step (a device tensor; None without
         clipping, where the norm is not needed)."""
+        self.moment_dtype = moment_dtype
+        """The dtype of ``exp_avg`` / ``exp_avg_sq`` (fp32 or bf16)."""
+        if moment_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"OnePassAdamW: moment_dtype={moment_dtype}; use fp32 or bf16")
+        if moment_dtype != torch.float32:
+            if not self._handles:
+                from longboat.core.config.errors import ConfigError
+
+                raise ConfigError(
+                    "bf16 moments are kept by the one-pass AdamW update only, and this run's "
+                    "steps go through megatron's torch AdamW (fp16 loss scaling, or clipping "
+                    "over optimizer parts with different grad-statistics groups)",
+                    key="optim.moment_dtype",
+                    value="bf16",
+                    fix="set optim.moment_dtype=fp32 (or null)",
+                )
+            for part, shards, _ in self.plans:
+                for shard in shards:
+                    self._state(shard, part.optimizer)
 
     @functools.cached_property
     def plans(self) -> list[tuple[Any, list[_Shard], list[Tensor]]]:
@@ -233,12 +261,7 @@ class OnePassAdamW:
             inner = part.optimizer
             steps = []
             for shard in shards:
-                state = inner.state[shard.main]
-                if not state:  # torch AdamW's state layout (fused: step is a device tensor)
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=shard.main.device)
-                    state["exp_avg"] = torch.zeros_like(shard.main)
-                    state["exp_avg_sq"] = torch.zeros_like(shard.main)
-                steps.append(state["step"])
+                steps.append(self._state(shard, inner)["step"])
             if steps:
                 torch._foreach_add_(steps, 1.0)
                 if found_inf is not None:  # a skipped update does not count
@@ -272,6 +295,16 @@ class OnePassAdamW:
                 )
             self._sync_params(part)
         return True
+
+    def _state(self, shard: _Shard, inner: Any) -> dict[str, Tensor]:
+        """``shard``'s AdamW state in ``inner`` (its torch AdamW), allocated where empty: torch
+        AdamW's layout (fused: the step a device tensor), the moments in ``moment_dtype``."""
+        state = inner.state[shard.main]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=shard.main.device)
+            state["exp_avg"] = torch.zeros_like(shard.main, dtype=self.moment_dtype)
+            state["exp_avg_sq"] = torch.zeros_like(shard.main, dtype=self.moment_dtype)
+        return state
 
     @staticmethod
     def _sync_params(part: Any) -> None:

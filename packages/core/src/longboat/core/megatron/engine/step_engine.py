@@ -92,20 +92,34 @@ class MegatronStepEngine:
 
     # --- the update -------------------------------------------------------------------------
 
-    def use_one_pass(self, mode: bool | str, kernel: Callable[..., Any]) -> None:
+    def use_one_pass(
+        self, mode: bool | str, kernel: Callable[..., Any], moment_dtype: str | None = None
+    ) -> None:
         """The one-pass update with ``kernel`` (``longboat.kernels.adamw_master_step_``):
         True requires it (ValueError where the optimizer cannot take it), ``"auto"`` uses it
         where it applies and records why not in ``one_pass_blocker``, False leaves megatron's
-        step."""
+        step. ``moment_dtype`` (``optim.moment_dtype``; null: fp32): bf16 moments, kept by
+        the one-pass update only, so a ``ConfigError`` where it does not take every step."""
         from longboat.core.megatron.engine import one_pass_adamw
+        from longboat.core.megatron.engine.moments import moment_torch_dtype
 
+        dtype = moment_torch_dtype(moment_dtype)
         self.one_pass, self.one_pass_blocker = None, None
-        if not mode:
-            return
         if mode == "auto":
             self.one_pass_blocker = one_pass_adamw.supported(self.optimizer)
+        if dtype != torch.float32 and (not mode or self.one_pass_blocker is not None):
+            why = self.one_pass_blocker or "optim.one_pass_adamw=false"
+            raise ConfigError(
+                f"bf16 moments are kept by the one-pass AdamW update only, and this run "
+                f"takes megatron's step ({why})",
+                key="optim.moment_dtype",
+                value=moment_dtype,
+                fix="set optim.moment_dtype=fp32 (or null)",
+            )
+        if not mode:
+            return
         if self.one_pass_blocker is None:
-            self.one_pass = one_pass_adamw.OnePassAdamW(self.optimizer, kernel)
+            self.one_pass = one_pass_adamw.OnePassAdamW(self.optimizer, kernel, dtype)
 
     def update(self, found_inf: torch.Tensor | None = None) -> Any:
         """The optimizer update of the grads just computed; the grad norm when the update
