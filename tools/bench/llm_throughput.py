@@ -136,6 +136,7 @@ VARIANTS: dict[str, list[str]] = {
     "longboat_fp8_tensorwise": ["train.precision=fp8", "train.fp8.recipe=tensorwise"],
     "longboat_fp8_adaptive": ["train.precision=fp8", "train.fp8.recipe=adaptive"],
     "longboat_dense_mla": ["model.index_topk=null"],  # DeepSeek-V3.2 without its sparse attention
+    "longboat_bf16_moments": ["optim.moment_dtype=bf16"],  # changes numerics (README)
 }
 """Config keys each longboat run adds to the CLI's defaults."""
 # hf_liger after the HF runs (it patches transformers process-wide); the graphed runs (the
