@@ -82,3 +82,15 @@ def test_diffusion_keeps_bf16_moments_and_trains_like_fp32(tmp_path: Path) -> No
     assert bf16["losses"][0] == fp32["losses"][0]
     assert bf16["losses"] != fp32["losses"]  # the storage changes numerics
     assert all(abs(a - b) <= 2e-4 for a, b in zip(bf16["losses"], fp32["losses"])), (bf16, fp32)
+
+
+def test_bf16_moments_without_the_one_pass_update_are_refused_before_work(tmp_path: Path) -> None:
+    from longboat.core.config.compose import compose_experiment
+    from longboat.core.config.errors import ConfigError
+
+    base = [*_overrides(tmp_path), "optim.moment_dtype=bf16"]
+    with pytest.raises(ConfigError) as err:
+        compose_experiment("quickstart", [*base, "optim.one_pass_adamw=false"], stack="diffusion")
+    assert "optim.moment_dtype" in err.value.keys, err.value
+    assert "optim.one_pass_adamw=false" in str(err.value), err.value
+    assert compose_experiment("quickstart", base, stack="diffusion").optim.moment_dtype == "bf16"

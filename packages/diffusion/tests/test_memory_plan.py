@@ -269,7 +269,10 @@ def _plan_worker(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
     from longboat.diffusion.train.training import build_training
 
     try:
-        run = build_training(compose_experiment("quickstart", overrides, stack="diffusion"))
+        # fp32 moments pinned: the recompute / split choices alone (bf16 moments, the plan's
+        # last lever: llm's test_memory_plan_moments)
+        pinned = [*overrides, "optim.moment_dtype=fp32"]
+        run = build_training(compose_experiment("quickstart", pinned, stack="diffusion"))
     except ConfigError as exc:
         return {"error": str(exc), "keys": exc.keys}
     try:

@@ -248,28 +248,31 @@ def _stop_at_worker(rank: int, world: int, overrides: list[str], stop_at: int):
 
 
 @pytest.mark.multiprocess
-def test_resume_with_bf16_moments_is_exact(tmp_path: Path) -> None:
-    """8 steps straight vs 4 + resume with optim.moment_dtype=bf16: the same losses, and the
-    checkpoint's per-rank state holds bf16 moments."""
+@pytest.mark.parametrize("world", [1, 2], ids=["dp1", "dp2"])
+def test_resume_with_bf16_moments_is_exact(world: int, tmp_path: Path) -> None:
+    """8 steps straight vs 4 + resume with optim.moment_dtype=bf16 (one rank, and the
+    distributed optimizer's state sharded over two data-parallel ranks): the same losses on
+    every rank, and each rank's checkpoint file holds its bf16 moments."""
     data, tok = make_tiny_dataset(tmp_path / "data")
 
     def overrides(out: Path) -> list[str]:
         return [*tiny_overrides(data, tok, out, steps=8), "checkpoint.resume=auto",
                 "checkpoint.save_on_exit=true", "optim.moment_dtype=bf16"]  # fmt: skip
 
-    (ref,) = run_multiprocess(_stop_at_worker, 1, overrides(tmp_path / "ref"), 0)
-    assert ref[0] == 0 and len(ref[1]) == 8
-    (first,) = run_multiprocess(_stop_at_worker, 1, overrides(tmp_path / "run"), 4)
-    assert first[0] == 0 and len(first[1]) == 4
-    extras = torch.load(tmp_path / "run" / "ckpt" / "step_00000004" / "extra_rank0.pt",
-                        weights_only=True)  # fmt: skip
-    state = extras["optimizer"]["optimizers"][0]["state"]
-    assert {str(s[k].dtype) for s in state.values() for k in ("exp_avg", "exp_avg_sq")} == {
-        "torch.bfloat16"
-    }
-    (resumed,) = run_multiprocess(_stop_at_worker, 1, overrides(tmp_path / "run"), 0)
-    assert resumed[0] == 4
-    assert resumed[1] == ref[1][4:], "resumed losses differ from the uninterrupted run"
+    ref = run_multiprocess(_stop_at_worker, world, overrides(tmp_path / "ref"), 0)
+    assert all(start == 0 and len(losses) == 8 for start, losses in ref)
+    first = run_multiprocess(_stop_at_worker, world, overrides(tmp_path / "run"), 4)
+    assert all(start == 0 and len(losses) == 4 for start, losses in first)
+    for rank in range(world):
+        extras = torch.load(tmp_path / "run" / "ckpt" / "step_00000004" / f"extra_rank{rank}.pt",
+                            weights_only=True)  # fmt: skip
+        state = extras["optimizer"]["optimizers"][0]["state"]
+        dtypes = {str(s[k].dtype) for s in state.values() for k in ("exp_avg", "exp_avg_sq")}
+        assert dtypes == {"torch.bfloat16"}, (rank, dtypes)
+    resumed = run_multiprocess(_stop_at_worker, world, overrides(tmp_path / "run"), 0)
+    for (start, losses), (_, ref_losses) in zip(resumed, ref, strict=True):
+        assert start == 4
+        assert losses == ref_losses[4:], "resumed losses differ from the uninterrupted run"
 
 
 # ----------------------------------------------------------------------------- refusals

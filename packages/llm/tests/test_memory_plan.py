@@ -208,6 +208,7 @@ RUN = [
     "train.global_batch_size=4",
     "logging.progress=false",
     "logging.trackers=[]",
+    "optim.moment_dtype=fp32",  # the recompute / split choices alone (test_memory_plan_moments)
 ]
 
 

@@ -7,6 +7,8 @@
 - ``lagged_gate``: the NaN gate with the skip on the device and the verdict one step late.
 - ``graphed_step``: the whole step replayed as one CUDA graph (``train.cuda_graph``).
 - ``one_pass_adamw``: the distributed optimizer's update as one kernel pass per shard.
+- ``moments``: ``optim.moment_dtype`` on this engine (bf16 moments through the one-pass
+  update; where they are refused, and what the memory plan may choose).
 - ``memory_plan``: a decoder's predicted peak from its shapes and the choice of recompute and
   micro-batch split for ``train.memory_budget``.
 """
