@@ -134,17 +134,15 @@ if want pi05; then
     --time-budget "$(( ${LIMIT_PI05:-300} - 15 ))"
 fi
 # FP8 (benchmarks/notes/fp8.md): the FP8 kernels' GPU tests, one decoder layer's linears per
-# recipe, the quantisation kernels' configs, then the training step on the Qwen3-1.7B shape
-# with train.precision=fp8 per recipe beside the CLI's bf16 default and the fastest HF baseline
-# (FP8_RUNS picks the rows), and the 886M shape beside torchtitan's rows (FP8_886M_RUNS).
+# recipe, then the training step on the Qwen3-1.7B shape with train.precision=fp8 per recipe
+# beside the CLI's bf16 default and the fastest HF baseline (FP8_RUNS picks the rows), and the
+# 886M shape beside torchtitan's rows (FP8_886M_RUNS).
 if want fp8; then
   step "fp8 gpu tests" timeout "${LIMIT_FP8_TESTS:-120}" python3 -m pytest -q -p no:cacheprovider \
     --import-mode=importlib -m gpu -rs packages/kernels/tests/test_fp8_triton.py \
     packages/kernels/tests/test_fp8.py packages/kernels/tests/test_fp8_grouped.py
   [ "${LIMIT_FP8_GEMM:-120}" -gt 0 ] && step "fp8 gemm" timeout "${LIMIT_FP8_GEMM:-120}" \
     python3 tools/bench/fp8_gemm.py --out /tmp/fp8_gemm.json --results-dir "$RESULTS" --shapes qwen3_1_7b
-  [ "${LIMIT_FP8_QUANT:-90}" -gt 0 ] && step "fp8 quant" timeout "${LIMIT_FP8_QUANT:-90}" \
-    python3 tools/bench/fp8_quant.py --out /tmp/fp8_quant.json --results-dir "$RESULTS"
   step "llm throughput fp8" timeout "${LIMIT_FP8:-360}" python3 tools/bench/llm_throughput.py \
     --shape qwen3_1_7b --out /tmp/llm_throughput_fp8.json --results-dir "$RESULTS" \
     --runs "${FP8_RUNS:-longboat,longboat_fp8,longboat_fp8_rowwise,longboat_fp8_tensorwise,hf_compiled}" \

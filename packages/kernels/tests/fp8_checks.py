@@ -27,19 +27,8 @@ from longboat.kernels.fp8 import (  # noqa: E402  (after the interpreter check)
     quantize_torch,
 )
 from longboat.kernels.fp8.quantize import (  # noqa: E402
-    AMAX_FLOOR,
-    Fp8Operand,
-    fp8_max,
     quantize_blocks_transposed,
     quantize_dual,
-    scale_storage_shape,
-    scale_view,
-)
-from longboat.kernels.fp8.quantize_triton import (  # noqa: E402
-    TILE_CONFIGS,
-    quantize_blocks_transposed_triton,
-    quantize_dual_triton,
-    quantize_triton,
 )
 
 SHAPES = [(1, 130), (37, 128), (130, 300), (256, 64)]
@@ -123,35 +112,3 @@ def test_dual_custom_ops_fakes_match_the_kernels() -> None:
                 getattr(torch.ops.longboat, name).default, (view, E4M3),
                 test_utils=("test_schema", "test_faketensor"),
             )  # fmt: skip
-
-
-@pytest.mark.parametrize("config", TILE_CONFIGS, ids=lambda c: c.name)
-@pytest.mark.parametrize("shape", [(200, 257), (136, 120)])
-def test_every_tile_config_matches_reference(config, shape) -> None:  # type: ignore[no-untyped-def]
-    """Each chunking of the dual and blocks kernels (``TILE_CONFIGS``, what the benchmark
-    picks from) gives the reference's codes and scales, byte for byte, on tiles cut by the
-    matrix's edge inside a chunk (200 = 128 + 72 rows, 257 = 2 x 128 + 1 columns)."""
-    torch.manual_seed(3 + sum(shape))
-    scale_rows = torch.exp2(torch.randint(-3, 3, (shape[0], 1), device=DEVICE).float())
-    x = (torch.randn(*shape, device=DEVICE) * scale_rows).to(torch.bfloat16)
-    rows, cols = shape
-    fmax = fp8_max(E4M3)
-
-    def scales(r: int, k: int, granularity: str) -> torch.Tensor:
-        storage = torch.zeros(scale_storage_shape(r, k, granularity), device=DEVICE)
-        return scale_view(storage, granularity, k)
-
-    def same_bytes(data: torch.Tensor, scale: torch.Tensor, want: Fp8Operand) -> None:
-        assert torch.equal(scale, want.scale)
-        assert torch.equal(data.view(torch.uint8), want.data.view(torch.uint8))
-
-    s, s_t = scales(rows, cols, "1x128"), scales(cols, rows, "1x128")
-    q, q_t = quantize_dual_triton(x, s, s_t, E4M3, fmax, AMAX_FLOOR, config)
-    same_bytes(q, s, quantize_torch(x, "1x128", E4M3))
-    same_bytes(q_t, s_t, quantize_torch(x.t(), "1x128", E4M3))
-    s = scales(rows, cols, "128x128")
-    q = quantize_triton(x, s, "128x128", E4M3, fmax, AMAX_FLOOR, config)
-    same_bytes(q, s, quantize_torch(x, "128x128", E4M3))
-    s_t = scales(cols, rows, "128x128")
-    q_t = quantize_blocks_transposed_triton(x, s_t, E4M3, fmax, AMAX_FLOOR, config)
-    same_bytes(q_t, s_t, quantize_torch(x.t(), "128x128", E4M3))
