@@ -163,3 +163,22 @@ def test_inspect_shows_counts_vision_runs_and_targets(tmp_path: Path) -> None:
         f"{first[0]['value'].split(chr(10))[1]}<|im_end|>\n<|im_start|>assistant\n"
         f"[[{first[1]['value']}<|im_end|>\n]]"
     )
+
+
+def test_questions_per_image_asks_every_kind_in_varying_order(tmp_path: Path) -> None:
+    ds = make_shapes_dataset(tmp_path / "all", 20, seed=3, questions=4)
+    firsts = set()
+    for r in _records(ds.train) + _records(ds.held_out):
+        turns = r["conversations"]
+        assert [t["from"] for t in turns] == ["human", "gpt"] * 4
+        asked = [q["value"].removeprefix("<image>\n") for q in turns[0::2]]
+        assert sorted(asked) == sorted(QUESTIONS.values()) and "<image>" in turns[0]["value"]
+        meta = r["meta"]
+        kinds = {text: k for k, text in QUESTIONS.items()}
+        for q, a in zip(asked, turns[1::2], strict=True):
+            assert a["value"] == answer(kinds[q], meta["colour"], meta["shape"], meta["position"])
+        firsts.add(asked[0])
+    assert len(firsts) > 1
+    assert _digest(ds.root) != _digest(make_shapes_dataset(tmp_path / "some", 20, seed=3).root)
+    with pytest.raises(ValueError, match="questions=5"):
+        make_shapes_dataset(tmp_path / "bad", 20, questions=5)

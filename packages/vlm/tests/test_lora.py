@@ -180,6 +180,7 @@ def _run_overrides(out: Path, data: Path) -> list[str]:
         "lora.enabled=true",
         "lora.rank=4",
         "model.freeze=[vision]",
+        "~model.lr_scale",  # the quickstart scales the frozen vision tower
     ]
 
 

@@ -208,7 +208,7 @@ def test_tp2_writes_the_tp1_adapter(tmp_path: Path) -> None:
                      "train.eval_every=0", "logging.progress=false",
                      "logging.trackers=[]", "vlm.answer_eval_samples=0",
                      "lora.enabled=true", "lora.rank=4", "model.freeze=[vision]",
-                     f"parallel.tensor_parallel={tp}"]  # fmt: skip
+                     "~model.lr_scale", f"parallel.tensor_parallel={tp}"]  # fmt: skip
         run_multiprocess(_adapter_run, tp, overrides, timeout=600)
         outs[tp] = load_file(str(adapter / "adapter_model.safetensors"))
     assert sorted(outs[1]) == sorted(outs[2])
@@ -222,7 +222,8 @@ def test_a_trained_part_peft_cannot_carry_refuses_the_adapter_dir(tmp_path: Path
     """LLaVA-OneVision's projector trains with ``model.image_newline``, a bare parameter that
     PEFT's ``modules_to_save`` cannot hold: refused before the run, naming the fix."""
     done = _cli(["train", "experiment=quickstart", "model=llava_onevision_tiny",
-                 "lora.enabled=true", "model.freeze=[vision]", f"output_dir={tmp_path / 'run'}",
+                 "lora.enabled=true", "model.freeze=[vision]", "~model.lr_scale",
+                 f"output_dir={tmp_path / 'run'}",
                  f"export.adapter_dir={tmp_path / 'adapter'}"], tmp_path)  # fmt: skip
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     out = done.stdout + done.stderr

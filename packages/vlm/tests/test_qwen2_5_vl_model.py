@@ -174,6 +174,18 @@ def test_config_round_trip(hf_dir: Path) -> None:
     assert read_hf_config(to_hf_config(cfg).to_dict()) == cfg
 
 
+def test_tiny_grid_positions_turn_the_rotary() -> None:
+    """The tiny decoder's M-RoPE height and width streams (the 6 lowest of its 8 frequencies,
+    contiguous sections as transformers lays them) turn by at least 0.1 rad per merged patch,
+    so the quickstart's 7 x 7 grid has readable positions (qwen2's theta 1e6: under 2e-4)."""
+    lang = CFG.language
+    half = lang.head_dim // 2
+    inv_freq = lang.rope_theta ** (-torch.arange(half, dtype=torch.float64) / half)
+    t, h, w = lang.mrope_section
+    assert t + h + w == half
+    assert inv_freq[t : t + h].min() > 0.3 and inv_freq[t + h :].min() > 0.1
+
+
 def test_position_ids_match_transformers(hf_dir: Path) -> None:
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir).model
     for i, name in enumerate(CASES):

@@ -21,6 +21,7 @@ def _overrides(out: Path, data: Path, world: int) -> list[str]:
         f"data.out_dir={data}",
         "data.num_train=40",
         "data.num_eval=4",
+        "data.questions_per_image=null",  # one or two turns: rows of different costs
         "data.seq_len=256",
         "train.steps=3",
         "train.global_batch_size=4",

@@ -28,6 +28,7 @@ def _overrides(tmp: Path, *extra: str) -> list[str]:
         f"data.out_dir={tmp / 'data'}",
         "data.num_train=16",
         "data.num_eval=4",
+        "data.questions_per_image=null",  # one or two turns: rows of different sample counts
         "data.seq_len=256",
         f"train.steps={STEPS}",
         "train.eval_every=0",

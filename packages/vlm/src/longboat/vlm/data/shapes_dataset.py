@@ -3,9 +3,9 @@
 Each image (white background, PNG) holds one shape — circle, square or triangle — in one of
 five colours, centred left, right, top or bottom (with a little jitter of place and size).
 Each record is LLaVA-style JSON lines: the image path (relative to the dataset folder) and
-one or two question/answer turns about the colour, the shape, the position, or all three
-(``"Describe the image."`` -> ``"a red circle on the left"``); the first question starts
-with ``<image>\\n``. The same seed gives the same files byte for byte.
+one or two question/answer turns (or ``questions`` of them) about the colour, the shape, the
+position, or all three (``"Describe the image."`` -> ``"a red circle on the left"``); the
+first question starts with ``<image>\\n``. The same seed gives the same files byte for byte.
 
 :func:`prepare_shapes_dataset` writes a run's set (``data=shapes``) and its tokenizer once,
 rank 0 first when several processes train.
@@ -107,10 +107,16 @@ def draw_shape(
 
 
 def _record(
-    i: int, image: str, colour: str, shape: str, position: str, rng: np.random.Generator
+    i: int,
+    image: str,
+    colour: str,
+    shape: str,
+    position: str,
+    rng: np.random.Generator,
+    questions: int | None = None,
 ) -> dict:
     kinds = list(QUESTIONS)
-    n_turns = int(rng.integers(1, 3))
+    n_turns = int(rng.integers(1, 3)) if questions is None else questions
     asked = [kinds[k] for k in rng.choice(len(kinds), size=n_turns, replace=False)]
     turns = []
     for j, kind in enumerate(asked):
@@ -132,8 +138,12 @@ def make_shapes_dataset(
     *,
     size: int = 56,
     held_out_fraction: float = 0.1,
+    questions: int | None = None,
 ) -> ShapesDataset:
     """Write ``n`` samples (``held_out_fraction`` of them held out, at least one) to ``out_dir``.
+
+    ``questions``: turns per record, distinct kinds in a random order (None: one or two;
+    4: every kind, so each image carries four answers' worth of learning signal).
 
     ``out_dir`` gets ``images/*.png``, ``train.jsonl``, ``held_out.jsonl`` and ``shapes.json``
     (the arguments); a second call with the same arguments reuses the files.
@@ -142,9 +152,13 @@ def make_shapes_dataset(
         raise ValueError(f"n={n}: need at least 2 samples (one is held out)")
     if not 0 < held_out_fraction < 1:
         raise ValueError(f"held_out_fraction={held_out_fraction} must be in (0, 1)")
+    if questions is not None and not 1 <= questions <= len(QUESTIONS):
+        raise ValueError(f"questions={questions} must be null or 1..{len(QUESTIONS)}")
     out = Path(out_dir)
     n_held = min(n - 1, max(1, round(n * held_out_fraction)))
     wanted = {"n": n, "seed": seed, "size": size, "held_out": n_held, "version": 1}
+    if questions is not None:
+        wanted["questions"] = questions
     result = ShapesDataset(out, out / "train.jsonl", out / "held_out.jsonl", n - n_held, n_held)
     meta = out / META
     if meta.is_file() and json.loads(meta.read_text()) == wanted and result.held_out.is_file():
@@ -159,7 +173,7 @@ def make_shapes_dataset(
         position = list(POSITIONS)[int(rng.integers(len(POSITIONS)))]
         name = f"images/{i:05d}.png"
         draw_shape(size, colour, shape, position, rng).save(out / name)
-        records.append(_record(i, name, colour, shape, position, rng))
+        records.append(_record(i, name, colour, shape, position, rng, questions))
     for path, part in ((result.train, records[n_held:]), (result.held_out, records[:n_held])):
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in part), encoding="utf-8")
@@ -210,7 +224,12 @@ def _prepare(data: Any, seed: int) -> tuple[list[Path], list[Path], Path]:
     out = Path(data.out_dir)
     n = data.num_train + data.num_eval
     made = make_shapes_dataset(
-        out / "shapes", n, seed, size=data.image_size, held_out_fraction=data.num_eval / n
+        out / "shapes",
+        n,
+        seed,
+        size=data.image_size,
+        held_out_fraction=data.num_eval / n,
+        questions=getattr(data, "questions_per_image", None),
     )
     tok_dir = out / "tokenizer"
     if not (tok_dir / "tokenizer.json").is_file():

@@ -99,6 +99,10 @@ class ShapesDataConfig(ConversationsDataConfig):
     num_eval: int = 60
     image_size: int = 56
     """Side of the square images (pixels)."""
+    questions_per_image: int | None = None
+    """Question/answer turns per image, distinct kinds in a random order (null: one or two;
+    4: colour, shape, position and a description, each image's tokens then carry four
+    answers)."""
     seq_len: int = 512
     min_pixels: int | None = 3136
     max_pixels: int | None = 3136

@@ -248,8 +248,12 @@ def visual_hf_state(model: VisionLanguageModel, cfg: Qwen25VLConfig) -> dict[str
 def _flavors() -> dict[str, Qwen25VLConfig]:
     from longboat.vlm.models.qwen2_5_vl.vision_config import vision_flavor
 
+    # rope_theta 10: at head_dim 16 the M-RoPE height and width streams get the 6 lowest of
+    # the 8 frequencies; at qwen2's 1e6 they turn by under 0.03 rad per merged patch (width
+    # under 2e-4), so a 7-token image grid has no readable position. At 10 they turn by
+    # 0.13-0.56 rad per patch.
     tiny_language = dataclasses.replace(
-        decoder_flavor("qwen2", "tiny"), vocab_size=384, mrope_section=[2, 3, 3]
+        decoder_flavor("qwen2", "tiny"), vocab_size=384, mrope_section=[2, 3, 3], rope_theta=10.0
     )
     return {
         "tiny": Qwen25VLConfig(
