@@ -13,6 +13,16 @@
   micro-batch split for ``train.memory_budget``.
 """
 
-from longboat.core.megatron.engine.step_engine import MegatronStepEngine
+from typing import Any
 
 __all__ = ["MegatronStepEngine"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: the config validators in ``moments`` are imported while a config composes, which
+    # must not import torch (``step_engine`` does).
+    if name == "MegatronStepEngine":
+        from longboat.core.megatron.engine.step_engine import MegatronStepEngine
+
+        return MegatronStepEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,11 +14,10 @@ bits at every step).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from longboat.core.engine.torch.master_weights import MOMENT_DTYPES
+if TYPE_CHECKING:  # the validators run while a config composes, without torch
+    import torch
 
 
 def bf16_moments_blocker(
@@ -100,6 +99,8 @@ def moment_plan_fields(cfg: Any) -> dict[str, Any]:
 
 def moment_torch_dtype(moment_dtype: str | None) -> torch.dtype:
     """The torch dtype of ``optim.moment_dtype`` (null: fp32)."""
+    from longboat.core.engine.torch.master_weights import MOMENT_DTYPES
+
     return MOMENT_DTYPES[moment_dtype or "fp32"]
 
 
