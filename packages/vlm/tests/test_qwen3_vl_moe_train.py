@@ -161,3 +161,23 @@ def test_tensor_parallel_is_refused_before_the_data(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"parallel.tensor_parallel=2: an MoE decoder"):
         build_training(_compose(overrides))
     assert not (tmp_path / "data").exists(), "refused before the data was prepared"
+
+
+def test_a_bf16_run_builds_every_parameter_in_bf16(tmp_path: Path) -> None:
+    """The tower's megatron LayerNorms too (megatron makes them fp32 for a Float16Module to
+    cast; CUDA's layer_norm refuses fp32 weights beside bf16 activations). In a child process:
+    a built run leaves threads behind."""
+    code = (
+        "import sys, torch\n"
+        "from longboat.core.config.compose import compose_experiment\n"
+        "from longboat.core.train import typed_config\n"
+        "from longboat.vlm.train.training import build_training\n"
+        f"raw = compose_experiment('qwen3_vl_moe_tiny', ['vlm.cpu_precision=bf16', "
+        f"'output_dir={tmp_path}'], stack='vlm')\n"
+        "model = build_training(typed_config(raw)).step_fn.model\n"
+        "print([n for n, p in model.named_parameters() if p.dtype != torch.bfloat16])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout

@@ -427,6 +427,19 @@ class AddNormTransformerLayer(TransformerLayer):
         return self.pre_mlp_layernorm.forward_add(*pending)
 
 
+class ParamsDtypeNorm:
+    """megatron's torch norm (``WrappedTorchNorm``) with its parameters in the config's
+    ``params_dtype``. megatron builds them in fp32 and leaves the cast to its
+    ``Float16Module``, which a longboat model built in bf16 does not go through; CUDA's
+    ``layer_norm`` refuses fp32 weights beside bf16 activations."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> Any:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        norm = WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=eps, **kwargs)
+        return norm.to(dtype=config.params_dtype)
+
+
 class LongboatSpecProvider(LocalSpecProvider):
     """megatron's local provider with longboat's attention and RMSNorm kernels, and linears
     that add their bias inside the GEMM or, with ``LayerKernels.linear``, run their GEMMs on
@@ -456,7 +469,10 @@ class LongboatSpecProvider(LocalSpecProvider):
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
         if not rms_norm:
-            return super().layer_norm(rms_norm=False, for_qk=for_qk, has_residual=has_residual)
+            from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+            norm = super().layer_norm(rms_norm=False, for_qk=for_qk, has_residual=has_residual)
+            return ParamsDtypeNorm if norm is WrappedTorchNorm else norm
         return ModuleSpec(module=KernelRMSNorm, params={"rms_norm": self.kernels.rms_norm})
 
     def core_attention(self):
