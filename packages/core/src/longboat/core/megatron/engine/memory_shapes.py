@@ -72,9 +72,9 @@ class EncoderShapes:
         return self.layers * self.block_params() + self.other_params
 
     def fp32_params(self) -> int:
-        """Parameters kept in fp32: the blocks' LayerNorm weights and biases (longboat's
-        LayerNorm kernel keeps them so; RMSNorm weights take the weights' dtype)."""
-        return self.layers * 4 * self.hidden if self.layer_norm else 0
+        """Parameters kept in fp32 whatever the weights' dtype: none (the blocks' LayerNorm
+        and RMSNorm weights take the weights' dtype, ``specs.ParamsDtypeNorm``)."""
+        return 0
 
     def block_saved(self, micro_batch: int, recompute: str) -> int:
         """Bytes one block saves for its backward at ``micro_batch`` microbatch(es): with
