@@ -71,11 +71,6 @@ class EncoderShapes:
         """Parameters of the whole encoder on this rank."""
         return self.layers * self.block_params() + self.other_params
 
-    def fp32_params(self) -> int:
-        """Parameters kept in fp32 whatever the weights' dtype: none (the blocks' LayerNorm
-        and RMSNorm weights take the weights' dtype, ``specs.ParamsDtypeNorm``)."""
-        return 0
-
     def block_saved(self, micro_batch: int, recompute: str) -> int:
         """Bytes one block saves for its backward at ``micro_batch`` microbatch(es): with
         full recompute its input; else the norms' inputs and outputs with their statistics,
@@ -141,8 +136,9 @@ class ComposedShapes:
         return n + (sum(e.params() for e in self.encoders) if stage == 0 else 0)
 
     def stage_fp32_params(self, stage: int = 0) -> int:
-        """The encoders' fp32 parameters on the first stage."""
-        return sum(e.fp32_params() for e in self.encoders) if stage == 0 else 0
+        """None: the encoders' norms take the weights' dtype too (``specs.ParamsDtypeNorm``),
+        and the decoder's parameters all do."""
+        return 0
 
     def stage_saved(
         self, stage: int, micro_batch: int, recompute: str, full_layers: int | None = None
