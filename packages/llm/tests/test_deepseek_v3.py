@@ -357,10 +357,11 @@ def _two_steps(out: Path, *model: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _trained_rows(out: Path, argv: list[str]) -> list[dict[str, Any]]:
+def _trained_rows(out: Path, argv: list[str], **launch: Any) -> list[dict[str, Any]]:
     """Run ``argv`` (exit 0) and return its two step rows, each checked: a random init over a
-    256-token vocabulary starts at about ln(256), with a finite, positive gradient norm."""
-    ((code, err),) = run_multiprocess(_train, 1, argv, timeout=900)
+    256-token vocabulary starts at about ln(256), with a finite, positive gradient norm.
+    ``launch``: ``run_multiprocess`` options (a CUDA run: nccl in a spawned process)."""
+    ((code, err),) = run_multiprocess(_train, 1, argv, timeout=900, **launch)
     assert code == 0, err[-2000:]
     rows = [json.loads(line) for line in next(out.rglob("metrics.jsonl")).read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
@@ -561,7 +562,8 @@ def test_sparse_attention_trains_in_bf16_on_cuda(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     argv = _two_steps(tmp_path, "model=deepseek_v3_v32_tiny", "train.precision=bf16")
-    _trained_rows(tmp_path, argv)
+    # gloo workers train on the CPU; a forked child cannot use CUDA once the parent has.
+    _trained_rows(tmp_path, argv, backend="nccl", start_method="spawn")
 
 
 def test_sparse_attention_runs_its_step_eagerly_with_the_reason() -> None:

@@ -209,7 +209,9 @@ class VLMTrainStep(MegatronStepEngine):
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
         device = next(self.model.parameters()).device
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / microbatches, device=device))
+        # A fill on the device, not a host-to-device copy: a captured step cannot record one.
+        scale = torch.full((), 1.0 / microbatches, dtype=torch.float32, device=device)
+        MoEAuxLossAutoScaler.set_loss_scale(scale)
 
     def graph_modules(self) -> Any:
         return self.model.modules()
