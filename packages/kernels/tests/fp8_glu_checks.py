@@ -122,10 +122,13 @@ def test_fused_linear_equals_the_unfused_pair(shape, bias) -> None:  # type: ign
     assert torch.equal(got[1], want[1])
 
 
-def test_fallbacks_run_the_unfused_pair() -> None:
+def test_fallbacks_run_the_unfused_pair(monkeypatch: pytest.MonkeyPatch) -> None:
     h = _packed((128, 512), 31)
     w = (torch.randn(128, 256) * 0.05).to(DEVICE, torch.bfloat16)
     blockwise = get_recipe("blockwise")
+    with monkeypatch.context() as env:
+        env.setenv("LONGBOAT_FP8_FUSE_GLU", "0")
+        assert not fused_applies(h, w.clone().requires_grad_(True), blockwise, BACKEND, impl="triton")  # fmt: skip
     assert not fused_applies(h, w, blockwise, BACKEND, impl="triton")  # frozen weight
     assert not fused_applies(h, w.requires_grad_(True), get_recipe("rowwise"), BACKEND, impl="triton")  # fmt: skip
     assert not fused_applies(h, w, blockwise, BACKEND, impl="torch")

@@ -10,10 +10,14 @@ what is saved (as the unfused GLU saves it) beside ``a^T``'s FP8 operand and ``W
 
 Same results as the unfused pair, bit for bit (same codes, scales, GEMMs and backward
 kernels). Elsewhere (another recipe, the torch path, a frozen weight or no autograd, a
-token count cuBLAS cannot take in the one-pass layout) it runs the unfused pair.
+token count cuBLAS cannot take in the one-pass layout) it runs the unfused pair, and so it
+does everywhere with ``LONGBOAT_FP8_FUSE_GLU=0`` in the environment (to measure the fusion
+against the pair in a whole run).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -32,6 +36,8 @@ from longboat.kernels.fp8.quantize import Fp8Operand, quantize
 from longboat.kernels.swiglu import _ACTS, _glu_bwd_impl, glu
 
 Tensor = torch.Tensor
+FUSE_ENV = "LONGBOAT_FP8_FUSE_GLU"
+"""Set to ``0``: ``fp8_glu_linear`` always runs the unfused pair."""
 
 
 class _Fp8GLULinearFn(torch.autograd.Function):
@@ -73,10 +79,12 @@ class _Fp8GLULinearFn(torch.autograd.Function):
 def fused_applies(h: Tensor, weight: Tensor, recipe: Fp8Recipe, backend: str, impl: str | None = None) -> bool:  # fmt: skip
     """Whether ``fp8_glu_linear`` runs fused (module doc): a 1x128 recipe for both the
     activation and the weight-gradient operands, the Triton path, a weight gradient to come
-    (autograd on, the weight trainable) and a token count the one-pass layout serves."""
+    (autograd on, the weight trainable), a token count the one-pass layout serves, and
+    ``LONGBOAT_FP8_FUSE_GLU`` not ``0``."""
     tokens = h.numel() // h.shape[-1]
     return (
-        torch.is_grad_enabled()
+        os.environ.get(FUSE_ENV, "1") != "0"
+        and torch.is_grad_enabled()
         and weight.requires_grad
         and _dual_ok(recipe, tokens, backend)
         and resolve_impl(impl, h) == "triton"
@@ -123,4 +131,4 @@ def fp8_glu_linear(
     )
 
 
-__all__ = ["fp8_glu_linear", "fused_applies"]
+__all__ = ["FUSE_ENV", "fp8_glu_linear", "fused_applies"]
