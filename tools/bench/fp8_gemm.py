@@ -25,8 +25,8 @@ is ``llm_throughput.py``'s ``longboat_fp8*`` runs (printed below the table as a 
 ``--glu``: instead, the MLP's SwiGLU fused into the FP8 down projection (blockwise) vs the
 unfused pair, at each shape's MLP (tokens x ffn; the Qwen3-1.7B shape: 8192 x 6144), in well
 under a minute: ``swiglu + quantize_dual`` (two kernels, the activation written in bf16 and
-read back) vs ``glu_quantize_dual`` (one kernel writing only the FP8 operands): ms, the
-bytes each moves and the HBM GB/s that makes; ``fc2 fwd+bwd`` (the SwiGLU, the down
+read back) vs ``glu_quantize_dual`` (one kernel writing only the FP8 operands; at its
+default warps and at 8): ms, the bytes each moves and the HBM GB/s that makes; ``fc2 fwd+bwd`` (the SwiGLU, the down
 projection's three FP8 GEMMs and their quantisation, the SwiGLU's backward): ``fp8_linear(
 swiglu(h))`` vs ``fp8_glu_linear(h)``; and whether the two give equal FP8 codes, scales,
 outputs and gradients (they must, bit for bit). Writes ``fp8_glu_<date>.{json,md}``.
@@ -235,6 +235,9 @@ def bench_glu(model_name: str, model: tuple[int, ...], iters: int, device: torch
     def quant_fused() -> Any:
         return glu_quantize_dual(h.detach())
 
+    def quant_fused_8_warps() -> Any:
+        return glu_quantize_dual(h.detach(), num_warps=8)
+
     def step(fn: Any) -> Any:
         def run() -> Any:
             h.grad = w.grad = None
@@ -248,19 +251,25 @@ def bench_glu(model_name: str, model: tuple[int, ...], iters: int, device: torch
     lin_fused = step(lambda: fp8_glu_linear(h, w))
     same_ops = all(
         torch.equal(a.scale, b.scale) and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
-        for a, b in zip(quant_unfused(), quant_fused(), strict=True)
+        for fn in (quant_fused, quant_fused_8_warps)
+        for a, b in zip(quant_unfused(), fn(), strict=True)
     )  # fmt: skip
     want = [t.clone() for t in lin_unfused()]
     got = lin_fused()
     same_grads = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     mf = tokens * ffn
     scale_bytes = 4 * (mf // 128) * 2  # fp32 scales of both operands
-    moved = {"unfused": mf * (4 + 2 + 2 + 2) + scale_bytes, "fused": mf * (4 + 2) + scale_bytes}
+    fused_bytes = mf * (4 + 2) + scale_bytes
+    moved = {"unfused": mf * (4 + 2 + 2 + 2) + scale_bytes, "fused": fused_bytes,
+             "fused, 8 warps": fused_bytes}  # fmt: skip
     rows = []
-    for what, runs in (("swiglu -> fp8 operands", (quant_unfused, quant_fused)),
-                       ("fc2 fwd+bwd (swiglu included)", (lin_unfused, lin_fused))):  # fmt: skip
-        ms = {k: _median_ms(r, iters) for k, r in zip(("unfused", "fused"), runs, strict=True)}
-        for k in ("unfused", "fused"):
+    for what, runs in (
+        ("swiglu -> fp8 operands", {"unfused": quant_unfused, "fused": quant_fused,
+                                    "fused, 8 warps": quant_fused_8_warps}),
+        ("fc2 fwd+bwd (swiglu included)", {"unfused": lin_unfused, "fused": lin_fused}),
+    ):  # fmt: skip
+        ms = {k: _median_ms(r, iters) for k, r in runs.items()}
+        for k in runs:
             row = {"model": model_name, "what": what, "shape": [tokens, 2 * ffn, hidden],
                    "path": k, "ms": ms[k], "speedup": ms["unfused"] / ms[k],
                    "fused_kernel_ran": fused, "equal_operands": same_ops,

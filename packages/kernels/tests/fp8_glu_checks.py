@@ -58,6 +58,15 @@ def test_fused_operands_equal_the_reference_quantiser_of_the_glu(shape, dtype, a
     _same_operand(got_t, quantize_torch(a2.t(), "1x128", dtype))
 
 
+def test_warps_do_not_change_the_operands() -> None:
+    h = _packed((130, 600), 4)
+    a = glu(h, impl="triton").reshape(-1, 300)
+    for warps in (8, 16):
+        got, got_t = glu_quantize_dual(h, impl="triton", num_warps=warps)
+        _same_operand(got, quantize_torch(a, "1x128", E4M3))
+        _same_operand(got_t, quantize_torch(a.t(), "1x128", E4M3))
+
+
 def test_torch_path_is_the_unfused_composition() -> None:
     h = _packed((130, 600), 3)
     got, got_t = glu_quantize_dual(h, impl="torch")
@@ -69,7 +78,7 @@ def test_torch_path_is_the_unfused_composition() -> None:
 def test_custom_op_fake_matches_the_kernel() -> None:
     for h in (_packed((130, 600), 5), _packed((2, 65, 256), 6)):
         torch.library.opcheck(
-            torch.ops.longboat.fp8_glu_quantize_dual.default, (h, 0, E4M3),
+            torch.ops.longboat.fp8_glu_quantize_dual.default, (h, 0, E4M3, 16),
             test_utils=("test_schema", "test_faketensor"),
         )  # fmt: skip
 

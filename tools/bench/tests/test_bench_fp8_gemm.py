@@ -29,13 +29,15 @@ def test_smoke_rows_numerics_and_layer_totals(tmp_path: Path) -> None:
 
 
 def test_glu_smoke_rows(tmp_path: Path) -> None:
-    """``--glu``: per shape two rows (unfused, fused) of the SwiGLU -> FP8 operands and of the
-    down projection's fwd+bwd, equal results; on CPU the fused path falls back to the pair."""
+    """``--glu``: per shape the rows of the SwiGLU -> FP8 operands (unfused, fused at two warp
+    counts) and of the down projection's fwd+bwd (unfused, fused), equal results; on CPU the
+    fused path falls back to the pair."""
     out = tmp_path / "glu.json"
     assert fp8_gemm.main(["--smoke", "--glu", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["runs"]
     assert [(r["what"].split()[0], r["path"]) for r in rows] == [
-        ("swiglu", "unfused"), ("swiglu", "fused"), ("fc2", "unfused"), ("fc2", "fused"),
+        ("swiglu", "unfused"), ("swiglu", "fused"), ("swiglu", "fused, 8 warps"),
+        ("fc2", "unfused"), ("fc2", "fused"),
     ]  # fmt: skip
     assert rows[0]["shape"] == [128, 384, 128]
     for r in rows:

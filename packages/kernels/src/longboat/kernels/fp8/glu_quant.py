@@ -31,6 +31,12 @@ from longboat.kernels.fp8.quantize_triton import _dual_tile_store, _grid_args
 from longboat.kernels.swiglu import _ACTS, _act_and_grad, glu
 
 Tensor = torch.Tensor
+GLU_QUANT_WARPS = 16
+"""Warps of ``_glu_quant_dual_kernel``'s 128 x 128 tile. The activation's exact sigmoid
+(an IEEE division per value) on top of the two quantisations overflows the registers of 8
+warps (Triton 3.9, sm_90: 255 registers and 680 bytes of stack a thread, against 64 for
+``_quant_dual_kernel``); 16 warps hold half the values a thread (128 registers, 152 bytes
+of stack, as ``_quant_dual_kernel`` at 16 warps)."""
 
 
 @triton.jit
@@ -68,11 +74,11 @@ def _packed_rows(h: Tensor) -> Tensor:
 
 
 def fp8_glu_quantize_dual_eager(
-    h: Tensor, act: int, dtype: torch.dtype
+    h: Tensor, act: int, dtype: torch.dtype, num_warps: int = GLU_QUANT_WARPS
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(data, scale buffer, data_t, scale_t buffer)``: the 1x128 operands of
     ``a = act(gate) * up`` ``[R, C]`` and of ``a^T`` from the packed ``h`` ``[..., 2C]``
-    (``quantize.scale_view`` gives each scale tensor)."""
+    (``quantize.scale_view`` gives each scale tensor); ``num_warps`` of the kernel's tile."""
     h2 = _packed_rows(h)
     rows, c = h2.shape[0], h2.shape[1] // 2
     storage = torch.empty(
@@ -90,7 +96,8 @@ def fp8_glu_quantize_dual_eager(
     _glu_quant_dual_kernel[grid](
         h2, q, scale, qt, scale_t, rows, c, h2.stride(0),
         scale.stride(0), scale.stride(1), scale_t.stride(0), scale_t.stride(1),
-        ACT=act, FMAX=fp8_max(dtype), FLOOR=AMAX_FLOOR, B=128, num_warps=8, **_grid_args(dtype),
+        ACT=act, FMAX=fp8_max(dtype), FLOOR=AMAX_FLOOR, B=128, num_warps=num_warps,
+        **_grid_args(dtype),
     )  # fmt: skip
     return q, storage, qt, storage_t
 
@@ -101,7 +108,9 @@ _fp8_glu_quantize_dual = torch.library.custom_op(
 
 
 @_fp8_glu_quantize_dual.register_fake
-def _(h: Tensor, act: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _(
+    h: Tensor, act: int, dtype: torch.dtype, num_warps: int = GLU_QUANT_WARPS
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     rows, c = h.numel() // h.shape[-1], h.shape[-1] // 2
     return (
         h.new_empty((rows, c), dtype=dtype),
@@ -112,13 +121,19 @@ def _(h: Tensor, act: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, 
 
 
 def glu_quantize_dual(
-    h: Tensor, activation: str = "silu", dtype: torch.dtype = E4M3, impl: str | None = None
+    h: Tensor,
+    activation: str = "silu",
+    dtype: torch.dtype = E4M3,
+    impl: str | None = None,
+    *,
+    num_warps: int = GLU_QUANT_WARPS,
 ) -> tuple[Fp8Operand, Fp8Operand]:
     """The ``1x128`` operands of ``a = act(gate) * up`` ``[rows, C]`` (along C) and of ``a^T``
     (along the rows) from the packed ``h`` ``[..., 2C]`` (gate first; ``activation`` as in
     ``swiglu.glu``), equal to ``quantize_dual(glu(h, activation=activation))``. On the Triton
     path one kernel reads gate and up and writes only the FP8 operands (module doc); the
-    torch path runs exactly that unfused composition."""
+    torch path runs exactly that unfused composition. ``num_warps``: the Triton kernel's
+    (``GLU_QUANT_WARPS``; the benchmark compares others)."""
     if activation not in _ACTS:
         raise ValueError(f"glu_quantize_dual: activation={activation!r} is not one of {_ACTS}")
     if h.shape[-1] % 2:
@@ -129,7 +144,7 @@ def glu_quantize_dual(
         return quantize_dual(a.reshape(-1, a.shape[-1]), dtype, impl="torch")
     c = h.shape[-1] // 2
     data, storage, data_t, storage_t = op("fp8_glu_quantize_dual", fp8_glu_quantize_dual_eager)(
-        h, _ACTS.index(activation), dtype
+        h, _ACTS.index(activation), dtype, num_warps
     )
     rows = data.shape[0]
     return (
@@ -138,4 +153,4 @@ def glu_quantize_dual(
     )
 
 
-__all__ = ["fp8_glu_quantize_dual_eager", "glu_quantize_dual"]
+__all__ = ["GLU_QUANT_WARPS", "fp8_glu_quantize_dual_eager", "glu_quantize_dual"]
