@@ -3,6 +3,7 @@
     python tools/bench/fp8_gemm.py [--shapes 886m,qwen3_1_7b] [--recipes blockwise,rowwise,tensorwise]
         [--iters 20] [--warmup 5] [--results-dir benchmarks/results] [--out results.json]
     python tools/bench/fp8_gemm.py --smoke          # tiny shapes on CPU (emulated GEMMs)
+    python tools/bench/fp8_gemm.py --glu --shapes qwen3_1_7b   # SwiGLU -> FP8 fusion rows
 
 Shapes: the linears of one decoder layer of ``llm_throughput.py``'s shapes (tokens M = seq x
 micro-batch; ``qkv`` ``[(heads + 2 kv) x head_dim, hidden]``, ``proj``, ``fc1`` (gate + up),
@@ -20,6 +21,15 @@ each FP8 recipe of ``longboat.kernels.fp8``):
 
 Writes ``<results-dir>/fp8_gemm_<date>.{json,md}`` and prints the table. The end-to-end row
 is ``llm_throughput.py``'s ``longboat_fp8*`` runs (printed below the table as a command).
+
+``--glu``: instead, the MLP's SwiGLU fused into the FP8 down projection (blockwise) vs the
+unfused pair, at each shape's MLP (tokens x ffn; the Qwen3-1.7B shape: 8192 x 6144), in well
+under a minute: ``swiglu + quantize_dual`` (two kernels, the activation written in bf16 and
+read back) vs ``glu_quantize_dual`` (one kernel writing only the FP8 operands; at its
+default warps and at 8): ms, the bytes each moves and the HBM GB/s that makes; ``fc2 fwd+bwd`` (the SwiGLU, the down
+projection's three FP8 GEMMs and their quantisation, the SwiGLU's backward): ``fp8_linear(
+swiglu(h))`` vs ``fp8_glu_linear(h)``; and whether the two give equal FP8 codes, scales,
+outputs and gradients (they must, bit for bit). Writes ``fp8_glu_<date>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -181,6 +191,108 @@ def render(rows: list[dict[str, Any]], totals: list[dict[str, Any]]) -> str:
     return table + "\n\nOne decoder layer's linears:\n\n" + per_layer
 
 
+def _median_ms(run: Any, iters: int, warmup: int = 3) -> float:
+    """Median ms of ``run()`` by accelerator events (wall clock off CUDA)."""
+    import time
+
+    for _ in range(warmup):
+        run()
+    acc = get_accelerator()
+    times = []
+    for _ in range(iters):
+        if acc.device().type != "cuda":
+            t0 = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
+        start, end = acc.event(enable_timing=True), acc.event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def bench_glu(model_name: str, model: tuple[int, ...], iters: int, device: torch.device) -> list[dict[str, Any]]:  # fmt: skip
+    """The SwiGLU -> FP8 fusion rows of one shape's MLP (module doc, ``--glu``)."""
+    from longboat.kernels.fp8.glu_linear import fp8_glu_linear, fused_applies
+    from longboat.kernels.fp8.glu_quant import glu_quantize_dual
+    from longboat.kernels.fp8.quantize import quantize_dual
+    from longboat.kernels.swiglu import swiglu
+
+    hidden, _, _, _, ffn, tokens = model
+    gen = torch.Generator(device=device).manual_seed(1)
+    h = torch.randn(tokens, 2 * ffn, device=device, generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(hidden, ffn, device=device, generator=gen) * ffn**-0.5).bfloat16()
+    w.requires_grad_()
+    dy = torch.randn(tokens, hidden, device=device, generator=gen).bfloat16()
+    fused = fused_applies(h, w, get_recipe("blockwise"), "scaled_mm" if h.is_cuda else "emulated")
+
+    def quant_unfused() -> Any:
+        return quantize_dual(swiglu(h.detach()))
+
+    def quant_fused() -> Any:
+        return glu_quantize_dual(h.detach())
+
+    def quant_fused_8_warps() -> Any:
+        return glu_quantize_dual(h.detach(), num_warps=8)
+
+    def step(fn: Any) -> Any:
+        def run() -> Any:
+            h.grad = w.grad = None
+            y = fn()
+            y.backward(dy)
+            return y, h.grad, w.grad
+
+        return run
+
+    lin_unfused = step(lambda: fp8_linear(swiglu(h), w))
+    lin_fused = step(lambda: fp8_glu_linear(h, w))
+    same_ops = all(
+        torch.equal(a.scale, b.scale) and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+        for fn in (quant_fused, quant_fused_8_warps)
+        for a, b in zip(quant_unfused(), fn(), strict=True)
+    )  # fmt: skip
+    want = [t.clone() for t in lin_unfused()]
+    got = lin_fused()
+    same_grads = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    mf = tokens * ffn
+    scale_bytes = 4 * (mf // 128) * 2  # fp32 scales of both operands
+    fused_bytes = mf * (4 + 2) + scale_bytes
+    moved = {"unfused": mf * (4 + 2 + 2 + 2) + scale_bytes, "fused": fused_bytes,
+             "fused, 8 warps": fused_bytes}  # fmt: skip
+    rows = []
+    for what, runs in (
+        ("swiglu -> fp8 operands", {"unfused": quant_unfused, "fused": quant_fused,
+                                    "fused, 8 warps": quant_fused_8_warps}),
+        ("fc2 fwd+bwd (swiglu included)", {"unfused": lin_unfused, "fused": lin_fused}),
+    ):  # fmt: skip
+        ms = {k: _median_ms(r, iters) for k, r in runs.items()}
+        for k in runs:
+            row = {"model": model_name, "what": what, "shape": [tokens, 2 * ffn, hidden],
+                   "path": k, "ms": ms[k], "speedup": ms["unfused"] / ms[k],
+                   "fused_kernel_ran": fused, "equal_operands": same_ops,
+                   "equal_outputs_and_grads": same_grads}  # fmt: skip
+            if what.startswith("swiglu"):
+                row["bytes"] = moved[k]
+                row["gb_per_s"] = moved[k] / ms[k] / 1e6
+            rows.append(row)
+    return rows
+
+
+def render_glu(rows: list[dict[str, Any]]) -> str:
+    head = ["model", "what", "tokens x 2ffn x hidden", "path", "ms", "vs unfused", "MB moved",
+            "GB/s", "fused kernel ran", "bit-equal"]  # fmt: skip
+    body = [[r["model"], r["what"], " x ".join(map(str, r["shape"])), r["path"], fmt(r["ms"]),
+             fmt(r["speedup"], ".2f", suffix="x"),
+             fmt(r["bytes"] / 1e6, ".0f") if "bytes" in r else "",
+             fmt(r["gb_per_s"], ".0f") if "gb_per_s" in r else "", str(r["fused_kernel_ran"]),
+             str(r["equal_operands"] and r["equal_outputs_and_grads"])]
+            for r in rows]  # fmt: skip
+    return md_table(head, body)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="886m,qwen3_1_7b")
@@ -188,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (emulated)")
+    ap.add_argument("--glu", action="store_true", help="the SwiGLU -> FP8 fusion rows only")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--results-dir", type=Path, default=env.REPO / "benchmarks" / "results")
     args = ap.parse_args(argv)
@@ -200,6 +313,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fp8_gemm: {acc.device_name()} has no FP8 matmuls; use --smoke on CPU")
             return 2
         models = {name: MODELS[name] for name in args.shapes.split(",")}
+    if args.glu:
+        rows = [r for n, m in models.items() for r in bench_glu(n, m, args.iters, device)]
+        table = render_glu(rows)
+        result = env.result_meta("fp8_glu", device.type == "cuda", ["triton"], {
+            k: str(v) for k, v in vars(args).items()})  # fmt: skip
+        result["runs"] = rows
+        env.write_results(
+            result, out=args.out, results_dir=None if args.smoke else args.results_dir,
+            stem=f"fp8_glu_{env.DATE}", table=table,
+        )  # fmt: skip
+        print(table)
+        return 0
     names = [HIGH_PRECISION, *args.recipes.split(",")]
     rows: list[dict[str, Any]] = []
     for name, model in models.items():

@@ -65,8 +65,10 @@ def _train_worker(
             linears = [m for m in ts.chunks[0].modules() if isinstance(m, kinds)]
             on = [m.linear_fn is not None for m in linears]
             fused = ts.chunks[0].config.gradient_accumulation_fusion
+            glu_fused = [isinstance(m, KernelRowParallelLinear) and m.fuses_glu() for m in linears]
             out[str(recipe)] = {
                 "linears": (sum(on), len(linears)),
+                "glu_fused": sum(glu_fused),
                 "fusion": bool(fused),
                 "loss": [float(ts.step(t, lab)) for t, lab in batches],
             }
@@ -99,6 +101,8 @@ def test_fp8_training_follows_bf16(device: str) -> None:
         res = out[recipe]
         assert res["linears"] == (8, 16), (recipe, res)  # layers 2 and 3: qkv, proj, fc1, fc2
         assert res["fusion"], res  # weight gradients through megatron's main_grad hook
+        # blockwise: layers 2 and 3's fc2 take the SwiGLU fused in (on CPU its unfused fallback)
+        assert res["glu_fused"] == (2 if recipe == "blockwise" else 0), (recipe, res)
         diffs = [abs(a - b) for a, b in zip(res["loss"], base["loss"], strict=True)]
         assert max(diffs) <= LOSS_TOL and diffs[-1] <= FINAL_TOL, (recipe, diffs)
         assert max(diffs) > 0, (recipe, "FP8 losses equal bf16's: the FP8 GEMMs did not run")

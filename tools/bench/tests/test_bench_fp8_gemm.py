@@ -26,3 +26,25 @@ def test_smoke_rows_numerics_and_layer_totals(tmp_path: Path) -> None:
     totals = {t["option"]: t for t in result["layer_totals"]}
     assert set(totals) == {*options, "adaptive"} and totals["bf16"]["speedup"] == 1.0
     assert totals["bf16"]["layer_ms"] == sum(r["fwd_bwd_ms"] for r in rows if r["option"] == "bf16")
+
+
+def test_glu_smoke_rows(tmp_path: Path) -> None:
+    """``--glu``: per shape the rows of the SwiGLU -> FP8 operands (unfused, fused at two warp
+    counts) and of the down projection's fwd+bwd (unfused, fused), equal results; on CPU the
+    fused path falls back to the pair."""
+    out = tmp_path / "glu.json"
+    assert fp8_gemm.main(["--smoke", "--glu", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["runs"]
+    assert [(r["what"].split()[0], r["path"]) for r in rows] == [
+        ("swiglu", "unfused"), ("swiglu", "fused"), ("swiglu", "fused, 8 warps"),
+        ("fc2", "unfused"), ("fc2", "fused"),
+    ]  # fmt: skip
+    assert rows[0]["shape"] == [128, 384, 128]
+    for r in rows:
+        assert r["equal_operands"] and r["equal_outputs_and_grads"], r
+        assert r["ms"] > 0 and r["fused_kernel_ran"] is False
+    # 10 bytes per activation value unfused (h read, a written and read, two FP8 codes), 6 fused
+    scales = 4 * (128 * 192 // 128) * 2
+    assert (
+        rows[0]["bytes"] == 128 * 192 * 10 + scales and rows[1]["bytes"] == 128 * 192 * 6 + scales
+    )

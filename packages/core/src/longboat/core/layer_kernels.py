@@ -46,6 +46,12 @@ LinearFn = Callable[..., torch.Tensor]
 (``x`` ``[..., in]``, ``weight`` ``[out, in]``) whose backward hands the weight gradient (in
 ``wgrad_dtype``, default the weight's) to ``wgrad_hook`` where one is given and gives autograd
 what the hook returns. This is ``longboat.kernels.fp8.fp8_linear``'s contract (FP8 GEMMs)."""
+GLULinearFn = Callable[..., torch.Tensor]
+"""``fn(h, weight, bias, *, wgrad_hook=None, wgrad_dtype=None) -> y``: ``LinearFn`` of
+``silu(h[..., :n]) * h[..., n:]`` for the packed ``[gate, up]`` fc1 output ``h`` (``weight``
+``[out, n]``), the activation fused into the linear. This is
+``longboat.kernels.fp8.glu_linear.fp8_glu_linear``'s contract (the SwiGLU written straight as
+the FP8 operands)."""
 GroupedLinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``fn(x, weight, tokens_per_expert) -> y``: every MoE expert's ``x_e @ weight[e]^T`` (``x``
 ``[T, in]`` with its rows sorted by expert, ``tokens_per_expert`` ``[E]`` rows each on the host
@@ -125,5 +131,11 @@ class LayerKernels:
     """The GEMMs of the grouped MoE experts (``GroupedLinearFn``; e.g. FP8 with per-expert
     scales, ``longboat_layer_kernels(fp8=...)``); None keeps the bf16 grouped GEMM. The first
     and last layers' experts keep it in any case."""
+    glu_linear: GLULinearFn | None = None
+    """The MLP down projection with the SwiGLU of its packed input fused in (``GLULinearFn``;
+    e.g. FP8 blockwise, whose SwiGLU writes the FP8 operands instead of a bf16 activation),
+    used by ``KernelMLP`` where the down projection runs on ``linear`` and the activation is
+    ``swiglu`` (so both must be set); None, or a layer kept on megatron's GEMMs: ``swiglu``,
+    then the linear."""
     name: str = "torch"
     """Label for logs."""

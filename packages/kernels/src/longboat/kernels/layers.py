@@ -95,15 +95,22 @@ def longboat_layer_kernels(
     (instead of ``AddNormTransformerLayer`` with ``longboat.kernels.add_rmsnorm``).
     ``fp8``: an FP8 recipe (``blockwise``, ``rowwise``, ``tensorwise``, ``adaptive``) for the
     layers' linears and grouped MoE experts (``longboat.kernels.fp8``, per-expert scales for
-    the experts); None keeps megatron's GEMMs and the bf16 grouped experts. ``linear``: a
+    the experts; with ``blockwise`` and ``swiglu``, the MLP's SwiGLU writes its output straight
+    as the down projection's FP8 operands: ``LayerKernels.glu_linear``); None keeps megatron's
+    GEMMs and the bf16 grouped experts. ``linear``: a
     ``LinearFn`` of one's own for those linears instead (``fp8`` takes precedence).
     """
-    grouped_linear = None
+    grouped_linear = glu_linear = None
     if fp8 is not None:
-        from longboat.kernels.fp8.layer_linear import fp8_grouped_linear_fn, fp8_linear_fn
+        from longboat.kernels.fp8.layer_linear import (
+            fp8_glu_linear_fn,
+            fp8_grouped_linear_fn,
+            fp8_linear_fn,
+        )
 
         linear = fp8_linear_fn(fp8)
         grouped_linear = fp8_grouped_linear_fn(fp8, linear)
+        glu_linear = fp8_glu_linear_fn(fp8) if swiglu else None
     return LayerKernels(
         attention=_attention,
         rms_norm=_rms_norm,
@@ -113,5 +120,6 @@ def longboat_layer_kernels(
         qkv_rope=_qkv_rope if rope and qkv_rope else None,
         linear=linear,
         grouped_linear=grouped_linear,
+        glu_linear=glu_linear,
         name="longboat.kernels" if fp8 is None else f"longboat.kernels+fp8({fp8})",
     )

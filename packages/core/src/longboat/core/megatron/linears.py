@@ -21,7 +21,10 @@ weight, as under LoRA, gets no weight gradient): megatron's weight-gradient accu
 the function's ``wgrad_hook``, the tensor-parallel input-gradient all-reduce through
 megatron's ``copy_to_tensor_model_parallel_region``. Everything else runs megatron's own
 path, and so does a layer whose ``linear_fn`` is None (``keep_outer_layers``: the first and
-last layers stay in the run's dtype).
+last layers stay in the run's dtype). An MLP's down projection can also take the packed fc1
+output and a ``GLULinearFn`` (``KernelRowParallelLinear.forward_glu``, called by
+``KernelMLP``): the SwiGLU is then fused into the linear, e.g. written straight as FP8
+operands.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLP
 
-from longboat.core.layer_kernels import LinearFn
+from longboat.core.layer_kernels import GLULinearFn, LinearFn
 
 
 def _offloading(config: Any) -> bool:
@@ -120,6 +124,27 @@ def _kernel_applies(layer: Any, weight: torch.Tensor, args: tuple[Any, ...], kwa
     )
 
 
+class KernelMLP(MLP):
+    """megatron's ``MLP`` whose down projection takes the SwiGLU fused in where it can: with
+    a kernel activation (``use_te_activation_func``, the spec's GLU module), no fc1 bias and no
+    per-token scale, ``linear_fc2.forward_glu`` gets the packed fc1 output and the activation
+    module (``KernelRowParallelLinear``); everything else is megatron's forward."""
+
+    def forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs: Any) -> Any:  # fmt: skip
+        fc2 = self.linear_fc2
+        if (
+            per_token_scale is not None
+            or not self.config.use_te_activation_func
+            or not isinstance(fc2, KernelRowParallelLinear)
+            or not fc2.fuses_glu()
+        ):
+            return super().forward(hidden_states, per_token_scale, **kwargs)
+        packed, fc1_bias = self.linear_fc1(hidden_states)
+        if fc1_bias is not None:
+            packed = packed + fc1_bias
+        return fc2.forward_glu(packed, self.activation_func)
+
+
 class KernelColumnParallelLinear(EpilogueColumnParallelLinear):
     """``ColumnParallelLinear`` whose GEMMs run on ``linear_fn`` (see the module doc)."""
 
@@ -141,12 +166,37 @@ class KernelColumnParallelLinear(EpilogueColumnParallelLinear):
 
 class KernelRowParallelLinear(EpilogueRowParallelLinear):
     """``RowParallelLinear`` whose GEMMs run on ``linear_fn`` (see the module doc); megatron
-    reduces the partial products over TP ranks and adds the bias after it."""
+    reduces the partial products over TP ranks and adds the bias after it. As an MLP's
+    down projection, ``forward_glu`` takes the packed fc1 output and runs ``glu_linear_fn``
+    (the activation fused into the linear) where ``linear_fn`` would run."""
 
-    def __init__(self, *args: Any, linear_fn: LinearFn | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, linear_fn: LinearFn | None = None,
+                 glu_linear_fn: GLULinearFn | None = None, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         self.linear_fn = linear_fn
         """The GEMMs' function; None: megatron's (set by ``keep_outer_layers``)."""
+        self.glu_linear_fn = glu_linear_fn
+        """``linear_fn`` with the SwiGLU of its packed input fused in (``forward_glu``)."""
+        self._pending_glu: Any = None
+
+    def fuses_glu(self) -> bool:
+        """Whether ``forward_glu`` can run the fused activation + linear (a kernel linear with
+        a ``glu_linear_fn``; the call itself may still fall back, see ``forward_glu``)."""
+        return self.linear_fn is not None and self.glu_linear_fn is not None
+
+    def forward_glu(
+        self, packed: torch.Tensor, glu: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward(glu(packed))`` for the packed ``[gate, up]`` fc1 output: one call of
+        ``glu_linear_fn`` where the kernel applies (one rank's product, as for ``linear_fn``),
+        else ``glu`` (the activation module) and then the path ``forward`` takes."""
+        if not self.fuses_glu():
+            return self.forward(glu(packed))
+        self._pending_glu = glu
+        try:
+            return RowParallelLinear.forward(self, packed)  # through _forward_impl
+        finally:
+            self._pending_glu = None
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.linear_fn is None:
@@ -154,10 +204,15 @@ class KernelRowParallelLinear(EpilogueRowParallelLinear):
         return RowParallelLinear.forward(self, input_)  # through _forward_impl
 
     def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # fmt: skip
-        if not _kernel_applies(self, weight, args, kwargs):
+        glu, self._pending_glu = self._pending_glu, None
+        applies = _kernel_applies(self, weight, args, kwargs)
+        if glu is not None and not applies:
+            input = glu(input)
+        if not applies:
             return super()._forward_impl(input, weight, *args, **kwargs)
         fusion = bool(kwargs.get("gradient_accumulation_fusion"))
-        return _kernel_call(self.linear_fn, input, weight, kwargs.get("bias"), fusion)
+        fn = self.glu_linear_fn if glu is not None else self.linear_fn
+        return _kernel_call(fn, input, weight, kwargs.get("bias"), fusion)
 
 
 def _top_level_layers(chunk: torch.nn.Module) -> list[torch.nn.Module]:
@@ -208,6 +263,7 @@ __all__ = [
     "EpilogueColumnParallelLinear",
     "EpilogueRowParallelLinear",
     "KernelColumnParallelLinear",
+    "KernelMLP",
     "KernelRowParallelLinear",
     "keep_outer_layers",
     "run_high_precision",

@@ -587,6 +587,8 @@ def decoder_layer_spec(
     )
     if num_experts and resolve_moe_experts(moe_experts) == "grouped":
         mlp = _grouped_moe(mlp, kernels.swiglu, kernels.grouped_linear)
+    if not num_experts:
+        mlp = _glu_fused_mlp(mlp, kernels)
     return ModuleSpec(
         module=_layer_module(kernels),
         submodules=TransformerLayerSubmodules(
@@ -607,6 +609,28 @@ def decoder_layer_spec(
             mlp=mlp,
             mlp_bda=get_bias_dropout_add,
         ),
+    )
+
+
+def _glu_fused_mlp(mlp: Any, kernels: LayerKernels) -> Any:
+    """The dense MLP spec ``mlp`` (megatron's ``partial(MLP.as_mlp_submodule, submodules=...)``)
+    as ``KernelMLP`` whose down projection takes ``kernels.glu_linear`` (the SwiGLU fused into
+    it), where the kernels have one with ``linear`` and ``swiglu``; else ``mlp`` unchanged."""
+    import dataclasses
+    import functools
+
+    from longboat.core.megatron import linears
+
+    if kernels.glu_linear is None or kernels.linear is None or kernels.swiglu is None:
+        return mlp
+    subs = mlp.keywords["submodules"]
+    fc2 = ModuleSpec(
+        module=linears.KernelRowParallelLinear,
+        params={"linear_fn": kernels.linear, "glu_linear_fn": kernels.glu_linear},
+    )
+    return functools.partial(
+        linears.KernelMLP.as_mlp_submodule,
+        submodules=dataclasses.replace(subs, linear_fc2=fc2),
     )
 
 

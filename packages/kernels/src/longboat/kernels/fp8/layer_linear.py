@@ -5,7 +5,9 @@
 ``adaptive`` the choice of an ``AdaptiveChooser`` per ``(tokens, out, in)`` shape: FP8 in the
 fastest recipe where it beats bf16 on this GPU by the chooser's margin, bf16 elsewhere
 (``AdaptiveLinear``: a run decides its shapes at start with ``decide``; a shape first seen
-in a call is decided then). ``fp8_grouped_linear_fn(recipe)`` is the same for the grouped MoE
+in a call is decided then). ``fp8_glu_linear_fn(recipe)``: the MLP down projection with
+the SwiGLU of its input fused in (core's ``LayerKernels.glu_linear``; ``blockwise`` only).
+``fp8_grouped_linear_fn(recipe)`` is the same for the grouped MoE
 experts (core's ``GroupedLinearFn``: ``fp8_grouped_linear`` with per-expert scales).
 """
 
@@ -119,6 +121,28 @@ def fp8_grouped_linear_fn(recipe: str, dense: Any = None) -> Any:
     return GroupedFp8Linear(recipe)
 
 
+def fp8_glu_linear_fn(recipe: str) -> Any:
+    """The MLP down projection's ``GLULinearFn`` of ``recipe`` (core's
+    ``LayerKernels.glu_linear``): ``fp8_glu_linear``, the SwiGLU of the packed fc1 output
+    written straight as the FP8 operands, for a recipe whose activation operands are 1x128
+    tiles along both dimensions (``blockwise``); None for the others and ``adaptive`` (their
+    MLPs run the SwiGLU kernel, then the linear)."""
+    if recipe == ADAPTIVE:
+        return None
+    if recipe not in RECIPES:
+        raise ValueError(f"FP8 recipe {recipe!r}: expected one of {[*sorted(RECIPES), ADAPTIVE]}")
+    r = RECIPES[recipe]
+    if r.activation != "1x128" or r.wgrad != "1x128":
+        return None
+
+    def fn(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:  # fmt: skip
+        from longboat.kernels.fp8.glu_linear import fp8_glu_linear
+
+        return fp8_glu_linear(h, weight, bias, recipe=recipe, **kw)
+
+    return fn
+
+
 def fp8_linear_fn(recipe: str) -> Any:
     """The ``LinearFn`` of ``recipe`` (a name of ``RECIPES`` or ``adaptive``)."""
     if recipe == ADAPTIVE:
@@ -137,6 +161,7 @@ __all__ = [
     "AdaptiveGroupedLinear",
     "AdaptiveLinear",
     "GroupedFp8Linear",
+    "fp8_glu_linear_fn",
     "fp8_grouped_linear_fn",
     "fp8_linear_fn",
 ]

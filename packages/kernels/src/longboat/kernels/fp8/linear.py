@@ -152,38 +152,66 @@ class _Fp8LinearFn(torch.autograd.Function):
         recipe, hook, wgrad_dtype, backend, has_bias, dual, x_shape, x_dtype = ctx.meta  # type: ignore[attr-defined]
         saved = ctx.saved_tensors  # type: ignore[attr-defined]
         weight = saved[-1]
-        dy2 = dy.reshape(-1, weight.shape[0])
-        dx = dw = db = None
         needs = ctx.needs_input_grad  # type: ignore[attr-defined]
-        dyq = dytq = None
-        if needs[0] and needs[1] and _dual_ok(recipe, dy2.shape[0], backend):
-            dyq, dytq = quantize_dual(dy2, recipe.grad_dtype)
-        if needs[0]:
-            if dyq is None:
-                dyq = quantize(dy2, recipe.activation, recipe.grad_dtype)
-            dx = fp8_mm(dyq, _weight_t(weight, recipe), out_dtype=x_dtype, backend=backend)
-            dx = dx.view(x_shape)
-        if needs[1]:
-            if dual:
-                xtq = Fp8Operand(saved[0], saved[1], recipe.wgrad)
-            else:
-                xt = saved[0].t()
-                if backend == "scaled_mm":  # cuBLAS wants the contraction a multiple of 16
-                    xt = _pad_tokens(xt, 16)
-                xtq = quantize(xt, recipe.wgrad, recipe.fwd_dtype)
-            if dytq is None:
-                dyt = dy2.t()
-                if backend == "scaled_mm":
-                    dyt = _pad_tokens(dyt, 16)
-                dytq = quantize(dyt, recipe.wgrad, recipe.grad_dtype)
-            dw = fp8_mm(dytq, xtq, out_dtype=wgrad_dtype or weight.dtype, backend=backend)
-            if hook is not None:
-                dw = hook(dw)
-            elif dw.dtype != weight.dtype:
-                dw = dw.to(weight.dtype)
-        if has_bias and needs[2]:
-            db = dy2.sum(dim=0)
+        if dual:
+            x_saved: Tensor | Fp8Operand = Fp8Operand(saved[0], saved[1], recipe.wgrad)
+        else:
+            x_saved = saved[0]
+        dy2, dx, dw = fp8_linear_backward(
+            dy, weight, x_saved, recipe, backend,
+            needs_dx=needs[0], needs_dw=needs[1], x_dtype=x_dtype, hook=hook, wgrad_dtype=wgrad_dtype,
+        )  # fmt: skip
+        dx = None if dx is None else dx.view(x_shape)
+        db = dy2.sum(dim=0) if has_bias and needs[2] else None
         return dx, dw, db, None, None, None, None
+
+
+def fp8_linear_backward(
+    dy: Tensor,
+    weight: Tensor,
+    x_saved: Tensor | Fp8Operand,
+    recipe: Fp8Recipe,
+    backend: str,
+    *,
+    needs_dx: bool,
+    needs_dw: bool,
+    x_dtype: torch.dtype,
+    hook: WgradHook | None = None,
+    wgrad_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The FP8 linear's input- and weight-gradient GEMMs: ``(dy2, dx2, dw)`` with ``dy2``
+    ``dy`` as ``[M, N]``, ``dx2`` ``[M, K]`` in ``x_dtype`` (None unless ``needs_dx``) and
+    ``dw`` what autograd gets for the weight (through ``hook`` where given; None unless
+    ``needs_dw``). ``x_saved``: the forward's input ``[M, K]``, or ``x^T``'s wgrad operand
+    where the forward made it (``quantize_dual``, or a producer that quantised its output)."""
+    dy2 = dy.reshape(-1, weight.shape[0])
+    dx = dw = None
+    dyq = dytq = None
+    if needs_dx and needs_dw and _dual_ok(recipe, dy2.shape[0], backend):
+        dyq, dytq = quantize_dual(dy2, recipe.grad_dtype)
+    if needs_dx:
+        if dyq is None:
+            dyq = quantize(dy2, recipe.activation, recipe.grad_dtype)
+        dx = fp8_mm(dyq, _weight_t(weight, recipe), out_dtype=x_dtype, backend=backend)
+    if needs_dw:
+        if isinstance(x_saved, Fp8Operand):
+            xtq = x_saved
+        else:
+            xt = x_saved.reshape(-1, weight.shape[1]).t()
+            if backend == "scaled_mm":  # cuBLAS wants the contraction a multiple of 16
+                xt = _pad_tokens(xt, 16)
+            xtq = quantize(xt, recipe.wgrad, recipe.fwd_dtype)
+        if dytq is None:
+            dyt = dy2.t()
+            if backend == "scaled_mm":
+                dyt = _pad_tokens(dyt, 16)
+            dytq = quantize(dyt, recipe.wgrad, recipe.grad_dtype)
+        dw = fp8_mm(dytq, xtq, out_dtype=wgrad_dtype or weight.dtype, backend=backend)
+        if hook is not None:
+            dw = hook(dw)
+        elif dw.dtype != weight.dtype:
+            dw = dw.to(weight.dtype)
+    return dy2, dx, dw
 
 
 def fp8_linear(
@@ -264,6 +292,7 @@ __all__ = [
     "Fp8Recipe",
     "WgradHook",
     "fp8_linear",
+    "fp8_linear_backward",
     "get_recipe",
     "high_precision_linear",
 ]

@@ -102,6 +102,38 @@ def _quant_blocks_kernel(
 
 
 @triton.jit
+def _dual_tile_store(
+    x, rows, cols, rmask, cmask, pid_r, pid_c,
+    Q, S, QT, ST,
+    R, C,
+    stride_sr, stride_sc, stride_str, stride_stc,
+    FMAX: tl.constexpr, FLOOR: tl.constexpr,
+    ROUND: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr,
+):  # fmt: skip
+    """Quantise the fp32 tile ``x`` (rows ``rows``, columns ``cols`` of an ``[R, C]`` matrix)
+    twice, 1x128 along C into ``Q`` / ``S`` and along R into ``QT`` ``[C, R]`` / ``ST``
+    (written transposed): the body of ``_quant_dual_kernel``, shared with the producers that
+    quantise their output in place of writing it (``fp8.glu_quant``)."""
+    mask = rmask[:, None] & cmask[None, :]
+    r64 = rows.to(tl.int64)
+    c64 = cols.to(tl.int64)
+    ax = tl.abs(x)
+    s_row = tl.maximum(tl.max(ax, axis=1), FLOOR) / FMAX
+    q = tl.minimum(tl.maximum(x / s_row[:, None], -FMAX), FMAX)
+    if ROUND:
+        q = _round_to_grid(q, MANT, MIN_EXP)
+    tl.store(Q + r64[:, None] * C + c64[None, :], q.to(Q.dtype.element_ty), mask=mask)
+    tl.store(S + r64 * stride_sr + pid_c * stride_sc, s_row, mask=rmask)
+    s_col = tl.maximum(tl.max(ax, axis=0), FLOOR) / FMAX
+    qc = tl.minimum(tl.maximum(x / s_col[None, :], -FMAX), FMAX)
+    if ROUND:
+        qc = _round_to_grid(qc, MANT, MIN_EXP)
+    qt = tl.trans(qc.to(QT.dtype.element_ty))
+    tl.store(QT + c64[:, None] * R + r64[None, :], qt, mask=tl.trans(mask))
+    tl.store(ST + c64 * stride_str + pid_r * stride_stc, s_col, mask=cmask)
+
+
+@triton.jit
 def _quant_dual_kernel(
     X, Q, S, QT, ST,
     R, C,
@@ -124,20 +156,11 @@ def _quant_dual_kernel(
     x = tl.load(X + r64[:, None] * stride_xr + c64[None, :] * stride_xc, mask=mask, other=0.0).to(
         tl.float32
     )
-    ax = tl.abs(x)
-    s_row = tl.maximum(tl.max(ax, axis=1), FLOOR) / FMAX
-    q = tl.minimum(tl.maximum(x / s_row[:, None], -FMAX), FMAX)
-    if ROUND:
-        q = _round_to_grid(q, MANT, MIN_EXP)
-    tl.store(Q + r64[:, None] * C + c64[None, :], q.to(Q.dtype.element_ty), mask=mask)
-    tl.store(S + r64 * stride_sr + pid_c * stride_sc, s_row, mask=rmask)
-    s_col = tl.maximum(tl.max(ax, axis=0), FLOOR) / FMAX
-    qc = tl.minimum(tl.maximum(x / s_col[None, :], -FMAX), FMAX)
-    if ROUND:
-        qc = _round_to_grid(qc, MANT, MIN_EXP)
-    qt = tl.trans(qc.to(QT.dtype.element_ty))
-    tl.store(QT + c64[:, None] * R + r64[None, :], qt, mask=tl.trans(mask))
-    tl.store(ST + c64 * stride_str + pid_r * stride_stc, s_col, mask=cmask)
+    _dual_tile_store(
+        x, rows, cols, rmask, cmask, pid_r, pid_c, Q, S, QT, ST, R, C,
+        stride_sr, stride_sc, stride_str, stride_stc,
+        FMAX=FMAX, FLOOR=FLOOR, ROUND=ROUND, MANT=MANT, MIN_EXP=MIN_EXP,
+    )  # fmt: skip
 
 
 @triton.jit
