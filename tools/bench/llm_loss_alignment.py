@@ -55,6 +55,13 @@ CANDIDATE_BIAS = 0.01
 """Largest mean signed loss difference over the tail a candidate may show against longboat."""
 
 
+def hydra_keys(items: list[str], flag: str) -> list[str]:
+    """``KEY=VALUE`` items as the command line gave them (``model.q_lora_rank=null`` stays
+    ``null``), checked by ``key_values``; a later item of the same key wins."""
+    key_values(items, flag)
+    return list({item.partition("=")[0]: item for item in items}.values())
+
+
 def data_overrides(c: dict[str, int], cache: Path) -> list[str]:
     return [f"data.seq_len={c['seq']}", "data.document_attention=false",
             f"data.vocab_size={min(1024, c['vocab'])}", f"data.out_dir={cache}"]  # fmt: skip
@@ -145,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     acc = get_accelerator()
     c = shape(args.tiny, args.micro_batch, args.seq, args.shape)
     cache = args.data_dir or CACHE
-    extra = [f"{k}={v}" for k, v in key_values(args.override, "--override").items()]
+    extra = hydra_keys(args.override, "--override")
     with tempfile.TemporaryDirectory(prefix="llm_align_hf_") as hf_dir:
         ov = [
             *lt.shape_overrides(c),
@@ -167,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
         r = train_timed("llm", lt.EXPERIMENT, ov, acc, warmup=1, steps=args.steps - 2,
                         prepare=prepare, probe=lambda t: {"cfg": t.cfg})  # fmt: skip
-        cand_keys = [f"{k}={v}" for k, v in key_values(args.candidate, "--candidate").items()]
+        cand_keys = hydra_keys(args.candidate, "--candidate")
         cand = None
         if cand_keys:
             free_memory(acc)
