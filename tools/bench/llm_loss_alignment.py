@@ -30,9 +30,10 @@ fixed routing bias, as transformers' model does (``routing_overrides``).
   proves itself here before the memory planner may choose it by default.
 - ``--reference-moe-precision`` (MoE shapes in bf16): ``matched`` (the default) runs the
   reference's MoE layers, and so its band, at longboat's precision: expert GEMMs in bf16 on
-  bf16 copies of the fp32 expert weights, router in fp32 (``llm_reference.match_moe_precision``;
-  under plain autocast transformers' grouped expert GEMMs run on the fp32 weights and its
-  router's linear in bf16); ``autocast`` keeps transformers as autocast runs it.
+  bf16 copies of the fp32 expert weights, the router's GEMM on bf16-rounded operands with fp32
+  logits (``llm_reference.match_moe_precision``; under plain autocast transformers' grouped
+  expert GEMMs run on the fp32 weights and its router's logits and scores are bf16);
+  ``autocast`` keeps transformers as autocast runs it.
 - ``candidate`` (with ``--candidate KEY=VALUE ...``, e.g. ``train.precision=fp8``): longboat
   again from the same weights on the same batches with those keys, judged against the
   ``longboat`` run within the same band (``candidate_verdict``; e.g. FP8 against our bf16),
@@ -62,6 +63,13 @@ from bench_train import compose, train_timed
 CACHE = Path(os.environ.get("TMPDIR", "/tmp")) / "longboat_bench_quickstart"
 """Where the quickstart corpus is built once (``data.out_dir``)."""
 
+
+PERTURBATION = "the reference with the rows of every batch in reverse order"
+ONE_ROW = (
+    " (one row a batch: the same input, so the band is the reference's own run-to-run "
+    "variation on the device, e.g. its atomic-add reductions)"
+)
+"""What the band measures (at micro-batch 1 reversing a batch changes nothing)."""
 
 CANDIDATE_BIAS = 0.01
 """Largest mean signed loss difference over the tail a candidate may show against longboat."""
@@ -104,9 +112,11 @@ def shape(
 
 MOE_PRECISIONS = {
     "matched": "the MoE layers at longboat's precision: expert GEMMs in bf16 (bf16 copies of the "
-    "fp32 expert weights inside the forward, gradients to the fp32 weights), router in fp32",
+    "fp32 expert weights inside the forward, gradients to the fp32 weights), the router's GEMM "
+    "on bf16-rounded operands with fp32 logits and scores",
     "autocast": "as transformers runs under bf16 autocast: expert grouped GEMMs on the fp32 "
-    "weights (autocast does not cover them), the router's linear lowered to bf16",
+    "weights (autocast does not cover them), the router's linear lowered to bf16 (bf16 logits "
+    "and scores)",
 }
 """``--reference-moe-precision``: how the reference runs its MoE layers in a bf16 run
 (``llm_reference.match_moe_precision``; an fp32 run or a dense model has nothing to match)."""
@@ -265,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     config = {**c, "steps": args.steps, "seed": args.seed, "experiment": lt.EXPERIMENT,
               "overrides": ov[:-1], "precision": seen["precision"],
               "reference_autocast_bf16": bf16, "optim": lt._plain(first["cfg"].optim),
-              "perturbation": "rows of every batch in reverse order",
+              "perturbation": PERTURBATION + (ONE_ROW if c["micro_batch"] == 1 else ""),
               "variants": {n: lt.VARIANTS[n] for n in names},
               "reference_moe_precision": args.reference_moe_precision if moe else None,
               "reference_moe_patched": info["moe_patched"]}  # fmt: skip
@@ -314,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     if moe:
         text += f"\n\nreference MoE layers ({args.reference_moe_precision}): "
         text += config["reference_moe_precision_means"]
+    text += f"\n\nthe band: {config['perturbation']}"
     if cand is not None:
         text += "\n\n" + candidate_table(result["candidate"])
     shape_part = "" if args.shape == "886m" else args.shape + "_"

@@ -29,10 +29,11 @@ How it differs from a user's HF Trainer run:
    default): autocast lowers every ``nn.Linear`` to bf16 but not transformers' grouped expert
    GEMMs, which then run on the fp32 weights, while it does lower the router's linear, whose
    logits and scores transformers means to be fp32. The product (megatron's bf16 modules)
-   computes the experts in bf16 and the router in fp32 (``moe_router_dtype=fp32``). So the
-   experts take bf16 copies of their fp32 weights inside the forward (the gradient flows to the
-   fp32 weights, as autocast does for a linear) and the router runs outside autocast. The
-   throughput rows keep transformers as users run it.
+   computes the experts in bf16 and the router's logits in fp32 from its bf16 weight and
+   activations (``moe_router_dtype=fp32``). So the experts take bf16 copies of their fp32
+   weights inside the forward (the gradient flows to the fp32 weights, as autocast does for a
+   linear) and the router runs outside autocast on bf16-rounded operands. The throughput rows
+   keep transformers as users run it.
 
 ``McoreStep`` (``mcore_local_spec``): ``GPTModel`` + ``get_gpt_layer_local_spec`` (no Transformer
 Engine: unfused attention, torch norms), bf16 params, megatron DDP (fp32 grad buffer) and
@@ -205,27 +206,35 @@ def hf_experts_kernel(model: torch.nn.Module, compiled: bool) -> str | None:
     return f"grouped_mm: torch.nn.functional.grouped_mm on {dtype} operands"
 
 
-class _CastExperts:
-    """A transformers experts module seen with its own parameters (the stacked expert weights,
-    biases if any) cast to ``dtype``: the casts are part of the autograd graph, so the
-    gradients reach the module's fp32 parameters; every other attribute is the module's."""
+class _CastParams:
+    """A transformers module seen with its own parameters passed through ``cast`` (e.g. to
+    bf16): the casts are part of the autograd graph, so the gradients reach the module's
+    fp32 parameters; every other attribute (buffers, config, methods) is the module's."""
 
-    def __init__(self, experts: torch.nn.Module, dtype: torch.dtype) -> None:
-        self._experts = experts
-        for name, p in experts.named_parameters(recurse=False):
-            setattr(self, name, p.to(dtype))
+    def __init__(self, module: torch.nn.Module, cast: Callable[[Any], Any]) -> None:
+        self._module = module
+        for name, p in module.named_parameters(recurse=False):
+            setattr(self, name, cast(p))
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._experts, name)
+        return getattr(self._module, name)
 
 
-def _experts_forward(experts: torch.nn.Module, dtype: torch.dtype, *args: Any) -> Any:
-    return type(experts).forward(_CastExperts(experts, dtype), *args)
+def _bf16(p: torch.Tensor) -> torch.Tensor:
+    return p.to(torch.bfloat16)
 
 
-def _router_forward(router: torch.nn.Module, forward: Callable[..., Any], hidden: Any) -> Any:
+def _bf16_operand(p: torch.Tensor) -> torch.Tensor:
+    return p.to(torch.bfloat16).float()
+
+
+def _experts_forward(experts: torch.nn.Module, *args: Any) -> Any:
+    return type(experts).forward(_CastParams(experts, _bf16), *args)
+
+
+def _router_forward(router: torch.nn.Module, hidden: torch.Tensor) -> Any:
     with torch.autocast(hidden.device.type, enabled=False):
-        return forward(hidden.float())
+        return type(router).forward(_CastParams(router, _bf16_operand), _bf16_operand(hidden))
 
 
 def is_stacked_experts(module: torch.nn.Module) -> bool:
@@ -247,15 +256,17 @@ def match_moe_precision(
 ) -> dict[str, int]:
     """Run the MoE layers of the HF ``model`` under bf16 autocast at the product's precision
     (module docstring, item 4): ``experts``: the grouped expert GEMMs on bf16 copies of the
-    fp32 expert weights; ``router``: the router's linear and scores in fp32, outside autocast.
-    Patches the instances' ``forward``; returns how many modules of each kind it patched."""
+    fp32 expert weights; ``router``: the router's GEMM on bf16-rounded operands (the hidden
+    states and the weight, as the product stores them) with its logits and scores in fp32,
+    outside autocast (which would round the logits to bf16). Patches the instances'
+    ``forward``; returns how many modules of each kind it patched."""
     out = {"experts": 0, "routers": 0}
     for m in model.modules():
         if experts and is_stacked_experts(m):
-            m.forward = functools.partial(_experts_forward, m, torch.bfloat16)
+            m.forward = functools.partial(_experts_forward, m)
             out["experts"] += 1
         elif router and is_router(m):
-            m.forward = functools.partial(_router_forward, m, m.forward)
+            m.forward = functools.partial(_router_forward, m)
             out["routers"] += 1
     return out
 
