@@ -4,7 +4,8 @@
 
 Reads the ``*_loss_alignment*.json`` results the alignment scripts write (llm, vlm,
 diffusion, vla; each judged by ``bench_align`` against its reference's own noise band) and
-writes ``alignment_<date>.md`` with one row per model (LLM 886M, LLM Qwen3-1.7B, VLM
+writes ``alignment_<date>.md`` with one row per model (LLM 886M, LLM Qwen3-1.7B, LLM
+Moonlight 4-layer (from a ``--variants`` result too: its ``longboat`` row), VLM
 Qwen2.5-VL-3B, diffusion Wan 1.3B, GR00T-N1.6, pi0.5): the band, max / mean / signed tail
 differences, the verdict, the GPU, date and commit of the run, the result file. A model
 with no GPU result is listed as not measured. One PNG per measured row,
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from bench_env import fmt, md_table
 ROWS = {
     "llm_886m": "LLM, Llama 886M",
     "llm_qwen3_1_7b": "LLM, Qwen3-1.7B",
+    "llm_moonlight_4l": "LLM, Moonlight-16B-A3B cut to 4 layers",
     "vlm_qwen2_5_vl_3b": "VLM, Qwen2.5-VL-3B",
     "diffusion_wan_t2v_1_3b": "diffusion, Wan2.1 T2V 1.3B",
     "vla_groot_n1_6": "GR00T-N1.6",
@@ -39,9 +42,9 @@ def row_key(result: dict[str, Any], stem: str) -> str:
     """Which model a result measures: ``<stack>_<model or shape>``."""
     stack = result["benchmark"].removesuffix("_loss_alignment")
     config = result.get("config", {})
-    if stack == "llm":
-        shape = stem.removeprefix("llm_loss_alignment_").rsplit("_", 1)[0]
-        return "llm_" + (shape if shape and not shape[0].isdigit() else "886m")
+    if stack == "llm":  # llm_loss_alignment_[<shape>_]<date>[_<tag>]
+        shape = re.split(r"_?\d{4}-\d{2}-\d{2}", stem.removeprefix("llm_loss_alignment_"))[0]
+        return "llm_" + (shape or "886m")
     model = config.get("model") or config.get("family") or "unknown"
     if isinstance(model, dict):
         model = model.get("name", "unknown")

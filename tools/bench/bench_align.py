@@ -79,6 +79,69 @@ def table(result: dict[str, Any], name: str = "longboat") -> str:
     return md_table(header, [row])
 
 
+def band_row(reference: list[float], perturbed: list[float], relative: bool) -> dict[str, Any]:
+    """The band's own numbers: the perturbed reference against the reference (max, mean and
+    signed tail mean of their per-step difference)."""
+    d = differences(perturbed, reference, relative)
+    tail = min(TAIL, max(1, len(d) // 2))
+    return {"max_diff": max(map(abs, d)), "mean_diff": statistics.fmean(map(abs, d)),
+            "tail_steps": tail, "tail_mean_signed_diff": statistics.fmean(d[-tail:]),
+            "relative": relative}  # fmt: skip
+
+
+def rows_table(result: dict[str, Any], names: list[str]) -> str:
+    """One table of the band and of every run in ``names`` against the reference: each run's
+    verdict is ``result["rows"][name]["verdict"]``, its keys ``result["rows"][name]["keys"]``;
+    the limits (``FACTOR`` x the band's) in brackets."""
+    curves = {r["name"]: r["losses"] for r in result["runs"]}
+    ref, band = curves["reference"], result["band"]
+    spec = ".3%" if band["relative"] else ".2e"
+    header = ["run", "keys", "first / last loss", "max diff (limit)", "mean diff (limit)",
+              f"signed mean, last {band['tail_steps']}", "verdict"]  # fmt: skip
+    pert = curves["reference_perturbed"]
+    rows = [["reference", "(the baseline)", f"{ref[0]:.4f} / {ref[-1]:.4f}", "", "", "", ""],
+            ["reference, perturbed", "(the band)", f"{pert[0]:.4f} / {pert[-1]:.4f}",
+             fmt(band["max_diff"], spec), fmt(band["mean_diff"], spec),
+             fmt(band["tail_mean_signed_diff"], spec), "the band"]]  # fmt: skip
+    for name in names:
+        v, lb = result["rows"][name]["verdict"], curves[name]
+        rows.append([name, " ".join(result["rows"][name]["keys"]) or "(the CLI's defaults)",
+                     f"{lb[0]:.4f} / {lb[-1]:.4f}",
+                     f"{fmt(v['max_diff'], spec)} ({fmt(FACTOR * v['band_max_diff'], spec)})",
+                     f"{fmt(v['mean_diff'], spec)} ({fmt(FACTOR * v['band_mean_diff'], spec)})",
+                     fmt(v["tail_mean_signed_diff"], spec),
+                     "inside the band" if v["passes"] else "OUTSIDE the band"])  # fmt: skip
+    return md_table(header, rows)
+
+
+def rows_plot(result: dict[str, Any], names: list[str], title: str) -> Any:
+    """Every curve, and every run's difference to the reference against the band (``FACTOR``
+    x the perturbed reference's distance to the reference at each step, shaded)."""
+
+    def draw(plt: Any) -> Any:
+        curves = {r["name"]: r["losses"] for r in result["runs"]}
+        ref, relative = curves["reference"], result["band"]["relative"]
+        pert = differences(curves["reference_perturbed"], ref, relative)
+        limit = [FACTOR * abs(d) for d in pert]
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for name in ["reference", "reference_perturbed", *names]:
+            a1.plot(curves[name], label=name, lw=1, ls="-" if name == "reference" else "--")
+        a2.fill_between(range(len(ref)), [-x for x in limit], limit, alpha=0.25,
+                        label=f"band x {FACTOR}")  # fmt: skip
+        a2.plot(pert, lw=0.8, color="grey", label="reference_perturbed - reference")
+        for name in names:
+            a2.plot(differences(curves[name], ref, relative), lw=1, label=f"{name} - reference")
+        a1.set(xlabel="step", ylabel="loss")
+        a2.set(xlabel="step", ylabel="relative difference" if relative else "difference")
+        a1.legend(fontsize=8)
+        a2.legend(fontsize=8)
+        fig.suptitle(title)
+        fig.tight_layout()
+        return fig
+
+    return draw
+
+
 def plot(result: dict[str, Any], title: str, ylabel: str = "loss") -> Any:
     def draw(plt: Any) -> Any:
         curves = {r["name"]: r["losses"] for r in result["runs"]}

@@ -110,8 +110,13 @@ MOONLIGHT_4L = dict(family="deepseek_v3", flavor="moonlight_16b_a3b", vocab=1638
 experts, top-6 sigmoid routing, vocab 163,840) cut to 4 layers (1 dense + 3 MoE), seq 4096,
 micro-batch 1, against transformers' ``DeepseekV3ForCausalLM``; every other key is the
 flavor's."""
-MOONLIGHT_TINY = dict(family="deepseek_v3", flavor="tiny", vocab=256, layers=3, experts=8, seq=64,
-                      micro_batch=1)  # fmt: skip
+MOONLIGHT_TINY = dict(family="deepseek_v3", flavor="tiny", vocab=256, layers=3, experts=16, seq=64,
+                      micro_batch=1, keys=["model.q_lora_rank=null", "model.num_shared_experts=2",
+                      "model.moe_router_num_groups=1", "model.moe_router_group_topk=1",
+                      "model.moe_routed_scaling_factor=2.446", "model.num_experts=16",
+                      "model.moe_topk=4", "model.norm_eps=1e-5", "model.rope_theta=50000.0"])  # fmt: skip
+"""The tiny flavor laid out as Moonlight (no q latent, 2 shared experts, one expert group,
+Moonlight's routed scaling, norm epsilon and rotary base), 16 experts top-4, 1 dense + 2 MoE."""
 V32_32K = dict(family="deepseek_v3", flavor="v32", vocab=129280, layers=1, seq=32768,
                micro_batch=1, keys=["model.first_k_dense=1", "model.mtp_num_layers=0"])  # fmt: skip
 """DeepSeek-V3.2-Exp cut to its first layer (MLA with 128 heads, the lightning indexer's 64

@@ -539,6 +539,46 @@ def test_sparse_attention_trains_through_the_cli_and_exports_v32(tmp_path: Path)
     assert (hf_logits(tmp_path / "hf", tokens) - ours).abs().max().item() <= TOL
 
 
+def _norm_eps_worker(rank: int, world: int) -> dict[str, dict[str, float]]:
+    """Every RMSNorm's epsilon of models at ``norm_eps=1e-5`` (Moonlight-like on the longboat
+    layers; V3.2's absorbed MLA on the longboat and local layers), by module name."""
+    from longboat.core.megatron import parallel_state
+    from longboat.llm.build import build_model
+
+    builds = {
+        "longboat": tiny(**VARIANTS["moonlight_like"], norm_eps=1e-5),
+        "v32": tiny(**VARIANTS["v32"], norm_eps=1e-5),
+        "v32_local": tiny(**VARIANTS["v32"], norm_eps=1e-5, layer_backend="local"),
+    }
+    _init({})
+    try:
+        out = {}
+        for name, cfg in builds.items():
+            (model,) = build_model(cfg)
+            out[name] = {n: float(m.eps) for n, m in model.named_modules()
+                         if n.endswith("norm") and hasattr(m, "eps")}  # fmt: skip
+        return out
+    finally:
+        parallel_state.destroy()
+
+
+@pytest.mark.multiprocess
+def test_the_latent_norms_keep_deepseeks_epsilon_whatever_rms_norm_eps_says() -> None:
+    """DeepSeek-V3's code and transformers build MLA's q / kv latent norms at 1e-6 and only the
+    layer norms at ``rms_norm_eps`` (Moonlight: 1e-5). With the latent norms at 1e-5 a tiny
+    Moonlight-like model trained 30 steps 2.5e-3 away from transformers in fp32 (1.4e-6
+    with 1e-6: tools/bench's alignment test)."""
+    (out,) = run_multiprocess(_norm_eps_worker, 1, timeout=600)
+    for name, eps in out.items():
+        latent = {n: e for n, e in eps.items() if n.endswith(("q_layernorm", "kv_layernorm"))}
+        layer = {n: e for n, e in eps.items() if n.endswith(("input_layernorm",
+                 "pre_mlp_layernorm", "final_layernorm"))}  # fmt: skip
+        assert latent and set(latent.values()) == {1e-6}, (name, latent)
+        assert layer and set(layer.values()) == {1e-5}, (name, layer)
+    assert not any(n.endswith("q_layernorm") for n in out["longboat"])  # no q latent
+    assert any(n.endswith("q_layernorm") for n in out["v32"])
+
+
 def test_the_indexer_key_norm_runs_bf16_keys_on_fp32_weights_in_fp32() -> None:
     """The indexer's key LayerNorm keeps fp32 weights (as megatron builds torch norms) and
     takes bf16 keys, which CUDA's layer_norm refuses mixed: it normalises in fp32 and

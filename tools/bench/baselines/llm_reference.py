@@ -24,6 +24,16 @@ How it differs from a user's HF Trainer run:
    it is constant (throughput: the scheduler adds no GPU work to the step).
 3. The loss alignment passes ``shift_labels`` (the product's targets, -100 where its
    ``loss_mask`` is 0) instead of ``labels=input_ids``: the same positions and mean.
+4. The loss alignment of an MoE shape in bf16 runs the MoE layers at the product's precision
+   (``match_moe_precision``, llm_loss_alignment's ``--reference-moe-precision matched``, its
+   default): autocast lowers every ``nn.Linear`` to bf16 but not transformers' grouped expert
+   GEMMs, which then run on the fp32 weights, while it does lower the router's linear, whose
+   logits and scores transformers means to be fp32. The product (megatron's bf16 modules)
+   computes the experts in bf16 and the router's logits in fp32 from its bf16 weight and
+   activations (``moe_router_dtype=fp32``). So the experts take bf16 copies of their fp32
+   weights inside the forward (the gradient flows to the fp32 weights, as autocast does for a
+   linear) and the router runs outside autocast on bf16-rounded operands. The throughput rows
+   keep transformers as users run it.
 
 ``McoreStep`` (``mcore_local_spec``): ``GPTModel`` + ``get_gpt_layer_local_spec`` (no Transformer
 Engine: unfused attention, torch norms), bf16 params, megatron DDP (fp32 grad buffer) and
@@ -39,6 +49,7 @@ go to the host, since megatron has no CPU path).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -193,6 +204,71 @@ def hf_experts_kernel(model: torch.nn.Module, compiled: bool) -> str | None:
     if compiled and weights[0].dtype != torch.bfloat16:
         return f"grouped_mm: transformers' per-expert torch.mm loop ({dtype} weights under torch.compile)"
     return f"grouped_mm: torch.nn.functional.grouped_mm on {dtype} operands"
+
+
+class _CastParams:
+    """A transformers module seen with its own parameters passed through ``cast`` (e.g. to
+    bf16): the casts are part of the autograd graph, so the gradients reach the module's
+    fp32 parameters; every other attribute (buffers, config, methods) is the module's."""
+
+    def __init__(self, module: torch.nn.Module, cast: Callable[[Any], Any]) -> None:
+        self._module = module
+        for name, p in module.named_parameters(recurse=False):
+            setattr(self, name, cast(p))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _bf16(p: torch.Tensor) -> torch.Tensor:
+    return p.to(torch.bfloat16)
+
+
+def _bf16_operand(p: torch.Tensor) -> torch.Tensor:
+    return p.to(torch.bfloat16).float()
+
+
+def _experts_forward(experts: torch.nn.Module, *args: Any) -> Any:
+    return type(experts).forward(_CastParams(experts, _bf16), *args)
+
+
+def _router_forward(router: torch.nn.Module, hidden: torch.Tensor) -> Any:
+    with torch.autocast(hidden.device.type, enabled=False):
+        return type(router).forward(_CastParams(router, _bf16_operand), _bf16_operand(hidden))
+
+
+def is_stacked_experts(module: torch.nn.Module) -> bool:
+    """A transformers MoE experts module (its expert weights stacked in 3-D parameters, run
+    through its ``experts_implementation``)."""
+    p = getattr(module, "gate_up_proj", None)
+    if p is None:
+        p = getattr(module, "up_proj", None)
+    return isinstance(p, torch.nn.Parameter) and p.dim() == 3 and hasattr(module, "down_proj")
+
+
+def is_router(module: torch.nn.Module) -> bool:
+    """A transformers MoE router (``DeepseekV3TopkRouter``, ``Qwen3MoeTopKRouter``, ...)."""
+    return type(module).__name__.lower().endswith("topkrouter")
+
+
+def match_moe_precision(
+    model: torch.nn.Module, *, experts: bool = True, router: bool = True
+) -> dict[str, int]:
+    """Run the MoE layers of the HF ``model`` under bf16 autocast at the product's precision
+    (module docstring, item 4): ``experts``: the grouped expert GEMMs on bf16 copies of the
+    fp32 expert weights; ``router``: the router's GEMM on bf16-rounded operands (the hidden
+    states and the weight, as the product stores them) with its logits and scores in fp32,
+    outside autocast (which would round the logits to bf16). Patches the instances'
+    ``forward``; returns how many modules of each kind it patched."""
+    out = {"experts": 0, "routers": 0}
+    for m in model.modules():
+        if experts and is_stacked_experts(m):
+            m.forward = functools.partial(_experts_forward, m)
+            out["experts"] += 1
+        elif router and is_router(m):
+            m.forward = functools.partial(_router_forward, m)
+            out["routers"] += 1
+    return out
 
 
 LIGER_DENSE_ONLY = (

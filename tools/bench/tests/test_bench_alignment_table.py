@@ -34,8 +34,14 @@ def test_rows_are_the_newest_gpu_runs_and_unmeasured_models_say_so(tmp_path: Pat
             "2026-12-05", "cpu", {}, 0.0)  # fmt: skip
     _result(tmp_path / "vla_loss_alignment_2026-12-02.json", "vla_loss_alignment",
             "2026-12-02", "H100", {"model": "groot_n1_6"}, 0.0)  # fmt: skip
+    # a --variants run (its longboat row) is newer than the plain run of the same day
+    _result(tmp_path / "llm_loss_alignment_moonlight_4l_2026-12-07.json", "llm_loss_alignment",
+            "2026-12-07", "H100", {"family": "deepseek_v3"}, 0.05)  # fmt: skip
+    _result(tmp_path / "llm_loss_alignment_moonlight_4l_2026-12-07_variants.json",
+            "llm_loss_alignment", "2026-12-07", "H100", {"family": "deepseek_v3"}, 0.005)  # fmt: skip
     found = at.newest(tmp_path)
-    assert sorted(found) == ["llm_886m", "llm_qwen3_1_7b", "vla_groot_n1_6"]
+    assert sorted(found) == ["llm_886m", "llm_moonlight_4l", "llm_qwen3_1_7b", "vla_groot_n1_6"]
+    assert found["llm_moonlight_4l"][0].stem.endswith("_variants")
     assert found["llm_886m"][0].name == "llm_loss_alignment_2026-12-01.json"  # not the CPU one
     md = at.write(tmp_path, "2026-12-07").read_text()
     rows = {line.split(" | ")[0][2:]: line for line in md.splitlines() if line.startswith("| ")}
@@ -43,6 +49,7 @@ def test_rows_are_the_newest_gpu_runs_and_unmeasured_models_say_so(tmp_path: Pat
     assert "inside the band" in rows["LLM, Llama 886M"] and "2026-12-01" in rows["LLM, Llama 886M"]
     assert "OUTSIDE the band" in rows["LLM, Qwen3-1.7B"]
     assert "inside the band" in rows["GR00T-N1.6"]
+    assert "inside the band" in rows["LLM, Moonlight-16B-A3B cut to 4 layers"]
     for model in ("VLM, Qwen2.5-VL-3B", "pi0.5", "diffusion, Wan2.1 T2V 1.3B"):
         assert "not measured on a GPU" in rows[model]
     pngs = sorted(p.name for p in tmp_path.glob("alignment_2026-12-07_*.png"))

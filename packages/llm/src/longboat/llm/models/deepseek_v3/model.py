@@ -162,13 +162,28 @@ class LatentCoreAttention(torch.nn.Module):
         return out.view(sq, b, heads, -1)[..., :width].reshape(sq, b, heads * width)
 
 
+LATENT_NORM_EPS = 1e-6
+"""The epsilon of MLA's q / kv latent RMSNorms. DeepSeek-V3's own code and transformers'
+``DeepseekV3Attention`` build them with the norm's default 1e-6 whatever ``rms_norm_eps``
+says (Moonlight's is 1e-5: its layer norms use that, its latent norms 1e-6)."""
+
+
 class _LatentNorm(torch.nn.Module):
-    """Factory MLA calls as ``norm(hidden_size=, config=, eps=)`` for its q / kv latent norms."""
+    """Factory MLA calls as ``norm(hidden_size=, config=, eps=)`` for its q / kv latent norms:
+    megatron passes the layers' ``layernorm_epsilon``, the latent norms take
+    ``LATENT_NORM_EPS``."""
 
     def __new__(cls, *, hidden_size: int, config: Any, eps: float, rms_norm: Any) -> Any:
         from longboat.core.megatron.specs import KernelRMSNorm
 
-        return KernelRMSNorm(config, hidden_size, eps, rms_norm=rms_norm)
+        return KernelRMSNorm(config, hidden_size, LATENT_NORM_EPS, rms_norm=rms_norm)
+
+
+class _LocalLatentNorm(torch.nn.Module):
+    """``_LatentNorm`` over megatron's own norm class ``norm`` (the ``local`` backend)."""
+
+    def __new__(cls, *, hidden_size: int, config: Any, eps: float, norm: Any) -> Any:
+        return norm(config=config, hidden_size=hidden_size, eps=LATENT_NORM_EPS)
 
 
 @functools.cache
@@ -258,13 +273,15 @@ def _mla_attention_spec(backend: str, kernels: Any, q_latent: bool, sparse: bool
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from longboat.core.layer_kernels import LayerKernels
-    from longboat.core.megatron.specs import KernelRMSNorm, LongboatSpecProvider
+    from longboat.core.megatron.specs import LongboatSpecProvider
 
     if backend == "local":
         from megatron.core.models.backends import LocalSpecProvider
 
         local = LocalSpecProvider()
-        norm: Any = local.layer_norm(rms_norm=True, for_qk=True)
+        norm: Any = functools.partial(
+            _LocalLatentNorm, norm=local.layer_norm(rms_norm=True, for_qk=True)
+        )
         linear, row, core = (
             local.column_parallel_linear(),
             local.row_parallel_linear(),
@@ -279,7 +296,9 @@ def _mla_attention_spec(backend: str, kernels: Any, q_latent: bool, sparse: bool
         )
     if sparse:
         if backend != "local":  # the absorbed attention builds its norms from a spec
-            norm = ModuleSpec(module=KernelRMSNorm, params={"rms_norm": provider.kernels.rms_norm})
+            norm = ModuleSpec(module=_LatentNorm, params={"rms_norm": provider.kernels.rms_norm})
+        else:
+            norm = ModuleSpec(module=_LocalLatentNorm, params={"norm": norm.keywords["norm"]})
         return _sparse_attention_spec(linear, row, norm, kernels=backend != "local")
     return ModuleSpec(
         module=_latent_self_attention(),
