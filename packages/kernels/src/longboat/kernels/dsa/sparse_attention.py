@@ -68,28 +68,37 @@ Tensor = torch.Tensor
 _LOG2E = 1.4426950408889634
 
 # (BLOCK_H, BLOCK_T, num_warps, num_stages). Hopper at MLA's shape: 64 heads with 8 warps
-# keep the [64, 512] fp32 accumulator at 128 registers a thread; smaller tiles are the
-# fallbacks the tuner measures against (and the only ones that fit few heads or fp32 tiles).
-_FWD_TILES = [(64, 64, 8, 2), (64, 32, 8, 2), (32, 64, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2)]
-_BWD_TILES = [(64, 32, 8, 2), (64, 32, 8, 1), (32, 32, 8, 2), (32, 64, 8, 1), (16, 32, 4, 2)]
+# keep the [64, 512] fp32 accumulator (forward) or dq (backward) at 128 registers a thread;
+# smaller tiles are what the tuner measures them against (and what fits few heads or fp32
+# tiles); _LAST_RESORT fits any card's shared memory and is kept for <= 16 heads or fp32.
+_FWD_TILES = [(64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 8, 3), (32, 64, 8, 2), (16, 32, 4, 2)]
+_BWD_TILES = [(64, 32, 8, 2), (64, 32, 8, 1), (32, 32, 8, 2), (32, 64, 8, 2), (16, 32, 4, 2)]
+_LAST_RESORT = (16, 16, 4, 1)
 _INTERPRETER_TILE = (16, 16, 4, 1)
 """Under Triton's interpreter: small tiles (tests cover several head and key blocks)."""
 
 
 def _configs(tiles: list[tuple[int, int, int, int]]) -> list[Any]:
-    if triton_interpreter_on():
-        tiles = [_INTERPRETER_TILE]
+    tiles = [_INTERPRETER_TILE] if triton_interpreter_on() else [*tiles, _LAST_RESORT]
     return [
         triton.Config({"BLOCK_H": bh, "BLOCK_T": bt}, num_warps=w, num_stages=st)
         for bh, bt, w, st in tiles
     ]
 
 
-def _fitting_configs(configs: list[Any], named_args: dict[str, Any], **_: Any) -> list[Any]:
-    """Drop head blocks wider than the heads need (padded heads are wasted work); keep the
-    narrowest when none is left."""
-    widest = max(16, next_pow2(int(named_args["H"])))
-    fit = [c for c in configs if c.kwargs["BLOCK_H"] <= widest]
+def _fitting_configs(configs: list[Any], named_args: dict[str, Any], **kw: Any) -> list[Any]:
+    """Drop head blocks wider than the heads need (padded heads are wasted work) and the last
+    resort where wider tiles are left for bf16 at many heads; keep the narrowest when none
+    is left."""
+    heads = int(named_args["H"])
+    widest = max(16, next_pow2(heads))
+    last = (_LAST_RESORT[0], _LAST_RESORT[1])
+    keep_last = heads <= 16 or bool(kw.get("IEEE", named_args.get("IEEE", False)))
+    fit = [
+        c for c in configs
+        if c.kwargs["BLOCK_H"] <= widest
+        and (keep_last or (c.kwargs["BLOCK_H"], c.kwargs["BLOCK_T"]) != last)
+    ]  # fmt: skip
     return fit or [min(configs, key=lambda c: c.kwargs["BLOCK_H"])]
 
 
@@ -258,13 +267,14 @@ def _sparse_attn_bwd_kernel(
         # the block's heads reduced in the dot: [channels, BLOCK_T] per key block
         ds_q = ds.to(q_a.dtype)
         dk_a = _dot(tl.trans(q_a), ds_q, IEEE)
-        dv_t = _dot(tl.trans(do), p.to(do.dtype), IEEE)
         key_a = dk_base + idx[None, :] * DK + offs_a[:, None]
         ka_ok = a_ok[:, None] & valid[None, :]
-        if DV_INTO_DK:  # KSPLIT == DV: tile a is the value's channels
-            tl.atomic_add(key_a, dk_a + dv_t, mask=ka_ok, sem="relaxed")
+        if DV_INTO_DK:  # KSPLIT == DV: tile a is the value's channels, one accumulator
+            dk_a = _dot_acc(tl.trans(do), p.to(do.dtype), dk_a, IEEE)
+            tl.atomic_add(key_a, dk_a, mask=ka_ok, sem="relaxed")
         else:
             tl.atomic_add(key_a, dk_a, mask=ka_ok, sem="relaxed")
+            dv_t = _dot(tl.trans(do), p.to(do.dtype), IEEE)
             tl.atomic_add(dv_base + idx[None, :] * DV + offs_v[:, None], dv_t,
                           mask=v_ok[:, None] & valid[None, :], sem="relaxed")  # fmt: skip
         if HAS_TAIL:
