@@ -67,12 +67,16 @@ Tensor = torch.Tensor
 
 _LOG2E = 1.4426950408889634
 
-# (BLOCK_H, BLOCK_T, num_warps, num_stages). Hopper at MLA's shape: 64 heads with 8 warps
-# keep the [64, 512] fp32 accumulator (forward) or dq (backward) at 128 registers a thread;
-# smaller tiles are what the tuner measures them against (and what fits few heads or fp32
-# tiles); _LAST_RESORT fits any card's shared memory and is kept for <= 16 heads or fp32.
+# (BLOCK_H, BLOCK_T, num_warps, num_stages). Hopper at MLA's shape (bf16, compiled for
+# sm_90: shared memory / spilled registers): the forward's 64 heads with 8 warps keep the
+# [64, 512] fp32 accumulator at 128 registers a thread on wgmma tiles: 144 KB and next to
+# no spilled registers in the loop at 32 keys a block (216 KB, a few at 64). The backward
+# holds dq ([64, 576] fp32, 144 registers) beside a [512, BLOCK_T] dk tile: at 64 heads it
+# spills inside the loop, at 32 heads much less but on the older mma instructions (M=32), so
+# both stay candidates for the tuner to measure (64 x 32 with two stages needs 228 KB, over
+# the 227 KB limit: one stage). _LAST_RESORT fits any card and is kept for <= 16 heads or fp32.
 _FWD_TILES = [(64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 8, 3), (32, 64, 8, 2), (16, 32, 4, 2)]
-_BWD_TILES = [(64, 32, 8, 2), (64, 32, 8, 1), (32, 32, 8, 2), (32, 64, 8, 2), (16, 32, 4, 2)]
+_BWD_TILES = [(64, 16, 8, 2), (64, 32, 8, 1), (32, 16, 8, 2), (32, 32, 8, 2), (16, 32, 4, 2)]
 _LAST_RESORT = (16, 16, 4, 1)
 _INTERPRETER_TILE = (16, 16, 4, 1)
 """Under Triton's interpreter: small tiles (tests cover several head and key blocks)."""
@@ -135,10 +139,13 @@ def _dot_acc(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _gather_rows(base, idx, valid, stride_s, col0, offs, ncols):
+def _gather_rows(base, idx, valid, stride_s, col0, offs, ncols, FULL: tl.constexpr):
     """``base[idx, col0 + offs]`` as ``[BLOCK_T, len(offs)]``, 0 at invalid rows and at
-    ``offs >= ncols``."""
+    ``offs >= ncols`` (``FULL``: the tile is exactly ``ncols`` wide, no column mask: a
+    loop-invariant ``[BLOCK_T, width]`` mask would hold registers through the loop)."""
     ptr = base + idx[:, None] * stride_s + col0 + offs[None, :]
+    if FULL:
+        return tl.load(ptr, mask=valid[:, None], other=0.0)
     return tl.load(ptr, mask=valid[:, None] & (offs < ncols)[None, :], other=0.0)
 
 
@@ -159,7 +166,8 @@ def _sparse_attn_fwd_kernel(
     stride_ib, stride_is, stride_ob, stride_os, stride_oh,
     SQ, H, SK, TOPK, DK, DV, KSPLIT, scale_log2,
     V_IN_K: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_KA: tl.constexpr,
-    BLOCK_KB: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_KB: tl.constexpr, BLOCK_DV: tl.constexpr, A_FULL: tl.constexpr,
+    B_FULL: tl.constexpr, V_FULL: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     # Key channels [0, KSPLIT) are tile a (the value's when V_IN_K), [KSPLIT, DK) tile b.
@@ -183,10 +191,10 @@ def _sparse_attn_fwd_kernel(
     acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
     for t0 in range(0, TOPK, BLOCK_T):
         idx, valid = _selected(idx_row, t0, TOPK, SK, BLOCK_T)
-        k_a = _gather_rows(k_base, idx, valid, stride_ks, 0, offs_a, KSPLIT)
+        k_a = _gather_rows(k_base, idx, valid, stride_ks, 0, offs_a, KSPLIT, A_FULL)
         s = _dot(q_a, tl.trans(k_a), IEEE)
         if HAS_TAIL:
-            k_b = _gather_rows(k_base, idx, valid, stride_ks, KSPLIT, offs_b, DK - KSPLIT)
+            k_b = _gather_rows(k_base, idx, valid, stride_ks, KSPLIT, offs_b, DK - KSPLIT, B_FULL)
             s = _dot_acc(q_b, tl.trans(k_b), s, IEEE)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -197,7 +205,7 @@ def _sparse_attn_fwd_kernel(
         if V_IN_K:
             v = k_a
         else:
-            v = _gather_rows(v_base, idx, valid, stride_vs, 0, offs_v, DV)
+            v = _gather_rows(v_base, idx, valid, stride_vs, 0, offs_v, DV, V_FULL)
         acc = _dot_acc(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
         m = m_new
     has_key = l_sum > 0.0
@@ -218,6 +226,7 @@ def _sparse_attn_bwd_kernel(
     ROW0, SQ, H, SK, TOPK, DK, DV, KSPLIT, scale, scale_log2,
     V_IN_K: tl.constexpr, DV_INTO_DK: tl.constexpr, HAS_TAIL: tl.constexpr,
     BLOCK_KA: tl.constexpr, BLOCK_KB: tl.constexpr, BLOCK_DV: tl.constexpr,
+    A_FULL: tl.constexpr, B_FULL: tl.constexpr, V_FULL: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     # Program 0 of this launch is query row ROW0 of the flattened [b * sq] rows. DQ
@@ -250,17 +259,17 @@ def _sparse_attn_bwd_kernel(
     idx_row = IDX + bi * stride_ib + qi * stride_is
     for t0 in range(0, TOPK, BLOCK_T):
         idx, valid = _selected(idx_row, t0, TOPK, SK, BLOCK_T)
-        k_a = _gather_rows(k_base, idx, valid, stride_ks, 0, offs_a, KSPLIT)
+        k_a = _gather_rows(k_base, idx, valid, stride_ks, 0, offs_a, KSPLIT, A_FULL)
         s = _dot(q_a, tl.trans(k_a), IEEE)
         if HAS_TAIL:
-            k_b = _gather_rows(k_base, idx, valid, stride_ks, KSPLIT, offs_b, DK - KSPLIT)
+            k_b = _gather_rows(k_base, idx, valid, stride_ks, KSPLIT, offs_b, DK - KSPLIT, B_FULL)
             s = _dot_acc(q_b, tl.trans(k_b), s, IEEE)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         p = tl.exp2(s - lse[:, None])  # 0 at invalid keys, padded heads, keyless queries
         if V_IN_K:
             v = k_a
         else:
-            v = _gather_rows(v_base, idx, valid, stride_vs, 0, offs_v, DV)
+            v = _gather_rows(v_base, idx, valid, stride_vs, 0, offs_v, DV, V_FULL)
         dp = _dot(do, tl.trans(v), IEEE)  # [BLOCK_H, BLOCK_T]
         ds = p * (dp - delta[:, None]) * scale
         dq_a = _dot_acc(ds.to(k_a.dtype), k_a, dq_a, IEEE)
@@ -268,20 +277,25 @@ def _sparse_attn_bwd_kernel(
         ds_q = ds.to(q_a.dtype)
         dk_a = _dot(tl.trans(q_a), ds_q, IEEE)
         key_a = dk_base + idx[None, :] * DK + offs_a[:, None]
-        ka_ok = a_ok[:, None] & valid[None, :]
+        if A_FULL:
+            ka_ok = valid[None, :]
+        else:
+            ka_ok = a_ok[:, None] & valid[None, :]
         if DV_INTO_DK:  # KSPLIT == DV: tile a is the value's channels, one accumulator
             dk_a = _dot_acc(tl.trans(do), p.to(do.dtype), dk_a, IEEE)
             tl.atomic_add(key_a, dk_a, mask=ka_ok, sem="relaxed")
         else:
             tl.atomic_add(key_a, dk_a, mask=ka_ok, sem="relaxed")
             dv_t = _dot(tl.trans(do), p.to(do.dtype), IEEE)
-            tl.atomic_add(dv_base + idx[None, :] * DV + offs_v[:, None], dv_t,
-                          mask=v_ok[:, None] & valid[None, :], sem="relaxed")  # fmt: skip
+            kv_ok = valid[None, :] if V_FULL else v_ok[:, None] & valid[None, :]
+            tl.atomic_add(dv_base + idx[None, :] * DV + offs_v[:, None], dv_t, mask=kv_ok,
+                          sem="relaxed")  # fmt: skip
         if HAS_TAIL:
             dq_b = _dot_acc(ds.to(k_b.dtype), k_b, dq_b, IEEE)
             dk_b = _dot(tl.trans(q_b), ds_q, IEEE)
+            kb_ok = valid[None, :] if B_FULL else b_ok[:, None] & valid[None, :]
             tl.atomic_add(dk_base + idx[None, :] * DK + KSPLIT + offs_b[:, None], dk_b,
-                          mask=b_ok[:, None] & valid[None, :], sem="relaxed")  # fmt: skip
+                          mask=kb_ok, sem="relaxed")  # fmt: skip
     dq_rows = DQ + row * H * DK + offs_h[:, None] * DK
     tl.store(dq_rows + offs_a[None, :], dq_a.to(DQ.dtype.element_ty),
              mask=h_ok[:, None] & a_ok[None, :])  # fmt: skip
@@ -325,10 +339,11 @@ def _launch_meta(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, dict[str, object
     dk, dv = k.shape[-1], v.shape[-1]
     v_in_k = value_in_key(k, v)
     split, block_a = _channel_split(dk, dv, v_in_k)
+    block_b, block_v = max(16, next_pow2(max(1, dk - split))), max(16, next_pow2(dv))
     return split, dict(
-        V_IN_K=v_in_k, HAS_TAIL=dk > split, BLOCK_KA=block_a,
-        BLOCK_KB=max(16, next_pow2(max(1, dk - split))), BLOCK_DV=max(16, next_pow2(dv)),
-        IEEE=_ieee_dots(q),
+        V_IN_K=v_in_k, HAS_TAIL=dk > split, BLOCK_KA=block_a, BLOCK_KB=block_b,
+        BLOCK_DV=block_v, A_FULL=block_a == split, B_FULL=block_b == dk - split,
+        V_FULL=block_v == dv, IEEE=_ieee_dots(q),
     )  # fmt: skip
 
 
