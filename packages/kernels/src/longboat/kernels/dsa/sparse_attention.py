@@ -82,18 +82,30 @@ _INTERPRETER_TILE = (16, 16, 4, 1)
 """Under Triton's interpreter: small tiles (tests cover several head and key blocks)."""
 
 
-def _configs(tiles: list[tuple[int, int, int, int]]) -> list[Any]:
-    tiles = [_INTERPRETER_TILE] if triton_interpreter_on() else [*tiles, _LAST_RESORT]
-    return [
-        triton.Config({"BLOCK_H": bh, "BLOCK_T": bt}, num_warps=w, num_stages=st)
-        for bh, bt, w, st in tiles
-    ]
+def _configs(tiles: list[tuple[int, int, int, int]], key_grad: bool) -> list[Any]:
+    """``triton.Config`` of each tile; ``key_grad`` (the backward): with ``DK_ROWS``, the
+    orientation of the key-gradient tile (:func:`_heads_reduced`): rows below 64 heads
+    (mma instructions either way; no spills at 32 heads x 16 keys), channels at 64 (wgmma
+    wants 64 rows; as rows the tile does not fit shared memory). Under the interpreter the
+    one tile comes in both orientations and :func:`_fitting_configs` picks by the parity
+    of ``h``, so that the tests cover both."""
+    interpreted = triton_interpreter_on()
+    tiles = [_INTERPRETER_TILE] if interpreted else [*tiles, _LAST_RESORT]
+    out = []
+    for bh, bt, w, st in tiles:
+        if not key_grad:
+            out.append(triton.Config({"BLOCK_H": bh, "BLOCK_T": bt}, num_warps=w, num_stages=st))
+            continue
+        for rows in (True, False) if interpreted else (bh < 64,):
+            meta = {"BLOCK_H": bh, "BLOCK_T": bt, "DK_ROWS": rows}
+            out.append(triton.Config(meta, num_warps=w, num_stages=st))
+    return out
 
 
 def _fitting_configs(configs: list[Any], named_args: dict[str, Any], **kw: Any) -> list[Any]:
     """Drop head blocks wider than the heads need (padded heads are wasted work) and the last
     resort where wider tiles are left for bf16 at many heads; keep the narrowest when none
-    is left."""
+    is left. Under the interpreter: the key-gradient orientation by the parity of ``h``."""
     heads = int(named_args["H"])
     widest = max(16, next_pow2(heads))
     last = (_LAST_RESORT[0], _LAST_RESORT[1])
@@ -103,16 +115,21 @@ def _fitting_configs(configs: list[Any], named_args: dict[str, Any], **kw: Any) 
         if c.kwargs["BLOCK_H"] <= widest
         and (keep_last or (c.kwargs["BLOCK_H"], c.kwargs["BLOCK_T"]) != last)
     ]  # fmt: skip
+    if triton_interpreter_on():
+        fit = [c for c in fit if c.kwargs.get("DK_ROWS", heads % 2 == 0) == (heads % 2 == 0)]
     return fit or [min(configs, key=lambda c: c.kwargs["BLOCK_H"])]
 
 
-def _tuned(tiles: list[tuple[int, int, int, int]], reset: list[str] | None = None) -> Any:
+def _tuned(
+    tiles: list[tuple[int, int, int, int]], *, key_grad: bool = False,
+    reset: list[str] | None = None,
+) -> Any:  # fmt: skip
     """``triton.autotune`` over ``tiles`` keyed on the problem's widths (a no-op without
     Triton, where the kernels never run)."""
     if not HAS_TRITON:
         return lambda fn: fn
     return triton.autotune(
-        configs=_configs(tiles),
+        configs=_configs(tiles, key_grad),
         key=["H", "DK", "DV", "TOPK", "V_IN_K", "IEEE"],
         prune_configs_by={"early_config_prune": _fitting_configs},
         reset_to_zero=reset,
@@ -156,6 +173,48 @@ def _selected(idx_row, t0, TOPK, SK, BLOCK_T: tl.constexpr):
     idx = tl.load(idx_row + offs_t, mask=offs_t < TOPK, other=-1).to(tl.int64)
     valid = (idx >= 0) & (idx < SK)
     return tl.where(valid, idx, 0), valid
+
+
+@triton.jit
+def _heads_reduced(w, x, IEEE: tl.constexpr, ROWS: tl.constexpr):
+    """``sum_h w[h, t] * x[h, c]`` for weights ``w [BLOCK_H, BLOCK_T]`` (ds or p) and rows
+    ``x [BLOCK_H, C]`` (q or dO): ``[BLOCK_T, C]`` when ``ROWS``, else ``[C, BLOCK_T]`` (the
+    tensor-core tile then has ``C`` rows, as Hopper's wgmma wants at 64 heads)."""
+    if ROWS:  # one return: the compiler wants one return type across static branches
+        out = _dot(tl.trans(w), x, IEEE)
+    else:
+        out = _dot(tl.trans(x), w, IEEE)
+    return out
+
+
+@triton.jit
+def _heads_reduced_acc(w, x, acc, IEEE: tl.constexpr, ROWS: tl.constexpr):
+    """``acc +`` :func:`_heads_reduced` ``(w, x)``."""
+    if ROWS:
+        out = _dot_acc(tl.trans(w), x, acc, IEEE)
+    else:
+        out = _dot_acc(tl.trans(x), w, acc, IEEE)
+    return out
+
+
+@triton.jit
+def _scatter_add(base, idx, valid, stride_s, col0, offs, ncols, tile, FULL: tl.constexpr,
+                 ROWS: tl.constexpr):  # fmt: skip
+    """fp32 atomic adds of ``tile`` (as :func:`_heads_reduced` lays it out) into rows ``idx``
+    of ``base``, columns ``col0 + offs`` (``< ncols`` unless ``FULL``), valid rows only."""
+    if ROWS:
+        ptr = base + idx[:, None] * stride_s + col0 + offs[None, :]
+        if FULL:
+            ok = valid[:, None]
+        else:
+            ok = valid[:, None] & (offs < ncols)[None, :]
+    else:
+        ptr = base + idx[None, :] * stride_s + col0 + offs[:, None]
+        if FULL:
+            ok = valid[None, :]
+        else:
+            ok = (offs < ncols)[:, None] & valid[None, :]
+    tl.atomic_add(ptr, tile, mask=ok, sem="relaxed")
 
 
 @_tuned(_FWD_TILES)
@@ -217,7 +276,7 @@ def _sparse_attn_fwd_kernel(
     tl.store(LSE + row * H + offs_h, lse, mask=h_ok)
 
 
-@_tuned(_BWD_TILES, reset=["DK_", "DV_"])
+@_tuned(_BWD_TILES, key_grad=True, reset=["DK_", "DV_"])
 @triton.jit
 def _sparse_attn_bwd_kernel(
     Q, K, V, IDX, DO, OUT, LSE, DQ, DK_, DV_,
@@ -227,7 +286,7 @@ def _sparse_attn_bwd_kernel(
     V_IN_K: tl.constexpr, DV_INTO_DK: tl.constexpr, HAS_TAIL: tl.constexpr,
     BLOCK_KA: tl.constexpr, BLOCK_KB: tl.constexpr, BLOCK_DV: tl.constexpr,
     A_FULL: tl.constexpr, B_FULL: tl.constexpr, V_FULL: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, DK_ROWS: tl.constexpr,
 ):  # fmt: skip
     # Program 0 of this launch is query row ROW0 of the flattened [b * sq] rows. DQ
     # [b * sq, h, dk] contiguous in q's dtype; DK_ [b, sk, dk], DV_ [b, sk, dv] contiguous
@@ -273,29 +332,22 @@ def _sparse_attn_bwd_kernel(
         dp = _dot(do, tl.trans(v), IEEE)  # [BLOCK_H, BLOCK_T]
         ds = p * (dp - delta[:, None]) * scale
         dq_a = _dot_acc(ds.to(k_a.dtype), k_a, dq_a, IEEE)
-        # the block's heads reduced in the dot: [channels, BLOCK_T] per key block
+        # the block's heads reduced in a dot, then one atomic per (key, channel)
         ds_q = ds.to(q_a.dtype)
-        dk_a = _dot(tl.trans(q_a), ds_q, IEEE)
-        key_a = dk_base + idx[None, :] * DK + offs_a[:, None]
-        if A_FULL:
-            ka_ok = valid[None, :]
-        else:
-            ka_ok = a_ok[:, None] & valid[None, :]
+        p_c = p.to(do.dtype)
+        dk_a = _heads_reduced(ds_q, q_a, IEEE, DK_ROWS)
         if DV_INTO_DK:  # KSPLIT == DV: tile a is the value's channels, one accumulator
-            dk_a = _dot_acc(tl.trans(do), p.to(do.dtype), dk_a, IEEE)
-            tl.atomic_add(key_a, dk_a, mask=ka_ok, sem="relaxed")
+            dk_a = _heads_reduced_acc(p_c, do, dk_a, IEEE, DK_ROWS)
+            _scatter_add(dk_base, idx, valid, DK, 0, offs_a, KSPLIT, dk_a, A_FULL, DK_ROWS)
         else:
-            tl.atomic_add(key_a, dk_a, mask=ka_ok, sem="relaxed")
-            dv_t = _dot(tl.trans(do), p.to(do.dtype), IEEE)
-            kv_ok = valid[None, :] if V_FULL else v_ok[:, None] & valid[None, :]
-            tl.atomic_add(dv_base + idx[None, :] * DV + offs_v[:, None], dv_t, mask=kv_ok,
-                          sem="relaxed")  # fmt: skip
+            _scatter_add(dk_base, idx, valid, DK, 0, offs_a, KSPLIT, dk_a, A_FULL, DK_ROWS)
+            dv_t = _heads_reduced(p_c, do, IEEE, DK_ROWS)
+            _scatter_add(dv_base, idx, valid, DV, 0, offs_v, DV, dv_t, V_FULL, DK_ROWS)
         if HAS_TAIL:
             dq_b = _dot_acc(ds.to(k_b.dtype), k_b, dq_b, IEEE)
-            dk_b = _dot(tl.trans(q_b), ds_q, IEEE)
-            kb_ok = valid[None, :] if B_FULL else b_ok[:, None] & valid[None, :]
-            tl.atomic_add(dk_base + idx[None, :] * DK + KSPLIT + offs_b[:, None], dk_b,
-                          mask=kb_ok, sem="relaxed")  # fmt: skip
+            dk_b = _heads_reduced(ds_q, q_b, IEEE, DK_ROWS)
+            _scatter_add(dk_base, idx, valid, DK, KSPLIT, offs_b, DK - KSPLIT, dk_b, B_FULL,
+                         DK_ROWS)  # fmt: skip
     dq_rows = DQ + row * H * DK + offs_h[:, None] * DK
     tl.store(dq_rows + offs_a[None, :], dq_a.to(DQ.dtype.element_ty),
              mask=h_ok[:, None] & a_ok[None, :])  # fmt: skip
