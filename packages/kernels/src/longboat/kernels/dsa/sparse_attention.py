@@ -41,9 +41,12 @@ would instead gather, per (key, selecting query), that query's 128 heads of q an
 one program (128) would halve the atomics again but needs a ``[128, 576]`` fp32 dq in
 registers (288 a thread at 8 warps), which does not fit. Tile sizes (``BLOCK_H``,
 ``BLOCK_T``, warps, pipeline stages) are a few ``triton.autotune`` candidates keyed on
-``(h, dk, dv, topk)``: configurations that exceed the shared memory are dropped by the
-tuner, the smallest (16 heads, 32 keys) fits any card; under the interpreter one tiny
-configuration runs.
+``(h, dk, dv, topk)``, chosen from an sm_90 compile of each (shared memory, registers
+spilled inside the loop): at 64 heads the backward's dq (144 registers a thread) beside
+the ``[576, BLOCK_T]`` key-gradient tile spills, at 32 heads it does not but runs on mma
+instead of wgmma tiles and gathers twice as often, so the tuner measures both; a
+configuration over the shared memory is dropped by the tuner, the last resort (16 heads, 16
+keys) fits any card. Under the interpreter one tiny configuration runs.
 
 ``chunk_rows`` launches the backward over chunks of query rows (one launch by default); each
 program owns its dq rows, so chunking changes no result bit.
