@@ -216,6 +216,72 @@ def test_sparse_attention_backward_in_chunks_of_rows(dtype) -> None:  # type: ig
         assert torch.equal(grads[key][1], grads[("triton", None)][1]), key
 
 
+VALUE_LAYOUTS = [  # name, dk, dv
+    ("model_view", 40, 24),  # MLA's layout: k and v views of one [s, b, 1, dk] key
+    ("value_is_key", 24, 24),  # v is k itself: no channels past the value's
+    ("detached_view", 40, 24),  # v reads k's memory but its gradient must not reach k
+    ("own_value_narrow_key", 12, 20),  # a separate v wider than a key under 16 channels
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", VALUE_LAYOUTS, ids=lambda c: c[0])
+def test_value_layouts_and_their_gradients(layout, dtype) -> None:  # type: ignore[no-untyped-def]
+    """Where ``v`` lives (a view of the key, the key itself, a detached view of it, its own
+    tensor) changes which rows the kernel gathers once and whether ``dv`` is added into
+    ``dk`` inside the kernel; the gradient of every leaf equals the dense masked reference's
+    (18 heads: two head blocks, one partial; 17 keys a query: a partial key block)."""
+    name, dk, dv = layout
+    b, s, heads, topk = 1, 18, 18, 17
+    torch.manual_seed(dk + dv)
+    q = randn(b, s, heads, dk, dtype=dtype).requires_grad_()
+    key = randn(s, b, 1, dk, dtype=dtype).requires_grad_()  # megatron's [s, b, 1, d]
+    own = randn(b, s, dv, dtype=dtype).requires_grad_()
+    idx = _indices(b, s, s, topk)
+    grads = []
+    for impl in ("torch", "triton"):
+        q.grad = key.grad = own.grad = None
+        k = key[:, :, 0].transpose(0, 1)
+        if name == "value_is_key":
+            v = k
+        elif name == "own_value_narrow_key":
+            v = own
+        else:
+            v = k[..., :dv].detach() if name == "detached_view" else k[..., :dv]
+        out = dsa.sparse_attention(q, k, v, idx, dk**-0.5, impl=impl)
+        gen = torch.Generator(device=DEVICE).manual_seed(4)
+        (out.float() * torch.randn(out.shape, device=DEVICE, generator=gen)).sum().backward()
+        leaves = [q, key] + ([own] if name == "own_value_narrow_key" else [])
+        grads.append((out.detach(), [t.grad.clone() for t in leaves]))
+    (ref, ref_grads), (got, got_grads) = grads
+    assert float(got[0, 0].abs().max()) == 0.0, "a query without keys outputs zeros"
+    assert rel_err(got, ref) <= TOL[dtype], f"out: {rel_err(got, ref):.2e}"
+    for i, (a, r) in enumerate(zip(got_grads, ref_grads, strict=True)):
+        assert a.dtype == dtype and rel_err(a, r) <= TOL[dtype], (i, rel_err(a, r))
+
+
+def test_indices_past_the_keys_select_nothing() -> None:
+    """An index at or past ``sk`` is no key, as ``-1`` is (fp32): the output and dq equal
+    those with ``-1`` in its place bit for bit, dk up to the order of its atomic adds."""
+    torch.manual_seed(9)
+    b, s, heads, dk, dv, topk = 1, 12, 4, 32, 16, 5
+    q = randn(b, s, heads, dk).requires_grad_()
+    k = randn(b, s, dk).requires_grad_()
+    idx = _indices(b, s, s, topk)
+    past = idx.clone()
+    past[0, 5:, 0] = s + 3  # query 5 on would see key 0 twice otherwise: replace it
+    minus = past.masked_fill(past >= s, -1)
+    results = []
+    for ids in (past, minus):
+        q.grad = k.grad = None
+        out = dsa.sparse_attention(q, k, k[..., :dv], ids, 0.2, impl="triton")
+        out.square().sum().backward()
+        results.append((out.detach(), q.grad.clone(), k.grad.clone()))
+    (out, dq, dk), (out_m, dq_m, dk_m) = results
+    assert torch.equal(out, out_m) and torch.equal(dq, dq_m)
+    assert rel_err(dk, dk_m) <= 1e-6
+
+
 if ON_GPU:  # defined on CUDA only (the CPU run must skip nothing)
 
     def _peak_above_start(fn):  # type: ignore[no-untyped-def]
@@ -241,9 +307,11 @@ if ON_GPU:  # defined on CUDA only (the CPU run must skip nothing)
 
     def test_sparse_backward_holds_no_fp32_dq_of_the_sequence() -> None:
         """MLA's absorbed shape at 16K tokens (128 heads, 576-wide keys, 512-wide values,
-        2048 keys): the backward allocates dq in bf16, one chunk of fp32 dq and the fp32
-        dk / dv with their casts; the fp32 dq of the whole sequence (4.8 GB) and fp32 copies
-        of dO and O never exist."""
+        2048 keys): the backward allocates dq in bf16 (accumulated in registers) and the
+        fp32 dk (dv added into it: v is k's prefix) with its cast, plus, on the tuner's
+        first call, Triton's 256 MB cache-flush buffer (within the ``4 * CHUNK_ELEMENTS``
+        slack); the fp32 dq of the whole sequence (4.8 GB) and fp32 copies of dO and O
+        never exist."""
         s, heads, dk, dv, topk = 16384, 128, 576, 512, 2048
         q = randn(1, s, heads, dk, dtype=torch.bfloat16, scale=0.1).requires_grad_()
         k = randn(1, s, dk, dtype=torch.bfloat16).requires_grad_()

@@ -5,8 +5,8 @@ selected keys, as Triton kernels with dense masked torch references.
   scored in chunks of queries so that the ``[b, sq, sk]`` score matrix never exists whole;
   :func:`lightning_indexer`: the whole score matrix and the same keys.
 - :func:`sparse_attention`: attention of ``h`` query heads over one shared key/value head
-  restricted to the selected keys (MLA's absorbed form), forward and backward in Triton; the
-  backward's fp32 dq exists one chunk of queries at a time.
+  restricted to the selected keys (MLA's absorbed form), forward and backward in Triton; a
+  program covers one query and many heads, so each gathered key row serves them all.
 - ``*_torch``: the references (dense score matrices, masked), which the kernels are tested
   against.
 """

@@ -35,8 +35,7 @@ _BLOCK_M, _BLOCK_N = 64, 64
 _NUM_WARPS = 4
 
 CHUNK_ELEMENTS = 1 << 27
-"""fp32 elements of the largest chunk of scores :func:`indexer_topk` holds (512 MiB); the
-sparse attention's backward holds its fp32 dq in chunks of the same size."""
+"""fp32 elements of the largest chunk of scores :func:`indexer_topk` holds (512 MiB)."""
 
 
 @triton.jit

@@ -33,8 +33,8 @@ longboat layer kernels:
   (fp32 ``[tokens, vocab]``).
 
 The backward's working set adds the attention's gradients (the sparse kernel's dq in the
-weights' dtype, accumulated in fp32 one chunk of ``DSA_CHUNK_ELEMENTS`` at a time, and its
-fp32 dk / dv beside their casts), counted over what is still saved when they exist (the
+weights' dtype, accumulated in registers, and its fp32 dk, into which the value's gradient
+is added since the value is the key's latent prefix, beside its cast), counted over what is still saved when they exist (the
 layer's MLP activations are freed by then), and, with sparse attention, the indexer's
 forward working set: its fp32 scores of one chunk of queries (``DSA_CHUNK_ELEMENTS`` at
 most) and that chunk's top-k temporaries, which the forward (and a recomputed forward)
@@ -54,7 +54,7 @@ from longboat.core.megatron.engine.memory_plan import DecoderShapes
 DSA_CHUNK_ELEMENTS = 1 << 27
 """fp32 elements of the chunks the DSA kernels work in (``longboat.kernels.dsa``'s
 ``CHUNK_ELEMENTS``, which core does not import; a test holds the two equal): the indexer's
-scores of one chunk of queries, the sparse backward's fp32 dq of one chunk of rows."""
+fp32 scores of one chunk of queries."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -307,9 +307,9 @@ class LatentDecoderShapes(DecoderShapes):
 
     def attention_backward(self, micro_batch: int, recompute: str) -> int:
         """The attention's backward working set: the gradient of its output and its kernel's
-        gradients (sparse: dq in the weights' dtype and, below fp32, the fp32 buffer of one
-        chunk of rows it is accumulated in; the fp32 dk / dv and their casts; dense: flash
-        attention's dq / dk / dv at the padded width), plus, with selective
+        gradients (sparse: dq in the weights' dtype, the fp32 dk holding the value's
+        gradient too, and its cast; dense: flash attention's dq / dk / dv at the padded
+        width), plus, with selective
         recompute, what the recomputed core attention holds again (sparse: the indices, the
         output and its log-sum-exp; dense: the padded output, its cut copy and the
         log-sum-exp)."""
@@ -317,9 +317,7 @@ class LatentDecoderShapes(DecoderShapes):
         kv = self.kv_lora_rank
         if self.index_topk is not None:
             latent = kv + self.qk_rope_head_dim
-            n = e * t * a * kv + e * t * a * latent + (4 + e) * t * (latent + kv)
-            if e != 4:  # the fp32 dq of one chunk of rows
-                n += 4 * min(t, max(1, DSA_CHUNK_ELEMENTS // (a * latent))) * a * latent
+            n = e * t * a * kv + e * t * a * latent + (4 + e) * t * latent
             if recompute == "selective":
                 n += 8 * t * self._keys() + e * t * a * kv + 4 * t * a
             return n
