@@ -173,11 +173,22 @@ def test_the_adapter_on_the_source_gives_the_merged_exports_logits(lora_run: dic
     assert diff < TOLERANCE, f"PEFT adapter vs merged export: max |dlogit| {diff:.2e}"
 
 
-def test_the_adapter_dir_without_lora_is_refused(tmp_path: Path) -> None:
-    done = _cli(["train", "experiment=quickstart", f"output_dir={tmp_path / 'run'}",
-                 f"export.adapter_dir={tmp_path / 'adapter'}"], tmp_path)  # fmt: skip
-    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
-    out = done.stdout + done.stderr
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The command line's output of ``argv``, which must exit 2 before any work (in this
+    process: a refusal builds nothing and starts no thread)."""
+    from longboat.vlm.cli import main
+
+    code = main(argv)
+    text = capsys.readouterr()
+    assert code == 2, text.out[-2000:] + text.err[-2000:]
+    return text.out + text.err
+
+
+def test_the_adapter_dir_without_lora_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _refused(["train", "experiment=quickstart", f"output_dir={tmp_path / 'run'}",
+                    f"export.adapter_dir={tmp_path / 'adapter'}"], capsys)  # fmt: skip
     assert "export.adapter_dir" in out and "lora.enabled=false" in out
     assert not (tmp_path / "adapter").exists() and not (tmp_path / "run" / "hf").exists()
 
@@ -218,15 +229,15 @@ def test_tp2_writes_the_tp1_adapter(tmp_path: Path) -> None:
         assert diff < 1e-5, f"{key}: TP=2 vs TP=1 max |d| {diff:.2e}"
 
 
-def test_a_trained_part_peft_cannot_carry_refuses_the_adapter_dir(tmp_path: Path) -> None:
+def test_a_trained_part_peft_cannot_carry_refuses_the_adapter_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """LLaVA-OneVision's projector trains with ``model.image_newline``, a bare parameter that
     PEFT's ``modules_to_save`` cannot hold: refused before the run, naming the fix."""
-    done = _cli(["train", "experiment=quickstart", "model=llava_onevision_tiny",
-                 "lora.enabled=true", "model.freeze=[vision]", "~model.lr_scale",
-                 f"output_dir={tmp_path / 'run'}",
-                 f"export.adapter_dir={tmp_path / 'adapter'}"], tmp_path)  # fmt: skip
-    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
-    out = done.stdout + done.stderr
+    out = _refused(["train", "experiment=quickstart", "model=llava_onevision_tiny",
+                    "lora.enabled=true", "model.freeze=[vision]", "~model.lr_scale",
+                    f"output_dir={tmp_path / 'run'}",
+                    f"export.adapter_dir={tmp_path / 'adapter'}"], capsys)  # fmt: skip
     assert "export.adapter_dir" in out and "llava_onevision family trains the projector" in out
     assert "model.image_newline" in out and "add projector to model.freeze" in out
     assert not (tmp_path / "run" / "hf").exists()
