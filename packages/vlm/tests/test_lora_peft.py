@@ -15,27 +15,16 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from vlm_testkit import HF_CLASSES, make_vlm_checkpoint, packed_image_row
+from vlm_testkit import HF_CLASSES, make_vlm_checkpoint, packed_image_row, run_cli_commands
 
 TOLERANCE = 1e-4
 """Max |dlogit| between the PEFT adapter on the source and the merged export (fp32: the
 merge and PEFT's forward add the same low-rank product in another order)."""
-
-
-def _cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LONGBOAT_ACCELERATOR": "cpu"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return subprocess.run([sys.executable, "-m", "longboat.vlm.cli", *argv], env=env, cwd=cwd,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
 
 
 def _family(name: str) -> Any:
@@ -102,26 +91,37 @@ SAVED = {
 """``(family, model.freeze)`` -> the adapter's ``modules_to_save``."""
 
 
-@pytest.fixture(scope="module", params=sorted(SAVED), ids=lambda case: "-".join(case))
-def lora_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Two LoRA steps of each ``SAVED`` case through ``longboat-vlm train``, every run in one
+    fresh process (its imports paid once)."""
     from longboat.vlm.data.shapes_dataset import make_shapes_dataset
 
-    family, freeze = request.param
-    tmp = tmp_path_factory.mktemp("vlm_lora_peft")
-    ckpt = make_vlm_checkpoint(tmp / "ckpt", family)
-    shapes = make_shapes_dataset(tmp / "shapes", 8, seed=0, size=64)
-    run = tmp / "run"
-    argv = ["train", "experiment=sft", f"model.init_from={ckpt}",
-            f"data.paths=[{shapes.train}]", f"data.root={shapes.train.parent}",
-            "lora.enabled=true", "lora.rank=4", "lora.alpha=8", f"model.freeze={freeze}",
-            "optim.lr=3e-3", "optim.schedule.warmup_steps=0", "train.precision=fp32",
-            f"output_dir={run}", "train.steps=2", "train.global_batch_size=2",
-            "data.seq_len=512", "logging.progress=false", "logging.trackers=[]"]  # fmt: skip
-    done = _cli(argv, tmp)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert f"PEFT adapter: {run / 'hf_adapter'}" in done.stdout + done.stderr
-    return {"ckpt": ckpt, "export": run / "hf", "adapter": run / "hf_adapter",
-            "family": family, "saved": SAVED[request.param]}  # fmt: skip
+    runs, commands = {}, []
+    for family, freeze in sorted(SAVED):
+        tmp = tmp_path_factory.mktemp("vlm_lora_peft")
+        ckpt = make_vlm_checkpoint(tmp / "ckpt", family)
+        shapes = make_shapes_dataset(tmp / "shapes", 8, seed=0, size=64)
+        run = tmp / "run"
+        commands.append(["train", "experiment=sft", f"model.init_from={ckpt}",
+                         f"data.paths=[{shapes.train}]", f"data.root={shapes.train.parent}",
+                         "lora.enabled=true", "lora.rank=4", "lora.alpha=8",
+                         f"model.freeze={freeze}", "optim.lr=3e-3",
+                         "optim.schedule.warmup_steps=0", "train.precision=fp32",
+                         f"output_dir={run}", "train.steps=2", "train.global_batch_size=2",
+                         "data.seq_len=512", "logging.progress=false",
+                         "logging.trackers=[]"])  # fmt: skip
+        runs[(family, freeze)] = {"ckpt": ckpt, "export": run / "hf",
+                                  "adapter": run / "hf_adapter", "family": family,
+                                  "saved": SAVED[(family, freeze)]}  # fmt: skip
+    for stdout, run in zip(run_cli_commands(commands), runs.values(), strict=True):
+        assert f"PEFT adapter: {run['adapter']}" in stdout, stdout[-3000:]
+    return runs
+
+
+@pytest.fixture(params=sorted(SAVED), ids=lambda case: "-".join(case))
+def lora_run(request: pytest.FixtureRequest, lora_runs: dict) -> dict:
+    return lora_runs[request.param]
 
 
 def test_the_adapter_on_the_source_gives_the_merged_exports_logits(lora_run: dict) -> None:
