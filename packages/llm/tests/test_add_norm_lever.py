@@ -154,47 +154,54 @@ TRITON_BODY = textwrap.dedent(
         launched["add"] += 1
         return real(*a)
     rms_mod._AddRMSNormFn.apply = counted
-    models = {}
-    for on in (True, False):
-        (models[on],) = build.build_model(
-            cfg, precision=sys.argv[1], kernel_options={"add_rms_norm": on}
+    for precision in sys.argv[1:]:
+        launched["add"] = 0
+        models = {}
+        for on in (True, False):
+            (models[on],) = build.build_model(
+                cfg, precision=precision, kernel_options={"add_rms_norm": on}
+            )
+        models[False].load_state_dict(models[True].state_dict())
+        g = torch.Generator().manual_seed(0)
+        seq = torch.randint(0, cfg.vocab_size, (2, 9), generator=g)
+        tokens, labels = seq[:, :-1], seq[:, 1:]
+        pos = torch.arange(8).unsqueeze(0).expand(2, -1)
+        ref = models[False](tokens, pos, None, labels=labels).float().mean()
+        ref.backward()
+        gp = dict(models[False].named_parameters())
+        scale = max(float(p.grad.float().abs().max()) for p in gp.values())
+        fused = models[True](tokens, pos, None, labels=labels).float().mean()
+        fused.backward()
+        grad = max(
+            float((p.grad - gp[n].grad).float().abs().max())
+            for n, p in models[True].named_parameters()
         )
-    models[False].load_state_dict(models[True].state_dict())
-    g = torch.Generator().manual_seed(0)
-    seq = torch.randint(0, cfg.vocab_size, (2, 9), generator=g)
-    tokens, labels = seq[:, :-1], seq[:, 1:]
-    pos = torch.arange(8).unsqueeze(0).expand(2, -1)
-    ref = models[False](tokens, pos, None, labels=labels).float().mean()
-    ref.backward()
-    gp = dict(models[False].named_parameters())
-    scale = max(float(p.grad.float().abs().max()) for p in gp.values())
-    fused = models[True](tokens, pos, None, labels=labels).float().mean()
-    fused.backward()
-    grad = max(
-        float((p.grad - gp[n].grad).float().abs().max()) for n, p in models[True].named_parameters()
-    )
-    print("RESULT", float(fused), float(ref), grad, scale)
-    print("LAUNCHED", launched["add"])
+        print("RESULT", precision, float(fused), float(ref), grad, scale)
+        print("LAUNCHED", precision, launched["add"])
     """
 )
 
 
-# a fresh process importing megatron, every kernel in Triton's interpreter (~10 s on 2 cores)
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_triton_add_rmsnorm_in_the_model(tmp_path: Path, precision: str) -> None:
+# one fresh process importing megatron (~10 s on 2 cores) for both precisions, every kernel in
+# Triton's interpreter
+def test_triton_add_rmsnorm_in_the_model(tmp_path: Path) -> None:
     """fp32: the fused kernel == megatron's add + the RMSNorm kernel (loss 2e-5, grads 2e-5
     relative; measured identical). bf16: the interpreter rounds the fused kernel's bf16 stream
     toward zero where megatron's torch add rounds to nearest (CUDA rounds to nearest in both),
     so the bound is bf16-sized: loss 2e-3, grads 2^-5 of the largest gradient (measured
     1e-4 and 1%)."""
     pytest.importorskip("triton")
-    out = run_interpreted(TRITON_BODY, tmp_path / "add_norm_triton.py", precision)
-    (result,) = [[float(v) for v in x] for x in out["RESULT"]]
-    (launched,) = [int(x[0]) for x in out["LAUNCHED"]]
+    precisions = ("fp32", "bf16")
+    out = run_interpreted(TRITON_BODY, tmp_path / "add_norm_triton.py", *precisions)
+    results = {x[0]: [float(v) for v in x[1:]] for x in out["RESULT"]}
+    launched = {x[0]: int(x[1]) for x in out["LAUNCHED"]}
     from longboat.core.family import find_family
 
-    assert launched == find_family("llm", "llama3").flavor("tiny").num_layers, launched
-    fused, ref, grad, scale = result
-    loss_tol, grad_tol = (FP32_TOL, FP32_TOL) if precision == "fp32" else (2e-3, 2.0**-5)
-    assert abs(fused - ref) <= loss_tol, (fused, ref)
-    assert grad <= grad_tol * max(1.0, scale), (grad, scale)
+    num_layers = find_family("llm", "llama3").flavor("tiny").num_layers
+    assert sorted(results) == sorted(launched) == sorted(precisions), out
+    for precision in precisions:
+        assert launched[precision] == num_layers, (precision, launched)
+        fused, ref, grad, scale = results[precision]
+        loss_tol, grad_tol = (FP32_TOL, FP32_TOL) if precision == "fp32" else (2e-3, 2.0**-5)
+        assert abs(fused - ref) <= loss_tol, (precision, fused, ref)
+        assert grad <= grad_tol * max(1.0, scale), (precision, grad, scale)

@@ -125,6 +125,7 @@ _KILLER = textwrap.dedent(
     import os, signal, sys
     from pathlib import Path
     from longboat.llm.data import indexed
+    from longboat.llm.data.encoding import load_tokenizer
     from longboat.llm.data.prepare import PrepareOptions, prepare_dataset
 
     add = indexed.IndexedDatasetWriter.add
@@ -144,7 +145,10 @@ _KILLER = textwrap.dedent(
         opts = PrepareOptions(input=inp, tokenizer=tok, output=out, chunk_size=4, force=True)
         prepare_dataset(opts, progress=False)
 
-    child = os.fork()  # one interpreter start for both cases (imports cost seconds)
+    # Loaded before the fork, so the child inherits transformers / torch: one import for both
+    # cases (each costs seconds).
+    load_tokenizer(tok)
+    child = os.fork()  # one interpreter start for both cases
     if child == 0:
         run(fresh)
         os._exit(0)

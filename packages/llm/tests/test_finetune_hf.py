@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from llm_testkit import make_hf_checkpoint
+from llm_testkit import make_hf_checkpoint, run_cli_commands
 
 from longboat.core.config.compose import compose_experiment
 from longboat.core.config.errors import ConfigError
@@ -227,11 +227,8 @@ def test_one_command_fine_tunes_and_the_export_generates_correctly(user_files) -
 def test_the_readmes_first_example_runs_as_written(user_files, tmp_path: Path) -> None:
     """The first command of the llm README, on the tiny checkpoint and chats this test made
     (its paths swapped in; fewer steps and a scratch run directory)."""
-    import os
     import re
     import shlex
-    import subprocess
-    import sys
 
     readme = Path(__file__).parents[1] / "README.md"
     block = re.search(r"```bash\n(longboat-llm train [^\n]+)\n```", readme.read_text())
@@ -246,20 +243,24 @@ def test_the_readmes_first_example_runs_as_written(user_files, tmp_path: Path) -
     ]  # fmt: skip
     argv += [f"output_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}",
              "train.global_batch_size=2", "logging.progress=false"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LONGBOAT_ACCELERATOR": "cpu"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    done = subprocess.run(
-        [sys.executable, "-m", "longboat.llm.cli", *argv], env=env, capture_output=True,
-        text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "Trained steps 1..2" in done.stdout
-    assert done.stdout.startswith("Building the run (sft, data=prepared)")
+    # The section's `longboat-llm generate` commands, on this run's export and checkpoints:
+    # the same weights, the same answers. All three commands in one process (imports once).
+    section = readme.read_text().split("## Install")[0]
+    generate = [shlex.split(line.split("#")[0])
+                for line in re.findall(r"^longboat-llm generate [^\n]+", section, flags=re.M)]  # fmt: skip
+    assert len(generate) == 2, "an export and a native checkpoint"
+    files = [tmp_path / f"answers{i}.jsonl" for i in range(len(generate))]
+    commands = [argv] + [
+        [*(a.replace("outputs/sft", str(tmp_path)) for a in command[1:]), "--output", file]
+        for command, file in zip(generate, files)
+    ]
+    stdout = run_cli_commands(commands)[0]
+    assert "Trained steps 1..2" in stdout
+    assert stdout.startswith("Building the run (sft, data=prepared)")
     # A short run says how much of the data it sees and that it is mostly warm-up.
     assert re.search(r"Run: 2 steps x 2 rows = 0\.\d\d passes over the \d+ training rows; LR "
                      r"peaks at 2e-05 after 10 warm-up steps\. Half the run or more is LR "
-                     r"warm-up", " ".join(done.stdout.split())), done.stdout  # fmt: skip
+                     r"warm-up", " ".join(stdout.split())), stdout  # fmt: skip
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     assert (tmp_path / "hf" / "generation_config.json").is_file()
 
@@ -273,20 +274,5 @@ def test_the_readmes_first_example_runs_as_written(user_files, tmp_path: Path) -
                          do_sample=False, sequence_bias={(tok.eos_token_id,): 100.0})  # fmt: skip
     assert out[0, ids.shape[1] :].tolist() == [tok.eos_token_id]
 
-    # The section's `longboat-llm generate` commands, on this run's export and checkpoints:
-    # the same weights, the same answers.
-    section = readme.read_text().split("## Install")[0]
-    generate = [shlex.split(line.split("#")[0])
-                for line in re.findall(r"^longboat-llm generate [^\n]+", section, flags=re.M)]  # fmt: skip
-    assert len(generate) == 2, "an export and a native checkpoint"
-    answers = []
-    for command in generate:
-        argv = [a.replace("outputs/sft", str(tmp_path)) for a in command[1:]]
-        file = tmp_path / f"answers{len(answers)}.jsonl"
-        done = subprocess.run(
-            [sys.executable, "-m", "longboat.llm.cli", *argv, "--output", str(file)], env=env,
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        answers.append(json.loads(file.read_text()))
+    answers = [json.loads(file.read_text()) for file in files]
     assert answers[0] == answers[1] and answers[0]["prompt"] == "Say hi."

@@ -4,14 +4,11 @@ native checkpoint, greedily, as ``transformers`` answers them (CPU, a tiny check
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from llm_testkit import make_hf_checkpoint
+from llm_testkit import make_hf_checkpoint, run_cli_commands
 
 PROMPTS = ["count from 3 please", "count from 5 please"]
 
@@ -74,19 +71,11 @@ def test_bad_input_is_one_line_and_exit_2(export: Path, tmp_path: Path, capsys) 
 
 
 def test_a_native_checkpoint_answers_as_its_export(export: Path, tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LONGBOAT_ACCELERATOR": "cpu"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-
-    def cli(*argv: str) -> subprocess.CompletedProcess:
-        done = subprocess.run([sys.executable, "-m", "longboat.llm.cli", *argv], env=env,
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        return done
-
-    native = tmp_path / "native"
-    cli("convert", "hf-to-native", str(export), str(native))
-    out = tmp_path / "answers.jsonl"
-    cli("generate", str(native), "--tokenizer", str(export), "--prompt", PROMPTS[0],
-        "--max-new-tokens", "8", "--output", str(out))  # fmt: skip
+    """``convert hf-to-native`` then ``generate`` on the native checkpoint (one process)."""
+    native, out = tmp_path / "native", tmp_path / "answers.jsonl"
+    run_cli_commands([
+        ["convert", "hf-to-native", export, native],
+        ["generate", native, "--tokenizer", export, "--prompt", PROMPTS[0],
+         "--max-new-tokens", "8", "--output", out],
+    ])  # fmt: skip
     assert json.loads(out.read_text())["answer"] == _reference(export, PROMPTS[0], 8)

@@ -15,27 +15,16 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from vlm_testkit import HF_CLASSES, make_vlm_checkpoint, packed_image_row
+from vlm_testkit import HF_CLASSES, make_vlm_checkpoint, packed_image_row, run_cli_commands
 
 TOLERANCE = 1e-4
 """Max |dlogit| between the PEFT adapter on the source and the merged export (fp32: the
 merge and PEFT's forward add the same low-rank product in another order)."""
-
-
-def _cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LONGBOAT_ACCELERATOR": "cpu"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return subprocess.run([sys.executable, "-m", "longboat.vlm.cli", *argv], env=env, cwd=cwd,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
 
 
 def _family(name: str) -> Any:
@@ -102,26 +91,37 @@ SAVED = {
 """``(family, model.freeze)`` -> the adapter's ``modules_to_save``."""
 
 
-@pytest.fixture(scope="module", params=sorted(SAVED), ids=lambda case: "-".join(case))
-def lora_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Two LoRA steps of each ``SAVED`` case through ``longboat-vlm train``, every run in one
+    fresh process (its imports paid once)."""
     from longboat.vlm.data.shapes_dataset import make_shapes_dataset
 
-    family, freeze = request.param
-    tmp = tmp_path_factory.mktemp("vlm_lora_peft")
-    ckpt = make_vlm_checkpoint(tmp / "ckpt", family)
-    shapes = make_shapes_dataset(tmp / "shapes", 8, seed=0, size=64)
-    run = tmp / "run"
-    argv = ["train", "experiment=sft", f"model.init_from={ckpt}",
-            f"data.paths=[{shapes.train}]", f"data.root={shapes.train.parent}",
-            "lora.enabled=true", "lora.rank=4", "lora.alpha=8", f"model.freeze={freeze}",
-            "optim.lr=3e-3", "optim.schedule.warmup_steps=0", "train.precision=fp32",
-            f"output_dir={run}", "train.steps=2", "train.global_batch_size=2",
-            "data.seq_len=512", "logging.progress=false", "logging.trackers=[]"]  # fmt: skip
-    done = _cli(argv, tmp)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert f"PEFT adapter: {run / 'hf_adapter'}" in done.stdout + done.stderr
-    return {"ckpt": ckpt, "export": run / "hf", "adapter": run / "hf_adapter",
-            "family": family, "saved": SAVED[request.param]}  # fmt: skip
+    runs, commands = {}, []
+    for family, freeze in sorted(SAVED):
+        tmp = tmp_path_factory.mktemp("vlm_lora_peft")
+        ckpt = make_vlm_checkpoint(tmp / "ckpt", family)
+        shapes = make_shapes_dataset(tmp / "shapes", 8, seed=0, size=64)
+        run = tmp / "run"
+        commands.append(["train", "experiment=sft", f"model.init_from={ckpt}",
+                         f"data.paths=[{shapes.train}]", f"data.root={shapes.train.parent}",
+                         "lora.enabled=true", "lora.rank=4", "lora.alpha=8",
+                         f"model.freeze={freeze}", "optim.lr=3e-3",
+                         "optim.schedule.warmup_steps=0", "train.precision=fp32",
+                         f"output_dir={run}", "train.steps=2", "train.global_batch_size=2",
+                         "data.seq_len=512", "logging.progress=false",
+                         "logging.trackers=[]"])  # fmt: skip
+        runs[(family, freeze)] = {"ckpt": ckpt, "export": run / "hf",
+                                  "adapter": run / "hf_adapter", "family": family,
+                                  "saved": SAVED[(family, freeze)]}  # fmt: skip
+    for stdout, run in zip(run_cli_commands(commands), runs.values(), strict=True):
+        assert f"PEFT adapter: {run['adapter']}" in stdout, stdout[-3000:]
+    return runs
+
+
+@pytest.fixture(params=sorted(SAVED), ids=lambda case: "-".join(case))
+def lora_run(request: pytest.FixtureRequest, lora_runs: dict) -> dict:
+    return lora_runs[request.param]
 
 
 def test_the_adapter_on_the_source_gives_the_merged_exports_logits(lora_run: dict) -> None:
@@ -173,11 +173,22 @@ def test_the_adapter_on_the_source_gives_the_merged_exports_logits(lora_run: dic
     assert diff < TOLERANCE, f"PEFT adapter vs merged export: max |dlogit| {diff:.2e}"
 
 
-def test_the_adapter_dir_without_lora_is_refused(tmp_path: Path) -> None:
-    done = _cli(["train", "experiment=quickstart", f"output_dir={tmp_path / 'run'}",
-                 f"export.adapter_dir={tmp_path / 'adapter'}"], tmp_path)  # fmt: skip
-    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
-    out = done.stdout + done.stderr
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The command line's output of ``argv``, which must exit 2 before any work (in this
+    process: a refusal builds nothing and starts no thread)."""
+    from longboat.vlm.cli import main
+
+    code = main(argv)
+    text = capsys.readouterr()
+    assert code == 2, text.out[-2000:] + text.err[-2000:]
+    return text.out + text.err
+
+
+def test_the_adapter_dir_without_lora_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _refused(["train", "experiment=quickstart", f"output_dir={tmp_path / 'run'}",
+                    f"export.adapter_dir={tmp_path / 'adapter'}"], capsys)  # fmt: skip
     assert "export.adapter_dir" in out and "lora.enabled=false" in out
     assert not (tmp_path / "adapter").exists() and not (tmp_path / "run" / "hf").exists()
 
@@ -218,15 +229,15 @@ def test_tp2_writes_the_tp1_adapter(tmp_path: Path) -> None:
         assert diff < 1e-5, f"{key}: TP=2 vs TP=1 max |d| {diff:.2e}"
 
 
-def test_a_trained_part_peft_cannot_carry_refuses_the_adapter_dir(tmp_path: Path) -> None:
+def test_a_trained_part_peft_cannot_carry_refuses_the_adapter_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """LLaVA-OneVision's projector trains with ``model.image_newline``, a bare parameter that
     PEFT's ``modules_to_save`` cannot hold: refused before the run, naming the fix."""
-    done = _cli(["train", "experiment=quickstart", "model=llava_onevision_tiny",
-                 "lora.enabled=true", "model.freeze=[vision]", "~model.lr_scale",
-                 f"output_dir={tmp_path / 'run'}",
-                 f"export.adapter_dir={tmp_path / 'adapter'}"], tmp_path)  # fmt: skip
-    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
-    out = done.stdout + done.stderr
+    out = _refused(["train", "experiment=quickstart", "model=llava_onevision_tiny",
+                    "lora.enabled=true", "model.freeze=[vision]", "~model.lr_scale",
+                    f"output_dir={tmp_path / 'run'}",
+                    f"export.adapter_dir={tmp_path / 'adapter'}"], capsys)  # fmt: skip
     assert "export.adapter_dir" in out and "llava_onevision family trains the projector" in out
     assert "model.image_newline" in out and "add projector to model.freeze" in out
     assert not (tmp_path / "run" / "hf").exists()

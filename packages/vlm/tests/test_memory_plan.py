@@ -323,20 +323,27 @@ def test_run_plans_to_a_gb_budget_and_reports_without_one(tmp_path: Path) -> Non
     assert "does not fit" in runs["low"]["error"]
 
 
+def _cli_worker(rank: int, world: int, argv: list[str]) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from longboat.vlm.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = main(argv)
+    return code, out.getvalue()
+
+
+@pytest.mark.multiprocess
 def test_numeric_budget_through_the_command_line(tmp_path: Path) -> None:
     """``longboat-vlm train ... train.memory_budget=0.01`` passes the command line's
     validation as a number of GB and is refused before training, exit 2, with the plan's
     numbers."""
-    # In a child process: a CLI run in the test process leaves threads (data generation,
+    # In a forked worker: a CLI run in the test process leaves threads (data generation,
     # tokenizers) that deadlock the forked workers of later tests.
     args = [*TINY, f"output_dir={tmp_path / 'run'}", f"data.out_dir={tmp_path / 'data'}"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    done = subprocess.run(
-        [sys.executable, "-m", "longboat.vlm.cli", "train", "experiment=quickstart", *args,
-         "train.memory_budget=0.01"],
-        env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600,
-        check=False,
-    )  # fmt: skip
-    out = done.stdout + done.stderr
-    assert done.returncode == 2, out
+    argv = ["train", "experiment=quickstart", *args, "train.memory_budget=0.01"]
+    ((code, out),) = run_multiprocess(_cli_worker, 1, argv, timeout=600)
+    assert code == 2, out
     assert "train.memory_budget" in out and "does not fit 10.2 MB" in out and "needs" in out

@@ -163,21 +163,21 @@ def test_tensor_parallel_is_refused_before_the_data(tmp_path: Path) -> None:
     assert not (tmp_path / "data").exists(), "refused before the data was prepared"
 
 
+def _non_bf16_worker(rank: int, world: int, output_dir: str) -> list[str]:
+    import torch
+
+    from longboat.core.train import typed_config
+    from longboat.vlm.train.training import build_training
+
+    raw = _compose(["vlm.cpu_precision=bf16", f"output_dir={output_dir}"])
+    model = build_training(typed_config(raw)).step_fn.model
+    return [n for n, p in model.named_parameters() if p.dtype != torch.bfloat16]
+
+
+@pytest.mark.multiprocess
 def test_a_bf16_run_builds_every_parameter_in_bf16(tmp_path: Path) -> None:
     """The tower's megatron LayerNorms too (megatron makes them fp32 for a Float16Module to
-    cast; CUDA's layer_norm refuses fp32 weights beside bf16 activations). In a child process:
-    a built run leaves threads behind."""
-    code = (
-        "import sys, torch\n"
-        "from longboat.core.config.compose import compose_experiment\n"
-        "from longboat.core.train import typed_config\n"
-        "from longboat.vlm.train.training import build_training\n"
-        f"raw = compose_experiment('qwen3_vl_moe_tiny', ['vlm.cpu_precision=bf16', "
-        f"'output_dir={tmp_path}'], stack='vlm')\n"
-        "model = build_training(typed_config(raw)).step_fn.model\n"
-        "print([n for n, p in model.named_parameters() if p.dtype != torch.bfloat16])\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+    cast; CUDA's layer_norm refuses fp32 weights beside bf16 activations). In a forked
+    worker: a built run leaves threads behind."""
+    (not_bf16,) = run_multiprocess(_non_bf16_worker, 1, str(tmp_path), timeout=600)
+    assert not_bf16 == [], not_bf16

@@ -10,15 +10,12 @@ stops answers with nothing after one token, where one without its stop ids runs 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
-from vlm_testkit import make_qwen2_5_vl_checkpoint
+from vlm_testkit import make_qwen2_5_vl_checkpoint, run_cli_commands
 
 README = Path(__file__).parents[1] / "README.md"
 
@@ -37,16 +34,6 @@ def _commands(section: str) -> list[list[str]]:
             if line.strip():
                 out.append(shlex.split(line.split("#")[0]))
     return out
-
-
-def _cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LONGBOAT_ACCELERATOR": "cpu"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    done = subprocess.run([sys.executable, "-m", "longboat.vlm.cli", *argv], env=env, cwd=cwd,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
 
 
 def test_the_readmes_fine_tune_section_runs_as_written(tmp_path: Path) -> None:
@@ -69,8 +56,21 @@ def test_the_readmes_fine_tune_section_runs_as_written(tmp_path: Path) -> None:
     run = tmp_path / "run"
     argv += [f"output_dir={run}", "train.steps=2", "train.global_batch_size=2",
              "data.seq_len=512", "logging.progress=false", "logging.trackers=[]"]  # fmt: skip
-    _cli(argv, tmp_path)
     export = run / "hf"
+    image = shapes.train.parent / "images" / "00001.png"
+    asks = tmp_path / "asks.jsonl"
+    asks.write_text(json.dumps({"prompt": "What colour is it?", "image": str(image)}) + "\n")
+    # The training command and the section's generate commands in one process (imports once).
+    files, commands = [], [argv]
+    for i, command in enumerate(generate):
+        assert command[:2] == ["longboat-vlm", "generate"]
+        files.append(tmp_path / f"answers{i}.jsonl")
+        commands.append([
+            str(export) if a.endswith("/hf") else str(image) if a.endswith(".jpg")
+            else str(asks) if a.endswith(".jsonl") else a
+            for a in command[1:]
+        ] + ["--output", str(files[-1])])  # fmt: skip
+    run_cli_commands(commands, cwd=tmp_path)
     assert (export / "generation_config.json").is_file()
 
     tok = AutoTokenizer.from_pretrained(str(export))
@@ -84,17 +84,6 @@ def test_the_readmes_fine_tune_section_runs_as_written(tmp_path: Path) -> None:
                              do_sample=False)  # fmt: skip
     assert out[0, ids.shape[1] :].tolist() == [end], "generate() stops at <|im_end|>"
 
-    image = shapes.train.parent / "images" / "00001.png"
-    asks = tmp_path / "asks.jsonl"
-    asks.write_text(json.dumps({"prompt": "What colour is it?", "image": str(image)}) + "\n")
-    for command in generate:
-        assert command[:2] == ["longboat-vlm", "generate"]
-        argv = [
-            str(export) if a.endswith("/hf") else str(image) if a.endswith(".jpg")
-            else str(asks) if a.endswith(".jsonl") else a
-            for a in command[1:]
-        ]  # fmt: skip
-        answers = tmp_path / "answers.jsonl"
-        _cli([*argv, "--output", str(answers)], tmp_path)
+    for answers in files:
         rows = [json.loads(line) for line in answers.read_text().splitlines()]
         assert [r["answer"] for r in rows] == [""], rows  # <|im_end|> first, nothing after

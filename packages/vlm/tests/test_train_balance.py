@@ -100,32 +100,26 @@ def test_row_costs_grow_with_sample_length_and_images() -> None:
     assert max(dealt.costs) == 11.0  # each rank gets one of the two 10s
 
 
-def _cli_losses(overrides: list[str], out: Path) -> list[float]:
-    """``longboat-vlm train experiment=quickstart <overrides>`` in its own process (its loader
-    workers are that process's children); the per-step losses from its metrics."""
+def _losses(out: Path) -> list[float]:
+    """The per-step losses of the run in ``out`` (its metrics file)."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "longboat.vlm.cli", "train", "experiment=quickstart", *overrides]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(x) for x in next(out.glob("logs/*/metrics.jsonl")).read_text().splitlines()]
     return [r["loss"] for r in rows if "loss" in r]
 
 
 def test_loader_workers_give_the_main_process_rows(tmp_path: Path) -> None:
     """Rows built ahead by loader processes (``data.num_workers``) train the same steps as
-    rows built on the training thread."""
+    rows built on the training thread. Both ``longboat-vlm train experiment=quickstart`` runs
+    in one fresh process (its loader workers are that process's children)."""
+    from vlm_testkit import run_cli_commands
+
     data = tmp_path / "data"
-    runs = {}
-    for workers in (0, 2):
-        out = tmp_path / f"w{workers}"
-        ov = [*_overrides(out, data, 1), f"data.num_workers={workers}"]
-        runs[workers] = _cli_losses(ov, out)
+    outs = {workers: tmp_path / f"w{workers}" for workers in (0, 2)}
+    run_cli_commands([
+        ["train", "experiment=quickstart", *_overrides(out, data, 1), f"data.num_workers={w}"]
+        for w, out in outs.items()
+    ], timeout=400)  # fmt: skip
+    runs = {workers: _losses(out) for workers, out in outs.items()}
     assert len(runs[0]) == 3
     assert runs[2] == runs[0]

@@ -139,3 +139,44 @@ def make_vlm_checkpoint(
         )
     )
     return out
+
+
+_CLI_SEQUENCE = """\
+import json, sys
+from longboat.vlm.cli import main
+for argv in json.loads(sys.argv[1]):
+    print("\\n=== longboat-vlm", json.dumps(argv), flush=True)
+    code = main(argv)
+    print(f"\\n=== exit {code}", flush=True)
+    if code:
+        sys.exit(code)
+"""
+
+
+def run_cli_commands(
+    commands: list[list[Any]], *, cwd: Path | None = None, timeout: float = 600
+) -> list[str]:
+    """Run ``longboat-vlm`` ``commands`` one after another in ONE fresh Python on the CPU (what
+    ``python -m longboat.vlm.cli ARGV`` runs for each: ``main(ARGV)``), paying its imports
+    once. Returns each command's stdout; raises with the output's tail when one exits
+    non-zero."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LONGBOAT_ACCELERATOR": "cpu"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    argvs = [list(map(str, c)) for c in commands]
+    done = subprocess.run(
+        [sys.executable, "-c", _CLI_SEQUENCE, json.dumps(argvs)], env=env, cwd=cwd,
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise AssertionError(
+            f"longboat-vlm exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        )
+    sections = done.stdout.split("\n=== longboat-vlm ")[1:]
+    assert len(sections) == len(argvs), done.stdout[-3000:]
+    return [s.split("\n", 1)[1].rsplit("\n=== exit 0", 1)[0] for s in sections]
