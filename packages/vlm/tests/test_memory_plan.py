@@ -30,6 +30,7 @@ from longboat.core.distributed import run_multiprocess
 from longboat.core.engine.memory.budget import GB
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")  # RMSNorm + SwiGLU tower; LayerNorm + GELU + deepstack
+STATE_FAMILIES = (*FAMILIES, "qwen3_vl_moe")  # + the Qwen3-MoE decoder's router and experts
 GRIDS = [[1, 8, 8], [1, 4, 8]]
 """The probe row's images (t, h, w in patches): 96 patches."""
 
@@ -69,7 +70,7 @@ def _state_worker(rank: int, world: int) -> dict[str, dict[str, int]]:
     from longboat.vlm.train.step import VLMTrainStep
 
     out = {}
-    for family in FAMILIES:
+    for family in STATE_FAMILIES:
         parallel_state.initialize(ParallelConfig(), get_accelerator("cpu"), seed=1)
         try:
             module = find_family("vlm", family).load()

@@ -46,6 +46,7 @@ from longboat.vlm.models.qwen3_vl.model import (
     hf_text_config,
 )
 from longboat.vlm.models.qwen3_vl.vision_config import Qwen3VisionConfig, vision_flavor
+from longboat.vlm.models.tower_memory import qwen3_tower_shapes
 
 if TYPE_CHECKING:  # megatron is imported when a model is built, not to read a config
     from longboat.vlm.models.vlm import VisionLanguageModel
@@ -58,6 +59,8 @@ PIPELINE_PARALLEL = True
 ViT on the first stage, which must hold the decoder layers that take deepstack features)."""
 VISION_DATA_PARALLEL = True
 """``build(vision_tensor_parallel=1)`` under a TP decoder, as the dense family."""
+tower_shapes = qwen3_tower_shapes
+"""The memory plan's estimate of the tower: the dense family's (the same ViT and mergers)."""
 
 
 @dataclass
