@@ -106,7 +106,6 @@ def gemm_only_ms(shape: tuple[int, int, int], name: str, device: torch.device, i
     """Median ms of the forward GEMM alone (operands quantised beforehand)."""
     if device.type != "cuda":
         return None
-    acc = get_accelerator()
     m, n, k = shape
     x = torch.randn(m, k, device=device).bfloat16()
     w = torch.randn(n, k, device=device).bfloat16()
@@ -116,17 +115,7 @@ def gemm_only_ms(shape: tuple[int, int, int], name: str, device: torch.device, i
         r = get_recipe(name)
         qx, qw = quantize(x, r.activation, r.fwd_dtype), quantize(w, r.weight, r.fwd_dtype)
         run = lambda: fp8_mm(qx, qw)  # noqa: E731
-    for _ in range(3):
-        run()
-    times = []
-    for _ in range(iters):
-        start, end = acc.event(enable_timing=True), acc.event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return _median_ms(run, iters)
 
 
 def bench_model(model_name: str, model: tuple[int, ...], names: list[str], args: Any, device: torch.device) -> list[dict[str, Any]]:  # fmt: skip
